@@ -1,0 +1,87 @@
+//! `cubicle-envd`: the agent binary. See the crate documentation.
+
+use std::{net::SocketAddr, path::PathBuf, sync::Arc};
+
+use anyhow::Context as _;
+use clap::Parser;
+use cubicle_envd::{
+    server::{self, AppState},
+    state::{Config, Context},
+};
+
+/// The Cubicle sandbox agent (E2B envd compatible).
+#[derive(Debug, Parser)]
+#[command(name = "cubicle-envd", version)]
+struct Args {
+    /// Address to listen on.
+    #[arg(long, default_value = "0.0.0.0")]
+    listen: std::net::IpAddr,
+    /// TCP port to listen on (E2B's envd port).
+    #[arg(long, default_value_t = 49983)]
+    port: u16,
+    /// Also listen on this Unix socket (the node's way in).
+    #[arg(long)]
+    unix_socket: Option<PathBuf>,
+    /// Do not listen on TCP at all (only on --unix-socket).
+    #[arg(long)]
+    no_tcp: bool,
+    /// Development mode: run directly on a host for testing (the default user is the
+    /// user envd runs as, unless --default-user is given).
+    #[arg(long)]
+    dev: bool,
+    /// Act as PID 1 of a sandbox: reap zombies and forward signals.
+    #[arg(long)]
+    init: bool,
+    /// Default user for processes and files.
+    #[arg(long)]
+    default_user: Option<String>,
+    /// Default working directory.
+    #[arg(long)]
+    default_workdir: Option<PathBuf>,
+    /// Require this access token (normally set through POST /init).
+    #[arg(long, env = "CUBICLE_ENVD_ACCESS_TOKEN", hide_env_values = true)]
+    access_token: Option<String>,
+}
+
+fn main() -> anyhow::Result<()> {
+    let args = Args::parse();
+    if args.init {
+        cubicle_envd::init::become_init();
+    }
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("CUBICLE_ENVD_LOG")
+                .unwrap_or_else(|_| "info".into()),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let ctx = Arc::new(Context::new(Config {
+        dev: args.dev,
+        default_user: args.default_user.clone(),
+        default_workdir: args.default_workdir.clone(),
+        access_token: args.access_token.clone(),
+    }));
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .context("starting the async runtime")?;
+    runtime.block_on(async move {
+        let state = AppState::new(ctx);
+        let mut tasks = tokio::task::JoinSet::new();
+        if let Some(path) = args.unix_socket.clone() {
+            let st = state.clone();
+            tasks.spawn(async move { server::serve_unix(st, &path).await });
+        }
+        if !args.no_tcp {
+            let addr = SocketAddr::new(args.listen, args.port);
+            let st = state.clone();
+            tasks.spawn(async move { server::serve_tcp(st, addr).await });
+        }
+        match tasks.join_next().await {
+            Some(Ok(Err(e))) => Err(anyhow::Error::from(e).context("serving")),
+            Some(Err(e)) => Err(anyhow::anyhow!("server task failed: {e}")),
+            _ => Ok(()),
+        }
+    })
+}

@@ -1,0 +1,20 @@
+//! The envd wire protocol's messages: `process` and `filesystem` packages.
+//!
+//! Types are generated at build time from `proto/` (our own definitions, matching the
+//! package, message and field numbers the E2B SDKs use). Every message implements
+//! `serde::Serialize`/`Deserialize` following the proto3 JSON mapping, which is the only
+//! codec the SDKs use over Connect.
+
+#[allow(clippy::all, missing_docs)]
+pub mod process {
+    include!(concat!(env!("OUT_DIR"), "/process.rs"));
+    include!(concat!(env!("OUT_DIR"), "/process.serde.rs"));
+}
+
+#[allow(clippy::all, missing_docs)]
+pub mod filesystem {
+    include!(concat!(env!("OUT_DIR"), "/filesystem.rs"));
+    include!(concat!(env!("OUT_DIR"), "/filesystem.serde.rs"));
+}
+
+pub use pbjson_types::Timestamp;
