@@ -60,6 +60,14 @@ pub async fn require_token(State(state): State<Arc<AppState>>, req: Request, nex
     if path == "/health" || path == "/files" || token_ok(&state.ctx, req.headers()) {
         return next.run(req).await;
     }
+    // Keep reading what the client is still sending (bounded) while the 401 goes out:
+    // hyper closes a connection whose request body was left unread, and a client still
+    // writing its (chunked) body would see a broken pipe instead of the 401.
+    let body = req.into_body();
+    tokio::spawn(async move {
+        let limit = 1 << 20;
+        let _ = tokio::time::timeout(std::time::Duration::from_secs(10), axum::body::to_bytes(body, limit)).await;
+    });
     http_error(StatusCode::UNAUTHORIZED, "invalid access token")
 }
 

@@ -284,10 +284,38 @@ impl EnvelopeReader {
     }
 }
 
+impl EnvelopeReader {
+    /// Reads and discards the rest of the body (at most [`MAX_MESSAGE_BYTES`]), so the
+    /// connection can be reused.
+    pub async fn drain(mut self) {
+        let mut left = MAX_MESSAGE_BYTES;
+        loop {
+            match self.body.frame().await {
+                Some(Ok(frame)) => {
+                    let n = frame.data_ref().map(|d| d.len()).unwrap_or(0);
+                    if n > left {
+                        return;
+                    }
+                    left -= n;
+                }
+                _ => return,
+            }
+        }
+    }
+}
+
 /// Reads the single request message of a server-streaming call.
+///
+/// The rest of the body (normally just the terminating chunk of a chunked body, which
+/// the Python SDK may send a moment after the message) is read to its end in the
+/// background: hyper only keeps a connection alive when the request body was read to
+/// the end, and a client that pooled the connection would see its next request fail
+/// with "connection closed before message completed".
 pub async fn read_stream_request<T: DeserializeOwned>(body: Body) -> Result<T, ConnectError> {
     let mut reader = EnvelopeReader::new(body);
-    match reader.next().await? {
+    let msg = reader.next().await;
+    tokio::spawn(reader.drain());
+    match msg? {
         Some(msg) => Ok(msg),
         None => Err(ConnectError::invalid_argument("missing request message")),
     }

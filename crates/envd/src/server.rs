@@ -37,7 +37,12 @@ pub fn router(state: Arc<AppState>) -> Router {
 
 /// Serves on a TCP address until the process ends.
 pub async fn serve_tcp(state: Arc<AppState>, addr: std::net::SocketAddr) -> std::io::Result<()> {
-    let listener = tokio::net::TcpListener::bind(addr).await?;
+    use axum::serve::ListenerExt;
+    // TCP_NODELAY: stream messages are small writes; with Nagle the second one waits for
+    // the client's delayed ACK (~40 ms per `commands.run`).
+    let listener = tokio::net::TcpListener::bind(addr).await?.tap_io(|tcp| {
+        let _ = tcp.set_nodelay(true);
+    });
     tracing::info!(%addr, "envd listening");
     axum::serve(listener, router(state)).await
 }
