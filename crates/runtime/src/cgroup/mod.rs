@@ -1,0 +1,556 @@
+//! Per-sandbox cgroups: `cubicle/<id>`, with limits, stats, kill-all and removal.
+//!
+//! Two backends, chosen at runtime from `/proc/self/mountinfo`:
+//! - **v2** (production): `/sys/fs/cgroup` is cgroup2; the sandbox cgroup is
+//!   `/sys/fs/cgroup/cubicle/<id>` with memory, cpu and pids enabled in `cubicle/`.
+//! - **v1** (this development machine, "hybrid"): one directory per controller,
+//!   `<memory mount>/cubicle/<id>`, same for cpu, cpuacct, pids and freezer.
+//!
+//! The sandbox helper joins the cgroup *before* it clones the sandbox's init, so the init
+//! and everything it starts are born in it (and the cgroup namespace is rooted there).
+
+mod v1;
+mod v2;
+
+use std::fs;
+use std::io;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use crate::error::{Error, Result, io_ctx};
+use crate::spec::{Limits, valid_id};
+
+/// Parent cgroup of every sandbox cgroup, at the root of each hierarchy.
+pub const PARENT: &str = "cubicle";
+
+/// cgroup period used for CPU quotas (100 ms).
+pub const CPU_PERIOD_US: u64 = 100_000;
+
+/// Which cgroup version the host runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CgroupVersion {
+    V1,
+    V2,
+}
+
+/// Usage counters of one sandbox cgroup.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct CgroupStats {
+    /// Current memory usage in bytes (page cache included).
+    pub memory_bytes: u64,
+    /// Peak memory usage in bytes, when the kernel reports it.
+    pub memory_peak_bytes: Option<u64>,
+    /// Total CPU time consumed, in nanoseconds.
+    pub cpu_usage_ns: u64,
+    /// Number of processes the OOM killer killed in this cgroup.
+    pub oom_kills: u64,
+    /// Current number of tasks.
+    pub pids: u64,
+    /// Times a fork was refused because of the pids limit.
+    pub pids_limit_hits: u64,
+}
+
+/// The cgroup filesystems a sandbox mounts (read-only) at its `/sys/fs/cgroup`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) enum InnerMounts {
+    V2,
+    /// One entry per v1 hierarchy: its controllers joined with ',' (e.g. `cpu,cpuacct`).
+    V1(Vec<String>),
+}
+
+/// The cgroup layout of this host.
+#[derive(Clone, Debug)]
+pub(crate) enum Layout {
+    /// Mount points of the v1 controllers we use (deduplicated when co-mounted).
+    V1(v1::Mounts),
+    /// Mount point of the unified hierarchy.
+    V2(PathBuf),
+}
+
+impl Layout {
+    /// Detects the layout from `/proc/self/mountinfo` (once per process: a host does not
+    /// switch cgroup versions while running).
+    pub(crate) fn detect() -> Result<Layout> {
+        static LAYOUT: std::sync::OnceLock<Layout> = std::sync::OnceLock::new();
+        if let Some(l) = LAYOUT.get() {
+            return Ok(l.clone());
+        }
+        let info = fs::read_to_string("/proc/self/mountinfo")
+            .map_err(io_ctx(|| "read /proc/self/mountinfo".into()))?;
+        let layout = parse_layout(&info)?;
+        Ok(LAYOUT.get_or_init(|| layout).clone())
+    }
+}
+
+fn parse_layout(mountinfo: &str) -> Result<Layout> {
+    let mut v1 = v1::Mounts::default();
+    for line in mountinfo.lines() {
+        // <id> <parent> <maj:min> <root> <mountpoint> <opts> [optional...] - <fstype> <src> <superopts>
+        let Some((left, right)) = line.split_once(" - ") else {
+            continue;
+        };
+        let left: Vec<&str> = left.split(' ').collect();
+        let right: Vec<&str> = right.split(' ').collect();
+        if left.len() < 5 || right.len() < 3 {
+            continue;
+        }
+        let mount_point = PathBuf::from(left[4]);
+        match right[0] {
+            "cgroup2" if mount_point == Path::new("/sys/fs/cgroup") => {
+                return Ok(Layout::V2(mount_point));
+            }
+            "cgroup" => {
+                for opt in right[2].split(',') {
+                    v1.set(opt, &mount_point);
+                }
+            }
+            _ => {}
+        }
+    }
+    v1.complete().map(Layout::V1).map_err(|missing| {
+        Error::Cgroup(format!(
+            "no cgroup2 at /sys/fs/cgroup and v1 controller(s) {missing} not mounted"
+        ))
+    })
+}
+
+/// Which cgroup version this host uses.
+pub fn detect_version() -> Result<CgroupVersion> {
+    Ok(match Layout::detect()? {
+        Layout::V1(_) => CgroupVersion::V1,
+        Layout::V2(_) => CgroupVersion::V2,
+    })
+}
+
+/// The cgroup of one sandbox.
+#[derive(Clone, Debug)]
+pub struct Cgroup {
+    id: String,
+    layout: Layout,
+}
+
+impl Cgroup {
+    /// Creates `cubicle/<id>` (in every hierarchy on v1) and applies `limits`.
+    /// An existing cgroup of that id is reused and its limits rewritten.
+    pub fn create(id: &str, limits: &Limits) -> Result<Cgroup> {
+        let cg = Cgroup::handle(id)?;
+        let res = match &cg.layout {
+            Layout::V1(m) => v1::create(m, id, limits),
+            Layout::V2(root) => v2::create(root, id, limits),
+        };
+        if let Err(e) = res {
+            let _ = cg.remove_dirs_once();
+            return Err(e);
+        }
+        Ok(cg)
+    }
+
+    /// A handle to `cubicle/<id>` whether or not it exists.
+    pub fn handle(id: &str) -> Result<Cgroup> {
+        if !valid_id(id) {
+            return Err(Error::InvalidSpec(format!("sandbox id {id:?}")));
+        }
+        Ok(Cgroup {
+            id: id.to_string(),
+            layout: Layout::detect()?,
+        })
+    }
+
+    /// The sandbox id.
+    pub fn id(&self) -> &str {
+        &self.id
+    }
+
+    /// Cgroup version of this handle.
+    pub fn version(&self) -> CgroupVersion {
+        match self.layout {
+            Layout::V1(_) => CgroupVersion::V1,
+            Layout::V2(_) => CgroupVersion::V2,
+        }
+    }
+
+    /// What the sandbox mounts at its /sys/fs/cgroup.
+    pub(crate) fn inner_mounts(&self) -> InnerMounts {
+        match &self.layout {
+            Layout::V2(_) => InnerMounts::V2,
+            Layout::V1(m) => InnerMounts::V1(m.hierarchies()),
+        }
+    }
+
+    /// Every directory of this cgroup (one on v2, one per hierarchy on v1).
+    pub fn dirs(&self) -> Vec<PathBuf> {
+        match &self.layout {
+            Layout::V1(m) => m
+                .all()
+                .iter()
+                .map(|p| p.join(PARENT).join(&self.id))
+                .collect(),
+            Layout::V2(root) => vec![root.join(PARENT).join(&self.id)],
+        }
+    }
+
+    /// Whether any directory of this cgroup exists.
+    pub fn exists(&self) -> bool {
+        self.dirs().iter().any(|d| d.is_dir())
+    }
+
+    /// Moves process `pid` (0 = the caller) into the cgroup, in every hierarchy.
+    pub fn add_process(&self, pid: i32) -> Result<()> {
+        for d in self.dirs() {
+            let f = d.join("cgroup.procs");
+            fs::write(&f, pid.to_string()).map_err(io_ctx(|| format!("write {}", f.display())))?;
+        }
+        Ok(())
+    }
+
+    /// Pids (host view) of every process in the cgroup (in any hierarchy on v1: after a
+    /// crash mid-create, a process may sit in some hierarchies only).
+    pub fn procs(&self) -> Result<Vec<i32>> {
+        let mut pids: Vec<i32> = Vec::new();
+        for dir in self.dirs() {
+            let f = dir.join("cgroup.procs");
+            match fs::read_to_string(&f) {
+                Ok(s) => {
+                    for p in s.lines().filter_map(|l| l.trim().parse().ok()) {
+                        if !pids.contains(&p) {
+                            pids.push(p);
+                        }
+                    }
+                }
+                Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+                Err(e) => return Err(io_ctx(|| format!("read {}", f.display()))(e)),
+            }
+        }
+        Ok(pids)
+    }
+
+    /// Reads the usage counters.
+    pub fn stats(&self) -> Result<CgroupStats> {
+        match &self.layout {
+            Layout::V1(m) => v1::stats(m, &self.id),
+            Layout::V2(root) => v2::stats(&root.join(PARENT).join(&self.id)),
+        }
+    }
+
+    /// Kills every process in the cgroup with SIGKILL and waits (up to 5 s) until it is
+    /// empty. v2: `cgroup.kill`; v1: freeze, kill each pid, thaw, repeat until empty.
+    pub fn kill_all(&self) -> Result<()> {
+        if !self.exists() {
+            return Ok(());
+        }
+        let deadline = Instant::now() + Duration::from_secs(5);
+        match &self.layout {
+            Layout::V1(m) => v1::kill_all(m, self, deadline)?,
+            Layout::V2(root) => v2::kill_all(&root.join(PARENT).join(&self.id), self, deadline)?,
+        }
+        while Instant::now() < deadline {
+            if self.procs()?.is_empty() {
+                return Ok(());
+            }
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        Err(Error::Cgroup(format!(
+            "cgroup {PARENT}/{} still has processes {:?} 5 s after SIGKILL",
+            self.id,
+            self.procs()?
+        )))
+    }
+
+    fn remove_dirs_once(&self) -> io::Result<bool> {
+        let mut all_gone = true;
+        for d in self.dirs() {
+            match fs::remove_dir(&d) {
+                Ok(()) => {}
+                Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+                Err(e) if e.raw_os_error() == Some(libc::EBUSY) => all_gone = false,
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(all_gone)
+    }
+
+    /// Removes the cgroup directories, retrying (up to 5 s) while exiting tasks still
+    /// hold them. Call [`kill_all`](Self::kill_all) first.
+    pub fn remove(&self) -> Result<()> {
+        self.remove_within(Duration::from_secs(5))
+    }
+
+    /// [`remove`](Self::remove) with a custom retry budget.
+    pub(crate) fn remove_within(&self, budget: Duration) -> Result<()> {
+        let deadline = Instant::now() + budget;
+        loop {
+            let gone = self
+                .remove_dirs_once()
+                .map_err(io_ctx(|| format!("rmdir cgroup {PARENT}/{}", self.id)))?;
+            if gone {
+                return Ok(());
+            }
+            if Instant::now() > deadline {
+                return Err(Error::Cgroup(format!(
+                    "cgroup {PARENT}/{} still busy after {budget:?} (processes {:?})",
+                    self.id,
+                    self.procs().unwrap_or_default()
+                )));
+            }
+            std::thread::sleep(Duration::from_millis(2));
+        }
+    }
+}
+
+/// Ids of every existing `cubicle/<id>` cgroup (in any hierarchy), for reconciliation.
+pub fn list() -> Result<Vec<String>> {
+    let parents: Vec<PathBuf> = match Layout::detect()? {
+        Layout::V1(m) => m.all().iter().map(|p| p.join(PARENT)).collect(),
+        Layout::V2(root) => vec![root.join(PARENT)],
+    };
+    let mut ids = Vec::new();
+    for p in parents {
+        let rd = match fs::read_dir(&p) {
+            Ok(rd) => rd,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => continue,
+            Err(e) => return Err(io_ctx(|| format!("read_dir {}", p.display()))(e)),
+        };
+        for entry in rd.flatten() {
+            if !entry.file_type().map(|t| t.is_dir()).unwrap_or(false) {
+                continue;
+            }
+            if let Some(name) = entry.file_name().to_str()
+                && valid_id(name)
+                && !ids.iter().any(|i| i == name)
+            {
+                ids.push(name.to_string());
+            }
+        }
+    }
+    ids.sort();
+    Ok(ids)
+}
+
+/// Writes `value` to a cgroup control file, with the path in the error.
+pub(crate) fn write_file(path: &Path, value: &str) -> Result<()> {
+    fs::write(path, value).map_err(io_ctx(|| format!("write {value:?} to {}", path.display())))
+}
+
+/// Reads a cgroup control file as a trimmed string.
+pub(crate) fn read_file(path: &Path) -> Result<String> {
+    fs::read_to_string(path)
+        .map(|s| s.trim().to_string())
+        .map_err(io_ctx(|| format!("read {}", path.display())))
+}
+
+/// Reads a control file holding one integer (`max` counts as `u64::MAX`).
+pub(crate) fn read_u64(path: &Path) -> Result<u64> {
+    let s = read_file(path)?;
+    if s == "max" {
+        return Ok(u64::MAX);
+    }
+    s.parse()
+        .map_err(|_| Error::Cgroup(format!("{}: unexpected content {s:?}", path.display())))
+}
+
+/// Value of `key` in a flat-keyed file (`key value` per line: memory.events,
+/// memory.oom_control, cpu.stat, pids.events).
+pub(crate) fn keyed_value(content: &str, key: &str) -> Option<u64> {
+    content.lines().find_map(|l| {
+        let mut it = l.split_whitespace();
+        (it.next() == Some(key))
+            .then(|| it.next().and_then(|v| v.parse().ok()))
+            .flatten()
+    })
+}
+
+/// CPU weight for cgroup v1 `cpu.shares` (1024 per CPU).
+pub(crate) fn cpu_shares(cpu_millis: u32) -> u64 {
+    (u64::from(cpu_millis) * 1024 / 1000).clamp(2, 262_144)
+}
+
+/// CPU weight for cgroup v2 `cpu.weight` (100 per CPU, the v2 default for one).
+pub(crate) fn cpu_weight(cpu_millis: u32) -> u64 {
+    (u64::from(cpu_millis) / 10).clamp(1, 10_000)
+}
+
+/// CFS quota in microseconds per [`CPU_PERIOD_US`].
+pub(crate) fn cpu_quota_us(cpu_millis: u32) -> u64 {
+    (u64::from(cpu_millis) * CPU_PERIOD_US / 1000).max(1000)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const HYBRID: &str = "\
+30 24 0:26 / /sys/fs/cgroup ro,nosuid,nodev,noexec shared:9 - tmpfs tmpfs ro,mode=755
+31 30 0:27 / /sys/fs/cgroup/unified rw,nosuid,nodev,noexec,relatime shared:10 - cgroup2 cgroup2 rw
+33 30 0:29 / /sys/fs/cgroup/cpu,cpuacct rw,nosuid shared:14 - cgroup cgroup rw,cpu,cpuacct
+34 30 0:30 / /sys/fs/cgroup/memory rw,nosuid shared:15 - cgroup cgroup rw,memory
+35 30 0:31 / /sys/fs/cgroup/pids rw,nosuid shared:16 - cgroup cgroup rw,pids
+36 30 0:32 / /sys/fs/cgroup/freezer rw,nosuid shared:17 - cgroup cgroup rw,freezer
+37 30 0:33 / /sys/fs/cgroup/systemd rw shared:18 - cgroup cgroup rw,xattr,name=systemd
+";
+
+    #[test]
+    fn detects_v1_hybrid_with_comounted_cpu() {
+        let Layout::V1(m) = parse_layout(HYBRID).unwrap() else {
+            panic!("expected v1")
+        };
+        assert_eq!(m.cpu, Path::new("/sys/fs/cgroup/cpu,cpuacct"));
+        assert_eq!(m.cpuacct, m.cpu);
+        assert_eq!(m.memory, Path::new("/sys/fs/cgroup/memory"));
+        // co-mounted cpu,cpuacct appears once
+        assert_eq!(m.all().len(), 4);
+        assert_eq!(
+            m.hierarchies(),
+            ["memory", "cpu,cpuacct", "pids", "freezer"]
+        );
+    }
+
+    #[test]
+    fn detects_v2() {
+        let info = "25 20 0:23 / /sys/fs/cgroup rw,nosuid - cgroup2 cgroup2 rw,nsdelegate\n";
+        assert!(
+            matches!(parse_layout(info).unwrap(), Layout::V2(p) if p == Path::new("/sys/fs/cgroup"))
+        );
+    }
+
+    #[test]
+    fn missing_controllers_is_an_error() {
+        let info = "34 30 0:30 / /sys/fs/cgroup/memory rw - cgroup cgroup rw,memory\n";
+        let e = parse_layout(info).unwrap_err().to_string();
+        assert!(e.contains("pids"), "{e}");
+    }
+
+    #[test]
+    fn keyed_values() {
+        let oom = "oom_kill_disable 0\nunder_oom 0\noom_kill 3\n";
+        assert_eq!(keyed_value(oom, "oom_kill"), Some(3));
+        assert_eq!(keyed_value(oom, "oom"), None);
+        let cpu = "usage_usec 1500\nuser_usec 1000\n";
+        assert_eq!(keyed_value(cpu, "usage_usec"), Some(1500));
+    }
+
+    #[test]
+    fn cpu_conversions() {
+        assert_eq!(cpu_quota_us(2000), 200_000);
+        assert_eq!(cpu_quota_us(500), 50_000);
+        assert_eq!(cpu_shares(1000), 1024);
+        assert_eq!(cpu_weight(2000), 200);
+        assert_eq!(cpu_weight(1), 1);
+    }
+
+    fn scratch(name: &str) -> PathBuf {
+        let d = std::env::temp_dir().join(format!("cubicle-cg-unit-{name}-{}", std::process::id()));
+        let _ = fs::remove_dir_all(&d);
+        fs::create_dir_all(&d).unwrap();
+        d
+    }
+
+    /// v2 limit files, written into a fake cgroup tree (plain files).
+    #[test]
+    fn v2_create_writes_limits() {
+        let root = scratch("v2create");
+        fs::write(
+            root.join("cgroup.controllers"),
+            "cpuset cpu io memory pids\n",
+        )
+        .unwrap();
+        fs::write(root.join("cgroup.subtree_control"), "").unwrap();
+        let parent = root.join(PARENT);
+        fs::create_dir(&parent).unwrap();
+        fs::write(parent.join("cgroup.controllers"), "cpu memory pids\n").unwrap();
+        fs::write(parent.join("cgroup.subtree_control"), "memory\n").unwrap();
+        let limits = Limits {
+            memory_bytes: 256 << 20,
+            cpu_millis: 2000,
+            pids: 1024,
+        };
+        v2::create(&root, "abc", &limits).unwrap();
+        let dir = parent.join("abc");
+        let read = |f: &str| fs::read_to_string(dir.join(f)).unwrap();
+        assert_eq!(read("memory.max"), "268435456");
+        assert_eq!(read("cpu.max"), "200000 100000");
+        assert_eq!(read("cpu.weight"), "200");
+        assert_eq!(read("pids.max"), "1024");
+        fs::remove_dir_all(&root).unwrap();
+    }
+
+    #[test]
+    fn v2_create_requires_delegated_controllers() {
+        let root = scratch("v2nodeleg");
+        fs::write(root.join("cgroup.controllers"), "cpu\n").unwrap();
+        fs::write(root.join("cgroup.subtree_control"), "").unwrap();
+        let e = v2::create(&root, "abc", &Limits::default())
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("memory"), "{e}");
+        fs::remove_dir_all(&root).unwrap();
+    }
+
+    #[test]
+    fn v2_stats_parse() {
+        let dir = scratch("v2stats");
+        fs::write(dir.join("memory.current"), "1048576\n").unwrap();
+        fs::write(dir.join("memory.peak"), "2097152\n").unwrap();
+        fs::write(
+            dir.join("memory.events"),
+            "low 0\nhigh 0\nmax 4\noom 1\noom_kill 1\n",
+        )
+        .unwrap();
+        fs::write(
+            dir.join("cpu.stat"),
+            "usage_usec 2500\nuser_usec 2000\nsystem_usec 500\n",
+        )
+        .unwrap();
+        fs::write(dir.join("pids.current"), "3\n").unwrap();
+        fs::write(dir.join("pids.events"), "max 2\n").unwrap();
+        let s = v2::stats(&dir).unwrap();
+        assert_eq!(
+            s,
+            CgroupStats {
+                memory_bytes: 1 << 20,
+                memory_peak_bytes: Some(2 << 20),
+                cpu_usage_ns: 2_500_000,
+                oom_kills: 1,
+                pids: 3,
+                pids_limit_hits: 2,
+            }
+        );
+        fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// Real cgroup v2 membership, kill and removal, on this hybrid host's controller-less
+    /// unified hierarchy (limits cannot be tested there).
+    #[test]
+    fn v2_kill_and_remove_on_real_unified_hierarchy() {
+        let unified = Path::new("/sys/fs/cgroup/unified");
+        // SAFETY: geteuid has no preconditions.
+        if unsafe { libc::geteuid() } != 0 || !unified.join("cgroup.kill").exists() {
+            println!(
+                "skipped: needs root and a cgroup2 mount with cgroup.kill at {}",
+                unified.display()
+            );
+            return;
+        }
+        let id = format!("unitv2{}", std::process::id());
+        let cg = Cgroup {
+            id: id.clone(),
+            layout: Layout::V2(unified.to_path_buf()),
+        };
+        let parent_existed = unified.join(PARENT).exists();
+        fs::create_dir_all(unified.join(PARENT).join(&id)).unwrap();
+        let mut child = std::process::Command::new("sleep")
+            .arg("100")
+            .spawn()
+            .unwrap();
+        cg.add_process(child.id() as i32).unwrap();
+        assert_eq!(cg.procs().unwrap(), vec![child.id() as i32]);
+        cg.kill_all().unwrap();
+        let status = child.wait().unwrap();
+        use std::os::unix::process::ExitStatusExt;
+        assert_eq!(status.signal(), Some(libc::SIGKILL));
+        cg.remove().unwrap();
+        assert!(!cg.exists());
+        if !parent_existed {
+            let _ = fs::remove_dir(unified.join(PARENT));
+        }
+    }
+}

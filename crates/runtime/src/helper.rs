@@ -1,0 +1,251 @@
+//! The sandbox helper: a short-lived, single-threaded process that creates the sandbox.
+//!
+//! `spawn` (in the caller, typically a multi-threaded tokio server) never forks itself
+//! without exec. It re-executes its own binary (`/proc/self/exe`) with [`HELPER_ARG`] as
+//! argv[1]; the binary's `main()` calls [`crate::maybe_run_helper`] first thing, which
+//! lands here. Being a fresh single-threaded process, the helper may use `clone(2)` like
+//! `fork(2)` safely. The sequence:
+//!
+//! 1. read the [`HelperRequest`] (JSON) from stdin; compile the seccomp policy;
+//! 2. join the sandbox cgroup (so the child is born in it, before any user code runs,
+//!    and its cgroup namespace is rooted there);
+//! 3. `clone(CLONE_NEWUSER|NEWPID|NEWNS|NEWNET|NEWIPC|NEWUTS|NEWCGROUP|CLONE_PARENT)`:
+//!    CLONE_PARENT makes the sandbox's init a child of the *caller*, so the caller can
+//!    `waitpid` it and read its exit status; the helper then just exits;
+//! 4. write `uid_map`/`gid_map` (`0 uid_base uid_count`) for the child;
+//! 5. create the idmapped, read-only clone of the template rootfs (`open_tree` +
+//!    `mount_setattr(MOUNT_ATTR_IDMAP, child's userns)`) — this needs CAP_SYS_ADMIN in the
+//!    host user namespace, so the helper does it, not the child — and detached clones of
+//!    every bind-mount source;
+//! 6. release the child by sending it those mount fds over a socketpair (SCM_RIGHTS).
+//!
+//! The child (see `child.rs`) then builds its root filesystem and execs the init program.
+//!
+//! Status protocol on the helper's stdout (a pipe read by `spawn`), one line each:
+//! `pid <host pid>`, `t <step> <CLOCK_MONOTONIC ns>`, `error <message>`. The child keeps a
+//! close-on-exec copy of that pipe: end-of-file without an `error` line means the init
+//! program was exec'd.
+
+use std::io::{Read, Write};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+
+use serde::{Deserialize, Serialize};
+
+use crate::cgroup::Cgroup;
+use crate::seccomp;
+use crate::spec::SandboxSpec;
+use crate::sys;
+
+/// argv[1] that turns the current binary into the sandbox helper.
+pub const HELPER_ARG: &str = "__cubicle-runtime-sandbox-helper__";
+
+/// What `spawn` sends the helper on stdin.
+#[derive(Serialize, Deserialize)]
+pub(crate) struct HelperRequest {
+    pub spec: SandboxSpec,
+}
+
+/// One line of the status protocol.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) enum Status {
+    Pid(i32),
+    Time(String, u64),
+    Error(String),
+}
+
+impl Status {
+    pub(crate) fn parse(line: &str) -> Option<Status> {
+        let (kind, rest) = line.split_once(' ')?;
+        match kind {
+            "pid" => rest.trim().parse().ok().map(Status::Pid),
+            "t" => {
+                let (step, ns) = rest.split_once(' ')?;
+                ns.trim()
+                    .parse()
+                    .ok()
+                    .map(|ns| Status::Time(step.to_string(), ns))
+            }
+            "error" => Some(Status::Error(rest.to_string())),
+            _ => None,
+        }
+    }
+}
+
+/// Writes one status line to `fd` (best effort: if the caller is gone there is no one to tell).
+pub(crate) fn report(fd: RawFd, status: &Status) {
+    let line = match status {
+        Status::Pid(p) => format!("pid {p}\n"),
+        Status::Time(s, ns) => format!("t {s} {ns}\n"),
+        Status::Error(m) => format!("error {}\n", m.replace('\n', " ")),
+    };
+    if let Err(e) = sys::write_all_fd(fd, line.as_bytes())
+        && e.raw_os_error() == Some(libc::EPIPE)
+    {
+        // The caller is gone (e.g. the node was killed mid-create): stop here rather than
+        // finish a sandbox nobody will track. Reconciliation removes what exists so far.
+        // SAFETY: immediate exit of this single-threaded helper/child process.
+        unsafe { libc::_exit(1) };
+    }
+}
+
+pub(crate) fn mark(fd: RawFd, step: &str) {
+    report(fd, &Status::Time(step.to_string(), sys::monotonic_ns()));
+}
+
+/// Entry point of the helper process; returns the exit code.
+pub(crate) fn main() -> i32 {
+    // The status pipe is stdout; panics print to stderr (the sandbox log).
+    let out = std::io::stdout().as_raw_fd();
+    mark(out, "helper_started");
+    match run(out) {
+        Ok(()) => 0,
+        Err(msg) => {
+            report(out, &Status::Error(msg));
+            1
+        }
+    }
+}
+
+fn run(out: RawFd) -> Result<(), String> {
+    let mut input = String::new();
+    std::io::stdin()
+        .read_to_string(&mut input)
+        .map_err(|e| format!("helper: read request: {e}"))?;
+    let req: HelperRequest =
+        serde_json::from_str(&input).map_err(|e| format!("helper: parse request: {e}"))?;
+    let spec = req.spec;
+    spec.validate().map_err(|e| e.to_string())?;
+    let policy = seccomp::compile().map_err(|e| e.to_string())?;
+
+    let cg = Cgroup::handle(&spec.id).map_err(|e| e.to_string())?;
+    cg.add_process(0).map_err(|e| format!("join cgroup: {e}"))?;
+    mark(out, "helper_in_cgroup");
+
+    let (parent_sock, child_sock) = socketpair().map_err(|e| format!("socketpair: {e}"))?;
+
+    let flags = libc::CLONE_NEWUSER
+        | libc::CLONE_NEWPID
+        | libc::CLONE_NEWNS
+        | libc::CLONE_NEWNET
+        | libc::CLONE_NEWIPC
+        | libc::CLONE_NEWUTS
+        | libc::CLONE_NEWCGROUP
+        | libc::CLONE_PARENT;
+    // SAFETY: this process is single-threaded (a fresh exec of the helper), so a fork-like
+    // clone (no new stack: the child continues on a copy of ours) is as safe as fork().
+    let pid = unsafe {
+        libc::syscall(
+            libc::SYS_clone,
+            (flags | libc::SIGCHLD) as libc::c_ulong,
+            0usize,
+            0usize,
+            0usize,
+            0usize,
+        )
+    };
+    if pid < 0 {
+        return Err(format!(
+            "clone with new namespaces: {}",
+            std::io::Error::last_os_error()
+        ));
+    }
+    if pid == 0 {
+        drop(parent_sock);
+        crate::child::main(&spec, &cg.inner_mounts(), &policy, child_sock, out);
+    }
+    let pid = pid as i32;
+    drop(child_sock);
+    report(out, &Status::Pid(pid));
+    mark(out, "cloned");
+
+    let res = release_child(&spec, pid, &parent_sock, out);
+    if res.is_err() {
+        // SAFETY: kill with integer arguments. The caller reaps it (it is the caller's child).
+        unsafe { libc::kill(pid, libc::SIGKILL) };
+    }
+    res
+}
+
+fn release_child(spec: &SandboxSpec, pid: i32, sock: &OwnedFd, out: RawFd) -> Result<(), String> {
+    let map = format!("0 {} {}\n", spec.uid_base, spec.uid_count);
+    for file in ["uid_map", "gid_map"] {
+        let path = format!("/proc/{pid}/{file}");
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open(&path)
+            .and_then(|mut f| f.write_all(map.as_bytes()))
+            .map_err(|e| format!("write {path} ({}): {e}", map.trim()))?;
+    }
+    mark(out, "id_maps_written");
+
+    let userns = std::fs::File::open(format!("/proc/{pid}/ns/user"))
+        .map_err(|e| format!("open child user namespace: {e}"))?;
+    let lower = sys::open_tree_clone(&spec.rootfs)
+        .map_err(|e| format!("open_tree {}: {e}", spec.rootfs.display()))?;
+    sys::mount_setattr(
+        &lower,
+        sys::MOUNT_ATTR_IDMAP | sys::MOUNT_ATTR_RDONLY | sys::MOUNT_ATTR_NODEV,
+        Some(userns.as_raw_fd()),
+    )
+    .map_err(|e| {
+        format!(
+            "idmap {} into the sandbox's user namespace: {e}",
+            spec.rootfs.display()
+        )
+    })?;
+
+    let mut fds = vec![lower];
+    for b in spec.all_binds() {
+        let fd = sys::open_tree_clone(&b.source)
+            .map_err(|e| format!("bind source {}: {e}", b.source.display()))?;
+        let mut attrs = sys::MOUNT_ATTR_NOSUID | sys::MOUNT_ATTR_NODEV;
+        if b.readonly {
+            attrs |= sys::MOUNT_ATTR_RDONLY;
+        }
+        sys::mount_setattr(&fd, attrs, None)
+            .map_err(|e| format!("bind source {} attributes: {e}", b.source.display()))?;
+        fds.push(fd);
+    }
+    mark(out, "mounts_prepared");
+    let raw: Vec<RawFd> = fds.iter().map(|f| f.as_raw_fd()).collect();
+    sys::send_with_fds(sock.as_raw_fd(), b"go", &raw).map_err(|e| format!("release child: {e}"))?;
+    Ok(())
+}
+
+fn socketpair() -> std::io::Result<(OwnedFd, OwnedFd)> {
+    let mut fds = [0 as RawFd; 2];
+    // SAFETY: fds is a valid 2-element array.
+    let rc = unsafe {
+        libc::socketpair(
+            libc::AF_UNIX,
+            libc::SOCK_SEQPACKET | libc::SOCK_CLOEXEC,
+            0,
+            fds.as_mut_ptr(),
+        )
+    };
+    if rc < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: fresh descriptors.
+    Ok(unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn status_lines() {
+        assert_eq!(Status::parse("pid 42"), Some(Status::Pid(42)));
+        assert_eq!(
+            Status::parse("t cloned 123"),
+            Some(Status::Time("cloned".into(), 123))
+        );
+        assert_eq!(
+            Status::parse("error overlay: boom x"),
+            Some(Status::Error("overlay: boom x".into()))
+        );
+        assert_eq!(Status::parse("junk"), None);
+        assert_eq!(Status::parse("pid x"), None);
+    }
+}

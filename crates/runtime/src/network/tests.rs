@@ -1,0 +1,484 @@
+//! Network tests. Pure ones run everywhere; the others need root and build real network
+//! namespaces (`ip netns add cubicle-test-…`) standing in for sandboxes, plus a test
+//! "internet" host in its own namespace on 198.51.100.0/24 (TEST-NET-2). All traffic
+//! stays on this machine: a guard table counts (and drops) any forwarded sandbox packet
+//! that would leave through an interface the test did not make, and the test asserts
+//! that counter stays zero.
+//!
+//! The root tests share one nft table/prefix (`cubicle_t`/`cbt`) and run one at a time.
+
+use super::*;
+use std::io::{Read, Write as _};
+use std::net::{SocketAddr, SocketAddrV4, TcpListener};
+use std::process::Command;
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+static SERIAL: Mutex<()> = Mutex::new(());
+
+/// Serializes the root tests within this process (mutex) and across processes (an
+/// abstract Unix socket name, released by the kernel when the holder exits), since they
+/// share one table and interface prefix and colleagues may run the suite concurrently.
+fn serial() -> (std::sync::MutexGuard<'static, ()>, std::os::unix::net::UnixListener) {
+    use std::os::linux::net::SocketAddrExt;
+    let guard = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    let addr = std::os::unix::net::SocketAddr::from_abstract_name(b"cubicle-network-tests").expect("abstract name");
+    loop {
+        match std::os::unix::net::UnixListener::bind_addr(&addr) {
+            Ok(l) => return (guard, l),
+            Err(e) if e.kind() == io::ErrorKind::AddrInUse => std::thread::sleep(Duration::from_millis(50)),
+            Err(e) => panic!("test lock: {e}"),
+        }
+    }
+}
+
+#[test]
+fn cidr_parse_and_normalize() {
+    let c: Ipv4Cidr = "10.200.3.7/16".parse().unwrap();
+    assert_eq!(c.to_string(), "10.200.0.0/16");
+    assert_eq!(c.size(), 65536);
+    assert!(c.contains("10.200.255.1".parse().unwrap()));
+    assert!(!c.contains("10.201.0.1".parse().unwrap()));
+    assert_eq!("1.2.3.4".parse::<Ipv4Cidr>().unwrap().to_string(), "1.2.3.4/32");
+    assert!("1.2.3.4/33".parse::<Ipv4Cidr>().is_err());
+    assert!("::1/128".parse::<Ipv4Cidr>().is_err());
+}
+
+#[test]
+fn slots_are_deterministic() {
+    let net = Network::new(NetworkConfig::default()).unwrap();
+    assert_eq!(net.max_slots(), 32768);
+    let i = net.slot_info(0).unwrap();
+    assert_eq!((i.gateway, i.sandbox_ip), ("10.200.0.0".parse().unwrap(), "10.200.0.1".parse().unwrap()));
+    let i = net.slot_info(300).unwrap();
+    assert_eq!(i.host_ifname, "cbs300");
+    assert_eq!(i.sandbox_ip, "10.200.2.89".parse::<Ipv4Addr>().unwrap());
+    assert_eq!(net.slot_of_ifname("cbs300"), Some(300));
+    assert_eq!(net.slot_of_ip(i.sandbox_ip), Some(300));
+    assert_eq!(net.slot_of_ip(i.gateway), Some(300));
+    assert_eq!(net.slot_of_ifname("cbr0"), None);
+    assert!(net.slot_info(32768).is_err());
+    let longest = net.slot_info(net.max_slots() - 1).unwrap();
+    assert!(longest.host_ifname.len() <= 15);
+}
+
+#[test]
+fn rules_render_without_placeholders() {
+    let net = Network::new(NetworkConfig { deny_private: vec![], ..NetworkConfig::default() }).unwrap();
+    let (a, b) = net.render_rules().unwrap();
+    for ph in ["@TABLE@", "@IFPREFIX@", "@POOL@", "@PRIVATE@", "@NODE_ALLOW@", "@DNS@"] {
+        assert!(!a.contains(ph) && !b.contains(ph), "{ph} left in the rules");
+    }
+    assert!(a.contains("iifname \"cbs*\""));
+    assert!(a.contains("10.200.0.0/16"));
+    assert!(b.contains("table inet cubicle_policy"));
+    assert!(!a.contains("table inet cubicle_policy"));
+}
+
+#[test]
+fn resolv_conf_skips_loopback_and_ipv6() {
+    let text = "# x\nnameserver 127.0.0.53\nnameserver 10.255.255.53\nnameserver ::1\nsearch a\nnameserver 1.1.1.1\n";
+    assert_eq!(parse_resolv_conf(text), vec!["10.255.255.53".parse::<Ipv4Addr>().unwrap(), "1.1.1.1".parse().unwrap()]);
+}
+
+#[test]
+fn bad_config_is_rejected() {
+    let bad = NetworkConfig { ifname_prefix: "toolongprefix".into(), ..NetworkConfig::default() };
+    assert!(Network::new(bad).is_err());
+    let bad = NetworkConfig { table: "x; flush ruleset".into(), ..NetworkConfig::default() };
+    assert!(Network::new(bad).is_err());
+}
+
+// ---------------------------------------------------------------------------------------
+// Root tests.
+
+fn is_root() -> bool {
+    // SAFETY: geteuid has no preconditions.
+    unsafe { libc::geteuid() == 0 }
+}
+
+macro_rules! require_root {
+    () => {
+        if !is_root() {
+            eprintln!("SKIPPED: needs root (creates network namespaces, veths and nftables tables)");
+            return;
+        }
+        if Command::new(nft_binary()).arg("--version").output().is_err() {
+            eprintln!("SKIPPED: the `nft` binary (nftables package) is not installed");
+            return;
+        }
+    };
+}
+
+const TEST_TABLE: &str = "cubicle_t";
+const TEST_PREFIX: &str = "cbt";
+const GUARD_TABLE: &str = "cubicle_t_guard";
+const INET_IF: &str = "cubinet0"; // must NOT start with TEST_PREFIX
+
+fn test_config() -> NetworkConfig {
+    NetworkConfig {
+        table: TEST_TABLE.into(),
+        ifname_prefix: TEST_PREFIX.into(),
+        pool: "10.201.0.0/24".parse().unwrap(),
+        ..NetworkConfig::default()
+    }
+}
+
+fn sh(cmd: &str, args: &[&str]) -> String {
+    let out = Command::new(cmd).args(args).output().expect("spawn");
+    assert!(out.status.success(), "{cmd} {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// A named netns that is deleted on drop.
+struct TestNs {
+    name: String,
+    ns: Netns,
+}
+
+impl TestNs {
+    fn new(tag: &str) -> TestNs {
+        let name = format!("cubicle-test-{tag}-{}", std::process::id());
+        let _ = Command::new("ip").args(["netns", "del", &name]).output();
+        sh("ip", &["netns", "add", &name]);
+        let ns = Netns::open(format!("/run/netns/{name}")).unwrap();
+        loopback_up(&ns).unwrap();
+        TestNs { name, ns }
+    }
+}
+
+impl Drop for TestNs {
+    fn drop(&mut self) {
+        let _ = Command::new("ip").args(["netns", "del", &self.name]).output();
+    }
+}
+
+/// Everything a root test builds, torn down on drop (also when the test panics).
+struct World {
+    net: Network,
+    internet: TestNs,
+}
+
+impl World {
+    fn new() -> World {
+        cleanup_leftovers();
+        let net = Network::init(test_config()).unwrap();
+        // The test "internet": a namespace with 198.51.100.2, reached via the host.
+        let internet = TestNs::new("inet");
+        sh("ip", &["link", "add", INET_IF, "type", "veth", "peer", "name", "eth0", "netns", &internet.name]);
+        sh("ip", &["addr", "add", "198.51.100.1/24", "dev", INET_IF]);
+        sh("ip", &["link", "set", INET_IF, "up"]);
+        sh("ip", &["-n", &internet.name, "addr", "add", "198.51.100.2/24", "dev", "eth0"]);
+        sh("ip", &["-n", &internet.name, "link", "set", "eth0", "up"]);
+        sh("ip", &["-n", &internet.name, "route", "add", "default", "via", "198.51.100.1"]);
+        // Guard: a forwarded packet from a test sandbox may only leave towards the test
+        // internet or back into test sandboxes; anything else is counted and dropped.
+        nft_apply(
+            &format!(
+                "table inet {GUARD_TABLE} {{
+                    chain forward {{
+                        type filter hook forward priority filter + 20; policy accept;
+                        iifname \"{TEST_PREFIX}*\" oifname != {{ \"{INET_IF}\", \"{TEST_PREFIX}*\" }} counter drop
+                        iifname \"{TEST_PREFIX}*\" oifname \"{TEST_PREFIX}*\" counter drop
+                    }}
+                }}\n"
+            ),
+            "test guard",
+        )
+        .unwrap();
+        World { net, internet }
+    }
+}
+
+impl Drop for World {
+    fn drop(&mut self) {
+        let _ = self.net.teardown_all();
+        let _ = Command::new("ip").args(["link", "del", INET_IF]).output();
+        let _ = Command::new("nft").args(["delete", "table", "inet", GUARD_TABLE]).output();
+    }
+}
+
+fn cleanup_leftovers() {
+    if let Ok(net) = Network::new(test_config()) {
+        let _ = net.teardown_all();
+    }
+    let _ = Command::new("ip").args(["link", "del", INET_IF]).output();
+    let _ = Command::new("nft").args(["delete", "table", "inet", GUARD_TABLE]).output();
+}
+
+fn guard_counters() -> u64 {
+    let out = sh("nft", &["list", "chain", "inet", GUARD_TABLE, "forward"]);
+    out.split("packets ")
+        .skip(1)
+        .filter_map(|s| s.split_whitespace().next()?.parse::<u64>().ok())
+        .sum()
+}
+
+/// A TCP listener bound in `ns` at `addr` that answers each connection with the peer's
+/// address (so the test can see NAT) and records it.
+fn listen_in(ns: &Netns, addr: SocketAddr) -> (SocketAddr, std::sync::mpsc::Receiver<SocketAddr>) {
+    let listener = run_in_netns(ns, move || TcpListener::bind(addr)).unwrap().unwrap();
+    let local = listener.local_addr().unwrap();
+    listener.set_nonblocking(false).unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for conn in listener.incoming() {
+            let Ok(mut conn) = conn else { break };
+            let peer = conn.peer_addr().unwrap();
+            let _ = conn.write_all(peer.to_string().as_bytes());
+            if tx.send(peer).is_err() {
+                break;
+            }
+        }
+    });
+    (local, rx)
+}
+
+/// Tries a TCP connect from inside `ns` with a timeout; Ok(reply) or Err(error).
+fn try_connect(ns: &Netns, addr: SocketAddr) -> Result<String, io::Error> {
+    run_in_netns(ns, move || -> io::Result<String> {
+        let mut s = std::net::TcpStream::connect_timeout(&addr, Duration::from_secs(3))?;
+        s.set_read_timeout(Some(Duration::from_secs(2)))?;
+        let mut buf = String::new();
+        s.read_to_string(&mut buf)?;
+        Ok(buf)
+    })
+    .unwrap()
+}
+
+fn v4(s: &str, port: u16) -> SocketAddr {
+    SocketAddr::V4(SocketAddrV4::new(s.parse().unwrap(), port))
+}
+
+fn host_primary_ipv4() -> Option<Ipv4Addr> {
+    let out = sh("ip", &["-4", "-o", "addr", "show", "scope", "global"]);
+    out.lines()
+        .filter(|l| !l.contains(TEST_PREFIX) && !l.contains(INET_IF))
+        .filter_map(|l| l.split_whitespace().nth(3)?.split('/').next()?.parse().ok())
+        .next()
+}
+
+#[test]
+fn egress_isolation_end_to_end() {
+    require_root!();
+    let _serial = serial();
+    let world = World::new();
+    let a = TestNs::new("a");
+    let b = TestNs::new("b");
+    let c = TestNs::new("c"); // no internet: no veth
+    let ia = world.net.attach(&a.ns, 1).unwrap();
+    let ib = world.net.attach(&b.ns, 2).unwrap();
+    assert_eq!(ia.host_ifname, "cbt1");
+    assert_eq!(ib.host_ifname, "cbt2");
+    assert_ne!(ia.sandbox_ip, ib.sandbox_ip);
+
+    // 1. Internet: sandbox A reaches the test internet host, NATed to the host address.
+    let (inet_addr, inet_rx) = listen_in(&world.internet.ns, v4("198.51.100.2", 0));
+    let reply = try_connect(&a.ns, inet_addr).expect("sandbox should reach the internet host");
+    assert_eq!(reply.split(':').next(), Some("198.51.100.1"), "egress must be masqueraded");
+    assert!(inet_rx.recv_timeout(Duration::from_secs(1)).is_ok());
+    assert!(try_connect(&b.ns, inet_addr).is_ok());
+
+    // 2. Sandbox B cannot reach sandbox A.
+    let (a_addr, a_rx) = listen_in(&a.ns, SocketAddr::V4(SocketAddrV4::new(ia.sandbox_ip, 0)));
+    let t = Instant::now();
+    let err = try_connect(&b.ns, a_addr).expect_err("sandbox B must not reach sandbox A");
+    assert!(t.elapsed() < Duration::from_secs(1), "denial should be immediate, got {err} after {:?}", t.elapsed());
+    // ...nor A's host-side (gateway) address.
+    let err2 = try_connect(&b.ns, SocketAddr::V4(SocketAddrV4::new(ia.gateway, a_addr.port())));
+    assert!(err2.is_err());
+    // ...but the host itself can, via the namespace (the router's path).
+    let mut s = connect_addr_in_netns(&a.ns, a_addr).unwrap();
+    let mut got = String::new();
+    s.read_to_string(&mut got).unwrap();
+    assert!(got.starts_with(&ia.sandbox_ip.to_string()));
+    assert!(a_rx.recv_timeout(Duration::from_secs(1)).is_ok());
+    assert!(a_rx.try_recv().is_err(), "sandbox B's attempt must not have arrived");
+
+    // 3. The host: its veth address, its loopback, its primary address.
+    let host_ns = Netns::current().unwrap();
+    let (gw_addr, gw_rx) = listen_in(&host_ns, SocketAddr::V4(SocketAddrV4::new(ia.gateway, 0)));
+    assert!(try_connect(&a.ns, gw_addr).is_err(), "sandbox must not reach the host's veth address");
+    let (lo_addr, lo_rx) = listen_in(&host_ns, v4("127.0.0.1", 0));
+    assert!(try_connect(&a.ns, lo_addr).is_err(), "sandbox must not reach host loopback services");
+    if let Some(ip) = host_primary_ipv4() {
+        let (p_addr, p_rx) = listen_in(&host_ns, SocketAddr::V4(SocketAddrV4::new(ip, 0)));
+        assert!(try_connect(&a.ns, p_addr).is_err(), "sandbox must not reach the host at {ip}");
+        assert!(p_rx.try_recv().is_err());
+    }
+    assert!(gw_rx.try_recv().is_err() && lo_rx.try_recv().is_err());
+
+    // 4. Link-local / metadata (and a private range) are refused at once.
+    for target in [v4("169.254.169.254", 80), v4("10.1.2.3", 80), v4("192.168.1.1", 80)] {
+        let t = Instant::now();
+        let err = try_connect(&a.ns, target).expect_err("must be denied");
+        assert!(t.elapsed() < Duration::from_secs(1), "{target}: {err} after {:?}", t.elapsed());
+    }
+
+    // 5. No internet: only loopback exists; but the host can still reach inside.
+    assert!(try_connect(&c.ns, inet_addr).is_err());
+    let (c_addr, _c_rx) = listen_in(&c.ns, v4("127.0.0.1", 0));
+    let mut s = connect_in_netns(&c.ns, c_addr.port()).unwrap();
+    let mut got = String::new();
+    s.read_to_string(&mut got).unwrap();
+    assert!(got.starts_with("127.0.0.1:"));
+
+    // Nothing tried to leave through an interface the test did not make.
+    assert_eq!(guard_counters(), 0, "a sandbox packet reached the guard");
+
+    // 6. Detach and teardown leave nothing behind.
+    world.net.detach(1).unwrap();
+    world.net.detach(1).unwrap(); // idempotent
+    assert!(!sh("ip", &["-o", "link"]).contains(": cbt1@"));
+    assert!(try_connect(&a.ns, inet_addr).is_err());
+    drop(c);
+    drop(b);
+    drop(a);
+    drop(world);
+    let links = sh("ip", &["-o", "link"]);
+    assert!(!links.contains(": cbt") && !links.contains(INET_IF), "leftover links:\n{links}");
+    let ruleset = sh("nft", &["list", "tables"]);
+    assert!(!ruleset.contains(TEST_TABLE), "leftover tables:\n{ruleset}");
+    assert!(!sh("ip", &["netns", "list"]).contains(&format!("-{}", std::process::id())));
+}
+
+#[test]
+fn policies_allow_deny_and_reconcile() {
+    require_root!();
+    let _serial = serial();
+    let world = World::new();
+    let a = TestNs::new("pa");
+    let b = TestNs::new("pb");
+    let ia = world.net.attach(&a.ns, 5).unwrap();
+    let ib = world.net.attach(&b.ns, 6).unwrap();
+    let (inet_addr, _rx) = listen_in(&world.internet.ns, v4("198.51.100.2", 0));
+    assert!(try_connect(&a.ns, inet_addr).is_ok());
+
+    // denyOut the test internet host.
+    let deny = EgressPolicy { deny_out: vec!["198.51.100.0/24".parse().unwrap()], ..Default::default() };
+    world.net.set_policy(5, &deny).unwrap();
+    assert!(try_connect(&a.ns, inet_addr).is_err(), "denyOut must block");
+    assert!(try_connect(&b.ns, inet_addr).is_ok(), "another sandbox is unaffected");
+
+    // Anti-spoofing: A (denied) takes B's address to escape its policy; the host drops
+    // those packets before routing. Counters in the guard table (after the raw-priority
+    // anti-spoofing chain) see A's genuine packets but never the spoofed ones.
+    nft_apply(
+        &format!(
+            "table inet {GUARD_TABLE} {{
+                chain spoof {{
+                    type filter hook prerouting priority -200; policy accept;
+                    iifname \"{}\" ip saddr {} counter comment \"genuine\"
+                    iifname \"{}\" ip saddr {} counter comment \"spoofed\"
+                }}
+            }}\n",
+            ia.host_ifname, ia.sandbox_ip, ia.host_ifname, ib.sandbox_ip
+        ),
+        "test spoof counters",
+    )
+    .unwrap();
+    let (gw, spoofed) = (ia.gateway.to_string(), ib.sandbox_ip.to_string());
+    assert!(try_connect(&a.ns, inet_addr).is_err());
+    sh("ip", &["-n", &a.name, "addr", "add", &format!("{spoofed}/32"), "dev", "eth0"]);
+    sh("ip", &["-n", &a.name, "route", "replace", "default", "via", &gw, "dev", "eth0", "src", &spoofed, "onlink"]);
+    let _ = try_connect(&a.ns, inet_addr);
+    sh("ip", &["-n", &a.name, "route", "replace", "default", "via", &gw, "dev", "eth0", "onlink"]);
+    sh("ip", &["-n", &a.name, "addr", "del", &format!("{spoofed}/32"), "dev", "eth0"]);
+    let chain = sh("nft", &["list", "chain", "inet", GUARD_TABLE, "spoof"]);
+    let count = |tag: &str| -> u64 {
+        let line = chain.lines().find(|l| l.contains(tag)).unwrap_or_default();
+        line.split("packets ").nth(1).and_then(|r| r.split_whitespace().next()).and_then(|n| n.parse().ok()).unwrap_or(0)
+    };
+    assert!(count("\"genuine\"") > 0, "control counter saw nothing:\n{chain}");
+    assert_eq!(count("\"spoofed\""), 0, "spoofed packets got past prerouting:\n{chain}");
+
+    // Internet off, allowOut the host: allowed. Other destinations: denied.
+    let allow = EgressPolicy {
+        allow_internet: false,
+        allow_out: vec!["198.51.100.2".parse().unwrap()],
+        deny_out: vec!["198.51.100.0/24".parse().unwrap()],
+    };
+    world.net.set_policy(5, &allow).unwrap();
+    assert!(try_connect(&a.ns, inet_addr).is_ok(), "allowOut wins over denyOut");
+    assert!(try_connect(&a.ns, v4("198.51.100.9", inet_addr.port())).is_err());
+
+    // A user allowOut cannot open the metadata range or the host.
+    let sneaky = EgressPolicy { allow_out: vec!["169.254.0.0/16".parse().unwrap()], ..Default::default() };
+    world.net.set_policy(6, &sneaky).unwrap();
+    assert!(try_connect(&b.ns, v4("169.254.169.254", 80)).is_err());
+
+    // Back to default removes the entry.
+    world.net.set_policy(5, &EgressPolicy::default()).unwrap();
+    assert!(try_connect(&a.ns, inet_addr).is_ok());
+    world.net.set_policy(5, &deny).unwrap();
+
+    // A "restart": init again keeps policies, reconcile drops slot 6 (unknown).
+    let net2 = Network::init(test_config()).unwrap();
+    assert!(try_connect(&a.ns, inet_addr).is_err(), "policy survives re-init");
+    net2.reconcile(&[5]).unwrap();
+    let links = sh("ip", &["-o", "link"]);
+    assert!(links.contains(": cbt5@") && !links.contains(": cbt6@"), "{links}");
+    let policy = sh("nft", &["list", "table", "inet", &format!("{TEST_TABLE}_policy")]);
+    assert!(policy.contains("sb_5") && !policy.contains("sb_6"), "{policy}");
+    net2.detach(5).unwrap();
+    let policy = sh("nft", &["list", "table", "inet", &format!("{TEST_TABLE}_policy")]);
+    assert!(!policy.contains("sb_5"), "{policy}");
+    assert_eq!(guard_counters(), 0);
+}
+
+#[test]
+fn async_connect_in_netns() {
+    require_root!();
+    let ns = TestNs::new("async");
+    let (addr, _rx) = listen_in(&ns.ns, v4("127.0.0.1", 0));
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    let got = rt.block_on(async {
+        use tokio::io::AsyncReadExt;
+        let mut s = connect_in_netns_async(&ns.ns, addr.port()).await.unwrap();
+        let mut buf = String::new();
+        s.read_to_string(&mut buf).await.unwrap();
+        buf
+    });
+    assert!(got.starts_with("127.0.0.1:"));
+    // A closed port is an error, not a hang.
+    let err = connect_in_netns(&ns.ns, 1).unwrap_err();
+    assert!(err.to_string().contains("refused"), "{err}");
+}
+
+fn percentile(sorted: &[Duration], p: f64) -> Duration {
+    sorted[((sorted.len() as f64 - 1.0) * p).round() as usize]
+}
+
+/// `cargo test -p cubicle-runtime --lib network::tests::attach_detach_latency -- --ignored --nocapture`
+#[test]
+#[ignore = "benchmark: prints attach/detach latency percentiles"]
+fn attach_detach_latency() {
+    require_root!();
+    let _serial = serial();
+    let world = World::new();
+    let spaces: Vec<TestNs> = (0..10).map(|i| TestNs::new(&format!("bench{i}"))).collect();
+    let (mut att, mut det, mut conn) = (Vec::new(), Vec::new(), Vec::new());
+    let (addr, _rx) = listen_in(&spaces[0].ns, v4("127.0.0.1", 0));
+    for i in 0..200u32 {
+        let ns = &spaces[(i % 10) as usize].ns;
+        let t = Instant::now();
+        world.net.attach(ns, i % 10).unwrap();
+        att.push(t.elapsed());
+        let t = Instant::now();
+        world.net.detach(i % 10).unwrap();
+        det.push(t.elapsed());
+        let t = Instant::now();
+        drop(connect_in_netns(&spaces[0].ns, addr.port()).unwrap());
+        conn.push(t.elapsed());
+    }
+    for (name, v) in [("attach", &mut att), ("detach", &mut det), ("connect_in_netns", &mut conn)] {
+        v.sort();
+        println!(
+            "{name:>17}: p50 {:>8.1?}  p99 {:>8.1?}  max {:>8.1?}  (n={})",
+            percentile(v, 0.5),
+            percentile(v, 0.99),
+            v[v.len() - 1],
+            v.len()
+        );
+    }
+}

@@ -1,0 +1,740 @@
+//! The sandbox's root filesystem, built inside its own mount namespace, in this order:
+//!
+//! 1. make every mount private (nothing propagates to or from the host);
+//! 2. a small tmpfs on `<sandbox_dir>/rootfs` as a staging area; the helper's idmapped
+//!    template clone is attached at `staging/lower`;
+//! 3. overlay `staging/root` = lower (template) + `<sandbox_dir>/upper` (+ `work`);
+//! 4. fresh `/proc` with the masked and read-only paths of `masked_paths.rs`;
+//! 5. read-only `/sys` (also masked), with the sandbox's own cgroups read-only at
+//!    `/sys/fs/cgroup` (cgroup namespace: the sandbox's cgroup is the root);
+//! 6. minimal `/dev`: tmpfs with null, zero, full, random, urandom, tty bind-mounted from
+//!    the host, a private devpts instance (`/dev/pts`, `/dev/ptmx`), `/dev/shm`, and the
+//!    `/dev/fd`, `/dev/std*` symlinks;
+//! 7. tmpfs `/run`;
+//! 8. `pivot_root` into the overlay and detach the old root;
+//! 9. the bind mounts (agent binary, ctl directory, extras), attached from the detached
+//!    mounts the helper prepared, at paths resolved inside the new root.
+//!
+//! `/tmp` stays on the overlay (disk-backed, counted by the disk quota, not by memory).
+//! All of this happens in the sandbox's mount namespace: none of these mounts is visible on
+//! the host, and they disappear with the namespace when the sandbox's last process exits.
+//!
+//! The sequence is first computed as data ([`plan`], a list of [`Step`]s) and then
+//! executed ([`execute`]), so its order and targets are unit-tested without root.
+
+use std::ffi::CString;
+use std::fs;
+use std::os::fd::{AsRawFd, OwnedFd, RawFd};
+use std::os::unix::fs::{DirBuilderExt, PermissionsExt, symlink};
+use std::path::{Path, PathBuf};
+
+use crate::cgroup::InnerMounts;
+use crate::helper::mark;
+use crate::masked_paths::{MASKED_DIRS, MASKED_FILES, READONLY_PATHS};
+use crate::spec::SandboxSpec;
+use crate::sys;
+
+const NOSUID: libc::c_ulong = libc::MS_NOSUID;
+const NODEV: libc::c_ulong = libc::MS_NODEV;
+const NOEXEC: libc::c_ulong = libc::MS_NOEXEC;
+const RDONLY: libc::c_ulong = libc::MS_RDONLY;
+
+/// Host devices bind-mounted into the sandbox's /dev.
+const DEVICES: &[&str] = &["null", "zero", "full", "random", "urandom", "tty"];
+
+/// One step of building the root filesystem.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) enum Step {
+    /// `mount --make-rprivate /`.
+    MakeRootPrivate,
+    /// `mkdir -p` with this mode (then chmod, past the umask), if missing.
+    Dir { path: PathBuf, mode: u32 },
+    /// Create an empty regular file (and its parents), if missing.
+    File { path: PathBuf },
+    /// `mount(source, target, fstype, flags, data)`.
+    Mount {
+        source: String,
+        target: PathBuf,
+        fstype: String,
+        flags: libc::c_ulong,
+        data: Option<String>,
+    },
+    /// Attach the helper's idmapped template clone (detached mount fd #0).
+    AttachLower { target: PathBuf },
+    /// Bind-mount `source` on `target`, then remount it with `remount` flags if non-zero.
+    Bind {
+        source: PathBuf,
+        target: PathBuf,
+        remount: libc::c_ulong,
+    },
+    /// Hide a file: read-only bind of /dev/null over it (skipped if it does not exist).
+    MaskFile { target: PathBuf },
+    /// Hide a directory: empty read-only tmpfs over it (skipped if it does not exist).
+    MaskDir { target: PathBuf },
+    /// Bind a subtree onto itself read-only (skipped if it does not exist).
+    ReadOnly { target: PathBuf },
+    /// sysfs read-only; an empty read-only tmpfs where the kernel refuses sysfs.
+    Sysfs { target: PathBuf },
+    /// Remount an existing mount with new flags.
+    Remount {
+        target: PathBuf,
+        flags: libc::c_ulong,
+        data: Option<String>,
+    },
+    /// `symlink(to, link)`.
+    Symlink { to: String, link: PathBuf },
+    /// Report a timing mark on the status pipe.
+    Mark(&'static str),
+    /// chdir(root); pivot_root(".", "."); umount2(".", MNT_DETACH); chdir("/").
+    Pivot { root: PathBuf },
+    /// Attach bind mount #`index` (detached mount fd #`index + 1`) at `target` (a path
+    /// inside the sandbox, after the pivot), creating a file or directory to match.
+    AttachBind { index: usize, target: PathBuf },
+}
+
+fn tmpfs(target: PathBuf, flags: libc::c_ulong, data: &str) -> Step {
+    Step::Mount {
+        source: "tmpfs".into(),
+        target,
+        fstype: "tmpfs".into(),
+        flags,
+        data: Some(data.into()),
+    }
+}
+
+/// `root` + an absolute in-sandbox path.
+fn inside(root: &Path, p: impl AsRef<Path>) -> PathBuf {
+    root.join(p.as_ref().strip_prefix("/").unwrap_or(p.as_ref()))
+}
+
+/// The complete sequence for `spec` on a host whose cgroups are `cgroups`.
+pub(crate) fn plan(spec: &SandboxSpec, cgroups: &InnerMounts) -> Vec<Step> {
+    let staging = spec.mount_dir();
+    let lower = staging.join("lower");
+    let root = staging.join("root");
+    let mut s = vec![
+        Step::MakeRootPrivate,
+        tmpfs(staging.clone(), NOSUID | NODEV, "mode=0755,size=64k"),
+        Step::Dir {
+            path: lower.clone(),
+            mode: 0o755,
+        },
+        Step::Dir {
+            path: root.clone(),
+            mode: 0o755,
+        },
+        Step::AttachLower {
+            target: lower.clone(),
+        },
+        Step::Mount {
+            source: "overlay".into(),
+            target: root.clone(),
+            fstype: "overlay".into(),
+            flags: 0,
+            data: Some(format!(
+                "lowerdir={},upperdir={},workdir={},userxattr",
+                lower.display(),
+                spec.upper_dir().display(),
+                spec.work_dir().display()
+            )),
+        },
+        Step::Mark("overlay_mounted"),
+    ];
+    for (d, mode) in [
+        ("proc", 0o555),
+        ("sys", 0o555),
+        ("dev", 0o755),
+        ("run", 0o755),
+        ("tmp", 0o1777),
+    ] {
+        s.push(Step::Dir {
+            path: root.join(d),
+            mode,
+        });
+    }
+
+    // /proc
+    s.push(Step::Mount {
+        source: "proc".into(),
+        target: root.join("proc"),
+        fstype: "proc".into(),
+        flags: NOSUID | NODEV | NOEXEC,
+        data: None,
+    });
+    masks(&mut s, &root, "/proc/");
+
+    // /sys and the sandbox's cgroups
+    s.push(Step::Sysfs {
+        target: root.join("sys"),
+    });
+    masks(&mut s, &root, "/sys/");
+    cgroup_mounts(&mut s, &root.join("sys/fs/cgroup"), cgroups);
+
+    // /dev
+    let dev = root.join("dev");
+    s.push(tmpfs(dev.clone(), NOSUID | NOEXEC, "mode=0755,size=64k"));
+    for d in DEVICES {
+        s.push(Step::File { path: dev.join(d) });
+        s.push(Step::Bind {
+            source: Path::new("/dev").join(d),
+            target: dev.join(d),
+            remount: 0,
+        });
+    }
+    s.push(Step::Dir {
+        path: dev.join("pts"),
+        mode: 0o755,
+    });
+    s.push(Step::Mount {
+        source: "devpts".into(),
+        target: dev.join("pts"),
+        fstype: "devpts".into(),
+        flags: NOSUID | NOEXEC,
+        data: Some("newinstance,ptmxmode=0666,mode=0620,gid=5".into()),
+    });
+    s.push(Step::Dir {
+        path: dev.join("shm"),
+        mode: 0o1777,
+    });
+    s.push(tmpfs(dev.join("shm"), NOSUID | NODEV, "mode=1777"));
+    for (name, to) in [
+        ("ptmx", "pts/ptmx"),
+        ("fd", "/proc/self/fd"),
+        ("stdin", "/proc/self/fd/0"),
+        ("stdout", "/proc/self/fd/1"),
+        ("stderr", "/proc/self/fd/2"),
+    ] {
+        s.push(Step::Symlink {
+            to: to.into(),
+            link: dev.join(name),
+        });
+    }
+    s.push(Step::Mark("pseudo_fs_mounted"));
+
+    // /run
+    s.push(tmpfs(
+        root.join("run"),
+        NOSUID | NODEV,
+        "mode=0755,size=65536k",
+    ));
+    s.push(Step::Dir {
+        path: root.join("run/lock"),
+        mode: 0o1777,
+    });
+
+    s.push(Step::Pivot { root });
+    // After pivot_root, so that target paths (and any symlinks in them) resolve inside the
+    // sandbox's root, never on the host. The detached mounts are held by fd.
+    for (index, b) in spec.all_binds().into_iter().enumerate() {
+        s.push(Step::AttachBind {
+            index,
+            target: b.target,
+        });
+    }
+    s
+}
+
+fn masks(s: &mut Vec<Step>, root: &Path, prefix: &str) {
+    for p in READONLY_PATHS.iter().filter(|p| p.starts_with(prefix)) {
+        s.push(Step::ReadOnly {
+            target: inside(root, p),
+        });
+    }
+    for p in MASKED_FILES.iter().filter(|p| p.starts_with(prefix)) {
+        s.push(Step::MaskFile {
+            target: inside(root, p),
+        });
+    }
+    for p in MASKED_DIRS.iter().filter(|p| p.starts_with(prefix)) {
+        s.push(Step::MaskDir {
+            target: inside(root, p),
+        });
+    }
+}
+
+/// Read-only cgroup filesystems at /sys/fs/cgroup. The sandbox's cgroup namespace is
+/// rooted at its own cgroup, so it sees its limits and usage (envd's /metrics reads them)
+/// as the root of each hierarchy, and nothing of the host's cgroup tree.
+fn cgroup_mounts(s: &mut Vec<Step>, target: &Path, cgroups: &InnerMounts) {
+    let ro = RDONLY | NOSUID | NODEV | NOEXEC;
+    match cgroups {
+        InnerMounts::V2 => s.push(Step::Mount {
+            source: "cgroup2".into(),
+            target: target.to_path_buf(),
+            fstype: "cgroup2".into(),
+            flags: ro,
+            data: None,
+        }),
+        InnerMounts::V1(hierarchies) => {
+            s.push(tmpfs(
+                target.to_path_buf(),
+                NOSUID | NODEV | NOEXEC,
+                "mode=0755,size=16k",
+            ));
+            for h in hierarchies {
+                s.push(Step::Dir {
+                    path: target.join(h),
+                    mode: 0o755,
+                });
+                s.push(Step::Mount {
+                    source: "cgroup".into(),
+                    target: target.join(h),
+                    fstype: "cgroup".into(),
+                    flags: ro,
+                    data: Some(h.clone()),
+                });
+                if h.contains(',') {
+                    for c in h.split(',') {
+                        s.push(Step::Symlink {
+                            to: h.clone(),
+                            link: target.join(c),
+                        });
+                    }
+                }
+            }
+            s.push(Step::Remount {
+                target: target.to_path_buf(),
+                flags: ro,
+                data: Some("mode=0755,size=16k".into()),
+            });
+        }
+    }
+}
+
+fn err(what: impl std::fmt::Display, e: std::io::Error) -> String {
+    format!("{what}: {e}")
+}
+
+/// Executes `steps`. `fds[0]` is the idmapped template clone, `fds[1 + i]` the detached
+/// mount of bind `i`; the bind sources are only used in messages.
+pub(crate) fn execute(
+    steps: &[Step],
+    fds: &[OwnedFd],
+    bind_sources: &[PathBuf],
+    status: RawFd,
+) -> Result<(), String> {
+    for step in steps {
+        apply(step, fds, bind_sources, status)?;
+    }
+    Ok(())
+}
+
+fn mount(
+    source: &str,
+    target: &Path,
+    fstype: &str,
+    flags: libc::c_ulong,
+    data: Option<&str>,
+) -> Result<(), String> {
+    let fstype = CString::new(fstype).map_err(|_| "fstype contains NUL".to_string())?;
+    sys::mount(Some(Path::new(source)), target, Some(&fstype), flags, data).map_err(|e| {
+        err(
+            format!("mount {source} on {} ({data:?})", target.display()),
+            e,
+        )
+    })
+}
+
+fn apply(
+    step: &Step,
+    fds: &[OwnedFd],
+    bind_sources: &[PathBuf],
+    status: RawFd,
+) -> Result<(), String> {
+    match step {
+        Step::MakeRootPrivate => sys::mount(
+            None,
+            Path::new("/"),
+            None,
+            libc::MS_REC | libc::MS_PRIVATE,
+            None,
+        )
+        .map_err(|e| err("make / private", e)),
+        Step::Dir { path, mode } => ensure_dir(path, *mode),
+        Step::File { path } => ensure_file(path),
+        Step::Mount {
+            source,
+            target,
+            fstype,
+            flags,
+            data,
+        } => mount(source, target, fstype, *flags, data.as_deref()),
+        Step::AttachLower { target } => {
+            let fd = fds.first().ok_or("helper sent no template mount")?;
+            sys::move_mount_to(fd.as_raw_fd(), target)
+                .map_err(|e| err("attach idmapped template", e))
+        }
+        Step::Bind {
+            source,
+            target,
+            remount,
+        } => bind(source, target, *remount),
+        Step::MaskFile { target } => {
+            if target.exists() {
+                bind(Path::new("/dev/null"), target, RDONLY | NOSUID | NOEXEC)?;
+            }
+            Ok(())
+        }
+        Step::MaskDir { target } => {
+            if target.is_dir() {
+                mount(
+                    "tmpfs",
+                    target,
+                    "tmpfs",
+                    RDONLY | NOSUID | NODEV | NOEXEC,
+                    Some("size=0"),
+                )?;
+            }
+            Ok(())
+        }
+        Step::ReadOnly { target } => {
+            if target.exists() {
+                bind(target, target, RDONLY | NOSUID | NODEV | NOEXEC)?;
+            }
+            Ok(())
+        }
+        Step::Sysfs { target } => {
+            let flags = RDONLY | NOSUID | NODEV | NOEXEC;
+            match sys::mount(
+                Some(Path::new("sysfs")),
+                target,
+                Some(c"sysfs"),
+                flags,
+                None,
+            ) {
+                Ok(()) => Ok(()),
+                // Some hosts refuse sysfs in a user namespace: the sandbox gets an empty /sys
+                // (the masks and cgroup mounts below then find nothing to do or fail loudly).
+                Err(e) if e.raw_os_error() == Some(libc::EPERM) => {
+                    mount("tmpfs", target, "tmpfs", flags, Some("size=0"))
+                }
+                Err(e) => Err(err("mount /sys", e)),
+            }
+        }
+        Step::Remount {
+            target,
+            flags,
+            data,
+        } => sys::mount(
+            None,
+            target,
+            None,
+            libc::MS_REMOUNT | flags,
+            data.as_deref(),
+        )
+        .map_err(|e| err(format!("remount {}", target.display()), e)),
+        Step::Symlink { to, link } => {
+            symlink(to, link).map_err(|e| err(format!("symlink {} -> {to}", link.display()), e))
+        }
+        Step::Mark(name) => {
+            mark(status, name);
+            Ok(())
+        }
+        Step::Pivot { root } => pivot(root),
+        Step::AttachBind { index, target } => {
+            let fd = fds
+                .get(index + 1)
+                .ok_or("helper sent too few bind mounts")?;
+            let source = bind_sources
+                .get(*index)
+                .map(|p| p.display().to_string())
+                .unwrap_or_default();
+            attach_bind(fd, &source, target)
+        }
+    }
+}
+
+fn ensure_dir(path: &Path, mode: u32) -> Result<(), String> {
+    if path.is_dir() {
+        return Ok(());
+    }
+    fs::DirBuilder::new()
+        .recursive(true)
+        .mode(mode)
+        .create(path)
+        .map_err(|e| err(format!("mkdir {}", path.display()), e))?;
+    // The umask may have cleared bits (e.g. the sticky /tmp).
+    fs::set_permissions(path, fs::Permissions::from_mode(mode))
+        .map_err(|e| err(format!("chmod {}", path.display()), e))
+}
+
+fn ensure_file(path: &Path) -> Result<(), String> {
+    if path.exists() {
+        return Ok(());
+    }
+    if let Some(parent) = path.parent() {
+        ensure_dir(parent, 0o755)?;
+    }
+    fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(path)
+        .map(drop)
+        .map_err(|e| err(format!("create {}", path.display()), e))
+}
+
+fn bind(source: &Path, target: &Path, remount: libc::c_ulong) -> Result<(), String> {
+    sys::mount(Some(source), target, None, libc::MS_BIND, None).map_err(|e| {
+        err(
+            format!("bind {} on {}", source.display(), target.display()),
+            e,
+        )
+    })?;
+    if remount != 0 {
+        sys::mount(
+            None,
+            target,
+            None,
+            libc::MS_BIND | libc::MS_REMOUNT | remount,
+            None,
+        )
+        .map_err(|e| {
+            err(
+                format!("remount {} with flags {remount:#x}", target.display()),
+                e,
+            )
+        })?;
+    }
+    Ok(())
+}
+
+fn attach_bind(fd: &OwnedFd, source: &str, target: &Path) -> Result<(), String> {
+    // SAFETY: zeroed stat is a valid out buffer; fd is a valid mount fd.
+    let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    // SAFETY: as above.
+    if unsafe { libc::fstat(fd.as_raw_fd(), &mut st) } < 0 {
+        return Err(err(
+            format!("stat bind source {source}"),
+            std::io::Error::last_os_error(),
+        ));
+    }
+    if st.st_mode & libc::S_IFMT == libc::S_IFDIR {
+        ensure_dir(target, 0o755)?;
+    } else {
+        ensure_file(target)?;
+    }
+    sys::move_mount_to(fd.as_raw_fd(), target)
+        .map_err(|e| err(format!("bind {source} at {}", target.display()), e))
+}
+
+fn pivot(root: &Path) -> Result<(), String> {
+    std::env::set_current_dir(root).map_err(|e| err("chdir new root", e))?;
+    let dot = Path::new(".");
+    sys::pivot_root(dot, dot).map_err(|e| err("pivot_root", e))?;
+    sys::umount2(dot, libc::MNT_DETACH).map_err(|e| err("detach old root", e))?;
+    std::env::set_current_dir("/").map_err(|e| err("chdir /", e))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::spec::BindMount;
+
+    fn spec() -> SandboxSpec {
+        let mut s = SandboxSpec::new(
+            "abc",
+            "/t/rootfs",
+            "/s/abc",
+            100_000,
+            vec!["/bin/sh".into()],
+        );
+        s.envd_binary = Some("/usr/bin/cubicle-envd".into());
+        s.binds.push(BindMount {
+            source: "/data".into(),
+            target: "/opt/data".into(),
+            readonly: true,
+        });
+        s
+    }
+
+    fn v1() -> InnerMounts {
+        InnerMounts::V1(vec![
+            "memory".into(),
+            "cpu,cpuacct".into(),
+            "pids".into(),
+            "freezer".into(),
+        ])
+    }
+
+    fn target(step: &Step) -> Option<&Path> {
+        match step {
+            Step::Dir { path, .. } | Step::File { path } => Some(path),
+            Step::Mount { target, .. }
+            | Step::AttachLower { target }
+            | Step::Bind { target, .. }
+            | Step::MaskFile { target }
+            | Step::MaskDir { target }
+            | Step::ReadOnly { target }
+            | Step::Sysfs { target }
+            | Step::Remount { target, .. }
+            | Step::AttachBind { target, .. } => Some(target),
+            Step::Symlink { link, .. } => Some(link),
+            Step::Pivot { root } => Some(root),
+            Step::MakeRootPrivate | Step::Mark(_) => None,
+        }
+    }
+
+    fn position(steps: &[Step], f: impl Fn(&Step) -> bool) -> usize {
+        steps.iter().position(f).expect("step present")
+    }
+
+    #[test]
+    fn starts_private_and_pivots_once() {
+        let steps = plan(&spec(), &v1());
+        assert_eq!(steps[0], Step::MakeRootPrivate);
+        assert_eq!(
+            steps
+                .iter()
+                .filter(|s| matches!(s, Step::Pivot { .. }))
+                .count(),
+            1
+        );
+        assert_eq!(
+            steps.iter().find(|s| matches!(s, Step::Pivot { .. })),
+            Some(&Step::Pivot {
+                root: "/s/abc/rootfs/root".into()
+            })
+        );
+    }
+
+    /// Before the pivot, nothing is created or mounted outside the staging directory, so a
+    /// mistake cannot touch host paths (in the sandbox's mount namespace or on disk).
+    #[test]
+    fn before_pivot_everything_stays_in_staging() {
+        let steps = plan(&spec(), &v1());
+        let pivot = position(&steps, |s| matches!(s, Step::Pivot { .. }));
+        for s in &steps[1..pivot] {
+            if let Step::Bind { source, .. } = s {
+                assert!(
+                    source.starts_with("/dev/"),
+                    "only host devices are bound: {s:?}"
+                );
+            }
+            if let Some(t) = target(s) {
+                assert!(
+                    t.starts_with("/s/abc/rootfs"),
+                    "{s:?} targets a path outside staging"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn overlay_uses_idmapped_lower_and_private_upper() {
+        let steps = plan(&spec(), &v1());
+        let attach = position(&steps, |s| matches!(s, Step::AttachLower { .. }));
+        let overlay = position(
+            &steps,
+            |s| matches!(s, Step::Mount { fstype, .. } if fstype == "overlay"),
+        );
+        assert!(attach < overlay);
+        let Step::Mount {
+            data: Some(opts),
+            target,
+            ..
+        } = &steps[overlay]
+        else {
+            unreachable!()
+        };
+        assert_eq!(target, Path::new("/s/abc/rootfs/root"));
+        assert_eq!(
+            opts,
+            "lowerdir=/s/abc/rootfs/lower,upperdir=/s/abc/upper,workdir=/s/abc/work,userxattr"
+        );
+    }
+
+    #[test]
+    fn proc_is_masked_right_after_mounting() {
+        let steps = plan(&spec(), &v1());
+        let proc_at = position(
+            &steps,
+            |s| matches!(s, Step::Mount { fstype, .. } if fstype == "proc"),
+        );
+        let pivot = position(&steps, |s| matches!(s, Step::Pivot { .. }));
+        for f in MASKED_FILES.iter().filter(|p| p.starts_with("/proc/")) {
+            let want = Step::MaskFile {
+                target: inside(Path::new("/s/abc/rootfs/root"), f),
+            };
+            let at = position(&steps, |s| *s == want);
+            assert!(proc_at < at && at < pivot, "{f}");
+        }
+        for p in READONLY_PATHS {
+            assert!(steps.contains(&Step::ReadOnly {
+                target: inside(Path::new("/s/abc/rootfs/root"), p)
+            }));
+        }
+    }
+
+    #[test]
+    fn sys_and_cgroups_read_only() {
+        let steps = plan(&spec(), &v1());
+        for s in &steps {
+            if let Step::Mount { fstype, flags, .. } = s
+                && (fstype == "cgroup" || fstype == "cgroup2")
+            {
+                assert_ne!(flags & RDONLY, 0, "{s:?}");
+            }
+        }
+        let cg = Path::new("/s/abc/rootfs/root/sys/fs/cgroup");
+        assert!(steps.contains(&Step::Symlink {
+            to: "cpu,cpuacct".into(),
+            link: cg.join("cpuacct")
+        }));
+        assert!(matches!(
+            steps.iter().rev().find(|s| target(s) == Some(cg)),
+            Some(Step::Remount { .. })
+        ));
+        let v2 = plan(&spec(), &InnerMounts::V2);
+        assert!(v2.iter().any(|s| matches!(s, Step::Mount { fstype, target, .. } if fstype == "cgroup2" && target == cg)));
+    }
+
+    #[test]
+    fn dev_has_devices_and_private_ptys() {
+        let steps = plan(&spec(), &v1());
+        let dev = Path::new("/s/abc/rootfs/root/dev");
+        for d in DEVICES {
+            assert!(steps.contains(&Step::Bind {
+                source: Path::new("/dev").join(d),
+                target: dev.join(d),
+                remount: 0
+            }));
+        }
+        assert!(
+            steps
+                .iter()
+                .any(|s| matches!(s, Step::Mount { fstype, data: Some(d), .. }
+            if fstype == "devpts" && d.contains("newinstance")))
+        );
+        assert!(steps.contains(&Step::Symlink {
+            to: "pts/ptmx".into(),
+            link: dev.join("ptmx")
+        }));
+    }
+
+    #[test]
+    fn binds_attach_after_pivot_inside_the_sandbox() {
+        let s = spec();
+        let steps = plan(&s, &v1());
+        let pivot = position(&steps, |s| matches!(s, Step::Pivot { .. }));
+        let binds: Vec<&Step> = steps[pivot + 1..].iter().collect();
+        let want: Vec<Step> = s
+            .all_binds()
+            .into_iter()
+            .enumerate()
+            .map(|(index, b)| Step::AttachBind {
+                index,
+                target: b.target,
+            })
+            .collect();
+        assert_eq!(binds, want.iter().collect::<Vec<_>>());
+        assert!(want.contains(&Step::AttachBind {
+            index: 1,
+            target: crate::spec::ENVD_PATH.into()
+        }));
+        assert!(want.contains(&Step::AttachBind {
+            index: 2,
+            target: crate::spec::CTL_DIR.into()
+        }));
+    }
+}

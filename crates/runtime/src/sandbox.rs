@@ -1,0 +1,547 @@
+//! [`spawn`] a sandbox from a [`SandboxSpec`], and the [`Sandbox`] handle to watch, kill and
+//! destroy it; [`Sandbox::adopt`] and [`reap_orphans`] for reconciliation after a crash.
+
+use std::fs;
+use std::io::{Read, Write};
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::unix::fs::{DirBuilderExt, PermissionsExt, chown};
+use std::os::unix::process::{CommandExt, ExitStatusExt};
+use std::path::{Path, PathBuf};
+use std::process::{Command, ExitStatus, Stdio};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use crate::cgroup::{self, Cgroup, CgroupStats};
+use crate::error::{Error, Result, io_ctx};
+use crate::helper::{HELPER_ARG, HelperRequest, Status};
+use crate::spec::SandboxSpec;
+use crate::sys;
+
+/// How long `spawn` waits for the init program to be exec'd before giving up.
+const SPAWN_TIMEOUT: Duration = Duration::from_secs(20);
+
+/// A running (or exited, not yet destroyed) sandbox.
+///
+/// Dropping the handle does NOT stop the sandbox (so a caller can hand it over or crash
+/// without killing workloads); call [`destroy`](Self::destroy).
+#[derive(Debug)]
+pub struct Sandbox {
+    id: String,
+    pid: i32,
+    pidfd: OwnedFd,
+    cgroup: Cgroup,
+    sandbox_dir: PathBuf,
+    /// True when this process is the init's parent (spawned here, not adopted).
+    is_parent: bool,
+    /// `None`: running; `Some(status)`: exited (status `None` when not our child).
+    exit: Mutex<Option<Option<ExitStatus>>>,
+    timings: Vec<(String, Duration)>,
+}
+
+/// Creates a sandbox and returns once its init program has been exec'd.
+///
+/// Blocking (tens of milliseconds): call it from `tokio::task::spawn_blocking` in async
+/// code. Creates `<sandbox_dir>/{upper,work,ctl,rootfs}` and the cgroup `cubicle/<id>`,
+/// then runs the helper (see the crate docs for the [`maybe_run_helper`](crate::maybe_run_helper)
+/// contract). On error everything created here is removed again.
+pub fn spawn(spec: &SandboxSpec) -> Result<Sandbox> {
+    let start = Instant::now();
+    let start_ns = sys::monotonic_ns();
+    spec.validate()?;
+    let mut timings = Vec::new();
+    let existing = Cgroup::handle(&spec.id)?;
+    if !existing.procs()?.is_empty() {
+        return Err(Error::InvalidSpec(format!(
+            "sandbox {} is already running",
+            spec.id
+        )));
+    }
+    let created = prepare_dirs(spec)?;
+    let cgroup = match Cgroup::create(&spec.id, &spec.limits) {
+        Ok(c) => c,
+        Err(e) => {
+            remove_dirs(&created);
+            return Err(e);
+        }
+    };
+    timings.push(("cgroup_created".to_string(), start.elapsed()));
+
+    let mut pid = None;
+    match run_helper(spec, start_ns, &mut pid, &mut timings) {
+        Ok(()) => {}
+        Err(e) => {
+            let _ = cgroup.kill_all();
+            if let Some(p) = pid {
+                reap_child(p);
+            }
+            let _ = cgroup.remove();
+            // Only what this call created: an existing upper layer holds the user's data.
+            remove_dirs(&created);
+            return Err(e);
+        }
+    }
+    let pid = pid.ok_or_else(|| Error::Setup("helper reported no pid".into()))?;
+    let pidfd = sys::pidfd_open(pid).map_err(io_ctx(|| format!("pidfd_open({pid})")))?;
+    timings.push(("spawn_returned".to_string(), start.elapsed()));
+    Ok(Sandbox {
+        id: spec.id.clone(),
+        pid,
+        pidfd,
+        cgroup,
+        sandbox_dir: spec.sandbox_dir.clone(),
+        is_parent: true,
+        exit: Mutex::new(None),
+        timings,
+    })
+}
+
+/// Creates the sandbox's private directories with the right owners; returns those that
+/// did not exist before.
+fn prepare_dirs(spec: &SandboxSpec) -> Result<Vec<PathBuf>> {
+    let mut created = Vec::new();
+    let res = prepare_dirs_into(spec, &mut created);
+    if res.is_err() {
+        remove_dirs(&created);
+    }
+    res.map(|()| created)
+}
+
+fn remove_dirs(dirs: &[PathBuf]) {
+    for d in dirs.iter().rev() {
+        let _ = fs::remove_dir_all(d);
+    }
+}
+
+fn prepare_dirs_into(spec: &SandboxSpec, created: &mut Vec<PathBuf>) -> Result<()> {
+    // The directory itself is the caller's (it may hold the log): never in `created`.
+    let dir = &spec.sandbox_dir;
+    if !dir.exists() {
+        fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o711)
+            .create(dir)
+            .map_err(io_ctx(|| format!("create {}", dir.display())))?;
+    }
+    fs::set_permissions(dir, fs::Permissions::from_mode(0o711))
+        .map_err(io_ctx(|| format!("chmod 0711 {}", dir.display())))?;
+    let owned = [
+        (spec.upper_dir(), 0o755),
+        (spec.work_dir(), 0o700),
+        (spec.ctl_dir(), 0o700),
+    ];
+    for (d, mode) in owned {
+        match fs::DirBuilder::new().mode(mode).create(&d) {
+            Ok(()) => created.push(d.clone()),
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
+            Err(e) => return Err(io_ctx(|| format!("create {}", d.display()))(e)),
+        }
+        chown(&d, Some(spec.uid_base), Some(spec.uid_base)).map_err(io_ctx(|| {
+            format!("chown {} to {}", d.display(), spec.uid_base)
+        }))?;
+    }
+    let m = spec.mount_dir();
+    match fs::DirBuilder::new().mode(0o755).create(&m) {
+        Ok(()) => {
+            created.push(m);
+            Ok(())
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => Ok(()),
+        Err(e) => Err(io_ctx(|| format!("create {}", m.display()))(e)),
+    }
+}
+
+/// Removes what `spawn` created inside the sandbox directory (not the directory itself,
+/// which belongs to the caller and may hold logs).
+fn remove_layers(dir: &Path) -> Result<()> {
+    for sub in ["upper", "work", "ctl", "rootfs"] {
+        let p = dir.join(sub);
+        match fs::remove_dir_all(&p) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => return Err(io_ctx(|| format!("remove {}", p.display()))(e)),
+        }
+    }
+    Ok(())
+}
+
+fn run_helper(
+    spec: &SandboxSpec,
+    start_ns: u64,
+    pid_out: &mut Option<i32>,
+    timings: &mut Vec<(String, Duration)>,
+) -> Result<()> {
+    let log: Stdio = match &spec.log_file {
+        Some(p) => fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(p)
+            .map_err(io_ctx(|| format!("open log file {}", p.display())))?
+            .into(),
+        None => Stdio::null(),
+    };
+    let mut child = Command::new("/proc/self/exe")
+        .arg0("cubicle-sandbox-helper")
+        .arg(HELPER_ARG)
+        .env_clear()
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(log)
+        .spawn()
+        .map_err(io_ctx(|| "start sandbox helper (/proc/self/exe)".into()))?;
+    let request = serde_json::to_vec(&HelperRequest { spec: spec.clone() })
+        .map_err(|e| Error::Setup(format!("encode helper request: {e}")))?;
+    let write_res = child.stdin.take().map(|mut s| s.write_all(&request));
+    let mut out = child
+        .stdout
+        .take()
+        .ok_or_else(|| Error::Setup("helper stdout missing".into()))?;
+
+    let mut buf = Vec::new();
+    let deadline = Instant::now() + SPAWN_TIMEOUT;
+    let read_res = read_until_eof(&mut out, &mut buf, deadline);
+    if read_res.is_err() {
+        // Timed out or broken pipe: don't block on a stuck helper (the sandbox child, if
+        // any, is killed with the cgroup by the caller).
+        let _ = child.kill();
+    }
+    let helper_status = child
+        .wait()
+        .map_err(io_ctx(|| "wait for sandbox helper".into()))?;
+
+    let mut errors = Vec::new();
+    for line in String::from_utf8_lossy(&buf).lines() {
+        match Status::parse(line) {
+            Some(Status::Pid(p)) => *pid_out = Some(p),
+            Some(Status::Time(step, ns)) => {
+                timings.push((step, Duration::from_nanos(ns.saturating_sub(start_ns))))
+            }
+            Some(Status::Error(m)) => errors.push(m),
+            None => {}
+        }
+    }
+    if !errors.is_empty() {
+        return Err(Error::Setup(errors.join("; ")));
+    }
+    read_res?;
+    if let Some(Err(e)) = write_res {
+        return Err(Error::Setup(format!("send request to helper: {e}")));
+    }
+    if !helper_status.success() {
+        return Err(Error::Setup(format!(
+            "sandbox helper failed: {helper_status}"
+        )));
+    }
+    if pid_out.is_none() {
+        return Err(Error::Setup(
+            "helper exited without creating the sandbox".into(),
+        ));
+    }
+    Ok(())
+}
+
+fn read_until_eof(
+    out: &mut std::process::ChildStdout,
+    buf: &mut Vec<u8>,
+    deadline: Instant,
+) -> Result<()> {
+    let mut chunk = [0u8; 4096];
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(Error::Setup(format!(
+                "sandbox did not start within {SPAWN_TIMEOUT:?}"
+            )));
+        }
+        let mut pfd = libc::pollfd {
+            fd: out.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // SAFETY: one valid pollfd.
+        let rc = unsafe { libc::poll(&mut pfd, 1, left.as_millis().min(i32::MAX as u128) as i32) };
+        if rc < 0 {
+            let e = std::io::Error::last_os_error();
+            if e.kind() == std::io::ErrorKind::Interrupted {
+                continue;
+            }
+            return Err(io_ctx(|| "poll helper status".into())(e));
+        }
+        if rc == 0 {
+            continue;
+        }
+        match out.read(&mut chunk) {
+            Ok(0) => return Ok(()),
+            Ok(n) => buf.extend_from_slice(&chunk[..n]),
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(io_ctx(|| "read helper status".into())(e)),
+        }
+    }
+}
+
+/// Reaps `pid` if it is our child (blocking until it exits); ignores ECHILD.
+fn reap_child(pid: i32) -> Option<ExitStatus> {
+    let mut status = 0;
+    loop {
+        // SAFETY: waitpid with a valid out pointer.
+        let r = unsafe { libc::waitpid(pid, &mut status, 0) };
+        if r == pid {
+            return Some(ExitStatus::from_raw(status));
+        }
+        if r < 0 && std::io::Error::last_os_error().raw_os_error() == Some(libc::EINTR) {
+            continue;
+        }
+        return None;
+    }
+}
+
+/// Whether a pidfd reports its process as exited (waits up to `timeout_ms`).
+fn pidfd_exited(fd: &OwnedFd, timeout_ms: i32) -> bool {
+    let mut pfd = libc::pollfd {
+        fd: fd.as_raw_fd(),
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    // SAFETY: one valid pollfd.
+    let rc = unsafe { libc::poll(&mut pfd, 1, timeout_ms) };
+    rc > 0
+}
+
+impl Sandbox {
+    /// Sandbox id.
+    pub fn id(&self) -> &str {
+        &self.id
+    }
+
+    /// Host pid of the sandbox's init (PID 1 inside).
+    pub fn pid(&self) -> i32 {
+        self.pid
+    }
+
+    /// A pidfd of the init process (poll it for readability to learn of its exit).
+    pub fn pidfd(&self) -> &OwnedFd {
+        &self.pidfd
+    }
+
+    /// `/proc/<pid>/ns/net`: the sandbox's network namespace, for the network module.
+    pub fn netns_path(&self) -> PathBuf {
+        PathBuf::from(format!("/proc/{}/ns/net", self.pid))
+    }
+
+    /// The sandbox's private host directory.
+    pub fn sandbox_dir(&self) -> &Path {
+        &self.sandbox_dir
+    }
+
+    /// `<sandbox_dir>/ctl`: where the agent's Unix socket appears on the host.
+    pub fn ctl_dir(&self) -> PathBuf {
+        self.sandbox_dir.join("ctl")
+    }
+
+    /// Connects to the Unix socket `name` in [`ctl_dir`](Self::ctl_dir) safely (see
+    /// [`connect_ctl_socket`](crate::connect_ctl_socket)).
+    pub fn connect_ctl(&self, name: &str) -> Result<std::os::unix::net::UnixStream> {
+        crate::ctl::connect_ctl_socket(&self.ctl_dir(), name)
+    }
+
+    /// The sandbox's cgroup.
+    pub fn cgroup(&self) -> &Cgroup {
+        &self.cgroup
+    }
+
+    /// Time from the start of `spawn` to each setup step (`cgroup_created`,
+    /// `helper_started`, `cloned`, `id_maps_written`, `mounts_prepared`, `child_released`,
+    /// `overlay_mounted`, `pseudo_fs_mounted`, `rootfs_ready`, `exec`, `spawn_returned`).
+    /// Empty for adopted sandboxes.
+    pub fn timings(&self) -> &[(String, Duration)] {
+        &self.timings
+    }
+
+    /// Whether the init process is still running.
+    pub fn is_alive(&self) -> bool {
+        self.poll_exit().is_none()
+    }
+
+    /// The init's exit status once it has exited (reaping it when it is our child).
+    /// `None` while it runs, and also for an adopted sandbox (not our child: the status
+    /// is not available) — use [`is_alive`](Self::is_alive) to tell.
+    pub fn exit_status(&self) -> Option<ExitStatus> {
+        self.poll_exit().flatten()
+    }
+
+    /// `None`: running. `Some(status)`: exited, with the status when known.
+    fn poll_exit(&self) -> Option<Option<ExitStatus>> {
+        let mut exit = self.exit.lock().unwrap_or_else(|p| p.into_inner());
+        if exit.is_some() {
+            return *exit;
+        }
+        if self.is_parent {
+            let mut status = 0;
+            // SAFETY: waitpid with a valid out pointer.
+            let r = unsafe { libc::waitpid(self.pid, &mut status, libc::WNOHANG) };
+            if r == self.pid {
+                *exit = Some(Some(ExitStatus::from_raw(status)));
+                return *exit;
+            }
+            if r == 0 {
+                return None;
+            }
+        }
+        if pidfd_exited(&self.pidfd, 0) {
+            *exit = Some(None);
+        }
+        *exit
+    }
+
+    /// Blocks until the init exits, at most `timeout`; true if it exited.
+    pub fn wait_timeout(&self, timeout: Duration) -> bool {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if self.poll_exit().is_some() {
+                return true;
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return false;
+            }
+            pidfd_exited(&self.pidfd, left.as_millis().clamp(1, 50) as i32);
+        }
+    }
+
+    /// Current usage counters of the sandbox's cgroup.
+    pub fn stats(&self) -> Result<CgroupStats> {
+        self.cgroup.stats()
+    }
+
+    /// Whether the kernel's OOM killer killed a process of this sandbox.
+    pub fn oom_killed(&self) -> Result<bool> {
+        Ok(self.cgroup.stats()?.oom_kills > 0)
+    }
+
+    /// Kills every process of the sandbox (the whole cgroup, and the init through its
+    /// pidfd) and waits until they are gone. Idempotent.
+    pub fn kill(&self) -> Result<()> {
+        // Killing PID 1 of a pid namespace makes the kernel kill everything in it.
+        // SAFETY: pidfd_send_signal with a valid pidfd and no siginfo.
+        unsafe {
+            libc::syscall(
+                libc::SYS_pidfd_send_signal,
+                self.pidfd.as_raw_fd(),
+                libc::SIGKILL,
+                0usize,
+                0u32,
+            )
+        };
+        self.cgroup.kill_all()?;
+        if !self.wait_timeout(Duration::from_secs(5)) {
+            return Err(Error::Setup(format!(
+                "sandbox {} init {} survived SIGKILL",
+                self.id, self.pid
+            )));
+        }
+        Ok(())
+    }
+
+    /// Kills the sandbox, removes its cgroup and its `upper/`, `work/`, `ctl/` and `rootfs/`
+    /// directories. Its mounts lived only in its own mount namespace, which is gone once
+    /// its last process exited.
+    pub fn destroy(self) -> Result<()> {
+        self.kill()?;
+        self.cgroup.remove()?;
+        remove_layers(&self.sandbox_dir)
+    }
+
+    /// Re-attaches to a sandbox left running by an earlier process (e.g. after a node
+    /// restart): finds the init (the member of `cubicle/<id>` whose pid inside its pid
+    /// namespace is 1). [`NotFound`](Error::NotFound) if there is no such cgroup or init;
+    /// use [`reap_orphans`] or [`remove_leftovers`] for those.
+    pub fn adopt(id: &str, sandbox_dir: &Path) -> Result<Sandbox> {
+        let cgroup = Cgroup::handle(id)?;
+        if !cgroup.exists() {
+            return Err(Error::NotFound(id.to_string()));
+        }
+        let init = cgroup
+            .procs()?
+            .into_iter()
+            .find(|p| is_namespace_init(*p))
+            .ok_or_else(|| Error::NotFound(id.to_string()))?;
+        let pidfd = sys::pidfd_open(init).map_err(io_ctx(|| format!("pidfd_open({init})")))?;
+        let is_parent = parent_of(init) == Some(std::process::id() as i32);
+        Ok(Sandbox {
+            id: id.to_string(),
+            pid: init,
+            pidfd,
+            cgroup,
+            sandbox_dir: sandbox_dir.to_path_buf(),
+            is_parent,
+            exit: Mutex::new(None),
+            timings: Vec::new(),
+        })
+    }
+}
+
+/// Whether host pid `pid` is PID 1 of a nested pid namespace (`NSpid: <host> ... 1`).
+fn is_namespace_init(pid: i32) -> bool {
+    let Ok(status) = fs::read_to_string(format!("/proc/{pid}/status")) else {
+        return false;
+    };
+    status.lines().any(|l| {
+        l.strip_prefix("NSpid:").is_some_and(|rest| {
+            let ids: Vec<&str> = rest.split_whitespace().collect();
+            ids.len() >= 2 && ids.last() == Some(&"1")
+        })
+    })
+}
+
+fn parent_of(pid: i32) -> Option<i32> {
+    let status = fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("PPid:").and_then(|v| v.trim().parse().ok()))
+}
+
+/// Kills and removes the sandbox `id` whether or not it still runs: every process in its
+/// cgroup, the cgroup, and the layers in `sandbox_dir` when given.
+pub fn remove_leftovers(id: &str, sandbox_dir: Option<&Path>) -> Result<()> {
+    let cg = Cgroup::handle(id)?;
+    // A helper orphaned mid-create may still be moving into the cgroup or cloning: kill
+    // and retry until the cgroup is really gone.
+    let mut attempt = 0;
+    loop {
+        let init = cg.procs()?.into_iter().find(|p| is_namespace_init(*p));
+        cg.kill_all()?;
+        if let Some(p) = init
+            && parent_of(p) == Some(std::process::id() as i32)
+        {
+            reap_child(p);
+        }
+        match cg.remove_within(Duration::from_millis(200)) {
+            Ok(()) => break,
+            Err(e) if attempt >= 25 => return Err(e),
+            Err(_) => attempt += 1,
+        }
+    }
+    if let Some(dir) = sandbox_dir {
+        remove_layers(dir)?;
+    }
+    Ok(())
+}
+
+/// Reconciliation: kills and removes every `cubicle/<id>` cgroup (and its processes) for
+/// which `is_known(id)` is false. Returns the ids removed. Directories are the caller's
+/// to remove (it knows where they live), e.g. with [`remove_leftovers`].
+pub fn reap_orphans(is_known: impl Fn(&str) -> bool) -> Result<Vec<String>> {
+    let mut removed = Vec::new();
+    for id in cgroup::list()? {
+        if is_known(&id) {
+            continue;
+        }
+        remove_leftovers(&id, None)?;
+        removed.push(id);
+    }
+    Ok(removed)
+}
+
+/// Ids of every sandbox cgroup on this host (`cubicle/*`).
+pub fn list_sandboxes() -> Result<Vec<String>> {
+    cgroup::list()
+}

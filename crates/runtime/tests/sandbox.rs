@@ -1,0 +1,891 @@
+//! End-to-end tests of cubicle-runtime, as root, on the real kernel.
+//!
+//! `harness = false`: `spawn()` re-executes this binary as the sandbox helper, so `main()`
+//! must call `maybe_run_helper()` first — libtest's generated main cannot. Tests run one
+//! after the other; pass substrings as arguments to run only matching tests
+//! (`cargo test -p cubicle-runtime --test sandbox -- oom`).
+//!
+//! The template is a busybox-static rootfs built in a temporary directory. Init programs are
+//! `/bin/busybox sh -c SCRIPT` whose output goes to a log file the test reads.
+
+use std::fs;
+use std::os::unix::fs::{MetadataExt, PermissionsExt, chown, symlink};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::{Duration, Instant};
+
+use cubicle_runtime::{BindMount, Cgroup, Sandbox, SandboxSpec, spawn};
+
+struct Env {
+    root: PathBuf,
+    template: PathBuf,
+    uid_base: u32,
+    counter: AtomicU32,
+    has_suid_probe: bool,
+    has_syscall_probe: bool,
+}
+
+impl Env {
+    fn new() -> Env {
+        let pid = std::process::id();
+        let root = PathBuf::from(format!("/tmp/cubicle-rt-test-{pid}"));
+        let _ = fs::remove_dir_all(&root);
+        fs::create_dir_all(&root).unwrap();
+        fs::set_permissions(&root, fs::Permissions::from_mode(0o755)).unwrap();
+        let template = root.join("template");
+        let has_suid_probe = build_busybox_rootfs(&template, &root);
+        let has_syscall_probe = compile_c(&root, SYSCALL_PROBE, &template.join("bin/syscallprobe"));
+        // A uid range far from host users and, per test process, from other test runs.
+        let uid_base = 2_000_000_000 + (pid % 1000) * 65536 * 32;
+        Env {
+            root,
+            template,
+            uid_base,
+            counter: AtomicU32::new(0),
+            has_suid_probe,
+            has_syscall_probe,
+        }
+    }
+
+    /// A spec for a fresh sandbox running `script` with busybox sh; its log file is
+    /// `<root>/<id>.log`.
+    fn spec(&self, script: &str) -> SandboxSpec {
+        let n = self.counter.fetch_add(1, Ordering::SeqCst);
+        let id = format!("rtt{}x{n}", std::process::id());
+        let mut spec = SandboxSpec::new(
+            id.clone(),
+            &self.template,
+            self.root.join("sandboxes").join(&id),
+            self.uid_base + n * 65536,
+            vec![
+                "/bin/busybox".into(),
+                "sh".into(),
+                "-c".into(),
+                script.into(),
+            ],
+        );
+        spec.log_file = Some(self.root.join(format!("{id}.log")));
+        spec.limits.memory_bytes = 128 << 20;
+        spec
+    }
+
+    fn log(&self, spec: &SandboxSpec) -> String {
+        fs::read_to_string(spec.log_file.as_ref().unwrap()).unwrap_or_default()
+    }
+
+    /// Spawns, waits for init to exit (10 s max), returns the sandbox and its output.
+    fn run(&self, spec: &SandboxSpec) -> (Sandbox, String) {
+        let sb = spawn(spec).unwrap_or_else(|e| panic!("spawn {}: {e}", spec.id));
+        assert!(
+            sb.wait_timeout(Duration::from_secs(10)),
+            "init did not exit; log: {}",
+            self.log(spec)
+        );
+        let log = self.log(spec);
+        (sb, log)
+    }
+}
+
+fn build_busybox_rootfs(t: &Path, scratch: &Path) -> bool {
+    for d in [
+        "bin",
+        "etc",
+        "root",
+        "home/user",
+        "tmp",
+        "proc",
+        "sys",
+        "dev",
+        "run",
+        "mnt",
+        "usr/bin",
+    ] {
+        fs::create_dir_all(t.join(d)).unwrap();
+    }
+    fs::set_permissions(t.join("tmp"), fs::Permissions::from_mode(0o1777)).unwrap();
+    fs::set_permissions(t.join("root"), fs::Permissions::from_mode(0o700)).unwrap();
+    let busybox = ["/bin/busybox", "/usr/bin/busybox"]
+        .into_iter()
+        .find(|p| Path::new(p).exists())
+        .expect("busybox-static is not installed (apt-get install busybox-static)");
+    fs::copy(busybox, t.join("bin/busybox")).unwrap();
+    let list = Command::new(busybox).arg("--list").output().unwrap();
+    for applet in String::from_utf8_lossy(&list.stdout).lines() {
+        if applet != "busybox" {
+            let _ = symlink("busybox", t.join("bin").join(applet));
+        }
+    }
+    fs::write(
+        t.join("etc/passwd"),
+        "root:x:0:0:root:/root:/bin/sh\nuser:x:1000:1000:user:/home/user:/bin/sh\n",
+    )
+    .unwrap();
+    fs::write(t.join("etc/group"), "root:x:0:\ntty:x:5:\nuser:x:1000:\n").unwrap();
+    fs::write(t.join("etc/secret-of-template"), "root only\n").unwrap();
+    fs::set_permissions(
+        t.join("etc/secret-of-template"),
+        fs::Permissions::from_mode(0o600),
+    )
+    .unwrap();
+    chown(t.join("home/user"), Some(1000), Some(1000)).unwrap();
+    // A setuid-root probe, to show setuid (hence sudo) works: no no_new_privs.
+    let probe = t.join("bin/suidprobe");
+    let ok = compile_c(scratch, SUID_PROBE, &probe);
+    if ok {
+        fs::set_permissions(&probe, fs::Permissions::from_mode(0o4755)).unwrap();
+    }
+    ok
+}
+
+const SUID_PROBE: &str = r#"
+#include <stdio.h>
+#include <unistd.h>
+int main(void) { printf("ruid=%d euid=%d\n", (int)getuid(), (int)geteuid()); return 0; }
+"#;
+
+/// Calls each system call the seccomp policy denies (with harmless arguments) and prints
+/// `name=errno`.
+const SYSCALL_PROBE: &str = r#"
+#define _GNU_SOURCE
+#include <errno.h>
+#include <stdio.h>
+#include <sched.h>
+#include <unistd.h>
+#include <sys/syscall.h>
+#define TRY(name, ...) do { errno = 0; long r = syscall(__VA_ARGS__); \
+    printf("%s=%d\n", name, r < 0 ? errno : 0); } while (0)
+int main(void) {
+    TRY("init_module", SYS_init_module, 0, 0, "");
+    TRY("finit_module", SYS_finit_module, -1, "", 0);
+    TRY("delete_module", SYS_delete_module, "x", 0);
+    TRY("kexec_load", SYS_kexec_load, 0, 0, 0, 0);
+    TRY("reboot", SYS_reboot, 0, 0, 0, 0);
+    TRY("swapoff", SYS_swapoff, "/nonexistent");
+    TRY("keyctl", SYS_keyctl, 0, 0, 0, 0, 0);
+    TRY("add_key", SYS_add_key, "user", "x", "y", 1, 0);
+    TRY("bpf", SYS_bpf, 0, 0, 0);
+    TRY("perf_event_open", SYS_perf_event_open, 0, 0, -1, -1, 0);
+    TRY("userfaultfd", SYS_userfaultfd, 0);
+    TRY("mount", SYS_mount, "none", "/mnt", "tmpfs", 0, 0);
+    TRY("fsopen", 430, "tmpfs", 0);
+    TRY("open_tree", 428, -100, "/", 1);
+    TRY("pivot_root", SYS_pivot_root, "/", "/");
+    TRY("clock_settime", SYS_clock_settime, 0, 0);
+    TRY("settimeofday", SYS_settimeofday, 0, 0);
+    TRY("open_by_handle_at", SYS_open_by_handle_at, -1, 0, 0);
+    TRY("io_uring_setup", 425, 1, 0);
+    TRY("acct", SYS_acct, 0);
+    TRY("unshare_newuser", SYS_unshare, CLONE_NEWUSER);
+    TRY("clone_newuser", SYS_clone, CLONE_NEWUSER | 17, 0, 0, 0, 0);
+    TRY("clone3", 435, 0, 0);
+    TRY("personality_bad", SYS_personality, 0x0400000);
+    TRY("personality_query", SYS_personality, 0xffffffff);
+    TRY("getpid", SYS_getpid);
+    return 0;
+}
+"#;
+
+fn compile_c(scratch: &Path, source: &str, out: &Path) -> bool {
+    let src = scratch.join(format!("{}.c", out.file_name().unwrap().to_string_lossy()));
+    fs::write(&src, source).unwrap();
+    Command::new("cc")
+        .args(["-static", "-O1", "-o"])
+        .arg(out)
+        .arg(&src)
+        .status()
+        .map(|s| s.success())
+        .unwrap_or(false)
+}
+
+/// Asserts that nothing of the sandbox remains on the host.
+fn assert_clean(spec: &SandboxSpec, pid: i32) {
+    let mountinfo = fs::read_to_string("/proc/self/mountinfo").unwrap();
+    let dir = spec.sandbox_dir.to_string_lossy().to_string();
+    assert!(
+        !mountinfo.contains(&dir),
+        "host mountinfo still mentions {dir}"
+    );
+    let cg = Cgroup::handle(&spec.id).unwrap();
+    assert!(!cg.exists(), "cgroup dirs remain: {:?}", cg.dirs());
+    // An adopted init (not our child) is a zombie until the host's init reaps it.
+    let deadline = Instant::now() + Duration::from_secs(2);
+    while Path::new(&format!("/proc/{pid}")).exists() && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert!(
+        !Path::new(&format!("/proc/{pid}")).exists(),
+        "init {pid} still exists"
+    );
+    for sub in ["upper", "work", "ctl", "rootfs"] {
+        assert!(!spec.sandbox_dir.join(sub).exists(), "{sub} remains");
+    }
+}
+
+fn destroy_and_check(sb: Sandbox, spec: &SandboxSpec) {
+    let pid = sb.pid();
+    sb.destroy().unwrap();
+    assert_clean(spec, pid);
+}
+
+// ---------------------------------------------------------------------------------------
+
+fn uid_zero_inside_maps_to_uid_base(env: &Env) {
+    let spec = env.spec("id -u; touch /root/made-by-root; mkdir /home/user/sub; chown user /home/user/sub; echo done");
+    let (sb, log) = env.run(&spec);
+    assert_eq!(log.lines().next(), Some("0"), "log: {log}");
+    assert!(log.contains("done"), "log: {log}");
+    let meta = fs::metadata(spec.upper_dir().join("root/made-by-root")).unwrap();
+    assert_eq!(
+        meta.uid(),
+        spec.uid_base,
+        "file made by root inside is owned by uid_base on the host"
+    );
+    assert_eq!(meta.gid(), spec.uid_base);
+    let sub = fs::metadata(spec.upper_dir().join("home/user/sub")).unwrap();
+    assert_eq!(sub.uid(), spec.uid_base + 1000);
+    assert_eq!(sb.exit_status().map(|s| s.success()), Some(true));
+    destroy_and_check(sb, &spec);
+}
+
+fn two_sandboxes_get_distinct_ranges(env: &Env) {
+    let a = env.spec("sleep 30");
+    let b = env.spec("sleep 30");
+    let sa = spawn(&a).unwrap();
+    let sb = spawn(&b).unwrap();
+    let map = |s: &Sandbox| fs::read_to_string(format!("/proc/{}/uid_map", s.pid())).unwrap();
+    let (ma, mb) = (map(&sa), map(&sb));
+    assert_eq!(
+        ma.split_whitespace().collect::<Vec<_>>(),
+        ["0", &a.uid_base.to_string(), "65536"]
+    );
+    assert_eq!(
+        mb.split_whitespace().collect::<Vec<_>>(),
+        ["0", &b.uid_base.to_string(), "65536"]
+    );
+    assert!(a.uid_base.abs_diff(b.uid_base) >= 65536);
+    let again = spawn(&a).map(|_| ()).unwrap_err().to_string();
+    assert!(again.contains("already running"), "{again}");
+    let host_uid = |s: &Sandbox| fs::metadata(format!("/proc/{}", s.pid())).unwrap().uid();
+    assert_eq!(host_uid(&sa), a.uid_base);
+    assert_eq!(host_uid(&sb), b.uid_base);
+    destroy_and_check(sa, &a);
+    destroy_and_check(sb, &b);
+}
+
+fn ps_shows_only_sandbox_processes(env: &Env) {
+    let spec = env.spec("sleep 30 & ps -o pid,comm; echo ps-done");
+    let (sb, log) = env.run(&spec);
+    assert!(log.contains("ps-done"), "log: {log}");
+    let pids: Vec<u32> = log
+        .lines()
+        .skip(1)
+        .filter_map(|l| l.split_whitespace().next()?.parse().ok())
+        .collect();
+    assert!(pids.contains(&1), "init is pid 1 inside: {log}");
+    assert!(pids.len() <= 4, "only the sandbox's processes: {log}");
+    assert!(pids.iter().all(|p| *p < 10), "{log}");
+    destroy_and_check(sb, &spec);
+}
+
+fn hostname_and_host_paths(env: &Env) {
+    let mut spec = env.spec(
+        "hostname; cat /etc/shadow && echo SHADOW-READABLE; ls /work >/dev/null 2>&1 && echo WORK-VISIBLE; \
+         test -e /tmp/cubicle-rt-test-* && echo HOST-TMP-VISIBLE; ls /root /etc/secret-of-template; \
+         echo links=$(ls /sys/class/net | tr '\\n' ' '); ip -o link | grep -c -v ': lo:'; \
+         ip -o link | grep -q 'lo:.*UP' && echo lo-up; echo end",
+    );
+    spec.hostname = "cubicle-test-host".into();
+    let (sb, log) = env.run(&spec);
+    assert_eq!(log.lines().next(), Some("cubicle-test-host"), "log: {log}");
+    for bad in ["SHADOW-READABLE", "WORK-VISIBLE", "HOST-TMP-VISIBLE"] {
+        assert!(!log.contains(bad), "{bad}: {log}");
+    }
+    assert!(
+        log.contains("/etc/secret-of-template"),
+        "template files visible: {log}"
+    );
+    assert!(
+        log.lines().any(|l| l.trim() == "links=lo"),
+        "only loopback: {log}"
+    );
+    assert!(log.contains("lo-up"), "loopback is up: {log}");
+    assert!(log.trim_end().ends_with("end"), "log: {log}");
+    destroy_and_check(sb, &spec);
+}
+
+fn mount_and_privileged_calls_fail(env: &Env) {
+    let spec = env.spec(
+        "mount -t tmpfs x /mnt && echo MOUNT-OK; unshare -U true && echo UNSHARE-USER-OK; \
+         unshare -m true && echo UNSHARE-MNT-OK; \
+         grep -E '^(Seccomp|NoNewPrivs|CapBnd|CapEff):' /proc/self/status; \
+         swapoff /nonexistent && echo SWAPOFF-OK; reboot -f && echo REBOOT-OK; \
+         echo 1 > /proc/sys/kernel/panic && echo SYSCTL-OK; echo x > /proc/sysrq-trigger; \
+         echo timer_list=$(wc -c < /proc/timer_list); echo keys=$(wc -c < /proc/keys); \
+         echo x > /proc/timer_list; echo timer_list_after_write=$(wc -c < /proc/timer_list); echo end",
+    );
+    let (sb, log) = env.run(&spec);
+    for bad in [
+        "MOUNT-OK",
+        "UNSHARE-USER-OK",
+        "UNSHARE-MNT-OK",
+        "SWAPOFF-OK",
+        "REBOOT-OK",
+        "SYSCTL-OK",
+    ] {
+        assert!(!log.contains(bad), "{bad}: {log}");
+    }
+    let field = |k: &str| {
+        log.lines()
+            .find_map(|l| l.strip_prefix(k))
+            .map(str::trim)
+            .unwrap_or("")
+    };
+    assert_eq!(field("Seccomp:"), "2", "seccomp filter active: {log}");
+    assert_eq!(
+        field("NoNewPrivs:"),
+        "0",
+        "no_new_privs must stay off for sudo: {log}"
+    );
+    let bnd = u64::from_str_radix(field("CapBnd:"), 16).unwrap();
+    assert_eq!(
+        bnd,
+        cubicle_runtime::capabilities::kept_mask(),
+        "bounding set: {log}"
+    );
+    assert!(
+        log.contains("timer_list=0"),
+        "/proc/timer_list is masked: {log}"
+    );
+    assert!(log.contains("keys=0"), "/proc/keys is masked: {log}");
+    assert!(
+        log.contains("timer_list_after_write=0"),
+        "writes to a masked file go nowhere: {log}"
+    );
+    assert!(log.contains("end"), "{log}");
+    assert!(!sb.is_alive());
+    destroy_and_check(sb, &spec);
+}
+
+fn seccomp_denies_dangerous_syscalls(env: &Env) {
+    if !env.has_syscall_probe {
+        println!("    (skipped: no C compiler with static libc to build the syscall probe)");
+        return;
+    }
+    let spec = env.spec("/bin/syscallprobe; echo end");
+    let (sb, log) = env.run(&spec);
+    let errno = |name: &str| -> i32 {
+        log.lines()
+            .find_map(|l| l.strip_prefix(&format!("{name}=")))
+            .and_then(|v| v.trim().parse().ok())
+            .unwrap_or_else(|| panic!("{name} not in output: {log}"))
+    };
+    for name in [
+        "init_module",
+        "finit_module",
+        "delete_module",
+        "kexec_load",
+        "reboot",
+        "swapoff",
+        "keyctl",
+        "add_key",
+        "bpf",
+        "perf_event_open",
+        "userfaultfd",
+        "mount",
+        "fsopen",
+        "open_tree",
+        "pivot_root",
+        "clock_settime",
+        "settimeofday",
+        "open_by_handle_at",
+        "io_uring_setup",
+        "acct",
+        "unshare_newuser",
+        "clone_newuser",
+        "personality_bad",
+    ] {
+        assert_eq!(errno(name), 1, "{name} must fail with EPERM: {log}");
+    }
+    assert_eq!(errno("clone3"), 38, "clone3 must fail with ENOSYS: {log}");
+    assert_eq!(errno("personality_query"), 0, "{log}");
+    assert_eq!(errno("getpid"), 0, "{log}");
+    destroy_and_check(sb, &spec);
+}
+
+fn devices_and_ctl_bind(env: &Env) {
+    let envd = env.root.join("fake-envd");
+    fs::write(&envd, "#!/bin/sh\necho fake envd\n").unwrap();
+    fs::set_permissions(&envd, fs::Permissions::from_mode(0o755)).unwrap();
+    let extra = env.root.join("extra-ro");
+    fs::create_dir_all(&extra).unwrap();
+    fs::write(extra.join("file"), "extra\n").unwrap();
+    // A host socket the sandbox will try to redirect the node to.
+    let host_sock = env.root.join("host-only.sock");
+    let _listener = std::os::unix::net::UnixListener::bind(&host_sock).unwrap();
+    let mut spec = env.spec(&format!(
+        "ln -s {} /run/cubicle/ctl/envd.sock; \
+         head -c 16 /dev/urandom | wc -c; echo x > /dev/null && echo null-ok; \
+         exec 3<>/dev/ptmx && echo ptmx-ok; ls /dev/pts; \
+         cat /run/cubicle/envd | head -1; echo x > /run/cubicle/envd || echo envd-ro; \
+         echo from-inside > /run/cubicle/ctl/hello && echo ctl-ok; \
+         cat /opt/extra/file; touch /opt/extra/new || echo extra-ro; \
+         touch /sys/x 2>/dev/null || echo sys-ro; echo end",
+        host_sock.display()
+    ));
+    spec.envd_binary = Some(envd);
+    spec.binds.push(BindMount {
+        source: extra,
+        target: "/opt/extra".into(),
+        readonly: true,
+    });
+    let (sb, log) = env.run(&spec);
+    for want in [
+        "16",
+        "null-ok",
+        "ptmx-ok",
+        "ptmx",
+        "#!/bin/sh",
+        "envd-ro",
+        "ctl-ok",
+        "extra",
+        "extra-ro",
+        "sys-ro",
+        "end",
+    ] {
+        assert!(
+            log.lines().any(|l| l.trim() == want),
+            "missing {want:?}: {log}"
+        );
+    }
+    assert_eq!(
+        fs::read_to_string(spec.ctl_dir().join("hello")).unwrap(),
+        "from-inside\n"
+    );
+    // The planted symlink would take a naive host connect to the host's socket...
+    assert!(std::os::unix::net::UnixStream::connect(spec.ctl_dir().join("envd.sock")).is_ok());
+    // ...the runtime's connect refuses it.
+    let e = sb.connect_ctl("envd.sock").unwrap_err().to_string();
+    assert!(e.contains("not a socket"), "{e}");
+    destroy_and_check(sb, &spec);
+}
+
+fn setuid_works_without_no_new_privs(env: &Env) {
+    if !env.has_suid_probe {
+        println!("    (skipped: no C compiler with static libc to build the setuid probe)");
+        return;
+    }
+    let spec = env.spec("su -s /bin/sh user -c 'id -u; /bin/suidprobe'; echo end");
+    let (sb, log) = env.run(&spec);
+    assert!(log.contains("1000"), "runs as user: {log}");
+    assert!(
+        log.contains("ruid=1000 euid=0"),
+        "setuid root works for uid 1000 (sudo needs it): {log}"
+    );
+    destroy_and_check(sb, &spec);
+}
+
+fn fork_bomb_is_contained(env: &Env) {
+    let mut spec = env.spec("f() { f | f & }; f; sleep 30");
+    spec.limits.pids = 64;
+    let sb = spawn(&spec).unwrap();
+    std::thread::sleep(Duration::from_millis(1500));
+    let stats = sb.stats().unwrap();
+    assert!(stats.pids <= 64, "pids {} above the limit", stats.pids);
+    assert!(
+        stats.pids_limit_hits > 0,
+        "the bomb hit pids.max: {stats:?}"
+    );
+    assert!(
+        Command::new("true").status().unwrap().success(),
+        "host can still fork"
+    );
+    let t = Instant::now();
+    destroy_and_check(sb, &spec);
+    println!("    destroyed a fork bomb in {:?}", t.elapsed());
+}
+
+fn memory_limit_oom_kills(env: &Env) {
+    let mut spec = env.spec("dd if=/dev/zero of=/dev/null bs=64M count=1; echo dd-exit=$?");
+    spec.limits.memory_bytes = 32 << 20;
+    let (sb, log) = env.run(&spec);
+    assert!(log.contains("dd-exit=137"), "dd was SIGKILLed: {log}");
+    assert!(
+        sb.oom_killed().unwrap(),
+        "oom_killed() reports the kill: {:?}",
+        sb.stats()
+    );
+    destroy_and_check(sb, &spec);
+}
+
+fn no_oom_without_pressure(env: &Env) {
+    let spec = env.spec(
+        "dd if=/dev/zero of=/dev/null bs=1M count=4; echo dd-exit=$?; cat /proc/self/cgroup; \
+         echo limit=$(cat /sys/fs/cgroup/memory/memory.limit_in_bytes /sys/fs/cgroup/memory.max 2>/dev/null); \
+         echo 1 > /sys/fs/cgroup/pids/pids.max 2>/dev/null && echo CGROUP-WRITABLE; \
+         ls /sys/fs/cgroup/memory | grep -c cubicle; echo end",
+    );
+    let (sb, log) = env.run(&spec);
+    assert!(log.contains("dd-exit=0"), "{log}");
+    // Its own cgroup, seen as the root through the cgroup namespace, read-only.
+    assert!(
+        log.contains("limit=134217728"),
+        "sandbox sees its memory limit: {log}"
+    );
+    assert!(!log.contains("CGROUP-WRITABLE"), "{log}");
+    assert!(!log.contains("cubicle/"), "host cgroup paths hidden: {log}");
+    assert!(!sb.oom_killed().unwrap());
+    let st = sb.stats().unwrap();
+    assert!(st.cpu_usage_ns > 0, "{st:?}");
+    // The limits are in the kernel (v1 file names on this host, v2 in production).
+    let files: Vec<(String, String)> = sb
+        .cgroup()
+        .dirs()
+        .iter()
+        .flat_map(|d| fs::read_dir(d).unwrap().flatten())
+        .filter_map(|e| {
+            Some((
+                e.file_name().into_string().ok()?,
+                fs::read_to_string(e.path()).ok()?.trim().to_string(),
+            ))
+        })
+        .collect();
+    let get = |k: &str| files.iter().find(|(n, _)| n == k).map(|(_, v)| v.as_str());
+    if sb.cgroup().version() == cubicle_runtime::CgroupVersion::V1 {
+        assert_eq!(get("memory.limit_in_bytes"), Some("134217728"));
+        assert_eq!(
+            get("memory.memsw.limit_in_bytes"),
+            Some("134217728"),
+            "no swap"
+        );
+        assert_eq!(get("cpu.cfs_quota_us"), Some("200000"));
+        assert_eq!(get("cpu.cfs_period_us"), Some("100000"));
+        assert_eq!(get("pids.max"), Some("1024"));
+    } else {
+        assert_eq!(get("memory.max"), Some("134217728"));
+        assert_eq!(get("cpu.max"), Some("200000 100000"));
+        assert_eq!(get("pids.max"), Some("1024"));
+    }
+    destroy_and_check(sb, &spec);
+}
+
+fn adopt_and_reap_after_crash(env: &Env) {
+    let spec = env.spec("sleep 60 & sleep 60");
+    let sb = spawn(&spec).unwrap();
+    let pid = sb.pid();
+    drop(sb); // the "node" forgets it, as after a crash
+    assert!(
+        cubicle_runtime::list_sandboxes()
+            .unwrap()
+            .contains(&spec.id)
+    );
+    let adopted = Sandbox::adopt(&spec.id, &spec.sandbox_dir).unwrap();
+    assert_eq!(adopted.pid(), pid);
+    assert!(adopted.is_alive());
+    assert_eq!(
+        adopted.netns_path(),
+        PathBuf::from(format!("/proc/{pid}/ns/net"))
+    );
+    destroy_and_check(adopted, &spec);
+
+    // And an orphan nobody adopts: reap_orphans removes it (only ours: others are "known").
+    let spec2 = env.spec("sleep 60");
+    let sb2 = spawn(&spec2).unwrap();
+    let pid2 = sb2.pid();
+    drop(sb2);
+    let removed = cubicle_runtime::reap_orphans(|id| id != spec2.id).unwrap();
+    assert_eq!(removed, vec![spec2.id.clone()]);
+    cubicle_runtime::remove_leftovers(&spec2.id, Some(&spec2.sandbox_dir)).unwrap();
+    assert_clean(&spec2, pid2);
+}
+
+fn setup_failure_cleans_up(env: &Env) {
+    let mut spec = env.spec("true");
+    spec.init = vec!["/does/not/exist".into()];
+    let err = spawn(&spec).unwrap_err().to_string();
+    assert!(err.contains("execve /does/not/exist"), "{err}");
+    let cg = Cgroup::handle(&spec.id).unwrap();
+    assert!(!cg.exists(), "cgroup removed after a failed spawn");
+    assert!(!spec.upper_dir().exists());
+    let mountinfo = fs::read_to_string("/proc/self/mountinfo").unwrap();
+    assert!(!mountinfo.contains(&*spec.sandbox_dir.to_string_lossy()));
+}
+
+fn open_fds() -> usize {
+    fs::read_dir("/proc/self/fd").unwrap().count()
+}
+
+/// Children of this process that are zombies (an init nobody reaped).
+fn zombie_children() -> Vec<i32> {
+    let me = std::process::id().to_string();
+    let mut z = Vec::new();
+    for e in fs::read_dir("/proc").unwrap().flatten() {
+        let Ok(pid) = e.file_name().to_string_lossy().parse::<i32>() else {
+            continue;
+        };
+        let Ok(stat) = fs::read_to_string(format!("/proc/{pid}/stat")) else {
+            continue;
+        };
+        // pid (comm) state ppid ...
+        let Some(after) = stat
+            .rsplit_once(')')
+            .map(|(_, a)| a.split_whitespace().collect::<Vec<_>>())
+        else {
+            continue;
+        };
+        if after.len() > 1 && after[0] == "Z" && after[1] == me {
+            z.push(pid);
+        }
+    }
+    z
+}
+
+/// Parallel creates (as the node does from several threads) and many create/destroy
+/// cycles leave no fd, zombie, mount or cgroup behind.
+fn concurrent_cycles_leak_nothing(env: &Env) {
+    let fds_before = open_fds();
+    for _round in 0..5 {
+        let specs: Vec<SandboxSpec> = (0..4).map(|_| env.spec("sleep 30")).collect();
+        let handles: Vec<_> = specs
+            .iter()
+            .cloned()
+            .map(|s| std::thread::spawn(move || spawn(&s).map_err(|e| e.to_string())))
+            .collect();
+        let sandboxes: Vec<Sandbox> = handles
+            .into_iter()
+            .map(|h| h.join().unwrap().unwrap())
+            .collect();
+        for sb in &sandboxes {
+            assert!(sb.is_alive());
+        }
+        for (sb, spec) in sandboxes.into_iter().zip(&specs) {
+            destroy_and_check(sb, spec);
+        }
+    }
+    // A sandbox whose init exits by itself is reaped by destroy too.
+    for _ in 0..10 {
+        let spec = env.spec("true");
+        let sb = spawn(&spec).unwrap();
+        destroy_and_check(sb, &spec);
+    }
+    assert_eq!(open_fds(), fds_before, "fd leak in the caller");
+    assert_eq!(
+        zombie_children(),
+        Vec::<i32>::new(),
+        "unreaped sandbox inits"
+    );
+    // (Other engineers' tests may mount things concurrently: look only for our paths.)
+    let mountinfo = fs::read_to_string("/proc/self/mountinfo").unwrap();
+    assert!(
+        !mountinfo.contains(&*env.root.to_string_lossy()),
+        "host mounts under {}",
+        env.root.display()
+    );
+    let prefix = format!("rtt{}x", std::process::id());
+    let ours: Vec<String> = cubicle_runtime::list_sandboxes()
+        .unwrap()
+        .into_iter()
+        .filter(|i| i.starts_with(&prefix))
+        .collect();
+    assert!(ours.is_empty(), "cgroups left: {ours:?}");
+}
+
+fn start_caller(spec: &SandboxSpec) -> std::process::Child {
+    Command::new(std::env::current_exe().unwrap())
+        .env(CALLER_ENV, serde_json::to_string(spec).unwrap())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap()
+}
+
+/// The node dies after a create (sandbox orphaned, its init reparented away from us) or
+/// in the middle of one (at various points): adopt/remove_leftovers clean up everything.
+fn caller_killed_leaves_nothing_after_reconcile(env: &Env) {
+    use std::io::BufRead;
+    // 1. Killed after the create: the sandbox runs on, adopted by a new "node" (us).
+    let spec = env.spec("sleep 60");
+    let mut caller = start_caller(&spec);
+    let mut line = String::new();
+    std::io::BufReader::new(caller.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    assert!(line.starts_with("spawned"), "{line}");
+    caller.kill().unwrap();
+    caller.wait().unwrap();
+    let sb = Sandbox::adopt(&spec.id, &spec.sandbox_dir).unwrap();
+    assert!(sb.is_alive());
+    let pid = sb.pid();
+    sb.destroy().unwrap();
+    assert_clean(&spec, pid);
+
+    // 2. Killed mid-create, at different moments.
+    for delay_us in [0u64, 500, 1000, 2000, 3000, 4000, 6000, 9000] {
+        let spec = env.spec("sleep 60");
+        let mut caller = start_caller(&spec);
+        std::thread::sleep(Duration::from_micros(delay_us));
+        caller.kill().unwrap();
+        caller.wait().unwrap();
+        // Let an orphaned helper get as far as it can.
+        std::thread::sleep(Duration::from_millis(30));
+        cubicle_runtime::remove_leftovers(&spec.id, Some(&spec.sandbox_dir)).unwrap();
+        std::thread::sleep(Duration::from_millis(50));
+        let cg = Cgroup::handle(&spec.id).unwrap();
+        assert!(
+            !cg.exists(),
+            "delay {delay_us}us: cgroup came back: {:?}",
+            cg.dirs()
+        );
+        let mountinfo = fs::read_to_string("/proc/self/mountinfo").unwrap();
+        assert!(!mountinfo.contains(&*spec.sandbox_dir.to_string_lossy()));
+        for sub in ["upper", "work", "ctl", "rootfs"] {
+            assert!(
+                !spec.sandbox_dir.join(sub).exists(),
+                "delay {delay_us}us: {sub} remains"
+            );
+        }
+    }
+}
+
+/// With a real Debian template (`CUBICLE_TEST_BASE_ROOTFS=/var/lib/cubicle/templates/base/rootfs`):
+/// `sudo` works for uid 1000 (setuid, PAM, setgroups inside the user namespace).
+fn base_template_sudo(env: &Env) {
+    let Ok(rootfs) = std::env::var("CUBICLE_TEST_BASE_ROOTFS") else {
+        println!("    (skipped: set CUBICLE_TEST_BASE_ROOTFS to a built base template rootfs)");
+        return;
+    };
+    let mut spec = env.spec("");
+    spec.rootfs = rootfs.into();
+    spec.init = vec![
+        "/bin/bash".into(),
+        "-c".into(),
+        "su - user -c 'id -un; sudo -n id -u; sudo -n touch /root/by-sudo && echo sudo-ok; \
+         python3 -c \"print(6*7)\"'; echo end"
+            .into(),
+    ];
+    let t = Instant::now();
+    let sb = spawn(&spec).unwrap();
+    let spawned = t.elapsed();
+    assert!(
+        sb.wait_timeout(Duration::from_secs(20)),
+        "{}",
+        env.log(&spec)
+    );
+    let log = env.log(&spec);
+    println!("    base template: spawn {spawned:?}");
+    for want in ["user", "0", "sudo-ok", "42", "end"] {
+        assert!(
+            log.lines().any(|l| l.trim() == want),
+            "missing {want:?}: {log}"
+        );
+    }
+    let made = fs::metadata(spec.upper_dir().join("root/by-sudo")).unwrap();
+    assert_eq!(made.uid(), spec.uid_base);
+    destroy_and_check(sb, &spec);
+}
+
+// ---------------------------------------------------------------------------------------
+
+type Test = (&'static str, fn(&Env));
+
+const TESTS: &[Test] = &[
+    (
+        "uid_zero_inside_maps_to_uid_base",
+        uid_zero_inside_maps_to_uid_base,
+    ),
+    (
+        "two_sandboxes_get_distinct_ranges",
+        two_sandboxes_get_distinct_ranges,
+    ),
+    (
+        "ps_shows_only_sandbox_processes",
+        ps_shows_only_sandbox_processes,
+    ),
+    ("hostname_and_host_paths", hostname_and_host_paths),
+    (
+        "mount_and_privileged_calls_fail",
+        mount_and_privileged_calls_fail,
+    ),
+    (
+        "seccomp_denies_dangerous_syscalls",
+        seccomp_denies_dangerous_syscalls,
+    ),
+    ("devices_and_ctl_bind", devices_and_ctl_bind),
+    (
+        "setuid_works_without_no_new_privs",
+        setuid_works_without_no_new_privs,
+    ),
+    ("fork_bomb_is_contained", fork_bomb_is_contained),
+    ("memory_limit_oom_kills", memory_limit_oom_kills),
+    ("no_oom_without_pressure", no_oom_without_pressure),
+    ("adopt_and_reap_after_crash", adopt_and_reap_after_crash),
+    ("setup_failure_cleans_up", setup_failure_cleans_up),
+    (
+        "concurrent_cycles_leak_nothing",
+        concurrent_cycles_leak_nothing,
+    ),
+    (
+        "caller_killed_leaves_nothing_after_reconcile",
+        caller_killed_leaves_nothing_after_reconcile,
+    ),
+    ("base_template_sudo", base_template_sudo),
+];
+
+/// Env var: run as a throwaway "node" that spawns the sandbox of this JSON spec, prints
+/// `spawned`, then sleeps (to be killed) — for the crash tests.
+const CALLER_ENV: &str = "CUBICLE_RT_TEST_CALLER_SPEC";
+
+fn main() {
+    cubicle_runtime::maybe_run_helper();
+    if let Ok(json) = std::env::var(CALLER_ENV) {
+        let spec: SandboxSpec = serde_json::from_str(&json).unwrap();
+        let sb = spawn(&spec).unwrap();
+        println!("spawned {}", sb.pid());
+        std::thread::sleep(Duration::from_secs(60));
+        return;
+    }
+    let filters: Vec<String> = std::env::args()
+        .skip(1)
+        .filter(|a| !a.starts_with('-'))
+        .collect();
+    if std::env::args().any(|a| a == "--list") {
+        for (name, _) in TESTS {
+            println!("{name}: test");
+        }
+        return;
+    }
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        println!(
+            "skipping cubicle-runtime sandbox tests: they need root (namespaces, cgroups, mounts)"
+        );
+        return;
+    }
+    let env = Env::new();
+    let selected: Vec<&Test> = TESTS
+        .iter()
+        .filter(|(n, _)| filters.is_empty() || filters.iter().any(|f| n.contains(f.as_str())))
+        .collect();
+    println!("running {} sandbox tests", selected.len());
+    let mut failed = Vec::new();
+    for (name, test) in selected {
+        let t = Instant::now();
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| test(&env)));
+        match r {
+            Ok(()) => println!("test {name} ... ok ({:?})", t.elapsed()),
+            Err(_) => {
+                println!("test {name} ... FAILED");
+                failed.push(*name);
+            }
+        }
+    }
+    // Leave nothing behind, even after failures.
+    let prefix = format!("rtt{}x", std::process::id());
+    let _ = cubicle_runtime::reap_orphans(|id| !id.starts_with(&prefix));
+    let _ = fs::remove_dir_all(&env.root);
+    if failed.is_empty() {
+        println!("test result: ok");
+    } else {
+        println!("test result: FAILED: {failed:?}");
+        std::process::exit(1);
+    }
+}
