@@ -1,0 +1,111 @@
+//! `cubicle`: the command-line interface.
+//!
+//! `cubicle run -- CMD…` runs one command in a fresh sandbox without a server;
+//! `cubicle template …` builds, lists and removes templates; `cubicle sandbox …` lists and
+//! kills sandboxes of the local state directory. (`cubicle serve` and `cubicle bench`
+//! come with their own issues.)
+//!
+//! The binary doubles as the runtime's sandbox helper: `cubicle-runtime` re-executes the
+//! current binary to create a sandbox, so `main` hands over to it before anything else.
+
+mod run;
+mod sandbox_cmd;
+mod template_cmd;
+
+use std::path::PathBuf;
+
+use clap::{Parser, Subcommand};
+
+/// Cubicle: E2B-compatible sandboxes on your own machine.
+#[derive(Parser)]
+#[command(name = "cubicle", version, about)]
+struct Cli {
+    /// State directory (templates, sandboxes).
+    #[arg(long, global = true, env = "CUBICLE_STATE_DIR", default_value = cubicle_node::config::DEFAULT_STATE_DIR)]
+    state_dir: PathBuf,
+    /// The `cubicle-envd` binary mounted into sandboxes (default: next to this binary).
+    #[arg(long, global = true, env = "CUBICLE_ENVD_BIN")]
+    envd_binary: Option<PathBuf>,
+    /// First uid/network slot this process's node allocates (nodes sharing a host must
+    /// use disjoint ranges).
+    #[arg(
+        long,
+        global = true,
+        env = "CUBICLE_FIRST_SLOT",
+        default_value_t = 0,
+        hide = true
+    )]
+    first_slot: u32,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Create a sandbox, run CMD in it (as root), stream its output, exit with its code.
+    Run(run::RunArgs),
+    /// Build, list and remove templates.
+    Template {
+        #[command(subcommand)]
+        command: template_cmd::TemplateCommand,
+    },
+    /// List and kill sandboxes of this state directory.
+    Sandbox {
+        #[command(subcommand)]
+        command: sandbox_cmd::SandboxCommand,
+    },
+    // `serve` (REST API + router) and `bench` are added by their own issues.
+}
+
+fn main() {
+    // The runtime re-executes this binary as its sandbox helper: this must run before
+    // anything else (no threads, no tokio yet).
+    cubicle_runtime::maybe_run_helper();
+
+    let cli = Cli::parse();
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("CUBICLE_LOG")
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let rt = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("cubicle: cannot start the async runtime: {e}");
+            std::process::exit(1);
+        }
+    };
+    let code = rt.block_on(async {
+        match dispatch(cli).await {
+            Ok(code) => code,
+            Err(e) => {
+                eprintln!("cubicle: {e:#}");
+                1
+            }
+        }
+    });
+    rt.shutdown_timeout(std::time::Duration::from_secs(1));
+    std::process::exit(code);
+}
+
+fn node_opts(cli: &Cli) -> sandbox_cmd::NodeOpts {
+    sandbox_cmd::NodeOpts {
+        state_dir: cli.state_dir.clone(),
+        envd_binary: cli.envd_binary.clone(),
+        first_slot: cli.first_slot,
+    }
+}
+
+async fn dispatch(cli: Cli) -> anyhow::Result<i32> {
+    let opts = node_opts(&cli);
+    match cli.command {
+        Command::Run(args) => run::run(&opts, args).await,
+        Command::Template { command } => template_cmd::run(&cli.state_dir, command).await,
+        Command::Sandbox { command } => sandbox_cmd::run(&opts, command).await,
+    }
+}

@@ -1,0 +1,74 @@
+//! `cubicle sandbox list|kill`: local sandboxes of the state directory (opening the node
+//! reconciles first, so the list shows only live sandboxes).
+
+use std::path::PathBuf;
+
+use anyhow::Context;
+use clap::Subcommand;
+use cubicle_node::{Node, NodeConfig};
+
+use crate::template_cmd::format_utc;
+
+/// Sandbox subcommands.
+#[derive(Subcommand)]
+pub enum SandboxCommand {
+    /// List live sandboxes.
+    List,
+    /// Kill a sandbox and remove every trace of it.
+    Kill {
+        /// Sandbox id.
+        id: String,
+    },
+}
+
+/// Where and how the CLI opens its node.
+pub struct NodeOpts {
+    pub state_dir: PathBuf,
+    pub envd_binary: Option<PathBuf>,
+    pub first_slot: u32,
+}
+
+pub async fn open_node(opts: &NodeOpts, need_envd: bool) -> anyhow::Result<Node> {
+    let state_dir = &opts.state_dir;
+    let envd = match cubicle_node::config::find_envd_binary(opts.envd_binary.clone()) {
+        Ok(p) => p,
+        Err(e) if need_envd => return Err(e.into()),
+        Err(_) => PathBuf::from("/nonexistent/cubicle-envd"),
+    };
+    let mut config = NodeConfig::new(state_dir, envd);
+    config.template_progress = true;
+    config.first_slot = opts.first_slot;
+    Node::open(config)
+        .await
+        .with_context(|| format!("opening the node on {}", state_dir.display()))
+}
+
+pub async fn run(opts: &NodeOpts, cmd: SandboxCommand) -> anyhow::Result<i32> {
+    let node = open_node(opts, false).await?;
+    match cmd {
+        SandboxCommand::List => {
+            println!(
+                "{:<22} {:<12} {:<9} {:>8} {:>10}  {:<19}  END (UTC)",
+                "ID", "TEMPLATE", "STATE", "PID", "UID_BASE", "CREATED (UTC)"
+            );
+            for s in node.list() {
+                println!(
+                    "{:<22} {:<12} {:<9} {:>8} {:>10}  {:<19}  {}",
+                    s.id,
+                    s.template,
+                    format!("{:?}", s.state).to_lowercase(),
+                    s.pid.map(|p| p.to_string()).unwrap_or_default(),
+                    s.uid_base,
+                    format_utc(s.created_at_ms / 1000),
+                    format_utc(s.end_at_ms / 1000)
+                );
+            }
+        }
+        SandboxCommand::Kill { id } => {
+            node.kill(&id).await?;
+            println!("killed {id}");
+        }
+    }
+    node.close();
+    Ok(0)
+}

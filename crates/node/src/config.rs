@@ -1,0 +1,163 @@
+//! Node configuration: where state lives, which envd binary goes into sandboxes, the
+//! uid range plan and the defaults.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use crate::error::{Error, Result};
+
+/// Default state directory.
+pub const DEFAULT_STATE_DIR: &str = "/var/lib/cubicle";
+/// File name of the agent binary.
+pub const ENVD_BIN_NAME: &str = "cubicle-envd";
+
+/// How a [`crate::Node`] is set up.
+#[derive(Debug, Clone)]
+pub struct NodeConfig {
+    /// State directory (`templates/`, `sandboxes/`).
+    pub state_dir: PathBuf,
+    /// Host path of `cubicle-envd` (static binary).
+    pub envd_binary: PathBuf,
+    /// First host uid of slot 0's range.
+    pub uid_base: u32,
+    /// First slot this node allocates (slot `s`: uids `uid_base + s*65536..`, network
+    /// address pair `s`). Two nodes on one host must use disjoint slot ranges.
+    pub first_slot: u32,
+    /// Most sandboxes alive at once (slots `first_slot..first_slot+max_sandboxes`).
+    pub max_sandboxes: u32,
+    /// At start, also remove every sandbox cgroup (`cubicle/*`) and veth this state
+    /// directory has no record of. Off by default: the node writes a sandbox's record
+    /// before it creates any kernel object, so its own crash leftovers are always found
+    /// through records; turning this on also kills sandboxes of *other* nodes or tests
+    /// on the same host. For a dedicated host (`cubicle serve`) it may be turned on.
+    pub reap_foreign: bool,
+    /// Sandbox lifetime when the request names none.
+    pub default_timeout: Duration,
+    /// How long create waits for envd's `/health`.
+    pub envd_ready_timeout: Duration,
+    /// Show a progress bar when a built-in template is built on first use.
+    pub template_progress: bool,
+    /// Max tasks per sandbox.
+    pub pids_limit: u32,
+}
+
+impl NodeConfig {
+    /// Defaults for `state_dir` and the given envd binary (see [`find_envd_binary`]).
+    pub fn new(state_dir: impl Into<PathBuf>, envd_binary: impl Into<PathBuf>) -> Self {
+        NodeConfig {
+            state_dir: state_dir.into(),
+            envd_binary: envd_binary.into(),
+            uid_base: 200_000,
+            first_slot: 0,
+            max_sandboxes: 4096,
+            reap_foreign: false,
+            default_timeout: Duration::from_secs(300),
+            envd_ready_timeout: Duration::from_secs(10),
+            template_progress: false,
+            pids_limit: 1024,
+        }
+    }
+}
+
+/// `$CUBICLE_STATE_DIR`, else `/var/lib/cubicle`.
+pub fn default_state_dir() -> PathBuf {
+    std::env::var_os("CUBICLE_STATE_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(DEFAULT_STATE_DIR))
+}
+
+/// Find `cubicle-envd`: the explicit path, else `$CUBICLE_ENVD_BIN`, else next to the
+/// running executable (also its parent dir, for test binaries in `target/*/deps`, and
+/// the static-target dir `target/x86_64-unknown-linux-gnu/<profile>` of a cargo build).
+pub fn find_envd_binary(explicit: Option<PathBuf>) -> Result<PathBuf> {
+    if let Some(p) = explicit.or_else(|| std::env::var_os("CUBICLE_ENVD_BIN").map(PathBuf::from)) {
+        return if p.is_file() {
+            Ok(p)
+        } else {
+            Err(Error::InvalidRequest(format!(
+                "envd binary {} does not exist",
+                p.display()
+            )))
+        };
+    }
+    let exe = std::env::current_exe().map_err(|e| Error::io("current_exe", "/proc/self/exe", e))?;
+    let candidates = envd_candidates(&exe);
+    // A dynamically linked envd cannot run inside a rootfs without the host's libc.
+    candidates.iter().find(|p| p.is_file() && is_static_elf(p)).cloned().ok_or_else(|| {
+        Error::InvalidRequest(format!(
+            "cannot find a statically linked {ENVD_BIN_NAME} (looked in {}); build it (cargo build -p cubicle-envd --target x86_64-unknown-linux-gnu) or pass --envd-binary / CUBICLE_ENVD_BIN",
+            candidates.iter().map(|p| p.display().to_string()).collect::<Vec<_>>().join(", ")
+        ))
+    })
+}
+
+fn envd_candidates(exe: &Path) -> Vec<PathBuf> {
+    let mut out = Vec::new();
+    let mut dir = exe.parent().map(Path::to_path_buf);
+    // exe dir, then up to two parents (target/debug/deps/x -> target/debug -> target)
+    for _ in 0..3 {
+        let Some(d) = dir else { break };
+        if let (Some(profile), Some(target)) = (d.file_name(), d.parent()) {
+            out.push(
+                target
+                    .join("x86_64-unknown-linux-gnu")
+                    .join(profile)
+                    .join(ENVD_BIN_NAME),
+            );
+        }
+        out.push(d.join(ENVD_BIN_NAME));
+        dir = d.parent().map(Path::to_path_buf);
+    }
+    out
+}
+
+/// Whether `path` is an ELF64 executable without a program interpreter (static).
+pub fn is_static_elf(path: &Path) -> bool {
+    use std::io::{Read, Seek, SeekFrom};
+    let Ok(mut f) = std::fs::File::open(path) else {
+        return false;
+    };
+    let mut h = [0u8; 64];
+    if f.read_exact(&mut h).is_err() || &h[..4] != b"\x7fELF" || h[4] != 2 {
+        return false;
+    }
+    let phoff = u64::from_le_bytes([h[32], h[33], h[34], h[35], h[36], h[37], h[38], h[39]]);
+    let phentsize = u16::from_le_bytes([h[54], h[55]]) as usize;
+    let phnum = u16::from_le_bytes([h[56], h[57]]) as usize;
+    if phentsize < 4 || phnum > 4096 || f.seek(SeekFrom::Start(phoff)).is_err() {
+        return false;
+    }
+    let mut ph = vec![0u8; phentsize * phnum];
+    if f.read_exact(&mut ph).is_err() {
+        return false;
+    }
+    const PT_INTERP: u32 = 3;
+    !ph.chunks(phentsize)
+        .any(|p| u32::from_le_bytes([p[0], p[1], p[2], p[3]]) == PT_INTERP)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn candidates_cover_cargo_layouts() {
+        let c = envd_candidates(Path::new("/w/target/debug/deps/node-abc"));
+        assert!(c.contains(&PathBuf::from("/w/target/debug/cubicle-envd")));
+        assert!(c.contains(&PathBuf::from(
+            "/w/target/x86_64-unknown-linux-gnu/debug/cubicle-envd"
+        )));
+        let c = envd_candidates(Path::new("/usr/local/bin/cubicle"));
+        assert!(c.contains(&PathBuf::from("/usr/local/bin/cubicle-envd")));
+    }
+
+    #[test]
+    fn detects_static_binaries() {
+        // /bin/busybox from busybox-static is static; /bin/ls is dynamic.
+        if Path::new("/bin/busybox").exists() {
+            assert!(is_static_elf(Path::new("/bin/busybox")));
+        }
+        assert!(!is_static_elf(Path::new("/bin/ls")));
+        assert!(!is_static_elf(Path::new("/etc/hostname")));
+    }
+}

@@ -1,0 +1,575 @@
+//! EnvdClient: the node's HTTP/1 client for the envd inside a sandbox, over the Unix
+//! socket envd listens on in the sandbox's host-visible control directory.
+//!
+//! It covers what the node needs: `GET /health` (204 = ready), `POST /init`, and running
+//! one process through Connect's server-stream `POST /process.Process/Start`
+//! (envelopes: 1 flag byte, 4-byte big-endian length, JSON; flag 0x02 = end of stream).
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use base64::Engine;
+use base64::engine::general_purpose::STANDARD as B64;
+use bytes::{Buf, Bytes, BytesMut};
+use http_body_util::{BodyExt, Full};
+use hyper::body::Incoming;
+use hyper::{Request, Response, StatusCode};
+use hyper_util::rt::TokioIo;
+use serde::{Deserialize, Serialize};
+use tokio::net::UnixStream;
+
+use crate::error::{Error, Result};
+
+/// The `/init` body (E2B's envd shape).
+#[derive(Debug, Clone, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct InitRequest {
+    /// Sandbox-global environment.
+    pub env_vars: BTreeMap<String, String>,
+    /// Token every later request must carry in `X-Access-Token`.
+    pub access_token: String,
+    /// Default user.
+    pub default_user: String,
+    /// Default workdir.
+    pub default_workdir: String,
+}
+
+/// A process to run through `process.Process/Start`.
+#[derive(Debug, Clone, Default)]
+pub struct ProcessSpec {
+    /// Executable.
+    pub cmd: String,
+    /// Arguments.
+    pub args: Vec<String>,
+    /// Extra environment.
+    pub envs: BTreeMap<String, String>,
+    /// Working directory (envd default when `None`).
+    pub cwd: Option<String>,
+    /// Acting user (HTTP Basic auth), envd's default user when `None`.
+    pub user: Option<String>,
+}
+
+/// One piece of a running process's life.
+#[derive(Debug, Clone, PartialEq)]
+pub enum ProcessEvent {
+    /// It started with this pid (inside the sandbox).
+    Start(u32),
+    /// Bytes on stdout.
+    Stdout(Vec<u8>),
+    /// Bytes on stderr.
+    Stderr(Vec<u8>),
+}
+
+/// How a process ended.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ProcessEnd {
+    /// Exit code (-1 when killed by a signal).
+    pub exit_code: i32,
+    /// Whether it exited normally.
+    pub exited: bool,
+    /// `exit status N` / `signal: killed`.
+    pub status: String,
+}
+
+#[derive(Deserialize)]
+struct StartResponse {
+    event: Option<Event>,
+}
+
+#[derive(Deserialize)]
+struct Event {
+    start: Option<StartEv>,
+    data: Option<DataEv>,
+    end: Option<EndEv>,
+}
+
+#[derive(Deserialize)]
+struct StartEv {
+    #[serde(default)]
+    pid: u32,
+}
+
+#[derive(Deserialize)]
+struct DataEv {
+    stdout: Option<String>,
+    stderr: Option<String>,
+    pty: Option<String>,
+}
+
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct EndEv {
+    #[serde(default)]
+    exit_code: i32,
+    #[serde(default)]
+    exited: bool,
+    #[serde(default)]
+    status: String,
+}
+
+#[derive(Deserialize)]
+struct EndOfStream {
+    error: Option<ConnectError>,
+}
+
+#[derive(Deserialize)]
+struct ConnectError {
+    #[serde(default)]
+    code: String,
+    #[serde(default)]
+    message: String,
+}
+
+/// Connects to envd's socket without following anything the sandbox may have put in
+/// its place: the socket's directory is writable by the sandbox's root, which could
+/// replace the socket with a symlink to some host socket. `connect_ctl_socket` refuses
+/// symlinks and non-sockets.
+fn connect_socket_std(socket: &Path) -> Result<std::os::unix::net::UnixStream> {
+    let (dir, name) = match (socket.parent(), socket.file_name().and_then(|n| n.to_str())) {
+        (Some(d), Some(n)) => (d, n),
+        _ => return Err(Error::Envd(format!("bad envd socket path {}", socket.display()))),
+    };
+    cubicle_runtime::connect_ctl_socket(dir, name)
+        .map_err(|e| Error::Envd(format!("connect {}: {e}", socket.display())))
+}
+
+fn connect_socket(socket: &Path) -> Result<UnixStream> {
+    let std_stream = connect_socket_std(socket)?;
+    std_stream
+        .set_nonblocking(true)
+        .and_then(|()| UnixStream::from_std(std_stream))
+        .map_err(|e| Error::Envd(format!("connect {}: {e}", socket.display())))
+}
+
+/// Client of one sandbox's envd.
+#[derive(Debug, Clone)]
+pub struct EnvdClient {
+    socket: PathBuf,
+    token: Option<String>,
+}
+
+impl EnvdClient {
+    /// A client for the envd listening on `socket`; `token` goes in `X-Access-Token`.
+    pub fn new(socket: impl Into<PathBuf>, token: Option<String>) -> Self {
+        EnvdClient {
+            socket: socket.into(),
+            token,
+        }
+    }
+
+    /// The socket path.
+    pub fn socket(&self) -> &Path {
+        &self.socket
+    }
+
+    async fn send(&self, req: Request<Full<Bytes>>) -> Result<Response<Incoming>> {
+        let stream = connect_socket(&self.socket)?;
+        let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
+            .await
+            .map_err(|e| Error::Envd(format!("handshake: {e}")))?;
+        tokio::spawn(async move {
+            let _ = conn.await;
+        });
+        sender
+            .send_request(req)
+            .await
+            .map_err(|e| Error::Envd(format!("request: {e}")))
+    }
+
+    fn builder(&self, method: &str, path: &str) -> hyper::http::request::Builder {
+        let mut b = Request::builder()
+            .method(method)
+            .uri(path)
+            .header("host", "envd");
+        if let Some(t) = &self.token {
+            b = b.header("x-access-token", t);
+        }
+        b
+    }
+
+    /// `GET /health`: Ok(true) on 204 (or any 2xx).
+    pub async fn health(&self) -> Result<bool> {
+        let req = self
+            .builder("GET", "/health")
+            .body(Full::new(Bytes::new()))
+            .map_err(|e| Error::Envd(e.to_string()))?;
+        let resp = self.send(req).await?;
+        Ok(resp.status().is_success())
+    }
+
+    /// Wait until `/health` answers 2xx, `alive()` turns false (the sandbox died), or
+    /// `timeout` passes. First waits (on a blocking thread, with 200 µs steps: tokio's
+    /// timer has 1 ms granularity) until the socket accepts connections, which is usually a
+    /// few milliseconds after the sandbox's init started; then asks `/health`.
+    pub async fn wait_ready(
+        &self,
+        timeout: Duration,
+        alive: impl Fn() -> bool + Send + Sync + 'static,
+    ) -> Result<()> {
+        let start = Instant::now();
+        let socket = self.socket.clone();
+        let alive = std::sync::Arc::new(alive);
+        let alive2 = alive.clone();
+        tokio::task::spawn_blocking(move || {
+            let mut n = 0u32;
+            loop {
+                if connect_socket_std(&socket).is_ok() {
+                    return Ok(());
+                }
+                n += 1;
+                if n.is_multiple_of(16) && !alive2() {
+                    return Err(Error::Envd(format!(
+                        "sandbox init exited before envd listened on {}",
+                        socket.display()
+                    )));
+                }
+                if start.elapsed() > timeout {
+                    return Err(Error::Envd(format!(
+                        "{} not accepting after {timeout:?}",
+                        socket.display()
+                    )));
+                }
+                std::thread::sleep(Duration::from_micros(
+                    if start.elapsed() < Duration::from_millis(200) {
+                        200
+                    } else {
+                        5000
+                    },
+                ));
+            }
+        })
+        .await
+        .map_err(|e| Error::Envd(format!("wait task: {e}")))??;
+        let mut last_err;
+        loop {
+            match self.health().await {
+                Ok(true) => return Ok(()),
+                Ok(false) => last_err = "health answered non-2xx".to_string(),
+                Err(e) => last_err = e.to_string(),
+            }
+            if !alive() {
+                return Err(Error::Envd(format!(
+                    "sandbox init exited before envd was ready ({last_err})"
+                )));
+            }
+            if start.elapsed() > timeout {
+                return Err(Error::Envd(format!(
+                    "not ready after {timeout:?}: {last_err}"
+                )));
+            }
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+    }
+
+    /// `POST /init`; expects 204 (any 2xx accepted).
+    pub async fn init(&self, body: &InitRequest) -> Result<()> {
+        let json = serde_json::to_vec(body).map_err(|e| Error::Envd(e.to_string()))?;
+        let req = self
+            .builder("POST", "/init")
+            .header("content-type", "application/json")
+            .body(Full::new(Bytes::from(json)))
+            .map_err(|e| Error::Envd(e.to_string()))?;
+        let resp = self.send(req).await?;
+        let status = resp.status();
+        if !status.is_success() {
+            let body = resp
+                .into_body()
+                .collect()
+                .await
+                .map(|b| b.to_bytes())
+                .unwrap_or_default();
+            return Err(Error::Envd(format!(
+                "/init answered {status}: {}",
+                String::from_utf8_lossy(&body)
+            )));
+        }
+        Ok(())
+    }
+
+    /// Start a process and return its pid (inside the sandbox) as soon as envd reports it
+    /// started, without waiting for its end: envd keeps a process running when its
+    /// client goes away.
+    pub async fn start_detached(&self, spec: &ProcessSpec) -> Result<u32> {
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        let mut tx = Some(tx);
+        let client = self.clone();
+        let spec = spec.clone();
+        let task = tokio::spawn(async move {
+            let r = client
+                .run(&spec, |ev| {
+                    if let (ProcessEvent::Start(pid), Some(tx)) = (ev, tx.take()) {
+                        let _ = tx.send(pid);
+                    }
+                })
+                .await;
+            if let Err(e) = r {
+                tracing::debug!("detached process stream ended: {e}");
+            }
+        });
+        match rx.await {
+            Ok(pid) => {
+                // Stop reading its output; the process keeps running inside.
+                task.abort();
+                Ok(pid)
+            }
+            Err(_) => {
+                let _ = task.await;
+                Err(Error::Envd("the process did not start".into()))
+            }
+        }
+    }
+
+    /// Run a process to its end, handing each start/output event to `on_event` as it
+    /// arrives. Returns how it ended.
+    pub async fn run(
+        &self,
+        spec: &ProcessSpec,
+        mut on_event: impl FnMut(ProcessEvent),
+    ) -> Result<ProcessEnd> {
+        let mut process = serde_json::json!({ "cmd": spec.cmd, "args": spec.args });
+        if !spec.envs.is_empty() {
+            process["envs"] =
+                serde_json::to_value(&spec.envs).map_err(|e| Error::Envd(e.to_string()))?;
+        }
+        if let Some(cwd) = &spec.cwd {
+            process["cwd"] = serde_json::Value::String(cwd.clone());
+        }
+        let msg = serde_json::to_vec(&serde_json::json!({ "process": process, "stdin": false }))
+            .map_err(|e| Error::Envd(e.to_string()))?;
+        let body = encode_envelope(0, &msg);
+        let mut b = self
+            .builder("POST", "/process.Process/Start")
+            .header("content-type", "application/connect+json")
+            .header("connect-protocol-version", "1");
+        if let Some(user) = &spec.user {
+            b = b.header(
+                "authorization",
+                format!("Basic {}", B64.encode(format!("{user}:"))),
+            );
+        }
+        let req = b
+            .body(Full::new(body))
+            .map_err(|e| Error::Envd(e.to_string()))?;
+        let resp = self.send(req).await?;
+        if resp.status() != StatusCode::OK {
+            let status = resp.status();
+            let body = resp
+                .into_body()
+                .collect()
+                .await
+                .map(|b| b.to_bytes())
+                .unwrap_or_default();
+            return Err(Error::Envd(format!(
+                "Start answered {status}: {}",
+                String::from_utf8_lossy(&body)
+            )));
+        }
+        let mut body = resp.into_body();
+        let mut buf = BytesMut::new();
+        let mut end: Option<ProcessEnd> = None;
+        loop {
+            while let Some((flags, payload)) = decode_envelope(&mut buf)? {
+                if flags & 0x02 != 0 {
+                    let eos: EndOfStream = serde_json::from_slice(&payload)
+                        .map_err(|e| Error::Envd(format!("bad end-of-stream: {e}")))?;
+                    if let Some(err) = eos.error {
+                        return Err(Error::Envd(format!(
+                            "process stream: [{}] {}",
+                            err.code, err.message
+                        )));
+                    }
+                    return end
+                        .ok_or_else(|| Error::Envd("command ended without an end event".into()));
+                }
+                let msg: StartResponse = serde_json::from_slice(&payload)
+                    .map_err(|e| Error::Envd(format!("bad event: {e}")))?;
+                let Some(ev) = msg.event else { continue };
+                if let Some(s) = ev.start {
+                    on_event(ProcessEvent::Start(s.pid));
+                }
+                if let Some(d) = ev.data {
+                    if let Some(s) = d.stdout.or(d.pty) {
+                        on_event(ProcessEvent::Stdout(decode_b64(&s)?));
+                    }
+                    if let Some(s) = d.stderr {
+                        on_event(ProcessEvent::Stderr(decode_b64(&s)?));
+                    }
+                }
+                if let Some(e) = ev.end {
+                    end = Some(ProcessEnd {
+                        exit_code: e.exit_code,
+                        exited: e.exited,
+                        status: e.status,
+                    });
+                }
+            }
+            match body.frame().await {
+                Some(Ok(frame)) => {
+                    if let Ok(data) = frame.into_data() {
+                        buf.extend_from_slice(&data);
+                    }
+                }
+                Some(Err(e)) => return Err(Error::Envd(format!("stream: {e}"))),
+                None => {
+                    return end
+                        .ok_or_else(|| Error::Envd("stream closed without an end event".into()));
+                }
+            }
+        }
+    }
+}
+
+fn decode_b64(s: &str) -> Result<Vec<u8>> {
+    B64.decode(s)
+        .map_err(|e| Error::Envd(format!("bad base64 in output: {e}")))
+}
+
+/// One Connect envelope.
+pub fn encode_envelope(flags: u8, payload: &[u8]) -> Bytes {
+    let mut out = BytesMut::with_capacity(5 + payload.len());
+    out.extend_from_slice(&[flags]);
+    out.extend_from_slice(&(payload.len() as u32).to_be_bytes());
+    out.extend_from_slice(payload);
+    out.freeze()
+}
+
+/// Take one complete envelope off the front of `buf`, if there is one.
+pub fn decode_envelope(buf: &mut BytesMut) -> Result<Option<(u8, Bytes)>> {
+    if buf.len() < 5 {
+        return Ok(None);
+    }
+    let len = u32::from_be_bytes([buf[1], buf[2], buf[3], buf[4]]) as usize;
+    if len > 64 << 20 {
+        return Err(Error::Envd(format!("envelope of {len} bytes is too large")));
+    }
+    if buf.len() < 5 + len {
+        return Ok(None);
+    }
+    let flags = buf[0];
+    buf.advance(5);
+    Ok(Some((flags, buf.split_to(len).freeze())))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn envelopes_roundtrip_in_pieces() {
+        let a = encode_envelope(0, br#"{"event":{"start":{"pid":7}}}"#);
+        let b = encode_envelope(2, b"{}");
+        let mut all = BytesMut::new();
+        all.extend_from_slice(&a);
+        all.extend_from_slice(&b);
+        let mut buf = BytesMut::new();
+        let mut got = Vec::new();
+        for chunk in all.chunks(3) {
+            buf.extend_from_slice(chunk);
+            while let Some(e) = decode_envelope(&mut buf).unwrap() {
+                got.push(e);
+            }
+        }
+        assert_eq!(got.len(), 2);
+        assert_eq!(got[0].0, 0);
+        assert_eq!(&got[0].1[..], br#"{"event":{"start":{"pid":7}}}"#);
+        assert_eq!(got[1], (2, Bytes::from_static(b"{}")));
+    }
+
+    #[test]
+    fn oversized_envelope_is_an_error() {
+        let mut buf = BytesMut::from(&[0u8, 0xff, 0xff, 0xff, 0xff][..]);
+        assert!(decode_envelope(&mut buf).is_err());
+    }
+
+    /// A fake envd on a Unix socket answering /health, /init and a Start stream.
+    #[tokio::test]
+    async fn talks_to_a_fake_envd() {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let dir = std::env::temp_dir().join(format!("cubicle-envdc-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let sock = dir.join("envd.sock");
+        let _ = std::fs::remove_file(&sock);
+        let listener = tokio::net::UnixListener::bind(&sock).unwrap();
+        tokio::spawn(async move {
+            loop {
+                let Ok((mut s, _)) = listener.accept().await else {
+                    break;
+                };
+                tokio::spawn(async move {
+                    let mut req = Vec::new();
+                    let mut tmp = [0u8; 4096];
+                    // read until headers end (+ body for POST; tiny bodies arrive with them)
+                    loop {
+                        let n = s.read(&mut tmp).await.unwrap_or(0);
+                        if n == 0 {
+                            break;
+                        }
+                        req.extend_from_slice(&tmp[..n]);
+                        if req.windows(4).any(|w| w == b"\r\n\r\n") {
+                            break;
+                        }
+                    }
+                    let head = String::from_utf8_lossy(&req).to_string();
+                    if head.starts_with("GET /health") || head.starts_with("POST /init") {
+                        let _ = s.write_all(b"HTTP/1.1 204 No Content\r\n\r\n").await;
+                    } else if head.starts_with("POST /process.Process/Start") {
+                        assert!(
+                            head.to_ascii_lowercase().contains("authorization: basic ")
+                                && head.contains("cm9vdDo=")
+                        );
+                        let mut body = Vec::new();
+                        for m in [
+                            &br#"{"event":{"start":{"pid":42}}}"#[..],
+                            br#"{"event":{"data":{"stdout":"aGkK"}}}"#,
+                            br#"{"event":{"data":{"stderr":"ZXJy"}}}"#,
+                            br#"{"event":{"end":{"exitCode":3,"exited":true,"status":"exit status 3"}}}"#,
+                        ] {
+                            body.extend_from_slice(&encode_envelope(0, m));
+                        }
+                        body.extend_from_slice(&encode_envelope(2, b"{}"));
+                        let head = format!(
+                            "HTTP/1.1 200 OK\r\ncontent-type: application/connect+json\r\ncontent-length: {}\r\n\r\n",
+                            body.len()
+                        );
+                        let _ = s.write_all(head.as_bytes()).await;
+                        let _ = s.write_all(&body).await;
+                    }
+                    let _ = s.shutdown().await;
+                });
+            }
+        });
+        let c = EnvdClient::new(&sock, Some("tok".into()));
+        c.wait_ready(Duration::from_secs(2), || true).await.unwrap();
+        c.init(&InitRequest {
+            env_vars: BTreeMap::new(),
+            access_token: "tok".into(),
+            default_user: "user".into(),
+            default_workdir: "/home/user".into(),
+        })
+        .await
+        .unwrap();
+        let mut events = Vec::new();
+        let end = c
+            .run(
+                &ProcessSpec {
+                    cmd: "id".into(),
+                    user: Some("root".into()),
+                    ..Default::default()
+                },
+                |e| events.push(e),
+            )
+            .await
+            .unwrap();
+        assert_eq!(end.exit_code, 3);
+        assert_eq!(
+            events,
+            vec![
+                ProcessEvent::Start(42),
+                ProcessEvent::Stdout(b"hi\n".to_vec()),
+                ProcessEvent::Stderr(b"err".to_vec())
+            ]
+        );
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}

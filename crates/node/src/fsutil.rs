@@ -1,0 +1,225 @@
+//! Small filesystem helpers the node needs: atomic JSON records, mount discovery,
+//! unmounting everything below a directory, and removing a tree without ever crossing
+//! into a mounted filesystem (a stale bind mount of `/dev` must never be emptied).
+
+use std::ffi::CString;
+use std::fs;
+use std::io::Write;
+use std::os::unix::ffi::OsStrExt;
+use std::os::unix::fs::MetadataExt;
+use std::path::{Path, PathBuf};
+
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+
+use crate::error::{Error, IoContext, Result};
+
+/// Write `value` as pretty JSON to `path` atomically (temp file + rename). No fsync: the
+/// records describe kernel state (processes, mounts, cgroups) that a power loss erases
+/// anyway; what they must survive is a crash of the node process, and the page cache does.
+pub fn write_json_atomic<T: Serialize>(path: &Path, value: &T) -> Result<()> {
+    let data = serde_json::to_vec_pretty(value).map_err(|e| Error::Record {
+        path: path.into(),
+        source: e,
+    })?;
+    let tmp = path.with_extension(format!("tmp{}", std::process::id()));
+    {
+        let mut f = fs::File::create(&tmp).ctx("create", &tmp)?;
+        f.write_all(&data).ctx("write", &tmp)?;
+    }
+    fs::rename(&tmp, path).ctx("rename", path)?;
+    Ok(())
+}
+
+/// Read a JSON record.
+pub fn read_json<T: DeserializeOwned>(path: &Path) -> Result<T> {
+    let data = fs::read(path).ctx("read", path)?;
+    serde_json::from_slice(&data).map_err(|e| Error::Record {
+        path: path.into(),
+        source: e,
+    })
+}
+
+/// Decode the octal escapes (`\040`) that /proc/self/mountinfo uses in paths.
+fn unescape_mount_path(s: &str) -> PathBuf {
+    let b = s.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        if b[i] == b'\\' && i + 3 < b.len() {
+            let oct = &b[i + 1..i + 4];
+            if oct.iter().all(|c| (b'0'..=b'7').contains(c)) {
+                let v = (u32::from(oct[0] - b'0') * 64
+                    + u32::from(oct[1] - b'0') * 8
+                    + u32::from(oct[2] - b'0')) as u8;
+                out.push(v);
+                i += 4;
+                continue;
+            }
+        }
+        out.push(b[i]);
+        i += 1;
+    }
+    PathBuf::from(std::ffi::OsStr::from_bytes(&out))
+}
+
+/// Mount points (in this process's mount namespace) at or below `dir`, deepest first.
+pub fn mounts_under(dir: &Path) -> Vec<PathBuf> {
+    let Ok(info) = fs::read_to_string("/proc/self/mountinfo") else {
+        return Vec::new();
+    };
+    let mut out: Vec<PathBuf> = info
+        .lines()
+        .filter_map(|l| l.split(' ').nth(4))
+        .map(unescape_mount_path)
+        .filter(|p| p.starts_with(dir))
+        .collect();
+    out.sort_by_key(|p| std::cmp::Reverse(p.as_os_str().len()));
+    out.dedup();
+    out
+}
+
+/// Lazily unmount every mount at or below `dir` (deepest first). Returns how many.
+pub fn unmount_all_under(dir: &Path) -> usize {
+    let mut n = 0;
+    // A path can be stacked several times; loop until nothing is left or no progress.
+    for _ in 0..8 {
+        let mounts = mounts_under(dir);
+        if mounts.is_empty() {
+            break;
+        }
+        let mut progressed = false;
+        for m in mounts {
+            if umount_detach(&m).is_ok() {
+                n += 1;
+                progressed = true;
+            }
+        }
+        if !progressed {
+            break;
+        }
+    }
+    n
+}
+
+/// `umount2(path, MNT_DETACH)`.
+pub fn umount_detach(path: &Path) -> std::io::Result<()> {
+    let c =
+        CString::new(path.as_os_str().as_bytes()).map_err(|_| std::io::ErrorKind::InvalidInput)?;
+    // SAFETY: c is a valid NUL-terminated path.
+    let r = unsafe { libc::umount2(c.as_ptr(), libc::MNT_DETACH) };
+    if r == 0 {
+        Ok(())
+    } else {
+        Err(std::io::Error::last_os_error())
+    }
+}
+
+/// Remove `dir` recursively, first unmounting anything mounted below it, and never
+/// descending into a directory that lives on another filesystem than `dir` itself
+/// (such a directory is reported as an error instead). Missing `dir` is not an error.
+pub fn remove_tree(dir: &Path) -> Result<()> {
+    let meta = match fs::symlink_metadata(dir) {
+        Ok(m) => m,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+        Err(e) => return Err(Error::io("stat", dir, e)),
+    };
+    unmount_all_under(dir);
+    if !meta.is_dir() {
+        return fs::remove_file(dir).ctx("remove", dir);
+    }
+    let dev = fs::symlink_metadata(dir).ctx("stat", dir)?.dev();
+    remove_dir_same_dev(dir, dev)
+}
+
+fn remove_dir_same_dev(dir: &Path, dev: u64) -> Result<()> {
+    // Undo immutable attributes? Not needed: templates never set them.
+    let entries = fs::read_dir(dir).ctx("readdir", dir)?;
+    for entry in entries {
+        let entry = entry.ctx("readdir", dir)?;
+        let path = entry.path();
+        let m = fs::symlink_metadata(&path).ctx("stat", &path)?;
+        if m.is_dir() {
+            if m.dev() != dev {
+                return Err(Error::io(
+                    "refusing to remove a mounted directory",
+                    &path,
+                    std::io::Error::from(std::io::ErrorKind::ResourceBusy),
+                ));
+            }
+            remove_dir_same_dev(&path, dev)?;
+        } else {
+            match fs::remove_file(&path) {
+                Ok(()) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                Err(e) => return Err(Error::io("remove", &path, e)),
+            }
+        }
+    }
+    match fs::remove_dir(dir) {
+        Ok(()) => Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+        Err(e) => Err(Error::io("rmdir", dir, e)),
+    }
+}
+
+/// Total apparent size in bytes of the regular files below `dir` (hard links counted
+/// once per link; symlinks not followed, mounts not crossed).
+pub fn tree_size(dir: &Path) -> u64 {
+    let Ok(root) = fs::symlink_metadata(dir) else {
+        return 0;
+    };
+    let dev = root.dev();
+    let mut total = 0u64;
+    let mut seen = std::collections::HashSet::new();
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        let Ok(rd) = fs::read_dir(&d) else { continue };
+        for e in rd.flatten() {
+            let Ok(m) = e.metadata() else { continue };
+            if m.is_dir() {
+                if m.dev() == dev {
+                    stack.push(e.path());
+                }
+            } else if m.is_file() && (m.nlink() == 1 || seen.insert((m.dev(), m.ino()))) {
+                total += m.len();
+            }
+        }
+    }
+    total
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn unescapes_mountinfo_paths() {
+        assert_eq!(unescape_mount_path("/a\\040b"), PathBuf::from("/a b"));
+        assert_eq!(unescape_mount_path("/plain"), PathBuf::from("/plain"));
+        assert_eq!(unescape_mount_path("/x\\"), PathBuf::from("/x\\"));
+    }
+
+    #[test]
+    fn removes_tree_and_measures_size() {
+        let base = std::env::temp_dir().join(format!("cubicle-fsutil-{}", std::process::id()));
+        fs::create_dir_all(base.join("a/b")).unwrap();
+        fs::write(base.join("a/b/f"), b"hello").unwrap();
+        std::os::unix::fs::symlink("/etc", base.join("a/link")).unwrap();
+        assert_eq!(tree_size(&base), 5);
+        remove_tree(&base).unwrap();
+        assert!(!base.exists());
+        // the symlink target is untouched
+        assert!(Path::new("/etc/hostname").exists() || Path::new("/etc").exists());
+        remove_tree(&base).unwrap();
+    }
+
+    #[test]
+    fn json_roundtrip() {
+        let p = std::env::temp_dir().join(format!("cubicle-json-{}.json", std::process::id()));
+        write_json_atomic(&p, &vec![1, 2, 3]).unwrap();
+        let v: Vec<i32> = read_json(&p).unwrap();
+        assert_eq!(v, vec![1, 2, 3]);
+        fs::remove_file(&p).unwrap();
+    }
+}

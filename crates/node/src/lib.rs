@@ -1,0 +1,49 @@
+//! cubicle-node: the sandboxes of one host — templates, create/kill/list, reconciliation
+//! after a crash, and end-time enforcement.
+//!
+//! ```no_run
+//! # async fn demo() -> cubicle_node::Result<()> {
+//! use cubicle_node::{CreateRequest, Node, NodeConfig};
+//! let envd = cubicle_node::config::find_envd_binary(None)?;
+//! let node = Node::open(NodeConfig::new("/var/lib/cubicle", envd)).await?;
+//! let sb = node.create(CreateRequest { template: "tiny".into(), ..Default::default() }).await?;
+//! node.kill(&sb.id).await?;
+//! # Ok(()) }
+//! ```
+
+pub mod bench;
+pub mod config;
+pub mod envd_client;
+pub mod error;
+pub mod fsutil;
+pub mod ids;
+pub mod linux;
+mod node;
+pub mod procfs;
+mod reaper;
+pub mod reconcile;
+pub mod runtime;
+pub mod sandbox;
+pub mod slots;
+pub mod template;
+pub mod traces;
+
+pub use config::{NodeConfig, default_state_dir};
+pub use envd_client::{EnvdClient, ProcessEnd, ProcessEvent, ProcessSpec};
+pub use error::{Error, Result};
+pub use node::{Node, records_on_disk, sandboxes_using_template};
+pub use sandbox::{CreateRequest, DeathReason, SandboxInfo, SandboxRecord, SandboxState};
+
+impl Node {
+    /// Open the node with the Linux runtime (`cubicle-runtime`): see
+    /// [`Node::open_with_runtime`].
+    pub async fn open(config: NodeConfig) -> Result<Node> {
+        // Lock first: runtime init mounts the state's storage.
+        let lock = Node::lock_state_dir(&config.state_dir).await?;
+        let dir = config.state_dir.clone();
+        let runtime = tokio::task::spawn_blocking(move || linux::LinuxRuntime::init(&dir))
+            .await
+            .map_err(|e| Error::Runtime(format!("runtime init task: {e}")))??;
+        Node::open_locked(config, std::sync::Arc::new(runtime), lock).await
+    }
+}

@@ -1,0 +1,260 @@
+//! [`LinuxRuntime`]: the node's [`SandboxRuntime`] on top of `cubicle-runtime`
+//! (namespaces, overlay rootfs, cgroups, seccomp — [`cubicle_runtime::spawn`]) and its
+//! network module (veth + nftables, addressed by the node's slot).
+//!
+//! It keeps the [`cubicle_runtime::Sandbox`] handle of every sandbox it started or
+//! adopted: the handle reaps the init (which is this process's child) on destroy.
+//! Sandbox directories come from the runtime's storage module: each is a directory with
+//! a hard disk quota (XFS project quota, or a btrfs subvolume with a qgroup limit) on a
+//! filesystem mounted at `<state>/sandboxes` (a loop-mounted image when the host's
+//! filesystem has no quotas). Without quota support the node still works, unlimited.
+
+use std::collections::HashMap;
+use std::path::Path;
+use std::sync::Mutex;
+
+use cubicle_runtime::network::{Netns, Network, NetworkConfig};
+use cubicle_runtime::storage::Storage;
+use cubicle_runtime::{Cgroup, Limits, Sandbox, SandboxSpec};
+
+use crate::error::{Error, Result};
+use crate::runtime::{SandboxRuntime, StartSpec, Started};
+use crate::sandbox::DeathReason;
+
+/// The Linux isolation layer.
+pub struct LinuxRuntime {
+    sandboxes: Mutex<HashMap<String, Sandbox>>,
+    /// `None` when the host network could not be prepared (then only `internet: false`
+    /// sandboxes can be created); the error says why.
+    network: std::result::Result<Network, String>,
+    /// Disk quotas; `Err` (logged) when the host cannot provide them.
+    storage: std::result::Result<Storage, String>,
+}
+
+fn rt_err(what: &str, e: impl std::fmt::Display) -> Error {
+    Error::Runtime(format!("{what}: {e}"))
+}
+
+impl LinuxRuntime {
+    /// Prepare the host: the network's nftables tables and IPv4 forwarding. A network
+    /// failure is not fatal (sandboxes without internet still work); it is logged.
+    pub fn init(state_dir: &Path) -> Result<Self> {
+        let network = Network::init(NetworkConfig::default()).map_err(|e| {
+            tracing::warn!("sandbox networking unavailable: {e}");
+            e.to_string()
+        });
+        let storage = Storage::open(state_dir).map_err(|e| {
+            tracing::warn!("disk quotas unavailable, sandboxes get unlimited disk: {e}");
+            e.to_string()
+        });
+        Ok(LinuxRuntime {
+            sandboxes: Mutex::new(HashMap::new()),
+            network,
+            storage,
+        })
+    }
+
+    /// Which quota mechanism is in use, if any.
+    pub fn quota_backend(&self) -> Option<cubicle_runtime::storage::QuotaBackend> {
+        self.storage.as_ref().ok().map(Storage::backend)
+    }
+
+    fn handles(&self) -> std::sync::MutexGuard<'_, HashMap<String, Sandbox>> {
+        self.sandboxes.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn network(&self) -> Result<&Network> {
+        self.network
+            .as_ref()
+            .map_err(|e| Error::Runtime(format!("sandbox networking unavailable: {e}")))
+    }
+}
+
+impl SandboxRuntime for LinuxRuntime {
+    fn start(&self, s: &StartSpec) -> Result<Started> {
+        let mut spec =
+            SandboxSpec::new(&s.id, &s.rootfs, &s.sandbox_dir, s.uid_base, s.init.clone());
+        spec.uid_count = s.uid_count;
+        spec.hostname = s.hostname.clone();
+        spec.limits = Limits {
+            memory_bytes: s.memory_mb << 20,
+            cpu_millis: s.cpus.saturating_mul(1000),
+            pids: s.pids,
+        };
+        spec.internet = s.internet;
+        spec.env = s.env.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
+        spec.envd_binary = Some(s.envd_binary.clone());
+        spec.log_file = Some(s.sandbox_dir.join("init.log"));
+        spec.binds = s
+            .binds
+            .iter()
+            .map(|(source, target, readonly)| cubicle_runtime::BindMount {
+                source: source.clone(),
+                target: target.clone(),
+                readonly: *readonly,
+            })
+            .collect();
+        if s.internet {
+            // Fail before spawning if the network cannot work at all.
+            self.network()?;
+        }
+        let sb = cubicle_runtime::spawn(&spec).map_err(|e| rt_err("spawn", e))?;
+        let pid = sb.pid();
+        let mut state = serde_json::json!({ "timingsUs": sb.timings().iter()
+            .map(|(k, d)| (k.clone(), serde_json::Value::from(d.as_micros() as u64)))
+            .collect::<serde_json::Map<_, _>>() });
+        if s.internet {
+            let attach = self.network().and_then(|net| {
+                let ns = Netns::from_pid(pid).map_err(|e| rt_err("netns", e))?;
+                net.attach(&ns, s.slot)
+                    .map_err(|e| rt_err("network attach", e))
+            });
+            match attach {
+                Ok(info) => {
+                    state["hostIfname"] = info.host_ifname.clone().into();
+                    state["sandboxIp"] = info.sandbox_ip.to_string().into();
+                    state["gateway"] = info.gateway.to_string().into();
+                }
+                Err(e) => {
+                    let _ = sb.destroy();
+                    if let Ok(net) = self.network() {
+                        let _ = net.detach(s.slot);
+                    }
+                    return Err(e);
+                }
+            }
+        }
+        self.handles().insert(s.id.clone(), sb);
+        Ok(Started { pid, state })
+    }
+
+    fn adopt(&self, id: &str, sandbox_dir: &Path) -> Result<i32> {
+        let sb = Sandbox::adopt(id, sandbox_dir).map_err(|e| rt_err("adopt", e))?;
+        let pid = sb.pid();
+        self.handles().insert(id.to_string(), sb);
+        Ok(pid)
+    }
+
+    fn destroy(&self, id: &str, slot: Option<u32>, sandbox_dir: &Path) -> Result<()> {
+        let handle = self.handles().remove(id);
+        let res = match handle {
+            Some(sb) => sb.destroy(),
+            None if cubicle_runtime::valid_id(id) => {
+                match cubicle_runtime::remove_leftovers(id, Some(sandbox_dir)) {
+                    Err(cubicle_runtime::Error::NotFound(_)) => Ok(()),
+                    other => other,
+                }
+            }
+            None => Ok(()),
+        };
+        res.map_err(|e| rt_err(&format!("destroy {id}"), e))?;
+        if let (Some(slot), Ok(net)) = (slot, &self.network) {
+            net.detach(slot)
+                .map_err(|e| rt_err(&format!("network detach of slot {slot}"), e))?;
+        }
+        // Nothing of the sandbox should be mounted on the host; be sure anyway.
+        crate::fsutil::unmount_all_under(sandbox_dir);
+        Ok(())
+    }
+
+    fn create_dir(&self, id: &str, dir: &Path, disk_mb: u64) -> Result<()> {
+        match &self.storage {
+            Ok(st) => {
+                let made = st
+                    .create_sandbox_dir(id, disk_mb << 20)
+                    .map_err(|e| rt_err("sandbox directory", e))?;
+                if made != dir && std::fs::canonicalize(dir).ok().as_deref() != Some(made.as_path())
+                {
+                    let _ = st.remove_sandbox_dir(id);
+                    return Err(Error::Runtime(format!(
+                        "storage made {} but the node expects {}",
+                        made.display(),
+                        dir.display()
+                    )));
+                }
+                Ok(())
+            }
+            Err(_) => std::fs::create_dir_all(dir).map_err(|e| Error::io("mkdir", dir, e)),
+        }
+    }
+
+    fn remove_dir(&self, id: &str, dir: &Path) -> Result<()> {
+        crate::fsutil::unmount_all_under(dir);
+        match &self.storage {
+            Ok(st) if cubicle_runtime::valid_id(id) => st
+                .remove_sandbox_dir(id)
+                .map_err(|e| rt_err(&format!("removing {}", dir.display()), e)),
+            _ => crate::fsutil::remove_tree(dir),
+        }
+    }
+
+    fn reconcile_storage(&self, known: &[String]) -> Result<()> {
+        match &self.storage {
+            Ok(st) => {
+                let known: Vec<&str> = known.iter().map(String::as_str).collect();
+                st.reconcile(&known)
+                    .map_err(|e| rt_err("storage reconcile", e))
+            }
+            Err(_) => Ok(()),
+        }
+    }
+
+    fn kernel_ids(&self) -> Result<Vec<String>> {
+        cubicle_runtime::list_sandboxes().map_err(|e| rt_err("listing sandbox cgroups", e))
+    }
+
+    fn reconcile_network(&self, known_slots: &[u32]) -> Result<()> {
+        match &self.network {
+            Ok(net) => net
+                .reconcile(known_slots)
+                .map_err(|e| rt_err("network reconcile", e)),
+            Err(_) => Ok(()),
+        }
+    }
+
+    fn limit_hit(&self, id: &str, _sandbox_dir: &Path) -> Option<DeathReason> {
+        if Cgroup::handle(id)
+            .ok()
+            .and_then(|c| c.stats().ok())
+            .is_some_and(|s| s.oom_kills > 0)
+        {
+            return Some(DeathReason::Oom);
+        }
+        // Full (within 1 MiB of the limit) writable layer.
+        let usage = self.storage.as_ref().ok()?.usage(id).ok()?;
+        (usage.limit_bytes > 0 && usage.used_bytes + (1 << 20) >= usage.limit_bytes)
+            .then_some(DeathReason::DiskFull)
+    }
+
+    fn memory_usage(&self, id: &str) -> Option<u64> {
+        Cgroup::handle(id)
+            .ok()?
+            .stats()
+            .ok()
+            .map(|s| s.memory_bytes)
+    }
+
+    fn stats(&self, id: &str) -> Option<crate::runtime::SandboxStats> {
+        let c = Cgroup::handle(id).ok()?;
+        if !c.exists() {
+            return None;
+        }
+        let s = c.stats().ok()?;
+        let disk = self.storage.as_ref().ok().and_then(|st| st.usage(id).ok());
+        Some(crate::runtime::SandboxStats {
+            memory_bytes: s.memory_bytes,
+            oom_kills: s.oom_kills,
+            cpu_usage_ns: s.cpu_usage_ns,
+            pids: s.pids,
+            disk_used_bytes: disk.map(|d| d.used_bytes),
+            disk_limit_bytes: disk.map(|d| d.limit_bytes),
+        })
+    }
+
+    fn max_slots(&self) -> u32 {
+        match &self.network {
+            Ok(net) => net.max_slots(),
+            Err(_) => 32768,
+        }
+    }
+}

@@ -1,0 +1,249 @@
+//! Node lifecycle logic against a fake runtime (no namespaces, cgroups or root needed):
+//! each "sandbox" is a `sleep` process plus a thread answering envd's HTTP on the
+//! sandbox's socket with 204.
+
+use std::collections::HashMap;
+use std::io::{Read, Write};
+use std::os::unix::net::UnixListener;
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use super::*;
+use crate::runtime::{SandboxStats, Started};
+
+#[derive(Default)]
+struct FakeRuntime {
+    procs: Mutex<HashMap<String, std::process::Child>>,
+    fail_start: AtomicBool,
+    destroyed: Mutex<Vec<String>>,
+}
+
+fn serve_204(listener: UnixListener) {
+    std::thread::spawn(move || {
+        for mut s in listener.incoming().flatten() {
+            let mut buf = [0u8; 4096];
+            let _ = s.read(&mut buf);
+            let _ = s.write_all(b"HTTP/1.1 204 No Content\r\nconnection: close\r\n\r\n");
+        }
+    });
+}
+
+impl SandboxRuntime for FakeRuntime {
+    fn start(&self, spec: &StartSpec) -> Result<Started> {
+        if self.fail_start.load(Ordering::SeqCst) {
+            return Err(Error::Runtime("injected start failure".into()));
+        }
+        let ctl = spec.sandbox_dir.join("ctl");
+        std::fs::create_dir_all(&ctl).map_err(|e| Error::io("mkdir", &ctl, e))?;
+        let sock = ctl.join("envd.sock");
+        let l = UnixListener::bind(&sock).map_err(|e| Error::io("bind", &sock, e))?;
+        serve_204(l);
+        let child = std::process::Command::new("sleep")
+            .arg("60")
+            .spawn()
+            .map_err(|e| Error::io("spawn", "sleep", e))?;
+        let pid = child.id() as i32;
+        self.procs.lock().unwrap().insert(spec.id.clone(), child);
+        Ok(Started {
+            pid,
+            state: serde_json::Value::Null,
+        })
+    }
+    fn adopt(&self, _id: &str, _dir: &Path) -> Result<i32> {
+        Err(Error::Runtime("fake runtime cannot adopt".into()))
+    }
+    fn create_dir(&self, _id: &str, dir: &Path, _disk_mb: u64) -> Result<()> {
+        std::fs::create_dir_all(dir).map_err(|e| Error::io("mkdir", dir, e))
+    }
+    fn remove_dir(&self, _id: &str, dir: &Path) -> Result<()> {
+        fsutil::remove_tree(dir)
+    }
+    fn reconcile_storage(&self, _known: &[String]) -> Result<()> {
+        Ok(())
+    }
+    fn destroy(&self, id: &str, _slot: Option<u32>, _dir: &Path) -> Result<()> {
+        if let Some(mut c) = self.procs.lock().unwrap().remove(id) {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+        self.destroyed.lock().unwrap().push(id.to_string());
+        Ok(())
+    }
+    fn kernel_ids(&self) -> Result<Vec<String>> {
+        Ok(self.procs.lock().unwrap().keys().cloned().collect())
+    }
+    fn reconcile_network(&self, _known: &[u32]) -> Result<()> {
+        Ok(())
+    }
+    fn limit_hit(&self, _id: &str, _dir: &Path) -> Option<DeathReason> {
+        None
+    }
+    fn memory_usage(&self, _id: &str) -> Option<u64> {
+        None
+    }
+    fn stats(&self, _id: &str) -> Option<SandboxStats> {
+        None
+    }
+    fn max_slots(&self) -> u32 {
+        8
+    }
+}
+
+fn state(name: &str) -> PathBuf {
+    std::env::temp_dir().join(format!("cbnu-{}-{name}", std::process::id()))
+}
+
+async fn open(name: &str) -> (Node, Arc<FakeRuntime>, PathBuf) {
+    let dir = state(name);
+    let _ = fsutil::remove_tree(&dir);
+    // A tiny template without building one: a config and an empty rootfs.
+    let t = dir.join("templates/fake");
+    std::fs::create_dir_all(t.join("rootfs")).unwrap();
+    fsutil::write_json_atomic(
+        &t.join("template.json"),
+        &crate::template::TemplateConfig::with_defaults("fake", "test"),
+    )
+    .unwrap();
+    let rt = Arc::new(FakeRuntime::default());
+    let mut cfg = NodeConfig::new(&dir, "/nonexistent/envd");
+    cfg.max_sandboxes = 2;
+    let node = Node::open_with_runtime(cfg, rt.clone()).await.unwrap();
+    (node, rt, dir)
+}
+
+fn req() -> CreateRequest {
+    CreateRequest {
+        template: "fake".into(),
+        ..Default::default()
+    }
+}
+
+#[tokio::test]
+async fn create_list_kill_frees_everything() {
+    let (node, rt, dir) = open("basic").await;
+    let a = node.create(req()).await.unwrap();
+    assert_eq!(a.state, SandboxState::Running);
+    let rec: SandboxRecord =
+        fsutil::read_json(&dir.join("sandboxes").join(&a.id).join("sandbox.json")).unwrap();
+    assert_eq!(rec.state, SandboxState::Running);
+    assert_eq!(rec.pid, a.pid);
+    assert_eq!(rec.env_vars.get("E2B_SANDBOX_ID"), Some(&a.id));
+    let b = node.create(req()).await.unwrap();
+    assert_ne!(a.uid_base, b.uid_base);
+    // Capacity is 2 slots.
+    assert!(matches!(node.create(req()).await, Err(Error::Capacity(_))));
+    assert_eq!(node.list().len(), 2);
+    node.kill(&a.id).await.unwrap();
+    assert!(!dir.join("sandboxes").join(&a.id).exists());
+    assert_eq!(
+        node.get(&a.id).unwrap().death_reason,
+        Some(DeathReason::Killed)
+    );
+    assert!(rt.destroyed.lock().unwrap().contains(&a.id));
+    // The freed slot is reused.
+    let c = node.create(req()).await.unwrap();
+    assert_eq!(c.uid_base, a.uid_base);
+    assert!(matches!(
+        node.create(CreateRequest {
+            id: Some("Bad-Id".into()),
+            ..req()
+        })
+        .await,
+        Err(Error::InvalidRequest(_))
+    ));
+    assert!(matches!(
+        node.create(CreateRequest {
+            memory_mb: Some(1),
+            ..req()
+        })
+        .await,
+        Err(Error::InvalidRequest(_))
+    ));
+    node.kill_all().await;
+    assert!(node.list().is_empty());
+    node.close();
+    fsutil::remove_tree(&dir).unwrap();
+}
+
+#[tokio::test]
+async fn failed_start_leaves_nothing() {
+    let (node, rt, dir) = open("fail").await;
+    rt.fail_start.store(true, Ordering::SeqCst);
+    assert!(matches!(node.create(req()).await, Err(Error::Runtime(_))));
+    assert!(node.list().is_empty());
+    assert_eq!(std::fs::read_dir(dir.join("sandboxes")).unwrap().count(), 0);
+    rt.fail_start.store(false, Ordering::SeqCst);
+    // Both slots are still available.
+    let a = node.create(req()).await.unwrap();
+    let b = node.create(req()).await.unwrap();
+    node.kill(&a.id).await.unwrap();
+    node.kill(&b.id).await.unwrap();
+    node.close();
+    fsutil::remove_tree(&dir).unwrap();
+}
+
+#[tokio::test]
+async fn timeouts_and_exits_name_the_death() {
+    let (node, rt, dir) = open("timeout").await;
+    let a = node
+        .create(CreateRequest {
+            timeout: Some(Duration::from_millis(300)),
+            ..req()
+        })
+        .await
+        .unwrap();
+    let b = node.create(req()).await.unwrap();
+    // b's "init" exits on its own.
+    if let Some(c) = rt.procs.lock().unwrap().get_mut(&b.id) {
+        c.kill().unwrap();
+        let _ = c.wait();
+    }
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+    assert_eq!(
+        node.get(&a.id).unwrap().death_reason,
+        Some(DeathReason::Timeout)
+    );
+    assert_eq!(
+        node.get(&b.id).unwrap().death_reason,
+        Some(DeathReason::Exited)
+    );
+    assert!(node.list().is_empty());
+    node.close();
+    fsutil::remove_tree(&dir).unwrap();
+}
+
+#[tokio::test]
+async fn reopen_removes_unadoptable_records() {
+    let (node, _rt, dir) = open("reopen").await;
+    let a = node.create(req()).await.unwrap();
+    node.close();
+    drop(node);
+    // A record left mid-create, and a stray file.
+    let stale = dir.join("sandboxes/istale");
+    std::fs::create_dir_all(&stale).unwrap();
+    let mut rec: SandboxRecord =
+        fsutil::read_json(&dir.join("sandboxes").join(&a.id).join("sandbox.json")).unwrap();
+    rec.id = "istale".into();
+    rec.state = SandboxState::Creating;
+    fsutil::write_json_atomic(&stale.join("sandbox.json"), &rec).unwrap();
+    std::fs::write(dir.join("sandboxes/.junk"), b"x").unwrap();
+    let rt2 = Arc::new(FakeRuntime::default());
+    let node = Node::open_with_runtime(NodeConfig::new(&dir, "/nonexistent/envd"), rt2.clone())
+        .await
+        .unwrap();
+    let report = node.reconcile_report();
+    // The fake runtime cannot adopt, so both go.
+    assert!(report.adopted.is_empty());
+    assert!(report.removed.contains(&"istale".to_string()) && report.removed.contains(&a.id));
+    assert_eq!(std::fs::read_dir(dir.join("sandboxes")).unwrap().count(), 0);
+    assert!(
+        rt2.destroyed
+            .lock()
+            .unwrap()
+            .contains(&"istale".to_string())
+    );
+    node.close();
+    fsutil::remove_tree(&dir).unwrap();
+}

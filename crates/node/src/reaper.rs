@@ -1,0 +1,59 @@
+//! End-time enforcement by the node itself: one task sleeps until the earliest end time
+//! (or until end times change), kills expired sandboxes with reason `timeout`, and retries
+//! teardowns that failed. It holds only a weak reference, so dropping the node stops it.
+
+use std::sync::Weak;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use crate::node::{Inner, now_ms};
+use crate::sandbox::{DeathReason, SandboxState};
+
+/// Longest sleep between checks (also the retry period of failed teardowns).
+const MAX_SLEEP_MS: u64 = 1000;
+
+pub(crate) async fn run(weak: Weak<Inner>) {
+    loop {
+        let Some(inner) = weak.upgrade() else { return };
+        if inner.closed.load(Ordering::SeqCst) {
+            return;
+        }
+        let now = now_ms();
+        let mut next = now + MAX_SLEEP_MS;
+        let mut expired = Vec::new();
+        let mut retry = Vec::new();
+        {
+            let st = inner.lock();
+            for (id, live) in &st.live {
+                if live.teardown_failed {
+                    retry.push((
+                        id.clone(),
+                        live.record.death_reason.unwrap_or(DeathReason::Exited),
+                    ));
+                } else if live.record.state == SandboxState::Running {
+                    if live.record.end_at_ms <= now {
+                        expired.push(id.clone());
+                    } else {
+                        next = next.min(live.record.end_at_ms);
+                    }
+                }
+            }
+        }
+        for id in expired {
+            tracing::info!(sandbox = %id, "end time reached, killing");
+            let inner = inner.clone();
+            tokio::spawn(async move { inner.finish(&id, DeathReason::Timeout, false).await });
+        }
+        for (id, reason) in retry {
+            let inner = inner.clone();
+            tokio::spawn(async move { inner.finish(&id, reason, false).await });
+        }
+        let notify = inner.changed.clone();
+        drop(inner);
+        let wait = Duration::from_millis(next.saturating_sub(now).max(1));
+        tokio::select! {
+            _ = tokio::time::sleep(wait) => {}
+            _ = notify.notified() => {}
+        }
+    }
+}

@@ -1,0 +1,153 @@
+//! Reconciliation at node start: whatever a previous run (or a crash) left is adopted if
+//! it is alive and known, else removed.
+//!
+//! Adopted: a `<state>/sandboxes/<id>/sandbox.json` in state `running` whose init pid is
+//! alive with the recorded start time and whose envd answers `/health`. Removed:
+//! every other sandbox directory (with whatever is mounted below it), every cgroup
+//! `cubicle/<id>` not adopted (its processes killed), and every network object (veth,
+//! nftables element) whose slot is not adopted. (With `reap_foreign: false` only what
+//! this state directory records is touched: for hosts shared by several nodes or tests.)
+
+use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::envd_client::EnvdClient;
+use crate::error::{IoContext, Result};
+use crate::node::{Live, Node, blocking, spawn_watcher};
+use crate::sandbox::{SandboxRecord, SandboxState};
+use crate::{fsutil, ids, procfs};
+
+/// What reconciliation did.
+#[derive(Debug, Default, Clone)]
+pub struct ReconcileReport {
+    /// Ids adopted as live sandboxes.
+    pub adopted: Vec<String>,
+    /// Ids whose leftovers were removed.
+    pub removed: Vec<String>,
+}
+
+pub(crate) async fn reconcile(node: &Node) -> Result<ReconcileReport> {
+    let inner = &node.inner;
+    let sdir = inner.config.state_dir.join("sandboxes");
+    let mut report = ReconcileReport::default();
+    // id -> slot (if known) of everything to remove
+    let mut doomed: HashMap<String, Option<u32>> = HashMap::new();
+    let mut candidates: Vec<SandboxRecord> = Vec::new();
+    let mut odd_entries = Vec::new();
+
+    for e in std::fs::read_dir(&sdir).ctx("readdir", &sdir)?.flatten() {
+        let name = e.file_name().to_string_lossy().into_owned();
+        if !ids::is_valid_sandbox_id(&name) {
+            // Half-created quota directories are the storage's to remove (below).
+            if !name.starts_with(".creating-") {
+                odd_entries.push(e.path());
+            }
+            continue;
+        }
+        match fsutil::read_json::<SandboxRecord>(&e.path().join("sandbox.json")) {
+            Ok(r)
+                if r.id == name
+                    && r.state == SandboxState::Running
+                    && r.pid.is_some_and(|p| procfs::is_alive(p, r.pid_start_time)) =>
+            {
+                candidates.push(r)
+            }
+            Ok(r) => {
+                doomed.insert(name, Some(r.slot));
+            }
+            Err(_) => {
+                doomed.insert(name, None);
+            }
+        }
+    }
+
+    for r in candidates {
+        let client = EnvdClient::new(inner.envd_socket(&r.id), Some(r.access_token.clone()));
+        let healthy = matches!(
+            tokio::time::timeout(Duration::from_secs(2), client.health()).await,
+            Ok(Ok(true))
+        );
+        let adopted_pid = if healthy {
+            let rt = inner.runtime.clone();
+            let (id, dir) = (r.id.clone(), inner.sandbox_dir(&r.id));
+            blocking(move || rt.adopt(&id, &dir)).await.ok()
+        } else {
+            None
+        };
+        let reserved =
+            adopted_pid.is_some() && adopted_pid == r.pid && inner.lock().slots.reserve(r.slot);
+        if !reserved {
+            tracing::warn!(sandbox = %r.id, healthy, "not adoptable, removing");
+            doomed.insert(r.id.clone(), Some(r.slot));
+            continue;
+        }
+        let pid = r.pid.unwrap_or(0);
+        let watcher = spawn_watcher(Arc::downgrade(inner), r.id.clone(), pid);
+        tracing::info!(sandbox = %r.id, pid, "adopted");
+        report.adopted.push(r.id.clone());
+        inner.lock().live.insert(
+            r.id.clone(),
+            Live {
+                record: r,
+                ready_us: 0,
+                kill_requested: None,
+                teardown_failed: false,
+                watcher: Some(watcher),
+            },
+        );
+    }
+    let adopted: HashSet<String> = report.adopted.iter().cloned().collect();
+
+    let rt = inner.runtime.clone();
+    let kernel_ids = if inner.config.reap_foreign {
+        blocking(move || rt.kernel_ids()).await.unwrap_or_else(|e| {
+            tracing::warn!("listing sandbox cgroups failed: {e}");
+            Vec::new()
+        })
+    } else {
+        Vec::new()
+    };
+    for id in kernel_ids {
+        if !adopted.contains(&id) {
+            doomed.entry(id).or_insert(None);
+        }
+    }
+
+    for (id, slot) in doomed {
+        let rt = inner.runtime.clone();
+        let dir = inner.sandbox_dir(&id);
+        let id2 = id.clone();
+        let res = blocking(move || {
+            rt.destroy(&id2, slot, &dir)?;
+            rt.remove_dir(&id2, &dir)
+        })
+        .await;
+        match res {
+            Ok(()) => tracing::info!(sandbox = %id, "removed leftovers"),
+            Err(e) => tracing::error!(sandbox = %id, "removing leftovers failed: {e}"),
+        }
+        report.removed.push(id);
+    }
+    for p in odd_entries {
+        if let Err(e) = fsutil::remove_tree(&p) {
+            tracing::warn!("removing stray {}: {e}", p.display());
+        }
+    }
+
+    // Quota ids and directories nobody uses any more (e.g. half-created ones).
+    let rt = inner.runtime.clone();
+    let known = report.adopted.clone();
+    if let Err(e) = blocking(move || rt.reconcile_storage(&known)).await {
+        tracing::warn!("storage reconciliation failed: {e}");
+    }
+    if inner.config.reap_foreign {
+        let slots: Vec<u32> = inner.lock().live.values().map(|l| l.record.slot).collect();
+        let rt = inner.runtime.clone();
+        if let Err(e) = blocking(move || rt.reconcile_network(&slots)).await {
+            tracing::warn!("network reconciliation failed: {e}");
+        }
+    }
+    report.removed.sort();
+    Ok(report)
+}

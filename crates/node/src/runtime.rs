@@ -1,0 +1,125 @@
+//! The node's view of the isolation layer: a small trait ([`SandboxRuntime`]) the node
+//! drives, and its implementation on top of `cubicle-runtime` ([`crate::linux`]).
+//!
+//! Keeping the node behind this trait lets its lifecycle logic (slots, records,
+//! reconciliation, timers) be written and unit-tested independently of the kernel work,
+//! and lets a microVM runtime plug in later.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::Result;
+use crate::sandbox::DeathReason;
+
+/// Everything the runtime needs to start one sandbox.
+#[derive(Debug, Clone)]
+pub struct StartSpec {
+    /// Sandbox id (`^[a-z0-9]{1,32}$`).
+    pub id: String,
+    /// Template rootfs (read-only lower layer, owned by host uid 0).
+    pub rootfs: PathBuf,
+    /// `<state>/sandboxes/<id>`: the sandbox's private host directory.
+    pub sandbox_dir: PathBuf,
+    /// The node's slot for this sandbox (uid range and network address derive from it).
+    pub slot: u32,
+    /// Host uid/gid of root inside.
+    pub uid_base: u32,
+    /// Number of mapped ids.
+    pub uid_count: u32,
+    /// Memory limit in MiB.
+    pub memory_mb: u64,
+    /// vCPUs.
+    pub cpus: u32,
+    /// Max tasks.
+    pub pids: u32,
+    /// Writable-layer quota in MiB.
+    pub disk_mb: u64,
+    /// veth + NAT (true) or loopback only.
+    pub internet: bool,
+    /// Hostname inside.
+    pub hostname: String,
+    /// Host path of the envd binary, bind-mounted read-only at `/run/cubicle/envd`.
+    pub envd_binary: PathBuf,
+    /// argv of PID 1 (envd).
+    pub init: Vec<String>,
+    /// Environment of PID 1.
+    pub env: BTreeMap<String, String>,
+    /// Extra bind mounts: (host path, path inside, read-only).
+    pub binds: Vec<(PathBuf, PathBuf, bool)>,
+}
+
+/// What the runtime reports after a successful start.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Started {
+    /// Host pid of the sandbox's init.
+    pub pid: i32,
+    /// Runtime-private facts to store in the sandbox record (e.g. addresses).
+    #[serde(default)]
+    pub state: serde_json::Value,
+}
+
+/// Usage counters of one sandbox.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct SandboxStats {
+    /// Memory in use (cgroup), bytes.
+    pub memory_bytes: u64,
+    /// Processes the OOM killer killed in the sandbox so far.
+    pub oom_kills: u64,
+    /// CPU time used, ns.
+    pub cpu_usage_ns: u64,
+    /// Tasks now.
+    pub pids: u64,
+    /// Bytes written to the writable layer (when quotas are available).
+    pub disk_used_bytes: Option<u64>,
+    /// The writable layer's quota (when quotas are available).
+    pub disk_limit_bytes: Option<u64>,
+}
+
+/// The isolation layer, as the node uses it. All methods block (call them from
+/// `spawn_blocking`); all are safe to call from several threads.
+pub trait SandboxRuntime: Send + Sync + 'static {
+    /// Start a sandbox (namespaces, rootfs, cgroup, network, quota, init). On error
+    /// nothing of it must remain.
+    fn start(&self, spec: &StartSpec) -> Result<Started>;
+
+    /// Re-attach to sandbox `id` left running by an earlier node process; returns the
+    /// host pid of its init.
+    fn adopt(&self, id: &str, sandbox_dir: &std::path::Path) -> Result<i32>;
+
+    /// Create the sandbox's private directory `dir` (= `<state>/sandboxes/<id>`) with a
+    /// disk quota of `disk_mb` on everything written below it, where supported.
+    fn create_dir(&self, id: &str, dir: &std::path::Path, disk_mb: u64) -> Result<()>;
+
+    /// Remove the sandbox's directory (and its quota). Idempotent.
+    fn remove_dir(&self, id: &str, dir: &std::path::Path) -> Result<()>;
+
+    /// Remove every sandbox directory and quota not in `known` (after a crash).
+    fn reconcile_storage(&self, known: &[String]) -> Result<()>;
+
+    /// Kill every process of sandbox `id` and remove all its kernel objects (cgroup,
+    /// veth/nft entries of `slot`, quota, mounts under `sandbox_dir`). Idempotent: missing
+    /// pieces are fine. Does not delete `sandbox_dir` itself (the node does).
+    fn destroy(&self, id: &str, slot: Option<u32>, sandbox_dir: &std::path::Path) -> Result<()>;
+
+    /// Ids that have kernel objects (cgroups `cubicle/<id>`) on this host.
+    fn kernel_ids(&self) -> Result<Vec<String>>;
+
+    /// Remove network objects (veths, nft elements) of every slot not in `known_slots`.
+    fn reconcile_network(&self, known_slots: &[u32]) -> Result<()>;
+
+    /// If a limit explains why sandbox `id` died or is dying (OOM kills counted in its
+    /// cgroup, a full disk quota), say which.
+    fn limit_hit(&self, id: &str, sandbox_dir: &std::path::Path) -> Option<DeathReason>;
+
+    /// Host memory the sandbox's cgroup uses now, in bytes.
+    fn memory_usage(&self, id: &str) -> Option<u64>;
+
+    /// Usage counters of a live sandbox.
+    fn stats(&self, id: &str) -> Option<SandboxStats>;
+
+    /// Number of slots the runtime can address (network pool size etc.).
+    fn max_slots(&self) -> u32;
+}

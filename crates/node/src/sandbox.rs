@@ -1,0 +1,214 @@
+//! What a sandbox is to the node: the create request, the on-disk record
+//! (`<state>/sandboxes/<id>/sandbox.json`, which makes reconciliation after a crash
+//! possible), the public info, and why a sandbox died.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+/// Ask the node for a sandbox. `None` fields take the template's (or node's) default.
+#[derive(Debug, Clone, Default)]
+pub struct CreateRequest {
+    /// Template name (`tiny`, `base`, …).
+    pub template: String,
+    /// Sandbox id (`^[a-z0-9]+$`); a new one (`i` + 20 chars) when `None`.
+    pub id: Option<String>,
+    /// Environment for every process in the sandbox (passed to envd's `/init`).
+    pub env_vars: BTreeMap<String, String>,
+    /// Memory limit in MiB.
+    pub memory_mb: Option<u64>,
+    /// vCPU count (CPU share).
+    pub cpus: Option<u32>,
+    /// Writable-layer quota in MiB.
+    pub disk_mb: Option<u64>,
+    /// Internet access (veth + NAT) or loopback only.
+    pub internet: bool,
+    /// Lifetime; the node kills the sandbox when it passes. `None`: node default (300 s).
+    pub timeout: Option<Duration>,
+    /// Opaque user metadata, stored and returned.
+    pub metadata: BTreeMap<String, String>,
+}
+
+/// Why a sandbox stopped existing.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum DeathReason {
+    /// The memory limit was hit and the kernel killed processes.
+    Oom,
+    /// Its end time passed; the node killed it.
+    Timeout,
+    /// Someone asked for it (`kill`).
+    Killed,
+    /// Its init (envd) exited on its own.
+    Exited,
+    /// Its writable layer ran out of quota.
+    DiskFull,
+}
+
+impl DeathReason {
+    /// `oom`, `timeout`, `killed`, `exited`, `disk_full`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            DeathReason::Oom => "oom",
+            DeathReason::Timeout => "timeout",
+            DeathReason::Killed => "killed",
+            DeathReason::Exited => "exited",
+            DeathReason::DiskFull => "disk_full",
+        }
+    }
+}
+
+impl std::fmt::Display for DeathReason {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// Lifecycle state as stored on disk.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum SandboxState {
+    /// Being created: never adopted after a crash.
+    Creating,
+    /// envd answered `/init`: adoptable after a node restart if still alive.
+    Running,
+    /// Being torn down.
+    Dying,
+    /// Gone (only in [`SandboxInfo`], never on disk).
+    Dead,
+}
+
+/// `<state>/sandboxes/<id>/sandbox.json`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct SandboxRecord {
+    /// Sandbox id.
+    pub id: String,
+    /// Template name.
+    pub template: String,
+    /// Lifecycle state.
+    pub state: SandboxState,
+    /// Uid slot; host ids `uid_base .. uid_base + 65536`.
+    pub slot: u32,
+    /// First host uid/gid of the sandbox's range (sandbox root).
+    pub uid_base: u32,
+    /// Host pid of the sandbox's init (envd), once started.
+    #[serde(default)]
+    pub pid: Option<i32>,
+    /// Start time of that pid (field 22 of /proc/PID/stat) to detect pid reuse.
+    #[serde(default)]
+    pub pid_start_time: Option<u64>,
+    /// Unix time in ms at creation.
+    pub created_at_ms: u64,
+    /// Unix time in ms after which the node kills it.
+    pub end_at_ms: u64,
+    /// Memory limit, MiB.
+    pub memory_mb: u64,
+    /// vCPUs.
+    pub cpus: u32,
+    /// Disk quota, MiB.
+    pub disk_mb: u64,
+    /// Internet on/off.
+    pub internet: bool,
+    /// Env vars given to envd.
+    #[serde(default)]
+    pub env_vars: BTreeMap<String, String>,
+    /// User metadata.
+    #[serde(default)]
+    pub metadata: BTreeMap<String, String>,
+    /// envd access token.
+    pub access_token: String,
+    /// Default user / workdir given to envd.
+    pub default_user: String,
+    /// Default workdir given to envd.
+    pub default_workdir: String,
+    /// Why it is dying (set before teardown).
+    #[serde(default)]
+    pub death_reason: Option<DeathReason>,
+    /// Whatever the runtime needs to find its objects again (addresses, veth names, …).
+    #[serde(default)]
+    pub runtime: serde_json::Value,
+}
+
+/// What callers see of a sandbox.
+#[derive(Debug, Clone, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct SandboxInfo {
+    /// Sandbox id.
+    pub id: String,
+    /// Template name.
+    pub template: String,
+    /// Lifecycle state.
+    pub state: SandboxState,
+    /// Why it died (when `state` is `dead`).
+    pub death_reason: Option<DeathReason>,
+    /// Unix ms at creation.
+    pub created_at_ms: u64,
+    /// Unix ms end time.
+    pub end_at_ms: u64,
+    /// Memory limit, MiB.
+    pub memory_mb: u64,
+    /// vCPUs.
+    pub cpus: u32,
+    /// Disk quota, MiB.
+    pub disk_mb: u64,
+    /// Internet on/off.
+    pub internet: bool,
+    /// User metadata.
+    pub metadata: BTreeMap<String, String>,
+    /// envd access token (`envdAccessToken` of the E2B API).
+    pub access_token: String,
+    /// First host uid of the sandbox's range.
+    pub uid_base: u32,
+    /// Host pid of the sandbox's init (envd).
+    pub pid: Option<i32>,
+    /// envd's Unix socket on the host.
+    pub envd_socket: PathBuf,
+    /// How long create took until envd answered `/init`, in µs (0 for adopted sandboxes).
+    pub ready_us: u64,
+}
+
+impl SandboxInfo {
+    /// Info from a record.
+    pub fn from_record(r: &SandboxRecord, envd_socket: PathBuf, ready_us: u64) -> Self {
+        SandboxInfo {
+            id: r.id.clone(),
+            template: r.template.clone(),
+            state: r.state,
+            death_reason: r.death_reason,
+            created_at_ms: r.created_at_ms,
+            end_at_ms: r.end_at_ms,
+            memory_mb: r.memory_mb,
+            cpus: r.cpus,
+            disk_mb: r.disk_mb,
+            internet: r.internet,
+            metadata: r.metadata.clone(),
+            access_token: r.access_token.clone(),
+            uid_base: r.uid_base,
+            pid: r.pid,
+            envd_socket,
+            ready_us,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reasons_serialize_as_the_documented_words() {
+        for (r, s) in [
+            (DeathReason::Oom, "\"oom\""),
+            (DeathReason::Timeout, "\"timeout\""),
+            (DeathReason::Killed, "\"killed\""),
+            (DeathReason::Exited, "\"exited\""),
+            (DeathReason::DiskFull, "\"disk_full\""),
+        ] {
+            assert_eq!(serde_json::to_string(&r).unwrap(), s);
+            assert_eq!(format!("\"{r}\""), s);
+        }
+    }
+}

@@ -1,0 +1,384 @@
+//! Templates: a read-only root filesystem plus its config, stored at
+//! `<state>/templates/<name>/{rootfs/,template.json}`.
+//!
+//! Two built-ins are built on first use and cached: `tiny` (busybox-static, built in
+//! milliseconds, for tests — see [`tiny`]) and `base` (Debian 12 minbase plus the usual
+//! tools, like E2B's base image — see [`base`]). Every build happens in a temporary
+//! directory next to its destination and is renamed into place, so an interrupted build
+//! never leaves a half template; a per-name lock file keeps two builds of one name apart.
+
+pub mod base;
+mod progress;
+pub mod tiny;
+
+use std::collections::BTreeMap;
+use std::fs;
+use std::os::fd::AsRawFd;
+use std::path::{Path, PathBuf};
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use serde::{Deserialize, Serialize};
+
+pub use progress::Progress;
+
+use crate::error::{Error, IoContext, Result};
+use crate::fsutil;
+
+/// Names of the templates this crate can build by itself.
+pub const BUILTINS: &[&str] = &["tiny", "base"];
+
+/// Mount point inside every rootfs where the runtime bind-mounts the envd binary.
+pub const ENVD_MOUNT_POINT: &str = "run/cubicle/envd";
+/// Directory inside every rootfs where the runtime bind-mounts the host-visible control dir.
+pub const CTL_MOUNT_POINT: &str = "run/cubicle/ctl";
+
+/// A template's config, stored as `template.json`.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct TemplateConfig {
+    /// Template name (`[a-z0-9][a-z0-9._-]*`).
+    pub name: String,
+    /// User processes run as when the caller names none.
+    pub default_user: String,
+    /// Working directory of processes when the caller names none.
+    pub default_workdir: String,
+    /// Environment every process in the sandbox gets.
+    #[serde(default)]
+    pub env: BTreeMap<String, String>,
+    /// Command started (through envd) after the sandbox is ready, if any.
+    #[serde(default)]
+    pub start_command: Option<String>,
+    /// Default vCPU count.
+    pub cpus: u32,
+    /// Default memory limit in MiB.
+    pub memory_mb: u64,
+    /// Default writable-layer quota in MiB.
+    pub disk_mb: u64,
+    /// Unix time (seconds) the build finished.
+    #[serde(default)]
+    pub built_at: u64,
+    /// Apparent size of the rootfs in bytes at build time.
+    #[serde(default)]
+    pub size_bytes: u64,
+    /// Which builder made it (e.g. `tiny/1`).
+    #[serde(default)]
+    pub builder: String,
+}
+
+impl TemplateConfig {
+    /// Defaults shared by the built-ins: user `user`, workdir `/home/user`, 2 vCPU,
+    /// 512 MiB memory, 5 GiB disk.
+    pub fn with_defaults(name: &str, builder: &str) -> Self {
+        TemplateConfig {
+            name: name.to_string(),
+            default_user: "user".into(),
+            default_workdir: "/home/user".into(),
+            env: BTreeMap::new(),
+            start_command: None,
+            cpus: 2,
+            memory_mb: 512,
+            disk_mb: 5 * 1024,
+            built_at: 0,
+            size_bytes: 0,
+            builder: builder.to_string(),
+        }
+    }
+}
+
+/// A built template on disk.
+#[derive(Debug, Clone)]
+pub struct Template {
+    /// `<state>/templates/<name>`.
+    pub dir: PathBuf,
+    /// `<state>/templates/<name>/rootfs` (read-only lower layer).
+    pub rootfs: PathBuf,
+    /// Its config.
+    pub config: TemplateConfig,
+}
+
+/// The template store of one state directory.
+#[derive(Debug, Clone)]
+pub struct TemplateStore {
+    root: PathBuf,
+}
+
+/// Check a template name: lowercase alphanumerics plus `.`, `_`, `-`, not starting with
+/// a dot (dot-names are the store's temporary directories).
+pub fn validate_name(name: &str) -> Result<()> {
+    let ok = !name.is_empty()
+        && name.len() <= 64
+        && name
+            .bytes()
+            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || b"._-".contains(&c))
+        && name.as_bytes()[0].is_ascii_alphanumeric();
+    if ok {
+        Ok(())
+    } else {
+        Err(Error::InvalidRequest(format!(
+            "template name '{name}' must be 1-64 chars of [a-z0-9._-], starting with a letter or digit"
+        )))
+    }
+}
+
+impl TemplateStore {
+    /// Open (and create) `<state>/templates`.
+    pub fn open(state_dir: &Path) -> Result<Self> {
+        let root = state_dir.join("templates");
+        fs::create_dir_all(&root).ctx("mkdir", &root)?;
+        Ok(TemplateStore { root })
+    }
+
+    /// `<state>/templates`.
+    pub fn root(&self) -> &Path {
+        &self.root
+    }
+
+    /// A built template, or `None`.
+    pub fn get(&self, name: &str) -> Result<Option<Template>> {
+        validate_name(name)?;
+        let dir = self.root.join(name);
+        let cfg_path = dir.join("template.json");
+        if !cfg_path.exists() {
+            return Ok(None);
+        }
+        let config: TemplateConfig = fsutil::read_json(&cfg_path)?;
+        Ok(Some(Template {
+            rootfs: dir.join("rootfs"),
+            dir,
+            config,
+        }))
+    }
+
+    /// The template, building it first if it is a built-in that is not built yet.
+    pub fn ensure(&self, name: &str, progress: bool) -> Result<Template> {
+        if let Some(t) = self.get(name)? {
+            return Ok(t);
+        }
+        if !BUILTINS.contains(&name) {
+            return Err(Error::TemplateNotFound(name.to_string()));
+        }
+        self.build(name, false, progress)
+    }
+
+    /// All built templates, sorted by name.
+    pub fn list(&self) -> Result<Vec<Template>> {
+        let mut out = Vec::new();
+        for e in fs::read_dir(&self.root)
+            .ctx("readdir", &self.root)?
+            .flatten()
+        {
+            let name = e.file_name().to_string_lossy().into_owned();
+            if name.starts_with('.') || validate_name(&name).is_err() {
+                continue;
+            }
+            if let Ok(Some(t)) = self.get(&name) {
+                out.push(t);
+            }
+        }
+        out.sort_by(|a, b| a.config.name.cmp(&b.config.name));
+        Ok(out)
+    }
+
+    /// Remove a template (the caller checks that no sandbox uses it).
+    pub fn remove(&self, name: &str) -> Result<()> {
+        validate_name(name)?;
+        let _lock = self.lock(name)?;
+        let dir = self.root.join(name);
+        if !dir.exists() {
+            return Err(Error::TemplateNotFound(name.to_string()));
+        }
+        // Rename first so that the name disappears atomically, then delete.
+        let trash = self
+            .root
+            .join(format!(".trash-{name}-{}", crate::ids::random_suffix(8)));
+        fs::rename(&dir, &trash).ctx("rename", &dir)?;
+        fsutil::remove_tree(&trash)
+    }
+
+    /// Build a built-in template (`tiny` or `base`). With `force`, rebuild even if it
+    /// exists (the old one is replaced atomically).
+    pub fn build(&self, name: &str, force: bool, progress: bool) -> Result<Template> {
+        validate_name(name)?;
+        if !BUILTINS.contains(&name) {
+            return Err(Error::TemplateBuild {
+                name: name.into(),
+                message: format!(
+                    "no builder for '{name}' (built-ins: {})",
+                    BUILTINS.join(", ")
+                ),
+            });
+        }
+        let _lock = self.lock(name)?;
+        if !force && let Some(t) = self.get(name)? {
+            return Ok(t);
+        }
+        self.remove_stale_builds(name);
+        let staging = self
+            .root
+            .join(format!(".build-{name}-{}", crate::ids::random_suffix(8)));
+        let rootfs = staging.join("rootfs");
+        fs::create_dir_all(&rootfs).ctx("mkdir", &rootfs)?;
+        let result = (|| {
+            let p = Progress::new(progress, name);
+            let mut config = match name {
+                "tiny" => tiny::build(&rootfs, &p)?,
+                _ => base::build(&rootfs, &p)?,
+            };
+            config.built_at = unix_now();
+            config.size_bytes = fsutil::tree_size(&rootfs);
+            fsutil::write_json_atomic(&staging.join("template.json"), &config)?;
+            p.finish(&format!(
+                "template '{name}' built ({})",
+                human_size(config.size_bytes)
+            ));
+            Ok(config)
+        })();
+        if let Err(e) = result {
+            let _ = fsutil::remove_tree(&staging);
+            return Err(e);
+        }
+        let dest = self.root.join(name);
+        if dest.exists() {
+            let old = self
+                .root
+                .join(format!(".trash-{name}-{}", crate::ids::random_suffix(8)));
+            fs::rename(&dest, &old).ctx("rename", &dest)?;
+            fs::rename(&staging, &dest).ctx("rename", &staging)?;
+            let _ = fsutil::remove_tree(&old);
+        } else {
+            fs::rename(&staging, &dest).ctx("rename", &staging)?;
+        }
+        self.get(name)?
+            .ok_or_else(|| Error::TemplateNotFound(name.to_string()))
+    }
+
+    /// Remove leftovers of interrupted builds/removals of `name` (lock held by caller).
+    fn remove_stale_builds(&self, name: &str) {
+        let Ok(rd) = fs::read_dir(&self.root) else {
+            return;
+        };
+        for e in rd.flatten() {
+            let f = e.file_name().to_string_lossy().into_owned();
+            let stale = [format!(".build-{name}-"), format!(".trash-{name}-")];
+            if stale.iter().any(|p| f.starts_with(p.as_str()))
+                && let Err(err) = fsutil::remove_tree(&e.path())
+            {
+                tracing::warn!(
+                    "could not remove stale template build {}: {err}",
+                    e.path().display()
+                );
+            }
+        }
+    }
+
+    /// Exclusive per-name lock, released on drop.
+    fn lock(&self, name: &str) -> Result<fs::File> {
+        let path = self.root.join(format!(".{name}.lock"));
+        let f = fs::OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(&path)
+            .ctx("open", &path)?;
+        // SAFETY: valid fd for the lifetime of `f`.
+        let r = unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX) };
+        if r != 0 {
+            return Err(Error::io("flock", &path, std::io::Error::last_os_error()));
+        }
+        Ok(f)
+    }
+}
+
+/// Seconds since the Unix epoch.
+pub(crate) fn unix_now() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
+}
+
+/// `1.5 MiB`-style size.
+pub fn human_size(bytes: u64) -> String {
+    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut v = bytes as f64;
+    let mut u = 0;
+    while v >= 1024.0 && u + 1 < UNITS.len() {
+        v /= 1024.0;
+        u += 1;
+    }
+    if u == 0 {
+        format!("{bytes} B")
+    } else {
+        format!("{v:.1} {}", UNITS[u])
+    }
+}
+
+/// Create the directories and empty files the runtime mounts over (`/run/cubicle/envd`,
+/// `/run/cubicle/ctl`), so a read-only lower layer already has the mount points.
+pub(crate) fn add_cubicle_mount_points(rootfs: &Path) -> Result<()> {
+    let ctl = rootfs.join(CTL_MOUNT_POINT);
+    fs::create_dir_all(&ctl).ctx("mkdir", &ctl)?;
+    let envd = rootfs.join(ENVD_MOUNT_POINT);
+    fs::write(&envd, b"").ctx("create", &envd)?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names() {
+        assert!(validate_name("base").is_ok());
+        assert!(validate_name("code-interpreter-v1").is_ok());
+        assert!(validate_name(".build").is_err());
+        assert!(validate_name("../x").is_err());
+        assert!(validate_name("A").is_err());
+        assert!(validate_name("").is_err());
+    }
+
+    #[test]
+    fn sizes() {
+        assert_eq!(human_size(10), "10 B");
+        assert_eq!(human_size(1536), "1.5 KiB");
+    }
+
+    #[test]
+    fn builds_lists_and_removes_tiny() {
+        if !Path::new(tiny::BUSYBOX).exists() {
+            eprintln!(
+                "skipped: {} missing (apt-get install busybox-static)",
+                tiny::BUSYBOX
+            );
+            return;
+        }
+        if !nix::unistd::geteuid().is_root() {
+            eprintln!("skipped: building a template chowns files and needs root");
+            return;
+        }
+        let state = std::env::temp_dir().join(format!("cubicle-tpl-{}", std::process::id()));
+        let store = TemplateStore::open(&state).unwrap();
+        assert!(store.get("tiny").unwrap().is_none());
+        let t = store.ensure("tiny", false).unwrap();
+        assert!(t.rootfs.join("bin/busybox").is_file());
+        assert!(t.rootfs.join("bin/sh").is_symlink());
+        assert_eq!(t.config.default_user, "user");
+        assert!(t.config.size_bytes > 1_000_000);
+        let names: Vec<_> = store
+            .list()
+            .unwrap()
+            .into_iter()
+            .map(|t| t.config.name)
+            .collect();
+        assert_eq!(names, vec!["tiny".to_string()]);
+        let t2 = store.build("tiny", true, false).unwrap();
+        assert!(t2.config.built_at >= t.config.built_at);
+        store.remove("tiny").unwrap();
+        assert!(store.get("tiny").unwrap().is_none());
+        assert!(matches!(
+            store.remove("tiny"),
+            Err(Error::TemplateNotFound(_))
+        ));
+        fsutil::remove_tree(&state).unwrap();
+    }
+}
