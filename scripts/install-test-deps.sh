@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# Install the end-to-end test dependencies: the official E2B SDKs.
+#
+#   tests/e2e/.venv              Python venv: e2b, e2b-code-interpreter, pytest,
+#                                pytest-asyncio (pinned in tests/e2e/requirements.txt)
+#   tests/e2e/js/node_modules    e2b (JS) pinned in package.json / package-lock.json,
+#                                installed with `npm ci`
+#
+# Idempotent: each part is skipped when a stamp shows it was installed from the
+# same pin file and the SDK reports the expected version.
+set -euo pipefail
+
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+E2E="$ROOT/tests/e2e"
+VENV="$E2E/.venv"
+REQ="$E2E/requirements.txt"
+JS="$E2E/js"
+PY_E2B=2.63.0
+JS_E2B=2.51.0
+
+# The venv is built from Debian's python3, not a pyenv shim under $HOME: the e2e
+# launcher mounts a tmpfs over /root, and the venv must still work there.
+PYTHON=${CUBICLE_E2E_PYTHON:-/usr/bin/python3}
+
+hash_of() { sha256sum "$@" | sha256sum | cut -d' ' -f1; }
+
+# --- Python ---------------------------------------------------------------
+py_stamp="$VENV/.cubicle-deps"
+py_want="$(hash_of "$REQ")"
+if [[ -x "$VENV/bin/python" && -f "$py_stamp" && "$(cat "$py_stamp")" == "$py_want" ]] &&
+   "$VENV/bin/python" -c "import importlib.metadata as m, sys; sys.exit(m.version('e2b') != '$PY_E2B')" 2>/dev/null; then
+  echo "install-test-deps: python venv up to date (e2b $PY_E2B)"
+else
+  echo "install-test-deps: creating $VENV"
+  rm -rf "$VENV"
+  "$PYTHON" -m venv "$VENV"
+  "$VENV/bin/pip" install --disable-pip-version-check -q -r "$REQ"
+  echo "$py_want" >"$py_stamp"
+  echo "install-test-deps: installed $("$VENV/bin/python" -c "import importlib.metadata as m; print('e2b', m.version('e2b'))")"
+fi
+
+# --- JavaScript -----------------------------------------------------------
+js_stamp="$JS/node_modules/.cubicle-deps"
+js_want="$(hash_of "$JS/package.json" "$JS/package-lock.json")"
+js_have_version() { node -p "require('$JS/node_modules/e2b/package.json').version" 2>/dev/null || true; }
+if [[ -f "$js_stamp" && "$(cat "$js_stamp")" == "$js_want" && "$(js_have_version)" == "$JS_E2B" ]]; then
+  echo "install-test-deps: node_modules up to date (e2b $JS_E2B)"
+else
+  echo "install-test-deps: npm ci in $JS"
+  (cd "$JS" && npm ci --no-audit --no-fund --loglevel=error)
+  echo "$js_want" >"$js_stamp"
+  echo "install-test-deps: installed e2b $(js_have_version) (js)"
+fi

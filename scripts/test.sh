@@ -1,0 +1,118 @@
+#!/usr/bin/env bash
+# Cubicle's test command (README: `sudo scripts/test.sh`; `.ci/run` calls it).
+#
+#   1. install system packages (scripts/install-deps.sh) and the e2e test
+#      dependencies: Python venv with the official e2b SDK, npm e2b SDK
+#      (scripts/install-test-deps.sh) — both skip work when already installed;
+#   2. build the workspace;
+#   3. `cargo test --workspace` (as root: tests that need root run);
+#   4. the envd end-to-end suites with the real SDKs, each inside its own network +
+#      mount namespace next to a development-mode cubicle-envd
+#      (tests/e2e/envd-host.sh): pytest (sync + async Python SDK), then node --test
+#      (JS SDK).
+# Every suite runs even if an earlier one failed; the exit status is non-zero if
+# any step failed. Each runner prints its own summary; a recap follows at the end.
+#
+# Environment knobs (all optional):
+#   CUBICLE_TEST_SUITES   space-separated subset of "cargo python js" (default: all)
+#   CUBICLE_PYTEST_ARGS   extra pytest arguments (e.g. "-k files -x")
+#   CUBICLE_E2E_TIMEOUT   per-e2e-suite time limit in seconds (default 1200)
+set -uo pipefail
+
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+cd "$ROOT"
+
+# Hermetic runs: do not pass descriptors this script inherited (beyond stdio) on to
+# builds, tests and the services they start.
+for fd in /proc/$$/fd/*; do
+  fd=${fd##*/}
+  if ((fd > 2 && fd != 255)); then eval "exec $fd>&-" 2>/dev/null || true; fi
+done
+SUITES=${CUBICLE_TEST_SUITES:-cargo python js}
+E2E_TIMEOUT=${CUBICLE_E2E_TIMEOUT:-1200}
+
+if [[ $(id -u) -ne 0 ]]; then
+  echo "scripts/test.sh must run as root (namespaces, setuid test users): sudo scripts/test.sh" >&2
+  exit 1
+fi
+
+# rustup installs cargo under the invoking user's home; keep it reachable under sudo.
+if ! command -v cargo >/dev/null 2>&1; then
+  for d in "${SUDO_USER:+$(getent passwd "$SUDO_USER" | cut -d: -f6)/.cargo/bin}" /root/.cargo/bin; do
+    [[ -n "$d" && -x "$d/cargo" ]] && PATH="$d:$PATH" && break
+  done
+fi
+
+results=()
+failed=0
+banner() { printf '\n==== %s ====\n' "$*"; }
+record() { # name rc
+  if [[ $2 -eq 0 ]]; then results+=("PASS  $1"); else results+=("FAIL  $1 (exit $2)"); failed=1; fi
+}
+wants() { [[ " $SUITES " == *" $1 "* ]]; }
+t_start=$(date +%s)
+
+banner "dependencies"
+bash scripts/install-deps.sh
+record "install-deps" $?
+if wants python || wants js; then
+  bash scripts/install-test-deps.sh
+  record "install-test-deps" $?
+fi
+
+banner "build (cargo build --workspace)"
+build_json=$(mktemp /tmp/cubicle-build.XXXXXX)
+cargo build --workspace --message-format=json-render-diagnostics >"$build_json"
+build_rc=$?
+record "cargo build --workspace" $build_rc
+ENVD_BIN=$(/usr/bin/python3 - "$build_json" <<'PY'
+import json, sys
+exe = ""
+for line in open(sys.argv[1]):
+    try:
+        m = json.loads(line)
+    except ValueError:
+        continue
+    if m.get("reason") == "compiler-artifact" and m.get("target", {}).get("name") == "cubicle-envd" \
+            and m.get("executable"):
+        exe = m["executable"]
+print(exe)
+PY
+)
+rm -f "$build_json"
+echo "cubicle-envd: ${ENVD_BIN:-<not built>}"
+
+if wants cargo; then
+  banner "cargo test --workspace --no-fail-fast"
+  cargo test --workspace --no-fail-fast
+  record "cargo test --workspace" $?
+fi
+
+run_e2e() { # name, command...
+  local name=$1; shift
+  banner "$name"
+  if [[ $build_rc -ne 0 || -z "$ENVD_BIN" ]]; then
+    echo "skipped: cubicle-envd was not built"
+    record "$name" 1
+    return
+  fi
+  CUBICLE_ENVD_BIN="$ENVD_BIN" timeout --kill-after=30 "$E2E_TIMEOUT" \
+    tests/e2e/envd-host.sh "$@"
+  record "$name" $?
+}
+
+if wants python; then
+  # shellcheck disable=SC2086
+  run_e2e "e2e python (e2b $(tests/e2e/.venv/bin/python -c 'import importlib.metadata as m; print(m.version("e2b"))' 2>/dev/null), sync+async)" \
+    "$ROOT/tests/e2e/.venv/bin/python" -m pytest -c "$ROOT/tests/e2e/pytest.ini" \
+    --rootdir "$ROOT/tests/e2e" -v ${CUBICLE_PYTEST_ARGS:-}
+fi
+
+if wants js; then
+  run_e2e "e2e js (e2b@2.51.0, node $(node --version))" \
+    bash -c 'cd "$1/tests/e2e/js" && exec node --test --test-concurrency=1 --test-timeout=120000 --test-reporter=spec envd/*.test.mjs' _ "$ROOT"
+fi
+
+banner "recap ($(( $(date +%s) - t_start ))s)"
+printf '  %s\n' "${results[@]}"
+exit $failed
