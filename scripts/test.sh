@@ -9,14 +9,22 @@
 #   4. the envd end-to-end suites with the real SDKs, each inside its own network +
 #      mount namespace next to a development-mode cubicle-envd
 #      (tests/e2e/envd-host.sh): pytest (sync + async Python SDK), then node --test
-#      (JS SDK).
+#      (JS SDK);
+#   5. the `cubicle serve` end-to-end suite (tests/e2e/serve/run.sh): the static envd is
+#      built (scripts/build-envd.sh), `cubicle serve` starts in a private network
+#      namespace with state dir /var/lib/cubicle-e2e (templates built once per machine),
+#      the Python (sync + async) and JS SDKs run against it with only E2B_API_URL,
+#      E2B_SANDBOX_URL, E2B_API_KEY set, then the server is stopped and the host checked
+#      for leftovers.
 # Every suite runs even if an earlier one failed; the exit status is non-zero if
 # any step failed. Each runner prints its own summary; a recap follows at the end.
 #
 # Environment knobs (all optional):
-#   CUBICLE_TEST_SUITES   space-separated subset of "cargo python js" (default: all)
+#   CUBICLE_TEST_SUITES   space-separated subset of "cargo python js serve" (default: all)
 #   CUBICLE_PYTEST_ARGS   extra pytest arguments (e.g. "-k files -x")
 #   CUBICLE_E2E_TIMEOUT   per-e2e-suite time limit in seconds (default 1200)
+#   CUBICLE_SERVE_E2E_TIMEOUT  time limit of the whole serve suite (default 5400: the first
+#                         run on a machine builds the `base` template)
 set -uo pipefail
 
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
@@ -28,7 +36,7 @@ for fd in /proc/$$/fd/*; do
   fd=${fd##*/}
   if ((fd > 2 && fd != 255)); then eval "exec $fd>&-" 2>/dev/null || true; fi
 done
-SUITES=${CUBICLE_TEST_SUITES:-cargo python js}
+SUITES=${CUBICLE_TEST_SUITES:-cargo python js serve}
 E2E_TIMEOUT=${CUBICLE_E2E_TIMEOUT:-1200}
 
 if [[ $(id -u) -ne 0 ]]; then
@@ -55,7 +63,7 @@ t_start=$(date +%s)
 banner "dependencies"
 bash scripts/install-deps.sh
 record "install-deps" $?
-if wants python || wants js; then
+if wants python || wants js || wants serve; then
   bash scripts/install-test-deps.sh
   record "install-test-deps" $?
 fi
@@ -84,7 +92,8 @@ echo "cubicle-envd: ${ENVD_BIN:-<not built>}"
 
 if wants cargo; then
   banner "cargo test --workspace --no-fail-fast"
-  cargo test --workspace --no-fail-fast
+  # The node lifecycle test's create/destroy cycles: 500 as issue 6 asks (~15 s).
+  CUBICLE_TEST_CYCLES=${CUBICLE_TEST_CYCLES:-500} cargo test --workspace --no-fail-fast
   record "cargo test --workspace" $?
 fi
 
@@ -111,6 +120,21 @@ fi
 if wants js; then
   run_e2e "e2e js (e2b@2.51.0, node $(node --version))" \
     bash -c 'cd "$1/tests/e2e/js" && exec node --test --test-concurrency=1 --test-timeout=120000 --test-reporter=spec envd/*.test.mjs' _ "$ROOT"
+fi
+
+if wants serve; then
+  banner "e2e serve (cubicle serve + e2b python sync/async + js)"
+  if [[ $build_rc -ne 0 ]]; then
+    echo "skipped: the workspace did not build"
+    record "e2e serve" 1
+  elif ! bash scripts/build-envd.sh; then
+    record "e2e serve (static envd build)" 1
+  else
+    CUBICLE_BIN="$ROOT/target/debug/cubicle" \
+      CUBICLE_ENVD_BIN="$ROOT/target/x86_64-unknown-linux-gnu/debug/cubicle-envd" \
+      timeout --kill-after=90 "${CUBICLE_SERVE_E2E_TIMEOUT:-5400}" tests/e2e/serve/run.sh
+    record "e2e serve" $?
+  fi
 fi
 
 banner "recap ($(( $(date +%s) - t_start ))s)"

@@ -26,17 +26,6 @@ bash scripts/build-envd.sh --release
 # The node finds the statically linked agent next to the cubicle binary.
 install -m 0755 target/x86_64-unknown-linux-gnu/release/cubicle-envd target/release/cubicle-envd
 
-CUBICLE=target/release/cubicle
-if "$CUBICLE" serve --help >/dev/null 2>&1; then
-  exec "$CUBICLE" serve "$@"
-fi
-# Until `cubicle serve` lands (issue #3), prepare what it will need and say so.
-"$CUBICLE" template build base
-"$CUBICLE" template build tiny
-cat <<MSG
-
-Cubicle is built and its templates are ready, but this version has no server yet
-(\`cubicle serve\`, the E2B REST API and router, is issue #3). Try a sandbox:
-
-  sudo $CUBICLE run -- bash -c 'id; cat /etc/os-release | head -1'
-MSG
+# First start: creates the admin team and API key and builds the `base` and `tiny`
+# templates (about a minute) before it prints the export lines and `cubicle: ready`.
+exec target/release/cubicle serve "$@"

@@ -1,15 +1,19 @@
 //! `cubicle`: the command-line interface.
 //!
 //! `cubicle run -- CMD…` runs one command in a fresh sandbox without a server;
-//! `cubicle template …` builds, lists and removes templates; `cubicle sandbox …` lists and
-//! kills sandboxes of the local state directory. (`cubicle serve` and `cubicle bench`
+//! `cubicle template …` builds, lists and removes templates; `cubicle sandbox …` drives
+//! sandboxes of a running `cubicle serve` (module `client`); `cubicle local list|kill`
+//! lists and kills sandboxes of the local state directory without a server. (`cubicle serve` and `cubicle bench`
 //! come with their own issues.)
 //!
 //! The binary doubles as the runtime's sandbox helper: `cubicle-runtime` re-executes the
 //! current binary to create a sandbox, so `main` hands over to it before anything else.
 
+mod apikey_cmd;
+mod client;
 mod run;
 mod sandbox_cmd;
+mod serve;
 mod template_cmd;
 
 use std::path::PathBuf;
@@ -49,12 +53,21 @@ enum Command {
         #[command(subcommand)]
         command: template_cmd::TemplateCommand,
     },
-    /// List and kill sandboxes of this state directory.
-    Sandbox {
+    /// Sandboxes of a running `cubicle serve` (REST API + router, as an E2B SDK uses them).
+    Sandbox(client::SandboxArgs),
+    /// List and kill sandboxes of this state directory directly (no server).
+    Local {
         #[command(subcommand)]
         command: sandbox_cmd::SandboxCommand,
     },
-    // `serve` (REST API + router) and `bench` are added by their own issues.
+    /// Run the E2B-compatible server: REST API and data plane on one listener.
+    Serve(serve::ServeArgs),
+    /// Create, list and revoke API keys (in the state directory's database).
+    Apikey {
+        #[command(subcommand)]
+        command: apikey_cmd::ApikeyCommand,
+    },
+    // `bench` is added by its own issue.
 }
 
 fn main() {
@@ -106,6 +119,19 @@ async fn dispatch(cli: Cli) -> anyhow::Result<i32> {
     match cli.command {
         Command::Run(args) => run::run(&opts, args).await,
         Command::Template { command } => template_cmd::run(&cli.state_dir, command).await,
-        Command::Sandbox { command } => sandbox_cmd::run(&opts, command).await,
+        Command::Sandbox(args) => client::run(args, &cli.state_dir).await,
+        Command::Local { command } => sandbox_cmd::run(&opts, command).await,
+        Command::Serve(args) => {
+            let env = serve::ServeEnv {
+                state_dir: cli.state_dir.clone(),
+                envd_binary: cli.envd_binary.clone(),
+                first_slot: cli.first_slot,
+            };
+            serve::run(env, args).await
+        }
+        Command::Apikey { command } => {
+            let dir = cli.state_dir.clone();
+            tokio::task::spawn_blocking(move || apikey_cmd::run(&dir, command)).await?
+        }
     }
 }

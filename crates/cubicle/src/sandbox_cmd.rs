@@ -1,5 +1,6 @@
-//! `cubicle sandbox list|kill`: local sandboxes of the state directory (opening the node
-//! reconciles first, so the list shows only live sandboxes).
+//! `cubicle local list|kill`: sandboxes of the local state directory, without a server
+//! (opening the node reconciles first, so the list shows only live sandboxes). The
+//! server client is `cubicle sandbox …` (module `client`).
 
 use std::path::PathBuf;
 

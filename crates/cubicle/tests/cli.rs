@@ -1,5 +1,5 @@
 //! The `cubicle` binary end to end (as root): `run -- id`, exit codes, `--keep` +
-//! `sandbox list` + `sandbox kill`, and a node killed with SIGKILL mid-create followed by
+//! `local list` + `local kill`, and a node killed with SIGKILL mid-create followed by
 //! a new `Node::open` that reconciles everything (each kind of trace checked).
 //!
 //! Skips (saying why) when not root, without busybox-static, or without a statically
@@ -97,7 +97,7 @@ fn run_id_exit_code_keep_list_kill() {
     let id = String::from_utf8_lossy(&out.stdout).trim().to_string();
     assert!(cubicle_node::ids::is_valid_sandbox_id(&id), "{id:?}");
     let list = cubicle(&state, 3600)
-        .args(["sandbox", "list"])
+        .args(["local", "list"])
         .output()
         .unwrap();
     assert!(
@@ -105,7 +105,7 @@ fn run_id_exit_code_keep_list_kill() {
         "kept sandbox not listed"
     );
     let kill = cubicle(&state, 3600)
-        .args(["sandbox", "kill", &id])
+        .args(["local", "kill", &id])
         .output()
         .unwrap();
     assert!(
@@ -116,7 +116,7 @@ fn run_id_exit_code_keep_list_kill() {
     let t = cubicle_node::traces::leftovers(&state, &id, None, None);
     assert!(t.is_empty(), "{t:?}");
     let list = cubicle(&state, 3600)
-        .args(["sandbox", "list"])
+        .args(["local", "list"])
         .output()
         .unwrap();
     assert!(!String::from_utf8_lossy(&list.stdout).contains(&id));

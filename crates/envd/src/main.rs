@@ -54,6 +54,8 @@ fn main() -> anyhow::Result<()> {
                 .unwrap_or_else(|_| "info".into()),
         )
         .with_writer(std::io::stderr)
+        // In a sandbox stderr is a log file the API serves: no colour codes there.
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
     let ctx = Arc::new(Context::new(Config {
         dev: args.dev,

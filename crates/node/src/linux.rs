@@ -246,6 +246,7 @@ impl SandboxRuntime for LinuxRuntime {
             oom_kills: s.oom_kills,
             cpu_usage_ns: s.cpu_usage_ns,
             pids: s.pids,
+            pids_limit_hits: s.pids_limit_hits,
             disk_used_bytes: disk.map(|d| d.used_bytes),
             disk_limit_bytes: disk.map(|d| d.limit_bytes),
         })

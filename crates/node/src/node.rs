@@ -210,6 +210,10 @@ impl Node {
                 )
             })
             .collect();
+        drop(st);
+        for i in &mut v {
+            self.inner.fill_counters(i);
+        }
         v.sort_by_key(|i| (i.created_at_ms, i.id.clone()));
         v
     }
@@ -219,11 +223,11 @@ impl Node {
         {
             let st = self.inner.lock();
             if let Some(l) = st.live.get(id) {
-                return Ok(SandboxInfo::from_record(
-                    &l.record,
-                    self.inner.envd_socket(id),
-                    l.ready_us,
-                ));
+                let mut info =
+                    SandboxInfo::from_record(&l.record, self.inner.envd_socket(id), l.ready_us);
+                drop(st);
+                self.inner.fill_counters(&mut info);
+                return Ok(info);
             }
         }
         let dead = self.inner.dead.lock().unwrap_or_else(|p| p.into_inner());
@@ -598,6 +602,13 @@ impl Inner {
         self.sandbox_dir(id).join("ctl").join("envd.sock")
     }
 
+    /// Live counters of a live sandbox's info (OOM kills so far).
+    pub(crate) fn fill_counters(&self, info: &mut SandboxInfo) {
+        if let Some(s) = self.runtime.stats(&info.id) {
+            info.oom_kills = s.oom_kills;
+        }
+    }
+
     /// Tear sandbox `id` down for `reason`: record why, destroy its kernel objects,
     /// remove its directory, free its slot. Returns false if someone else is already
     /// doing it or it is unknown. `from_create` allows tearing down a `creating` one.
@@ -634,18 +645,22 @@ impl Inner {
         let rt = self.runtime.clone();
         let (id2, dir2, slot) = (id.to_string(), dir.clone(), record.slot);
         let result = blocking(move || {
+            // The final OOM count, while the cgroup still exists (see SandboxInfo::oom_kills).
+            let oom_kills = rt.stats(&id2).map(|s| s.oom_kills);
             rt.destroy(&id2, Some(slot), &dir2)?;
-            rt.remove_dir(&id2, &dir2)
+            rt.remove_dir(&id2, &dir2)?;
+            Ok(oom_kills)
         })
         .await;
         let mut st = self.lock();
         match result {
-            Ok(()) => {
+            Ok(oom_kills) => {
                 st.live.remove(id);
                 st.slots.release(record.slot);
                 drop(st);
                 let mut info = SandboxInfo::from_record(&record, PathBuf::new(), 0);
                 info.state = SandboxState::Dead;
+                info.oom_kills = oom_kills.unwrap_or(0);
                 tracing::info!(sandbox = %id, reason = %info.death_reason.map(|r| r.as_str()).unwrap_or("?"), "sandbox removed");
                 let mut dead = self.dead.lock().unwrap_or_else(|p| p.into_inner());
                 dead.push_back(info);

@@ -72,6 +72,8 @@ pub struct SandboxStats {
     pub cpu_usage_ns: u64,
     /// Tasks now.
     pub pids: u64,
+    /// Forks refused so far because the sandbox hit its task limit (pids.max).
+    pub pids_limit_hits: u64,
     /// Bytes written to the writable layer (when quotas are available).
     pub disk_used_bytes: Option<u64>,
     /// The writable layer's quota (when quotas are available).

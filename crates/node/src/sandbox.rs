@@ -168,6 +168,11 @@ pub struct SandboxInfo {
     pub envd_socket: PathBuf,
     /// How long create took until envd answered `/init`, in µs (0 for adopted sandboxes).
     pub ready_us: u64,
+    /// Processes the kernel's OOM killer killed in this sandbox: the live count for a
+    /// running sandbox, the final count for a dead one (read just before teardown). A
+    /// sandbox that survived an OOM kill and was then killed by its user dies `killed`,
+    /// and this count is how its OOM history stays visible.
+    pub oom_kills: u64,
 }
 
 impl SandboxInfo {
@@ -190,6 +195,7 @@ impl SandboxInfo {
             pid: r.pid,
             envd_socket,
             ready_us,
+            oom_kills: 0,
         }
     }
 }

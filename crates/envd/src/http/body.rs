@@ -42,11 +42,67 @@ pub(crate) const MAX_PART_HEADER_BYTES: u64 = 1024 * 1024;
 
 /// The request body with a per-read idle timeout.
 pub(crate) fn from_body(body: Body, idle: Duration) -> ByteStream {
-    Box::pin(IdleTimeout {
-        inner: body.into_data_stream().map(|r| r.map_err(io::Error::other)).boxed(),
-        idle,
-        sleep: Box::pin(tokio::time::sleep(idle)),
+    Box::pin(DrainOnDrop {
+        inner: Some(Box::pin(IdleTimeout {
+            inner: body.into_data_stream().map(|r| r.map_err(io::Error::other)).boxed(),
+            idle,
+            sleep: Box::pin(tokio::time::sleep(idle)),
+        })),
+        ended: false,
     })
+}
+
+/// Most bytes read (and discarded) after a consumer stopped reading a body.
+const DRAIN_LIMIT: usize = 1 << 20;
+/// How long such a drain may take.
+const DRAIN_TIME: Duration = Duration::from_secs(10);
+
+/// Reads what is left of a body once its consumer drops it early — the multipart parser
+/// stops at the closing boundary, before a chunked body's terminator; an error stops
+/// reading anywhere. hyper closes a keep-alive connection whose request body was not read
+/// to its end, and a pooled client (the router) still writing the rest would then see a
+/// broken pipe. The rest is read in the background (bounded) while the answer goes out.
+struct DrainOnDrop {
+    inner: Option<ByteStream>,
+    ended: bool,
+}
+
+impl Stream for DrainOnDrop {
+    type Item = io::Result<Bytes>;
+
+    fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
+        let Some(inner) = self.inner.as_mut() else {
+            return Poll::Ready(None);
+        };
+        let item = ready!(inner.as_mut().poll_next(cx));
+        if item.is_none() {
+            self.ended = true;
+        }
+        Poll::Ready(item)
+    }
+}
+
+impl Drop for DrainOnDrop {
+    fn drop(&mut self) {
+        let (Some(mut rest), false) = (self.inner.take(), self.ended) else {
+            return;
+        };
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        runtime.spawn(async move {
+            let _ = tokio::time::timeout(DRAIN_TIME, async move {
+                let mut left = DRAIN_LIMIT;
+                while let Some(Ok(chunk)) = rest.next().await {
+                    if chunk.len() > left {
+                        return;
+                    }
+                    left -= chunk.len();
+                }
+            })
+            .await;
+        });
+    }
 }
 
 struct IdleTimeout {

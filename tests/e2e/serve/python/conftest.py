@@ -140,7 +140,10 @@ def raw_request(base_url: str, request_line_target: str, method: str = "GET",
         f"{k}: {v}\r\n" for k, v in h.items()
     ) + "\r\n"
     with socket.create_connection((host, port), timeout=timeout) as s:
-        s.sendall(head.encode("latin-1") + body)
+        try:
+            s.sendall(head.encode("latin-1") + body)
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # the server may answer (and close) before reading everything
         chunks = []
         while True:
             try:

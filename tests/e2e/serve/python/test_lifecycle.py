@@ -11,8 +11,8 @@ from datetime import datetime, timedelta, timezone
 
 import pytest
 
-from conftest import FAST_TEMPLATE, TEMPLATE, Tracker, poll, unique
-from e2b import Sandbox, SandboxQuery
+from conftest import FAST_TEMPLATE, Tracker, poll, unique
+from e2b import Sandbox, SandboxQuery, SandboxState
 from e2b.exceptions import NotFoundException, SandboxException, SandboxNotFoundException
 
 ID_RE = re.compile(r"^[a-z0-9]+$")
@@ -88,8 +88,8 @@ def test_list_filters_and_pagination(sandboxes: Tracker):
     assert {s.sandbox_id for s in list_all(q3)} == ids
 
     # state filter
-    assert {s.sandbox_id for s in list_all(SandboxQuery(metadata={"tag": tag}, state=["running"]))} == ids
-    assert list_all(SandboxQuery(metadata={"tag": tag}, state=["paused"])) == []
+    assert {s.sandbox_id for s in list_all(SandboxQuery(metadata={"tag": tag}, state=[SandboxState.RUNNING]))} == ids
+    assert list_all(SandboxQuery(metadata={"tag": tag}, state=[SandboxState.PAUSED])) == []
 
     # pagination: limit 2 → two pages (2 + 1), via X-Next-Token
     pager = Sandbox.list(query=q, limit=2)
@@ -253,3 +253,26 @@ def test_wrong_key_is_authentication_error(sandboxes: Tracker):
         Sandbox.set_timeout(sbx.sandbox_id, 30, api_key=bad)
     # the wrong key did nothing
     assert sbx.is_running()
+
+
+@pytest.mark.parametrize("ref", ["tiny:default", "tiny:latest", "e2b/tiny", "myteam/tiny:default"])
+def test_template_references(sandboxes: Tracker, ref):
+    """`name:tag` and `namespace/name` references resolve to the built-in template."""
+    sbx = sandboxes.create(ref)
+    info = sbx.get_info()
+    assert info.state == "running"
+    assert "tiny" in (info.template_id + " " + (info.name or "")), info
+
+
+def test_unknown_tag_is_a_clear_error():
+    with pytest.raises(SandboxException) as ei:
+        Sandbox.create("tiny:v999")
+    assert "v999" in str(ei.value), ei.value
+
+
+def test_list_template_filter(sandboxes: Tracker):
+    tag = unique()
+    t = sandboxes.create(FAST_TEMPLATE, metadata={"tag": tag})
+    b = sandboxes.create(metadata={"tag": tag})
+    assert {s.sandbox_id for s in list_all(SandboxQuery(metadata={"tag": tag}, template=FAST_TEMPLATE))} == {t.sandbox_id}
+    assert {s.sandbox_id for s in list_all(SandboxQuery(metadata={"tag": tag}, template="base"))} == {b.sandbox_id}

@@ -1,0 +1,63 @@
+//! What the API needs from the node, as a small trait: the real [`cubicle_node::Node`]
+//! implements it, and the handler tests use an in-memory fake (fast, no root).
+
+use std::future::Future;
+use std::path::PathBuf;
+use std::pin::Pin;
+use std::time::Duration;
+
+use cubicle_node::runtime::SandboxStats;
+use cubicle_node::{CreateRequest, Node, SandboxInfo};
+
+/// A boxed, sendable future.
+pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
+
+/// The sandbox operations the control plane drives.
+pub trait Backend: Send + Sync + 'static {
+    /// Whether template `name` exists or can be built on first use. Errors for a
+    /// malformed name. Blocking (reads the template store).
+    fn template_exists(&self, name: &str) -> cubicle_node::Result<bool>;
+    /// Create a sandbox; returns once it is ready.
+    fn create(&self, req: CreateRequest) -> BoxFuture<'_, cubicle_node::Result<SandboxInfo>>;
+    /// Kill a sandbox.
+    fn kill<'a>(&'a self, id: &'a str) -> BoxFuture<'a, cubicle_node::Result<()>>;
+    /// A live or recently dead sandbox.
+    fn get(&self, id: &str) -> cubicle_node::Result<SandboxInfo>;
+    /// End time := now + `timeout`. Blocking (writes the node's record).
+    fn set_timeout(&self, id: &str, timeout: Duration) -> cubicle_node::Result<()>;
+    /// Usage counters. Blocking (reads cgroup files).
+    fn stats(&self, id: &str) -> cubicle_node::Result<SandboxStats>;
+    /// The sandbox's envd/init log file on the host.
+    fn log_path(&self, id: &str) -> PathBuf;
+}
+
+impl Backend for Node {
+    fn template_exists(&self, name: &str) -> cubicle_node::Result<bool> {
+        Ok(self.templates().get(name)?.is_some()
+            || cubicle_node::template::BUILTINS.contains(&name))
+    }
+
+    fn create(&self, req: CreateRequest) -> BoxFuture<'_, cubicle_node::Result<SandboxInfo>> {
+        Box::pin(Node::create(self, req))
+    }
+
+    fn kill<'a>(&'a self, id: &'a str) -> BoxFuture<'a, cubicle_node::Result<()>> {
+        Box::pin(Node::kill(self, id))
+    }
+
+    fn get(&self, id: &str) -> cubicle_node::Result<SandboxInfo> {
+        Node::get(self, id)
+    }
+
+    fn set_timeout(&self, id: &str, timeout: Duration) -> cubicle_node::Result<()> {
+        Node::set_timeout(self, id, timeout)
+    }
+
+    fn stats(&self, id: &str) -> cubicle_node::Result<SandboxStats> {
+        Node::stats(self, id)
+    }
+
+    fn log_path(&self, id: &str) -> PathBuf {
+        self.sandbox_dir(id).join("init.log")
+    }
+}

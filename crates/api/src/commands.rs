@@ -1,0 +1,543 @@
+//! Requests parsed into typed commands: `CreateSandbox`, `SetTimeout`, `Connect`,
+//! `Refresh`, the list's `ListFilter` and the create's `Idempotency`. Each `parse` takes
+//! the raw body (JSON) or query and the server limits, validates everything the node
+//! would otherwise trip over, and returns a command the service executes; the node never
+//! sees HTTP or JSON. Unknown JSON fields are ignored (newer SDKs add fields).
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use serde::Deserialize;
+use serde::de::DeserializeOwned;
+
+use sha2::{Digest, Sha256};
+
+use crate::error::{ApiError, ApiResult};
+use crate::query::{Query, decode_cursor, metadata_filter, parse_time};
+use crate::templates::{self, TemplateRef};
+
+/// Server limits the commands are validated against.
+#[derive(Debug, Clone)]
+pub struct Limits {
+    /// Timeout when create names none (v2; E2B's default).
+    pub default_timeout: Duration,
+    /// Longest timeout a request may ask for.
+    pub max_timeout: Duration,
+}
+
+fn json<T: DeserializeOwned>(body: &[u8], empty_is: Option<&str>) -> ApiResult<T> {
+    let body: &[u8] = if body.iter().all(u8::is_ascii_whitespace) {
+        match empty_is {
+            Some(default) => default.as_bytes(),
+            None => {
+                return Err(ApiError::BadRequest(
+                    "request body must be a JSON object".into(),
+                ));
+            }
+        }
+    } else {
+        body
+    };
+    serde_json::from_slice(body)
+        .map_err(|e| ApiError::BadRequest(format!("invalid request body: {e}")))
+}
+
+fn timeout_secs(field: &str, secs: i64, limits: &Limits, allow_zero: bool) -> ApiResult<Duration> {
+    if secs < 0 || (secs == 0 && !allow_zero) {
+        return Err(ApiError::BadRequest(format!(
+            "{field} must be greater than 0 seconds, got {secs}"
+        )));
+    }
+    let d = Duration::from_secs(secs as u64);
+    if d > limits.max_timeout {
+        let max = limits.max_timeout.as_secs();
+        let human = if max.is_multiple_of(3600) {
+            format!("{} hours", max / 3600)
+        } else {
+            format!("{max} seconds")
+        };
+        return Err(ApiError::BadRequest(format!(
+            "Timeout cannot be greater than {human}"
+        )));
+    }
+    Ok(d)
+}
+
+#[derive(Deserialize)]
+struct AutoResumeBody {
+    #[serde(default)]
+    enabled: bool,
+}
+
+#[derive(Deserialize, Default)]
+#[serde(rename_all = "camelCase")]
+struct NetworkBody {
+    allow_public_traffic: Option<bool>,
+    allow_out: Option<Vec<String>>,
+    deny_out: Option<Vec<String>>,
+    dns_servers: Option<Vec<String>>,
+    egress_proxy: Option<serde_json::Value>,
+    mask_request_host: Option<String>,
+    https_ports: Option<Vec<u16>>,
+    rules: Option<serde_json::Value>,
+}
+
+/// `NewSandboxV2` (and v1 `NewSandbox`, which adds `secure`).
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct NewSandboxBody {
+    #[serde(rename = "templateID")]
+    template_id: String,
+    timeout: Option<i64>,
+    auto_pause: Option<bool>,
+    auto_pause_memory: Option<bool>,
+    auto_resume: Option<AutoResumeBody>,
+    #[serde(rename = "allow_internet_access")]
+    allow_internet_access: Option<bool>,
+    /// v1 only; always secure here. Type-checked, otherwise ignored.
+    #[serde(rename = "secure")]
+    _secure: Option<bool>,
+    network: Option<NetworkBody>,
+    metadata: Option<BTreeMap<String, String>>,
+    env_vars: Option<BTreeMap<String, String>>,
+    mcp: Option<serde_json::Value>,
+    iam: Option<serde_json::Value>,
+    volume_mounts: Option<Vec<serde_json::Value>>,
+}
+
+/// Create a sandbox.
+#[derive(Debug, Clone, PartialEq)]
+pub struct CreateSandbox {
+    /// Which template.
+    pub template: TemplateRef,
+    /// Lifetime.
+    pub timeout: Duration,
+    /// Internet access.
+    pub internet: bool,
+    /// Issue a traffic access token (`network.allowPublicTraffic == false`).
+    pub private_traffic: bool,
+    /// User metadata.
+    pub metadata: BTreeMap<String, String>,
+    /// Environment of every process.
+    pub env_vars: BTreeMap<String, String>,
+}
+
+/// Which create route.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CreateVersion {
+    /// `POST /sandboxes` (legacy: default timeout 15 s, like its OpenAPI model).
+    V1,
+    /// `POST /v2/sandboxes`.
+    V2,
+}
+
+/// The v1 model's default timeout.
+pub const V1_DEFAULT_TIMEOUT: Duration = Duration::from_secs(15);
+
+fn not_supported(what: &str) -> ApiError {
+    ApiError::BadRequest(format!("{what} is not supported by Cubicle yet"))
+}
+
+impl CreateSandbox {
+    /// Parse and validate a create body.
+    pub fn parse(body: &[u8], version: CreateVersion, limits: &Limits) -> ApiResult<Self> {
+        let b: NewSandboxBody = json(body, None)?;
+        let template = templates::parse(&b.template_id)?;
+        let timeout = match b.timeout {
+            Some(t) => timeout_secs("timeout", t, limits, false)?,
+            None if version == CreateVersion::V1 => V1_DEFAULT_TIMEOUT.min(limits.max_timeout),
+            None => limits.default_timeout.min(limits.max_timeout),
+        };
+        if b.auto_pause_memory == Some(false) && b.auto_pause != Some(true) {
+            return Err(ApiError::BadRequest(
+                "autoPauseMemory=false requires autoPause=true".into(),
+            ));
+        }
+        if b.auto_pause == Some(true) {
+            return Err(not_supported(
+                "Pausing on timeout (on_timeout=\"pause\" / autoPause)",
+            ));
+        }
+        if b.auto_resume.is_some_and(|a| a.enabled) {
+            return Err(not_supported("Auto-resume"));
+        }
+        if b.mcp.as_ref().is_some_and(|v| !v.is_null()) {
+            return Err(not_supported("The MCP gateway"));
+        }
+        if b.iam.as_ref().is_some_and(|v| !v.is_null()) {
+            return Err(not_supported("IAM tokens"));
+        }
+        if b.volume_mounts.as_ref().is_some_and(|v| !v.is_empty()) {
+            return Err(not_supported("Volume mounts"));
+        }
+        let net = b.network.unwrap_or_default();
+        let deny_all = net
+            .deny_out
+            .as_ref()
+            .is_some_and(|d| d.iter().any(|c| c == "0.0.0.0/0"));
+        if let Some(d) = net
+            .deny_out
+            .as_ref()
+            .filter(|d| d.iter().any(|c| c != "0.0.0.0/0"))
+        {
+            return Err(not_supported(&format!(
+                "network.denyOut entries other than 0.0.0.0/0 ({})",
+                d.join(", ")
+            )));
+        }
+        if net.allow_out.as_ref().is_some_and(|a| !a.is_empty()) {
+            return Err(not_supported("network.allowOut"));
+        }
+        if net.egress_proxy.as_ref().is_some_and(|v| !v.is_null())
+            || net
+                .rules
+                .as_ref()
+                .is_some_and(|v| !v.is_null() && v != &serde_json::json!({}))
+            || net.dns_servers.as_ref().is_some_and(|v| !v.is_empty())
+            || net.mask_request_host.is_some()
+            || net.https_ports.as_ref().is_some_and(|v| !v.is_empty())
+        {
+            return Err(not_supported(
+                "network.egressProxy/rules/dnsServers/maskRequestHost/httpsPorts",
+            ));
+        }
+        let internet = b.allow_internet_access != Some(false) && !deny_all;
+        let env_vars = b.env_vars.unwrap_or_default();
+        for (k, v) in &env_vars {
+            if k.is_empty() || k.contains('=') || k.contains('\0') || v.contains('\0') {
+                return Err(ApiError::BadRequest(format!(
+                    "invalid environment variable name or value: '{}'",
+                    k.escape_debug()
+                )));
+            }
+        }
+        Ok(CreateSandbox {
+            template,
+            timeout,
+            internet,
+            private_traffic: net.allow_public_traffic == Some(false),
+            metadata: b.metadata.unwrap_or_default(),
+            env_vars,
+        })
+    }
+}
+
+#[derive(Deserialize)]
+struct TimeoutBody {
+    timeout: i64,
+}
+
+/// `POST /sandboxes/{id}/timeout`: end := now + timeout (may shorten; 0 ends it now).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SetTimeout {
+    /// New lifetime from now.
+    pub timeout: Duration,
+}
+
+impl SetTimeout {
+    /// Parse `{"timeout": seconds}`.
+    pub fn parse(body: &[u8], limits: &Limits) -> ApiResult<Self> {
+        let b: TimeoutBody = json(body, None)?;
+        Ok(SetTimeout {
+            timeout: timeout_secs("timeout", b.timeout, limits, true)?,
+        })
+    }
+}
+
+#[derive(Deserialize)]
+struct ConnectBody {
+    timeout: Option<i64>,
+    /// Resume mode of a paused sandbox; type-checked, otherwise unused (no pause yet).
+    #[serde(rename = "memory")]
+    _memory: Option<bool>,
+}
+
+/// `POST /v2/sandboxes/{id}/connect` (and v1): end := max(end, now + timeout).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Connect {
+    /// Lifetime from now the sandbox is guaranteed at least.
+    pub timeout: Duration,
+}
+
+impl Connect {
+    /// Parse `{timeout?, memory?}` (v2: empty body and missing timeout mean the default;
+    /// v1: `timeout` is required).
+    pub fn parse(body: &[u8], version: CreateVersion, limits: &Limits) -> ApiResult<Self> {
+        let b: ConnectBody = json(body, (version == CreateVersion::V2).then_some("{}"))?;
+        let timeout = match b.timeout {
+            Some(t) => timeout_secs("timeout", t, limits, true)?,
+            None if version == CreateVersion::V1 => {
+                return Err(ApiError::BadRequest("timeout is required".into()));
+            }
+            None => limits.default_timeout.min(limits.max_timeout),
+        };
+        Ok(Connect { timeout })
+    }
+}
+
+#[derive(Deserialize)]
+struct RefreshBody {
+    duration: Option<i64>,
+}
+
+/// `POST /sandboxes/{id}/refreshes`: end := max(end, now + duration).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Refresh {
+    /// Keep-alive from now.
+    pub duration: Duration,
+}
+
+/// Upstream's cap on a refresh.
+pub const MAX_REFRESH: Duration = Duration::from_secs(3600);
+
+impl Refresh {
+    /// Parse `{duration?}` (seconds, 0..=3600; missing → the default timeout).
+    pub fn parse(body: &[u8], limits: &Limits) -> ApiResult<Self> {
+        let b: RefreshBody = json(body, Some("{}"))?;
+        let duration = match b.duration {
+            Some(d) if !(0..=MAX_REFRESH.as_secs() as i64).contains(&d) => {
+                return Err(ApiError::BadRequest(format!(
+                    "duration must be between 0 and {} seconds, got {d}",
+                    MAX_REFRESH.as_secs()
+                )));
+            }
+            Some(d) => Duration::from_secs(d as u64),
+            None => limits.default_timeout,
+        };
+        Ok(Refresh {
+            duration: duration.min(limits.max_timeout),
+        })
+    }
+}
+
+/// Per-request idempotency facts.
+#[derive(Debug, Clone)]
+pub struct Idempotency {
+    /// The `Idempotency-Key` header.
+    pub key: String,
+    /// Hash of route + canonical body.
+    pub request_hash: String,
+}
+
+impl Idempotency {
+    /// Validate the header and hash the request.
+    pub fn new(key: &str, version: CreateVersion, body: &[u8]) -> ApiResult<Self> {
+        if key.is_empty()
+            || key.len() > 255
+            || !key
+                .bytes()
+                .all(|c| c.is_ascii_alphanumeric() || b"-_.:".contains(&c))
+        {
+            return Err(ApiError::BadRequest(
+                "Idempotency-Key must be 1-255 characters of [A-Za-z0-9-_.:]".into(),
+            ));
+        }
+        // Canonical form: parsed and re-serialised (whitespace and, with serde_json's
+        // default map, key order do not matter).
+        let canonical = serde_json::from_slice::<serde_json::Value>(body)
+            .map(|v| v.to_string())
+            .unwrap_or_else(|_| String::from_utf8_lossy(body).into_owned());
+        let mut h = Sha256::new();
+        h.update(format!("{version:?}\n{canonical}").as_bytes());
+        let request_hash = h.finalize().iter().map(|b| format!("{b:02x}")).collect();
+        Ok(Idempotency {
+            key: key.to_string(),
+            request_hash,
+        })
+    }
+}
+
+/// List filters (`GET /v2/sandboxes`).
+#[derive(Debug, Clone, Default)]
+pub struct ListFilter {
+    /// Include running sandboxes.
+    pub running: bool,
+    /// Include paused sandboxes (Cubicle has none yet).
+    pub paused: bool,
+    /// Every pair must match.
+    pub metadata: BTreeMap<String, String>,
+    /// Template id or alias.
+    pub template: Option<String>,
+    /// Started at or after (unix ms).
+    pub started_after: Option<i64>,
+    /// Newest first (default).
+    pub descending: bool,
+    /// Page size.
+    pub limit: usize,
+    /// Resume after this (started ms, id).
+    pub cursor: Option<(i64, String)>,
+}
+
+impl ListFilter {
+    /// From `GET /v2/sandboxes`'s query.
+    pub fn v2(q: &Query) -> ApiResult<Self> {
+        let (mut running, mut paused) = (true, true);
+        if let Some(states) = q.get("state") {
+            running = false;
+            paused = false;
+            for s in states.split(',').map(str::trim).filter(|s| !s.is_empty()) {
+                match s {
+                    "running" => running = true,
+                    "paused" => paused = true,
+                    other => {
+                        return Err(ApiError::BadRequest(format!(
+                            "state must be running or paused, got '{other}'"
+                        )));
+                    }
+                }
+            }
+        }
+        let descending = match q.get("order") {
+            None | Some("desc") => true,
+            Some("asc") => false,
+            Some(o) => {
+                return Err(ApiError::BadRequest(format!(
+                    "order must be asc or desc, got '{o}'"
+                )));
+            }
+        };
+        Ok(ListFilter {
+            running,
+            paused,
+            metadata: q
+                .get("metadata")
+                .map(metadata_filter)
+                .transpose()?
+                .unwrap_or_default(),
+            template: q.get("template").map(str::to_string),
+            started_after: q
+                .get("startedAfter")
+                .map(|v| parse_time("startedAfter", v))
+                .transpose()?,
+            descending,
+            limit: q.int("limit", 1..=100)?.unwrap_or(100) as usize,
+            cursor: q.get("nextToken").map(decode_cursor).transpose()?,
+        })
+    }
+
+    /// From `GET /sandboxes` (v1: running only, metadata filter, no paging).
+    pub fn v1(q: &Query) -> ApiResult<Self> {
+        Ok(ListFilter {
+            running: true,
+            metadata: q
+                .get("metadata")
+                .map(metadata_filter)
+                .transpose()?
+                .unwrap_or_default(),
+            descending: true,
+            limit: usize::MAX,
+            ..Default::default()
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn limits() -> Limits {
+        Limits {
+            default_timeout: Duration::from_secs(300),
+            max_timeout: Duration::from_secs(24 * 3600),
+        }
+    }
+
+    #[test]
+    fn create_minimal_and_full() {
+        let c = CreateSandbox::parse(
+            br#"{"templateID":"base","metadata":{},"envVars":{}}"#,
+            CreateVersion::V2,
+            &limits(),
+        )
+        .unwrap();
+        assert_eq!(c.timeout, Duration::from_secs(300));
+        assert!(c.internet && !c.private_traffic);
+        let c = CreateSandbox::parse(
+            br#"{"templateID":"base:latest","timeout":120,"allow_internet_access":false,"network":{"allowPublicTraffic":false},"metadata":{"k":"v"},"envVars":{"A":"1"},"secure":true,"unknownField":[1,2]}"#,
+            CreateVersion::V2,
+            &limits(),
+        )
+        .unwrap();
+        assert_eq!(c.template.name, "base");
+        assert_eq!(c.timeout, Duration::from_secs(120));
+        assert!(!c.internet && c.private_traffic);
+        assert_eq!(c.env_vars.get("A").map(String::as_str), Some("1"));
+        let v1 = CreateSandbox::parse(br#"{"templateID":"base"}"#, CreateVersion::V1, &limits())
+            .unwrap();
+        assert_eq!(v1.timeout, V1_DEFAULT_TIMEOUT);
+        let deny = CreateSandbox::parse(
+            br#"{"templateID":"base","network":{"denyOut":["0.0.0.0/0"]}}"#,
+            CreateVersion::V2,
+            &limits(),
+        )
+        .unwrap();
+        assert!(!deny.internet);
+    }
+
+    #[test]
+    fn create_validation() {
+        for (body, needle) in [
+            (&br#"{"templateID":"base","timeout":0}"#[..], "greater than 0"),
+            (br#"{"templateID":"base","timeout":-5}"#, "greater than 0"),
+            (br#"{"templateID":"base","timeout":86401}"#, "cannot be greater than 24 hours"),
+            (br#"{"templateID":"base","timeout":"10"}"#, "invalid request body"),
+            (br#"{"templateID":"base","timeout":1e99}"#, "invalid request body"),
+            (br#"{"templateID":5}"#, "invalid request body"),
+            (br#"{}"#, "templateID"),
+            (br#"[]"#, "invalid request body"),
+            (b"", "JSON object"),
+            (b"not json", "invalid request body"),
+            (br#"{"templateID":"base","metadata":{"a":1}}"#, "invalid request body"),
+            (br#"{"templateID":"base","autoPauseMemory":false}"#, "requires autoPause"),
+            (br#"{"templateID":"base","autoPause":true}"#, "not supported"),
+            (br#"{"templateID":"base","network":{"allowOut":["x.com"],"denyOut":["0.0.0.0/0"]}}"#, "allowOut"),
+            (br#"{"templateID":"base","envVars":{"A=B":"1"}}"#, "environment variable"),
+            (br#"{"templateID":""}"#, "empty"),
+            (br#"{"templateID":"base","secure":"yes"}"#, "invalid request body"),
+        ] {
+            let e = CreateSandbox::parse(body, CreateVersion::V2, &limits()).unwrap_err();
+            assert!(
+                matches!(e, ApiError::BadRequest(_)) && e.to_string().contains(needle),
+                "{}: {e}",
+                String::from_utf8_lossy(body)
+            );
+        }
+    }
+
+    #[test]
+    fn timeout_connect_refresh() {
+        assert_eq!(
+            SetTimeout::parse(br#"{"timeout":30}"#, &limits())
+                .unwrap()
+                .timeout,
+            Duration::from_secs(30)
+        );
+        assert!(SetTimeout::parse(br#"{}"#, &limits()).is_err());
+        assert!(SetTimeout::parse(b"", &limits()).is_err());
+        assert!(SetTimeout::parse(br#"{"timeout":-1}"#, &limits()).is_err());
+        assert!(SetTimeout::parse(br#"{"timeout":99999999}"#, &limits()).is_err());
+        assert_eq!(
+            Connect::parse(b"", CreateVersion::V2, &limits())
+                .unwrap()
+                .timeout,
+            Duration::from_secs(300)
+        );
+        assert!(Connect::parse(br#"{}"#, CreateVersion::V1, &limits()).is_err());
+        assert!(Connect::parse(br#"{"memory":"x"}"#, CreateVersion::V2, &limits()).is_err());
+        assert_eq!(
+            Connect::parse(
+                br#"{"timeout":10,"memory":true}"#,
+                CreateVersion::V1,
+                &limits()
+            )
+            .unwrap()
+            .timeout,
+            Duration::from_secs(10)
+        );
+        assert_eq!(
+            Refresh::parse(b"", &limits()).unwrap().duration,
+            Duration::from_secs(300)
+        );
+        assert!(Refresh::parse(br#"{"duration":3601}"#, &limits()).is_err());
+    }
+}

@@ -1,0 +1,40 @@
+//! cubicle-api: the E2B-compatible REST control plane.
+//!
+//! Layout, in the order a request travels:
+//! - [`routes`]: the HTTP layer (axum): auth by `X-API-KEY`, raw body/query in, JSON out;
+//! - [`commands`] / [`query`] / [`templates`]: requests parsed into typed, validated
+//!   commands (`CreateSandbox`, `SetTimeout`, `Connect`, `Refresh`, list filters);
+//! - [`service`]: [`ControlPlane`], which executes them against the node
+//!   ([`backend::Backend`]) and the store, with team isolation;
+//! - [`error`]: the one error type and the one mapping to `{"code","message"}` bodies;
+//! - [`resolver`]: the router's [`cubicle_router::SandboxResolver`] over the same state.
+//!
+//! ```no_run
+//! # async fn demo(node: cubicle_node::Node, store: cubicle_store::Store) {
+//! use std::sync::Arc;
+//! let config = cubicle_api::ApiConfig::new("/var/lib/cubicle/logs".into());
+//! let cp = cubicle_api::ControlPlane::open(Arc::new(node), store, config).await.unwrap();
+//! let app: axum::Router = cubicle_api::router(cp.clone());
+//! let resolver = cubicle_api::ApiResolver::new(cp);
+//! # let _ = (app, resolver); }
+//! ```
+
+pub mod backend;
+pub mod commands;
+pub mod error;
+pub mod logs;
+pub mod model;
+pub mod query;
+pub mod resolver;
+pub mod routes;
+pub mod service;
+pub mod templates;
+
+pub use backend::Backend;
+pub use error::{ApiError, ApiResult};
+pub use resolver::ApiResolver;
+pub use routes::router;
+pub use service::{ApiConfig, ControlPlane};
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,146 @@
+//! Response bodies, field for field as the SDKs' generated models expect them
+//! (spec §2.2). Optional fields are omitted rather than sent as `null` unless the model
+//! allows `null` (`domain`, `trafficAccessToken`).
+
+use std::collections::BTreeMap;
+
+use serde::Serialize;
+
+/// envd version reported to SDKs. Must equal `cubicle_envd::state::ENVD_VERSION` (a
+/// test checks it); duplicated so the API does not link the agent.
+pub const ENVD_VERSION: &str = "0.6.13";
+/// Legacy `clientID` every response carries (upstream sends this constant).
+pub const CLIENT_ID: &str = "6532622b";
+
+/// `Sandbox` (create / connect).
+#[derive(Debug, Clone, Serialize)]
+pub struct Sandbox {
+    #[serde(rename = "templateID")]
+    pub template_id: String,
+    #[serde(rename = "sandboxID")]
+    pub sandbox_id: String,
+    #[serde(rename = "clientID")]
+    pub client_id: &'static str,
+    #[serde(rename = "envdVersion")]
+    pub envd_version: &'static str,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub alias: Option<String>,
+    #[serde(rename = "envdAccessToken")]
+    pub envd_access_token: String,
+    #[serde(rename = "trafficAccessToken")]
+    pub traffic_access_token: Option<String>,
+    pub domain: Option<String>,
+}
+
+/// `lifecycle` of a detail.
+#[derive(Debug, Clone, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Lifecycle {
+    pub auto_resume: bool,
+    pub on_timeout: &'static str,
+}
+
+/// `network` of a detail (only what Cubicle enforces).
+#[derive(Debug, Clone, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Network {
+    pub allow_public_traffic: bool,
+}
+
+/// `SandboxDetail` (`GET /sandboxes/{id}`).
+#[derive(Debug, Clone, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct SandboxDetail {
+    #[serde(rename = "templateID")]
+    pub template_id: String,
+    #[serde(rename = "sandboxID")]
+    pub sandbox_id: String,
+    #[serde(rename = "clientID")]
+    pub client_id: &'static str,
+    pub started_at: String,
+    pub end_at: String,
+    pub envd_version: &'static str,
+    pub cpu_count: u32,
+    #[serde(rename = "memoryMB")]
+    pub memory_mb: u64,
+    #[serde(rename = "diskSizeMB")]
+    pub disk_size_mb: u64,
+    pub state: &'static str,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub alias: Option<String>,
+    pub envd_access_token: String,
+    pub allow_internet_access: bool,
+    pub domain: Option<String>,
+    pub metadata: BTreeMap<String, String>,
+    pub network: Network,
+    pub lifecycle: Lifecycle,
+}
+
+/// `ListedSandbox` (list items).
+#[derive(Debug, Clone, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ListedSandbox {
+    #[serde(rename = "templateID")]
+    pub template_id: String,
+    #[serde(rename = "sandboxID")]
+    pub sandbox_id: String,
+    #[serde(rename = "clientID")]
+    pub client_id: &'static str,
+    pub started_at: String,
+    pub end_at: String,
+    pub cpu_count: u32,
+    #[serde(rename = "memoryMB")]
+    pub memory_mb: u64,
+    #[serde(rename = "diskSizeMB")]
+    pub disk_size_mb: u64,
+    pub state: &'static str,
+    pub envd_version: &'static str,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub alias: Option<String>,
+    pub metadata: BTreeMap<String, String>,
+}
+
+/// `SandboxMetric`.
+#[derive(Debug, Clone, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct SandboxMetric {
+    pub timestamp: String,
+    pub timestamp_unix: i64,
+    pub cpu_count: u32,
+    pub cpu_used_pct: f64,
+    pub mem_used: u64,
+    pub mem_total: u64,
+    pub mem_cache: u64,
+    pub disk_used: u64,
+    pub disk_total: u64,
+}
+
+/// v1 log line.
+#[derive(Debug, Clone, Serialize)]
+pub struct SandboxLog {
+    pub timestamp: String,
+    pub line: String,
+}
+
+/// Structured log entry (v1 `logEntries`, v2 `logs`).
+#[derive(Debug, Clone, Serialize)]
+pub struct SandboxLogEntry {
+    pub timestamp: String,
+    pub message: String,
+    pub level: &'static str,
+    pub fields: BTreeMap<String, String>,
+}
+
+/// v1 `GET /sandboxes/{id}/logs`.
+#[derive(Debug, Clone, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct SandboxLogs {
+    pub logs: Vec<SandboxLog>,
+    pub log_entries: Vec<SandboxLogEntry>,
+}
+
+/// v2 `GET /v2/sandboxes/{id}/logs`.
+#[derive(Debug, Clone, Serialize)]
+pub struct SandboxLogsV2 {
+    pub logs: Vec<SandboxLogEntry>,
+}

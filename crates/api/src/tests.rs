@@ -1,0 +1,1089 @@
+//! Handler tests through the real router with an in-memory fake node: every route's
+//! success and error shapes, team isolation, pagination, metadata-filter decoding,
+//! idempotency, deaths noticed by the node, and garbage input (never a 5xx).
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use axum::body::Body;
+use axum::http::{Method, Request, StatusCode};
+use cubicle_node::runtime::SandboxStats;
+use cubicle_node::{CreateRequest, DeathReason, SandboxInfo, SandboxState};
+use cubicle_router::SandboxResolver;
+use cubicle_store::Store;
+use serde_json::{Value, json};
+use tower::ServiceExt;
+
+use crate::backend::{Backend, BoxFuture};
+use crate::{ApiConfig, ApiResolver, ControlPlane, router};
+
+/// A node in memory.
+struct FakeNode {
+    live: Mutex<HashMap<String, SandboxInfo>>,
+    dead: Mutex<HashMap<String, SandboxInfo>>,
+    seq: AtomicU64,
+    dir: PathBuf,
+}
+
+impl FakeNode {
+    fn new(dir: PathBuf) -> Self {
+        FakeNode {
+            live: Mutex::new(HashMap::new()),
+            dead: Mutex::new(HashMap::new()),
+            seq: AtomicU64::new(0),
+            dir,
+        }
+    }
+
+    /// The node noticed a death by itself (timeout, OOM, …).
+    fn die(&self, id: &str, reason: DeathReason) {
+        if let Some(mut i) = self.live.lock().unwrap().remove(id) {
+            i.state = SandboxState::Dead;
+            i.death_reason = Some(reason);
+            self.dead.lock().unwrap().insert(id.into(), i);
+        }
+    }
+}
+
+impl Backend for FakeNode {
+    fn template_exists(&self, name: &str) -> cubicle_node::Result<bool> {
+        cubicle_node::template::validate_name(name)?;
+        Ok(["base", "tiny"].contains(&name))
+    }
+
+    fn create(&self, req: CreateRequest) -> BoxFuture<'_, cubicle_node::Result<SandboxInfo>> {
+        Box::pin(async move {
+            let n = self.seq.fetch_add(1, Ordering::SeqCst);
+            let now = cubicle_store::now_ms() as u64 + n; // distinct start times
+            let id = format!("i{n:04}{}", cubicle_node::ids::random_suffix(8));
+            let info = SandboxInfo {
+                id: id.clone(),
+                template: req.template,
+                state: SandboxState::Running,
+                death_reason: None,
+                created_at_ms: now,
+                end_at_ms: now + req.timeout.unwrap_or(Duration::from_secs(300)).as_millis() as u64,
+                memory_mb: 512,
+                cpus: 2,
+                disk_mb: 5120,
+                internet: req.internet,
+                metadata: req.metadata,
+                access_token: cubicle_node::ids::new_access_token(),
+                uid_base: 200_000,
+                pid: Some(4242),
+                envd_socket: self.dir.join(&id).join("ctl/envd.sock"),
+                ready_us: 1,
+                oom_kills: 0,
+            };
+            std::fs::create_dir_all(self.dir.join(&id)).unwrap();
+            std::fs::write(self.log_path(&id), "envd starting\nWARN something odd\n").unwrap();
+            self.live.lock().unwrap().insert(id, info.clone());
+            Ok(info)
+        })
+    }
+
+    fn kill<'a>(&'a self, id: &'a str) -> BoxFuture<'a, cubicle_node::Result<()>> {
+        Box::pin(async move {
+            if !self.live.lock().unwrap().contains_key(id) {
+                return Err(cubicle_node::Error::SandboxNotFound(id.into()));
+            }
+            self.die(id, DeathReason::Killed);
+            let _ = std::fs::remove_dir_all(self.dir.join(id));
+            Ok(())
+        })
+    }
+
+    fn get(&self, id: &str) -> cubicle_node::Result<SandboxInfo> {
+        if let Some(i) = self.live.lock().unwrap().get(id) {
+            return Ok(i.clone());
+        }
+        self.dead
+            .lock()
+            .unwrap()
+            .get(id)
+            .cloned()
+            .ok_or_else(|| cubicle_node::Error::SandboxNotFound(id.into()))
+    }
+
+    fn set_timeout(&self, id: &str, timeout: Duration) -> cubicle_node::Result<()> {
+        let mut live = self.live.lock().unwrap();
+        let i = live
+            .get_mut(id)
+            .ok_or_else(|| cubicle_node::Error::SandboxNotFound(id.into()))?;
+        i.end_at_ms = cubicle_store::now_ms() as u64 + timeout.as_millis() as u64;
+        Ok(())
+    }
+
+    fn stats(&self, id: &str) -> cubicle_node::Result<SandboxStats> {
+        self.get(id)?;
+        Ok(SandboxStats {
+            memory_bytes: 10 << 20,
+            oom_kills: 0,
+            cpu_usage_ns: 1_000_000,
+            pids: 3,
+            disk_used_bytes: Some(4096),
+            disk_limit_bytes: Some(5120 << 20),
+            ..Default::default()
+        })
+    }
+
+    fn log_path(&self, id: &str) -> PathBuf {
+        self.dir.join(id).join("init.log")
+    }
+}
+
+struct Harness {
+    app: axum::Router,
+    cp: Arc<ControlPlane>,
+    node: Arc<FakeNode>,
+    key_a: String,
+    key_b: String,
+    dir: PathBuf,
+}
+
+impl Drop for Harness {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+static HARNESS_SEQ: AtomicU64 = AtomicU64::new(0);
+
+async fn harness() -> Harness {
+    let dir = std::env::temp_dir().join(format!(
+        "cubicle-api-test-{}-{}",
+        std::process::id(),
+        HARNESS_SEQ.fetch_add(1, Ordering::SeqCst)
+    ));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let store = Store::open_in_memory().unwrap();
+    let a = store.ensure_team("a").unwrap();
+    let b = store.ensure_team("b").unwrap();
+    let key_a = store.create_api_key(a.id).unwrap().plaintext;
+    let key_b = store.create_api_key(b.id).unwrap().plaintext;
+    let node = Arc::new(FakeNode::new(dir.join("sandboxes")));
+    let mut config = ApiConfig::new(dir.join("logs"));
+    config.limits.max_timeout = Duration::from_secs(3600);
+    let cp = ControlPlane::open(node.clone(), store, config)
+        .await
+        .unwrap();
+    Harness {
+        app: router(cp.clone()),
+        cp,
+        node,
+        key_a,
+        key_b,
+        dir,
+    }
+}
+
+struct Reply {
+    status: StatusCode,
+    headers: axum::http::HeaderMap,
+    json: Value,
+}
+
+impl Harness {
+    async fn call(&self, method: Method, uri: &str, key: Option<&str>, body: Body) -> Reply {
+        self.call_h(method, uri, key, body, &[]).await
+    }
+
+    async fn call_h(
+        &self,
+        method: Method,
+        uri: &str,
+        key: Option<&str>,
+        body: Body,
+        extra: &[(&str, &str)],
+    ) -> Reply {
+        let mut req = Request::builder().method(method).uri(uri);
+        if let Some(k) = key {
+            req = req.header("x-api-key", k);
+        }
+        for (k, v) in extra {
+            req = req.header(*k, *v);
+        }
+        let resp = self
+            .app
+            .clone()
+            .oneshot(req.body(body).unwrap())
+            .await
+            .unwrap();
+        let status = resp.status();
+        let headers = resp.headers().clone();
+        let bytes = axum::body::to_bytes(resp.into_body(), 1 << 24)
+            .await
+            .unwrap();
+        let json = if bytes.is_empty() {
+            Value::Null
+        } else {
+            serde_json::from_slice(&bytes).unwrap_or_else(|_| {
+                panic!("{uri}: non-JSON body {:?}", String::from_utf8_lossy(&bytes))
+            })
+        };
+        if status.as_u16() >= 400 {
+            assert_eq!(json["code"], status.as_u16(), "{uri}: {json}");
+            assert!(json["message"].is_string(), "{uri}: {json}");
+        }
+        Reply {
+            status,
+            headers,
+            json,
+        }
+    }
+
+    async fn a(&self, method: Method, uri: &str, body: Value) -> Reply {
+        let body = if body.is_null() {
+            Body::empty()
+        } else {
+            Body::from(body.to_string())
+        };
+        let key = self.key_a.clone();
+        self.call(method, uri, Some(&key), body).await
+    }
+
+    async fn create_a(&self, body: Value) -> String {
+        let r = self.a(Method::POST, "/v2/sandboxes", body).await;
+        assert_eq!(r.status, StatusCode::CREATED, "{}", r.json);
+        r.json["sandboxID"].as_str().unwrap().to_string()
+    }
+}
+
+#[tokio::test]
+async fn create_returns_the_sdk_sandbox_shape() {
+    let h = harness().await;
+    let r = h
+        .a(
+            Method::POST,
+            "/v2/sandboxes",
+            json!({"templateID":"base","metadata":{"k":"v"},"envVars":{"A":"1"}}),
+        )
+        .await;
+    assert_eq!(r.status, StatusCode::CREATED);
+    let j = &r.json;
+    let id = j["sandboxID"].as_str().unwrap();
+    assert!(
+        id.bytes()
+            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit())
+    );
+    assert_eq!(j["templateID"], "base");
+    assert_eq!(j["clientID"], "6532622b");
+    assert_eq!(j["envdVersion"], cubicle_envd::state::ENVD_VERSION);
+    assert!(j["envdAccessToken"].as_str().is_some_and(|t| t.len() >= 32));
+    assert!(j["domain"].is_null());
+    assert!(j["trafficAccessToken"].is_null());
+    // Env values are never stored; names are.
+    let row = h.cp.store().sandbox(id).unwrap().unwrap();
+    assert_eq!(row.env_var_names, ["A"]);
+    // v1 create works too.
+    let r = h
+        .a(Method::POST, "/sandboxes", json!({"templateID":"tiny"}))
+        .await;
+    assert_eq!(r.status, StatusCode::CREATED, "{}", r.json);
+    let d = h
+        .a(
+            Method::GET,
+            &format!("/sandboxes/{}", r.json["sandboxID"].as_str().unwrap()),
+            Value::Null,
+        )
+        .await;
+    assert_eq!(d.status, StatusCode::OK);
+}
+
+#[tokio::test]
+async fn create_errors() {
+    let h = harness().await;
+    for (body, status, needle) in [
+        (
+            json!({"templateID":"nope"}),
+            404,
+            "template 'nope' not found",
+        ),
+        (json!({"templateID":"base:v9"}), 404, "no tag"),
+        (json!({"templateID":"Bad Name"}), 400, "malformed"),
+        (
+            json!({"templateID":"base","timeout":0}),
+            400,
+            "greater than 0",
+        ),
+        (
+            json!({"templateID":"base","timeout":3601}),
+            400,
+            "cannot be greater than 1 hours",
+        ),
+        (
+            json!({"templateID":"base","timeout":"x"}),
+            400,
+            "invalid request body",
+        ),
+        (json!({"timeout":5}), 400, "templateID"),
+    ] {
+        let r = h.a(Method::POST, "/v2/sandboxes", body.clone()).await;
+        assert_eq!(r.status.as_u16(), status, "{body}: {}", r.json);
+        assert!(
+            r.json["message"].as_str().unwrap().contains(needle),
+            "{body}: {}",
+            r.json
+        );
+    }
+    let key = h.key_a.clone();
+    let r = h
+        .call(
+            Method::POST,
+            "/v2/sandboxes",
+            Some(&key),
+            Body::from("{not json"),
+        )
+        .await;
+    assert_eq!(r.status, StatusCode::BAD_REQUEST);
+    let huge = format!(
+        r#"{{"templateID":"base","metadata":{{"k":"{}"}}}}"#,
+        "x".repeat(2 << 20)
+    );
+    let r = h
+        .call(Method::POST, "/v2/sandboxes", Some(&key), Body::from(huge))
+        .await;
+    assert_eq!(r.status, StatusCode::PAYLOAD_TOO_LARGE);
+    assert!(
+        h.node.live.lock().unwrap().is_empty(),
+        "no sandbox from bad requests"
+    );
+}
+
+#[tokio::test]
+async fn auth_is_required_and_json() {
+    let h = harness().await;
+    let r = h
+        .call(Method::GET, "/v2/sandboxes", None, Body::empty())
+        .await;
+    assert_eq!(r.status, StatusCode::UNAUTHORIZED);
+    let r = h
+        .call(
+            Method::GET,
+            "/v2/sandboxes",
+            Some("e2b_0000000000000000000000000000000000000000"),
+            Body::empty(),
+        )
+        .await;
+    assert_eq!(r.status, StatusCode::UNAUTHORIZED);
+    let r = h
+        .call(
+            Method::DELETE,
+            "/sandboxes/abc",
+            Some("garbage"),
+            Body::empty(),
+        )
+        .await;
+    assert_eq!(r.status, StatusCode::UNAUTHORIZED);
+    let r = h.call(Method::GET, "/health", None, Body::empty()).await;
+    assert_eq!(r.status, StatusCode::OK);
+}
+
+#[tokio::test]
+async fn detail_timeout_connect_kill() {
+    let h = harness().await;
+    let id = h
+        .create_a(json!({"templateID":"base","timeout":60,"metadata":{"m":"1"}}))
+        .await;
+    let r = h
+        .a(Method::GET, &format!("/sandboxes/{id}"), Value::Null)
+        .await;
+    assert_eq!(r.status, StatusCode::OK);
+    for k in [
+        "templateID",
+        "sandboxID",
+        "clientID",
+        "startedAt",
+        "endAt",
+        "envdVersion",
+        "cpuCount",
+        "memoryMB",
+        "diskSizeMB",
+        "state",
+        "envdAccessToken",
+    ] {
+        assert!(!r.json[k].is_null(), "missing {k}: {}", r.json);
+    }
+    assert_eq!(r.json["state"], "running");
+    assert_eq!(r.json["metadata"]["m"], "1");
+    assert_eq!(r.json["lifecycle"]["onTimeout"], "kill");
+    let end1 = r.json["endAt"].as_str().unwrap().to_string();
+
+    // set_timeout: 204, end moves; can shorten.
+    let r = h
+        .a(
+            Method::POST,
+            &format!("/sandboxes/{id}/timeout"),
+            json!({"timeout": 1200}),
+        )
+        .await;
+    assert_eq!(r.status, StatusCode::NO_CONTENT, "{}", r.json);
+    let end2 = h
+        .a(Method::GET, &format!("/sandboxes/{id}"), Value::Null)
+        .await
+        .json["endAt"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    assert!(end2 > end1, "{end1} -> {end2}");
+    assert_eq!(
+        h.cp.store().sandbox(&id).unwrap().unwrap().end_at as u64,
+        h.node.get(&id).unwrap().end_at_ms
+    );
+    for bad in [
+        json!({}),
+        json!({"timeout":-1}),
+        json!({"timeout":"1"}),
+        json!({"timeout":99999}),
+    ] {
+        let r = h
+            .a(
+                Method::POST,
+                &format!("/sandboxes/{id}/timeout"),
+                bad.clone(),
+            )
+            .await;
+        assert_eq!(r.status, StatusCode::BAD_REQUEST, "{bad}");
+    }
+    // connect: 200, extends only.
+    let r = h
+        .a(
+            Method::POST,
+            &format!("/v2/sandboxes/{id}/connect"),
+            json!({"timeout": 10}),
+        )
+        .await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.json);
+    assert_eq!(r.json["sandboxID"], id.as_str());
+    let end3 = h
+        .a(Method::GET, &format!("/sandboxes/{id}"), Value::Null)
+        .await
+        .json["endAt"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    assert_eq!(end3, end2, "connect never shortens");
+    let r = h
+        .a(
+            Method::POST,
+            &format!("/v2/sandboxes/{id}/connect"),
+            json!({"timeout": 3000}),
+        )
+        .await;
+    assert_eq!(r.status, StatusCode::OK);
+    let end4 = h
+        .a(Method::GET, &format!("/sandboxes/{id}"), Value::Null)
+        .await
+        .json["endAt"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    assert!(end4 > end3);
+    let r = h
+        .a(Method::POST, &format!("/sandboxes/{id}/connect"), json!({}))
+        .await;
+    assert_eq!(
+        r.status,
+        StatusCode::BAD_REQUEST,
+        "v1 connect needs timeout"
+    );
+    let r = h
+        .a(
+            Method::POST,
+            &format!("/sandboxes/{id}/connect"),
+            json!({"timeout": 5}),
+        )
+        .await;
+    assert_eq!(r.status, StatusCode::OK);
+    let r = h
+        .a(
+            Method::POST,
+            &format!("/sandboxes/{id}/refreshes"),
+            json!({"duration": 3000}),
+        )
+        .await;
+    assert_eq!(r.status, StatusCode::NO_CONTENT);
+    let r = h
+        .a(
+            Method::POST,
+            &format!("/sandboxes/{id}/refreshes"),
+            json!({"duration": 5000}),
+        )
+        .await;
+    assert_eq!(r.status, StatusCode::BAD_REQUEST);
+
+    // kill: 204, then 404 everywhere, gone from lists, reason recorded.
+    let r = h
+        .a(Method::DELETE, &format!("/sandboxes/{id}"), Value::Null)
+        .await;
+    assert_eq!(r.status, StatusCode::NO_CONTENT);
+    for (m, p) in [
+        (Method::DELETE, format!("/sandboxes/{id}")),
+        (Method::GET, format!("/sandboxes/{id}")),
+        (Method::POST, format!("/sandboxes/{id}/timeout")),
+        (Method::POST, format!("/v2/sandboxes/{id}/connect")),
+        (Method::GET, format!("/sandboxes/{id}/metrics")),
+    ] {
+        let r = h.a(m, &p, json!({"timeout":5})).await;
+        assert_eq!(r.status, StatusCode::NOT_FOUND, "{p}");
+    }
+    assert_eq!(
+        h.a(Method::GET, "/v2/sandboxes", Value::Null).await.json,
+        json!([])
+    );
+    let row = h.cp.store().sandbox(&id).unwrap().unwrap();
+    assert_eq!(row.death_reason.as_deref(), Some("killed"));
+    // Logs outlive the sandbox.
+    let r = h
+        .a(Method::GET, &format!("/sandboxes/{id}/logs"), Value::Null)
+        .await;
+    assert_eq!(r.status, StatusCode::OK);
+    assert_eq!(r.json["logs"][0]["line"], "envd starting");
+    assert_eq!(r.json["logEntries"][1]["level"], "warn");
+}
+
+#[tokio::test]
+async fn unknown_and_malformed_ids_are_404() {
+    let h = harness().await;
+    for id in ["inope", "UPPER", "a-b", "%2e%2e", "x".repeat(200).as_str()] {
+        for (m, p) in [
+            (Method::GET, format!("/sandboxes/{id}")),
+            (Method::DELETE, format!("/sandboxes/{id}")),
+            (Method::POST, format!("/sandboxes/{id}/pause")),
+            (Method::GET, format!("/v2/sandboxes/{id}/logs")),
+        ] {
+            let r = h.a(m, &p, Value::Null).await;
+            assert_eq!(r.status, StatusCode::NOT_FOUND, "{p}: {}", r.json);
+        }
+    }
+}
+
+#[tokio::test]
+async fn teams_are_isolated() {
+    let h = harness().await;
+    let id = h.create_a(json!({"templateID":"base"})).await;
+    let kb = h.key_b.clone();
+    for (m, p, body) in [
+        (Method::GET, format!("/sandboxes/{id}"), ""),
+        (Method::DELETE, format!("/sandboxes/{id}"), ""),
+        (
+            Method::POST,
+            format!("/sandboxes/{id}/timeout"),
+            r#"{"timeout":5}"#,
+        ),
+        (Method::POST, format!("/v2/sandboxes/{id}/connect"), "{}"),
+        (Method::GET, format!("/sandboxes/{id}/logs"), ""),
+        (Method::GET, format!("/sandboxes/{id}/metrics"), ""),
+        (Method::POST, format!("/sandboxes/{id}/pause"), ""),
+    ] {
+        let r = h.call(m, &p, Some(&kb), Body::from(body)).await;
+        assert_eq!(r.status, StatusCode::NOT_FOUND, "{p}");
+    }
+    let r = h
+        .call(Method::GET, "/v2/sandboxes", Some(&kb), Body::empty())
+        .await;
+    assert_eq!(r.json, json!([]));
+    let r = h
+        .call(
+            Method::GET,
+            &format!("/sandboxes/metrics?sandbox_ids={id}"),
+            Some(&kb),
+            Body::empty(),
+        )
+        .await;
+    assert_eq!(r.json, json!({"sandboxes": {}}));
+    // Still alive for its owner.
+    assert_eq!(
+        h.a(Method::GET, &format!("/sandboxes/{id}"), Value::Null)
+            .await
+            .status,
+        StatusCode::OK
+    );
+}
+
+#[tokio::test]
+async fn list_filters_and_pagination() {
+    let h = harness().await;
+    let mut ids = Vec::new();
+    for i in 0..5 {
+        ids.push(
+            h.create_a(json!({"templateID": if i % 2 == 0 {"base"} else {"tiny"},
+                "metadata": {"i": i.to_string(), "a b": if i == 3 {"c&d"} else {"x"}}}))
+                .await,
+        );
+    }
+    // Pages of 2, newest first, opaque token.
+    let mut seen = Vec::new();
+    let mut token: Option<String> = None;
+    for _ in 0..4 {
+        let uri = match &token {
+            Some(t) => format!("/v2/sandboxes?limit=2&nextToken={t}"),
+            None => "/v2/sandboxes?limit=2".into(),
+        };
+        let r = h.a(Method::GET, &uri, Value::Null).await;
+        assert_eq!(r.status, StatusCode::OK, "{}", r.json);
+        for s in r.json.as_array().unwrap() {
+            for k in [
+                "templateID",
+                "sandboxID",
+                "clientID",
+                "startedAt",
+                "endAt",
+                "cpuCount",
+                "memoryMB",
+                "diskSizeMB",
+                "state",
+                "envdVersion",
+            ] {
+                assert!(!s[k].is_null(), "{k}");
+            }
+            seen.push(s["sandboxID"].as_str().unwrap().to_string());
+        }
+        token = r
+            .headers
+            .get("x-next-token")
+            .map(|v| v.to_str().unwrap().to_string());
+        if token.is_none() {
+            break;
+        }
+    }
+    let mut newest_first = ids.clone();
+    newest_first.reverse();
+    assert_eq!(seen, newest_first);
+    // asc
+    let r = h
+        .a(Method::GET, "/v2/sandboxes?order=asc&limit=1", Value::Null)
+        .await;
+    assert_eq!(r.json[0]["sandboxID"], ids[0].as_str());
+    // metadata exactly as the SDK encodes {"a b": "c&d"}
+    let r = h
+        .a(
+            Method::GET,
+            "/v2/sandboxes?metadata=a%252520b%3Dc%252526d",
+            Value::Null,
+        )
+        .await;
+    assert_eq!(r.status, StatusCode::OK);
+    let got: Vec<&str> = r
+        .json
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| s["sandboxID"].as_str().unwrap())
+        .collect();
+    assert_eq!(got, [ids[3].as_str()]);
+    let r = h
+        .a(
+            Method::GET,
+            "/v2/sandboxes?metadata=i%3D1%26a%252520b%3Dx",
+            Value::Null,
+        )
+        .await;
+    assert_eq!(r.json.as_array().unwrap().len(), 1);
+    // state and template filters
+    assert_eq!(
+        h.a(Method::GET, "/v2/sandboxes?state=paused", Value::Null)
+            .await
+            .json,
+        json!([])
+    );
+    assert_eq!(
+        h.a(
+            Method::GET,
+            "/v2/sandboxes?state=running,paused",
+            Value::Null
+        )
+        .await
+        .json
+        .as_array()
+        .unwrap()
+        .len(),
+        5
+    );
+    assert_eq!(
+        h.a(Method::GET, "/v2/sandboxes?template=tiny", Value::Null)
+            .await
+            .json
+            .as_array()
+            .unwrap()
+            .len(),
+        2
+    );
+    // startedAfter (inclusive), with an unencoded '+' offset too
+    assert_eq!(
+        h.a(
+            Method::GET,
+            "/v2/sandboxes?startedAfter=2000-01-01T00:00:00%2B00:00",
+            Value::Null
+        )
+        .await
+        .json
+        .as_array()
+        .unwrap()
+        .len(),
+        5
+    );
+    assert_eq!(
+        h.a(
+            Method::GET,
+            "/v2/sandboxes?startedAfter=2999-01-01T00:00:00+00:00",
+            Value::Null
+        )
+        .await
+        .json,
+        json!([])
+    );
+    // v1 list: running only, all at once
+    let r = h
+        .a(Method::GET, "/sandboxes?metadata=i%3D2", Value::Null)
+        .await;
+    assert_eq!(r.json.as_array().unwrap().len(), 1);
+    // bad input → 400 in the E2B shape
+    for q in [
+        "state=dead",
+        "order=up",
+        "limit=0",
+        "limit=101",
+        "limit=x",
+        "nextToken=%%%",
+        "nextToken=abc",
+        "startedAfter=yesterday",
+        "metadata=%zz",
+        "metadata=novalue",
+        "a=%E0%A4%A",
+    ] {
+        let r = h
+            .a(Method::GET, &format!("/v2/sandboxes?{q}"), Value::Null)
+            .await;
+        assert_eq!(r.status, StatusCode::BAD_REQUEST, "{q}: {}", r.json);
+    }
+}
+
+#[tokio::test]
+async fn idempotency_key_on_create() {
+    let h = harness().await;
+    let key = h.key_a.clone();
+    let body = r#"{"templateID":"base","metadata":{"x":"1"}}"#;
+    let send = |b: &'static str, k: &'static str| {
+        let key = key.clone();
+        let h = &h;
+        async move {
+            h.call_h(
+                Method::POST,
+                "/v2/sandboxes",
+                Some(&key),
+                Body::from(b),
+                &[("idempotency-key", k)],
+            )
+            .await
+        }
+    };
+    let r1 = send(body, "k-1").await;
+    assert_eq!(r1.status, StatusCode::CREATED);
+    // Same body (other whitespace / key order) → the same sandbox, 201 again.
+    let r2 = send(r#"{ "metadata": {"x":"1"}, "templateID": "base" }"#, "k-1").await;
+    assert_eq!(r2.status, StatusCode::CREATED);
+    assert_eq!(r1.json["sandboxID"], r2.json["sandboxID"]);
+    assert_eq!(r1.json["envdAccessToken"], r2.json["envdAccessToken"]);
+    // Different body → 409.
+    let r3 = send(r#"{"templateID":"tiny"}"#, "k-1").await;
+    assert_eq!(r3.status, StatusCode::CONFLICT);
+    // Another key → another sandbox; a bad key → 400.
+    let r4 = send(body, "k-2").await;
+    assert_ne!(r4.json["sandboxID"], r1.json["sandboxID"]);
+    assert_eq!(send(body, "bad key!").await.status, StatusCode::BAD_REQUEST);
+    assert_eq!(h.node.live.lock().unwrap().len(), 2);
+    // A failed create releases the key.
+    assert_eq!(
+        send(r#"{"templateID":"nope"}"#, "k-3").await.status,
+        StatusCode::NOT_FOUND
+    );
+    assert_eq!(send(body, "k-3").await.status, StatusCode::CREATED);
+}
+
+#[tokio::test]
+async fn deaths_noticed_by_the_node_are_recorded() {
+    let h = harness().await;
+    let id = h.create_a(json!({"templateID":"base"})).await;
+    let id2 = h.create_a(json!({"templateID":"base"})).await;
+    h.cp.upkeep(false).await; // mirrors logs while alive
+    h.node.die(&id, DeathReason::Timeout);
+    let _ = std::fs::remove_dir_all(h.node.dir.join(&id));
+    h.cp.upkeep(true).await;
+    assert_eq!(
+        h.cp.store()
+            .sandbox(&id)
+            .unwrap()
+            .unwrap()
+            .death_reason
+            .as_deref(),
+        Some("timeout")
+    );
+    assert_eq!(
+        h.a(Method::GET, &format!("/sandboxes/{id}"), Value::Null)
+            .await
+            .status,
+        StatusCode::NOT_FOUND
+    );
+    // Noticed lazily too (get before upkeep).
+    h.node.die(&id2, DeathReason::Oom);
+    assert_eq!(
+        h.a(Method::GET, &format!("/sandboxes/{id2}"), Value::Null)
+            .await
+            .status,
+        StatusCode::NOT_FOUND
+    );
+    assert_eq!(
+        h.cp.store()
+            .sandbox(&id2)
+            .unwrap()
+            .unwrap()
+            .death_reason
+            .as_deref(),
+        Some("oom")
+    );
+    // The mirrored log is still there.
+    let r = h
+        .a(
+            Method::GET,
+            &format!("/v2/sandboxes/{id}/logs"),
+            Value::Null,
+        )
+        .await;
+    assert_eq!(r.json["logs"].as_array().unwrap().len(), 2, "{}", r.json);
+}
+
+#[tokio::test]
+async fn logs_v2_filters() {
+    let h = harness().await;
+    let id = h.create_a(json!({"templateID":"base"})).await;
+    let r = h
+        .a(
+            Method::GET,
+            &format!("/v2/sandboxes/{id}/logs?level=warn"),
+            Value::Null,
+        )
+        .await;
+    assert_eq!(r.status, StatusCode::OK);
+    let logs = r.json["logs"].as_array().unwrap();
+    assert_eq!(logs.len(), 1);
+    assert_eq!(logs[0]["level"], "warn");
+    assert!(logs[0]["fields"].is_object() && logs[0]["timestamp"].is_string());
+    let r = h
+        .a(
+            Method::GET,
+            &format!("/v2/sandboxes/{id}/logs?search=starting&direction=backward&limit=5"),
+            Value::Null,
+        )
+        .await;
+    assert_eq!(r.json["logs"][0]["message"], "envd starting");
+    for q in ["level=loud", "direction=sideways", "limit=-1", "cursor=x"] {
+        let r = h
+            .a(
+                Method::GET,
+                &format!("/v2/sandboxes/{id}/logs?{q}"),
+                Value::Null,
+            )
+            .await;
+        assert_eq!(r.status, StatusCode::BAD_REQUEST, "{q}");
+    }
+}
+
+#[tokio::test]
+async fn metrics_shapes() {
+    let h = harness().await;
+    let id = h.create_a(json!({"templateID":"base"})).await;
+    let r = h
+        .a(
+            Method::GET,
+            &format!("/sandboxes/{id}/metrics"),
+            Value::Null,
+        )
+        .await;
+    assert_eq!(r.status, StatusCode::OK);
+    let m = &r.json[0];
+    for k in [
+        "timestamp",
+        "timestampUnix",
+        "cpuCount",
+        "cpuUsedPct",
+        "memUsed",
+        "memTotal",
+        "memCache",
+        "diskUsed",
+        "diskTotal",
+    ] {
+        assert!(!m[k].is_null(), "{k}: {m}");
+    }
+    assert_eq!(m["memUsed"], 10 << 20);
+    assert_eq!(m["memTotal"], 512u64 << 20);
+    assert_eq!(m["diskUsed"], 4096);
+    let r = h
+        .a(
+            Method::GET,
+            &format!("/sandboxes/metrics?sandbox_ids={id},inope"),
+            Value::Null,
+        )
+        .await;
+    assert_eq!(r.status, StatusCode::OK);
+    assert!(r.json["sandboxes"][&id].is_object());
+    assert!(r.json["sandboxes"]["inope"].is_null());
+    assert_eq!(
+        h.a(Method::GET, "/sandboxes/metrics", Value::Null)
+            .await
+            .status,
+        StatusCode::BAD_REQUEST
+    );
+    assert_eq!(
+        h.a(
+            Method::GET,
+            &format!("/sandboxes/{id}/metrics?start=10&end=5"),
+            Value::Null
+        )
+        .await
+        .status,
+        StatusCode::BAD_REQUEST
+    );
+}
+
+#[tokio::test]
+async fn unsupported_features_answer_clearly() {
+    let h = harness().await;
+    let id = h.create_a(json!({"templateID":"base"})).await;
+    for (m, p) in [
+        (Method::POST, format!("/sandboxes/{id}/pause")),
+        (Method::POST, format!("/sandboxes/{id}/resume")),
+        (Method::PUT, format!("/sandboxes/{id}/network")),
+        (Method::POST, format!("/sandboxes/{id}/snapshots")),
+    ] {
+        let r = h.a(m, &p, json!({})).await;
+        assert_eq!(r.status, StatusCode::NOT_IMPLEMENTED, "{p}");
+        assert!(
+            r.json["message"]
+                .as_str()
+                .unwrap()
+                .contains("not supported")
+        );
+        assert_eq!(r.headers.get("should-retry").unwrap(), "false");
+    }
+}
+
+#[tokio::test]
+async fn unknown_routes_methods_and_garbage_are_json_4xx() {
+    let h = harness().await;
+    let id = h.create_a(json!({"templateID":"base"})).await;
+    let r = h.a(Method::GET, "/nope", Value::Null).await;
+    assert_eq!(r.status, StatusCode::NOT_FOUND);
+    let r = h.call(Method::GET, "/nope", None, Body::empty()).await;
+    assert_eq!(r.status, StatusCode::NOT_FOUND);
+    let r = h.a(Method::PUT, "/v2/sandboxes", Value::Null).await;
+    assert_eq!(r.status, StatusCode::METHOD_NOT_ALLOWED);
+    let r = h
+        .a(Method::PATCH, &format!("/sandboxes/{id}"), Value::Null)
+        .await;
+    assert_eq!(r.status, StatusCode::METHOD_NOT_ALLOWED);
+    // Fuzz-ish: every route × garbage bodies and paths: always a JSON 4xx/2xx, never 5xx.
+    let bodies: Vec<Vec<u8>> = vec![
+        b"".to_vec(),
+        b"null".to_vec(),
+        b"[]".to_vec(),
+        b"{\"timeout\":null}".to_vec(),
+        b"{\"timeout\":1e400}".to_vec(),
+        b"{\"templateID\":{\"a\":1}}".to_vec(),
+        b"{\"templateID\":\"base\",\"network\":[]}".to_vec(),
+        vec![0xff, 0xfe, 0x00],
+        b"{\"duration\":-9223372036854775808}".to_vec(),
+        "{\"templateID\":\"\u{0}\"}".as_bytes().to_vec(),
+    ];
+    let paths = [
+        (Method::POST, "/v2/sandboxes".to_string()),
+        (Method::POST, "/sandboxes".to_string()),
+        (Method::POST, format!("/sandboxes/{id}/timeout")),
+        (Method::POST, format!("/sandboxes/{id}/refreshes")),
+        (Method::POST, format!("/v2/sandboxes/{id}/connect")),
+        (Method::POST, format!("/sandboxes/{id}/connect")),
+        (Method::POST, "/sandboxes/%ff%fe/timeout".to_string()),
+        (Method::GET, "/sandboxes/%zz".to_string()),
+        (
+            Method::GET,
+            "/v2/sandboxes?limit=99999999999999999999999".to_string(),
+        ),
+    ];
+    let key = h.key_a.clone();
+    for (m, p) in &paths {
+        for b in &bodies {
+            let r = h
+                .call(m.clone(), p, Some(&key), Body::from(b.clone()))
+                .await;
+            assert!(
+                r.status.is_success() || r.status.is_client_error(),
+                "{m} {p} {:?} → {}",
+                String::from_utf8_lossy(b),
+                r.status
+            );
+        }
+    }
+}
+
+#[tokio::test]
+async fn resolver_sees_live_api_sandboxes_only() {
+    let h = harness().await;
+    let id = h
+        .create_a(json!({"templateID":"base","network":{"allowPublicTraffic":false}}))
+        .await;
+    let open = h.create_a(json!({"templateID":"base"})).await;
+    let resolver = ApiResolver::new(h.cp.clone());
+    let t = resolver.resolve(&id).unwrap();
+    assert_eq!(t.init_pid, 4242);
+    assert!(t.envd_socket.ends_with(format!("{id}/ctl/envd.sock")));
+    let row = h.cp.store().sandbox(&id).unwrap().unwrap();
+    assert_eq!(
+        t.envd_access_token.as_deref(),
+        Some(row.envd_access_token.as_str())
+    );
+    assert!(t.traffic_access_token.is_some());
+    assert_eq!(t.traffic_access_token, row.traffic_access_token);
+    assert!(
+        resolver
+            .resolve(&open)
+            .unwrap()
+            .traffic_access_token
+            .is_none()
+    );
+    assert!(resolver.resolve("inope").is_none());
+    assert_eq!(resolver.running().len(), 2);
+    let r = h
+        .a(Method::GET, &format!("/sandboxes/{id}"), Value::Null)
+        .await;
+    assert_eq!(r.json["network"]["allowPublicTraffic"], false);
+    h.a(Method::DELETE, &format!("/sandboxes/{id}"), Value::Null)
+        .await;
+    assert!(resolver.resolve(&id).is_none());
+    assert_eq!(resolver.running().len(), 1);
+}
+
+#[tokio::test]
+async fn reopening_adopts_live_and_records_lost_sandboxes() {
+    let h = harness().await;
+    let alive = h.create_a(json!({"templateID":"base"})).await;
+    let lost = h.create_a(json!({"templateID":"base"})).await;
+    h.node.live.lock().unwrap().remove(&lost); // vanished while the server was down
+    let cp2 = ControlPlane::open(h.node.clone(), h.cp.store().clone(), h.cp.config().clone())
+        .await
+        .unwrap();
+    assert!(cp2.route(&alive).is_some());
+    assert!(cp2.route(&lost).is_none());
+    assert_eq!(
+        h.cp.store()
+            .sandbox(&lost)
+            .unwrap()
+            .unwrap()
+            .death_reason
+            .as_deref(),
+        Some("lost")
+    );
+}

@@ -1,0 +1,68 @@
+//! `cubicle apikey create|list|revoke`: API keys in the store of `--state-dir`, directly
+//! (no server needed; works while `cubicle serve` runs — SQLite in WAL mode).
+
+use anyhow::Context;
+use clap::Subcommand;
+use cubicle_store::Store;
+
+/// API key subcommands.
+#[derive(Subcommand, Debug)]
+pub enum ApikeyCommand {
+    /// Create a key for a team (created if missing); prints the key once, on stdout.
+    Create {
+        /// Team the key belongs to (each team sees only its own sandboxes).
+        #[arg(long, default_value = "admin")]
+        team: String,
+    },
+    /// List keys (prefix, team, created, last used, revoked).
+    List,
+    /// Revoke the key starting with PREFIX (as shown by `list`, e.g. e2b_1a2b3c4d).
+    Revoke {
+        /// Key prefix (at least `e2b_` + 4 characters) or the whole key.
+        prefix: String,
+    },
+}
+
+fn fmt_ms(ms: Option<i64>) -> String {
+    ms.map(|ms| crate::template_cmd::format_utc((ms / 1000) as u64))
+        .unwrap_or_else(|| "-".into())
+}
+
+pub fn run(state_dir: &std::path::Path, cmd: ApikeyCommand) -> anyhow::Result<i32> {
+    std::fs::create_dir_all(state_dir)
+        .with_context(|| format!("creating {}", state_dir.display()))?;
+    let db = state_dir.join("cubicle.db");
+    let store = Store::open(&db).with_context(|| format!("opening {}", db.display()))?;
+    match cmd {
+        ApikeyCommand::Create { team } => {
+            let team = store.ensure_team(&team)?;
+            let key = store.create_api_key(team.id)?;
+            eprintln!(
+                "created API key {}… for team '{}' (shown only now; store it safely)",
+                key.info.prefix, team.name
+            );
+            println!("{}", key.plaintext);
+        }
+        ApikeyCommand::List => {
+            println!(
+                "{:<14} {:<16} {:<19}  {:<19}  REVOKED (UTC)",
+                "PREFIX", "TEAM", "CREATED (UTC)", "LAST USED (UTC)"
+            );
+            for k in store.list_api_keys()? {
+                println!(
+                    "{:<14} {:<16} {:<19}  {:<19}  {}",
+                    k.prefix,
+                    k.team_name,
+                    fmt_ms(Some(k.created_at)),
+                    fmt_ms(k.last_used_at),
+                    fmt_ms(k.revoked_at)
+                );
+            }
+        }
+        ApikeyCommand::Revoke { prefix } => {
+            let k = store.revoke_api_key(&prefix)?;
+            println!("revoked {} (team '{}')", k.prefix, k.team_name);
+        }
+    }
+    Ok(0)
+}

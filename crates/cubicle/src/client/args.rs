@@ -1,0 +1,356 @@
+//! Command-line arguments of `cubicle sandbox …` and where the connection settings come
+//! from (flags, `E2B_*` environment variables, the server's admin key file).
+
+use std::path::Path;
+
+use clap::{Args, Subcommand};
+
+use super::{ClientError, http::BaseUrl};
+
+/// Default address of `cubicle serve`.
+pub const DEFAULT_API_URL: &str = "http://127.0.0.1:3000";
+/// File (in the state directory) where `cubicle serve` leaves the admin team's key.
+pub const ADMIN_KEY_FILE: &str = "admin-api-key";
+
+/// `cubicle sandbox …`: sandboxes of a running `cubicle serve`, through its REST API and
+/// router, as an E2B SDK would use them.
+#[derive(Args, Debug)]
+pub struct SandboxArgs {
+    /// REST API of `cubicle serve` (plain http only).
+    #[arg(long, global = true, env = "E2B_API_URL", value_name = "URL")]
+    pub api_url: Option<String>,
+    /// API key (default: `<state-dir>/admin-api-key`, written by `cubicle serve`).
+    #[arg(
+        long,
+        global = true,
+        env = "E2B_API_KEY",
+        hide_env_values = true,
+        value_name = "KEY"
+    )]
+    pub api_key: Option<String>,
+    /// Data-plane (router) URL for exec/shell (default: the API URL).
+    #[arg(long, global = true, env = "E2B_SANDBOX_URL", value_name = "URL")]
+    pub sandbox_url: Option<String>,
+    #[command(subcommand)]
+    pub command: SandboxCommand,
+}
+
+/// Sandbox subcommands.
+#[derive(Subcommand, Debug)]
+pub enum SandboxCommand {
+    /// Create a sandbox; prints its id.
+    Create {
+        /// Template (name, alias or `name:tag`).
+        #[arg(long, short, default_value = "base")]
+        template: String,
+        /// Seconds until the sandbox is killed (server default: 300).
+        #[arg(long, value_name = "SECS")]
+        timeout: Option<u64>,
+        /// Metadata `KEY=VALUE` (repeatable).
+        #[arg(long = "metadata", short = 'm', value_name = "KEY=VALUE", value_parser = parse_kv)]
+        metadata: Vec<(String, String)>,
+        /// Environment variable for every process in the sandbox, `KEY=VALUE` (repeatable).
+        #[arg(long = "env", short = 'e', value_name = "KEY=VALUE", value_parser = parse_kv)]
+        env: Vec<(String, String)>,
+        /// Print the server's whole JSON answer instead of the id.
+        #[arg(long)]
+        json: bool,
+    },
+    /// List sandboxes (running and paused).
+    #[command(alias = "ls")]
+    List {
+        /// Print JSON instead of a table.
+        #[arg(long)]
+        json: bool,
+        /// Only sandboxes with this metadata `KEY=VALUE` (repeatable; all must match).
+        #[arg(long = "metadata", short = 'm', value_name = "KEY=VALUE", value_parser = parse_kv)]
+        metadata: Vec<(String, String)>,
+        /// Only sandboxes in this state (`running`, `paused`; repeatable).
+        #[arg(long = "state", value_name = "STATE")]
+        states: Vec<String>,
+    },
+    /// Show one sandbox.
+    Info {
+        /// Sandbox id.
+        id: String,
+        /// Print the server's JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Kill sandboxes.
+    Kill {
+        /// Sandbox ids.
+        #[arg(required = true)]
+        ids: Vec<String>,
+    },
+    /// Run a command in a sandbox (`/bin/bash -l -c CMD`), stream its output, exit with
+    /// its exit code. Several words are joined with spaces, as ssh does.
+    Exec {
+        /// Sandbox id.
+        id: String,
+        /// Run as this user (default: the sandbox's default user).
+        #[arg(long, short)]
+        user: Option<String>,
+        /// Working directory.
+        #[arg(long)]
+        cwd: Option<String>,
+        /// Environment variable for this command, `KEY=VALUE` (repeatable).
+        #[arg(long = "env", short = 'e', value_name = "KEY=VALUE", value_parser = parse_kv)]
+        env: Vec<(String, String)>,
+        /// Kill the command after this many seconds (0: never).
+        #[arg(long, value_name = "SECS", default_value_t = 0)]
+        timeout: u64,
+        /// The command.
+        #[arg(last = true, required = true, value_name = "CMD")]
+        cmd: Vec<String>,
+    },
+    /// Print a sandbox's logs (envd and start-command output).
+    Logs {
+        /// Sandbox id.
+        id: String,
+        /// Keep printing new lines until the sandbox goes away (or Ctrl-C).
+        #[arg(long, short)]
+        follow: bool,
+        /// Prefix each line with its timestamp.
+        #[arg(long)]
+        timestamps: bool,
+    },
+    /// Interactive shell in a sandbox (a PTY through the router).
+    Shell {
+        /// Sandbox id.
+        id: String,
+        /// Run as this user (default: the sandbox's default user).
+        #[arg(long, short)]
+        user: Option<String>,
+        /// Working directory.
+        #[arg(long)]
+        cwd: Option<String>,
+    },
+}
+
+/// Parses `KEY=VALUE` (the value may contain `=`; the key may not be empty).
+pub fn parse_kv(s: &str) -> Result<(String, String), String> {
+    match s.split_once('=') {
+        Some((k, v)) if !k.is_empty() => Ok((k.to_string(), v.to_string())),
+        _ => Err(format!("expected KEY=VALUE, got {s:?}")),
+    }
+}
+
+/// Resolved connection settings.
+#[derive(Debug, Clone)]
+pub struct Settings {
+    pub api: BaseUrl,
+    pub sandbox: BaseUrl,
+    pub api_key: String,
+}
+
+fn non_empty(s: &Option<String>) -> Option<&str> {
+    s.as_deref().map(str::trim).filter(|s| !s.is_empty())
+}
+
+impl SandboxArgs {
+    /// Resolves URLs and the API key (flag/env, else `<state_dir>/admin-api-key`).
+    pub fn settings(&self, state_dir: &Path) -> Result<Settings, ClientError> {
+        let api_url = non_empty(&self.api_url).unwrap_or(DEFAULT_API_URL);
+        let api = BaseUrl::parse(api_url)?;
+        let sandbox = match non_empty(&self.sandbox_url) {
+            Some(u) => BaseUrl::parse(u)?,
+            None => api.clone(),
+        };
+        let api_key = match non_empty(&self.api_key) {
+            Some(k) => k.to_string(),
+            None => read_admin_key(state_dir)?,
+        };
+        Ok(Settings {
+            api,
+            sandbox,
+            api_key,
+        })
+    }
+}
+
+fn read_admin_key(state_dir: &Path) -> Result<String, ClientError> {
+    let path = state_dir.join(ADMIN_KEY_FILE);
+    let missing = |why: String| {
+        ClientError::Config(format!(
+            "no API key: set E2B_API_KEY or --api-key ({why}; `cubicle serve` writes the \
+             admin key to {} on its first start, `cubicle apikey create` makes more)",
+            path.display()
+        ))
+    };
+    match std::fs::read_to_string(&path) {
+        Ok(s) => {
+            let key = s.trim();
+            if key.is_empty() {
+                Err(missing(format!("{} is empty", path.display())))
+            } else {
+                Ok(key.to_string())
+            }
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            Err(missing(format!("{} does not exist", path.display())))
+        }
+        Err(e) => Err(missing(format!("cannot read {}: {e}", path.display()))),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser, Debug)]
+    struct Top {
+        #[command(subcommand)]
+        cmd: Top2,
+    }
+    #[derive(Subcommand, Debug)]
+    enum Top2 {
+        Sandbox(SandboxArgs),
+    }
+
+    fn parse(args: &[&str]) -> Result<SandboxArgs, clap::Error> {
+        let mut v = vec!["cubicle", "sandbox"];
+        v.extend_from_slice(args);
+        Top::try_parse_from(v).map(|t| match t.cmd {
+            Top2::Sandbox(a) => a,
+        })
+    }
+
+    #[test]
+    fn parses_create() {
+        let a = parse(&[
+            "create",
+            "--template",
+            "tiny",
+            "--timeout",
+            "60",
+            "--metadata",
+            "a=b=c",
+            "-m",
+            "x=",
+            "--env",
+            "K=V",
+        ])
+        .unwrap();
+        match a.command {
+            SandboxCommand::Create {
+                template,
+                timeout,
+                metadata,
+                env,
+                json,
+            } => {
+                assert_eq!(template, "tiny");
+                assert_eq!(timeout, Some(60));
+                assert_eq!(
+                    metadata,
+                    vec![("a".into(), "b=c".into()), ("x".into(), String::new())]
+                );
+                assert_eq!(env, vec![("K".into(), "V".into())]);
+                assert!(!json);
+            }
+            other => panic!("{other:?}"),
+        }
+        match parse(&["create"]).unwrap().command {
+            SandboxCommand::Create {
+                template, timeout, ..
+            } => {
+                assert_eq!((template.as_str(), timeout), ("base", None))
+            }
+            other => panic!("{other:?}"),
+        }
+        assert!(parse(&["create", "--metadata", "novalue"]).is_err());
+        assert!(parse(&["create", "--metadata", "=v"]).is_err());
+        assert!(parse(&["create", "--timeout", "-1"]).is_err());
+    }
+
+    #[test]
+    fn parses_exec_with_global_options_anywhere() {
+        let a = parse(&[
+            "exec",
+            "abc",
+            "--user",
+            "root",
+            "--api-url",
+            "http://127.0.0.1:9",
+            "--",
+            "echo",
+            "--user",
+            "x y",
+        ])
+        .unwrap();
+        assert_eq!(a.api_url.as_deref(), Some("http://127.0.0.1:9"));
+        match a.command {
+            SandboxCommand::Exec {
+                id,
+                user,
+                cmd,
+                timeout,
+                ..
+            } => {
+                assert_eq!(id, "abc");
+                assert_eq!(user.as_deref(), Some("root"));
+                assert_eq!(cmd, vec!["echo", "--user", "x y"]);
+                assert_eq!(timeout, 0);
+            }
+            other => panic!("{other:?}"),
+        }
+        assert!(parse(&["exec", "abc"]).is_err(), "a command is required");
+        let a = parse(&["--api-key", "k", "kill", "a", "b"]).unwrap();
+        assert_eq!(a.api_key.as_deref(), Some("k"));
+        assert!(matches!(a.command, SandboxCommand::Kill { ref ids } if ids == &["a", "b"]));
+        assert!(parse(&["kill"]).is_err());
+        assert!(matches!(
+            parse(&["logs", "-f", "abc"]).unwrap().command,
+            SandboxCommand::Logs { follow: true, .. }
+        ));
+        assert!(matches!(
+            parse(&["ls", "--json", "--state", "running"]).unwrap().command,
+            SandboxCommand::List { json: true, ref states, .. } if states == &["running"]
+        ));
+        assert!(matches!(
+            parse(&["shell", "abc", "--user", "root"]).unwrap().command,
+            SandboxCommand::Shell { ref user, .. } if user.as_deref() == Some("root")
+        ));
+    }
+
+    #[test]
+    fn settings_defaults_and_key_file() {
+        let dir = std::env::temp_dir().join(format!("cb-client-args-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let mut a = SandboxArgs {
+            api_url: None,
+            api_key: None,
+            sandbox_url: None,
+            command: SandboxCommand::List {
+                json: false,
+                metadata: vec![],
+                states: vec![],
+            },
+        };
+        let e = a.settings(&dir).unwrap_err().to_string();
+        assert!(
+            e.contains("no API key") && e.contains("admin-api-key"),
+            "{e}"
+        );
+        std::fs::write(dir.join(ADMIN_KEY_FILE), "e2b_secret\n").unwrap();
+        let s = a.settings(&dir).unwrap();
+        assert_eq!(s.api_key, "e2b_secret");
+        assert_eq!(s.api.to_string(), DEFAULT_API_URL);
+        assert_eq!(s.sandbox, s.api);
+        a.api_key = Some("flag".into());
+        a.api_url = Some("http://10.0.0.1:80/".into());
+        a.sandbox_url = Some("http://10.0.0.2:81".into());
+        let s = a.settings(&dir).unwrap();
+        assert_eq!(s.api_key, "flag");
+        assert_eq!(s.api.url("/x"), "http://10.0.0.1:80/x");
+        assert_eq!(s.sandbox.url("/x"), "http://10.0.0.2:81/x");
+        // Empty values count as unset.
+        a.api_url = Some(String::new());
+        a.sandbox_url = Some(" ".into());
+        let s = a.settings(&dir).unwrap();
+        assert_eq!(s.sandbox.to_string(), DEFAULT_API_URL);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}

@@ -1,0 +1,222 @@
+//! The REST-only commands: `create`, `list`, `info`, `kill`, and their output formats.
+
+use std::collections::BTreeMap;
+
+use serde_json::Value;
+
+use super::rest::{ApiClient, ListFilter, NewSandbox};
+
+pub async fn create(
+    api: &ApiClient,
+    template: String,
+    timeout: Option<u64>,
+    metadata: Vec<(String, String)>,
+    env: Vec<(String, String)>,
+    json: bool,
+) -> anyhow::Result<i32> {
+    let req = NewSandbox {
+        template_id: template,
+        timeout,
+        metadata: metadata.into_iter().collect(),
+        env_vars: env.into_iter().collect(),
+    };
+    let (sbx, raw) = api.create(&req).await?;
+    if json {
+        println!("{}", serde_json::to_string_pretty(&raw)?);
+    } else {
+        println!("{}", sbx.sandbox_id);
+    }
+    Ok(0)
+}
+
+pub async fn list(
+    api: &ApiClient,
+    json: bool,
+    metadata: Vec<(String, String)>,
+    states: Vec<String>,
+) -> anyhow::Result<i32> {
+    let items = api.list(&ListFilter { metadata, states }).await?;
+    if json {
+        println!("{}", serde_json::to_string_pretty(&Value::Array(items))?);
+    } else {
+        print!("{}", list_table(&items));
+    }
+    Ok(0)
+}
+
+fn s<'a>(v: &'a Value, key: &str) -> &'a str {
+    v.get(key).and_then(Value::as_str).unwrap_or("")
+}
+
+fn n(v: &Value, key: &str) -> String {
+    match v.get(key) {
+        Some(Value::Number(x)) => x.to_string(),
+        Some(Value::String(x)) => x.clone(),
+        _ => String::new(),
+    }
+}
+
+/// `2026-01-02T03:04:05.123456Z` → `2026-01-02 03:04:05` (display only).
+fn short_time(t: &str) -> String {
+    if t.len() >= 19 && t.is_char_boundary(19) && t.as_bytes().get(10) == Some(&b'T') {
+        format!("{} {}", &t[..10], &t[11..19])
+    } else {
+        t.to_string()
+    }
+}
+
+fn metadata_text(v: &Value) -> String {
+    match v.get("metadata") {
+        Some(Value::Object(m)) => {
+            let sorted: BTreeMap<_, _> = m.iter().collect();
+            sorted
+                .into_iter()
+                .map(|(k, v)| {
+                    format!(
+                        "{k}={}",
+                        v.as_str()
+                            .map(str::to_string)
+                            .unwrap_or_else(|| v.to_string())
+                    )
+                })
+                .collect::<Vec<_>>()
+                .join(",")
+        }
+        _ => String::new(),
+    }
+}
+
+/// The `list` table (one header line, one line per sandbox).
+pub fn list_table(items: &[Value]) -> String {
+    let mut rows = vec![[
+        "SANDBOX ID".to_string(),
+        "TEMPLATE".into(),
+        "STATE".into(),
+        "STARTED (UTC)".into(),
+        "ENDS (UTC)".into(),
+        "CPU".into(),
+        "MEM MB".into(),
+        "METADATA".into(),
+    ]];
+    for v in items {
+        let template = match (s(v, "alias"), s(v, "templateID")) {
+            ("", t) => t.to_string(),
+            (a, _) => a.to_string(),
+        };
+        rows.push([
+            s(v, "sandboxID").to_string(),
+            template,
+            s(v, "state").to_string(),
+            short_time(s(v, "startedAt")),
+            short_time(s(v, "endAt")),
+            n(v, "cpuCount"),
+            n(v, "memoryMB"),
+            metadata_text(v),
+        ]);
+    }
+    let mut widths = [0usize; 8];
+    for r in &rows {
+        for (i, c) in r.iter().enumerate() {
+            widths[i] = widths[i].max(c.chars().count());
+        }
+    }
+    let mut out = String::new();
+    for r in &rows {
+        let mut line = String::new();
+        for (i, c) in r.iter().enumerate() {
+            if i == r.len() - 1 {
+                line.push_str(c);
+            } else {
+                line.push_str(&format!("{c:<w$}  ", w = widths[i]));
+            }
+        }
+        out.push_str(line.trim_end());
+        out.push('\n');
+    }
+    out
+}
+
+pub async fn info(api: &ApiClient, id: &str, json: bool) -> anyhow::Result<i32> {
+    let v = api.get(id).await?;
+    if json {
+        println!("{}", serde_json::to_string_pretty(&v)?);
+    } else {
+        print!("{}", info_text(&v));
+    }
+    Ok(0)
+}
+
+/// `info` as `Key: value` lines.
+pub fn info_text(v: &Value) -> String {
+    let mut lines: Vec<(&str, String)> = vec![
+        ("Sandbox ID", s(v, "sandboxID").into()),
+        ("Template", s(v, "templateID").into()),
+    ];
+    if !s(v, "alias").is_empty() {
+        lines.push(("Alias", s(v, "alias").into()));
+    }
+    lines.extend([
+        ("State", s(v, "state").to_string()),
+        ("Started", s(v, "startedAt").to_string()),
+        ("Ends", s(v, "endAt").to_string()),
+        ("CPUs", n(v, "cpuCount")),
+        ("Memory", format!("{} MB", n(v, "memoryMB"))),
+        ("Disk", format!("{} MB", n(v, "diskSizeMB"))),
+        ("envd version", s(v, "envdVersion").to_string()),
+    ]);
+    if let Some(b) = v.get("allowInternetAccess").and_then(Value::as_bool) {
+        lines.push(("Internet access", if b { "yes" } else { "no" }.into()));
+    }
+    if !s(v, "domain").is_empty() {
+        lines.push(("Domain", s(v, "domain").into()));
+    }
+    lines.push(("Metadata", metadata_text(v)));
+    let mut out = String::new();
+    for (k, val) in lines {
+        out.push_str(&format!("{:<18}{}\n", format!("{k}:"), val));
+    }
+    out
+}
+
+pub async fn kill(api: &ApiClient, ids: &[String]) -> anyhow::Result<i32> {
+    let mut code = 0;
+    for id in ids {
+        match api.kill(id).await {
+            Ok(()) => println!("killed {id}"),
+            Err(e) if e.status() == Some(404) => {
+                eprintln!("cubicle: sandbox {id}: {e}");
+                code = 1;
+            }
+            Err(e) => return Err(anyhow::Error::new(e).context(format!("killing {id}"))),
+        }
+    }
+    Ok(code)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn table_and_info_render() {
+        let items = vec![
+            json!({"sandboxID":"abc","templateID":"tiny","state":"running",
+                   "startedAt":"2026-11-30T12:00:00.123Z","endAt":"2026-11-30T12:05:00Z",
+                   "cpuCount":2,"memoryMB":512,"metadata":{"b":"2","a":"1"}}),
+            json!({"sandboxID":"longerid0","templateID":"t","alias":"base","state":"paused"}),
+        ];
+        let t = list_table(&items);
+        let lines: Vec<_> = t.lines().collect();
+        assert_eq!(lines.len(), 3);
+        assert!(lines[0].starts_with("SANDBOX ID  TEMPLATE  STATE"), "{t}");
+        assert!(lines[1].starts_with("abc         tiny      running  2026-11-30 12:00:00  2026-11-30 12:05:00  2    512     a=1,b=2"), "{t}");
+        assert!(lines[2].starts_with("longerid0   base      paused"), "{t}");
+
+        let i = info_text(&items[0]);
+        assert!(i.contains("Sandbox ID:       abc\n"), "{i}");
+        assert!(i.contains("Memory:           512 MB\n"), "{i}");
+        assert!(i.contains("Metadata:         a=1,b=2\n"), "{i}");
+        assert_eq!(list_table(&[]).lines().count(), 1);
+    }
+}

@@ -1,0 +1,211 @@
+//! Plain-HTTP/1.1 transport for the client commands: base-URL parsing and a hyper
+//! connection per request (or one kept open for a run of small requests, as the
+//! interactive shell does for keystrokes).
+//!
+//! Only `http://` is supported (no TLS stack, so nothing pulls OpenSSL): point the client
+//! at `cubicle serve` directly, or at a TLS-terminating proxy's plain-HTTP side.
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full, combinators::BoxBody};
+use hyper::{Request, Response, Uri, body::Incoming, client::conn::http1};
+use hyper_util::rt::TokioIo;
+use tokio::net::TcpStream;
+
+use super::ClientError;
+
+/// A request body: a full buffer or a stream, boxed.
+pub type Body = BoxBody<Bytes, hyper::Error>;
+
+/// How long establishing a TCP connection may take.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// A full (non-streaming) request body.
+pub fn full(data: impl Into<Bytes>) -> Body {
+    Full::new(data.into())
+        .map_err(|never| match never {})
+        .boxed()
+}
+
+/// A parsed `http://host[:port][/prefix]` base URL.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BaseUrl {
+    /// `host:port` as written in the `Host` header.
+    authority: String,
+    /// Host name or IP literal, without IPv6 brackets (what we connect to).
+    host: String,
+    port: u16,
+    /// Path prefix without a trailing slash (usually empty).
+    prefix: String,
+}
+
+impl BaseUrl {
+    /// Parses a base URL; only `http://` is accepted.
+    pub fn parse(url: &str) -> Result<BaseUrl, ClientError> {
+        let bad = |why: &str| ClientError::Config(format!("invalid URL {url:?}: {why}"));
+        let uri: Uri = url.trim().parse().map_err(|_| bad("not a URL"))?;
+        match uri.scheme_str() {
+            Some("http") => {}
+            Some("https") => {
+                return Err(bad(
+                    "https is not supported by this client (plain http only); use the \
+                     http:// address of `cubicle serve`",
+                ));
+            }
+            _ => return Err(bad("expected http://HOST[:PORT]")),
+        }
+        if uri.query().is_some() {
+            return Err(bad("a base URL takes no query"));
+        }
+        let auth = uri.authority().ok_or_else(|| bad("no host"))?;
+        let host = auth.host().trim_start_matches('[').trim_end_matches(']');
+        if host.is_empty() {
+            return Err(bad("no host"));
+        }
+        let port = auth.port_u16().unwrap_or(80);
+        Ok(BaseUrl {
+            authority: auth.as_str().to_string(),
+            host: host.to_string(),
+            port,
+            prefix: uri.path().trim_end_matches('/').to_string(),
+        })
+    }
+
+    /// The full URL of `path` (which starts with `/` and may carry a query).
+    pub fn url(&self, path: &str) -> String {
+        format!("http://{}{}{}", self.authority, self.prefix, path)
+    }
+
+    /// The request target (origin form) for `path`.
+    fn target(&self, path: &str) -> String {
+        format!("{}{}", self.prefix, path)
+    }
+
+    /// A request builder for `method path` with `Host` set.
+    pub fn request(&self, method: hyper::Method, path: &str) -> hyper::http::request::Builder {
+        Request::builder()
+            .method(method)
+            .uri(self.target(path))
+            .header(hyper::header::HOST, &self.authority)
+    }
+}
+
+impl std::fmt::Display for BaseUrl {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "http://{}{}", self.authority, self.prefix)
+    }
+}
+
+/// One HTTP/1.1 connection; requests on it are sent one after another.
+pub struct Connection {
+    sender: http1::SendRequest<Body>,
+    base: BaseUrl,
+}
+
+impl Connection {
+    /// Opens a connection to `base`.
+    pub async fn open(base: &BaseUrl) -> Result<Connection, ClientError> {
+        let unreachable = |e: std::io::Error| ClientError::Unreachable {
+            url: base.to_string(),
+            detail: super::error::chain(&e),
+        };
+        let stream = tokio::time::timeout(
+            CONNECT_TIMEOUT,
+            TcpStream::connect((base.host.as_str(), base.port)),
+        )
+        .await
+        .map_err(|_| {
+            unreachable(std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                "connection timed out",
+            ))
+        })?
+        .map_err(unreachable)?;
+        let _ = stream.set_nodelay(true);
+        let (sender, conn) =
+            http1::handshake(TokioIo::new(stream))
+                .await
+                .map_err(|e| ClientError::Http {
+                    url: base.to_string(),
+                    detail: super::error::chain(&e),
+                })?;
+        tokio::spawn(async move {
+            let _ = conn.await;
+        });
+        Ok(Connection {
+            sender,
+            base: base.clone(),
+        })
+    }
+
+    /// Whether the connection can still carry a request.
+    pub fn is_open(&self) -> bool {
+        !self.sender.is_closed()
+    }
+
+    /// Sends one request and returns the response head (the body streams).
+    pub async fn send(&mut self, req: Request<Body>) -> Result<Response<Incoming>, ClientError> {
+        let url = self.base.url(
+            req.uri()
+                .path_and_query()
+                .map(|p| p.as_str())
+                .unwrap_or("/"),
+        );
+        self.sender.ready().await.map_err(|e| ClientError::Http {
+            url: url.clone(),
+            detail: super::error::chain(&e),
+        })?;
+        self.sender
+            .send_request(req)
+            .await
+            .map_err(|e| ClientError::Http {
+                url,
+                detail: super::error::chain(&e),
+            })
+    }
+}
+
+/// Sends one request on a fresh connection.
+pub async fn send(base: &BaseUrl, req: Request<Body>) -> Result<Response<Incoming>, ClientError> {
+    Connection::open(base).await?.send(req).await
+}
+
+/// Reads a whole response body (bounded: a client never needs more than `limit` bytes).
+pub async fn read_body(body: Incoming, limit: usize) -> Result<Bytes, ClientError> {
+    let limited = http_body_util::Limited::new(body, limit);
+    match limited.collect().await {
+        Ok(c) => Ok(c.to_bytes()),
+        Err(e) => Err(ClientError::Protocol(format!(
+            "reading the response body: {e}"
+        ))),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_base_urls() {
+        let b = BaseUrl::parse("http://127.0.0.1:3000").unwrap();
+        assert_eq!((b.host.as_str(), b.port), ("127.0.0.1", 3000));
+        assert_eq!(b.url("/v2/sandboxes"), "http://127.0.0.1:3000/v2/sandboxes");
+        assert_eq!(b.target("/health"), "/health");
+
+        let b = BaseUrl::parse("http://example.test/").unwrap();
+        assert_eq!((b.host.as_str(), b.port), ("example.test", 80));
+        assert_eq!(b.target("/x"), "/x");
+
+        let b = BaseUrl::parse("http://[::1]:8080/api/").unwrap();
+        assert_eq!((b.host.as_str(), b.port), ("::1", 8080));
+        assert_eq!(b.target("/x"), "/api/x");
+        assert_eq!(b.authority, "[::1]:8080");
+
+        let e = BaseUrl::parse("https://api.example.test").unwrap_err();
+        assert!(e.to_string().contains("plain http only"), "{e}");
+        assert!(BaseUrl::parse("127.0.0.1:3000").is_err());
+        assert!(BaseUrl::parse("ftp://x").is_err());
+        assert!(BaseUrl::parse("http://x:3000/?a=b").is_err());
+    }
+}

@@ -1,0 +1,273 @@
+//! `cubicle serve`: the whole service in one process on one listener — the E2B REST
+//! control plane (`cubicle-api`) and the data plane (`cubicle-router`), dispatched per
+//! request (`DataPlane::wants`: routing headers, `<port>-<id>.<domain>` hosts, presigned
+//! `/files` URLs go to sandboxes; everything else is REST).
+//!
+//! Start-up, in order: open the node (reconciling sandboxes a previous run left: live
+//! ones are adopted), build missing default templates (`tiny`, `base`) with a progress
+//! bar, open the store, make sure an admin team and key exist, then print (stdout,
+//! nothing else goes there):
+//!
+//! ```text
+//! export E2B_API_URL=http://HOST:PORT
+//! export E2B_SANDBOX_URL=http://HOST:PORT
+//! export E2B_API_KEY=e2b_…
+//! cubicle: ready
+//! ```
+//!
+//! The admin key's plaintext is kept in `<state>/admin-api-key` (mode 0600) so that every
+//! start can print it again (the database holds only its hash). Whoever can read that
+//! file is admin — the same trust as root on the state directory, which can do anything
+//! to the sandboxes anyway. Revoke it with `cubicle apikey revoke`; the next start makes
+//! a new one.
+//!
+//! SIGTERM/SIGINT: stop accepting, give open requests 5 s, stop the node's background
+//! work and exit. Sandboxes keep running (their end times still hold: the next start
+//! adopts them and enforces them).
+
+use std::io::Write;
+use std::net::SocketAddr;
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context;
+use axum::extract::Request;
+use axum::middleware::Next;
+use cubicle_api::{ApiConfig, ApiResolver, ControlPlane};
+use cubicle_node::{Node, NodeConfig};
+use cubicle_router::{DataPlane, RouterConfig};
+use cubicle_store::Store;
+
+/// File (in the state directory) holding the admin API key's plaintext.
+pub const ADMIN_KEY_FILE: &str = "admin-api-key";
+/// Team of the key created on first start.
+pub const ADMIN_TEAM: &str = "admin";
+/// Templates built before the server reports ready.
+pub const DEFAULT_TEMPLATES: &[&str] = &["tiny", "base"];
+
+/// `cubicle serve` options.
+#[derive(clap::Args, Debug)]
+pub struct ServeArgs {
+    /// Address to listen on (REST API and data plane share it).
+    #[arg(
+        long,
+        env = "CUBICLE_LISTEN",
+        default_value = "127.0.0.1:3000",
+        value_name = "ADDR:PORT"
+    )]
+    pub listen: SocketAddr,
+    /// Domain for host-based routing (`<port>-<id>.<domain>`), also returned to SDKs as
+    /// the sandboxes' `domain`. Without it, clients must set E2B_SANDBOX_URL.
+    #[arg(long, env = "CUBICLE_DOMAIN")]
+    pub domain: Option<String>,
+    /// Longest sandbox timeout a request may ask for, in seconds.
+    #[arg(long, env = "CUBICLE_MAX_TIMEOUT", default_value_t = 24 * 3600, value_name = "SECS")]
+    pub max_timeout: u64,
+    /// Timeout of sandboxes whose create names none, in seconds.
+    #[arg(long, default_value_t = 300, value_name = "SECS")]
+    pub default_timeout: u64,
+    /// Do not build the default templates (tiny, base) before reporting ready; they are
+    /// then built on first use.
+    #[arg(long)]
+    pub no_build_templates: bool,
+    /// Leave cgroups/veths of sandboxes this state directory does not know alone (for
+    /// hosts shared with other Cubicle nodes or tests; a dedicated host removes them).
+    #[arg(long, env = "CUBICLE_NO_REAP_FOREIGN", hide = true)]
+    pub no_reap_foreign: bool,
+}
+
+/// Where the node comes from (global CLI options).
+pub struct ServeEnv {
+    pub state_dir: PathBuf,
+    pub envd_binary: Option<PathBuf>,
+    pub first_slot: u32,
+}
+
+pub async fn run(env: ServeEnv, args: ServeArgs) -> anyhow::Result<i32> {
+    if args.max_timeout == 0 || args.default_timeout == 0 || args.default_timeout > args.max_timeout
+    {
+        anyhow::bail!(
+            "--default-timeout ({}) must be between 1 and --max-timeout ({})",
+            args.default_timeout,
+            args.max_timeout
+        );
+    }
+    let state_dir = &env.state_dir;
+    let envd = cubicle_node::config::find_envd_binary(env.envd_binary.clone())?;
+    let mut config = NodeConfig::new(state_dir, envd);
+    config.template_progress = true;
+    config.first_slot = env.first_slot;
+    config.reap_foreign = !args.no_reap_foreign;
+    config.default_timeout = Duration::from_secs(args.default_timeout);
+    let node = Node::open(config)
+        .await
+        .with_context(|| format!("opening the node on {}", state_dir.display()))?;
+    let report = node.reconcile_report();
+    tracing::info!(?report, "node reconciled");
+
+    if !args.no_build_templates {
+        for name in DEFAULT_TEMPLATES {
+            let store = node.templates().clone();
+            let built = store.get(name)?.is_some();
+            if !built {
+                eprintln!("cubicle: building template '{name}' (first start only)…");
+                let name = name.to_string();
+                tokio::task::spawn_blocking(move || store.ensure(&name, true))
+                    .await
+                    .context("template build task")??;
+            }
+        }
+    }
+
+    let db = state_dir.join("cubicle.db");
+    let store = {
+        let db2 = db.clone();
+        tokio::task::spawn_blocking(move || Store::open(&db2))
+            .await
+            .context("store task")?
+            .with_context(|| format!("opening {}", db.display()))?
+    };
+    let key = {
+        let (store, dir) = (store.clone(), state_dir.clone());
+        tokio::task::spawn_blocking(move || admin_key(&store, &dir))
+            .await
+            .context("admin key task")??
+    };
+
+    let mut api_config = ApiConfig::new(state_dir.join("logs"));
+    api_config.limits.default_timeout = Duration::from_secs(args.default_timeout);
+    api_config.limits.max_timeout = Duration::from_secs(args.max_timeout);
+    api_config.domain = args.domain.clone();
+    let cp = ControlPlane::open(Arc::new(node.clone()), store, api_config)
+        .await
+        .map_err(|e| anyhow::anyhow!("starting the control plane: {e}"))?;
+    let upkeep = cp.spawn_upkeep(Duration::from_secs(1));
+
+    let data_plane = DataPlane::new(
+        Arc::new(ApiResolver::new(cp.clone())),
+        RouterConfig {
+            domain: args.domain.clone(),
+            ..Default::default()
+        },
+    );
+    let app = cubicle_api::router(cp.clone()).layer(axum::middleware::from_fn(
+        move |req: Request, next: Next| {
+            let dp = data_plane.clone();
+            async move {
+                if dp.wants(&req) {
+                    dp.handle(req).await
+                } else {
+                    next.run(req).await
+                }
+            }
+        },
+    ));
+
+    let listener = tokio::net::TcpListener::bind(args.listen)
+        .await
+        .with_context(|| format!("listening on {}", args.listen))?;
+    let addr = listener.local_addr()?;
+    let host = if addr.ip().is_unspecified() {
+        "127.0.0.1".to_string()
+    } else if addr.is_ipv6() {
+        format!("[{}]", addr.ip())
+    } else {
+        addr.ip().to_string()
+    };
+    let url = format!("http://{host}:{}", addr.port());
+    {
+        let mut out = std::io::stdout().lock();
+        writeln!(out, "export E2B_API_URL={url}")?;
+        writeln!(out, "export E2B_SANDBOX_URL={url}")?;
+        writeln!(out, "export E2B_API_KEY={key}")?;
+        writeln!(out, "cubicle: ready")?;
+        out.flush()?;
+    }
+    eprintln!(
+        "cubicle: serving {} on {addr} (state {}); adopted {} running sandbox(es)",
+        if args.domain.is_some() {
+            "API, router and host routing"
+        } else {
+            "API and router"
+        },
+        state_dir.display(),
+        report.adopted.len()
+    );
+
+    let (stop_tx, mut stop_rx) = tokio::sync::watch::channel(false);
+    // TCP_NODELAY: Connect streams are sequences of small writes; with Nagle each one
+    // after the first waits for the client's delayed ACK (~40 ms per `commands.run`).
+    let listener = axum::serve::ListenerExt::tap_io(listener, |tcp| {
+        let _ = tcp.set_nodelay(true);
+    });
+    let server = axum::serve(listener, app).with_graceful_shutdown(async move {
+        let _ = stop_rx.changed().await;
+    });
+    let mut server = std::pin::pin!(server.into_future());
+    tokio::select! {
+        r = &mut server => r.context("server")?,
+        sig = shutdown_signal() => {
+            eprintln!("cubicle: {sig}: stopping (sandboxes keep running; the next start adopts them)");
+            let _ = stop_tx.send(true);
+            if tokio::time::timeout(Duration::from_secs(5), &mut server).await.is_err() {
+                eprintln!("cubicle: open connections did not finish within 5 s; closing them");
+            }
+        }
+    }
+    upkeep.abort();
+    node.close();
+    Ok(0)
+}
+
+async fn shutdown_signal() -> &'static str {
+    use tokio::signal::unix::{SignalKind, signal};
+    let mut term = match signal(SignalKind::terminate()) {
+        Ok(s) => s,
+        Err(e) => {
+            tracing::warn!("cannot watch SIGTERM: {e}");
+            let _ = tokio::signal::ctrl_c().await;
+            return "SIGINT";
+        }
+    };
+    tokio::select! {
+        _ = term.recv() => "SIGTERM",
+        _ = tokio::signal::ctrl_c() => "SIGINT",
+    }
+}
+
+/// The admin key: the one in `<state>/admin-api-key` if it still authenticates, else a
+/// new one for team `admin` (written there, mode 0600).
+fn admin_key(store: &Store, state_dir: &Path) -> anyhow::Result<String> {
+    let path = state_dir.join(ADMIN_KEY_FILE);
+    if let Ok(text) = std::fs::read_to_string(&path) {
+        let key = text.trim();
+        if store.authenticate(key)?.is_some() {
+            return Ok(key.to_string());
+        }
+        eprintln!(
+            "cubicle: the key in {} is revoked or unknown; creating a new admin key",
+            path.display()
+        );
+    }
+    let team = store.ensure_team(ADMIN_TEAM)?;
+    let key = store.create_api_key(team.id)?;
+    let tmp = state_dir.join(format!(".{ADMIN_KEY_FILE}.tmp"));
+    let _ = std::fs::remove_file(&tmp);
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(&tmp)
+        .with_context(|| format!("creating {}", tmp.display()))?;
+    writeln!(f, "{}", key.plaintext)?;
+    f.sync_all()?;
+    std::fs::rename(&tmp, &path).with_context(|| format!("writing {}", path.display()))?;
+    eprintln!(
+        "cubicle: created admin API key {}… (team '{ADMIN_TEAM}'); its plaintext is kept in {} (mode 0600)",
+        key.info.prefix,
+        path.display()
+    );
+    Ok(key.plaintext)
+}

@@ -1,0 +1,226 @@
+//! Opening a connection to one port of one sandbox, for the pooled HTTP/1 client.
+//!
+//! The client's pool key is the request URI's authority, which the data plane sets to
+//! `http://<sandbox id>:<port>`; this connector turns it back into a connection:
+//! * envd's port → envd's Unix socket in the sandbox's host-visible ctl directory, via
+//!   `cubicle_runtime::connect_ctl_socket` (the directory is writable by the sandbox, which
+//!   could plant a symlink to a host socket there; that function refuses anything but a
+//!   real socket). It is a blocking call, so it runs on the blocking pool: a sandbox that
+//!   stops accepting must not stall a reactor thread.
+//! * any other port → `127.0.0.1:<port>` inside the sandbox's network namespace
+//!   (`/proc/<init_pid>/ns/net`), whether or not the sandbox has a veth.
+//!
+//! The sandbox is re-resolved for every new connection, so a killed sandbox is never
+//! reconnected to.
+
+use std::{
+    future::Future,
+    io,
+    path::Path,
+    pin::Pin,
+    task::{Context, Poll},
+    time::Duration,
+};
+
+use axum::http::Uri;
+use hyper_util::{
+    client::legacy::connect::{Connected, Connection},
+    rt::TokioIo,
+};
+use tokio::net::{TcpStream, UnixStream};
+
+use crate::{Resolver, SandboxTarget, error::RouterError, routing::ENVD_PORT};
+
+/// Connector for `hyper_util`'s pooled client.
+#[derive(Clone)]
+pub struct SandboxConnector {
+    pub resolver: Resolver,
+    pub timeout: Duration,
+}
+
+/// A connection to a sandbox port.
+pub enum Upstream {
+    Unix(TokioIo<UnixStream>),
+    Tcp(TokioIo<TcpStream>),
+}
+
+impl hyper::rt::Read for Upstream {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: hyper::rt::ReadBufCursor<'_>,
+    ) -> Poll<io::Result<()>> {
+        match self.get_mut() {
+            Upstream::Unix(s) => Pin::new(s).poll_read(cx, buf),
+            Upstream::Tcp(s) => Pin::new(s).poll_read(cx, buf),
+        }
+    }
+}
+
+impl hyper::rt::Write for Upstream {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        match self.get_mut() {
+            Upstream::Unix(s) => Pin::new(s).poll_write(cx, buf),
+            Upstream::Tcp(s) => Pin::new(s).poll_write(cx, buf),
+        }
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        match self.get_mut() {
+            Upstream::Unix(s) => Pin::new(s).poll_flush(cx),
+            Upstream::Tcp(s) => Pin::new(s).poll_flush(cx),
+        }
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        match self.get_mut() {
+            Upstream::Unix(s) => Pin::new(s).poll_shutdown(cx),
+            Upstream::Tcp(s) => Pin::new(s).poll_shutdown(cx),
+        }
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        match self {
+            Upstream::Unix(s) => s.is_write_vectored(),
+            Upstream::Tcp(s) => s.is_write_vectored(),
+        }
+    }
+
+    fn poll_write_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        match self.get_mut() {
+            Upstream::Unix(s) => Pin::new(s).poll_write_vectored(cx, bufs),
+            Upstream::Tcp(s) => Pin::new(s).poll_write_vectored(cx, bufs),
+        }
+    }
+}
+
+impl Connection for Upstream {
+    fn connected(&self) -> Connected {
+        Connected::new()
+    }
+}
+
+/// The pool key URI for a sandbox port.
+pub fn upstream_authority(id: &str, port: u16) -> String {
+    format!("{id}:{port}")
+}
+
+fn is_refused(err: &(dyn std::error::Error + 'static)) -> bool {
+    let mut cur: Option<&(dyn std::error::Error + 'static)> = Some(err);
+    while let Some(e) = cur {
+        if let Some(io) = e.downcast_ref::<io::Error>()
+            && matches!(
+                io.kind(),
+                io::ErrorKind::ConnectionRefused
+                    | io::ErrorKind::NotFound
+                    | io::ErrorKind::ConnectionReset
+            )
+        {
+            return true;
+        }
+        cur = e.source();
+    }
+    false
+}
+
+async fn connect_envd(id: &str, socket: &Path) -> Result<Upstream, RouterError> {
+    let not_open = |detail: String| RouterError::PortNotOpen {
+        id: id.to_owned(),
+        port: ENVD_PORT,
+        detail,
+    };
+    let (dir, name) = match (socket.parent(), socket.file_name().and_then(|n| n.to_str())) {
+        (Some(d), Some(n)) => (d.to_owned(), n.to_owned()),
+        _ => {
+            return Err(RouterError::Internal(format!(
+                "bad envd socket path {}",
+                socket.display()
+            )));
+        }
+    };
+    let std_stream =
+        tokio::task::spawn_blocking(move || cubicle_runtime::connect_ctl_socket(&dir, &name))
+            .await
+            .map_err(|e| RouterError::Internal(format!("envd connect task: {e}")))?
+            .map_err(|e| not_open(e.to_string()))?;
+    std_stream
+        .set_nonblocking(true)
+        .map_err(|e| not_open(e.to_string()))?;
+    let stream = UnixStream::from_std(std_stream).map_err(|e| not_open(e.to_string()))?;
+    Ok(Upstream::Unix(TokioIo::new(stream)))
+}
+
+async fn connect_tcp(target: &SandboxTarget, port: u16) -> Result<Upstream, RouterError> {
+    let id = target.id.clone();
+    let pid = i32::try_from(target.init_pid).map_err(|_| {
+        RouterError::Internal(format!("sandbox {id}: bad init pid {}", target.init_pid))
+    })?;
+    // No such process any more: the sandbox is gone.
+    let netns = cubicle_runtime::network::Netns::from_pid(pid)
+        .map_err(|_| RouterError::SandboxNotFound { id: id.clone() })?;
+    let stream = cubicle_runtime::network::connect_in_netns_async(&netns, port)
+        .await
+        .map_err(|e| {
+            if is_refused(&e) {
+                RouterError::PortNotOpen {
+                    id: id.clone(),
+                    port,
+                    detail: e.to_string(),
+                }
+            } else {
+                RouterError::Upstream {
+                    id: id.clone(),
+                    port,
+                    detail: e.to_string(),
+                }
+            }
+        })?;
+    let _ = stream.set_nodelay(true);
+    Ok(Upstream::Tcp(TokioIo::new(stream)))
+}
+
+impl tower_service::Service<Uri> for SandboxConnector {
+    type Response = Upstream;
+    type Error = RouterError;
+    type Future = Pin<Box<dyn Future<Output = Result<Upstream, RouterError>> + Send>>;
+
+    fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<Result<(), RouterError>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, uri: Uri) -> Self::Future {
+        let resolver = self.resolver.clone();
+        let timeout = self.timeout;
+        Box::pin(async move {
+            let (Some(id), Some(port)) = (uri.host(), uri.port_u16()) else {
+                return Err(RouterError::Internal(format!("bad upstream uri {uri}")));
+            };
+            let target = resolver
+                .resolve(id)
+                .ok_or_else(|| RouterError::SandboxNotFound { id: id.to_owned() })?;
+            let connect = async {
+                if port == ENVD_PORT {
+                    connect_envd(&target.id, &target.envd_socket).await
+                } else {
+                    connect_tcp(&target, port).await
+                }
+            };
+            match tokio::time::timeout(timeout, connect).await {
+                Ok(result) => result,
+                Err(_) => Err(RouterError::PortNotOpen {
+                    id: target.id.clone(),
+                    port,
+                    detail: format!("connect timed out after {timeout:?}"),
+                }),
+            }
+        })
+    }
+}

@@ -1,0 +1,74 @@
+//! cubicle-router: the data plane. Every request that carries `E2b-Sandbox-Id` /
+//! `E2b-Sandbox-Port` (or a `Host: <port>-<id>.<domain>`, or a presigned `/files` URL
+//! opened without headers) is streamed to that port inside that sandbox.
+
+use std::{path::PathBuf, sync::Arc};
+
+/// Where a sandbox can be reached, as the control plane knows it.
+#[derive(Debug, Clone)]
+pub struct SandboxTarget {
+    /// The sandbox id (`^[a-z0-9]+$`).
+    pub id: String,
+    /// envd's Unix socket on the host (`<state>/sandboxes/<id>/ctl/envd.sock`); reach it
+    /// with `cubicle_runtime::connect_ctl_socket` (refuses symlinks the sandbox may plant).
+    pub envd_socket: PathBuf,
+    /// Host pid of the sandbox's PID 1: its network namespace is `/proc/<pid>/ns/net`
+    /// (`cubicle_runtime::network::connect_in_netns_async`).
+    pub init_pid: u32,
+    /// The envd access token (also the secret of presigned file URLs).
+    pub envd_access_token: Option<String>,
+    /// Required as `e2b-traffic-access-token` on non-envd ports when set.
+    pub traffic_access_token: Option<String>,
+}
+
+/// How the router finds sandboxes. Implemented by `cubicle serve` over the node and store.
+pub trait SandboxResolver: Send + Sync + 'static {
+    /// A running sandbox by id; `None` when unknown, killed or not running.
+    fn resolve(&self, id: &str) -> Option<SandboxTarget>;
+    /// All running sandboxes (to match presigned `/files` URLs opened without routing
+    /// headers against each sandbox's token).
+    fn running(&self) -> Vec<SandboxTarget>;
+}
+
+/// Shared handle type.
+pub type Resolver = Arc<dyn SandboxResolver>;
+
+// ---- Additions by the router implementation (additive; the items above are the agreed
+// interface with the resolver's implementer and are unchanged). ----
+
+mod connector;
+mod dataplane;
+mod error;
+mod presign;
+mod routing;
+
+pub use dataplane::DataPlane;
+pub use error::RouterError;
+pub use routing::ENVD_PORT;
+
+use std::time::Duration;
+
+/// How the data plane behaves. Build it with `RouterConfig { domain: …, ..Default::default() }`.
+#[derive(Debug, Clone)]
+pub struct RouterConfig {
+    /// Serve `Host: <port>-<id>.<domain>` (e.g. `8000-abc123.sandbox.example.com`) when set.
+    /// Without it only the `E2b-Sandbox-*` headers (and presigned `/files` URLs) route.
+    pub domain: Option<String>,
+    /// Limit on opening a connection to a sandbox port (envd socket or TCP in its netns).
+    pub connect_timeout: Duration,
+    /// Idle upstream connections are kept this long for reuse.
+    pub pool_idle_timeout: Duration,
+    /// At most this many idle upstream connections per (sandbox, port).
+    pub pool_max_idle_per_port: usize,
+}
+
+impl Default for RouterConfig {
+    fn default() -> Self {
+        RouterConfig {
+            domain: None,
+            connect_timeout: Duration::from_secs(5),
+            pool_idle_timeout: Duration::from_secs(30),
+            pool_max_idle_per_port: 16,
+        }
+    }
+}

@@ -1,0 +1,180 @@
+//! cubicle-store: the control plane's durable metadata in one SQLite file
+//! (`<state>/cubicle.db`, WAL mode, so `cubicle apikey …` can use it while the server runs).
+//!
+//! What it holds: teams, API keys (only their SHA-256; the plaintext is shown once),
+//! sandbox records (owner team, template, metadata, tokens needed to route, limits,
+//! timestamps, state and death reason) and create idempotency keys. Environment-variable
+//! *values* are never stored (they may be secrets): only their names.
+//!
+//! Every method blocks (SQLite I/O). Async callers use [`Store::call`], which runs the
+//! closure on tokio's blocking pool, never on a runtime thread.
+//!
+//! ```no_run
+//! # fn demo() -> cubicle_store::Result<()> {
+//! let store = cubicle_store::Store::open("/var/lib/cubicle/cubicle.db".as_ref())?;
+//! let team = store.ensure_team("admin")?;
+//! let key = store.create_api_key(team.id)?; // shown once; stored hashed
+//! assert_eq!(store.authenticate(&key.plaintext)?.map(|t| t.id), Some(team.id));
+//! # Ok(()) }
+//! ```
+
+mod idempotency;
+mod keys;
+mod sandboxes;
+mod schema;
+
+use std::path::Path;
+use std::sync::{Arc, Mutex, MutexGuard};
+
+pub use idempotency::{IDEMPOTENCY_TTL_MS, IdempotencyClaim};
+pub use keys::{ApiKey, ApiKeyInfo, KEY_PREFIX, Team, hash_key, is_well_formed_key};
+pub use sandboxes::{SandboxRow, SandboxRowState};
+
+/// The store's single error type.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// SQLite failed.
+    #[error("database: {0}")]
+    Sqlite(#[from] rusqlite::Error),
+    /// A JSON column could not be encoded or decoded.
+    #[error("database record: {0}")]
+    Json(#[from] serde_json::Error),
+    /// The database was written by a newer Cubicle.
+    #[error(
+        "database schema version {found} is newer than this binary supports ({supported}); upgrade cubicle"
+    )]
+    SchemaTooNew {
+        /// Version in the file.
+        found: i64,
+        /// Newest version this binary knows.
+        supported: i64,
+    },
+    /// Something the caller asked for does not exist.
+    #[error("{0}")]
+    NotFound(String),
+    /// The request conflicts with the stored state.
+    #[error("{0}")]
+    Conflict(String),
+    /// The request is malformed.
+    #[error("{0}")]
+    Invalid(String),
+    /// The blocking task running the query failed.
+    #[error("database task: {0}")]
+    Task(String),
+}
+
+/// Result alias.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// A handle on the database. Cheap to clone; one connection behind a mutex (SQLite
+/// serialises writers anyway, and every statement here is short).
+#[derive(Clone)]
+pub struct Store {
+    conn: Arc<Mutex<rusqlite::Connection>>,
+}
+
+impl Store {
+    /// Open (creating if needed) the database at `path`, switch it to WAL mode and apply
+    /// pending migrations.
+    pub fn open(path: &Path) -> Result<Store> {
+        let conn = rusqlite::Connection::open(path)?;
+        Self::setup(conn)
+    }
+
+    /// A private in-memory database (tests).
+    pub fn open_in_memory() -> Result<Store> {
+        Self::setup(rusqlite::Connection::open_in_memory()?)
+    }
+
+    fn setup(mut conn: rusqlite::Connection) -> Result<Store> {
+        conn.busy_timeout(std::time::Duration::from_secs(10))?;
+        // WAL: readers never block the writer, and a second process (the CLI) can work
+        // on the file while the server runs. NORMAL sync is durable across app crashes.
+        conn.pragma_update(None, "journal_mode", "WAL")?;
+        conn.pragma_update(None, "synchronous", "NORMAL")?;
+        conn.pragma_update(None, "foreign_keys", "ON")?;
+        schema::migrate(&mut conn)?;
+        Ok(Store {
+            conn: Arc::new(Mutex::new(conn)),
+        })
+    }
+
+    pub(crate) fn conn(&self) -> MutexGuard<'_, rusqlite::Connection> {
+        self.conn.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Run `f` on the blocking pool (for async callers).
+    pub async fn call<T, F>(&self, f: F) -> Result<T>
+    where
+        T: Send + 'static,
+        F: FnOnce(&Store) -> Result<T> + Send + 'static,
+    {
+        let store = self.clone();
+        tokio::task::spawn_blocking(move || f(&store))
+            .await
+            .map_err(|e| Error::Task(e.to_string()))?
+    }
+
+    /// Schema version of the open database.
+    pub fn schema_version(&self) -> Result<i64> {
+        schema::current_version(&self.conn())
+    }
+}
+
+/// Unix time in milliseconds.
+pub fn now_ms() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as i64)
+        .unwrap_or(0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn migrations_apply_once_and_survive_reopen() {
+        let dir = std::env::temp_dir().join(format!("cubicle-store-test-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("cubicle.db");
+        let s = Store::open(&path).unwrap();
+        assert_eq!(s.schema_version().unwrap(), schema::SCHEMA_VERSION);
+        let t = s.ensure_team("admin").unwrap();
+        let k = s.create_api_key(t.id).unwrap();
+        drop(s);
+        let s = Store::open(&path).unwrap();
+        assert_eq!(s.schema_version().unwrap(), schema::SCHEMA_VERSION);
+        assert_eq!(
+            s.authenticate(&k.plaintext).unwrap().map(|t| t.name),
+            Some("admin".into())
+        );
+        let mode: String = s
+            .conn()
+            .query_row("PRAGMA journal_mode", [], |r| r.get(0))
+            .unwrap();
+        assert_eq!(mode, "wal");
+        // A second handle (another process, e.g. `cubicle apikey`) sees the same data.
+        let other = Store::open(&path).unwrap();
+        assert_eq!(other.list_api_keys().unwrap().len(), 1);
+        drop((s, other));
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn newer_schema_is_refused() {
+        let dir = std::env::temp_dir().join(format!("cubicle-store-new-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("cubicle.db");
+        drop(Store::open(&path).unwrap());
+        let c = rusqlite::Connection::open(&path).unwrap();
+        c.execute("INSERT INTO schema_version VALUES (999, 0)", [])
+            .unwrap();
+        drop(c);
+        assert!(matches!(
+            Store::open(&path),
+            Err(Error::SchemaTooNew { found: 999, .. })
+        ));
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}

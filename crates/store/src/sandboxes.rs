@@ -1,0 +1,256 @@
+//! Sandbox records: who owns a sandbox and what the API promised about it. The node
+//! keeps the authoritative runtime state (alive or not, end time); this table keeps what
+//! the node does not know (team, alias, traffic token) and what must outlive the sandbox
+//! (its death reason, for a while).
+
+use std::collections::BTreeMap;
+
+use rusqlite::{OptionalExtension, params};
+
+use crate::{Result, Store};
+
+/// Stored lifecycle state.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SandboxRowState {
+    /// Alive as far as the API knows.
+    Running,
+    /// Gone (killed, timed out, crashed); see `death_reason`.
+    Ended,
+}
+
+impl SandboxRowState {
+    fn as_str(self) -> &'static str {
+        match self {
+            SandboxRowState::Running => "running",
+            SandboxRowState::Ended => "ended",
+        }
+    }
+    fn parse(s: &str) -> Self {
+        if s == "running" {
+            SandboxRowState::Running
+        } else {
+            SandboxRowState::Ended
+        }
+    }
+}
+
+/// One sandbox as stored.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SandboxRow {
+    /// Sandbox id.
+    pub id: String,
+    /// Owner team.
+    pub team_id: i64,
+    /// Resolved template id (e.g. `base`).
+    pub template_id: String,
+    /// The name the caller used, when it differs from the id.
+    pub alias: Option<String>,
+    /// User metadata.
+    pub metadata: BTreeMap<String, String>,
+    /// Names of the create-time env vars (values are never stored).
+    pub env_var_names: Vec<String>,
+    /// envd access token (the router passes it on; presigned URLs are signed with it).
+    pub envd_access_token: String,
+    /// Required on non-envd ports when set.
+    pub traffic_access_token: Option<String>,
+    /// Internet access.
+    pub allow_internet: bool,
+    /// vCPUs.
+    pub cpu_count: u32,
+    /// Memory limit, MiB.
+    pub memory_mb: u64,
+    /// Disk quota, MiB.
+    pub disk_mb: u64,
+    /// Unix ms.
+    pub started_at: i64,
+    /// Unix ms.
+    pub end_at: i64,
+    /// Stored state.
+    pub state: SandboxRowState,
+    /// `killed`, `timeout`, `oom`, `disk_full`, `exited`, …
+    pub death_reason: Option<String>,
+    /// Unix ms.
+    pub ended_at: Option<i64>,
+}
+
+const COLUMNS: &str = "id, team_id, template_id, alias, metadata, env_var_names, envd_access_token,
+    traffic_access_token, allow_internet, cpu_count, memory_mb, disk_mb, started_at, end_at,
+    state, death_reason, ended_at";
+
+fn row(r: &rusqlite::Row<'_>) -> rusqlite::Result<(SandboxRow, String, String)> {
+    let metadata: String = r.get(4)?;
+    let env: String = r.get(5)?;
+    let state: String = r.get(14)?;
+    Ok((
+        SandboxRow {
+            id: r.get(0)?,
+            team_id: r.get(1)?,
+            template_id: r.get(2)?,
+            alias: r.get(3)?,
+            metadata: BTreeMap::new(),
+            env_var_names: Vec::new(),
+            envd_access_token: r.get(6)?,
+            traffic_access_token: r.get(7)?,
+            allow_internet: r.get(8)?,
+            cpu_count: r.get(9)?,
+            memory_mb: r.get::<_, i64>(10)? as u64,
+            disk_mb: r.get::<_, i64>(11)? as u64,
+            started_at: r.get(12)?,
+            end_at: r.get(13)?,
+            state: SandboxRowState::parse(&state),
+            death_reason: r.get(15)?,
+            ended_at: r.get(16)?,
+        },
+        metadata,
+        env,
+    ))
+}
+
+fn decode(raw: (SandboxRow, String, String)) -> Result<SandboxRow> {
+    let (mut s, metadata, env) = raw;
+    s.metadata = serde_json::from_str(&metadata)?;
+    s.env_var_names = serde_json::from_str(&env)?;
+    Ok(s)
+}
+
+impl Store {
+    /// Insert a new sandbox record.
+    pub fn insert_sandbox(&self, s: &SandboxRow) -> Result<()> {
+        self.conn().execute(
+            &format!("INSERT INTO sandboxes ({COLUMNS}) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16, ?17)"),
+            params![
+                s.id,
+                s.team_id,
+                s.template_id,
+                s.alias,
+                serde_json::to_string(&s.metadata)?,
+                serde_json::to_string(&s.env_var_names)?,
+                s.envd_access_token,
+                s.traffic_access_token,
+                s.allow_internet,
+                s.cpu_count,
+                s.memory_mb as i64,
+                s.disk_mb as i64,
+                s.started_at,
+                s.end_at,
+                s.state.as_str(),
+                s.death_reason,
+                s.ended_at,
+            ],
+        )?;
+        Ok(())
+    }
+
+    /// A sandbox by id, whatever its state or team.
+    pub fn sandbox(&self, id: &str) -> Result<Option<SandboxRow>> {
+        let raw = self
+            .conn()
+            .query_row(
+                &format!("SELECT {COLUMNS} FROM sandboxes WHERE id = ?1"),
+                params![id],
+                row,
+            )
+            .optional()?;
+        raw.map(decode).transpose()
+    }
+
+    /// Running sandboxes of one team (`Some`) or of every team (`None`).
+    pub fn running_sandboxes(&self, team_id: Option<i64>) -> Result<Vec<SandboxRow>> {
+        let conn = self.conn();
+        let mut st = conn.prepare(&format!(
+            "SELECT {COLUMNS} FROM sandboxes WHERE state = 'running' AND (?1 IS NULL OR team_id = ?1) ORDER BY started_at, id"
+        ))?;
+        let raws = st
+            .query_map(params![team_id], row)?
+            .collect::<rusqlite::Result<Vec<_>>>()?;
+        raws.into_iter().map(decode).collect()
+    }
+
+    /// Record a new end time.
+    pub fn set_end_at(&self, id: &str, end_at: i64) -> Result<()> {
+        self.conn().execute(
+            "UPDATE sandboxes SET end_at = ?1 WHERE id = ?2",
+            params![end_at, id],
+        )?;
+        Ok(())
+    }
+
+    /// Mark a sandbox ended (no-op if it already is). Returns whether it changed.
+    pub fn mark_ended(&self, id: &str, reason: &str, ended_at: i64) -> Result<bool> {
+        let n = self.conn().execute(
+            "UPDATE sandboxes SET state = 'ended', death_reason = ?1, ended_at = ?2 WHERE id = ?3 AND state = 'running'",
+            params![reason, ended_at, id],
+        )?;
+        Ok(n > 0)
+    }
+
+    /// Delete records of sandboxes that ended before `before_ms`; returns their ids.
+    pub fn purge_ended(&self, before_ms: i64) -> Result<Vec<String>> {
+        let conn = self.conn();
+        let mut st =
+            conn.prepare("SELECT id FROM sandboxes WHERE state = 'ended' AND ended_at < ?1")?;
+        let ids = st
+            .query_map(params![before_ms], |r| r.get::<_, String>(0))?
+            .collect::<rusqlite::Result<Vec<_>>>()?;
+        conn.execute(
+            "DELETE FROM sandboxes WHERE state = 'ended' AND ended_at < ?1",
+            params![before_ms],
+        )?;
+        Ok(ids)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    pub(crate) fn sample(id: &str, team: i64, started_at: i64) -> SandboxRow {
+        SandboxRow {
+            id: id.into(),
+            team_id: team,
+            template_id: "base".into(),
+            alias: Some("base".into()),
+            metadata: [("k".to_string(), "v".to_string())].into(),
+            env_var_names: vec!["FOO".into()],
+            envd_access_token: "tok".into(),
+            traffic_access_token: None,
+            allow_internet: true,
+            cpu_count: 2,
+            memory_mb: 512,
+            disk_mb: 5120,
+            started_at,
+            end_at: started_at + 300_000,
+            state: SandboxRowState::Running,
+            death_reason: None,
+            ended_at: None,
+        }
+    }
+
+    #[test]
+    fn sandbox_roundtrip_and_lifecycle() {
+        let s = Store::open_in_memory().unwrap();
+        let a = s.ensure_team("a").unwrap();
+        let b = s.ensure_team("b").unwrap();
+        let one = sample("one", a.id, 1000);
+        s.insert_sandbox(&one).unwrap();
+        s.insert_sandbox(&sample("two", b.id, 2000)).unwrap();
+        assert_eq!(s.sandbox("one").unwrap(), Some(one.clone()));
+        assert!(s.insert_sandbox(&one).is_err(), "duplicate id");
+        assert_eq!(s.running_sandboxes(Some(a.id)).unwrap().len(), 1);
+        assert_eq!(s.running_sandboxes(None).unwrap().len(), 2);
+        s.set_end_at("one", 99).unwrap();
+        assert_eq!(s.sandbox("one").unwrap().unwrap().end_at, 99);
+        assert!(s.mark_ended("one", "killed", 5000).unwrap());
+        assert!(
+            !s.mark_ended("one", "timeout", 6000).unwrap(),
+            "first reason wins"
+        );
+        let ended = s.sandbox("one").unwrap().unwrap();
+        assert_eq!(ended.state, SandboxRowState::Ended);
+        assert_eq!(ended.death_reason.as_deref(), Some("killed"));
+        assert!(s.running_sandboxes(Some(a.id)).unwrap().is_empty());
+        assert_eq!(s.purge_ended(4000).unwrap(), Vec::<String>::new());
+        assert_eq!(s.purge_ended(5001).unwrap(), vec!["one".to_string()]);
+        assert_eq!(s.sandbox("one").unwrap(), None);
+    }
+}

@@ -1,0 +1,365 @@
+#!/usr/bin/env bash
+# End-to-end tests of `cubicle serve` with the official E2B SDKs, as a user runs them.
+#
+#   tests/e2e/serve/run.sh                 run the Python (sync + async) and JS suites, then
+#                                          the restart check (sandbox adopted across a restart)
+#   tests/e2e/serve/run.sh python [ARGS]   only pytest (extra pytest ARGS, e.g. -k list -x)
+#   tests/e2e/serve/run.sh js              only the JS suite
+#   tests/e2e/serve/run.sh restart         only the restart check
+#   tests/e2e/serve/run.sh -- CMD [ARGS]   any command against the server (e.g. the bench:
+#                                          tests/e2e/serve/run.sh -- tests/e2e/.venv/bin/python bench/sdk_serve.py)
+#
+# What it does:
+#   1. re-executes itself in a private network namespace (`unshare --net`, lo up): the
+#      server's port and every sandbox veth (`cbs*`) live there, never on the host's
+#      network, so nothing collides with colleagues' servers or tests;
+#   2. starts `cubicle serve --listen 127.0.0.1:<free port> --state-dir <D>` (D =
+#      $CUBICLE_E2E_STATE_DIR, default /var/lib/cubicle-e2e: persistent so the `base`
+#      template is built once per machine; never /var/lib/cubicle, the operator's);
+#      with `--domain` when serve has that flag (Host routing is then tested too) and
+#      `--no-reap-foreign` (else serve removes every `cubicle/*` cgroup it does not know,
+#      i.e. colleagues' sandboxes on a shared machine);
+#   3. waits for `cubicle: ready`, takes E2B_API_URL / E2B_SANDBOX_URL / E2B_API_KEY
+#      from the `export …` lines serve printed, creates a key of a second team with
+#      `cubicle apikey create --team other`;
+#   4. runs the suites with ONLY those variables as the SDK configuration;
+#   5. stops the server (SIGTERM, then SIGKILL after 60 s) and checks that nothing is
+#      left: no process in a `cubicle/<id>` cgroup of a sandbox this run created (ids:
+#      recorded by the tests + the server's store + the state dir; PID 1 of a sandbox is
+#      `/run/cubicle/envd --init`), the store has each of them `ended`, no such cgroup
+#      in any hierarchy, no mount
+#      below <D> other than the quota filesystem at <D>/sandboxes itself, no `cbs*`
+#      veth in the namespace, no sandbox directory under <D>/sandboxes.
+#
+# Environment knobs (optional):
+#   CUBICLE_BIN                 cubicle binary (default target/debug/cubicle)
+#   CUBICLE_ENVD_BIN            static envd (default target/x86_64-unknown-linux-gnu/debug/cubicle-envd)
+#   CUBICLE_E2E_STATE_DIR       state directory (default /var/lib/cubicle-e2e)
+#   CUBICLE_E2E_FIRST_SLOT      first uid/network slot of the node (default 20000)
+#   CUBICLE_E2E_READY_TIMEOUT   seconds to wait for `cubicle: ready` (default 1800: the
+#                               first start on a fresh machine builds `base`)
+#   CUBICLE_E2E_DOMAIN          domain for `serve --domain` (default cubicle.test)
+#   CUBICLE_E2E_SUITE_TIMEOUT   per-suite time limit in seconds (default 2400)
+#   CUBICLE_PYTEST_ARGS         extra pytest arguments
+#   CUBICLE_E2E_KEEP_LOG=1      keep the server log even on success
+# Exit status: non-zero if a suite failed, the server did not start or something leaked.
+set -uo pipefail
+
+ROOT=$(cd "$(dirname "$0")/../../.." && pwd)
+SELF="$ROOT/tests/e2e/serve/run.sh"
+HERE="$ROOT/tests/e2e/serve"
+
+if [[ $(id -u) -ne 0 ]]; then
+  echo "serve-e2e: needs root (network namespace, sandboxes)" >&2
+  exit 1
+fi
+
+# --- stage 1 (host): private network namespace ------------------------------------------
+if [[ "${CUBICLE_SERVE_E2E_INNER:-}" != "1" ]]; then
+  export CUBICLE_SERVE_E2E_INNER=1
+  exec unshare --net -- "$SELF" "$@"
+fi
+ip link set lo up
+
+CUBICLE_BIN=${CUBICLE_BIN:-$ROOT/target/debug/cubicle}
+CUBICLE_ENVD_BIN=${CUBICLE_ENVD_BIN:-$ROOT/target/x86_64-unknown-linux-gnu/debug/cubicle-envd}
+STATE=${CUBICLE_E2E_STATE_DIR:-/var/lib/cubicle-e2e}
+SLOT=${CUBICLE_E2E_FIRST_SLOT:-20000}
+READY_TIMEOUT=${CUBICLE_E2E_READY_TIMEOUT:-1800}
+SUITE_TIMEOUT=${CUBICLE_E2E_SUITE_TIMEOUT:-2400}
+DOMAIN_WANTED=${CUBICLE_E2E_DOMAIN:-cubicle.test}
+PY="$ROOT/tests/e2e/.venv/bin/python"
+
+STATE=$(realpath -m "$STATE")
+if [[ "$STATE" == /var/lib/cubicle || "$STATE" == /var/lib/cubicle/* ]]; then
+  echo "serve-e2e: refusing state dir $STATE (the operator's); use a dedicated one" >&2
+  exit 1
+fi
+for bin in "$CUBICLE_BIN" "$CUBICLE_ENVD_BIN"; do
+  if [[ ! -x "$bin" ]]; then
+    echo "serve-e2e: $bin missing: cargo build -p cubicle && scripts/build-envd.sh" >&2
+    exit 1
+  fi
+done
+if ! "$CUBICLE_BIN" serve --help >/dev/null 2>&1; then
+  echo "serve-e2e: $CUBICLE_BIN has no \`serve\` command yet" >&2
+  exit 1
+fi
+mkdir -p "$STATE"
+
+WORK=$(mktemp -d /tmp/cubicle-serve-e2e.XXXXXX)
+LOG="$WORK/serve.log"
+IDS="$WORK/sandbox-ids"
+: >"$IDS"
+SERVE_PID=""
+rc_all=0
+results=()
+record() { # name rc
+  if [[ $2 -eq 0 ]]; then results+=("PASS  $1"); else results+=("FAIL  $1 (exit $2)"); rc_all=1; fi
+}
+
+free_port() {
+  /usr/bin/python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'
+}
+
+stop_server() {
+  [[ -n "$SERVE_PID" ]] || return 0
+  if kill -0 "$SERVE_PID" 2>/dev/null; then
+    kill -TERM "$SERVE_PID" 2>/dev/null
+    for _ in $(seq 600); do kill -0 "$SERVE_PID" 2>/dev/null || break; sleep 0.1; done
+    if kill -0 "$SERVE_PID" 2>/dev/null; then
+      echo "serve-e2e: server did not stop within 60 s of SIGTERM: SIGKILL" >&2
+      kill -KILL "$SERVE_PID" 2>/dev/null
+      record "server stops on SIGTERM" 1
+    fi
+  fi
+  wait "$SERVE_PID" 2>/dev/null
+  SERVE_PID=""
+}
+
+# The server's store (<state>/cubicle.db, read-only): sandboxes started since $1 (unix
+# ms), as "id state" lines. Empty if the schema is not the one this was written for.
+db_sandboxes() {
+  /usr/bin/python3 - "$STATE/cubicle.db" "$1" <<'PY' 2>/dev/null
+import sqlite3, sys
+try:
+    c = sqlite3.connect(f"file:{sys.argv[1]}?mode=ro", uri=True, timeout=10)
+    for sid, state in c.execute("SELECT id, state FROM sandboxes WHERE started_at >= ?", (int(sys.argv[2]),)):
+        print(sid, state)
+except sqlite3.Error:
+    pass
+PY
+}
+
+# Sandbox ids this run made: what the tests recorded, what the server's store says was
+# started during the run, and what the state dir still holds. (Not "cgroups that
+# appeared meanwhile": colleagues' sandboxes on a shared machine appear too.)
+our_ids() {
+  {
+    cat "$IDS"
+    db_sandboxes "$RUN_START_MS" | cut -d' ' -f1
+    ls -A "$STATE/sandboxes" 2>/dev/null
+  } | grep -E '^[a-z0-9]+$' | sort -u
+}
+
+leak_check() {
+  local leaks=0 id pid cg ids
+  echo
+  echo "==== leak check (state dir $STATE) ===="
+  ids=$(our_ids)
+  echo "sandbox ids of this run: $(echo "$ids" | grep -c . || true)"
+  # 1. processes: anything in one of our sandboxes' cgroups (a sandbox's PID 1 is
+  #    `/run/cubicle/envd --init …`, the host's cubicle-envd bind-mounted)
+  echo "$ids" | /usr/bin/python3 -c '
+import os, re, sys
+ids = {l.strip() for l in sys.stdin if l.strip()}
+bad = 0
+for pid in filter(str.isdigit, os.listdir("/proc")):
+    try:
+        cg = open(f"/proc/{pid}/cgroup").read()
+        cmd = open(f"/proc/{pid}/cmdline", "rb").read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        continue
+    hit = {m for m in re.findall(r"/cubicle/([a-z0-9]+)", cg) if m in ids}
+    if hit:
+        kind = "sandbox envd" if "--init" in cmd and "envd" in cmd else "process"
+        print(f"LEAK {kind} {pid} ({cmd[:100]}) in cgroup cubicle/{hit.pop()}")
+        bad = 1
+sys.exit(bad)' || leaks=1
+  # 2. the server's own view: every sandbox of the run ended
+  local alive
+  alive=$(db_sandboxes "$RUN_START_MS" | awk '$2 != "ended" {print $1 " (" $2 ")"}')
+  if [[ -n "$alive" ]]; then
+    echo "LEAK sandboxes the store still has as not ended: $(echo $alive)"; leaks=1
+  fi
+  # 3. cgroups
+  for id in $ids; do
+    for d in /sys/fs/cgroup/*/cubicle/"$id" /sys/fs/cgroup/cubicle/"$id"; do
+      if [[ -d "$d" ]]; then echo "LEAK cgroup $d"; leaks=1; fi
+    done
+  done
+  # 4. mounts under the state dir (the quota filesystem at $STATE/sandboxes is the node's
+  #    storage and stays mounted by design)
+  while read -r mp; do
+    [[ "$mp" == "$STATE/sandboxes" ]] && continue
+    echo "LEAK mount $mp"; leaks=1
+  done < <(awk -v s="$STATE/" '{ if (index($5, s) == 1) print $5 }' /proc/self/mountinfo)
+  # 5. veths (this network namespace is private to the run: every cbs* here was ours)
+  if ip -o link show | grep -oE '\bcbs[0-9]+' | sort -u | grep .; then
+    echo "LEAK veths above"; leaks=1
+  fi
+  # 6. sandbox directories
+  local left
+  left=$(ls -A "$STATE/sandboxes" 2>/dev/null | grep -vE '^(lost\+found|\.quota.*|aquota.*)$' || true)
+  if [[ -n "$left" ]]; then
+    echo "LEAK sandbox dirs in $STATE/sandboxes: $(echo $left)"; leaks=1
+  fi
+  # 7. the server itself
+  if pgrep -f "serve --listen 127.0.0.1:$PORT" >/dev/null; then
+    echo "LEAK server process still running"; leaks=1
+  fi
+  if [[ $leaks -eq 0 ]]; then echo "nothing left"; fi
+  return $leaks
+}
+
+on_exit() {
+  local rc=$?
+  stop_server
+  if [[ -n "${PORT:-}" && "${leak_checked:-0}" != 1 ]]; then
+    leak_check || rc=1
+  fi
+  if [[ $rc -ne 0 || "${CUBICLE_E2E_KEEP_LOG:-}" == 1 ]]; then
+    cp "$LOG" "/tmp/cubicle-serve-e2e-last.log" 2>/dev/null && \
+      echo "serve-e2e: server log kept at /tmp/cubicle-serve-e2e-last.log" >&2
+  fi
+  rm -rf "$WORK"
+  exit $rc
+}
+trap on_exit EXIT
+trap 'exit 130' INT TERM
+
+# --- start the server ---------------------------------------------------------------------
+RUN_START_MS=$(( $(date +%s) * 1000 - 1000 ))
+PORT=$(free_port)
+# --no-reap-foreign: serve otherwise removes every `cubicle/*` cgroup its state dir does
+# not know, i.e. other nodes' and tests' sandboxes on a shared machine.
+serve_args=(serve --listen "127.0.0.1:$PORT" --state-dir "$STATE" --no-reap-foreign)
+DOMAIN=""
+if "$CUBICLE_BIN" serve --help 2>&1 | grep -q -- '--domain'; then
+  DOMAIN=$DOMAIN_WANTED
+  serve_args+=(--domain "$DOMAIN")
+fi
+echo "serve-e2e: $CUBICLE_BIN ${serve_args[*]} (first slot $SLOT, netns private)"
+# start_server LOGFILE: start serve, wait for `cubicle: ready`; sets SERVE_PID, READY_MS
+start_server() {
+  local log=$1 t0 ready=0
+  t0=$(date +%s%N)
+  CUBICLE_FIRST_SLOT=$SLOT CUBICLE_ENVD_BIN="$CUBICLE_ENVD_BIN" CUBICLE_LOG=${CUBICLE_LOG:-info} \
+    "$CUBICLE_BIN" "${serve_args[@]}" >"$log" 2>&1 </dev/null &
+  SERVE_PID=$!
+  for _ in $(seq $((READY_TIMEOUT * 20))); do
+    if grep -q '^cubicle: ready' "$log"; then ready=1; break; fi
+    kill -0 "$SERVE_PID" 2>/dev/null || break
+    sleep 0.05
+  done
+  READY_MS=$(( ($(date +%s%N) - t0) / 1000000 ))
+  if [[ $ready -ne 1 ]]; then
+    echo "serve-e2e: server not ready (pid $SERVE_PID); its log:" >&2
+    tail -n 80 "$log" >&2
+    return 1
+  fi
+}
+if ! start_server "$LOG"; then
+  record "cubicle serve ready" 1
+  exit 1
+fi
+echo "serve-e2e: ready after ${READY_MS} ms"
+
+# The export lines, exactly as printed (values may be quoted).
+value_of() { # NAME
+  sed -nE "s/^[[:space:]]*export[[:space:]]+$1=['\"]?([^'\" ]*)['\"]?[[:space:]]*$/\1/p" "$LOG" | tail -n1
+}
+E2B_API_URL=$(value_of E2B_API_URL)
+E2B_SANDBOX_URL=$(value_of E2B_SANDBOX_URL)
+E2B_API_KEY=$(value_of E2B_API_KEY)
+if [[ -z "$E2B_API_URL" || -z "$E2B_SANDBOX_URL" || -z "$E2B_API_KEY" ]]; then
+  echo "serve-e2e: could not read the three export lines from the server's output:" >&2
+  head -n 40 "$LOG" >&2
+  record "serve prints export lines" 1
+  exit 1
+fi
+echo "serve-e2e: E2B_API_URL=$E2B_API_URL E2B_SANDBOX_URL=$E2B_SANDBOX_URL E2B_API_KEY=${E2B_API_KEY:0:8}…"
+
+# A second team's key.
+KEY_B=""
+# (prints the key alone on stdout; its message goes to stderr)
+out_b=$("$CUBICLE_BIN" apikey create --team other --state-dir "$STATE" 2>"$WORK/apikey.err")
+if [[ $? -eq 0 ]]; then
+  KEY_B=$(echo "$out_b" | grep -v '^[[:space:]]*$' | tail -n1 | awk '{print $NF}')
+  out_b="$out_b $(cat "$WORK/apikey.err")"
+fi
+if [[ -z "$KEY_B" ]]; then
+  echo "serve-e2e: \`cubicle apikey create --team other\` failed: $out_b" >&2
+  record "cubicle apikey create --team other" 1
+fi
+
+# What the suites see: the three variables a user sets, plus the test-only knobs.
+run_env=(env -u E2B_DEBUG -u E2B_DOMAIN -u E2B_ACCESS_TOKEN
+  E2B_API_URL="$E2B_API_URL" E2B_SANDBOX_URL="$E2B_SANDBOX_URL" E2B_API_KEY="$E2B_API_KEY"
+  CUBICLE_E2E_KEY_B="$KEY_B" CUBICLE_E2E_DOMAIN="$DOMAIN" CUBICLE_E2E_IDS_FILE="$IDS"
+  CUBICLE_E2E_STATE_DIR="$STATE" CUBICLE_BIN="$CUBICLE_BIN" CUBICLE_E2E_SERVER_PID="$SERVE_PID")
+
+run_python() {
+  echo; echo "==== serve e2e: python (e2b $("$PY" -c 'import importlib.metadata as m; print(m.version("e2b"))'), sync+async) ===="
+  # the test directory unless the arguments name test files themselves
+  local a paths=("$HERE/python")
+  for a in "$@"; do [[ "$a" == *.py || "$a" == *.py::* ]] && paths=(); done
+  # shellcheck disable=SC2086
+  timeout --kill-after=30 "$SUITE_TIMEOUT" "${run_env[@]}" "$PY" -m pytest -c "$HERE/pytest.ini" \
+    --rootdir "$HERE" -v ${CUBICLE_PYTEST_ARGS:-} "${paths[@]}" "$@"
+  record "serve e2e python" $?
+}
+run_js() {
+  echo; echo "==== serve e2e: js (e2b@$(node -p "require('$ROOT/tests/e2e/js/node_modules/e2b/package.json').version"), node $(node --version)) ===="
+  (cd "$HERE/js" && timeout --kill-after=30 "$SUITE_TIMEOUT" "${run_env[@]}" \
+    node --test --test-concurrency=1 --test-timeout=300000 --test-reporter=spec ./*.test.mjs)
+  record "serve e2e js" $?
+}
+
+# Restart: sandboxes keep running across a server restart (the node adopts them), the
+# second start is ready quickly, and the SDK keeps working with the same three variables.
+run_restart() {
+  echo; echo "==== serve e2e: restart (sandbox survives, adopted) ===="
+  local sid rc=0 log2="$WORK/serve-restart.log"
+  sid=$("${run_env[@]}" "$PY" -c '
+import sys
+from e2b import Sandbox
+s = Sandbox.create("base", metadata={"e2e": "restart"}, timeout=300)
+with open(sys.argv[1], "a") as f: f.write(s.sandbox_id + "\n")
+s.files.write("/home/user/before-restart.txt", "still here")
+s.commands.run("nohup sleep 1000 >/dev/null 2>&1 &")
+print(s.sandbox_id)' "$IDS") || { record "restart: create" 1; return; }
+  echo "sandbox $sid created; restarting the server"
+  stop_server
+  cat "$LOG" >>"$WORK/serve-before-restart.log"
+  if ! start_server "$log2"; then record "restart: ready again" 1; return; fi
+  cat "$log2" >>"$LOG"
+  echo "serve-e2e: ready again after ${READY_MS} ms"
+  if ((READY_MS > 5000)); then
+    echo "restart took ${READY_MS} ms (want about a second)"; rc=1
+  fi
+  "${run_env[@]}" "$PY" -c '
+import sys
+from e2b import Sandbox
+sid = sys.argv[1]
+info = Sandbox.get_info(sid)
+assert info.state == "running" and info.metadata == {"e2e": "restart"}, info
+s = Sandbox.connect(sid)
+assert s.files.read("/home/user/before-restart.txt") == "still here"
+assert "sleep 1000" in s.commands.run("ps -eo args").stdout, "processes did not survive the restart"
+assert s.commands.run("echo after-restart").stdout == "after-restart\n"
+assert Sandbox.kill(sid) is True
+assert Sandbox.kill(sid) is False
+print("restart: sandbox adopted, reachable, killed")' "$sid" || rc=1
+  record "serve e2e restart (adoption)" $rc
+}
+
+case "${1:-all}" in
+  all) run_python; run_js; run_restart ;;
+  restart) run_restart ;;
+  python) shift; run_python "$@" ;;
+  js) run_js ;;
+  --) shift; "${run_env[@]}" "$@"; record "$*" $? ;;
+  *) echo "usage: $0 [all | python [PYTEST ARGS] | js | restart | -- CMD ARGS]" >&2; exit 2 ;;
+esac
+
+stop_server
+leak_check
+record "nothing left after stop" $?
+leak_checked=1
+# the second team's key was for this run only
+[[ -n "$KEY_B" ]] && "$CUBICLE_BIN" apikey revoke "$KEY_B" --state-dir "$STATE" >/dev/null 2>&1
+
+echo; echo "==== serve e2e recap ===="
+printf '  %s\n' "${results[@]}"
+exit $rc_all
