@@ -114,7 +114,7 @@ if wants python; then
   # shellcheck disable=SC2086
   run_e2e "e2e python (e2b $(tests/e2e/.venv/bin/python -c 'import importlib.metadata as m; print(m.version("e2b"))' 2>/dev/null), sync+async)" \
     "$ROOT/tests/e2e/.venv/bin/python" -m pytest -c "$ROOT/tests/e2e/pytest.ini" \
-    --rootdir "$ROOT/tests/e2e" -v ${CUBICLE_PYTEST_ARGS:-}
+    --rootdir "$ROOT/tests/e2e" -v "$ROOT/tests/e2e/python" ${CUBICLE_PYTEST_ARGS:-}
 fi
 
 if wants js; then
