@@ -4,7 +4,9 @@ Reads E2B_API_URL, E2B_SANDBOX_URL and E2B_API_KEY (as printed by `cubicle serve
 measures, over N runs each (default 200, template `base`):
 
   create                  `Sandbox.create()` (one REST call: POST /v2/sandboxes → 201)
-  create+run+kill         `Sandbox.create()` + `commands.run("echo hi")` + `kill()`
+  create+run+kill         `Sandbox.create()` + `commands.run(CMD)` + `kill()`
+                          (CMD: `--cmd`, default "echo hi"; `cubicle bench`'s SDK
+                          counterpart is `--template tiny --cmd true`)
 
 and prints p50 / p90 / p99 / max in milliseconds. Sandboxes of the first series are
 killed outside the timed region. Run it, e.g., through the e2e launcher:
@@ -40,6 +42,7 @@ def main():
     ap.add_argument("--runs", type=int, default=200)
     ap.add_argument("--template", default="base")
     ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--cmd", default="echo hi", help='command of the second series (e.g. "true")')
     args = ap.parse_args()
     for v in ("E2B_API_URL", "E2B_SANDBOX_URL", "E2B_API_KEY"):
         if not os.environ.get(v):
@@ -48,7 +51,7 @@ def main():
 
     for _ in range(args.warmup):
         s = Sandbox.create(args.template)
-        s.commands.run("echo hi")
+        s.commands.run(args.cmd)
         s.kill()
 
     create = []
@@ -63,10 +66,12 @@ def main():
     for _ in range(args.runs):
         t0 = time.perf_counter()
         s = Sandbox.create(args.template)
-        r = s.commands.run("echo hi")
+        r = s.commands.run(args.cmd)
         s.kill()
         full.append(time.perf_counter() - t0)
-        assert r.stdout == "hi\n", r
+        assert r.exit_code == 0, r
+        if args.cmd == "echo hi":
+            assert r.stdout == "hi\n", r
     report("create+run+kill", full)
 
 

@@ -10,6 +10,7 @@
 //! current binary to create a sandbox, so `main` hands over to it before anything else.
 
 mod apikey_cmd;
+mod bench;
 mod client;
 mod run;
 mod sandbox_cmd;
@@ -67,7 +68,9 @@ enum Command {
         #[command(subcommand)]
         command: apikey_cmd::ApikeyCommand,
     },
-    // `bench` is added by its own issue.
+    /// Measure create/cycle/exec latency, density and peers (runc, bwrap) against a
+    /// server it starts (or `--url`).
+    Bench(bench::BenchArgs),
 }
 
 fn main() {
@@ -129,6 +132,7 @@ async fn dispatch(cli: Cli) -> anyhow::Result<i32> {
             };
             serve::run(env, args).await
         }
+        Command::Bench(args) => bench::run(args, cli.envd_binary.as_ref()).await,
         Command::Apikey { command } => {
             let dir = cli.state_dir.clone();
             tokio::task::spawn_blocking(move || apikey_cmd::run(&dir, command)).await?

@@ -76,6 +76,14 @@ pub struct ServeArgs {
     /// hosts shared with other Cubicle nodes or tests; a dedicated host removes them).
     #[arg(long, env = "CUBICLE_NO_REAP_FOREIGN", hide = true)]
     pub no_reap_foreign: bool,
+    /// Warm pools: sandboxes kept ready per template, e.g. `tiny=4,base=8` (creates with
+    /// the template's limits and internet on are served from them).
+    #[arg(long, env = "CUBICLE_POOL", default_value = "", value_name = "TEMPLATE=N,…",
+          value_parser = cubicle_node::parse_pool_spec)]
+    pub pool: std::collections::BTreeMap<String, usize>,
+    /// Host memory all pooled sandboxes together may use, in MiB.
+    #[arg(long, env = "CUBICLE_POOL_MEMORY_MB", default_value_t = 1024, value_name = "MIB")]
+    pub pool_memory_mb: u64,
 }
 
 /// Where the node comes from (global CLI options).
@@ -101,6 +109,10 @@ pub async fn run(env: ServeEnv, args: ServeArgs) -> anyhow::Result<i32> {
     config.first_slot = env.first_slot;
     config.reap_foreign = !args.no_reap_foreign;
     config.default_timeout = Duration::from_secs(args.default_timeout);
+    config.pool = args.pool.clone();
+    config.pool_memory_mb = args.pool_memory_mb;
+    // DELETE answers once the sandbox is dead; cgroups/veth/quota go in the background.
+    config.async_teardown = true;
     let node = Node::open(config)
         .await
         .with_context(|| format!("opening the node on {}", state_dir.display()))?;
@@ -217,6 +229,7 @@ pub async fn run(env: ServeEnv, args: ServeArgs) -> anyhow::Result<i32> {
         }
     }
     upkeep.abort();
+    node.settle(Duration::from_secs(10)).await;
     node.close();
     Ok(0)
 }

@@ -39,6 +39,16 @@ pub struct NodeConfig {
     pub template_progress: bool,
     /// Max tasks per sandbox.
     pub pids_limit: u32,
+    /// Warm pools: template name → sandboxes kept ready (empty: no pools). See `pool.rs`.
+    pub pool: std::collections::BTreeMap<String, usize>,
+    /// Host memory all pooled sandboxes together may use (measured), in MiB.
+    pub pool_memory_mb: u64,
+    /// Cold creates (and pool refills) in progress at once; more wait their turn (FIFO).
+    pub create_concurrency: usize,
+    /// `kill` answers once the sandbox's processes are killed and its death recorded;
+    /// the teardown (cgroups, network, quota directory, slot) finishes in the background
+    /// (the sandbox shows as `dying` meanwhile). Off: `kill` returns when all is gone.
+    pub async_teardown: bool,
 }
 
 impl NodeConfig {
@@ -55,6 +65,13 @@ impl NodeConfig {
             envd_ready_timeout: Duration::from_secs(10),
             template_progress: false,
             pids_limit: 1024,
+            pool: Default::default(),
+            pool_memory_mb: 1024,
+            create_concurrency: std::thread::available_parallelism()
+                .map(|n| n.get() * 2)
+                .unwrap_or(4)
+                .max(4),
+            async_teardown: false,
         }
     }
 }

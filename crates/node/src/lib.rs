@@ -19,6 +19,7 @@ pub mod fsutil;
 pub mod ids;
 pub mod linux;
 mod node;
+mod pool;
 pub mod procfs;
 mod reaper;
 pub mod reconcile;
@@ -32,6 +33,7 @@ pub use config::{NodeConfig, default_state_dir};
 pub use envd_client::{EnvdClient, ProcessEnd, ProcessEvent, ProcessSpec};
 pub use error::{Error, Result};
 pub use node::{Node, records_on_disk, sandboxes_using_template};
+pub use pool::{PoolStats, parse_pool_spec};
 pub use sandbox::{CreateRequest, DeathReason, SandboxInfo, SandboxRecord, SandboxState};
 
 impl Node {

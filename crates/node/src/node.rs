@@ -57,6 +57,8 @@ pub(crate) struct Inner {
     pub(crate) reconciled: Mutex<crate::reconcile::ReconcileReport>,
     /// Exclusive lock on `<state>/node.lock`: one node per state directory.
     _node_lock: std::fs::File,
+    /// Warm pools and the cold-create semaphore (`pool.rs`).
+    pub(crate) pool: crate::pool::Pool,
 }
 
 pub(crate) struct State {
@@ -130,6 +132,7 @@ impl Node {
             dead: Mutex::new(VecDeque::new()),
             reconciled: Mutex::new(Default::default()),
             _node_lock: node_lock,
+            pool: crate::pool::Pool::new(&config),
             config,
         });
         let node = Node { inner };
@@ -140,6 +143,9 @@ impl Node {
             .lock()
             .unwrap_or_else(|p| p.into_inner()) = report;
         tokio::spawn(crate::reaper::run(Arc::downgrade(&node.inner)));
+        if !node.inner.config.pool.is_empty() {
+            tokio::spawn(crate::pool::refill(Arc::downgrade(&node.inner)));
+        }
         Ok(node)
     }
 
@@ -157,6 +163,9 @@ impl Node {
         }
         drop(st);
         self.inner.changed.notify_one();
+        self.inner.pool.wake.notify_one();
+        // Unclaimed pooled sandboxes have no user: remove them rather than leave them.
+        self.drain_pool_blocking();
     }
 
     /// What reconciliation adopted and removed when this node opened.
@@ -198,10 +207,12 @@ impl Node {
 
     /// Live sandboxes (creating, running or dying), sorted by creation time.
     pub fn list(&self) -> Vec<SandboxInfo> {
+        let pooled = self.inner.pool.members();
         let st = self.inner.lock();
         let mut v: Vec<SandboxInfo> = st
             .live
             .values()
+            .filter(|l| !pooled.contains(&l.record.id))
             .map(|l| {
                 SandboxInfo::from_record(
                     &l.record,
@@ -220,6 +231,9 @@ impl Node {
 
     /// A live sandbox, or a recently dead one (state `dead`, with its death reason).
     pub fn get(&self, id: &str) -> Result<SandboxInfo> {
+        if self.inner.pool.contains(id) {
+            return Err(Error::SandboxNotFound(id.into()));
+        }
         {
             let st = self.inner.lock();
             if let Some(l) = st.live.get(id) {
@@ -289,6 +303,14 @@ impl Node {
             )));
         }
         let timeout = req.timeout.unwrap_or(inner.config.default_timeout);
+        if let Some(r) = self
+            .try_claim(&req, &template, (memory_mb, cpus, disk_mb), timeout)
+            .await
+        {
+            return r;
+        }
+        // Cold: bounded concurrency (fair FIFO semaphore), shared with pool refills.
+        let _permit = inner.pool.create_permits.clone().acquire_owned().await.ok();
         let now = now_ms();
         let mut env_vars = template.config.env.clone();
         env_vars.extend(req.env_vars.clone());
@@ -364,10 +386,38 @@ impl Node {
 
     async fn bring_up(
         &self,
-        mut record: SandboxRecord,
+        record: SandboxRecord,
         template: &Template,
         t0: Instant,
     ) -> Result<SandboxInfo> {
+        let inner = &self.inner;
+        let id = record.id.clone();
+        let dir = inner.sandbox_dir(&id);
+        let (record, started, [t_prep, t_spawn, t_health]) =
+            self.start_sandbox(record, template, t0).await?;
+        let pid = started.pid;
+        self.init_sandbox(
+            record, template, t0, started, pid, &id, &dir, t_prep, t_spawn, t_health,
+        )
+        .await
+    }
+
+    /// First half of a create (also a pool refill): directory, quota, spawn, envd healthy.
+    pub(crate) async fn start_phase(
+        &self,
+        record: SandboxRecord,
+        template: &Template,
+        t0: Instant,
+    ) -> Result<SandboxRecord> {
+        Ok(self.start_sandbox(record, template, t0).await?.0)
+    }
+
+    async fn start_sandbox(
+        &self,
+        mut record: SandboxRecord,
+        template: &Template,
+        t0: Instant,
+    ) -> Result<(SandboxRecord, crate::runtime::Started, [Duration; 3])> {
         let inner = &self.inner;
         let id = record.id.clone();
         let dir = inner.sandbox_dir(&id);
@@ -392,7 +442,10 @@ impl Node {
         std::fs::set_permissions(&ctl, std::fs::Permissions::from_mode(0o700))
             .ctx("chmod", &ctl)?;
         fsutil::write_json_atomic(&dir.join("sandbox.json"), &record)?;
-        let binds = write_etc_files(&dir, &id, record.uid_base)?;
+        let mut binds = write_etc_files(&dir, &id, record.uid_base)?;
+        binds.extend(crate::template::code_interpreter::bind_for(
+            &template.config,
+        ));
 
         let spec = StartSpec {
             id: id.clone(),
@@ -427,7 +480,7 @@ impl Node {
         let t_spawn = t0.elapsed();
         record.pid = Some(started.pid);
         record.pid_start_time = procfs::start_time(started.pid);
-        record.runtime = started.state;
+        record.runtime = started.state.clone();
         fsutil::write_json_atomic(&dir.join("sandbox.json"), &record)?;
         self.update_record(&record)?;
 
@@ -439,6 +492,27 @@ impl Node {
             })
             .await?;
         let t_health = t0.elapsed();
+        Ok((record, started, [t_prep, t_spawn, t_health]))
+    }
+
+    /// Second half of a cold create: `/init`, start command, readiness, `running`.
+    #[allow(clippy::too_many_arguments)]
+    async fn init_sandbox(
+        &self,
+        mut record: SandboxRecord,
+        template: &Template,
+        t0: Instant,
+        started: crate::runtime::Started,
+        pid: i32,
+        id: &str,
+        dir: &Path,
+        t_prep: Duration,
+        t_spawn: Duration,
+        t_health: Duration,
+    ) -> Result<SandboxInfo> {
+        let inner = &self.inner;
+        let id = id.to_string();
+        let client = EnvdClient::new(inner.envd_socket(&id), None);
         client
             .init(&InitRequest {
                 env_vars: record.env_vars.clone(),
@@ -463,6 +537,19 @@ impl Node {
             };
             let pid = authed.start_detached(&spec).await?;
             tracing::info!(sandbox = %id, pid, "start command running: {cmd}");
+        }
+        if let Some(port) = template.config.ready_port {
+            // The template's readiness probe (e.g. code-interpreter's /health on 49999).
+            let (spid, pst) = (started.pid, record.pid_start_time);
+            blocking(move || {
+                crate::template::ready::wait_http_health(
+                    spid,
+                    port,
+                    std::time::Duration::from_secs(120),
+                    move || procfs::is_alive(spid, pst),
+                )
+            })
+            .await?;
         }
         record.state = SandboxState::Running;
         fsutil::write_json_atomic(&dir.join("sandbox.json"), &record)?;
@@ -535,6 +622,38 @@ impl Node {
                 live.kill_requested = Some(reason);
                 return Ok(());
             }
+        }
+        if self.inner.config.async_teardown {
+            // Dead now, cleaned up in the background: mark it (state `dying`, reason),
+            // SIGKILL its init (the sandbox's pid namespace dies with it), answer.
+            let Some(record) = self.inner.mark_dying(id, reason, false) else {
+                return Err(Error::SandboxNotFound(id.into()));
+            };
+            // The pidfd pins the process: then check it is still the recorded one.
+            if let Some(pid) = record.pid.filter(|p| *p > 1)
+                && let Ok(fd) = procfs::pidfd_open(pid)
+                && procfs::is_alive(pid, record.pid_start_time)
+            {
+                use std::os::fd::AsRawFd;
+                // SAFETY: pidfd_send_signal on a pidfd we own; no pointers but NULL.
+                unsafe {
+                    libc::syscall(
+                        libc::SYS_pidfd_send_signal,
+                        fd.as_raw_fd(),
+                        libc::SIGKILL,
+                        std::ptr::null::<libc::siginfo_t>(),
+                        0,
+                    )
+                };
+            }
+            let (inner, id2) = (self.inner.clone(), id.to_string());
+            use std::sync::atomic::Ordering::SeqCst;
+            inner.pool.teardowns.fetch_add(1, SeqCst);
+            tokio::spawn(async move {
+                inner.clone().teardown(&id2, record).await;
+                inner.pool.teardowns.fetch_sub(1, SeqCst);
+            });
+            return Ok(());
         }
         // In its own task: a dropped caller must not stop a teardown halfway.
         let (inner, id2) = (self.inner.clone(), id.to_string());
@@ -618,17 +737,29 @@ impl Inner {
         reason: DeathReason,
         from_create: bool,
     ) -> bool {
-        let record = {
+        let Some(record) = self.mark_dying(id, reason, from_create) else {
+            return false;
+        };
+        self.teardown(id, record).await
+    }
+
+    /// First step of [`Inner::finish`]: record the death (state `dying`, reason), stop
+    /// watching. `None`: unknown, or someone else is already tearing it down.
+    pub(crate) fn mark_dying(
+        &self,
+        id: &str,
+        reason: DeathReason,
+        from_create: bool,
+    ) -> Option<SandboxRecord> {
+        {
             let mut st = self.lock();
-            let Some(live) = st.live.get_mut(id) else {
-                return false;
-            };
+            let live = st.live.get_mut(id)?;
             let retry = live.teardown_failed;
             if !retry {
                 if live.record.state == SandboxState::Dying
                     || (live.record.state == SandboxState::Creating && !from_create)
                 {
-                    return false;
+                    return None;
                 }
                 live.record.state = SandboxState::Dying;
                 // A limit hit explains an `exited` better than the plain word.
@@ -638,8 +769,12 @@ impl Inner {
             if let Some(w) = live.watcher.take() {
                 w.abort();
             }
-            live.record.clone()
-        };
+            Some(live.record.clone())
+        }
+    }
+
+    /// Second step of [`Inner::finish`]: destroy, remove, free the slot.
+    pub(crate) async fn teardown(self: Arc<Self>, id: &str, record: SandboxRecord) -> bool {
         let dir = self.sandbox_dir(id);
         let _ = fsutil::write_json_atomic(&dir.join("sandbox.json"), &record);
         let rt = self.runtime.clone();
@@ -658,6 +793,7 @@ impl Inner {
                 st.live.remove(id);
                 st.slots.release(record.slot);
                 drop(st);
+                self.pool.forget(id);
                 let mut info = SandboxInfo::from_record(&record, PathBuf::new(), 0);
                 info.state = SandboxState::Dead;
                 info.oom_kills = oom_kills.unwrap_or(0);

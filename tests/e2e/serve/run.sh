@@ -57,6 +57,21 @@ fi
 # --- stage 1 (host): private network namespace ------------------------------------------
 if [[ "${CUBICLE_SERVE_E2E_INNER:-}" != "1" ]]; then
   export CUBICLE_SERVE_E2E_INNER=1
+  # Templates are built here, on the host's network: debootstrap and the pip/npm installs
+  # of code-interpreter-v1 need the package registries, which the private namespace
+  # cannot reach (a fresh machine has none of them cached). Once per state dir.
+  bin=${CUBICLE_BIN:-$ROOT/target/debug/cubicle}
+  state=${CUBICLE_E2E_STATE_DIR:-/var/lib/cubicle-e2e}
+  templates=(tiny base)
+  [[ ${CUBICLE_E2E_SKIP_CI:-0} == 1 ]] || templates+=(code-interpreter-v1)
+  for t in "${templates[@]}"; do
+    if [[ ! -d "$state/templates/$t/rootfs" ]]; then
+      echo "serve-e2e: building template $t in $state (once)"
+      CUBICLE_ENVD_BIN=${CUBICLE_ENVD_BIN:-$ROOT/target/x86_64-unknown-linux-gnu/debug/cubicle-envd} \
+        "$bin" template build "$t" --state-dir "$state" \
+        || echo "serve-e2e: building template $t failed; tests that use it will fail" >&2
+    fi
+  done
   exec unshare --net -- "$SELF" "$@"
 fi
 ip link set lo up

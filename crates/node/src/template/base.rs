@@ -185,7 +185,12 @@ fn run_streamed(cmd: &mut Command, what: &str, p: &Progress) -> Result<()> {
 
 /// A shell script run as `unshare --mount --propagation private sh -c SCRIPT`, with
 /// `$R` the rootfs: mounts made by it die with the process, even on SIGKILL.
-fn in_private_chroot(rootfs: &Path, script: &str, what: &str, p: &Progress) -> Result<()> {
+pub(crate) fn in_private_chroot(
+    rootfs: &Path,
+    script: &str,
+    what: &str,
+    p: &Progress,
+) -> Result<()> {
     let prelude = "set -e\n\
         mount -t proc proc \"$R/proc\"\n\
         mount -t tmpfs -o mode=755 tmpfs \"$R/dev\"\n\

@@ -8,7 +8,9 @@
 //! never leaves a half template; a per-name lock file keeps two builds of one name apart.
 
 pub mod base;
+pub mod code_interpreter;
 mod progress;
+pub mod ready;
 pub mod tiny;
 
 use std::collections::BTreeMap;
@@ -25,7 +27,7 @@ use crate::error::{Error, IoContext, Result};
 use crate::fsutil;
 
 /// Names of the templates this crate can build by itself.
-pub const BUILTINS: &[&str] = &["tiny", "base"];
+pub const BUILTINS: &[&str] = &["tiny", "base", code_interpreter::NAME];
 
 /// Mount point inside every rootfs where the runtime bind-mounts the envd binary.
 pub const ENVD_MOUNT_POINT: &str = "run/cubicle/envd";
@@ -48,6 +50,10 @@ pub struct TemplateConfig {
     /// Command started (through envd) after the sandbox is ready, if any.
     #[serde(default)]
     pub start_command: Option<String>,
+    /// TCP port inside the sandbox that must answer `GET /health` with 200 (after the
+    /// start command) before the sandbox counts as ready, if any.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ready_port: Option<u16>,
     /// Default vCPU count.
     pub cpus: u32,
     /// Default memory limit in MiB.
@@ -75,6 +81,7 @@ impl TemplateConfig {
             default_workdir: "/home/user".into(),
             env: BTreeMap::new(),
             start_command: None,
+            ready_port: None,
             cpus: 2,
             memory_mb: 512,
             disk_mb: 5 * 1024,
@@ -222,6 +229,10 @@ impl TemplateStore {
             let p = Progress::new(progress, name);
             let mut config = match name {
                 "tiny" => tiny::build(&rootfs, &p)?,
+                code_interpreter::NAME => {
+                    let base = self.ensure("base", progress)?;
+                    code_interpreter::build(&rootfs, &base, &p)?
+                }
                 _ => base::build(&rootfs, &p)?,
             };
             config.built_at = unix_now();

@@ -1,0 +1,74 @@
+"""Latency of `e2b_code_interpreter` against a running `cubicle serve` (not a test).
+
+Reads E2B_API_URL, E2B_SANDBOX_URL and E2B_API_KEY (as printed by `cubicle serve`) and
+measures on the `code-interpreter-v1` template:
+
+  run_code("1+1")         round trip through the router, N runs (default 500) in one
+                          sandbox after a warm-up
+  create→first result     `Sandbox.create()` + the first `run_code("1+1")`, M runs
+                          (default 10; each sandbox killed outside the timed region)
+
+and prints p50 / p90 / p99 / max in milliseconds. Run it through the e2e launcher:
+
+    sudo tests/e2e/serve/run.sh -- tests/e2e/.venv/bin/python bench/code_interpreter.py [--runs 500] [--creates 10]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+from e2b_code_interpreter import Sandbox
+
+TEMPLATE = "code-interpreter-v1"
+
+
+def pct(xs, p):
+    xs = sorted(xs)
+    k = max(0, min(len(xs) - 1, int(round(p / 100 * (len(xs) - 1)))))
+    return xs[k]
+
+
+def report(name, xs):
+    print(
+        f"{name:<24} n={len(xs):<4} p50={pct(xs, 50):8.1f}  p90={pct(xs, 90):8.1f}  "
+        f"p99={pct(xs, 99):8.1f}  max={max(xs):8.1f}  (ms)"
+    )
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--runs", type=int, default=500)
+    ap.add_argument("--creates", type=int, default=10)
+    a = ap.parse_args()
+
+    # Make sure the template is built (the first create may build it).
+    s = Sandbox.create(TEMPLATE, request_timeout=1200)
+    try:
+        for _ in range(20):
+            assert s.run_code("1+1").text == "2"
+        rt = []
+        for _ in range(a.runs):
+            t0 = time.perf_counter()
+            ex = s.run_code("1+1")
+            rt.append((time.perf_counter() - t0) * 1000)
+            assert ex.text == "2"
+    finally:
+        s.kill()
+    report('run_code("1+1")', rt)
+
+    cf = []
+    for _ in range(a.creates):
+        t0 = time.perf_counter()
+        s = Sandbox.create(TEMPLATE)
+        try:
+            ex = s.run_code("1+1")
+            cf.append((time.perf_counter() - t0) * 1000)
+            assert ex.text == "2"
+        finally:
+            s.kill()
+    report("create→first result", cf)
+
+
+if __name__ == "__main__":
+    main()

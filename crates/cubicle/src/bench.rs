@@ -1,0 +1,1296 @@
+//! `cubicle bench`: latency and density measures against a `cubicle serve`, printed as a
+//! table or (`--json`) one JSON object per line per measure.
+//!
+//! The server is either one the bench starts itself (a child `cubicle serve` on its own
+//! state directory, default `/var/lib/cubicle-bench`, listening on a free loopback port,
+//! `--no-reap-foreign`; its `export …` lines and `cubicle: ready` are read from its stdout)
+//! or the one given by `--url`/`--api-key`. Everything the bench creates it kills again.
+//!
+//! Measures (all through the public REST API and the data-plane router, as an SDK does):
+//! - `create`: `POST /v2/sandboxes` → 201 (the sandbox is ready when the answer comes);
+//!   the kill afterwards is not timed.
+//! - `cycle`: create + `Process.Start` of `true` through envd + `DELETE`, all timed.
+//! - `exec`: `Process.Start` of `true` in one running sandbox (what `commands.run("true")`
+//!   sends), on a kept-alive connection.
+//! - `density`: N idle sandboxes; host memory per sandbox = Δ(MemTotal − MemAvailable)/N;
+//!   envd's RSS/PSS per sandbox; p99 of `GET /health` round trips to all of them.
+//! - `peer`: the same cycle done with `runc run` on the template's rootfs and with
+//!   `bwrap --unshare-all`, next to Cubicle's c=1 cycle of the same run, with ratios.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, anyhow, bail};
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use hyper::client::conn::http1;
+use hyper::{Method, Request};
+use hyper_util::rt::TokioIo;
+use serde_json::{Value, json};
+use tokio::io::AsyncBufReadExt;
+use tokio::net::TcpStream;
+
+/// Default state directory of the server the bench starts (templates built once).
+pub const DEFAULT_BENCH_STATE_DIR: &str = "/var/lib/cubicle-bench";
+/// Slots of the bench's own server (disjoint from other nodes on a shared host).
+const BENCH_FIRST_SLOT: u32 = 8000;
+const ENVD_PORT: u16 = 49983;
+const ALL_MEASURES: &[&str] = &["create", "cycle", "exec", "density", "peer"];
+
+/// `cubicle bench` options.
+#[derive(clap::Args, Debug)]
+pub struct BenchArgs {
+    /// Measures to run: create, cycle, exec, density, peer (default: all but density).
+    #[arg(value_name = "MEASURE")]
+    pub measures: Vec<String>,
+    /// Use this server instead of starting one (with --api-key).
+    #[arg(long, env = "CUBICLE_BENCH_URL")]
+    pub url: Option<String>,
+    /// API key for --url.
+    #[arg(long, env = "CUBICLE_BENCH_API_KEY")]
+    pub api_key: Option<String>,
+    /// State directory of the server the bench starts.
+    #[arg(long, default_value = DEFAULT_BENCH_STATE_DIR)]
+    pub server_state_dir: PathBuf,
+    /// Template for create/cycle/exec/density/peer.
+    #[arg(long, default_value = "tiny")]
+    pub template: String,
+    /// Also run create and cycle on these templates (comma-separated), e.g. `base`.
+    #[arg(long, value_delimiter = ',', default_value = "base")]
+    pub also: Vec<String>,
+    /// Iterations per latency measure and concurrency.
+    #[arg(long, default_value_t = 200)]
+    pub iterations: usize,
+    /// Concurrencies of create and cycle (comma-separated).
+    #[arg(long, value_delimiter = ',', default_value = "1,50")]
+    pub concurrency: Vec<usize>,
+    /// Sandboxes held by `density`.
+    #[arg(long, default_value_t = 1000)]
+    pub n: usize,
+    /// Sandboxes without internet (no veth / NAT).
+    #[arg(long)]
+    pub no_internet: bool,
+    /// Rootfs for `peer` (default: the template's in the server state directory).
+    #[arg(long)]
+    pub rootfs: Option<PathBuf>,
+    /// Server configurations to measure create/cycle in: `off` (no warm pool) and/or `on`
+    /// (`--pool <template>=--pool-size` for each template), one server start each.
+    #[arg(long, value_delimiter = ',', default_value = "off,on")]
+    pub pool_modes: Vec<String>,
+    /// Warm-pool size per template in the `on` mode.
+    #[arg(long, default_value_t = 64)]
+    pub pool_size: usize,
+    /// Pool mode `on`, c=1: also a create row with this pause between iterations.
+    #[arg(long, default_value_t = 50)]
+    pub pace_ms: u64,
+    /// One JSON object per line per measure instead of a table.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// One result line.
+#[derive(Debug, Clone)]
+struct Row {
+    name: String,
+    concurrency: usize,
+    samples: Vec<Duration>,
+    errors: usize,
+    extra: serde_json::Map<String, Value>,
+}
+
+fn ms(d: Duration) -> f64 {
+    (d.as_secs_f64() * 1e6).round() / 1e3
+}
+
+/// Nearest-rank percentile of sorted samples.
+fn pct(sorted: &[Duration], q: f64) -> Duration {
+    if sorted.is_empty() {
+        return Duration::ZERO;
+    }
+    let rank = ((q * sorted.len() as f64).ceil() as usize).clamp(1, sorted.len());
+    sorted[rank - 1]
+}
+
+impl Row {
+    fn new(name: &str, concurrency: usize) -> Row {
+        Row {
+            name: name.into(),
+            concurrency,
+            samples: Vec::new(),
+            errors: 0,
+            extra: Default::default(),
+        }
+    }
+
+    fn with(mut self, k: &str, v: impl Into<Value>) -> Row {
+        self.extra.insert(k.into(), v.into());
+        self
+    }
+
+    fn p50(&self) -> f64 {
+        let mut s = self.samples.clone();
+        s.sort();
+        ms(pct(&s, 0.5))
+    }
+
+    fn to_json(&self) -> Value {
+        let mut s = self.samples.clone();
+        s.sort();
+        let mut m = serde_json::Map::new();
+        m.insert("name".into(), json!(self.name));
+        m.insert("concurrency".into(), json!(self.concurrency));
+        m.insert("n".into(), json!(s.len()));
+        m.insert("p50_ms".into(), json!(ms(pct(&s, 0.50))));
+        m.insert("p95_ms".into(), json!(ms(pct(&s, 0.95))));
+        m.insert("p99_ms".into(), json!(ms(pct(&s, 0.99))));
+        m.insert(
+            "max_ms".into(),
+            json!(ms(s.last().copied().unwrap_or_default())),
+        );
+        m.insert("errors".into(), json!(self.errors));
+        for (k, v) in &self.extra {
+            m.insert(k.clone(), v.clone());
+        }
+        Value::Object(m)
+    }
+}
+
+fn print_header() {
+    println!(
+        "{:<8} {:<10} {:>4} {:>6} {:>9} {:>9} {:>9} {:>9} {:>6}  details",
+        "MEASURE", "TEMPLATE", "C", "N", "P50 ms", "P95 ms", "P99 ms", "MAX ms", "ERR"
+    );
+}
+
+fn print_row(r: &Row, as_json: bool) {
+    if as_json {
+        println!("{}", r.to_json());
+        return;
+    }
+    let v = r.to_json();
+    let f = |k: &str| v[k].as_f64().unwrap_or(0.0);
+    let details: Vec<String> = r
+        .extra
+        .iter()
+        .filter(|(k, _)| k.as_str() != "template")
+        .map(|(k, v)| match v {
+            Value::String(s) => format!("{k}={s}"),
+            other => format!("{k}={other}"),
+        })
+        .collect();
+    println!(
+        "{:<8} {:<10} {:>4} {:>6} {:>9.2} {:>9.2} {:>9.2} {:>9.2} {:>6}  {}",
+        r.name,
+        r.extra
+            .get("template")
+            .and_then(Value::as_str)
+            .unwrap_or("-"),
+        r.concurrency,
+        r.samples.len(),
+        f("p50_ms"),
+        f("p95_ms"),
+        f("p99_ms"),
+        f("max_ms"),
+        r.errors,
+        details.join(" ")
+    );
+}
+
+// ---------------------------------------------------------------------------------------
+// HTTP: one kept-alive HTTP/1.1 connection per worker (as an SDK's connection pool).
+
+struct Conn {
+    addr: String,
+    sender: Option<http1::SendRequest<Full<Bytes>>>,
+}
+
+impl Conn {
+    fn new(addr: &str) -> Conn {
+        Conn {
+            addr: addr.into(),
+            sender: None,
+        }
+    }
+
+    async fn open(&mut self) -> anyhow::Result<&mut http1::SendRequest<Full<Bytes>>> {
+        let usable = matches!(&self.sender, Some(s) if !s.is_closed());
+        if !usable {
+            let tcp = TcpStream::connect(&self.addr)
+                .await
+                .with_context(|| format!("connecting to {}", self.addr))?;
+            let _ = tcp.set_nodelay(true);
+            let (sender, conn) = http1::handshake(TokioIo::new(tcp)).await?;
+            tokio::spawn(async move {
+                let _ = conn.await;
+            });
+            self.sender = Some(sender);
+        }
+        self.sender.as_mut().ok_or_else(|| anyhow!("no connection"))
+    }
+
+    /// Sends a request and reads the whole answer.
+    async fn call(&mut self, req: Request<Full<Bytes>>) -> anyhow::Result<(u16, Bytes)> {
+        let sender = self.open().await?;
+        sender.ready().await?;
+        let resp = match sender.send_request(req).await {
+            Ok(r) => r,
+            Err(e) => {
+                self.sender = None;
+                return Err(e.into());
+            }
+        };
+        let status = resp.status().as_u16();
+        let body = resp.into_body().collect().await?.to_bytes();
+        Ok((status, body))
+    }
+}
+
+#[derive(Clone)]
+struct Api {
+    addr: String,
+    key: String,
+}
+
+#[derive(Clone)]
+struct Sbx {
+    id: String,
+    token: Option<String>,
+}
+
+/// `host:port` of an `http://host:port[/]` URL.
+fn authority(url: &str) -> anyhow::Result<String> {
+    let rest = url
+        .strip_prefix("http://")
+        .ok_or_else(|| anyhow!("only http:// URLs are supported: {url}"))?;
+    let a = rest.split('/').next().unwrap_or_default();
+    if a.is_empty() {
+        bail!("no host in {url}");
+    }
+    Ok(if a.contains(':') {
+        a.to_string()
+    } else {
+        format!("{a}:80")
+    })
+}
+
+impl Api {
+    fn req(&self, method: Method, path: &str) -> hyper::http::request::Builder {
+        Request::builder()
+            .method(method)
+            .uri(path)
+            .header("host", &self.addr)
+            .header("x-api-key", &self.key)
+    }
+
+    async fn create(&self, c: &mut Conn, template: &str, internet: bool) -> anyhow::Result<Sbx> {
+        let body = json!({
+            "templateID": template, "timeout": 600, "metadata": {"cubicle-bench": "1"},
+            "envVars": {}, "allow_internet_access": internet,
+        });
+        let req = self
+            .req(Method::POST, "/v2/sandboxes")
+            .header("content-type", "application/json")
+            .body(Full::new(Bytes::from(body.to_string())))?;
+        let (status, body) = c.call(req).await?;
+        if status != 201 {
+            bail!("create: {status} {}", String::from_utf8_lossy(&body));
+        }
+        let v: Value = serde_json::from_slice(&body)?;
+        Ok(Sbx {
+            id: v["sandboxID"]
+                .as_str()
+                .ok_or_else(|| anyhow!("create: no sandboxID"))?
+                .to_string(),
+            token: v["envdAccessToken"].as_str().map(str::to_string),
+        })
+    }
+
+    async fn kill(&self, c: &mut Conn, id: &str) -> anyhow::Result<()> {
+        let req = self
+            .req(Method::DELETE, &format!("/sandboxes/{id}"))
+            .body(Full::new(Bytes::new()))?;
+        let (status, body) = c.call(req).await?;
+        if status != 204 && status != 404 {
+            bail!("kill {id}: {status} {}", String::from_utf8_lossy(&body));
+        }
+        Ok(())
+    }
+
+    async fn list_ids(&self, c: &mut Conn) -> anyhow::Result<Vec<String>> {
+        let mut ids = Vec::new();
+        let mut token: Option<String> = None;
+        for _ in 0..1000 {
+            let mut path = "/v2/sandboxes?limit=100&state=running".to_string();
+            if let Some(t) = &token {
+                path.push_str(&format!("&nextToken={t}"));
+            }
+            let sender = c.open().await?;
+            sender.ready().await?;
+            let resp = sender
+                .send_request(self.req(Method::GET, &path).body(Full::new(Bytes::new()))?)
+                .await?;
+            token = resp
+                .headers()
+                .get("x-next-token")
+                .and_then(|v| v.to_str().ok())
+                .filter(|s| !s.is_empty())
+                .map(str::to_string);
+            let body = resp.into_body().collect().await?.to_bytes();
+            let v: Value = serde_json::from_slice(&body)?;
+            for s in v.as_array().into_iter().flatten() {
+                if s["metadata"]["cubicle-bench"] == "1"
+                    && let Some(id) = s["sandboxID"].as_str()
+                {
+                    ids.push(id.to_string());
+                }
+            }
+            if token.is_none() {
+                break;
+            }
+        }
+        Ok(ids)
+    }
+
+    /// `Process.Start` of `cmd args…` through the router; Ok when it ended with code 0.
+    async fn run(&self, c: &mut Conn, s: &Sbx, cmd: &str, args: &[&str]) -> anyhow::Result<()> {
+        let msg = json!({"process": {"cmd": cmd, "args": args, "envs": {}}, "stdin": false});
+        let payload = msg.to_string().into_bytes();
+        let mut env = Vec::with_capacity(5 + payload.len());
+        env.push(0u8);
+        env.extend_from_slice(&(payload.len() as u32).to_be_bytes());
+        env.extend_from_slice(&payload);
+        let mut b = Request::builder()
+            .method(Method::POST)
+            .uri("/process.Process/Start")
+            .header("host", &self.addr)
+            .header("content-type", "application/connect+json")
+            .header("connect-protocol-version", "1")
+            .header("e2b-sandbox-id", &s.id)
+            .header("e2b-sandbox-port", ENVD_PORT.to_string())
+            .header("connect-timeout-ms", "60000");
+        if let Some(t) = &s.token {
+            b = b.header("x-access-token", t);
+        }
+        let (status, body) = c.call(b.body(Full::new(Bytes::from(env)))?).await?;
+        if status != 200 {
+            bail!("Process.Start: {status} {}", String::from_utf8_lossy(&body));
+        }
+        let mut rest = &body[..];
+        while rest.len() >= 5 {
+            let flags = rest[0];
+            let len = u32::from_be_bytes([rest[1], rest[2], rest[3], rest[4]]) as usize;
+            let Some(msg) = rest.get(5..5 + len) else {
+                bail!("Process.Start: truncated envelope");
+            };
+            rest = &rest[5 + len..];
+            let v: Value = serde_json::from_slice(msg)?;
+            if flags & 2 != 0 {
+                if !v["error"].is_null() {
+                    bail!("Process.Start: {}", v["error"]);
+                }
+                continue;
+            }
+            let end = &v["event"]["end"];
+            if !end.is_null() {
+                let code = end["exitCode"].as_i64().unwrap_or(0);
+                if code != 0 || end["exited"] != json!(true) {
+                    bail!("`{cmd}` ended: {end}");
+                }
+                return Ok(());
+            }
+        }
+        bail!("Process.Start: stream ended without an end event")
+    }
+
+    async fn health(&self, c: &mut Conn, id: &str) -> anyhow::Result<()> {
+        let req = Request::builder()
+            .method(Method::GET)
+            .uri("/health")
+            .header("host", &self.addr)
+            .header("e2b-sandbox-id", id)
+            .header("e2b-sandbox-port", ENVD_PORT.to_string())
+            .body(Full::new(Bytes::new()))?;
+        let (status, _) = c.call(req).await?;
+        if !(200..300).contains(&status) {
+            bail!("/health of {id}: {status}");
+        }
+        Ok(())
+    }
+}
+
+/// The command `commands.run("true")` amounts to in `template` (the SDK sends
+/// `/bin/bash -l -c true`; busybox `tiny` has no bash, so `/bin/sh -c true` there).
+fn true_cmd(template: &str) -> (&'static str, Vec<&'static str>) {
+    if template == "tiny" {
+        ("/bin/sh", vec!["-c", "true"])
+    } else {
+        ("/bin/bash", vec!["-l", "-c", "true"])
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// The server the bench starts.
+
+struct Server {
+    child: tokio::process::Child,
+}
+
+impl Server {
+    async fn start(
+        state_dir: &Path,
+        envd: Option<&PathBuf>,
+        templates: &[String],
+        pool: Option<usize>,
+    ) -> anyhow::Result<(Server, String, String)> {
+        let exe = std::env::current_exe().context("finding the cubicle binary")?;
+        let mut cmd = tokio::process::Command::new(exe);
+        cmd.arg("--state-dir").arg(state_dir);
+        if let Some(e) = envd {
+            cmd.arg("--envd-binary").arg(e);
+        }
+        cmd.args(["--first-slot", &BENCH_FIRST_SLOT.to_string()])
+            .args(["serve", "--listen", "127.0.0.1:0", "--no-reap-foreign"])
+            .arg("--max-timeout")
+            .arg("3600");
+        // Build only what the bench uses (base takes a minute the first time).
+        if !templates.iter().any(|t| t == "base") {
+            cmd.arg("--no-build-templates");
+        }
+        if let Some(n) = pool {
+            let spec: Vec<String> = templates.iter().map(|t| format!("{t}={n}")).collect();
+            cmd.arg("--pool").arg(spec.join(","));
+        }
+        cmd.stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .kill_on_drop(true);
+        let mut child = cmd.spawn().context("starting `cubicle serve`")?;
+        let stdout = child.stdout.take().ok_or_else(|| anyhow!("no stdout"))?;
+        let mut lines = tokio::io::BufReader::new(stdout).lines();
+        let (mut url, mut key) = (None, None);
+        let wait = async {
+            while let Some(line) = lines.next_line().await? {
+                if let Some(v) = line.strip_prefix("export E2B_API_URL=") {
+                    url = Some(v.to_string());
+                } else if let Some(v) = line.strip_prefix("export E2B_API_KEY=") {
+                    key = Some(v.to_string());
+                } else if line.trim() == "cubicle: ready" {
+                    return Ok(());
+                }
+            }
+            bail!("`cubicle serve` exited before it was ready")
+        };
+        tokio::time::timeout(Duration::from_secs(900), wait)
+            .await
+            .map_err(|_| anyhow!("`cubicle serve` not ready after 900 s"))??;
+        // Keep draining stdout so the server never blocks on a full pipe.
+        tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
+        let url = url.ok_or_else(|| anyhow!("no E2B_API_URL line"))?;
+        let key = key.ok_or_else(|| anyhow!("no E2B_API_KEY line"))?;
+        Ok((Server { child }, url, key))
+    }
+
+    async fn stop(mut self) {
+        if let Some(pid) = self.child.id() {
+            // SAFETY: plain kill(2) of our own child's pid.
+            unsafe { libc::kill(pid as i32, libc::SIGTERM) };
+        }
+        if tokio::time::timeout(Duration::from_secs(10), self.child.wait())
+            .await
+            .is_err()
+        {
+            let _ = self.child.kill().await;
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Measures.
+
+struct Ctx {
+    api: Api,
+    pool: String,
+    internet: bool,
+    iterations: usize,
+}
+
+/// Runs `total` iterations of `op` over `conc` workers; each worker has its own API
+/// connection. `op` returns the timed duration (it may exclude untimed cleanup).
+async fn drive<F, Fut>(
+    api: &Api,
+    conc: usize,
+    total: usize,
+    op: F,
+) -> (Vec<Duration>, usize, Vec<String>)
+where
+    F: Fn(Api, Conn) -> Fut + Send + Sync + Clone + 'static,
+    Fut: std::future::Future<Output = (Conn, anyhow::Result<Duration>)> + Send,
+{
+    let next = Arc::new(AtomicUsize::new(0));
+    let mut tasks = Vec::new();
+    for _ in 0..conc.max(1) {
+        let (api, next, op) = (api.clone(), next.clone(), op.clone());
+        tasks.push(tokio::spawn(async move {
+            let mut conn = Conn::new(&api.addr);
+            let (mut ok, mut errs) = (Vec::new(), Vec::new());
+            while next.fetch_add(1, Ordering::Relaxed) < total {
+                let (c, r) = op(api.clone(), conn).await;
+                conn = c;
+                match r {
+                    Ok(d) => ok.push(d),
+                    Err(e) => errs.push(format!("{e:#}")),
+                }
+            }
+            (ok, errs)
+        }));
+    }
+    let (mut samples, mut errors) = (Vec::new(), Vec::new());
+    for t in tasks {
+        if let Ok((ok, errs)) = t.await {
+            samples.extend(ok);
+            errors.extend(errs);
+        }
+    }
+    let n = errors.len();
+    (samples, n, errors)
+}
+
+fn note_errors(errors: &[String]) {
+    if let Some(first) = errors.first() {
+        eprintln!("cubicle bench: {} error(s), first: {first}", errors.len());
+    }
+}
+
+async fn measure_create(cx: &Ctx, template: &str, conc: usize, pace: Duration) -> Row {
+    let internet = cx.internet;
+    let mut row = Row::new("create", conc);
+    if conc <= 1 {
+        let t = template.to_string();
+        let (samples, errors, msgs) = drive(&cx.api, 1, cx.iterations, move |api, mut c| {
+            let t = t.clone();
+            async move {
+                let t0 = Instant::now();
+                let r = api.create(&mut c, &t, internet).await;
+                let d = t0.elapsed();
+                let r = match r {
+                    Ok(s) => api.kill(&mut c, &s.id).await.map(|_| d),
+                    Err(e) => Err(e),
+                };
+                // Untimed think time (an agent works between creates; a pool refills).
+                tokio::time::sleep(pace).await;
+                (c, r)
+            }
+        })
+        .await;
+        note_errors(&msgs);
+        row.samples = samples;
+        row.errors = errors;
+        if !pace.is_zero() {
+            row = row.with("pace_ms", pace.as_millis() as u64);
+        }
+    } else {
+        // Bursts: `conc` creates at once (timed), then all killed (untimed), then a pause
+        // for teardowns (and pool refills) to settle before the next burst.
+        let rounds = cx.iterations.div_ceil(conc);
+        for _ in 0..rounds {
+            let mut tasks = Vec::new();
+            for _ in 0..conc {
+                let (api, t) = (cx.api.clone(), template.to_string());
+                tasks.push(tokio::spawn(async move {
+                    let mut c = Conn::new(&api.addr);
+                    let t0 = Instant::now();
+                    let r = api.create(&mut c, &t, internet).await;
+                    (t0.elapsed(), r)
+                }));
+            }
+            let mut made = Vec::new();
+            for t in tasks {
+                match t.await {
+                    Ok((d, Ok(s))) => {
+                        row.samples.push(d);
+                        made.push(s);
+                    }
+                    Ok((_, Err(e))) => {
+                        if row.errors == 0 {
+                            eprintln!("cubicle bench: {e:#}");
+                        }
+                        row.errors += 1;
+                    }
+                    Err(_) => row.errors += 1,
+                }
+            }
+            let mut c = Conn::new(&cx.api.addr);
+            for s in made {
+                let _ = cx.api.kill(&mut c, &s.id).await;
+            }
+            tokio::time::sleep(Duration::from_millis(conc as u64 * 100)).await;
+        }
+    }
+    row.with("template", template)
+        .with("pool", cx.pool.as_str())
+        .with("internet", internet)
+}
+
+async fn measure_cycle(cx: &Ctx, template: &str, conc: usize, total: usize, pace: Duration) -> Row {
+    let (t, internet) = (template.to_string(), cx.internet);
+    let (samples, errors, msgs) = drive(&cx.api, conc, total, move |api, mut c| {
+        let t = t.clone();
+        async move {
+            let (cmd, args) = true_cmd(&t);
+            let t0 = Instant::now();
+            let r = async {
+                let s = api.create(&mut c, &t, internet).await?;
+                let ran = api.run(&mut c, &s, cmd, &args).await;
+                let killed = api.kill(&mut c, &s.id).await;
+                ran?;
+                killed?;
+                Ok(t0.elapsed())
+            }
+            .await;
+            tokio::time::sleep(pace).await;
+            (c, r)
+        }
+    })
+    .await;
+    note_errors(&msgs);
+    let mut row = Row {
+        samples,
+        errors,
+        ..Row::new("cycle", conc)
+    };
+    if !pace.is_zero() {
+        row = row.with("pace_ms", pace.as_millis() as u64);
+    }
+    row.with("template", template)
+        .with("pool", cx.pool.as_str())
+        .with("internet", internet)
+}
+
+async fn measure_exec(cx: &Ctx, template: &str, conc: usize) -> anyhow::Result<Row> {
+    let mut c = Conn::new(&cx.api.addr);
+    let s = cx.api.create(&mut c, template, cx.internet).await?;
+    let (cmd, args) = true_cmd(template);
+    let shown = format!("{cmd} {}", args.join(" "));
+    let sb = s.clone();
+    let (samples, errors, msgs) = drive(&cx.api, conc, cx.iterations, move |api, mut c| {
+        let (sb, args) = (sb.clone(), args.clone());
+        async move {
+            let t0 = Instant::now();
+            let r = api.run(&mut c, &sb, cmd, &args).await.map(|_| t0.elapsed());
+            (c, r)
+        }
+    })
+    .await;
+    note_errors(&msgs);
+    cx.api.kill(&mut c, &s.id).await?;
+    Ok(Row {
+        samples,
+        errors,
+        ..Row::new("exec", conc)
+    }
+    .with("template", template)
+    .with("cmd", shown))
+}
+
+/// Kernel-side /proc/meminfo fields (KiB) whose growth explains a sandbox's cost.
+const KERNEL_FIELDS: &[&str] = &["Slab:", "Percpu:", "KernelStack:", "PageTables:", "Shmem:"];
+
+fn meminfo_fields() -> BTreeMap<String, u64> {
+    let s = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();
+    s.lines()
+        .filter_map(|l| {
+            let (k, v) = l.split_once(':')?;
+            let v = v.split_whitespace().next()?.parse().ok()?;
+            Some((format!("{k}:"), v))
+        })
+        .filter(|(k, _)| KERNEL_FIELDS.contains(&k.as_str()))
+        .collect()
+}
+
+/// `MemTotal - MemAvailable` in KiB.
+fn used_kib() -> anyhow::Result<u64> {
+    let s = std::fs::read_to_string("/proc/meminfo")?;
+    let field = |name: &str| -> anyhow::Result<u64> {
+        s.lines()
+            .find_map(|l| l.strip_prefix(name))
+            .and_then(|r| r.split_whitespace().next())
+            .and_then(|v| v.parse().ok())
+            .ok_or_else(|| anyhow!("/proc/meminfo has no {name}"))
+    };
+    Ok(field("MemTotal:")? - field("MemAvailable:")?)
+}
+
+/// Sum of RSS and PSS (KiB) and count of the processes whose cgroup path names one of
+/// `ids` (the envd init parent and server of each sandbox, plus anything else in it).
+fn sandbox_process_memory(ids: &std::collections::HashSet<String>) -> (u64, u64, usize) {
+    let (mut rss, mut pss, mut n) = (0, 0, 0);
+    let Ok(dir) = std::fs::read_dir("/proc") else {
+        return (0, 0, 0);
+    };
+    for e in dir.flatten() {
+        let name = e.file_name();
+        let Some(pid) = name
+            .to_str()
+            .filter(|s| s.bytes().all(|b| b.is_ascii_digit()))
+        else {
+            continue;
+        };
+        let Ok(cg) = std::fs::read_to_string(format!("/proc/{pid}/cgroup")) else {
+            continue;
+        };
+        let in_ours = cg.lines().any(|l| {
+            l.rsplit('/').next().is_some_and(|last| ids.contains(last))
+                || l.split('/').any(|seg| ids.contains(seg))
+        });
+        if !in_ours {
+            continue;
+        }
+        let Ok(sm) = std::fs::read_to_string(format!("/proc/{pid}/smaps_rollup")) else {
+            continue;
+        };
+        let kib = |k: &str| {
+            sm.lines()
+                .find_map(|l| l.strip_prefix(k))
+                .and_then(|r| r.split_whitespace().next())
+                .and_then(|v| v.parse::<u64>().ok())
+                .unwrap_or(0)
+        };
+        rss += kib("Rss:");
+        pss += kib("Pss:");
+        n += 1;
+    }
+    (rss, pss, n)
+}
+
+async fn measure_density(cx: &Ctx, template: &str, n: usize) -> anyhow::Result<Vec<Row>> {
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let before = used_kib()?;
+    let kernel_before = meminfo_fields();
+    let t0 = Instant::now();
+    let made = Arc::new(tokio::sync::Mutex::new(Vec::<Sbx>::new()));
+    let m2 = made.clone();
+    let (t, internet) = (template.to_string(), cx.internet);
+    let (create_samples, create_errors, msgs) = drive(&cx.api, 8, n, move |api, mut c| {
+        let (t, made) = (t.clone(), m2.clone());
+        async move {
+            let t0 = Instant::now();
+            let r = match api.create(&mut c, &t, internet).await {
+                Ok(s) => {
+                    made.lock().await.push(s);
+                    Ok(t0.elapsed())
+                }
+                Err(e) => Err(e),
+            };
+            (c, r)
+        }
+    })
+    .await;
+    note_errors(&msgs);
+    let fill = t0.elapsed();
+    let sandboxes = made.lock().await.clone();
+    let held = sandboxes.len();
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let after = used_kib()?;
+    let kernel_after = meminfo_fields();
+    let ids: std::collections::HashSet<String> = sandboxes.iter().map(|s| s.id.clone()).collect();
+    let (rss, pss, procs) = sandbox_process_memory(&ids);
+
+    // /health round trips to every sandbox, twice around, one kept-alive connection.
+    let mut health = Vec::new();
+    let mut health_errors = 0;
+    let mut c = Conn::new(&cx.api.addr);
+    for _ in 0..2 {
+        for s in &sandboxes {
+            let t = Instant::now();
+            match cx.api.health(&mut c, &s.id).await {
+                Ok(()) => health.push(t.elapsed()),
+                Err(e) => {
+                    if health_errors == 0 {
+                        eprintln!("cubicle bench: {e:#}");
+                    }
+                    health_errors += 1;
+                }
+            }
+        }
+    }
+
+    // Kill them all again.
+    let list = Arc::new(tokio::sync::Mutex::new(sandboxes));
+    let l2 = list.clone();
+    let (kill_samples, kill_errors, msgs) = drive(&cx.api, 8, held, move |api, mut c| {
+        let list = l2.clone();
+        async move {
+            let s = list.lock().await.pop();
+            let t0 = Instant::now();
+            let r = match s {
+                Some(s) => api.kill(&mut c, &s.id).await.map(|_| t0.elapsed()),
+                None => Ok(Duration::ZERO),
+            };
+            (c, r)
+        }
+    })
+    .await;
+    note_errors(&msgs);
+
+    let per = |kib: u64| {
+        if held == 0 {
+            0.0
+        } else {
+            (kib as f64 / held as f64 / 1024.0 * 1000.0).round() / 1000.0
+        }
+    };
+    let delta = after.saturating_sub(before);
+    let mem = Row {
+        samples: health,
+        errors: health_errors + create_errors,
+        ..Row::new("density", 1)
+    }
+    .with("template", template)
+    .with("asked", n)
+    .with("held", held)
+    .with("mib_per_sandbox", per(delta))
+    .with("host_delta_mib", (delta as f64 / 1024.0).round())
+    .with(
+        "procs_per_sandbox",
+        if held > 0 {
+            procs as f64 / held as f64
+        } else {
+            0.0
+        },
+    )
+    .with("rss_mib_per_sandbox", per(rss))
+    .with("pss_mib_per_sandbox", per(pss))
+    .with(
+        "kernel_kib_per_sandbox",
+        Value::Object(
+            kernel_after
+                .iter()
+                .map(|(k, a)| {
+                    let d = a.saturating_sub(kernel_before.get(k).copied().unwrap_or(0));
+                    let per = if held > 0 { d / held as u64 } else { 0 };
+                    (k.trim_end_matches(':').to_string(), json!(per))
+                })
+                .collect(),
+        ),
+    )
+    .with("fill_s", (fill.as_secs_f64() * 10.0).round() / 10.0)
+    .with("latency_of", "GET /health");
+    let creates = Row {
+        samples: create_samples,
+        errors: create_errors,
+        ..Row::new("dens-new", 8)
+    }
+    .with("template", template)
+    .with("latency_of", "create while filling");
+    let kills = Row {
+        samples: kill_samples,
+        errors: kill_errors,
+        ..Row::new("dens-kill", 8)
+    }
+    .with("template", template)
+    .with("latency_of", "DELETE");
+    Ok(vec![mem, creates, kills])
+}
+
+/// `runc run` and `bwrap` cycles of `true` on `rootfs`.
+async fn measure_peer(rootfs: &Path, n: usize) -> anyhow::Result<Vec<Row>> {
+    let rootfs = rootfs
+        .canonicalize()
+        .with_context(|| format!("rootfs {}", rootfs.display()))?;
+    let bundle = std::env::temp_dir().join(format!("cb-bench-runc-{}", std::process::id()));
+    std::fs::create_dir_all(&bundle)?;
+    let spec = runc_spec(&rootfs);
+    std::fs::write(
+        bundle.join("config.json"),
+        serde_json::to_vec_pretty(&spec)?,
+    )?;
+    let mut rows = Vec::new();
+
+    let mut runc = Row::new("peer", 1).with("runtime", "runc run");
+    for i in 0..n {
+        let id = format!("cb-bench-{}-{i}", std::process::id());
+        let t0 = Instant::now();
+        let st = tokio::process::Command::new("runc")
+            .args(["run", "--bundle"])
+            .arg(&bundle)
+            .arg(&id)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .output()
+            .await;
+        match st {
+            Ok(o) if o.status.success() => runc.samples.push(t0.elapsed()),
+            Ok(o) => {
+                if runc.errors == 0 {
+                    eprintln!(
+                        "cubicle bench: runc: {}",
+                        String::from_utf8_lossy(&o.stderr).trim()
+                    );
+                }
+                runc.errors += 1;
+                let _ = std::process::Command::new("runc")
+                    .args(["delete", "--force", &id])
+                    .output();
+            }
+            Err(e) => {
+                runc.errors += 1;
+                if runc.errors == 1 {
+                    eprintln!("cubicle bench: runc: {e}");
+                }
+                break;
+            }
+        }
+    }
+    let _ = std::fs::remove_dir_all(&bundle);
+    rows.push(runc);
+
+    let mut bwrap = Row::new("peer", 1).with("runtime", "bwrap --unshare-all");
+    for _ in 0..n {
+        let t0 = Instant::now();
+        let st = tokio::process::Command::new("bwrap")
+            .arg("--unshare-all")
+            .arg("--ro-bind")
+            .arg(&rootfs)
+            .args(["/", "--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp"])
+            .args(["/bin/sh", "-c", "true"])
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .output()
+            .await;
+        match st {
+            Ok(o) if o.status.success() => bwrap.samples.push(t0.elapsed()),
+            Ok(o) => {
+                if bwrap.errors == 0 {
+                    eprintln!(
+                        "cubicle bench: bwrap: {}",
+                        String::from_utf8_lossy(&o.stderr).trim()
+                    );
+                }
+                bwrap.errors += 1;
+            }
+            Err(e) => {
+                bwrap.errors += 1;
+                eprintln!("cubicle bench: bwrap: {e}");
+                break;
+            }
+        }
+    }
+    rows.push(bwrap);
+    Ok(rows)
+}
+
+/// A minimal OCI runtime spec: `/bin/sh -c true` on a read-only `rootfs`, the usual
+/// namespaces (pid, net, ipc, uts, mount), no terminal.
+fn runc_spec(rootfs: &Path) -> Value {
+    json!({
+        "ociVersion": "1.0.2",
+        "process": {
+            "terminal": false,
+            "user": {"uid": 0, "gid": 0},
+            "args": ["/bin/sh", "-c", "true"],
+            "env": ["PATH=/usr/sbin:/usr/bin:/sbin:/bin"],
+            "cwd": "/",
+            "capabilities": {
+                "bounding": ["CAP_KILL", "CAP_NET_BIND_SERVICE", "CAP_AUDIT_WRITE"],
+                "effective": ["CAP_KILL", "CAP_NET_BIND_SERVICE", "CAP_AUDIT_WRITE"],
+                "permitted": ["CAP_KILL", "CAP_NET_BIND_SERVICE", "CAP_AUDIT_WRITE"]
+            },
+            "rlimits": [{"type": "RLIMIT_NOFILE", "hard": 1024, "soft": 1024}],
+            "noNewPrivileges": true
+        },
+        "root": {"path": rootfs, "readonly": true},
+        "hostname": "cb-bench",
+        "mounts": [
+            {"destination": "/proc", "type": "proc", "source": "proc"},
+            {"destination": "/dev", "type": "tmpfs", "source": "tmpfs",
+             "options": ["nosuid", "strictatime", "mode=755", "size=65536k"]},
+            {"destination": "/tmp", "type": "tmpfs", "source": "tmpfs",
+             "options": ["nosuid", "nodev", "mode=1777"]}
+        ],
+        "linux": {
+            "namespaces": [
+                {"type": "pid"}, {"type": "network"}, {"type": "ipc"},
+                {"type": "uts"}, {"type": "mount"}
+            ],
+            "maskedPaths": ["/proc/kcore", "/proc/keys", "/proc/timer_list"],
+            "readonlyPaths": ["/proc/sys", "/proc/sysrq-trigger"]
+        }
+    })
+}
+
+// ---------------------------------------------------------------------------------------
+
+pub async fn run(args: BenchArgs, envd: Option<&PathBuf>) -> anyhow::Result<i32> {
+    let measures: Vec<String> = if args.measures.is_empty() {
+        ["create", "cycle", "exec", "peer"]
+            .map(String::from)
+            .to_vec()
+    } else {
+        args.measures.clone()
+    };
+    for m in &measures {
+        if !ALL_MEASURES.contains(&m.as_str()) {
+            bail!("unknown measure {m:?} (known: {})", ALL_MEASURES.join(", "));
+        }
+    }
+    let has = |m: &str| measures.iter().any(|x| x == m);
+    let mut templates = vec![args.template.clone()];
+    if has("create") || has("cycle") {
+        for t in &args.also {
+            if !t.is_empty() && !templates.contains(t) {
+                templates.push(t.clone());
+            }
+        }
+    }
+    let modes: Vec<String> = if args.url.is_some() {
+        vec!["server".into()]
+    } else {
+        let mut m: Vec<String> = args
+            .pool_modes
+            .iter()
+            .filter(|m| *m == "off" || *m == "on")
+            .cloned()
+            .collect();
+        if m.is_empty() {
+            bail!("--pool-modes takes off and/or on");
+        }
+        // Only create/cycle differ between modes.
+        if !(has("create") || has("cycle")) {
+            m.truncate(1);
+        }
+        m
+    };
+    if !args.json {
+        print_header();
+    }
+    let mut cycle_c1: BTreeMap<String, f64> = BTreeMap::new();
+    for (k, mode) in modes.iter().enumerate() {
+        let (server, url, key) = match &args.url {
+            Some(u) => {
+                let key = args
+                    .api_key
+                    .clone()
+                    .or_else(|| std::env::var("E2B_API_KEY").ok())
+                    .ok_or_else(|| anyhow!("--url needs --api-key (or E2B_API_KEY)"))?;
+                (None, u.clone(), key)
+            }
+            None => {
+                let pool = (mode == "on").then_some(args.pool_size);
+                eprintln!(
+                    "cubicle bench: starting `cubicle serve` on {} (warm pool {mode})",
+                    args.server_state_dir.display()
+                );
+                let (s, u, k) =
+                    Server::start(&args.server_state_dir, envd, &templates, pool).await?;
+                if let Some(n) = pool {
+                    // Let the pool fill (about 20-40 ms per sandbox on 2 cores).
+                    let wait = Duration::from_millis((n * templates.len()) as u64 * 60 + 1000);
+                    tokio::time::sleep(wait).await;
+                }
+                (Some(s), u, k)
+            }
+        };
+        let cx = Ctx {
+            api: Api {
+                addr: authority(&url)?,
+                key,
+            },
+            pool: mode.clone(),
+            internet: !args.no_internet,
+            iterations: args.iterations.max(1),
+        };
+        eprintln!(
+            "cubicle bench: server {url}, {} iterations per measure, internet {}; a 2-core shared machine is noisy",
+            cx.iterations,
+            if cx.internet { "on" } else { "off" }
+        );
+        let result = run_measures(&cx, &args, &measures, &templates, k == 0, &mut cycle_c1).await;
+
+        // Whatever happened: kill what the bench left (it tags its sandboxes).
+        let mut c = Conn::new(&cx.api.addr);
+        if let Ok(ids) = cx.api.list_ids(&mut c).await {
+            for id in ids {
+                let _ = cx.api.kill(&mut c, &id).await;
+            }
+        }
+        if let Some(s) = server {
+            s.stop().await;
+        }
+        result?;
+    }
+    if has("peer") {
+        let rootfs = match &args.rootfs {
+            Some(p) => p.clone(),
+            None if args.url.is_none() => args
+                .server_state_dir
+                .join("templates")
+                .join(&args.template)
+                .join("rootfs"),
+            None => bail!("peer with --url needs --rootfs (the template's rootfs)"),
+        };
+        // Against Cubicle's c=1 closed-loop cycle (fastest pool mode) of this run, and
+        // against the warm one (pool on, paced: the pool keeps up) when measured.
+        let cub = cycle_c1
+            .iter()
+            .filter(|(k, _)| k.as_str() != "warm")
+            .map(|(_, v)| *v)
+            .fold(f64::INFINITY, f64::min);
+        let cub = if cub.is_finite() { cub } else { 0.0 };
+        let warm = cycle_c1.get("warm").copied();
+        for r in measure_peer(&rootfs, args.iterations.max(1)).await? {
+            let p50 = r.p50();
+            let ratio = |c: f64| {
+                if c > 0.0 {
+                    (p50 / c * 100.0).round() / 100.0
+                } else {
+                    0.0
+                }
+            };
+            let mut r = r
+                .with("template", args.template.as_str())
+                .with("cubicle_cycle_p50_ms", cub)
+                .with("peer_over_cubicle", ratio(cub));
+            if let Some(w) = warm {
+                r = r
+                    .with("cubicle_warm_cycle_p50_ms", w)
+                    .with("peer_over_cubicle_warm", ratio(w));
+            }
+            print_row(&r, args.json);
+        }
+    }
+    Ok(0)
+}
+
+async fn run_measures(
+    cx: &Ctx,
+    args: &BenchArgs,
+    measures: &[String],
+    templates: &[String],
+    first_mode: bool,
+    cycle_c1: &mut BTreeMap<String, f64>,
+) -> anyhow::Result<()> {
+    let emit = |r: &Row| print_row(r, args.json);
+    // Warm-up: first creates pay for page cache and lazy setup.
+    {
+        let mut c = Conn::new(&cx.api.addr);
+        for t in templates {
+            for _ in 0..3 {
+                let s = cx.api.create(&mut c, t, cx.internet).await?;
+                cx.api.kill(&mut c, &s.id).await?;
+            }
+        }
+    }
+    let has = |m: &str| measures.iter().any(|x| x == m);
+    if has("create") {
+        for t in templates {
+            for &conc in &args.concurrency {
+                emit(&measure_create(cx, t, conc, Duration::ZERO).await);
+                if conc == 1 && cx.pool == "on" && args.pace_ms > 0 {
+                    // The closed loop above outruns the refill; this is the warm case.
+                    let pace = Duration::from_millis(args.pace_ms);
+                    emit(&measure_create(cx, t, conc, pace).await);
+                }
+            }
+        }
+    }
+    if has("cycle") || (has("peer") && first_mode) {
+        let ts: &[String] = if has("cycle") {
+            templates
+        } else {
+            &templates[..1]
+        };
+        let concs: Vec<usize> = if has("cycle") {
+            args.concurrency.clone()
+        } else {
+            vec![1]
+        };
+        for t in ts {
+            for &conc in &concs {
+                let r = measure_cycle(cx, t, conc, cx.iterations, Duration::ZERO).await;
+                if conc == 1 && *t == args.template {
+                    cycle_c1.insert(cx.pool.clone(), r.p50());
+                }
+                emit(&r);
+                if conc == 1 && cx.pool == "on" && args.pace_ms > 0 {
+                    let pace = Duration::from_millis(args.pace_ms);
+                    let r = measure_cycle(cx, t, conc, cx.iterations, pace).await;
+                    if *t == args.template {
+                        cycle_c1.insert("warm".into(), r.p50());
+                    }
+                    emit(&r);
+                }
+            }
+        }
+    }
+    if has("exec") && first_mode {
+        emit(&measure_exec(cx, &args.template, 1).await?);
+    }
+    if has("density") && first_mode {
+        for r in measure_density(cx, &args.template, args.n).await? {
+            emit(&r);
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn percentiles_are_nearest_rank() {
+        let s: Vec<Duration> = (1..=100).map(Duration::from_millis).collect();
+        assert_eq!(pct(&s, 0.5), Duration::from_millis(50));
+        assert_eq!(pct(&s, 0.99), Duration::from_millis(99));
+        assert_eq!(pct(&s, 1.0), Duration::from_millis(100));
+        assert_eq!(pct(&[], 0.5), Duration::ZERO);
+    }
+
+    #[test]
+    fn json_row_has_the_required_fields() {
+        let mut r = Row::new("create", 50).with("pool", "off");
+        r.samples = vec![Duration::from_millis(3), Duration::from_millis(5)];
+        r.errors = 1;
+        let v = r.to_json();
+        for k in [
+            "name",
+            "concurrency",
+            "n",
+            "p50_ms",
+            "p95_ms",
+            "p99_ms",
+            "max_ms",
+            "errors",
+            "pool",
+        ] {
+            assert!(v.get(k).is_some(), "missing {k}");
+        }
+        assert_eq!(v["n"], 2);
+        assert_eq!(v["p50_ms"], 3.0);
+        assert_eq!(v["max_ms"], 5.0);
+    }
+
+    #[test]
+    fn authority_of_urls() {
+        assert_eq!(
+            authority("http://127.0.0.1:3000").unwrap(),
+            "127.0.0.1:3000"
+        );
+        assert_eq!(authority("http://h/x").unwrap(), "h:80");
+        assert!(authority("https://h").is_err());
+    }
+
+    #[test]
+    fn runc_spec_is_read_only_on_the_rootfs() {
+        let v = runc_spec(Path::new("/r"));
+        assert_eq!(v["root"]["path"], "/r");
+        assert_eq!(v["root"]["readonly"], true);
+        assert_eq!(v["process"]["args"][2], "true");
+    }
+}

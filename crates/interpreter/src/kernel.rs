@@ -1,0 +1,369 @@
+//! One Jupyter kernel process and its ZeroMQ channels (shell DEALER, iopub SUB).
+//!
+//! The kernel is spawned from a connection file (random loopback ports, random HMAC
+//! key) in its own process group. A task per channel decodes incoming messages and routes
+//! them by `parent_header.msg_id` to whoever registered that request id; a third task
+//! waits for the process and flips `dead`. Interrupts are SIGINT to the kernel (ipykernel's
+//! default `interrupt_mode` is `signal`). Dropping the `Kernel` kills its process group.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use serde_json::{Value, json};
+use tokio::sync::{mpsc, watch};
+use zeromq::{DealerSocket, Socket, SocketRecv, SocketSend, SubSocket, ZmqMessage};
+
+use crate::error::Error;
+use crate::jupyter::{self, Message};
+
+type Routes = Arc<Mutex<HashMap<String, mpsc::UnboundedSender<Message>>>>;
+
+/// How to launch kernels.
+#[derive(Debug, Clone)]
+pub struct Launcher {
+    /// Python interpreter with ipykernel (and bash_kernel) installed.
+    pub python: String,
+    /// Deno binary for JavaScript/TypeScript (`deno jupyter --kernel`), if installed.
+    pub deno: Option<String>,
+    /// Directory for connection files.
+    pub runtime_dir: PathBuf,
+}
+
+impl Launcher {
+    /// argv for a language's kernel (`{cf}` is replaced by the connection file), or
+    /// `None` if unsupported.
+    pub fn argv(&self, language: &str) -> Option<Vec<String>> {
+        let module = match language {
+            "python" => "ipykernel_launcher",
+            "bash" => "bash_kernel",
+            "javascript" | "typescript" => {
+                let deno = self.deno.clone()?;
+                return Some(vec![
+                    deno,
+                    "jupyter".into(),
+                    "--kernel".into(),
+                    "--conn".into(),
+                    "{cf}".into(),
+                ]);
+            }
+            _ => return None,
+        };
+        Some(vec![
+            self.python.clone(),
+            "-m".into(),
+            module.into(),
+            "-f".into(),
+            "{cf}".into(),
+        ])
+    }
+}
+
+pub struct Kernel {
+    key: Vec<u8>,
+    session: String,
+    shell_tx: mpsc::UnboundedSender<Vec<Bytes>>,
+    /// Control channel, for kernels interrupted by `interrupt_request` (Deno: SIGINT
+    /// would end it) rather than by SIGINT.
+    control_tx: Option<mpsc::UnboundedSender<Vec<Bytes>>>,
+    routes: Routes,
+    pid: i32,
+    dead: watch::Receiver<bool>,
+    conn_file: PathBuf,
+    tasks: Vec<tokio::task::JoinHandle<()>>,
+}
+
+fn free_port() -> Result<u16, Error> {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").map_err(|e| Error::io("bind", e))?;
+    Ok(l.local_addr()
+        .map_err(|e| Error::io("local_addr", e))?
+        .port())
+}
+
+impl Kernel {
+    /// Spawn a kernel and wait until it answers `kernel_info_request` and its iopub
+    /// channel delivers.
+    pub async fn start(
+        launcher: &Launcher,
+        language: &str,
+        cwd: &str,
+        env: &[(String, String)],
+    ) -> Result<Arc<Kernel>, Error> {
+        let argv = launcher
+            .argv(language)
+            .ok_or_else(|| Error::Kernel(format!("language '{language}' is not supported in this sandbox (supported: python, bash, and javascript/typescript when deno is installed)")))?;
+        let key = jupyter::random_id();
+        let (shell, iopub, control) = (free_port()?, free_port()?, free_port()?);
+        let js = matches!(language, "javascript" | "typescript");
+        let conn = json!({
+            "shell_port": shell, "iopub_port": iopub, "stdin_port": free_port()?,
+            "control_port": control, "hb_port": free_port()?,
+            "ip": "127.0.0.1", "key": key, "transport": "tcp",
+            "signature_scheme": "hmac-sha256", "kernel_name": language,
+        });
+        std::fs::create_dir_all(&launcher.runtime_dir)
+            .map_err(|e| Error::io("mkdir runtime dir", e))?;
+        let conn_file = launcher
+            .runtime_dir
+            .join(format!("kernel-{}.json", jupyter::random_id()));
+        {
+            use std::io::Write;
+            use std::os::unix::fs::OpenOptionsExt;
+            let mut f = std::fs::OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .mode(0o600)
+                .open(&conn_file)
+                .map_err(|e| Error::io("write connection file", e))?;
+            f.write_all(conn.to_string().as_bytes())
+                .map_err(|e| Error::io("write connection file", e))?;
+        }
+        let cf = conn_file.to_string_lossy().into_owned();
+        let argv: Vec<String> = argv.into_iter().map(|a| a.replace("{cf}", &cf)).collect();
+        let mut cmd = tokio::process::Command::new(&argv[0]);
+        cmd.args(&argv[1..])
+            .current_dir(cwd)
+            .env_remove("CUBICLE_ENVD_ACCESS_TOKEN")
+            .envs(env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
+            .stdin(std::process::Stdio::null())
+            .process_group(0)
+            .kill_on_drop(true);
+        if language == "python" {
+            cmd.env("MPLBACKEND", "module://matplotlib_inline.backend_inline");
+        }
+        if js {
+            // Plain `text/plain` (Deno.inspect colours it otherwise).
+            cmd.env("NO_COLOR", "1");
+        }
+        let mut child = cmd
+            .spawn()
+            .map_err(|e| Error::io(format!("spawn {}", argv[0]), e))?;
+        let pid = child.id().map(|p| p as i32).unwrap_or(0);
+        let (dead_tx, dead) = watch::channel(false);
+        let mut tasks = Vec::new();
+        tasks.push(tokio::spawn(async move {
+            let st = child.wait().await;
+            tracing::warn!(pid, "kernel exited: {st:?}");
+            let _ = dead_tx.send(true);
+        }));
+
+        let deadline = Instant::now() + Duration::from_secs(60);
+        let routes: Routes = Arc::default();
+        let addr = |p: u16| format!("tcp://127.0.0.1:{p}");
+        let mut sub = SubSocket::new();
+        let mut dealer = DealerSocket::new();
+        loop {
+            if *dead.borrow() {
+                return Err(Error::Kernel(format!(
+                    "{language} kernel exited during startup"
+                )));
+            }
+            if Instant::now() > deadline {
+                return Err(Error::Kernel(format!(
+                    "{language} kernel did not start within 60s"
+                )));
+            }
+            if sub.connect(&addr(iopub)).await.is_ok() {
+                break;
+            }
+            sub = SubSocket::new();
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        sub.subscribe("")
+            .await
+            .map_err(|e| Error::Kernel(format!("subscribe: {e}")))?;
+        loop {
+            if Instant::now() > deadline {
+                return Err(Error::Kernel("shell channel did not connect".into()));
+            }
+            if dealer.connect(&addr(shell)).await.is_ok() {
+                break;
+            }
+            dealer = DealerSocket::new();
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        let (shell_tx, mut shell_rx) = mpsc::unbounded_channel::<Vec<Bytes>>();
+        let kb = key.clone().into_bytes();
+        let r = routes.clone();
+        tasks.push(tokio::spawn(async move {
+            loop {
+                tokio::select! {
+                    out = shell_rx.recv() => {
+                        let Some(frames) = out else { break };
+                        let Ok(m) = ZmqMessage::try_from(frames) else { continue };
+                        if let Err(e) = dealer.send(m).await {
+                            tracing::warn!("shell send: {e}");
+                        }
+                    }
+                    inc = dealer.recv() => match inc {
+                        Ok(m) => dispatch(&kb, &r, m),
+                        Err(e) => { tracing::warn!("shell recv: {e}"); break }
+                    }
+                }
+            }
+        }));
+        let mut control_tx = None;
+        if js {
+            let mut ctl = DealerSocket::new();
+            while ctl.connect(&addr(control)).await.is_err() {
+                if Instant::now() > deadline {
+                    return Err(Error::Kernel("control channel did not connect".into()));
+                }
+                ctl = DealerSocket::new();
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            let (tx, mut rx) = mpsc::unbounded_channel::<Vec<Bytes>>();
+            control_tx = Some(tx);
+            tasks.push(tokio::spawn(async move {
+                loop {
+                    tokio::select! {
+                        out = rx.recv() => {
+                            let Some(frames) = out else { break };
+                            let Ok(m) = ZmqMessage::try_from(frames) else { continue };
+                            let _ = ctl.send(m).await;
+                        }
+                        inc = ctl.recv() => if inc.is_err() { break },
+                    }
+                }
+            }));
+        }
+        let kb = key.clone().into_bytes();
+        let r = routes.clone();
+        tasks.push(tokio::spawn(async move {
+            loop {
+                match sub.recv().await {
+                    Ok(m) => dispatch(&kb, &r, m),
+                    Err(e) => {
+                        tracing::warn!("iopub recv: {e}");
+                        break;
+                    }
+                }
+            }
+        }));
+        let k = Arc::new(Kernel {
+            key: key.into_bytes(),
+            session: jupyter::random_id(),
+            shell_tx,
+            control_tx,
+            routes,
+            pid,
+            dead,
+            conn_file,
+            tasks,
+        });
+        // Ready when kernel_info is answered on shell AND a status arrives on iopub (the
+        // SUB subscription is live).
+        loop {
+            if k.is_dead() {
+                return Err(Error::Kernel(format!(
+                    "{language} kernel exited during startup"
+                )));
+            }
+            if Instant::now() > deadline {
+                return Err(Error::Kernel(format!(
+                    "{language} kernel did not answer within 60s"
+                )));
+            }
+            let (id, mut rx) = k.request("kernel_info_request", json!({}))?;
+            let (mut reply, mut iopub) = (false, false);
+            let until = tokio::time::sleep(Duration::from_millis(1000));
+            tokio::pin!(until);
+            while !(reply && iopub) {
+                tokio::select! {
+                    m = rx.recv() => match m {
+                        Some(m) if m.msg_type() == "kernel_info_reply" => reply = true,
+                        Some(m) if m.msg_type() == "status" => iopub = true,
+                        Some(_) => {}
+                        None => break,
+                    },
+                    _ = &mut until => break,
+                }
+            }
+            k.unregister(&id);
+            if reply && iopub {
+                return Ok(k);
+            }
+        }
+    }
+
+    pub fn is_dead(&self) -> bool {
+        *self.dead.borrow()
+    }
+
+    /// A receiver that changes when the kernel dies.
+    pub fn dead_watch(&self) -> watch::Receiver<bool> {
+        self.dead.clone()
+    }
+
+    /// Send a shell request; replies and iopub messages with it as parent arrive on the
+    /// returned receiver until [`Kernel::unregister`].
+    pub fn request(
+        &self,
+        msg_type: &str,
+        content: Value,
+    ) -> Result<(String, mpsc::UnboundedReceiver<Message>), Error> {
+        let msg = Message::new(msg_type, &self.session, content);
+        let id = msg.msg_id().to_string();
+        let (tx, rx) = mpsc::unbounded_channel();
+        if let Ok(mut r) = self.routes.lock() {
+            r.insert(id.clone(), tx);
+        }
+        self.shell_tx
+            .send(jupyter::encode(&self.key, &msg))
+            .map_err(|_| Error::Kernel("kernel shell channel closed".into()))?;
+        Ok((id, rx))
+    }
+
+    pub fn unregister(&self, id: &str) {
+        if let Ok(mut r) = self.routes.lock() {
+            r.remove(id);
+        }
+    }
+
+    /// Interrupt the running execution: `interrupt_request` on control for kernels that
+    /// want it, else SIGINT (KeyboardInterrupt in ipykernel).
+    pub fn interrupt(&self) {
+        if let Some(tx) = &self.control_tx {
+            let msg = Message::new("interrupt_request", &self.session, json!({}));
+            let _ = tx.send(jupyter::encode(&self.key, &msg));
+        } else if self.pid > 0 {
+            // SAFETY: plain kill(2) on the kernel we spawned.
+            unsafe { libc::kill(self.pid, libc::SIGINT) };
+        }
+    }
+
+    /// SIGKILL the kernel's process group.
+    pub fn kill(&self) {
+        if self.pid > 0 {
+            // SAFETY: plain kill(2) on the process group we created.
+            unsafe { libc::kill(-self.pid, libc::SIGKILL) };
+        }
+    }
+}
+
+impl Drop for Kernel {
+    fn drop(&mut self) {
+        self.kill();
+        for t in &self.tasks {
+            t.abort();
+        }
+        let _ = std::fs::remove_file(&self.conn_file);
+    }
+}
+
+fn dispatch(key: &[u8], routes: &Routes, m: ZmqMessage) {
+    let frames = m.into_vec();
+    match jupyter::decode(key, &frames) {
+        Ok(msg) => {
+            let parent = msg.parent_id().to_string();
+            if let Ok(r) = routes.lock()
+                && let Some(tx) = r.get(&parent)
+            {
+                let _ = tx.send(msg);
+            }
+        }
+        Err(e) => tracing::warn!("dropping kernel message: {e}"),
+    }
+}

@@ -1,0 +1,539 @@
+//! Warm pools: per template, sandboxes created ahead of demand and kept ready
+//! (namespaces, overlay rootfs, cgroup, network, envd up and answering `/health`), but
+//! not yet initialised: envd's `POST /init` — env vars, access token, default user and
+//! workdir — is what a claim does. A claim is therefore one HTTP round trip over a Unix
+//! socket plus two small file writes.
+//!
+//! Ids: a pooled sandbox is created with a fresh random id (same generator as a cold
+//! create), and that id is handed out by the claim: its directory, cgroup and hostname
+//! already carry it, and random ids are indistinguishable to users.
+//!
+//! Who may claim: a create without a caller-chosen id whose limits (memory, CPUs, disk)
+//! are the template's defaults and whose internet setting matches the pool's (pools are
+//! made with internet on, the SDKs' default). Anything else is created cold. Templates
+//! with a start command or readiness port are never pooled (their start command must see
+//! the caller's env vars).
+//!
+//! In memory a pooled sandbox is an ordinary `Live` entry in state `running` with an end
+//! time far away, plus membership in [`Pool`]; `Node::list`/`get` hide it. On disk its
+//! record stays `creating`, so reconciliation after a crash destroys it like any
+//! half-made sandbox. [`Node::close`] destroys the pool's sandboxes.
+//!
+//! Refill: one background task per node tops every pool up to its target, one sandbox at
+//! a time (cold creates share a bounded semaphore with it, so a burst of 50 creates does
+//! not thrash two cores). The target adapts: a create that finds its pool empty raises
+//! it (up to 4× the configured size), a minute without misses lowers it back; the sum of
+//! all pooled sandboxes' measured memory stays under `pool_memory_mb`.
+
+use std::collections::{BTreeMap, HashSet, VecDeque};
+use std::sync::{Arc, Mutex, Weak};
+use std::time::{Duration, Instant};
+
+use tokio::sync::{Notify, Semaphore};
+
+use crate::envd_client::{EnvdClient, InitRequest};
+use crate::error::{Error, Result};
+use crate::node::{Inner, Live, Node, now_ms, spawn_watcher};
+use crate::sandbox::{CreateRequest, DeathReason, SandboxInfo, SandboxRecord, SandboxState};
+use crate::template::Template;
+use crate::{fsutil, ids};
+
+/// End time of a pooled sandbox (never reached; the claim sets the real one).
+const POOLED_END_MS: u64 = 100 * 365 * 24 * 3600 * 1000;
+/// Memory assumed per pooled sandbox before one could be measured.
+const DEFAULT_EST_BYTES: u64 = 4 << 20;
+/// A pool's target grows up to this multiple of its configured size.
+const MAX_GROWTH: usize = 4;
+/// Without misses for this long, a grown target shrinks back.
+const SHRINK_AFTER: Duration = Duration::from_secs(60);
+
+/// The pools of one node.
+pub(crate) struct Pool {
+    inner: Mutex<PoolState>,
+    /// Wakes the refill task (a claim, a miss, close).
+    pub(crate) wake: Arc<Notify>,
+    /// Bounds concurrent cold creates and refills.
+    pub(crate) create_permits: Arc<Semaphore>,
+    /// Background teardowns in flight (`NodeConfig::async_teardown`).
+    pub(crate) teardowns: std::sync::atomic::AtomicUsize,
+}
+
+#[derive(Default)]
+struct PoolState {
+    /// Ready sandbox ids per template, oldest first.
+    ready: BTreeMap<String, VecDeque<String>>,
+    /// Every pooled id (ready or being made).
+    members: HashSet<String>,
+    /// Current target per template.
+    target: BTreeMap<String, usize>,
+    last_miss: BTreeMap<String, Instant>,
+    /// Counters (for tests and the bench).
+    claims: u64,
+    misses: u64,
+    refills: u64,
+}
+
+/// Pool counters.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct PoolStats {
+    /// Ready sandboxes per template.
+    pub ready: BTreeMap<String, usize>,
+    /// Current target per template.
+    pub target: BTreeMap<String, usize>,
+    /// Creates served from a pool.
+    pub claims: u64,
+    /// Creates that could have used a pool but found it empty.
+    pub misses: u64,
+    /// Pooled sandboxes made.
+    pub refills: u64,
+}
+
+impl Pool {
+    pub(crate) fn new(config: &crate::config::NodeConfig) -> Pool {
+        let st = PoolState {
+            target: config.pool.clone(),
+            ..Default::default()
+        };
+        Pool {
+            inner: Mutex::new(st),
+            wake: Arc::new(Notify::new()),
+            create_permits: Arc::new(Semaphore::new(config.create_concurrency.max(1))),
+            teardowns: Default::default(),
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, PoolState> {
+        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Whether `id` is a pooled (unclaimed) sandbox.
+    pub(crate) fn contains(&self, id: &str) -> bool {
+        self.lock().members.contains(id)
+    }
+
+    /// Drops `id` from the pool (its sandbox is gone).
+    pub(crate) fn forget(&self, id: &str) {
+        let mut ps = self.lock();
+        if ps.members.remove(id) {
+            for q in ps.ready.values_mut() {
+                q.retain(|x| x != id);
+            }
+        }
+    }
+
+    /// Pooled ids (unclaimed), for hiding them from listings.
+    pub(crate) fn members(&self) -> HashSet<String> {
+        self.lock().members.clone()
+    }
+}
+
+/// Whether `template` can be pooled at all.
+fn poolable(t: &Template) -> bool {
+    t.config
+        .start_command
+        .as_deref()
+        .is_none_or(|c| c.trim().is_empty())
+        && t.config.ready_port.is_none()
+}
+
+impl Node {
+    /// Pool counters.
+    pub fn pool_stats(&self) -> PoolStats {
+        let st = self.inner.pool.lock();
+        PoolStats {
+            ready: st.ready.iter().map(|(k, v)| (k.clone(), v.len())).collect(),
+            target: st.target.clone(),
+            claims: st.claims,
+            misses: st.misses,
+            refills: st.refills,
+        }
+    }
+
+    /// Waits (up to `limit`) until background teardowns of killed sandboxes are done;
+    /// a server calls it before [`Node::close`] so that a stop leaves nothing half-removed.
+    pub async fn settle(&self, limit: Duration) {
+        let t = Instant::now();
+        while self
+            .inner
+            .pool
+            .teardowns
+            .load(std::sync::atomic::Ordering::SeqCst)
+            > 0
+            && t.elapsed() < limit
+        {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    /// Serves `req` from the template's pool if it can. `None`: create cold.
+    pub(crate) async fn try_claim(
+        &self,
+        req: &CreateRequest,
+        template: &Template,
+        limits: (u64, u32, u64),
+        timeout: Duration,
+    ) -> Option<Result<SandboxInfo>> {
+        let inner = &self.inner;
+        let name = &template.config.name;
+        let defaults = (
+            template.config.memory_mb,
+            template.config.cpus,
+            template.config.disk_mb,
+        );
+        if req.id.is_some() || limits != defaults || !req.internet || !poolable(template) {
+            return None;
+        }
+        let t0 = Instant::now();
+        // Take a ready one (skipping ids whose sandbox died meanwhile).
+        let record = loop {
+            let id = {
+                let mut ps = inner.pool.lock();
+                if !ps.target.contains_key(name) {
+                    return None;
+                }
+                match ps.ready.get_mut(name).and_then(|q| q.pop_front()) {
+                    Some(id) => {
+                        ps.members.remove(&id);
+                        ps.claims += 1;
+                        id
+                    }
+                    None => {
+                        ps.misses += 1;
+                        ps.last_miss.insert(name.clone(), Instant::now());
+                        let configured = inner.config.pool.get(name).copied().unwrap_or(0);
+                        let t = ps.target.entry(name.clone()).or_insert(configured);
+                        *t = (*t + 1).min(configured.max(1) * MAX_GROWTH);
+                        drop(ps);
+                        inner.pool.wake.notify_one();
+                        return None;
+                    }
+                }
+            };
+            let now = now_ms();
+            let mut st = inner.lock();
+            let Some(live) = st.live.get_mut(&id) else {
+                continue;
+            };
+            if live.record.state != SandboxState::Running {
+                continue;
+            }
+            let mut env_vars = template.config.env.clone();
+            env_vars.extend(req.env_vars.clone());
+            env_vars.insert("E2B_SANDBOX".into(), "true".into());
+            env_vars.insert("E2B_SANDBOX_ID".into(), id.clone());
+            env_vars.insert("E2B_TEMPLATE_ID".into(), name.clone());
+            let r = &mut live.record;
+            r.env_vars = env_vars;
+            r.metadata = req.metadata.clone();
+            r.created_at_ms = now;
+            r.end_at_ms = now + timeout.as_millis() as u64;
+            r.access_token = ids::new_access_token();
+            break live.record.clone();
+        };
+        inner.pool.wake.notify_one();
+        let id = record.id.clone();
+        let result = async {
+            EnvdClient::new(inner.envd_socket(&id), None)
+                .init(&InitRequest {
+                    env_vars: record.env_vars.clone(),
+                    access_token: record.access_token.clone(),
+                    default_user: record.default_user.clone(),
+                    default_workdir: record.default_workdir.clone(),
+                })
+                .await?;
+            let mut on_disk = record.clone();
+            on_disk.state = SandboxState::Running;
+            fsutil::write_json_atomic(&inner.sandbox_dir(&id).join("sandbox.json"), &on_disk)?;
+            Ok::<_, Error>(())
+        }
+        .await;
+        if let Err(e) = result {
+            tracing::warn!(sandbox = %id, "pooled sandbox failed its claim: {e}; creating cold");
+            inner.clone().finish(&id, DeathReason::Exited, false).await;
+            return None;
+        }
+        let ready_us = t0.elapsed().as_micros() as u64;
+        {
+            let mut st = inner.lock();
+            if let Some(live) = st.live.get_mut(&id) {
+                live.ready_us = ready_us;
+            }
+        }
+        inner.changed.notify_one();
+        tracing::info!(sandbox = %id, template = %name, ready_us, "sandbox claimed from the pool");
+        Some(Ok(SandboxInfo::from_record(
+            &record,
+            inner.envd_socket(&id),
+            ready_us,
+        )))
+    }
+
+    /// Makes one pooled sandbox of `template` (internet on, the template's limits).
+    async fn fill_one(&self, template: &Template) -> Result<()> {
+        let inner = &self.inner;
+        let id = ids::new_sandbox_id();
+        let now = now_ms();
+        let record = {
+            let mut st = inner.lock();
+            let slot = st.slots.allocate().ok_or_else(|| {
+                Error::Capacity(format!(
+                    "all {} sandbox slots are in use",
+                    st.slots.in_use()
+                ))
+            })?;
+            let record = SandboxRecord {
+                id: id.clone(),
+                template: template.config.name.clone(),
+                state: SandboxState::Creating,
+                slot,
+                uid_base: st.slots.uid_base(slot),
+                pid: None,
+                pid_start_time: None,
+                created_at_ms: now,
+                end_at_ms: now + POOLED_END_MS,
+                memory_mb: template.config.memory_mb,
+                cpus: template.config.cpus,
+                disk_mb: template.config.disk_mb,
+                internet: true,
+                env_vars: Default::default(),
+                metadata: Default::default(),
+                access_token: ids::new_access_token(),
+                default_user: template.config.default_user.clone(),
+                default_workdir: template.config.default_workdir.clone(),
+                death_reason: None,
+                runtime: serde_json::Value::Null,
+            };
+            st.live.insert(
+                id.clone(),
+                Live {
+                    record: record.clone(),
+                    ready_us: 0,
+                    kill_requested: None,
+                    teardown_failed: false,
+                    watcher: None,
+                },
+            );
+            record
+        };
+        inner.pool.lock().members.insert(id.clone());
+        match self.start_phase(record, template, Instant::now()).await {
+            Ok(record) if inner.closed.load(std::sync::atomic::Ordering::SeqCst) => {
+                let _ = record;
+                inner.pool.lock().members.remove(&id);
+                inner.clone().finish(&id, DeathReason::Killed, true).await;
+                Ok(())
+            }
+            Ok(record) => {
+                let pid = record.pid.unwrap_or(0);
+                {
+                    let mut st = inner.lock();
+                    let Some(live) = st.live.get_mut(&id) else {
+                        return Err(Error::SandboxNotFound(id));
+                    };
+                    // Running in memory (killable, watched); `creating` on disk.
+                    live.record = record;
+                    live.record.state = SandboxState::Running;
+                    live.watcher = Some(spawn_watcher(Arc::downgrade(inner), id.clone(), pid));
+                }
+                let mut ps = inner.pool.lock();
+                ps.refills += 1;
+                ps.ready
+                    .entry(template.config.name.clone())
+                    .or_default()
+                    .push_back(id);
+                Ok(())
+            }
+            Err(e) => {
+                inner.pool.lock().members.remove(&id);
+                inner.clone().finish(&id, DeathReason::Exited, true).await;
+                Err(e)
+            }
+        }
+    }
+
+    /// Destroys every unclaimed pooled sandbox (blocking; used by `close`).
+    pub(crate) fn drain_pool_blocking(&self) {
+        let inner = &self.inner;
+        // Only ready ones: a sandbox still being made is its refill's to remove (it sees
+        // the node closed); if the process exits first, its `creating` record makes the
+        // next open destroy it.
+        let ids: Vec<String> = {
+            let mut ps = inner.pool.lock();
+            ps.target.clear();
+            let ids: Vec<String> = std::mem::take(&mut ps.ready)
+                .into_values()
+                .flatten()
+                .collect();
+            for id in &ids {
+                ps.members.remove(id);
+            }
+            ids
+        };
+        for id in ids {
+            let Some(live) = inner.lock().live.remove(&id) else {
+                continue;
+            };
+            if let Some(w) = &live.watcher {
+                w.abort();
+            }
+            let dir = inner.sandbox_dir(&id);
+            let slot = live.record.slot;
+            let ok = inner
+                .runtime
+                .destroy(&id, Some(slot), &dir)
+                .and_then(|_| inner.runtime.remove_dir(&id, &dir));
+            match ok {
+                Ok(()) => inner.lock().slots.release(slot),
+                Err(e) => {
+                    // Its record says `creating`: the next open destroys it.
+                    tracing::warn!(sandbox = %id, "pooled sandbox teardown failed: {e}");
+                }
+            }
+        }
+    }
+}
+
+/// Estimated host memory of one pooled sandbox (the measured average, else a default).
+fn estimate(inner: &Inner) -> u64 {
+    let ids: Vec<String> = inner.pool.lock().members.iter().cloned().collect();
+    let used: Vec<u64> = ids
+        .iter()
+        .filter_map(|id| inner.runtime.memory_usage(id))
+        .collect();
+    if used.is_empty() {
+        DEFAULT_EST_BYTES
+    } else {
+        (used.iter().sum::<u64>() / used.len() as u64).max(1 << 20)
+    }
+}
+
+/// The refill task: tops pools up to their targets, one sandbox at a time.
+pub(crate) async fn refill(weak: Weak<Inner>) {
+    let mut failures = 0u32;
+    loop {
+        let Some(inner) = weak.upgrade() else { return };
+        if inner.closed.load(std::sync::atomic::Ordering::SeqCst) {
+            return;
+        }
+        let node = Node {
+            inner: inner.clone(),
+        };
+        // Which template needs one most (fewest ready relative to its target)?
+        let budget = inner.config.pool_memory_mb.saturating_mul(1 << 20);
+        let est = estimate(&inner);
+        let want = {
+            let mut ps = inner.pool.lock();
+            let members = ps.members.len() as u64;
+            let configured = inner.config.pool.clone();
+            let now = Instant::now();
+            for (name, t) in ps.target.clone() {
+                let base = configured.get(&name).copied().unwrap_or(0);
+                let stale = ps
+                    .last_miss
+                    .get(&name)
+                    .is_none_or(|m| now.duration_since(*m) > SHRINK_AFTER);
+                if t > base && stale {
+                    ps.target.insert(name, base);
+                }
+            }
+            let making = ps.members.len() - ps.ready.values().map(VecDeque::len).sum::<usize>();
+            if making > 0 || (members + 1) * est > budget {
+                None
+            } else {
+                ps.target
+                    .iter()
+                    .map(|(n, t)| (n.clone(), *t, ps.ready.get(n).map_or(0, VecDeque::len)))
+                    .filter(|(_, t, r)| r < t)
+                    .min_by_key(|(_, t, r)| (r * 1000) / (*t).max(1))
+                    .map(|(n, _, _)| n)
+            }
+        };
+        let wake = inner.pool.wake.clone();
+        let Some(name) = want else {
+            drop(node);
+            drop(inner);
+            tokio::select! {
+                _ = wake.notified() => {}
+                _ = tokio::time::sleep(Duration::from_secs(1)) => {}
+            }
+            continue;
+        };
+        // Only built templates: building is the server's (or the first create's) job, and
+        // two builds of one template must not race.
+        let store = inner.templates.clone();
+        let n2 = name.clone();
+        let template = match tokio::task::spawn_blocking(move || store.get(&n2)).await {
+            Ok(Ok(Some(t))) if poolable(&t) => t,
+            Ok(Ok(None)) => {
+                drop(node);
+                drop(inner);
+                tokio::time::sleep(Duration::from_secs(1)).await;
+                continue;
+            }
+            Ok(Ok(Some(_))) => {
+                tracing::warn!(template = %name, "template has a start command: not pooled");
+                inner.pool.lock().target.remove(&name);
+                continue;
+            }
+            Ok(Err(e)) => {
+                tracing::warn!(template = %name, "pool: {e}");
+                inner.pool.lock().target.remove(&name);
+                continue;
+            }
+            Err(_) => return,
+        };
+        let permits = inner.pool.create_permits.clone();
+        drop(inner);
+        let Ok(_permit) = permits.acquire_owned().await else {
+            return;
+        };
+        match node.fill_one(&template).await {
+            Ok(()) => failures = 0,
+            Err(e) => {
+                failures += 1;
+                tracing::warn!(template = %name, "pool refill failed: {e}");
+                // Back off on repeated failures (capacity, a broken template).
+                let wait = Duration::from_millis(100 << failures.min(6));
+                drop(node);
+                tokio::time::sleep(wait).await;
+            }
+        }
+    }
+}
+
+/// Parses `tiny=4,base=8` (the `--pool` flag).
+pub fn parse_pool_spec(s: &str) -> std::result::Result<BTreeMap<String, usize>, String> {
+    let mut m = BTreeMap::new();
+    for part in s.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+        let (name, n) = part
+            .split_once('=')
+            .ok_or_else(|| format!("pool entry {part:?} is not TEMPLATE=N"))?;
+        let n: usize = n
+            .trim()
+            .parse()
+            .map_err(|_| format!("pool size {n:?} of {name} is not a number"))?;
+        if name.trim().is_empty() || n > 4096 {
+            return Err(format!("bad pool entry {part:?}"));
+        }
+        if n > 0 {
+            m.insert(name.trim().to_string(), n);
+        }
+    }
+    Ok(m)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pool_specs_parse() {
+        let m = parse_pool_spec("tiny=4, base=8,x=0").unwrap();
+        assert_eq!(m.get("tiny"), Some(&4));
+        assert_eq!(m.get("base"), Some(&8));
+        assert!(!m.contains_key("x"));
+        assert!(parse_pool_spec("tiny").is_err());
+        assert!(parse_pool_spec("tiny=a").is_err());
+        assert!(parse_pool_spec("").unwrap().is_empty());
+    }
+}

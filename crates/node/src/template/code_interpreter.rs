@@ -1,0 +1,199 @@
+//! The `code-interpreter-v1` template (the E2B code-interpreter SDK's default): the
+//! `base` template plus a Python virtualenv with Jupyter kernels and the data stack, and
+//! `cubicle-interpreter` (E2B's port-49999 code-interpreter API) as its start command.
+//!
+//! Steps: copy `base`'s rootfs (`cp -a --reflink=auto`), `python3 -m venv` at
+//! [`VENV`] and `pip install` [`PIP_PACKAGES`] inside a private chroot (PyPI must be
+//! reachable), register the kernels (`ipykernel`, `bash_kernel`), `npm install -g deno`
+//! (JavaScript/TypeScript via `deno jupyter --kernel`), and copy the statically
+//! linked `cubicle-interpreter` binary into `/usr/local/bin`. The binary is copied at
+//! build time, so after changing the interpreter rebuild the template
+//! (`cubicle template build code-interpreter-v1 --force`). The binary is found like
+//! envd: `$CUBICLE_INTERPRETER_BIN`, else next to the running executable or in the
+//! static-target dir of a cargo build (`scripts/build-envd.sh` builds both).
+//! Readiness: [`READY_PORT`] must answer `GET /health` (see `TemplateConfig::ready_port`).
+
+use std::fs;
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use super::{Progress, TemplateConfig};
+use crate::error::{Error, IoContext, Result};
+
+/// Template name.
+pub const NAME: &str = "code-interpreter-v1";
+/// The interpreter's binary name.
+pub const BIN_NAME: &str = "cubicle-interpreter";
+/// Where the Python environment lives inside the rootfs.
+pub const VENV: &str = "/opt/cubicle/venv";
+/// Where the node bind-mounts the host's current interpreter binary (read-only) in
+/// sandboxes of this template, so a cached template never runs a stale interpreter; the
+/// copy in `/usr/local/bin` (made at build time) is the fallback.
+pub const MOUNT_POINT: &str = "/run/cubicle/interpreter";
+/// Builder tag of templates made here (`TemplateConfig::builder`).
+pub const BUILDER: &str = "code-interpreter/2";
+/// The interpreter's port (E2B's).
+pub const READY_PORT: u16 = 49999;
+/// Deno (npm package `deno`), whose `deno jupyter --kernel` runs JavaScript/TypeScript.
+pub const DENO_VERSION: &str = "2.9.6";
+/// Python packages installed into the venv (kept small: CI builds this from scratch).
+pub const PIP_PACKAGES: &[&str] = &[
+    "ipykernel",
+    "bash_kernel",
+    "numpy",
+    "pandas",
+    "matplotlib",
+    "e2b-charts",
+];
+
+fn fail(message: impl Into<String>) -> Error {
+    Error::TemplateBuild {
+        name: NAME.into(),
+        message: message.into(),
+    }
+}
+
+/// Find the statically linked `cubicle-interpreter`.
+pub fn find_binary() -> Result<PathBuf> {
+    if let Some(p) = std::env::var_os("CUBICLE_INTERPRETER_BIN").map(PathBuf::from) {
+        return if p.is_file() {
+            Ok(p)
+        } else {
+            Err(fail(format!(
+                "CUBICLE_INTERPRETER_BIN {} does not exist",
+                p.display()
+            )))
+        };
+    }
+    let exe = std::env::current_exe().map_err(|e| Error::io("current_exe", "/proc/self/exe", e))?;
+    let mut candidates = Vec::new();
+    let mut dir = exe.parent().map(Path::to_path_buf);
+    for _ in 0..3 {
+        let Some(d) = dir else { break };
+        if let (Some(profile), Some(target)) = (d.file_name(), d.parent()) {
+            candidates.push(
+                target
+                    .join("x86_64-unknown-linux-gnu")
+                    .join(profile)
+                    .join(BIN_NAME),
+            );
+        }
+        candidates.push(d.join(BIN_NAME));
+        dir = d.parent().map(Path::to_path_buf);
+    }
+    candidates.push(PathBuf::from("/usr/local/bin").join(BIN_NAME));
+    candidates
+        .iter()
+        .find(|p| p.is_file() && crate::config::is_static_elf(p))
+        .cloned()
+        .ok_or_else(|| {
+            fail(format!(
+                "cannot find a statically linked {BIN_NAME} (looked in {}); build it with scripts/build-envd.sh or set CUBICLE_INTERPRETER_BIN",
+                candidates.iter().map(|p| p.display().to_string()).collect::<Vec<_>>().join(", ")
+            ))
+        })
+}
+
+/// Build the rootfs into the (empty) directory `rootfs` from the base template's rootfs.
+pub fn build(rootfs: &Path, base: &super::Template, p: &Progress) -> Result<TemplateConfig> {
+    let bin = find_binary()?;
+    p.stages(4);
+    p.stage("copying the base template");
+    let st = Command::new("cp")
+        .args(["-a", "--reflink=auto", "-T"])
+        .arg(&base.rootfs)
+        .arg(rootfs)
+        .status()
+        .map_err(|e| fail(format!("cp: {e}")))?;
+    if !st.success() {
+        return Err(fail(format!("cp -a of the base rootfs failed ({st})")));
+    }
+
+    p.stage(&format!("pip install {}", PIP_PACKAGES.join(" ")));
+    let script = format!(
+        "chroot \"$R\" python3 -m venv {VENV}\n\
+         chroot \"$R\" {VENV}/bin/pip install --no-cache-dir --disable-pip-version-check -q {pkgs}\n\
+         chroot \"$R\" {VENV}/bin/python -m ipykernel install --prefix {VENV} >/dev/null\n\
+         chroot \"$R\" {VENV}/bin/python -m bash_kernel.install --prefix {VENV} >/dev/null\n\
+         chroot \"$R\" {VENV}/bin/python -c 'import matplotlib.pyplot, pandas, numpy, e2b_charts'\n\
+         chroot \"$R\" npm install -g --no-audit --no-fund --loglevel=error deno@{DENO_VERSION}\n\
+         D=$(cd \"$R\" && find usr/local/lib/node_modules -path '*@deno/linux-x64-glibc/deno' -type f | head -n1)\n\
+         if [ -n \"$D\" ]; then ln -sf \"/$D\" \"$R/usr/local/bin/deno\"; fi\n\
+         chroot \"$R\" /usr/local/bin/deno --version\n\
+         rm -rf \"$R\"/root/.npm\n\
+         rm -rf \"$R\"/root/.cache \"$R\"/tmp/*\n",
+        pkgs = PIP_PACKAGES.join(" ")
+    );
+    // The host's CA bundle (it may trust a TLS-intercepting egress proxy that the fresh
+    // rootfs does not know), used for pip only and removed afterwards.
+    let host_ca = Path::new("/etc/ssl/certs/ca-certificates.crt");
+    let ca_in_root = rootfs.join("tmp/cubicle-host-ca.crt");
+    let script = if host_ca.is_file() && fs::copy(host_ca, &ca_in_root).is_ok() {
+        format!(
+            "export PIP_CERT=/tmp/cubicle-host-ca.crt REQUESTS_CA_BUNDLE=/tmp/cubicle-host-ca.crt SSL_CERT_FILE=/tmp/cubicle-host-ca.crt NODE_EXTRA_CA_CERTS=/tmp/cubicle-host-ca.crt\n{script}"
+        )
+    } else {
+        script
+    };
+    let r = super::base::in_private_chroot(rootfs, &script, "pip install", p);
+    let _ = fs::remove_file(&ca_in_root);
+    r.map_err(|e| match e {
+        Error::TemplateBuild { message, .. } => fail(message),
+        other => other,
+    })?;
+
+    p.stage("installing cubicle-interpreter");
+    let dest = rootfs.join("usr/local/bin").join(BIN_NAME);
+    fs::copy(&bin, &dest).ctx("copy", &dest)?;
+    fs::set_permissions(&dest, fs::Permissions::from_mode(0o755)).ctx("chmod", &dest)?;
+
+    p.stage("writing config");
+    let mut cfg = base.config.clone();
+    cfg.name = NAME.into();
+    cfg.builder = BUILDER.into();
+    cfg.memory_mb = cfg.memory_mb.max(1024);
+    let path =
+        cfg.env.get("PATH").cloned().unwrap_or_else(|| {
+            "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin".into()
+        });
+    cfg.env.insert("PATH".into(), format!("{VENV}/bin:{path}"));
+    cfg.start_command = Some(format!(
+        "I={MOUNT_POINT}; [ -x $I ] || I=/usr/local/bin/{BIN_NAME}; exec $I --port {READY_PORT} --python {VENV}/bin/python --deno /usr/local/bin/deno >/tmp/cubicle-interpreter.log 2>&1"
+    ));
+    cfg.ready_port = Some(READY_PORT);
+    Ok(cfg)
+}
+
+/// The bind mount (host binary → [`MOUNT_POINT`], read-only) for a sandbox of a template
+/// built here; `None` for other templates or when no static binary is found (the
+/// template's own copy is used then).
+pub fn bind_for(config: &TemplateConfig) -> Option<(PathBuf, PathBuf, bool)> {
+    if !config.builder.starts_with("code-interpreter/") {
+        return None;
+    }
+    match find_binary() {
+        Ok(p) => Some((p, PathBuf::from(MOUNT_POINT), true)),
+        Err(e) => {
+            tracing::warn!("using the template's own cubicle-interpreter: {e}");
+            None
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bind_only_for_code_interpreter_templates() {
+        let base = TemplateConfig::with_defaults("base", "base/1");
+        assert_eq!(bind_for(&base), None);
+        let mut ci = TemplateConfig::with_defaults(NAME, BUILDER);
+        ci.builder = BUILDER.into();
+        if let Some((src, dst, ro)) = bind_for(&ci) {
+            assert_eq!(dst, PathBuf::from(MOUNT_POINT));
+            assert!(ro && crate::config::is_static_elf(&src));
+        }
+    }
+}

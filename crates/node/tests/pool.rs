@@ -1,0 +1,231 @@
+//! Warm pools on the real kernel (`tiny` template, real envd): a claim gives a ready
+//! sandbox whose processes see the requested env vars and whose envd accepts the new
+//! token only; the pool refills; pooled sandboxes are hidden from `list`; requests that
+//! do not match go cold; `close` and a crash (drop + reopen) leave no pooled sandbox.
+//!
+//! Needs root, busybox-static, the network module (pools are made with internet on) and
+//! a static cubicle-envd. Run: `cargo test -p cubicle-node --test pool`. `harness =
+//! false`: main() first hands over to the runtime's sandbox helper.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use cubicle_node::{CreateRequest, EnvdClient, Node, NodeConfig, ProcessEvent, ProcessSpec};
+
+const FIRST_SLOT: u32 = 5800;
+
+fn main() {
+    cubicle_runtime::maybe_run_helper();
+    if !nix::unistd::geteuid().is_root() {
+        println!("pool: SKIPPED — needs root (namespaces, cgroups, mounts)");
+        return;
+    }
+    if !Path::new("/bin/busybox").exists() {
+        println!("pool: SKIPPED — /bin/busybox missing (apt-get install busybox-static)");
+        return;
+    }
+    if cubicle_runtime::network::Network::new(Default::default()).is_err() {
+        println!("pool: SKIPPED — no network module (pooled sandboxes have internet on)");
+        return;
+    }
+    let envd = match cubicle_node::config::find_envd_binary(None) {
+        Ok(p) => p,
+        Err(e) => {
+            eprintln!("pool: FAILED — no static cubicle-envd (scripts/build-envd.sh): {e}");
+            std::process::exit(1);
+        }
+    };
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .expect("tokio runtime");
+    let t = Instant::now();
+    let mut failed = 0;
+    for (name, r) in [
+        ("claim_refill_close", rt.block_on(claim_refill_close(&envd))),
+        (
+            "crash_leaves_no_pooled_sandbox",
+            rt.block_on(crash_leaves_no_pooled_sandbox(&envd)),
+        ),
+    ] {
+        match r {
+            Ok(()) => println!("test {name} ... ok"),
+            Err(e) => {
+                failed += 1;
+                println!("test {name} ... FAILED: {e:#}");
+            }
+        }
+    }
+    println!(
+        "pool: {} passed, {failed} failed ({:.1}s)",
+        2 - failed,
+        t.elapsed().as_secs_f64()
+    );
+    if failed > 0 {
+        std::process::exit(1);
+    }
+}
+
+async fn open(envd: &Path, state: &Path, pool: usize) -> anyhow::Result<Node> {
+    let mut cfg = NodeConfig::new(state, envd);
+    cfg.first_slot = FIRST_SLOT;
+    cfg.max_sandboxes = 32;
+    if pool > 0 {
+        cfg.pool.insert("tiny".into(), pool);
+    }
+    let node = Node::open(cfg).await?;
+    // Pools use built templates only (building is the server's job).
+    node.templates().ensure("tiny", false)?;
+    Ok(node)
+}
+
+async fn wait_ready(node: &Node, n: usize) -> anyhow::Result<()> {
+    let t = Instant::now();
+    while node.pool_stats().ready.get("tiny").copied().unwrap_or(0) < n {
+        anyhow::ensure!(
+            t.elapsed() < Duration::from_secs(30),
+            "pool not refilled to {n}: {:?}",
+            node.pool_stats()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    Ok(())
+}
+
+fn sandbox_dirs(state: &Path) -> Vec<String> {
+    let mut v: Vec<String> = std::fs::read_dir(state.join("sandboxes"))
+        .map(|d| {
+            d.flatten()
+                .filter(|e| e.path().join("sandbox.json").exists())
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .collect()
+        })
+        .unwrap_or_default();
+    v.sort();
+    v
+}
+
+async fn sh(client: &EnvdClient, script: &str) -> anyhow::Result<String> {
+    let spec = ProcessSpec {
+        cmd: "/bin/sh".into(),
+        args: vec!["-c".into(), script.into()],
+        ..Default::default()
+    };
+    let mut out = Vec::new();
+    let end = client
+        .run(&spec, |ev| {
+            if let ProcessEvent::Stdout(b) = ev {
+                out.extend(b)
+            }
+        })
+        .await?;
+    anyhow::ensure!(end.exit_code == 0, "exit {}", end.exit_code);
+    Ok(String::from_utf8_lossy(&out).into_owned())
+}
+
+async fn claim_refill_close(envd: &Path) -> anyhow::Result<()> {
+    let state = PathBuf::from(format!("/tmp/cbpool-{}-a", std::process::id()));
+    let node = open(envd, &state, 2).await?;
+    let r = async {
+        wait_ready(&node, 2).await?;
+        anyhow::ensure!(node.list().is_empty(), "pooled sandboxes are listed");
+        let pooled = sandbox_dirs(&state);
+        anyhow::ensure!(pooled.len() == 2, "pool dirs {pooled:?}");
+
+        let env = BTreeMap::from([("CB_POOL_VAR".to_string(), "hello pool".to_string())]);
+        let t = Instant::now();
+        let s = node
+            .create(CreateRequest {
+                template: "tiny".into(),
+                internet: true,
+                env_vars: env,
+                ..Default::default()
+            })
+            .await?;
+        println!("  claim: {:.2} ms", t.elapsed().as_secs_f64() * 1e3);
+        let st = node.pool_stats();
+        anyhow::ensure!(st.claims == 1, "not claimed from the pool: {st:?}");
+        anyhow::ensure!(
+            pooled.contains(&s.id),
+            "claimed id {} is not a pooled one",
+            s.id
+        );
+        anyhow::ensure!(node.list().len() == 1 && node.get(&s.id).is_ok());
+
+        // The requested env vars reach a command; the node's (new) token works.
+        let info = node.get(&s.id)?;
+        let good = node.envd(&s.id)?;
+        let out = sh(&good, "echo \"$CB_POOL_VAR|$E2B_SANDBOX_ID\"").await?;
+        anyhow::ensure!(out.trim() == format!("hello pool|{}", s.id), "env: {out:?}");
+        // Any other token (e.g. one a pooled sandbox might have had) is refused.
+        let bad = EnvdClient::new(info.envd_socket.clone(), Some("not-the-token".into()));
+        anyhow::ensure!(
+            sh(&bad, "true").await.is_err(),
+            "a wrong token was accepted"
+        );
+
+        // Refill.
+        wait_ready(&node, 2).await?;
+        anyhow::ensure!(node.pool_stats().refills >= 3);
+
+        // Non-default limits or internet off: cold, not from the pool.
+        let c = node
+            .create(CreateRequest {
+                template: "tiny".into(),
+                internet: false,
+                ..Default::default()
+            })
+            .await?;
+        anyhow::ensure!(
+            node.pool_stats().claims == 1,
+            "internet-off create used the pool"
+        );
+        node.kill(&c.id).await?;
+        node.kill(&s.id).await?;
+
+        // close: the pool's sandboxes go.
+        node.close();
+        let left = sandbox_dirs(&state);
+        anyhow::ensure!(left.is_empty(), "after close: {left:?}");
+        for id in &pooled {
+            anyhow::ensure!(
+                !Path::new(&format!("/sys/fs/cgroup/pids/cubicle/{id}")).exists(),
+                "cgroup of {id} left"
+            );
+        }
+        Ok(())
+    }
+    .await;
+    node.kill_all().await;
+    drop(node);
+    let _ = cubicle_node::fsutil::remove_tree(&state);
+    r
+}
+
+async fn crash_leaves_no_pooled_sandbox(envd: &Path) -> anyhow::Result<()> {
+    let state = PathBuf::from(format!("/tmp/cbpool-{}-b", std::process::id()));
+    let r = async {
+        let node = open(envd, &state, 2).await?;
+        wait_ready(&node, 2).await?;
+        let pooled = sandbox_dirs(&state);
+        anyhow::ensure!(pooled.len() == 2);
+        // A crash: no close, the node object just goes away (its sandboxes keep running).
+        drop(node);
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let node = open(envd, &state, 0).await?;
+        let report = node.reconcile_report();
+        for id in &pooled {
+            anyhow::ensure!(
+                report.removed.contains(id) && !report.adopted.contains(id),
+                "pooled {id} not removed after a crash: {report:?}"
+            );
+        }
+        anyhow::ensure!(sandbox_dirs(&state).is_empty());
+        node.close();
+        Ok(())
+    }
+    .await;
+    let _ = cubicle_node::fsutil::remove_tree(&state);
+    r
+}
