@@ -76,6 +76,13 @@ pub(crate) struct Live {
     pub(crate) watcher: Option<tokio::task::AbortHandle>,
 }
 
+impl Live {
+    /// A sandbox that is being created (or adopted): no kill pending, no watcher yet.
+    pub(crate) fn new(record: SandboxRecord) -> Self {
+        Live { record, ready_us: 0, kill_requested: None, teardown_failed: false, watcher: None }
+    }
+}
+
 impl Node {
     /// Open the node on `config.state_dir` with the given runtime: create the state
     /// layout, reconcile whatever a previous run left (adopt live sandboxes it knows,
@@ -354,16 +361,7 @@ impl Node {
                 death_reason: None,
                 runtime: serde_json::Value::Null,
             };
-            st.live.insert(
-                id.clone(),
-                Live {
-                    record: record.clone(),
-                    ready_us: 0,
-                    kill_requested: None,
-                    teardown_failed: false,
-                    watcher: None,
-                },
-            );
+            st.live.insert(id.clone(), Live::new(record.clone()));
             record
         };
 

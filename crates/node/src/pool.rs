@@ -303,16 +303,7 @@ impl Node {
                 death_reason: None,
                 runtime: serde_json::Value::Null,
             };
-            st.live.insert(
-                id.clone(),
-                Live {
-                    record: record.clone(),
-                    ready_us: 0,
-                    kill_requested: None,
-                    teardown_failed: false,
-                    watcher: None,
-                },
-            );
+            st.live.insert(id.clone(), Live::new(record.clone()));
             record
         };
         inner.pool.lock().members.insert(id.clone());

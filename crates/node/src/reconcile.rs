@@ -88,13 +88,7 @@ pub(crate) async fn reconcile(node: &Node) -> Result<ReconcileReport> {
         report.adopted.push(r.id.clone());
         inner.lock().live.insert(
             r.id.clone(),
-            Live {
-                record: r,
-                ready_us: 0,
-                kill_requested: None,
-                teardown_failed: false,
-                watcher: Some(watcher),
-            },
+            Live { watcher: Some(watcher), ..Live::new(r) },
         );
     }
     let adopted: HashSet<String> = report.adopted.iter().cloned().collect();
