@@ -316,6 +316,12 @@ impl Kernel {
         Ok((id, rx))
     }
 
+    /// Whether the kernel may publish outputs after its `idle` status (Deno's does; it is
+    /// also the kernel interrupted over the control channel).
+    pub fn late_outputs(&self) -> bool {
+        self.control_tx.is_some()
+    }
+
     pub fn unregister(&self, id: &str) {
         if let Ok(mut r) = self.routes.lock() {
             r.remove(id);

@@ -521,8 +521,33 @@ async fn run_code(kernel: &Kernel, code: &str, tx: &mpsc::Sender<Value>) {
             break;
         }
     }
+    if kernel.late_outputs() && !gone {
+        // Deno's kernel can publish a request's last outputs just after its `idle`
+        // status: keep taking this request's messages until it has been quiet briefly.
+        while let Ok(Some(m)) = tokio::time::timeout(LATE_OUTPUT_QUIET, rx.recv()).await {
+            let c = &m.content;
+            let line = match m.msg_type() {
+                "stream" => Some(output::stream_line(
+                    c["name"].as_str().unwrap_or("stdout"),
+                    c["text"].as_str().unwrap_or(""),
+                    m.date(),
+                )),
+                "execute_result" => Some(output::result_line(&c["data"], true)),
+                "display_data" => Some(output::result_line(&c["data"], false)),
+                _ => None,
+            };
+            if let Some(l) = line
+                && tx.send(l).await.is_err()
+            {
+                break;
+            }
+        }
+    }
     kernel.unregister(&id);
 }
+
+/// How long a kernel with late outputs must stay quiet after `idle` (see [`run_code`]).
+const LATE_OUTPUT_QUIET: Duration = Duration::from_millis(30);
 
 #[cfg(test)]
 mod tests {

@@ -374,6 +374,12 @@ record "nothing left after stop" $?
 leak_checked=1
 # the second team's key was for this run only
 [[ -n "$KEY_B" ]] && "$CUBICLE_BIN" apikey revoke "$KEY_B" --state-dir "$STATE" >/dev/null 2>&1
+# The node keeps its quota filesystem (<state>/storage.img, loop-mounted at
+# <state>/sandboxes) mounted after the server stops; with no sandbox left, release it so
+# the run leaves no mount (the loop device has autoclear; the next start re-mounts it).
+if mountpoint -q "$STATE/sandboxes" && [[ -z "$(ls -A "$STATE/sandboxes" 2>/dev/null | grep -v '^\.')" ]]; then
+  umount "$STATE/sandboxes" || { echo "serve-e2e: could not unmount $STATE/sandboxes" >&2; record "quota filesystem released" 1; }
+fi
 
 echo; echo "==== serve e2e recap ===="
 printf '  %s\n' "${results[@]}"
