@@ -303,14 +303,25 @@ impl Storage {
             return Ok(());
         }
         let c = cpath(&self.root)?;
-        // SAFETY: c is a valid NUL-terminated path.
-        if unsafe { libc::umount2(c.as_ptr(), 0) } != 0 {
-            return Err(StorageError::Io {
-                what: format!("unmounting {}", self.root.display()),
-                source: io::Error::last_os_error(),
-            });
+        // EBUSY can be transient: a child forked by another thread of this process holds
+        // copies of our descriptors (some inside this filesystem) until it execs and its
+        // close-on-exec descriptors go. Retry for up to about a second.
+        let mut attempts = 0;
+        loop {
+            // SAFETY: c is a valid NUL-terminated path.
+            if unsafe { libc::umount2(c.as_ptr(), 0) } == 0 {
+                return Ok(());
+            }
+            let err = io::Error::last_os_error();
+            attempts += 1;
+            if err.raw_os_error() != Some(libc::EBUSY) || attempts >= 50 {
+                return Err(StorageError::Io {
+                    what: format!("unmounting {}", self.root.display()),
+                    source: err,
+                });
+            }
+            std::thread::sleep(std::time::Duration::from_millis(20));
         }
-        Ok(())
     }
 
     /// The image file backing the storage (whether or not it is used).
