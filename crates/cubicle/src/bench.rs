@@ -910,79 +910,77 @@ async fn measure_peer(rootfs: &Path, n: usize) -> anyhow::Result<Vec<Row>> {
     )?;
     let mut rows = Vec::new();
 
-    let mut runc = Row::new("peer", 1).with("runtime", "runc run");
-    for i in 0..n {
-        let id = format!("cb-bench-{}-{i}", std::process::id());
-        let t0 = Instant::now();
-        let st = tokio::process::Command::new("runc")
-            .args(["run", "--bundle"])
-            .arg(&bundle)
-            .arg(&id)
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .output()
-            .await;
-        match st {
-            Ok(o) if o.status.success() => runc.samples.push(t0.elapsed()),
-            Ok(o) => {
-                if runc.errors == 0 {
-                    eprintln!(
-                        "cubicle bench: runc: {}",
-                        String::from_utf8_lossy(&o.stderr).trim()
-                    );
-                }
-                runc.errors += 1;
-                let _ = std::process::Command::new("runc")
-                    .args(["delete", "--force", &id])
-                    .output();
-            }
-            Err(e) => {
-                runc.errors += 1;
-                if runc.errors == 1 {
-                    eprintln!("cubicle bench: runc: {e}");
-                }
-                break;
-            }
-        }
-    }
+    let pid = std::process::id();
+    let mut i = 0usize;
+    let runc = time_peer("runc run", "runc", n, || {
+        let id = format!("cb-bench-{pid}-{i}");
+        i += 1;
+        let mut cmd = tokio::process::Command::new("runc");
+        cmd.args(["run", "--bundle"]).arg(&bundle).arg(&id);
+        let cleanup = move || {
+            let _ = std::process::Command::new("runc").args(["delete", "--force", &id]).output();
+        };
+        (cmd, Some(Box::new(cleanup) as Box<dyn FnOnce()>))
+    })
+    .await;
     let _ = std::fs::remove_dir_all(&bundle);
     rows.push(runc);
 
-    let mut bwrap = Row::new("peer", 1).with("runtime", "bwrap --unshare-all");
-    for _ in 0..n {
-        let t0 = Instant::now();
-        let st = tokio::process::Command::new("bwrap")
-            .arg("--unshare-all")
+    let bwrap = time_peer("bwrap --unshare-all", "bwrap", n, || {
+        let mut cmd = tokio::process::Command::new("bwrap");
+        cmd.arg("--unshare-all")
             .arg("--ro-bind")
             .arg(&rootfs)
             .args(["/", "--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp"])
-            .args(["/bin/sh", "-c", "true"])
+            .args(["/bin/sh", "-c", "true"]);
+        (cmd, None)
+    })
+    .await;
+    rows.push(bwrap);
+    Ok(rows)
+}
+
+/// Times `n` runs of a peer runtime's command. `next` gives each run's command and what
+/// to do after it fails (if anything); the first failure's stderr is printed; a command
+/// that cannot be started ends the series.
+async fn time_peer(
+    runtime: &str,
+    program: &str,
+    n: usize,
+    mut next: impl FnMut() -> (tokio::process::Command, Option<Box<dyn FnOnce()>>),
+) -> Row {
+    let mut row = Row::new("peer", 1).with("runtime", runtime);
+    for _ in 0..n {
+        let (mut cmd, on_failure) = next();
+        let t0 = Instant::now();
+        let st = cmd
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::piped())
             .output()
             .await;
         match st {
-            Ok(o) if o.status.success() => bwrap.samples.push(t0.elapsed()),
+            Ok(o) if o.status.success() => row.samples.push(t0.elapsed()),
             Ok(o) => {
-                if bwrap.errors == 0 {
+                if row.errors == 0 {
                     eprintln!(
-                        "cubicle bench: bwrap: {}",
+                        "cubicle bench: {program}: {}",
                         String::from_utf8_lossy(&o.stderr).trim()
                     );
                 }
-                bwrap.errors += 1;
+                row.errors += 1;
+                if let Some(f) = on_failure {
+                    f();
+                }
             }
             Err(e) => {
-                bwrap.errors += 1;
-                eprintln!("cubicle bench: bwrap: {e}");
+                row.errors += 1;
+                eprintln!("cubicle bench: {program}: {e}");
                 break;
             }
         }
     }
-    rows.push(bwrap);
-    Ok(rows)
+    row
 }
 
 /// A minimal OCI runtime spec: `/bin/sh -c true` on a read-only `rootfs`, the usual
