@@ -1,16 +1,19 @@
 //! The sandbox's root filesystem, built inside its own mount namespace, in this order:
 //!
 //! 1. make every mount private (nothing propagates to or from the host);
-//! 2. a small tmpfs on `<sandbox_dir>/rootfs` as a staging area; the helper's idmapped
-//!    template clone is attached at `staging/lower`;
+//! 2. a tmpfs on `<sandbox_dir>/rootfs` as a staging area; the helper's idmapped
+//!    template clone is attached at `staging/lower`; the same tmpfs later backs `/dev`,
+//!    `/dev/shm`, `/run`, the v1 `/sys/fs/cgroup` directory and every masked directory
+//!    (read-only binds of its empty `staging/empty`), so that a sandbox holds one tmpfs
+//!    superblock instead of a dozen (see "Superblocks" below);
 //! 3. overlay `staging/root` = lower (template) + `<sandbox_dir>/upper` (+ `work`);
 //! 4. fresh `/proc` with the masked and read-only paths of `masked_paths.rs`;
 //! 5. read-only `/sys` (also masked), with the sandbox's own cgroups read-only at
 //!    `/sys/fs/cgroup` (cgroup namespace: the sandbox's cgroup is the root);
-//! 6. minimal `/dev`: tmpfs with null, zero, full, random, urandom, tty bind-mounted from
+//! 6. minimal `/dev`: a directory of the staging tmpfs with null, zero, full, random, urandom, tty bind-mounted from
 //!    the host, a private devpts instance (`/dev/pts`, `/dev/ptmx`), `/dev/shm`, and the
 //!    `/dev/fd`, `/dev/std*` symlinks;
-//! 7. tmpfs `/run`;
+//! 7. `/run`, another directory of the staging tmpfs;
 //! 8. `pivot_root` into the overlay and detach the old root;
 //! 9. the bind mounts (agent binary, ctl directory, extras), attached from the detached
 //!    mounts the helper prepared, at paths resolved inside the new root.
@@ -18,6 +21,15 @@
 //! `/tmp` stays on the overlay (disk-backed, counted by the disk quota, not by memory).
 //! All of this happens in the sandbox's mount namespace: none of these mounts is visible on
 //! the host, and they disappear with the namespace when the sandbox's last process exits.
+//!
+//! Superblocks: every superblock on the host registers a memcg-aware shrinker, and the
+//! kernel gives every memory cgroup a shrinker map sized by the highest shrinker id in use
+//! (about 1 KiB per 64 superblocks, per cgroup, never shrunk). With N sandboxes of S
+//! superblocks each, that is N·N·S/64 KiB host-wide: 16 superblocks per sandbox cost
+//! 250 KiB per sandbox at 1,000 sandboxes. So a sandbox mounts only what cannot be shared:
+//! overlay, proc, sysfs, devpts, one tmpfs (plus the mqueue its IPC namespace implies).
+//! Tmpfs size limits are per superblock and no longer separate; the sandbox's memory
+//! cgroup bounds all of it.
 //!
 //! The sequence is first computed as data ([`plan`], a list of [`Step`]s) and then
 //! executed ([`execute`]), so its order and targets are unit-tested without root.
@@ -69,18 +81,13 @@ pub(crate) enum Step {
     },
     /// Hide a file: read-only bind of /dev/null over it (skipped if it does not exist).
     MaskFile { target: PathBuf },
-    /// Hide a directory: empty read-only tmpfs over it (skipped if it does not exist).
-    MaskDir { target: PathBuf },
+    /// Hide a directory: read-only bind of the empty `empty` over it (skipped if it does
+    /// not exist).
+    MaskDir { empty: PathBuf, target: PathBuf },
     /// Bind a subtree onto itself read-only (skipped if it does not exist).
     ReadOnly { target: PathBuf },
     /// sysfs read-only; an empty read-only tmpfs where the kernel refuses sysfs.
     Sysfs { target: PathBuf },
-    /// Remount an existing mount with new flags.
-    Remount {
-        target: PathBuf,
-        flags: libc::c_ulong,
-        data: Option<String>,
-    },
     /// `symlink(to, link)`.
     Symlink { to: String, link: PathBuf },
     /// Report a timing mark on the status pipe.
@@ -114,10 +121,14 @@ pub(crate) fn plan(spec: &SandboxSpec, cgroups: &InnerMounts) -> Vec<Step> {
     let root = staging.join("root");
     let mut s = vec![
         Step::MakeRootPrivate,
-        tmpfs(staging.clone(), NOSUID | NODEV, "mode=0755,size=64k"),
+        tmpfs(staging.clone(), NOSUID | NODEV, "mode=0755"),
         Step::Dir {
             path: lower.clone(),
             mode: 0o755,
+        },
+        Step::Dir {
+            path: staging.join("empty"),
+            mode: 0o555,
         },
         Step::Dir {
             path: root.clone(),
@@ -161,18 +172,19 @@ pub(crate) fn plan(spec: &SandboxSpec, cgroups: &InnerMounts) -> Vec<Step> {
         flags: NOSUID | NODEV | NOEXEC,
         data: None,
     });
-    masks(&mut s, &root, "/proc/");
+    let empty = staging.join("empty");
+    masks(&mut s, &root, &empty, "/proc/");
 
     // /sys and the sandbox's cgroups
     s.push(Step::Sysfs {
         target: root.join("sys"),
     });
-    masks(&mut s, &root, "/sys/");
-    cgroup_mounts(&mut s, &root.join("sys/fs/cgroup"), cgroups);
+    masks(&mut s, &root, &empty, "/sys/");
+    cgroup_mounts(&mut s, &staging, &root.join("sys/fs/cgroup"), cgroups);
 
     // /dev
     let dev = root.join("dev");
-    s.push(tmpfs(dev.clone(), NOSUID | NOEXEC, "mode=0755,size=64k"));
+    staging_dir(&mut s, &staging, "dev", 0o755, &dev, NOSUID | NOEXEC);
     for d in DEVICES {
         s.push(Step::File { path: dev.join(d) });
         s.push(Step::Bind {
@@ -192,11 +204,14 @@ pub(crate) fn plan(spec: &SandboxSpec, cgroups: &InnerMounts) -> Vec<Step> {
         flags: NOSUID | NOEXEC,
         data: Some("newinstance,ptmxmode=0666,mode=0620,gid=5".into()),
     });
-    s.push(Step::Dir {
-        path: dev.join("shm"),
-        mode: 0o1777,
-    });
-    s.push(tmpfs(dev.join("shm"), NOSUID | NODEV, "mode=1777"));
+    staging_dir(
+        &mut s,
+        &staging,
+        "shm",
+        0o1777,
+        &dev.join("shm"),
+        NOSUID | NODEV,
+    );
     for (name, to) in [
         ("ptmx", "pts/ptmx"),
         ("fd", "/proc/self/fd"),
@@ -212,11 +227,14 @@ pub(crate) fn plan(spec: &SandboxSpec, cgroups: &InnerMounts) -> Vec<Step> {
     s.push(Step::Mark("pseudo_fs_mounted"));
 
     // /run
-    s.push(tmpfs(
-        root.join("run"),
+    staging_dir(
+        &mut s,
+        &staging,
+        "run",
+        0o755,
+        &root.join("run"),
         NOSUID | NODEV,
-        "mode=0755,size=65536k",
-    ));
+    );
     s.push(Step::Dir {
         path: root.join("run/lock"),
         mode: 0o1777,
@@ -234,7 +252,31 @@ pub(crate) fn plan(spec: &SandboxSpec, cgroups: &InnerMounts) -> Vec<Step> {
     s
 }
 
-fn masks(s: &mut Vec<Step>, root: &Path, prefix: &str) {
+/// `staging/name` (a directory of the staging tmpfs, `mode`) bound on `target` with `flags`.
+fn staging_dir(
+    s: &mut Vec<Step>,
+    staging: &Path,
+    name: &str,
+    mode: u32,
+    target: &Path,
+    flags: libc::c_ulong,
+) {
+    s.push(Step::Dir {
+        path: staging.join(name),
+        mode,
+    });
+    s.push(Step::Dir {
+        path: target.to_path_buf(),
+        mode,
+    });
+    s.push(Step::Bind {
+        source: staging.join(name),
+        target: target.to_path_buf(),
+        remount: flags,
+    });
+}
+
+fn masks(s: &mut Vec<Step>, root: &Path, empty: &Path, prefix: &str) {
     for p in READONLY_PATHS.iter().filter(|p| p.starts_with(prefix)) {
         s.push(Step::ReadOnly {
             target: inside(root, p),
@@ -247,6 +289,7 @@ fn masks(s: &mut Vec<Step>, root: &Path, prefix: &str) {
     }
     for p in MASKED_DIRS.iter().filter(|p| p.starts_with(prefix)) {
         s.push(Step::MaskDir {
+            empty: empty.to_path_buf(),
             target: inside(root, p),
         });
     }
@@ -255,7 +298,7 @@ fn masks(s: &mut Vec<Step>, root: &Path, prefix: &str) {
 /// Read-only cgroup filesystems at /sys/fs/cgroup. The sandbox's cgroup namespace is
 /// rooted at its own cgroup, so it sees its limits and usage (envd's /metrics reads them)
 /// as the root of each hierarchy, and nothing of the host's cgroup tree.
-fn cgroup_mounts(s: &mut Vec<Step>, target: &Path, cgroups: &InnerMounts) {
+fn cgroup_mounts(s: &mut Vec<Step>, staging: &Path, target: &Path, cgroups: &InnerMounts) {
     let ro = RDONLY | NOSUID | NODEV | NOEXEC;
     match cgroups {
         InnerMounts::V2 => s.push(Step::Mount {
@@ -266,16 +309,29 @@ fn cgroup_mounts(s: &mut Vec<Step>, target: &Path, cgroups: &InnerMounts) {
             data: None,
         }),
         InnerMounts::V1(hierarchies) => {
-            s.push(tmpfs(
-                target.to_path_buf(),
-                NOSUID | NODEV | NOEXEC,
-                "mode=0755,size=16k",
-            ));
+            // The directory tree is made in staging, then bound read-only, then the
+            // hierarchies are mounted on its (read-only) directories.
+            let cg = staging.join("cgroup");
             for h in hierarchies {
                 s.push(Step::Dir {
-                    path: target.join(h),
+                    path: cg.join(h),
                     mode: 0o755,
                 });
+                if h.contains(',') {
+                    for c in h.split(',') {
+                        s.push(Step::Symlink {
+                            to: h.clone(),
+                            link: cg.join(c),
+                        });
+                    }
+                }
+            }
+            s.push(Step::Bind {
+                source: cg,
+                target: target.to_path_buf(),
+                remount: ro,
+            });
+            for h in hierarchies {
                 s.push(Step::Mount {
                     source: "cgroup".into(),
                     target: target.join(h),
@@ -283,20 +339,7 @@ fn cgroup_mounts(s: &mut Vec<Step>, target: &Path, cgroups: &InnerMounts) {
                     flags: ro,
                     data: Some(h.clone()),
                 });
-                if h.contains(',') {
-                    for c in h.split(',') {
-                        s.push(Step::Symlink {
-                            to: h.clone(),
-                            link: target.join(c),
-                        });
-                    }
-                }
             }
-            s.push(Step::Remount {
-                target: target.to_path_buf(),
-                flags: ro,
-                data: Some("mode=0755,size=16k".into()),
-            });
         }
     }
 }
@@ -375,15 +418,9 @@ fn apply(
             }
             Ok(())
         }
-        Step::MaskDir { target } => {
+        Step::MaskDir { empty, target } => {
             if target.is_dir() {
-                mount(
-                    "tmpfs",
-                    target,
-                    "tmpfs",
-                    RDONLY | NOSUID | NODEV | NOEXEC,
-                    Some("size=0"),
-                )?;
+                bind(empty, target, RDONLY | NOSUID | NODEV | NOEXEC)?;
             }
             Ok(())
         }
@@ -411,18 +448,6 @@ fn apply(
                 Err(e) => Err(err("mount /sys", e)),
             }
         }
-        Step::Remount {
-            target,
-            flags,
-            data,
-        } => sys::mount(
-            None,
-            target,
-            None,
-            libc::MS_REMOUNT | flags,
-            data.as_deref(),
-        )
-        .map_err(|e| err(format!("remount {}", target.display()), e)),
         Step::Symlink { to, link } => {
             symlink(to, link).map_err(|e| err(format!("symlink {} -> {to}", link.display()), e))
         }
@@ -564,10 +589,9 @@ mod tests {
             | Step::AttachLower { target }
             | Step::Bind { target, .. }
             | Step::MaskFile { target }
-            | Step::MaskDir { target }
+            | Step::MaskDir { target, .. }
             | Step::ReadOnly { target }
             | Step::Sysfs { target }
-            | Step::Remount { target, .. }
             | Step::AttachBind { target, .. } => Some(target),
             Step::Symlink { link, .. } => Some(link),
             Step::Pivot { root } => Some(root),
@@ -605,10 +629,10 @@ mod tests {
         let steps = plan(&spec(), &v1());
         let pivot = position(&steps, |s| matches!(s, Step::Pivot { .. }));
         for s in &steps[1..pivot] {
-            if let Step::Bind { source, .. } = s {
+            if let Step::Bind { source, .. } | Step::MaskDir { empty: source, .. } = s {
                 assert!(
-                    source.starts_with("/dev/"),
-                    "only host devices are bound: {s:?}"
+                    source.starts_with("/dev/") || source.starts_with("/s/abc/rootfs/"),
+                    "only host devices and staging are bound: {s:?}"
                 );
             }
             if let Some(t) = target(s) {
@@ -679,11 +703,11 @@ mod tests {
         let cg = Path::new("/s/abc/rootfs/root/sys/fs/cgroup");
         assert!(steps.contains(&Step::Symlink {
             to: "cpu,cpuacct".into(),
-            link: cg.join("cpuacct")
+            link: "/s/abc/rootfs/cgroup/cpuacct".into()
         }));
         assert!(matches!(
             steps.iter().rev().find(|s| target(s) == Some(cg)),
-            Some(Step::Remount { .. })
+            Some(Step::Bind { remount, .. }) if remount & RDONLY != 0
         ));
         let v2 = plan(&spec(), &InnerMounts::V2);
         assert!(v2.iter().any(|s| matches!(s, Step::Mount { fstype, target, .. } if fstype == "cgroup2" && target == cg)));
