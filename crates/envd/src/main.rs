@@ -63,8 +63,11 @@ fn main() -> anyhow::Result<()> {
         default_workdir: args.default_workdir.clone(),
         access_token: args.access_token.clone(),
     }));
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
+    // One thread: an idle sandbox's envd then costs one kernel stack and task, not three
+    // (density); its work is I/O, and blocking file work goes to the blocking pool, whose
+    // threads leave soon after use.
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .thread_keep_alive(std::time::Duration::from_secs(2))
         .enable_all()
         .build()
         .context("starting the async runtime")?;
