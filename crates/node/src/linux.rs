@@ -226,6 +226,38 @@ impl SandboxRuntime for LinuxRuntime {
             .then_some(DeathReason::DiskFull)
     }
 
+    fn set_limits(&self, id: &str, memory_mb: u64, cpus: u32, pids: u32) -> Result<()> {
+        let limits = Limits {
+            memory_bytes: memory_mb << 20,
+            cpu_millis: cpus.saturating_mul(1000),
+            pids,
+        };
+        let cg = Cgroup::handle(id).map_err(|e| rt_err("cgroup", e))?;
+        if !cg.exists() {
+            return Err(Error::SandboxNotFound(id.into()));
+        }
+        Cgroup::create(id, &limits)
+            .map(drop)
+            .map_err(|e| rt_err("set limits", e))
+    }
+
+    fn renice(&self, id: &str, nice: i32) {
+        let Ok(procs) = Cgroup::handle(id).and_then(|c| c.procs()) else {
+            return;
+        };
+        for pid in procs {
+            let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+                continue;
+            };
+            for t in tasks.flatten() {
+                if let Some(tid) = t.file_name().to_str().and_then(|s| s.parse::<u32>().ok()) {
+                    // SAFETY: setpriority has no memory arguments.
+                    unsafe { libc::setpriority(libc::PRIO_PROCESS, tid, nice) };
+                }
+            }
+        }
+    }
+
     fn memory_usage(&self, id: &str) -> Option<u64> {
         Cgroup::handle(id)
             .ok()?

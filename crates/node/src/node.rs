@@ -79,7 +79,13 @@ pub(crate) struct Live {
 impl Live {
     /// A sandbox that is being created (or adopted): no kill pending, no watcher yet.
     pub(crate) fn new(record: SandboxRecord) -> Self {
-        Live { record, ready_us: 0, kill_requested: None, teardown_failed: false, watcher: None }
+        Live {
+            record,
+            ready_us: 0,
+            kill_requested: None,
+            teardown_failed: false,
+            watcher: None,
+        }
     }
 }
 
@@ -151,7 +157,7 @@ impl Node {
             .unwrap_or_else(|p| p.into_inner()) = report;
         tokio::spawn(crate::reaper::run(Arc::downgrade(&node.inner)));
         if !node.inner.config.pool.is_empty() {
-            tokio::spawn(crate::pool::refill(Arc::downgrade(&node.inner)));
+            crate::pool::start_refill(&node.inner);
         }
         Ok(node)
     }

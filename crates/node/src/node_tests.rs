@@ -86,6 +86,10 @@ impl SandboxRuntime for FakeRuntime {
     fn stats(&self, _id: &str) -> Option<SandboxStats> {
         None
     }
+    fn set_limits(&self, _id: &str, _memory_mb: u64, _cpus: u32, _pids: u32) -> Result<()> {
+        Ok(())
+    }
+    fn renice(&self, _id: &str, _nice: i32) {}
     fn max_slots(&self) -> u32 {
         8
     }

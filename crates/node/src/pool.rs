@@ -8,9 +8,10 @@
 //! create), and that id is handed out by the claim: its directory, cgroup and hostname
 //! already carry it, and random ids are indistinguishable to users.
 //!
-//! Who may claim: a create without a caller-chosen id whose limits (memory, CPUs, disk)
-//! are the template's defaults and whose internet setting matches the pool's (pools are
-//! made with internet on, the SDKs' default). Anything else is created cold. Templates
+//! Who may claim: a create without a caller-chosen id whose disk quota is the template's
+//! and whose internet setting matches the pool's (pools are made with internet on, the
+//! SDKs' default). Other memory or CPU limits are written to the claimed sandbox's cgroup.
+//! Anything else is created cold. Templates
 //! with a start command or readiness port are never pooled (their start command must see
 //! the caller's env vars).
 //!
@@ -21,7 +22,11 @@
 //!
 //! Refill: one background task per node tops every pool up to its target, one sandbox at
 //! a time (cold creates share a bounded semaphore with it, so a burst of 50 creates does
-//! not thrash two cores). The target adapts: a create that finds its pool empty raises
+//! not thrash two cores). It runs on its own thread at nice 19, and so do the helper and
+//! sandbox processes it starts (nice is inherited): making the next pooled sandbox
+//! (about 10 ms of CPU) must not slow the claim it replaces or that sandbox's first
+//! commands. A claim raises the sandbox's tasks back to nice 0 before `/init`, so its
+//! user's processes run at normal priority. The target adapts: a create that finds its pool empty raises
 //! it (up to 4× the configured size), a minute without misses lowers it back; the sum of
 //! all pooled sandboxes' measured memory stays under `pool_memory_mb`.
 
@@ -46,6 +51,8 @@ const DEFAULT_EST_BYTES: u64 = 4 << 20;
 const MAX_GROWTH: usize = 4;
 /// Without misses for this long, a grown target shrinks back.
 const SHRINK_AFTER: Duration = Duration::from_secs(60);
+/// Nice value of the refill thread and of pooled sandboxes until claimed.
+const REFILL_NICE: i32 = 19;
 
 /// The pools of one node.
 pub(crate) struct Pool {
@@ -180,7 +187,7 @@ impl Node {
             template.config.cpus,
             template.config.disk_mb,
         );
-        if req.id.is_some() || limits != defaults || !req.internet || !poolable(template) {
+        if req.id.is_some() || limits.2 != defaults.2 || !req.internet || !poolable(template) {
             return None;
         }
         let t0 = Instant::now();
@@ -228,11 +235,19 @@ impl Node {
             r.created_at_ms = now;
             r.end_at_ms = now + timeout.as_millis() as u64;
             r.access_token = ids::new_access_token();
+            r.memory_mb = limits.0;
+            r.cpus = limits.1;
             break live.record.clone();
         };
         inner.pool.wake.notify_one();
         let id = record.id.clone();
         let result = async {
+            if (limits.0, limits.1) != (defaults.0, defaults.1) {
+                inner
+                    .runtime
+                    .set_limits(&id, limits.0, limits.1, inner.config.pids_limit)?;
+            }
+            inner.runtime.renice(&id, 0);
             EnvdClient::new(inner.envd_socket(&id), None)
                 .init(&InitRequest {
                     env_vars: record.env_vars.clone(),
@@ -268,8 +283,9 @@ impl Node {
         )))
     }
 
-    /// Makes one pooled sandbox of `template` (internet on, the template's limits).
-    async fn fill_one(&self, template: &Template) -> Result<()> {
+    /// Makes one pooled sandbox of `template` (internet on, the template's limits). Its
+    /// exit watcher runs on `main` (the node's runtime), not on the refill thread's.
+    async fn fill_one(&self, template: &Template, main: &tokio::runtime::Handle) -> Result<()> {
         let inner = &self.inner;
         let id = ids::new_sandbox_id();
         let now = now_ms();
@@ -324,6 +340,7 @@ impl Node {
                     // Running in memory (killable, watched); `creating` on disk.
                     live.record = record;
                     live.record.state = SandboxState::Running;
+                    let _in_main = main.enter();
                     live.watcher = Some(spawn_watcher(Arc::downgrade(inner), id.clone(), pid));
                 }
                 let mut ps = inner.pool.lock();
@@ -398,8 +415,32 @@ fn estimate(inner: &Inner) -> u64 {
     }
 }
 
+/// Starts [`refill`] on its own thread ("cubicle-refill", nice [`REFILL_NICE`], a
+/// single-threaded runtime); must be called within the node's runtime.
+pub(crate) fn start_refill(inner: &Arc<Inner>) {
+    let weak = Arc::downgrade(inner);
+    let main = tokio::runtime::Handle::current();
+    let spawned = std::thread::Builder::new()
+        .name("cubicle-refill".into())
+        .spawn(move || {
+            // SAFETY: no memory arguments. Who 0 = the calling thread: Linux keeps nice
+            // per thread, and threads and processes started from here inherit it.
+            unsafe { libc::setpriority(libc::PRIO_PROCESS, 0, REFILL_NICE) };
+            match tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+            {
+                Ok(rt) => rt.block_on(refill(weak, main)),
+                Err(e) => tracing::error!("pool refill runtime: {e}; pools stay empty"),
+            }
+        });
+    if let Err(e) = spawned {
+        tracing::error!("pool refill thread: {e}; pools stay empty");
+    }
+}
+
 /// The refill task: tops pools up to their targets, one sandbox at a time.
-pub(crate) async fn refill(weak: Weak<Inner>) {
+async fn refill(weak: Weak<Inner>, main: tokio::runtime::Handle) {
     let mut failures = 0u32;
     loop {
         let Some(inner) = weak.upgrade() else { return };
@@ -478,7 +519,7 @@ pub(crate) async fn refill(weak: Weak<Inner>) {
         let Ok(_permit) = permits.acquire_owned().await else {
             return;
         };
-        match node.fill_one(&template).await {
+        match node.fill_one(&template, &main).await {
             Ok(()) => failures = 0,
             Err(e) => {
                 failures += 1;

@@ -122,6 +122,14 @@ pub trait SandboxRuntime: Send + Sync + 'static {
     /// Usage counters of a live sandbox.
     fn stats(&self, id: &str) -> Option<SandboxStats>;
 
+    /// Rewrite a running sandbox's memory and CPU limits (a pooled sandbox being claimed
+    /// with other limits than its template's).
+    fn set_limits(&self, id: &str, memory_mb: u64, cpus: u32, pids: u32) -> Result<()>;
+
+    /// Set the nice value of every task of sandbox `id` (pooled sandboxes are made at low
+    /// priority and raised when claimed).
+    fn renice(&self, id: &str, nice: i32);
+
     /// Number of slots the runtime can address (network pool size etc.).
     fn max_slots(&self) -> u32;
 }

@@ -106,6 +106,32 @@ fn sandbox_dirs(state: &Path) -> Vec<String> {
     v
 }
 
+/// Nice values of every task of sandbox `id` (its cgroup, v1 or v2).
+fn task_nices(id: &str) -> Vec<i64> {
+    let procs = ["/sys/fs/cgroup/pids/cubicle", "/sys/fs/cgroup/cubicle"]
+        .iter()
+        .find_map(|d| std::fs::read_to_string(format!("{d}/{id}/cgroup.procs")).ok())
+        .unwrap_or_default();
+    let mut out = Vec::new();
+    for pid in procs.split_whitespace() {
+        let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+            continue;
+        };
+        for t in tasks.flatten() {
+            let stat = std::fs::read_to_string(t.path().join("stat")).unwrap_or_default();
+            // Fields after the command (which ends with ')'): nice is field 19 overall.
+            if let Some(n) = stat
+                .rsplit_once(')')
+                .and_then(|(_, rest)| rest.split_whitespace().nth(16))
+                .and_then(|v| v.parse().ok())
+            {
+                out.push(n);
+            }
+        }
+    }
+    out
+}
+
 async fn sh(client: &EnvdClient, script: &str) -> anyhow::Result<String> {
     let spec = ProcessSpec {
         cmd: "/bin/sh".into(),
@@ -133,6 +159,12 @@ async fn claim_refill_close(envd: &Path) -> anyhow::Result<()> {
         let pooled = sandbox_dirs(&state);
         anyhow::ensure!(pooled.len() == 2, "pool dirs {pooled:?}");
 
+        // Pooled sandboxes wait at low priority (made by the nice-19 refill thread).
+        for id in &pooled {
+            let n = task_nices(id);
+            anyhow::ensure!(!n.is_empty() && n.iter().all(|n| *n == 19), "pooled {id} nice {n:?}");
+        }
+
         let env = BTreeMap::from([("CB_POOL_VAR".to_string(), "hello pool".to_string())]);
         let t = Instant::now();
         let s = node
@@ -158,6 +190,11 @@ async fn claim_refill_close(envd: &Path) -> anyhow::Result<()> {
         let good = node.envd(&s.id)?;
         let out = sh(&good, "echo \"$CB_POOL_VAR|$E2B_SANDBOX_ID\"").await?;
         anyhow::ensure!(out.trim() == format!("hello pool|{}", s.id), "env: {out:?}");
+        // Claimed: back to normal priority, and so are the user's processes.
+        let n = task_nices(&s.id);
+        anyhow::ensure!(!n.is_empty() && n.iter().all(|n| *n == 0), "claimed nice {n:?}");
+        let out = sh(&good, "cut -d' ' -f19 /proc/self/stat").await?;
+        anyhow::ensure!(out.trim() == "0", "a command's nice: {out:?}");
         // Any other token (e.g. one a pooled sandbox might have had) is refused.
         let bad = EnvdClient::new(info.envd_socket.clone(), Some("not-the-token".into()));
         anyhow::ensure!(
@@ -169,7 +206,31 @@ async fn claim_refill_close(envd: &Path) -> anyhow::Result<()> {
         wait_ready(&node, 2).await?;
         anyhow::ensure!(node.pool_stats().refills >= 3);
 
-        // Non-default limits or internet off: cold, not from the pool.
+        // Other memory and CPU limits: still from the pool, with the limits applied.
+        let m = node
+            .create(CreateRequest {
+                template: "tiny".into(),
+                internet: true,
+                memory_mb: Some(200),
+                cpus: Some(1),
+                ..Default::default()
+            })
+            .await?;
+        anyhow::ensure!(
+            node.pool_stats().claims == 2,
+            "a create with other memory/CPU limits did not use the pool: {:?}",
+            node.pool_stats()
+        );
+        anyhow::ensure!(node.get(&m.id)?.memory_mb == 200, "record keeps the old limit");
+        let out = sh(
+            &node.envd(&m.id)?,
+            "cat /sys/fs/cgroup/memory/memory.limit_in_bytes 2>/dev/null || cat /sys/fs/cgroup/memory.max",
+        )
+        .await?;
+        anyhow::ensure!(out.trim() == (200u64 << 20).to_string(), "memory limit inside: {out:?}");
+        node.kill(&m.id).await?;
+
+        // Internet off: cold, not from the pool.
         let c = node
             .create(CreateRequest {
                 template: "tiny".into(),
@@ -178,7 +239,7 @@ async fn claim_refill_close(envd: &Path) -> anyhow::Result<()> {
             })
             .await?;
         anyhow::ensure!(
-            node.pool_stats().claims == 1,
+            node.pool_stats().claims == 2,
             "internet-off create used the pool"
         );
         node.kill(&c.id).await?;
