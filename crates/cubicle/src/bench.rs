@@ -637,17 +637,28 @@ async fn measure_create(cx: &Ctx, template: &str, conc: usize, pace: Duration) -
 
 async fn measure_cycle(cx: &Ctx, template: &str, conc: usize, total: usize, pace: Duration) -> Row {
     let (t, internet) = (template.to_string(), cx.internet);
+    // Each successful cycle's three phases, for the breakdown columns.
+    let phases = Arc::new(std::sync::Mutex::new([Vec::new(), Vec::new(), Vec::new()]));
+    let ph = phases.clone();
     let (samples, errors, msgs) = drive(&cx.api, conc, total, move |api, mut c| {
-        let t = t.clone();
+        let (t, ph) = (t.clone(), ph.clone());
         async move {
             let (cmd, args) = true_cmd(&t);
             let t0 = Instant::now();
             let r = async {
                 let s = api.create(&mut c, &t, internet).await?;
+                let t1 = Instant::now();
                 let ran = api.run(&mut c, &s, cmd, &args).await;
+                let t2 = Instant::now();
                 let killed = api.kill(&mut c, &s.id).await;
+                let t3 = Instant::now();
                 ran?;
                 killed?;
+                if let Ok(mut p) = ph.lock() {
+                    p[0].push(t1 - t0);
+                    p[1].push(t2 - t1);
+                    p[2].push(t3 - t2);
+                }
                 Ok(t0.elapsed())
             }
             .await;
@@ -664,6 +675,11 @@ async fn measure_cycle(cx: &Ctx, template: &str, conc: usize, total: usize, pace
     };
     if !pace.is_zero() {
         row = row.with("pace_ms", pace.as_millis() as u64);
+    }
+    let mut phases = phases.lock().map(|p| p.clone()).unwrap_or_default();
+    for (name, v) in ["create", "run", "kill"].iter().zip(phases.iter_mut()) {
+        v.sort();
+        row = row.with(&format!("{name}_p50_ms"), ms(pct(v, 0.5)));
     }
     row.with("template", template)
         .with("pool", cx.pool.as_str())
@@ -709,6 +725,47 @@ fn meminfo_fields() -> BTreeMap<String, u64> {
         })
         .filter(|(k, _)| KERNEL_FIELDS.contains(&k.as_str()))
         .collect()
+}
+
+/// Bytes held by each slab cache (`/proc/slabinfo`: objects × object size).
+fn slab_bytes() -> BTreeMap<String, u64> {
+    let s = std::fs::read_to_string("/proc/slabinfo").unwrap_or_default();
+    s.lines()
+        .skip(2)
+        .filter_map(|l| {
+            let f: Vec<&str> = l.split_whitespace().collect();
+            let objs: u64 = f.get(2)?.parse().ok()?;
+            let size: u64 = f.get(3)?.parse().ok()?;
+            Some((f[0].to_string(), objs * size))
+        })
+        .collect()
+}
+
+/// The `top` slab caches by growth from `before` to `after`, KiB per sandbox.
+fn slab_growth(
+    before: &BTreeMap<String, u64>,
+    after: &BTreeMap<String, u64>,
+    held: usize,
+    top: usize,
+) -> Value {
+    let mut d: Vec<(String, u64)> = after
+        .iter()
+        .map(|(k, a)| {
+            (
+                k.clone(),
+                a.saturating_sub(before.get(k).copied().unwrap_or(0)),
+            )
+        })
+        .filter(|(_, d)| *d > 0)
+        .collect();
+    d.sort_by_key(|e| std::cmp::Reverse(e.1));
+    let held = held.max(1) as f64;
+    Value::Object(
+        d.into_iter()
+            .take(top)
+            .map(|(k, v)| (k, json!((v as f64 / held / 1024.0 * 10.0).round() / 10.0)))
+            .collect(),
+    )
 }
 
 /// `MemTotal - MemAvailable` in KiB.
@@ -770,6 +827,7 @@ async fn measure_density(cx: &Ctx, template: &str, n: usize) -> anyhow::Result<V
     tokio::time::sleep(Duration::from_secs(1)).await;
     let before = used_kib()?;
     let kernel_before = meminfo_fields();
+    let slab_before = slab_bytes();
     let t0 = Instant::now();
     let made = Arc::new(tokio::sync::Mutex::new(Vec::<Sbx>::new()));
     let m2 = made.clone();
@@ -796,6 +854,7 @@ async fn measure_density(cx: &Ctx, template: &str, n: usize) -> anyhow::Result<V
     tokio::time::sleep(Duration::from_secs(3)).await;
     let after = used_kib()?;
     let kernel_after = meminfo_fields();
+    let slab_after = slab_bytes();
     let ids: std::collections::HashSet<String> = sandboxes.iter().map(|s| s.id.clone()).collect();
     let (rss, pss, procs) = sandbox_process_memory(&ids);
 
@@ -877,6 +936,10 @@ async fn measure_density(cx: &Ctx, template: &str, n: usize) -> anyhow::Result<V
                 .collect(),
         ),
     )
+    .with(
+        "slab_kib_per_sandbox",
+        slab_growth(&slab_before, &slab_after, held, 10),
+    )
     .with("fill_s", (fill.as_secs_f64() * 10.0).round() / 10.0)
     .with("latency_of", "GET /health");
     let creates = Row {
@@ -896,6 +959,36 @@ async fn measure_density(cx: &Ctx, template: &str, n: usize) -> anyhow::Result<V
     Ok(vec![mem, creates, kills])
 }
 
+/// The servers the bench started left their quota filesystem mounted at `dir` (a node
+/// keeps it across restarts): unmount it, so that a bench run leaves no mount behind.
+fn release_quota_mount(dir: &Path) {
+    let mounted = std::fs::read_to_string("/proc/self/mountinfo")
+        .unwrap_or_default()
+        .lines()
+        .any(|l| l.split(' ').nth(4) == Some(&*dir.to_string_lossy()));
+    if !mounted {
+        return;
+    }
+    let Ok(c) = std::ffi::CString::new(dir.as_os_str().as_encoded_bytes()) else {
+        return;
+    };
+    for _ in 0..50 {
+        // SAFETY: c is a valid NUL-terminated path.
+        if unsafe { libc::umount2(c.as_ptr(), 0) } == 0 {
+            return;
+        }
+        if std::io::Error::last_os_error().raw_os_error() != Some(libc::EBUSY) {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    eprintln!(
+        "cubicle bench: could not unmount {}: {}",
+        dir.display(),
+        std::io::Error::last_os_error()
+    );
+}
+
 /// `runc run` and `bwrap` cycles of `true` on `rootfs`.
 async fn measure_peer(rootfs: &Path, n: usize) -> anyhow::Result<Vec<Row>> {
     let rootfs = rootfs
@@ -903,7 +996,13 @@ async fn measure_peer(rootfs: &Path, n: usize) -> anyhow::Result<Vec<Row>> {
         .with_context(|| format!("rootfs {}", rootfs.display()))?;
     let bundle = std::env::temp_dir().join(format!("cb-bench-runc-{}", std::process::id()));
     std::fs::create_dir_all(&bundle)?;
-    let spec = runc_spec(&rootfs);
+    let spec = match runc_spec(&bundle, &rootfs) {
+        Ok(s) => s,
+        Err(e) => {
+            let _ = std::fs::remove_dir_all(&bundle);
+            return Err(e);
+        }
+    };
     std::fs::write(
         bundle.join("config.json"),
         serde_json::to_vec_pretty(&spec)?,
@@ -918,7 +1017,9 @@ async fn measure_peer(rootfs: &Path, n: usize) -> anyhow::Result<Vec<Row>> {
         let mut cmd = tokio::process::Command::new("runc");
         cmd.args(["run", "--bundle"]).arg(&bundle).arg(&id);
         let cleanup = move || {
-            let _ = std::process::Command::new("runc").args(["delete", "--force", &id]).output();
+            let _ = std::process::Command::new("runc")
+                .args(["delete", "--force", &id])
+                .output();
         };
         (cmd, Some(Box::new(cleanup) as Box<dyn FnOnce()>))
     })
@@ -983,43 +1084,26 @@ async fn time_peer(
     row
 }
 
-/// A minimal OCI runtime spec: `/bin/sh -c true` on a read-only `rootfs`, the usual
-/// namespaces (pid, net, ipc, uts, mount), no terminal.
-fn runc_spec(rootfs: &Path) -> Value {
-    json!({
-        "ociVersion": "1.0.2",
-        "process": {
-            "terminal": false,
-            "user": {"uid": 0, "gid": 0},
-            "args": ["/bin/sh", "-c", "true"],
-            "env": ["PATH=/usr/sbin:/usr/bin:/sbin:/bin"],
-            "cwd": "/",
-            "capabilities": {
-                "bounding": ["CAP_KILL", "CAP_NET_BIND_SERVICE", "CAP_AUDIT_WRITE"],
-                "effective": ["CAP_KILL", "CAP_NET_BIND_SERVICE", "CAP_AUDIT_WRITE"],
-                "permitted": ["CAP_KILL", "CAP_NET_BIND_SERVICE", "CAP_AUDIT_WRITE"]
-            },
-            "rlimits": [{"type": "RLIMIT_NOFILE", "hard": 1024, "soft": 1024}],
-            "noNewPrivileges": true
-        },
-        "root": {"path": rootfs, "readonly": true},
-        "hostname": "cb-bench",
-        "mounts": [
-            {"destination": "/proc", "type": "proc", "source": "proc"},
-            {"destination": "/dev", "type": "tmpfs", "source": "tmpfs",
-             "options": ["nosuid", "strictatime", "mode=755", "size=65536k"]},
-            {"destination": "/tmp", "type": "tmpfs", "source": "tmpfs",
-             "options": ["nosuid", "nodev", "mode=1777"]}
-        ],
-        "linux": {
-            "namespaces": [
-                {"type": "pid"}, {"type": "network"}, {"type": "ipc"},
-                {"type": "uts"}, {"type": "mount"}
-            ],
-            "maskedPaths": ["/proc/kcore", "/proc/keys", "/proc/timer_list"],
-            "readonlyPaths": ["/proc/sys", "/proc/sysrq-trigger"]
-        }
-    })
+/// runc's own default OCI spec (`runc spec`: the mounts, masked paths, capabilities and
+/// namespaces runc gives any container) with only what the measure needs changed:
+/// `/bin/sh -c true`, no terminal, the template's rootfs read-only as root.
+fn runc_spec(bundle: &Path, rootfs: &Path) -> anyhow::Result<Value> {
+    let out = std::process::Command::new("runc")
+        .arg("spec")
+        .arg("--bundle")
+        .arg(bundle)
+        .output()
+        .context("running `runc spec`")?;
+    if !out.status.success() {
+        bail!("runc spec: {}", String::from_utf8_lossy(&out.stderr).trim());
+    }
+    let path = bundle.join("config.json");
+    let mut spec: Value = serde_json::from_slice(&std::fs::read(&path)?)
+        .with_context(|| format!("parsing {}", path.display()))?;
+    spec["process"]["terminal"] = json!(false);
+    spec["process"]["args"] = json!(["/bin/sh", "-c", "true"]);
+    spec["root"] = json!({"path": rootfs, "readonly": true});
+    Ok(spec)
 }
 
 // ---------------------------------------------------------------------------------------
@@ -1121,6 +1205,9 @@ pub async fn run(args: BenchArgs, envd: Option<&PathBuf>) -> anyhow::Result<i32>
             s.stop().await;
         }
         result?;
+    }
+    if args.url.is_none() {
+        release_quota_mount(&args.server_state_dir.join("sandboxes"));
     }
     if has("peer") {
         let rootfs = match &args.rootfs {
@@ -1285,8 +1372,24 @@ mod tests {
     }
 
     #[test]
-    fn runc_spec_is_read_only_on_the_rootfs() {
-        let v = runc_spec(Path::new("/r"));
+    fn runc_spec_is_runc_default_read_only_on_the_rootfs() {
+        let bundle = std::env::temp_dir().join(format!("cb-runc-spec-test-{}", std::process::id()));
+        std::fs::create_dir_all(&bundle).unwrap();
+        let v = runc_spec(&bundle, Path::new("/r"));
+        std::fs::remove_dir_all(&bundle).unwrap();
+        let v = v.expect("runc spec (runc is installed by scripts/install-deps.sh)");
+        // runc's defaults stay: its masked paths and its mounts.
+        assert!(
+            v["linux"]["maskedPaths"]
+                .as_array()
+                .is_some_and(|a| a.len() > 3)
+        );
+        assert!(
+            v["mounts"]
+                .as_array()
+                .is_some_and(|a| a.iter().any(|m| m["destination"] == "/dev/pts"))
+        );
+        assert_eq!(v["process"]["terminal"], false);
         assert_eq!(v["root"]["path"], "/r");
         assert_eq!(v["root"]["readonly"], true);
         assert_eq!(v["process"]["args"][2], "true");
