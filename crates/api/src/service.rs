@@ -166,12 +166,8 @@ impl ControlPlane {
         cmd: CreateSandbox,
         idem: Option<Idempotency>,
     ) -> ApiResult<Sandbox> {
-        let backend = self.backend.clone();
-        let name = cmd.template.name.clone();
-        let exists = tokio::task::spawn_blocking(move || backend.template_exists(&name))
-            .await
-            .map_err(|e| ApiError::Internal(format!("template lookup task: {e}")))??;
-        if !exists {
+        // Inline: reads one small file (no hop to the blocking pool on every create).
+        if !self.backend.template_exists(&cmd.template.name)? {
             return Err(ApiError::NotFound(format!(
                 "template '{}' not found (built-in templates: base, tiny; build others with `cubicle template build`)",
                 cmd.template.requested
@@ -366,15 +362,20 @@ impl ControlPlane {
     }
 
     /// `DELETE /sandboxes/{id}`.
-    pub async fn kill(&self, team: &Team, id: &str) -> ApiResult<()> {
+    pub async fn kill(self: &Arc<Self>, team: &Team, id: &str) -> ApiResult<()> {
         self.owned(team, id).await?;
         // Keep the last lines: the node deletes the log with the sandbox.
         self.sync_logs(id).await;
         match self.backend.kill(id).await {
             // NotFound: it died on its own meanwhile; either way it is gone now.
             Ok(()) | Err(cubicle_node::Error::SandboxNotFound(_)) => {
+                // Gone for the router and the node now; the database row follows in the
+                // background (a request that reads it meanwhile still asks the node, and
+                // after a crash the startup check records the end).
+                lock(&self.routes).remove(id);
                 let info = self.backend.get(id).ok();
-                self.mark_dead(id, info.as_ref()).await;
+                let (cp, id) = (self.clone(), id.to_string());
+                tokio::spawn(async move { cp.mark_dead(&id, info.as_ref()).await });
                 Ok(())
             }
             Err(e) => Err(e.into()),

@@ -156,8 +156,8 @@ impl Node {
             .lock()
             .unwrap_or_else(|p| p.into_inner()) = report;
         tokio::spawn(crate::reaper::run(Arc::downgrade(&node.inner)));
-        if !node.inner.config.pool.is_empty() {
-            crate::pool::start_refill(&node.inner);
+        if !node.inner.config.pool.is_empty() || node.inner.config.async_teardown {
+            crate::pool::start_background(&node.inner);
         }
         Ok(node)
     }
@@ -280,13 +280,18 @@ impl Node {
     async fn create_inner(&self, req: CreateRequest) -> Result<SandboxInfo> {
         let t0 = Instant::now();
         let inner = &self.inner;
-        let template = {
-            let store = inner.templates.clone();
-            let name = req.template.clone();
-            let progress = inner.config.template_progress;
-            tokio::task::spawn_blocking(move || store.ensure(&name, progress))
-                .await
-                .map_err(|e| Error::Runtime(format!("template task: {e}")))??
+        // A built template is one small file read, done inline; building one (a first
+        // use of a built-in) goes to the blocking pool.
+        let template = match inner.templates.get(&req.template)? {
+            Some(t) => t,
+            None => {
+                let store = inner.templates.clone();
+                let name = req.template.clone();
+                let progress = inner.config.template_progress;
+                tokio::task::spawn_blocking(move || store.ensure(&name, progress))
+                    .await
+                    .map_err(|e| Error::Runtime(format!("template task: {e}")))??
+            }
         };
         let id = match &req.id {
             Some(id) if ids::is_valid_sandbox_id(id) => id.clone(),
@@ -653,10 +658,16 @@ impl Node {
             let (inner, id2) = (self.inner.clone(), id.to_string());
             use std::sync::atomic::Ordering::SeqCst;
             inner.pool.teardowns.fetch_add(1, SeqCst);
-            tokio::spawn(async move {
+            let work = async move {
                 inner.clone().teardown(&id2, record).await;
                 inner.pool.teardowns.fetch_sub(1, SeqCst);
-            });
+            };
+            // On the low-priority background thread: cleaning up after a sandbox must
+            // not slow the requests and sandboxes still in use.
+            match self.inner.pool.background.get() {
+                Some(bg) => drop(bg.spawn(work)),
+                None => drop(tokio::spawn(work)),
+            }
             return Ok(());
         }
         // In its own task: a dropped caller must not stop a teardown halfway.

@@ -22,11 +22,12 @@
 //!
 //! Refill: one background task per node tops every pool up to its target, one sandbox at
 //! a time (cold creates share a bounded semaphore with it, so a burst of 50 creates does
-//! not thrash two cores). It runs on its own thread at nice 19, and so do the helper and
-//! sandbox processes it starts (nice is inherited): making the next pooled sandbox
-//! (about 10 ms of CPU) must not slow the claim it replaces or that sandbox's first
-//! commands. A claim raises the sandbox's tasks back to nice 0 before `/init`, so its
-//! user's processes run at normal priority. The target adapts: a create that finds its pool empty raises
+//! not thrash two cores). It runs on the node's background thread at nice 19 (shared with
+//! asynchronous teardowns), and so do the helper and sandbox processes it starts (nice
+//! is inherited): making the next pooled sandbox (about 10 ms of CPU) and removing the
+//! last one must not slow the claim or that sandbox's first commands. A claim raises the
+//! sandbox's tasks back to nice 0 before `/init`, so its user's processes run at normal
+//! priority. The target adapts: a create that finds its pool empty raises
 //! it (up to 4× the configured size), a minute without misses lowers it back; the sum of
 //! all pooled sandboxes' measured memory stays under `pool_memory_mb`.
 
@@ -63,6 +64,8 @@ pub(crate) struct Pool {
     pub(crate) create_permits: Arc<Semaphore>,
     /// Background teardowns in flight (`NodeConfig::async_teardown`).
     pub(crate) teardowns: std::sync::atomic::AtomicUsize,
+    /// The low-priority background runtime (refills, async teardowns), once started.
+    pub(crate) background: std::sync::OnceLock<tokio::runtime::Handle>,
 }
 
 #[derive(Default)]
@@ -106,6 +109,7 @@ impl Pool {
             wake: Arc::new(Notify::new()),
             create_permits: Arc::new(Semaphore::new(config.create_concurrency.max(1))),
             teardowns: Default::default(),
+            background: Default::default(),
         }
     }
 
@@ -415,27 +419,63 @@ fn estimate(inner: &Inner) -> u64 {
     }
 }
 
-/// Starts [`refill`] on its own thread ("cubicle-refill", nice [`REFILL_NICE`], a
-/// single-threaded runtime); must be called within the node's runtime.
-pub(crate) fn start_refill(inner: &Arc<Inner>) {
+/// Starts the node's background thread ("cubicle-bg", nice [`REFILL_NICE`], a
+/// single-threaded runtime whose handle goes to `Pool::background`): it runs [`refill`]
+/// when pools are configured, and the asynchronous teardowns `Node::kill` hands it. Once
+/// the node is closed it stays until those teardowns are done (at most a minute). Must
+/// be called within the node's runtime. Without it (thread or runtime creation failed)
+/// teardowns run on the node's runtime and pools stay empty.
+pub(crate) fn start_background(inner: &Arc<Inner>) {
     let weak = Arc::downgrade(inner);
     let main = tokio::runtime::Handle::current();
+    let pools = !inner.config.pool.is_empty();
+    let (tx, rx) = std::sync::mpsc::channel();
     let spawned = std::thread::Builder::new()
-        .name("cubicle-refill".into())
+        .name("cubicle-bg".into())
         .spawn(move || {
             // SAFETY: no memory arguments. Who 0 = the calling thread: Linux keeps nice
             // per thread, and threads and processes started from here inherit it.
             unsafe { libc::setpriority(libc::PRIO_PROCESS, 0, REFILL_NICE) };
-            match tokio::runtime::Builder::new_current_thread()
+            let rt = match tokio::runtime::Builder::new_current_thread()
                 .enable_all()
                 .build()
             {
-                Ok(rt) => rt.block_on(refill(weak, main)),
-                Err(e) => tracing::error!("pool refill runtime: {e}; pools stay empty"),
-            }
+                Ok(rt) => rt,
+                Err(e) => {
+                    tracing::error!("background runtime: {e}; pools stay empty");
+                    return;
+                }
+            };
+            let _ = tx.send(rt.handle().clone());
+            rt.block_on(async move {
+                if pools {
+                    refill(weak.clone(), main).await;
+                }
+                use std::sync::atomic::Ordering::SeqCst;
+                let mut closed_at: Option<Instant> = None;
+                loop {
+                    let Some(inner) = weak.upgrade() else { return };
+                    let closed = inner.closed.load(SeqCst);
+                    let pending = inner.pool.teardowns.load(SeqCst) > 0;
+                    drop(inner);
+                    if closed {
+                        let since = closed_at.get_or_insert_with(Instant::now);
+                        if !pending || since.elapsed() > Duration::from_secs(60) {
+                            return;
+                        }
+                    }
+                    let nap = if closed { 20 } else { 250 };
+                    tokio::time::sleep(Duration::from_millis(nap)).await;
+                }
+            });
         });
-    if let Err(e) = spawned {
-        tracing::error!("pool refill thread: {e}; pools stay empty");
+    match spawned {
+        Ok(_) => {
+            if let Ok(h) = rx.recv() {
+                let _ = inner.pool.background.set(h);
+            }
+        }
+        Err(e) => tracing::error!("background thread: {e}; pools stay empty"),
     }
 }
 
