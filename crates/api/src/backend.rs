@@ -29,9 +29,17 @@ pub trait Backend: Send + Sync + 'static {
     fn stats(&self, id: &str) -> cubicle_node::Result<SandboxStats>;
     /// The sandbox's envd/init log file on the host.
     fn log_path(&self, id: &str) -> PathBuf;
+    /// Warm-pool counters (ready, target, claims, misses, refills), as JSON.
+    fn pool_stats(&self) -> serde_json::Value {
+        serde_json::json!({})
+    }
 }
 
 impl Backend for Node {
+    fn pool_stats(&self) -> serde_json::Value {
+        serde_json::to_value(Node::pool_stats(self)).unwrap_or_default()
+    }
+
     fn template_exists(&self, name: &str) -> cubicle_node::Result<bool> {
         Ok(self.templates().get(name)?.is_some()
             || cubicle_node::template::BUILTINS.contains(&name))

@@ -48,6 +48,8 @@ pub fn router(cp: Arc<ControlPlane>) -> Router {
         .route("/sandboxes/{id}/network", put(network))
         .route("/sandboxes/{id}/snapshots", post(snapshot))
         .route("/sandboxes/{id}/fork", post(fork))
+        // Cubicle's own: warm-pool counters for operators and `cubicle bench`.
+        .route("/cubicle/pool", get(pool_stats))
         .route_layer(middleware::from_fn_with_state(cp.clone(), auth));
     Router::new()
         .route("/health", get(|| async { StatusCode::OK }))
@@ -55,6 +57,11 @@ pub fn router(cp: Arc<ControlPlane>) -> Router {
         .fallback(unknown_route)
         .layer(middleware::map_response(json_errors))
         .with_state(cp)
+}
+
+/// `GET /cubicle/pool`: the node's warm-pool counters.
+async fn pool_stats(State(cp): Cp) -> Json<serde_json::Value> {
+    Json(cp.backend().pool_stats())
 }
 
 /// `X-API-KEY` → the caller's [`Team`] (in the request extensions), or 401.

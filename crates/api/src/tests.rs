@@ -49,6 +49,10 @@ impl FakeNode {
 }
 
 impl Backend for FakeNode {
+    fn pool_stats(&self) -> Value {
+        serde_json::json!({"ready": {"tiny": 2}, "target": {"tiny": 4}, "claims": 3, "misses": 1, "refills": 5})
+    }
+
     fn template_exists(&self, name: &str) -> cubicle_node::Result<bool> {
         cubicle_node::template::validate_name(name)?;
         Ok(["base", "tiny"].contains(&name))
@@ -381,6 +385,20 @@ async fn auth_is_required_and_json() {
     assert_eq!(r.status, StatusCode::UNAUTHORIZED);
     let r = h.call(Method::GET, "/health", None, Body::empty()).await;
     assert_eq!(r.status, StatusCode::OK);
+}
+
+#[tokio::test]
+async fn pool_counters_need_a_key() {
+    let h = harness().await;
+    let r = h
+        .call(Method::GET, "/cubicle/pool", None, Body::empty())
+        .await;
+    assert_eq!(r.status, StatusCode::UNAUTHORIZED);
+    let r = h.a(Method::GET, "/cubicle/pool", Value::Null).await;
+    assert_eq!(r.status, StatusCode::OK);
+    assert_eq!(r.json["claims"], 3);
+    assert_eq!(r.json["misses"], 1);
+    assert_eq!(r.json["ready"]["tiny"], 2);
 }
 
 #[tokio::test]

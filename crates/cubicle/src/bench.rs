@@ -320,6 +320,24 @@ impl Api {
         Ok(())
     }
 
+    /// The server's warm-pool counters (`GET /cubicle/pool`): (claims, misses), or
+    /// `None` from a server without that route.
+    async fn pool_counts(&self, c: &mut Conn) -> Option<(u64, u64)> {
+        let sender = c.open().await.ok()?;
+        sender.ready().await.ok()?;
+        let req = self
+            .req(Method::GET, "/cubicle/pool")
+            .body(Full::new(Bytes::new()))
+            .ok()?;
+        let resp = sender.send_request(req).await.ok()?;
+        if !resp.status().is_success() {
+            return None;
+        }
+        let body = resp.into_body().collect().await.ok()?.to_bytes();
+        let v: Value = serde_json::from_slice(&body).ok()?;
+        Some((v["claims"].as_u64()?, v["misses"].as_u64()?))
+    }
+
     async fn list_ids(&self, c: &mut Conn) -> anyhow::Result<Vec<String>> {
         let mut ids = Vec::new();
         let mut token: Option<String> = None;
@@ -1261,6 +1279,15 @@ async fn run_measures(
     cycle_c1: &mut BTreeMap<String, f64>,
 ) -> anyhow::Result<()> {
     let emit = |r: &Row| print_row(r, args.json);
+    // With a pool: how many of a row's creates were claims and how many missed (cold).
+    let pool_counted =
+        |r: Row, before: Option<(u64, u64)>, after: Option<(u64, u64)>| match (before, after) {
+            (Some(b), Some(a)) if cx.pool != "off" => r
+                .with("pool_claims", a.0.saturating_sub(b.0))
+                .with("pool_misses", a.1.saturating_sub(b.1)),
+            _ => r,
+        };
+    let mut pc = Conn::new(&cx.api.addr);
     // Warm-up: first creates pay for page cache and lazy setup.
     {
         let mut c = Conn::new(&cx.api.addr);
@@ -1275,11 +1302,15 @@ async fn run_measures(
     if has("create") {
         for t in templates {
             for &conc in &args.concurrency {
-                emit(&measure_create(cx, t, conc, Duration::ZERO).await);
+                let b = cx.api.pool_counts(&mut pc).await;
+                let r = measure_create(cx, t, conc, Duration::ZERO).await;
+                emit(&pool_counted(r, b, cx.api.pool_counts(&mut pc).await));
                 if conc == 1 && cx.pool == "on" && args.pace_ms > 0 {
                     // The closed loop above outruns the refill; this is the warm case.
                     let pace = Duration::from_millis(args.pace_ms);
-                    emit(&measure_create(cx, t, conc, pace).await);
+                    let b = cx.api.pool_counts(&mut pc).await;
+                    let r = measure_create(cx, t, conc, pace).await;
+                    emit(&pool_counted(r, b, cx.api.pool_counts(&mut pc).await));
                 }
             }
         }
@@ -1297,14 +1328,18 @@ async fn run_measures(
         };
         for t in ts {
             for &conc in &concs {
+                let b = cx.api.pool_counts(&mut pc).await;
                 let r = measure_cycle(cx, t, conc, cx.iterations, Duration::ZERO).await;
+                let r = pool_counted(r, b, cx.api.pool_counts(&mut pc).await);
                 if conc == 1 && *t == args.template {
                     cycle_c1.insert(cx.pool.clone(), r.p50());
                 }
                 emit(&r);
                 if conc == 1 && cx.pool == "on" && args.pace_ms > 0 {
                     let pace = Duration::from_millis(args.pace_ms);
+                    let b = cx.api.pool_counts(&mut pc).await;
                     let r = measure_cycle(cx, t, conc, cx.iterations, pace).await;
+                    let r = pool_counted(r, b, cx.api.pool_counts(&mut pc).await);
                     if *t == args.template {
                         cycle_c1.insert("warm".into(), r.p50());
                     }

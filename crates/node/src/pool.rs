@@ -84,7 +84,7 @@ struct PoolState {
 }
 
 /// Pool counters.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize)]
 pub struct PoolStats {
     /// Ready sandboxes per template.
     pub ready: BTreeMap<String, usize>,
