@@ -321,7 +321,8 @@ impl RouteSocket {
         mtu: Option<u32>,
     ) -> io::Result<()> {
         let mut m = Msg::new(RTM_NEWLINK, NLM_F_REQUEST | NLM_F_ACK | NLM_F_CREATE | NLM_F_EXCL);
-        m.header(&ifinfomsg(0, IFF_UP, IFF_UP));
+        // Down: the caller configures it (IPv6 off) before setting it up.
+        m.header(&ifinfomsg(0, 0, 0));
         m.attr_str(IFLA_IFNAME, host_name);
         if let Some(mtu) = mtu {
             m.attr_u32(IFLA_MTU, mtu);

@@ -271,6 +271,14 @@ fn egress_isolation_end_to_end() {
     assert_eq!(ia.host_ifname, "cbt1");
     assert_eq!(ib.host_ifname, "cbt2");
     assert_ne!(ia.sandbox_ip, ib.sandbox_ip);
+    // IPv6 is off on the host sides: no per-interface routes in the host's IPv6 tables.
+    if std::path::Path::new("/proc/sys/net/ipv6").exists() {
+        let v = std::fs::read_to_string("/proc/sys/net/ipv6/conf/cbt1/disable_ipv6").unwrap();
+        assert_eq!(v.trim(), "1");
+        let out = Command::new("ip").args(["-6", "route", "show", "table", "all", "dev", "cbt1"]).output().unwrap();
+        let routes = String::from_utf8_lossy(&out.stdout);
+        assert!(routes.trim().is_empty(), "IPv6 routes on cbt1: {routes}");
+    }
 
     // 1. Internet: sandbox A reaches the test internet host, NATed to the host address.
     let (inet_addr, inet_rx) = listen_in(&world.internet.ns, v4("198.51.100.2", 0));
