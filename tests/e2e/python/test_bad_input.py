@@ -6,6 +6,7 @@ socket. Each case must give a clear error, keep envd alive and leak nothing."""
 
 from __future__ import annotations
 
+import errno
 import gzip
 import io
 import json
@@ -520,12 +521,16 @@ def test_garbage_on_the_socket(envd_pid: int):
     for payload in (b"\x00\x01\x02garbage\r\n\r\n", b"GET / HTTP/9.9\r\n\r\n", os.urandom(4096), b"POST /files HTTP/1.1\r\n"):
         s = socket.create_connection(("127.0.0.1", PORT), timeout=5)
         try:
-            s.sendall(payload)
-            s.shutdown(socket.SHUT_WR)
             try:
+                s.sendall(payload)
+                s.shutdown(socket.SHUT_WR)
                 s.recv(4096)
-            except (socket.timeout, ConnectionResetError):
+            except socket.timeout:
                 pass
+            except OSError as e:
+                # envd may answer 400 and close before we are done sending or shutting
+                # down our side: that is a fine way to refuse garbage.
+                assert e.errno in (errno.ENOTCONN, errno.EPIPE, errno.ECONNRESET), e
         finally:
             s.close()
     assert_healthy()
