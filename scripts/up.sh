@@ -25,6 +25,8 @@ cargo build --release -p cubicle
 bash scripts/build-envd.sh --release
 # The node finds the statically linked agent next to the cubicle binary.
 install -m 0755 target/x86_64-unknown-linux-gnu/release/cubicle-envd target/release/cubicle-envd
+# `cubicle` on PATH (a symlink: the binary still finds cubicle-envd next to its real path).
+ln -sfn "$PWD/target/release/cubicle" /usr/local/bin/cubicle
 
 # First start: creates the admin team and API key and builds the `base` and `tiny`
 # templates (about a minute) before it prints the export lines and `cubicle: ready`.
