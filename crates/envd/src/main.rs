@@ -29,7 +29,7 @@ struct Args {
     /// user envd runs as, unless --default-user is given).
     #[arg(long)]
     dev: bool,
-    /// Act as PID 1 of a sandbox: reap zombies and forward signals.
+    /// Act as PID 1 of a sandbox: reap orphaned zombies, end on SIGTERM/SIGINT/SIGHUP.
     #[arg(long)]
     init: bool,
     /// Default user for processes and files.
@@ -45,9 +45,6 @@ struct Args {
 
 fn main() -> anyhow::Result<()> {
     let args = Args::parse();
-    if args.init {
-        cubicle_envd::init::become_init();
-    }
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_env("CUBICLE_ENVD_LOG")
@@ -73,6 +70,10 @@ fn main() -> anyhow::Result<()> {
         .context("starting the async runtime")?;
     runtime.block_on(async move {
         let state = AppState::new(ctx);
+        if args.init {
+            // PID 1 of a sandbox: reap orphans, end on SIGTERM/SIGINT/SIGHUP.
+            tokio::spawn(cubicle_envd::init::run());
+        }
         let mut tasks = tokio::task::JoinSet::new();
         if let Some(path) = args.unix_socket.clone() {
             let st = state.clone();

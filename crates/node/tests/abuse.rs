@@ -813,11 +813,13 @@ async fn memory_hog(ctx: Arc<Ctx>) -> TestResult {
             ..base()
         })
         .await?;
+    // Only checks that envd's score can be raised; it is raised for real below, once the
+    // hogs run: processes inherit the score of envd, which starts them.
     let o = bash(
         node,
         &c.id,
         Some("root"),
-        "echo 1000 > /proc/1/oom_score_adj && echo raised",
+        "echo 0 > /proc/1/oom_score_adj && echo raised",
         Duration::from_secs(10),
     )
     .await?;
@@ -829,13 +831,14 @@ async fn memory_hog(ctx: Arc<Ctx>) -> TestResult {
         kill_and_check(&ctx, &c, DeathReason::Killed).await?;
     } else {
         // Many small hogs, so that envd (score = its RSS + the whole limit) outranks each
-        // of them; one big hog would tie with it (its RSS is about the limit). The call's
-        // connection dies with envd.
+        // of them; one big hog would tie with it (its RSS is about the limit). They wait
+        // for /tmp/go, so that envd's score is raised after they started (else they would
+        // inherit it). The call's connection dies with envd.
         let r = bash(
             node,
             &c.id,
-            None,
-            "for i in $(seq 12); do python3 -c 'import time; b=bytearray(24<<20); time.sleep(30)' & done; wait; echo done",
+            Some("root"),
+            "rm -f /tmp/go; for i in $(seq 12); do python3 -c 'import os,time\nwhile not os.path.exists(\"/tmp/go\"): time.sleep(0.02)\nb=bytearray(24<<20); time.sleep(30)' & done; sleep 0.5; echo 1000 > /proc/1/oom_score_adj; touch /tmp/go; wait; echo done",
             Duration::from_secs(40),
         )
         .await;

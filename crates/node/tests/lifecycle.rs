@@ -55,6 +55,9 @@ fn main() {
         ("init_exit_is_noticed", |e| {
             Box::pin(init_exit_is_noticed(e))
         }),
+        ("pid1_reaps_orphans_keeps_exit_codes", |e| {
+            Box::pin(pid1_reaps_orphans_keeps_exit_codes(e))
+        }),
         ("reopen_adopts_live_and_removes_dead", |e| {
             Box::pin(reopen_adopts_live_and_removes_dead(e))
         }),
@@ -349,6 +352,84 @@ async fn init_exit_is_noticed(envd: PathBuf) -> TestResult {
     node.close();
     cleanup_state(&state);
     Ok(())
+}
+
+/// States (`R`, `S`, `Z`, …) of every process in sandbox `id`'s cgroup.
+fn sandbox_proc_states(id: &str) -> Vec<(i32, char)> {
+    let procs = ["/sys/fs/cgroup/pids/cubicle", "/sys/fs/cgroup/cubicle"]
+        .iter()
+        .find_map(|d| std::fs::read_to_string(format!("{d}/{id}/cgroup.procs")).ok())
+        .unwrap_or_default();
+    procs
+        .split_whitespace()
+        .filter_map(|p| p.parse::<i32>().ok())
+        .filter_map(|pid| {
+            let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+            let state = stat.rsplit_once(')')?.1.trim_start().chars().next()?;
+            Some((pid, state))
+        })
+        .collect()
+}
+
+/// envd is PID 1 itself: orphans re-parented to it are reaped, while the exit codes of
+/// the processes it started (reaped by its process supervisor) are never taken from it;
+/// SIGTERM from the host ends the sandbox.
+async fn pid1_reaps_orphans_keeps_exit_codes(envd: PathBuf) -> TestResult {
+    let (node, state) = node(&envd, "orphans", 3600).await?;
+    let s = node.create(tiny()).await?;
+    let r = async {
+        // Concurrent commands, each leaving orphans that exit at once or a bit later.
+        let mut set = tokio::task::JoinSet::new();
+        for i in 0..40 {
+            let (node, id) = (node.clone(), s.id.clone());
+            set.spawn(async move {
+                let code = i % 50 + 1;
+                let script = format!("(sleep 0.0$((RANDOM % 9)); exit 9) & (exit 0) & exit {code}");
+                let (_, err, got) = sh(&node, &id, &script).await?;
+                anyhow::ensure!(
+                    got == code,
+                    "command {i}: exit {got}, wanted {code} ({err})"
+                );
+                Ok(())
+            });
+        }
+        while let Some(r) = set.join_next().await {
+            r??;
+        }
+        // Every orphan gets reaped: only envd is left, and no zombie.
+        let t = Instant::now();
+        loop {
+            let st = sandbox_proc_states(&s.id);
+            if st.len() == 1 && st.iter().all(|(_, c)| *c != 'Z') {
+                break;
+            }
+            anyhow::ensure!(
+                t.elapsed() < Duration::from_secs(3),
+                "left in the sandbox: {st:?}"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        // SIGTERM to PID 1 (which has a handler: PID 1 ignores others) ends the sandbox.
+        let pid = s.pid.ok_or_else(|| anyhow::anyhow!("no pid"))?;
+        nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(pid),
+            nix::sys::signal::Signal::SIGTERM,
+        )?;
+        let t = Instant::now();
+        while node.get(&s.id).is_ok_and(|i| i.state != SandboxState::Dead) {
+            anyhow::ensure!(
+                t.elapsed() < Duration::from_secs(5),
+                "SIGTERM did not end the sandbox"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        assert_no_traces(&state, &s.id, Some(slot_of(s.uid_base)), s.pid)
+    }
+    .await;
+    node.kill_all().await;
+    node.close();
+    cleanup_state(&state);
+    r
 }
 
 async fn reopen_adopts_live_and_removes_dead(envd: PathBuf) -> TestResult {

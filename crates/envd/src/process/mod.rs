@@ -429,6 +429,7 @@ fn register(
                 let _ = table::signal_session(pid, libc::SIGKILL);
                 tokio::spawn(async move {
                     let _ = child.wait().await;
+                    crate::init::forget(pid);
                 });
                 return Err(ConnectError::internal(format!("registering the PTY: {e}")));
             }

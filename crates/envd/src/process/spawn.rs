@@ -208,7 +208,15 @@ pub fn spawn(spec: &SpawnSpec) -> io::Result<Spawned> {
     }
     cmd.kill_on_drop(false);
 
-    let mut child = cmd.spawn()?;
+    // Registered as envd's own before anything can reap it (see `crate::init`).
+    let mut child = {
+        let mut own = crate::init::spawn_guard();
+        let child = cmd.spawn()?;
+        if let Some(pid) = child.id() {
+            own.register(pid);
+        }
+        child
+    };
     // The slave ends were moved into `cmd`; drop it so only the child holds them.
     drop(cmd);
     let io = match pty_master {

@@ -392,6 +392,7 @@ pub async fn supervise(proc: Arc<Proc>, mut child: Child, output: Sources, kill_
             }
             st = child.wait(), if status.is_none() => {
                 proc.reaped.store(true, Ordering::SeqCst);
+                crate::init::forget(proc.pid);
                 status = Some(st);
                 exited_at = Some(Instant::now());
             }
