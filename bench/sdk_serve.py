@@ -5,8 +5,10 @@ measures, over N runs each (default 200, template `base`):
 
   create                  `Sandbox.create()` (one REST call: POST /v2/sandboxes → 201)
   create+run+kill         `Sandbox.create()` + `commands.run(CMD)` + `kill()`
-                          (CMD: `--cmd`, default "echo hi"; `cubicle bench`'s SDK
-                          counterpart is `--template tiny --cmd true`)
+                          (CMD: `--cmd`, default "echo hi"; the SDK runs it with
+                          `/bin/bash -l -c`, so templates without bash, like `tiny`,
+                          cannot run it: `--template base --cmd true` is the SDK's
+                          counterpart of `cubicle bench cycle --template base`)
 
 and prints p50 / p90 / p99 / max in milliseconds. Sandboxes of the first series are
 killed outside the timed region. Run it, e.g., through the e2e launcher:
