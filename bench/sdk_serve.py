@@ -53,8 +53,10 @@ def main():
 
     for _ in range(args.warmup):
         s = Sandbox.create(args.template)
-        s.commands.run(args.cmd)
-        s.kill()
+        try:
+            s.commands.run(args.cmd)
+        finally:  # a failing command (e.g. no bash in the template) leaves nothing running
+            s.kill()
 
     create = []
     for _ in range(args.runs):
@@ -68,8 +70,10 @@ def main():
     for _ in range(args.runs):
         t0 = time.perf_counter()
         s = Sandbox.create(args.template)
-        r = s.commands.run(args.cmd)
-        s.kill()
+        try:
+            r = s.commands.run(args.cmd)
+        finally:
+            s.kill()
         full.append(time.perf_counter() - t0)
         assert r.exit_code == 0, r
         if args.cmd == "echo hi":
