@@ -50,6 +50,47 @@ pub struct ProcessSpec {
     pub user: Option<String>,
 }
 
+/// A process started by [`EnvdClient::start_watched`]: its output is collected until
+/// this is dropped (the process itself keeps running).
+pub struct Watched {
+    /// Its pid inside the sandbox.
+    pub pid: u32,
+    /// The last bytes of its output and, once it ended, its exit code.
+    seen: std::sync::Arc<std::sync::Mutex<(Vec<u8>, Option<i32>)>>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Watched {
+    /// A check, usable from any thread: its exit code once it has ended.
+    pub fn exit_code(&self) -> impl Fn() -> Option<i32> + Send + 'static {
+        let seen = self.seen.clone();
+        move || seen.lock().unwrap_or_else(|p| p.into_inner()).1
+    }
+
+    /// What is known of it so far, for an error message: its exit code if it ended and
+    /// the last lines of its output.
+    pub fn describe(&self) -> String {
+        let s = self.seen.lock().unwrap_or_else(|p| p.into_inner());
+        let out = String::from_utf8_lossy(&s.0);
+        let out = out.trim();
+        let ended = match s.1 {
+            Some(code) => format!("it exited with code {code}"),
+            None => "it is still running".to_string(),
+        };
+        if out.is_empty() {
+            format!("{ended}, no output")
+        } else {
+            format!("{ended}; its last output: {out}")
+        }
+    }
+}
+
+impl Drop for Watched {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
 /// One piece of a running process's life.
 #[derive(Debug, Clone, PartialEq)]
 pub enum ProcessEvent {
@@ -291,28 +332,43 @@ impl EnvdClient {
     /// started, without waiting for its end: envd keeps a process running when its
     /// client goes away.
     pub async fn start_detached(&self, spec: &ProcessSpec) -> Result<u32> {
+        Ok(self.start_watched(spec, 0).await?.pid)
+    }
+
+    /// Start a process like [`EnvdClient::start_detached`], but keep its last `keep`
+    /// bytes of output (and its exit code, if it ends) until the returned [`Watched`]
+    /// is dropped; the process keeps running after that.
+    pub async fn start_watched(&self, spec: &ProcessSpec, keep: usize) -> Result<Watched> {
         let (tx, rx) = tokio::sync::oneshot::channel();
         let mut tx = Some(tx);
         let client = self.clone();
         let spec = spec.clone();
+        let seen: std::sync::Arc<std::sync::Mutex<(Vec<u8>, Option<i32>)>> = Default::default();
+        let s2 = seen.clone();
         let task = tokio::spawn(async move {
             let r = client
-                .run(&spec, |ev| {
-                    if let (ProcessEvent::Start(pid), Some(tx)) = (ev, tx.take()) {
-                        let _ = tx.send(pid);
+                .run(&spec, |ev| match ev {
+                    ProcessEvent::Start(pid) => {
+                        if let Some(tx) = tx.take() {
+                            let _ = tx.send(pid);
+                        }
                     }
+                    ProcessEvent::Stdout(b) | ProcessEvent::Stderr(b) if keep > 0 => {
+                        let mut s = s2.lock().unwrap_or_else(|p| p.into_inner());
+                        s.0.extend_from_slice(&b);
+                        let over = s.0.len().saturating_sub(keep);
+                        s.0.drain(..over);
+                    }
+                    _ => {}
                 })
                 .await;
-            if let Err(e) = r {
-                tracing::debug!("detached process stream ended: {e}");
+            match r {
+                Ok(end) => s2.lock().unwrap_or_else(|p| p.into_inner()).1 = Some(end.exit_code),
+                Err(e) => tracing::debug!("watched process stream ended: {e}"),
             }
         });
         match rx.await {
-            Ok(pid) => {
-                // Stop reading its output; the process keeps running inside.
-                task.abort();
-                Ok(pid)
-            }
+            Ok(pid) => Ok(Watched { pid, seen, task }),
             Err(_) => {
                 let _ = task.await;
                 Err(Error::Envd("the process did not start".into()))

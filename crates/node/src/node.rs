@@ -530,6 +530,7 @@ impl Node {
                 default_workdir: record.default_workdir.clone(),
             })
             .await?;
+        let mut start_command = None;
         if let Some(cmd) = template
             .config
             .start_command
@@ -544,22 +545,39 @@ impl Node {
                 args: vec!["-c".into(), cmd.to_string()],
                 ..Default::default()
             };
-            let pid = authed.start_detached(&spec).await?;
-            tracing::info!(sandbox = %id, pid, "start command running: {cmd}");
+            // Its output is kept (the last 4 KiB) until the sandbox is ready, so that a
+            // start command that fails or never listens explains itself in the error.
+            let watched = authed.start_watched(&spec, 4096).await?;
+            tracing::info!(sandbox = %id, pid = watched.pid, "start command running: {cmd}");
+            start_command = Some(watched);
         }
         if let Some(port) = template.config.ready_port {
             // The template's readiness probe (e.g. code-interpreter's /health on 49999).
             let (spid, pst) = (started.pid, record.pid_start_time);
-            blocking(move || {
+            let exit_code = start_command.as_ref().map(|w| w.exit_code());
+            let r = blocking(move || {
                 crate::template::ready::wait_http_health(
                     spid,
                     port,
                     std::time::Duration::from_secs(120),
-                    move || procfs::is_alive(spid, pst),
+                    move || {
+                        if !procfs::is_alive(spid, pst) {
+                            return Some("the sandbox died".into());
+                        }
+                        // A start command that exits 0 may have left a server running in
+                        // the background: only a failure ends the wait early.
+                        let failed = exit_code.as_ref().and_then(|f| f()).filter(|c| *c != 0);
+                        failed.map(|code| format!("the start command failed (exit code {code})"))
+                    },
                 )
             })
-            .await?;
+            .await;
+            if let (Err(e), Some(w)) = (&r, &start_command) {
+                return Err(Error::Runtime(format!("{e}; the start command: {}", w.describe())));
+            }
+            r?;
         }
+        drop(start_command);
         record.state = SandboxState::Running;
         fsutil::write_json_atomic(&dir.join("sandbox.json"), &record)?;
         let ready_us = t0.elapsed().as_micros() as u64;

@@ -599,6 +599,29 @@ async fn template_start_command_runs(envd: PathBuf) -> TestResult {
     }
     node.kill(&s.id).await?;
     assert_no_traces(&state, &s.id, Some(slot_of(s.uid_base)), s.pid)?;
+
+    // A start command that fails before its ready port answers: the create fails at
+    // once (not after the 120 s readiness timeout), saying how it ended and what it
+    // printed, and leaves nothing.
+    cfg.start_command = Some("echo cb-start-marker >&2; exit 3".into());
+    cfg.ready_port = Some(8080);
+    cubicle_node::fsutil::write_json_atomic(&dir.join("template.json"), &cfg)?;
+    let t = Instant::now();
+    let e = node
+        .create(CreateRequest {
+            template: "tinystart".into(),
+            ..Default::default()
+        })
+        .await
+        .err()
+        .ok_or_else(|| anyhow::anyhow!("a failing start command made a ready sandbox"))?
+        .to_string();
+    anyhow::ensure!(t.elapsed() < Duration::from_secs(10), "took {:?}", t.elapsed());
+    anyhow::ensure!(
+        e.contains("start command failed") && e.contains("code 3") && e.contains("cb-start-marker"),
+        "error: {e}"
+    );
+    anyhow::ensure!(node.list().is_empty(), "left: {:?}", node.list());
     node.close();
     cleanup_state(&state);
     Ok(())

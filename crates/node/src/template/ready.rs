@@ -37,22 +37,22 @@ fn status_is_2xx(head: &[u8]) -> bool {
     head.starts_with(b"HTTP/1.") && head.len() >= 10 && head[9] == b'2'
 }
 
-/// Wait (blocking) until the probe succeeds, the sandbox dies (`alive` false) or
-/// `timeout` passes.
+/// Wait (blocking) until the probe succeeds, `give_up` names a reason to stop (the
+/// sandbox died, the start command ended) or `timeout` passes.
 pub fn wait_http_health(
     pid: i32,
     port: u16,
     timeout: Duration,
-    alive: impl Fn() -> bool,
+    give_up: impl Fn() -> Option<String>,
 ) -> Result<()> {
     let t0 = Instant::now();
     loop {
         if probe(pid, port) {
             return Ok(());
         }
-        if !alive() {
+        if let Some(why) = give_up() {
             return Err(Error::Runtime(format!(
-                "sandbox died before port {port} answered /health"
+                "{why} before port {port} answered /health"
             )));
         }
         if t0.elapsed() > timeout {
