@@ -329,52 +329,14 @@ impl Node {
         }
         // Cold: bounded concurrency (fair FIFO semaphore), shared with pool refills.
         let _permit = inner.pool.create_permits.clone().acquire_owned().await.ok();
-        let now = now_ms();
-        let mut env_vars = template.config.env.clone();
-        env_vars.extend(req.env_vars.clone());
-        env_vars.insert("E2B_SANDBOX".into(), "true".into());
-        env_vars.insert("E2B_SANDBOX_ID".into(), id.clone());
-        env_vars.insert("E2B_TEMPLATE_ID".into(), template.config.name.clone());
-
-        // Reserve id + slot.
-        let record = {
-            let mut st = inner.lock();
-            if st.live.contains_key(&id) {
-                return Err(Error::InvalidRequest(format!(
-                    "sandbox '{id}' already exists"
-                )));
-            }
-            let slot = st.slots.allocate().ok_or_else(|| {
-                Error::Capacity(format!(
-                    "all {} sandbox slots are in use",
-                    st.slots.in_use()
-                ))
-            })?;
-            let record = SandboxRecord {
-                id: id.clone(),
-                template: template.config.name.clone(),
-                state: SandboxState::Creating,
-                slot,
-                uid_base: st.slots.uid_base(slot),
-                pid: None,
-                pid_start_time: None,
-                created_at_ms: now,
-                end_at_ms: now + timeout.as_millis() as u64,
-                memory_mb,
-                cpus,
-                disk_mb,
-                internet: req.internet,
-                env_vars,
-                metadata: req.metadata.clone(),
-                access_token: ids::new_access_token(),
-                default_user: template.config.default_user.clone(),
-                default_workdir: template.config.default_workdir.clone(),
-                death_reason: None,
-                runtime: serde_json::Value::Null,
-            };
-            st.live.insert(id.clone(), Live::new(record.clone()));
-            record
-        };
+        let env_vars = sandbox_env(&template, &req.env_vars, &id);
+        let record = inner.reserve(&id, &template, |r| {
+            r.end_at_ms = r.created_at_ms + timeout.as_millis() as u64;
+            (r.memory_mb, r.cpus, r.disk_mb) = (memory_mb, cpus, disk_mb);
+            r.internet = req.internet;
+            r.env_vars = env_vars;
+            r.metadata = req.metadata.clone();
+        })?;
 
         match self.bring_up(record, &template, t0).await {
             Ok(info) => Ok(info),
@@ -963,6 +925,68 @@ fn lock_node(path: &Path) -> Result<std::fs::File> {
 }
 
 /// Run a blocking closure on the blocking pool.
+/// A sandbox's environment: the template's, then the caller's, then E2B's own
+/// `E2B_SANDBOX`, `E2B_SANDBOX_ID` and `E2B_TEMPLATE_ID` (which the caller cannot override).
+pub(crate) fn sandbox_env(
+    template: &Template,
+    requested: &std::collections::BTreeMap<String, String>,
+    id: &str,
+) -> std::collections::BTreeMap<String, String> {
+    let mut env = template.config.env.clone();
+    env.extend(requested.iter().map(|(k, v)| (k.clone(), v.clone())));
+    env.insert("E2B_SANDBOX".into(), "true".into());
+    env.insert("E2B_SANDBOX_ID".into(), id.into());
+    env.insert("E2B_TEMPLATE_ID".into(), template.config.name.clone());
+    env
+}
+
+impl Inner {
+    /// Reserves a slot for new sandbox `id` and enters its `creating` record: the
+    /// template's limits, user and workdir, internet on, a fresh access token, no env
+    /// vars or metadata, ending now — then `customize` sets what differs.
+    pub(crate) fn reserve(
+        &self,
+        id: &str,
+        template: &Template,
+        customize: impl FnOnce(&mut SandboxRecord),
+    ) -> Result<SandboxRecord> {
+        let mut st = self.lock();
+        if st.live.contains_key(id) {
+            return Err(Error::InvalidRequest(format!("sandbox '{id}' already exists")));
+        }
+        let slot = st.slots.allocate().ok_or_else(|| {
+            Error::Capacity(format!("all {} sandbox slots are in use", st.slots.in_use()))
+        })?;
+        let now = now_ms();
+        let c = &template.config;
+        let mut record = SandboxRecord {
+            id: id.to_string(),
+            template: c.name.clone(),
+            state: SandboxState::Creating,
+            slot,
+            uid_base: st.slots.uid_base(slot),
+            pid: None,
+            pid_start_time: None,
+            created_at_ms: now,
+            end_at_ms: now,
+            memory_mb: c.memory_mb,
+            cpus: c.cpus,
+            disk_mb: c.disk_mb,
+            internet: true,
+            env_vars: Default::default(),
+            metadata: Default::default(),
+            access_token: ids::new_access_token(),
+            default_user: c.default_user.clone(),
+            default_workdir: c.default_workdir.clone(),
+            death_reason: None,
+            runtime: serde_json::Value::Null,
+        };
+        customize(&mut record);
+        st.live.insert(id.to_string(), Live::new(record.clone()));
+        Ok(record)
+    }
+}
+
 pub(crate) async fn blocking<T: Send + 'static>(
     f: impl FnOnce() -> Result<T> + Send + 'static,
 ) -> Result<T> {

@@ -39,8 +39,8 @@ use tokio::sync::{Notify, Semaphore};
 
 use crate::envd_client::{EnvdClient, InitRequest};
 use crate::error::{Error, Result};
-use crate::node::{Inner, Live, Node, now_ms, spawn_watcher};
-use crate::sandbox::{CreateRequest, DeathReason, SandboxInfo, SandboxRecord, SandboxState};
+use crate::node::{Inner, Node, now_ms, spawn_watcher};
+use crate::sandbox::{CreateRequest, DeathReason, SandboxInfo, SandboxState};
 use crate::template::Template;
 use crate::{fsutil, ids};
 
@@ -228,13 +228,8 @@ impl Node {
             if live.record.state != SandboxState::Running {
                 continue;
             }
-            let mut env_vars = template.config.env.clone();
-            env_vars.extend(req.env_vars.clone());
-            env_vars.insert("E2B_SANDBOX".into(), "true".into());
-            env_vars.insert("E2B_SANDBOX_ID".into(), id.clone());
-            env_vars.insert("E2B_TEMPLATE_ID".into(), name.clone());
             let r = &mut live.record;
-            r.env_vars = env_vars;
+            r.env_vars = crate::node::sandbox_env(template, &req.env_vars, &id);
             r.metadata = req.metadata.clone();
             r.created_at_ms = now;
             r.end_at_ms = now + timeout.as_millis() as u64;
@@ -292,40 +287,9 @@ impl Node {
     async fn fill_one(&self, template: &Template, main: &tokio::runtime::Handle) -> Result<()> {
         let inner = &self.inner;
         let id = ids::new_sandbox_id();
-        let now = now_ms();
-        let record = {
-            let mut st = inner.lock();
-            let slot = st.slots.allocate().ok_or_else(|| {
-                Error::Capacity(format!(
-                    "all {} sandbox slots are in use",
-                    st.slots.in_use()
-                ))
-            })?;
-            let record = SandboxRecord {
-                id: id.clone(),
-                template: template.config.name.clone(),
-                state: SandboxState::Creating,
-                slot,
-                uid_base: st.slots.uid_base(slot),
-                pid: None,
-                pid_start_time: None,
-                created_at_ms: now,
-                end_at_ms: now + POOLED_END_MS,
-                memory_mb: template.config.memory_mb,
-                cpus: template.config.cpus,
-                disk_mb: template.config.disk_mb,
-                internet: true,
-                env_vars: Default::default(),
-                metadata: Default::default(),
-                access_token: ids::new_access_token(),
-                default_user: template.config.default_user.clone(),
-                default_workdir: template.config.default_workdir.clone(),
-                death_reason: None,
-                runtime: serde_json::Value::Null,
-            };
-            st.live.insert(id.clone(), Live::new(record.clone()));
-            record
-        };
+        let record = inner.reserve(&id, template, |r| {
+            r.end_at_ms = r.created_at_ms + POOLED_END_MS;
+        })?;
         inner.pool.lock().members.insert(id.clone());
         match self.start_phase(record, template, Instant::now()).await {
             Ok(record) if inner.closed.load(std::sync::atomic::Ordering::SeqCst) => {

@@ -52,6 +52,22 @@ pub fn cgroup_dirs(id: &str) -> Vec<std::path::PathBuf> {
     v
 }
 
+/// Pids in sandbox `id`'s cgroups (any hierarchy), each once.
+pub fn pids(id: &str) -> Vec<i32> {
+    let mut out: Vec<i32> = cgroup_dirs(id)
+        .iter()
+        .filter_map(|d| std::fs::read_to_string(d.join("cgroup.procs")).ok())
+        .flat_map(|s| {
+            s.split_whitespace()
+                .filter_map(|p| p.parse().ok())
+                .collect::<Vec<i32>>()
+        })
+        .collect();
+    out.sort_unstable();
+    out.dedup();
+    out
+}
+
 /// Ids of every `cubicle/<id>` cgroup on the host (any hierarchy).
 pub fn all_sandbox_cgroups() -> Vec<String> {
     let mut ids = Vec::new();

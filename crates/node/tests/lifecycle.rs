@@ -356,13 +356,8 @@ async fn init_exit_is_noticed(envd: PathBuf) -> TestResult {
 
 /// States (`R`, `S`, `Z`, …) of every process in sandbox `id`'s cgroup.
 fn sandbox_proc_states(id: &str) -> Vec<(i32, char)> {
-    let procs = ["/sys/fs/cgroup/pids/cubicle", "/sys/fs/cgroup/cubicle"]
-        .iter()
-        .find_map(|d| std::fs::read_to_string(format!("{d}/{id}/cgroup.procs")).ok())
-        .unwrap_or_default();
-    procs
-        .split_whitespace()
-        .filter_map(|p| p.parse::<i32>().ok())
+    cubicle_node::traces::pids(id)
+        .into_iter()
         .filter_map(|pid| {
             let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
             let state = stat.rsplit_once(')')?.1.trim_start().chars().next()?;

@@ -108,12 +108,8 @@ fn sandbox_dirs(state: &Path) -> Vec<String> {
 
 /// Nice values of every task of sandbox `id` (its cgroup, v1 or v2).
 fn task_nices(id: &str) -> Vec<i64> {
-    let procs = ["/sys/fs/cgroup/pids/cubicle", "/sys/fs/cgroup/cubicle"]
-        .iter()
-        .find_map(|d| std::fs::read_to_string(format!("{d}/{id}/cgroup.procs")).ok())
-        .unwrap_or_default();
     let mut out = Vec::new();
-    for pid in procs.split_whitespace() {
+    for pid in cubicle_node::traces::pids(id) {
         let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
             continue;
         };
