@@ -15,7 +15,7 @@ pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 /// The sandbox operations the control plane drives.
 pub trait Backend: Send + Sync + 'static {
     /// Whether template `name` exists or can be built on first use. Errors for a
-    /// malformed name. Blocking (reads the template store).
+    /// malformed name. Reads one small file of the template store (cheap enough inline).
     fn template_exists(&self, name: &str) -> cubicle_node::Result<bool>;
     /// Create a sandbox; returns once it is ready.
     fn create(&self, req: CreateRequest) -> BoxFuture<'_, cubicle_node::Result<SandboxInfo>>;

@@ -984,27 +984,9 @@ fn release_quota_mount(dir: &Path) {
         .unwrap_or_default()
         .lines()
         .any(|l| l.split(' ').nth(4) == Some(&*dir.to_string_lossy()));
-    if !mounted {
-        return;
+    if mounted && let Err(e) = cubicle_runtime::storage::unmount_path(dir) {
+        eprintln!("cubicle bench: {e}");
     }
-    let Ok(c) = std::ffi::CString::new(dir.as_os_str().as_encoded_bytes()) else {
-        return;
-    };
-    for _ in 0..50 {
-        // SAFETY: c is a valid NUL-terminated path.
-        if unsafe { libc::umount2(c.as_ptr(), 0) } == 0 {
-            return;
-        }
-        if std::io::Error::last_os_error().raw_os_error() != Some(libc::EBUSY) {
-            break;
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    eprintln!(
-        "cubicle bench: could not unmount {}: {}",
-        dir.display(),
-        std::io::Error::last_os_error()
-    );
 }
 
 /// `runc run` and `bwrap` cycles of `true` on `rootfs`.

@@ -302,26 +302,7 @@ impl Storage {
         if !self.image_mounted {
             return Ok(());
         }
-        let c = cpath(&self.root)?;
-        // EBUSY can be transient: a child forked by another thread of this process holds
-        // copies of our descriptors (some inside this filesystem) until it execs and its
-        // close-on-exec descriptors go. Retry for up to about a second.
-        let mut attempts = 0;
-        loop {
-            // SAFETY: c is a valid NUL-terminated path.
-            if unsafe { libc::umount2(c.as_ptr(), 0) } == 0 {
-                return Ok(());
-            }
-            let err = io::Error::last_os_error();
-            attempts += 1;
-            if err.raw_os_error() != Some(libc::EBUSY) || attempts >= 50 {
-                return Err(StorageError::Io {
-                    what: format!("unmounting {}", self.root.display()),
-                    source: err,
-                });
-            }
-            std::thread::sleep(std::time::Duration::from_millis(20));
-        }
+        unmount_path(&self.root)
     }
 
     /// The image file backing the storage (whether or not it is used).
@@ -433,6 +414,32 @@ fn check_id(id: &str) -> Result<()> {
         && id.len() <= 64
         && id.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_');
     if ok { Ok(()) } else { Err(StorageError::InvalidId(id.to_string())) }
+}
+
+/// Unmounts the filesystem mounted at `path` (the quota image of a state directory,
+/// `<state>/sandboxes`, which a node leaves mounted across restarts).
+///
+/// EBUSY can be transient: a child forked by another thread of this process holds copies
+/// of our descriptors (some inside this filesystem) until it execs and its close-on-exec
+/// descriptors go. Retries for up to about a second.
+pub fn unmount_path(path: &Path) -> Result<()> {
+    let c = cpath(path)?;
+    let mut attempts = 0;
+    loop {
+        // SAFETY: c is a valid NUL-terminated path.
+        if unsafe { libc::umount2(c.as_ptr(), 0) } == 0 {
+            return Ok(());
+        }
+        let err = io::Error::last_os_error();
+        attempts += 1;
+        if err.raw_os_error() != Some(libc::EBUSY) || attempts >= 50 {
+            return Err(StorageError::Io {
+                what: format!("unmounting {}", path.display()),
+                source: err,
+            });
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
 }
 
 fn cpath(p: &Path) -> Result<CString> {
