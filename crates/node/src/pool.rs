@@ -287,10 +287,17 @@ impl Node {
     async fn fill_one(&self, template: &Template, main: &tokio::runtime::Handle) -> Result<()> {
         let inner = &self.inner;
         let id = ids::new_sandbox_id();
-        let record = inner.reserve(&id, template, |r| {
-            r.end_at_ms = r.created_at_ms + POOLED_END_MS;
-        })?;
+        // A member before it is live, so `list` never shows a sandbox being made for the pool.
         inner.pool.lock().members.insert(id.clone());
+        let record = match inner.reserve(&id, template, |r| {
+            r.end_at_ms = r.created_at_ms + POOLED_END_MS;
+        }) {
+            Ok(r) => r,
+            Err(e) => {
+                inner.pool.lock().members.remove(&id);
+                return Err(e);
+            }
+        };
         match self.start_phase(record, template, Instant::now()).await {
             Ok(record) if inner.closed.load(std::sync::atomic::Ordering::SeqCst) => {
                 let _ = record;

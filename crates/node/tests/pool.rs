@@ -198,8 +198,15 @@ async fn claim_refill_close(envd: &Path) -> anyhow::Result<()> {
             "a wrong token was accepted"
         );
 
-        // Refill.
-        wait_ready(&node, 2).await?;
+        // Refill. While the pool makes its replacement, `list` shows only the claimed one
+        // (a sandbox being made for the pool is never a user's).
+        let t = Instant::now();
+        while node.pool_stats().ready.get("tiny").copied().unwrap_or(0) < 2 {
+            let ids: Vec<String> = node.list().into_iter().map(|i| i.id).collect();
+            anyhow::ensure!(ids == [s.id.clone()], "list during refill: {ids:?}");
+            anyhow::ensure!(t.elapsed() < Duration::from_secs(30), "pool not refilled");
+            tokio::time::sleep(Duration::from_micros(200)).await;
+        }
         anyhow::ensure!(node.pool_stats().refills >= 3);
 
         // Other memory and CPU limits: still from the pool, with the limits applied.
