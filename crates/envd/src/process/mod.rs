@@ -240,19 +240,13 @@ impl ProcessService {
         let keepalive = connect::keepalive_interval(headers);
         let table = self.table.clone();
         let tag = req.tag;
-        // fork+exec blocks for as long as the kernel copies envd's page tables and the
-        // child reaches exec: keep it off the async workers. Spawning and registering
-        // happen together in that task, so a request cancelled meanwhile still leaves a
-        // registered (and drained) process, never an orphan.
-        let (pid, rx) = tokio::task::spawn_blocking(move || {
-            let cmd = config.cmd.clone();
-            let spawned = spawn::spawn(&spec).map_err(|e| {
-                ConnectError::invalid_argument(format!("error starting process '{cmd}': {e}"))
-            })?;
-            register(&table, spawned, config, tag, deadline)
-        })
-        .await
-        .map_err(|e| ConnectError::internal(format!("spawn task failed: {e}")))??;
+        // Spawning (a vfork-style clone, see `spawn`) suspends this thread only until the
+        // child execs; spawn and registration happen together, so a request cancelled
+        // afterwards still leaves a registered (and drained) process, never an orphan.
+        let spawned = spawn::spawn(&spec).map_err(|e| {
+            ConnectError::invalid_argument(format!("error starting process '{}': {e}", config.cmd))
+        })?;
+        let (pid, rx) = register(&table, spawned, config, tag, deadline)?;
         Ok(live_events(pid, rx, deadline, keepalive))
     }
 
@@ -408,9 +402,7 @@ fn register(
     deadline: Option<Instant>,
 ) -> Result<(u32, mpsc::Receiver<Event>), ConnectError> {
     let mut child = spawned.child;
-    let Some(pid) = child.id() else {
-        return Err(ConnectError::internal("the process exited before it was registered"));
-    };
+    let pid = child.id();
     let (stdin, sources, master) = match spawned.io {
         spawn::Io::Pipes { stdin, stdout, stderr } => (
             match stdin {

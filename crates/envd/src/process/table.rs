@@ -25,12 +25,13 @@ use cubicle_proto::process::{
 };
 use tokio::{
     io::AsyncReadExt,
-    process::{Child, ChildStdin},
+    net::unix::pipe,
     sync::mpsc,
     time::{Instant, sleep, sleep_until},
 };
 
 use super::pty::PtyMaster;
+use super::spawn::Child;
 
 /// How long a finished process stays answerable by `Connect`.
 pub const RETENTION: Duration = Duration::from_secs(30);
@@ -77,7 +78,7 @@ pub struct Proc {
 
 /// The stdin end of a pipe process.
 pub enum StdinState {
-    Open(ChildStdin),
+    Open(pipe::Sender),
     /// `stdin: false`: the child's stdin is /dev/null.
     Disabled,
     Closed,
@@ -359,7 +360,7 @@ pub fn end_event(status: &io::Result<std::process::ExitStatus>) -> EndEvent {
 
 /// The output ends the supervisor reads.
 pub enum Sources {
-    Pipes { stdout: tokio::process::ChildStdout, stderr: tokio::process::ChildStderr },
+    Pipes { stdout: pipe::Receiver, stderr: pipe::Receiver },
     Pty(Arc<PtyMaster>),
 }
 
