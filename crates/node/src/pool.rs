@@ -27,7 +27,10 @@
 //! is inherited): making the next pooled sandbox (about 10 ms of CPU) and removing the
 //! last one must not slow the claim or that sandbox's first commands. A claim raises the
 //! sandbox's tasks back to nice 0 before `/init`, so its user's processes run at normal
-//! priority. The target adapts: a create that finds its pool empty raises
+//! priority. Right after a claim the refill also waits for a pause in claims
+//! ([`REFILL_PAUSE`]) unless the pool is down to a quarter of its target: a paced
+//! create-run-kill cycle measured 1 ms faster per create when the next sandbox was not
+//! being made at the same moment. The target adapts: a create that finds its pool empty raises
 //! it (up to 4× the configured size), a minute without misses lowers it back; the sum of
 //! all pooled sandboxes' measured memory stays under `pool_memory_mb`.
 
@@ -52,6 +55,8 @@ const DEFAULT_EST_BYTES: u64 = 4 << 20;
 const MAX_GROWTH: usize = 4;
 /// Without misses for this long, a grown target shrinks back.
 const SHRINK_AFTER: Duration = Duration::from_secs(60);
+/// After a claim, refills wait for this long without claims (unless the pool is low).
+const REFILL_PAUSE: Duration = Duration::from_millis(25);
 /// Nice value of the refill thread and of pooled sandboxes until claimed.
 const REFILL_NICE: i32 = 19;
 
@@ -77,6 +82,8 @@ struct PoolState {
     /// Current target per template.
     target: BTreeMap<String, usize>,
     last_miss: BTreeMap<String, Instant>,
+    /// When a create last claimed from a pool.
+    last_claim: Option<Instant>,
     /// Counters (for tests and the bench).
     claims: u64,
     misses: u64,
@@ -206,6 +213,7 @@ impl Node {
                     Some(id) => {
                         ps.members.remove(&id);
                         ps.claims += 1;
+                        ps.last_claim = Some(Instant::now());
                         id
                     }
                     None => {
@@ -492,6 +500,24 @@ async fn refill(weak: Weak<Inner>, main: tokio::runtime::Handle) {
             }
         };
         let wake = inner.pool.wake.clone();
+        // Yield to creates in flight: right after a claim, making the next sandbox (a
+        // core's worth of CPU for ~10 ms, and kernel locks shared with the claimed
+        // sandbox's first commands) waits for a pause, unless the pool is running low.
+        let pause = {
+            let ps = inner.pool.lock();
+            want.as_ref().and_then(|n| {
+                let ready = ps.ready.get(n).map_or(0, VecDeque::len);
+                let low = ps.target.get(n).map_or(0, |t| t / 4);
+                let since = ps.last_claim?.elapsed();
+                (ready > low && since < REFILL_PAUSE).then(|| REFILL_PAUSE - since)
+            })
+        };
+        if let Some(left) = pause {
+            drop(node);
+            drop(inner);
+            tokio::time::sleep(left).await;
+            continue;
+        }
         let Some(name) = want else {
             drop(node);
             drop(inner);
