@@ -23,6 +23,10 @@ pub trait Backend: Send + Sync + 'static {
     fn kill<'a>(&'a self, id: &'a str) -> BoxFuture<'a, cubicle_node::Result<()>>;
     /// A live or recently dead sandbox.
     fn get(&self, id: &str) -> cubicle_node::Result<SandboxInfo>;
+    /// [`Backend::get`] without the live counters (`oom_kills`): memory only.
+    fn peek(&self, id: &str) -> cubicle_node::Result<SandboxInfo> {
+        self.get(id)
+    }
     /// End time := now + `timeout`. Blocking (writes the node's record).
     fn set_timeout(&self, id: &str, timeout: Duration) -> cubicle_node::Result<()>;
     /// Usage counters. Blocking (reads cgroup files).
@@ -55,6 +59,10 @@ impl Backend for Node {
 
     fn get(&self, id: &str) -> cubicle_node::Result<SandboxInfo> {
         Node::get(self, id)
+    }
+
+    fn peek(&self, id: &str) -> cubicle_node::Result<SandboxInfo> {
+        Node::peek(self, id)
     }
 
     fn set_timeout(&self, id: &str, timeout: Duration) -> cubicle_node::Result<()> {

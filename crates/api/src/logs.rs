@@ -99,6 +99,16 @@ impl LogMirror {
         self.dir.join(format!("{id}.log"))
     }
 
+    /// How many bytes `sync` may have to copy (one `stat`; cheap enough to ask inline
+    /// before deciding whether a sync is worth a hop to the blocking pool).
+    pub fn pending(&self, id: &str, source: &std::path::Path) -> u64 {
+        let Ok(meta) = std::fs::metadata(source) else {
+            return 0;
+        };
+        let offsets = self.offsets.lock().unwrap_or_else(|p| p.into_inner());
+        meta.len().saturating_sub(offsets.get(id).copied().unwrap_or(0))
+    }
+
     /// Copy what `source` gained since the last sync. Blocking. Missing source: no-op.
     pub fn sync(&self, id: &str, source: &std::path::Path) {
         if let Err(e) = self.sync_inner(id, source) {

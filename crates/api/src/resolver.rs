@@ -22,7 +22,7 @@ impl ApiResolver {
     }
 
     fn target(&self, id: &str, traffic: Option<String>) -> Option<SandboxTarget> {
-        let info = self.cp.backend().get(id).ok()?;
+        let info = self.cp.backend().peek(id).ok()?;
         if info.state != SandboxState::Running {
             return None;
         }

@@ -24,6 +24,9 @@ use crate::model::{
 };
 use crate::query::{encode_cursor, format_time};
 
+/// Log growth up to this many bytes is mirrored inline, more on the blocking pool.
+const INLINE_LOG_SYNC: u64 = 16 << 10;
+
 /// Control-plane settings.
 #[derive(Debug, Clone)]
 pub struct ApiConfig {
@@ -68,13 +71,26 @@ pub struct ControlPlane {
     /// Last CPU sample per sandbox: (unix ms, CPU ns).
     cpu: Mutex<HashMap<String, (i64, u64)>>,
     logs: Arc<LogMirror>,
+    /// Called with the id of every sandbox a create hands out (see [`ControlPlane::on_created`]).
+    on_created: std::sync::OnceLock<CreatedHook>,
 }
+
+/// See [`ControlPlane::on_created`].
+pub type CreatedHook = Box<dyn Fn(&str) + Send + Sync>;
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 impl ControlPlane {
+    /// Sets the function called (on the request's task, before the answer is sent) with
+    /// the id of each sandbox a create hands out; `cubicle serve` uses it to open the
+    /// router's connection to the new sandbox while the client reads the answer. Only
+    /// the first call takes effect.
+    pub fn on_created(&self, hook: CreatedHook) {
+        let _ = self.on_created.set(hook);
+    }
+
     /// Set up over a node and a store: sandboxes the store thinks are running are
     /// checked against the node (adopted if alive, recorded as ended otherwise).
     pub async fn open(
@@ -89,10 +105,11 @@ impl ControlPlane {
             config,
             routes: Mutex::new(HashMap::new()),
             cpu: Mutex::new(HashMap::new()),
+            on_created: std::sync::OnceLock::new(),
         });
         let rows = cp.store.call(|s| s.running_sandboxes(None)).await?;
         for row in rows {
-            match cp.backend.get(&row.id) {
+            match cp.backend.peek(&row.id) {
                 Ok(info) if info.state == SandboxState::Running => {
                     lock(&cp.routes).insert(row.id.clone(), row.traffic_access_token.clone());
                 }
@@ -150,11 +167,21 @@ impl ControlPlane {
                 "missing API key: send it in the X-API-KEY header".into(),
             ));
         };
-        let key = key.to_string();
-        self.store
-            .call(move |s| s.authenticate(&key))
-            .await?
-            .ok_or_else(|| ApiError::Unauthorized("Invalid API key".into()))
+        // Inline on the read connection: every request starts here. Recording the use
+        // (at most once a minute per key) is a write: on the blocking pool, not awaited.
+        let found = self
+            .store
+            .read(|s| s.find_key(key))?
+            .ok_or_else(|| ApiError::Unauthorized("Invalid API key".into()))?;
+        if found.use_is_stale(cubicle_store::now_ms()) {
+            let (store, key_id) = (self.store.clone(), found.key_id);
+            tokio::spawn(async move {
+                if let Err(e) = store.call(move |s| s.record_key_use(key_id)).await {
+                    tracing::warn!("recording an API key's use: {e}");
+                }
+            });
+        }
+        Ok(found.team)
     }
 
     // ---- create ----
@@ -272,6 +299,9 @@ impl ControlPlane {
             return Err(e.into());
         }
         lock(&self.routes).insert(row.id.clone(), row.traffic_access_token.clone());
+        if let Some(hook) = self.on_created.get() {
+            hook(&row.id);
+        }
         tracing::info!(sandbox = %row.id, team = %team.name, template = %row.template_id, "sandbox created");
         Ok(self.sandbox_body(&row))
     }
@@ -315,13 +345,12 @@ impl ControlPlane {
         if !plausible_id(id) {
             return Err(ApiError::sandbox_not_found(id));
         }
-        let id2 = id.to_string();
-        let row = self.store.call(move |s| s.sandbox(&id2)).await?;
+        let row = self.store.read(|s| s.sandbox(id))?;
         let Some(row) = row.filter(|r| r.team_id == team.id && r.state == SandboxRowState::Running)
         else {
             return Err(ApiError::sandbox_not_found(id));
         };
-        match self.backend.get(id) {
+        match self.backend.peek(id) {
             Ok(info) if matches!(info.state, SandboxState::Running | SandboxState::Creating) => {
                 Ok((row, info))
             }
@@ -373,7 +402,7 @@ impl ControlPlane {
                 // background (a request that reads it meanwhile still asks the node, and
                 // after a crash the startup check records the end).
                 lock(&self.routes).remove(id);
-                let info = self.backend.get(id).ok();
+                let info = self.backend.peek(id).ok();
                 let (cp, id) = (self.clone(), id.to_string());
                 tokio::spawn(async move { cp.mark_dead(&id, info.as_ref()).await });
                 Ok(())
@@ -386,13 +415,13 @@ impl ControlPlane {
         let backend = self.backend.clone();
         let id2 = id.to_string();
         let end = tokio::task::spawn_blocking(move || -> cubicle_node::Result<Option<u64>> {
-            let cur = backend.get(&id2)?.end_at_ms;
+            let cur = backend.peek(&id2)?.end_at_ms;
             let wanted = now_ms() as u64 + timeout.as_millis() as u64;
             if extend_only && wanted <= cur {
                 return Ok(None);
             }
             backend.set_timeout(&id2, timeout)?;
-            Ok(Some(backend.get(&id2)?.end_at_ms))
+            Ok(Some(backend.peek(&id2)?.end_at_ms))
         })
         .await
         .map_err(|e| ApiError::Internal(format!("timeout task: {e}")))??;
@@ -439,7 +468,7 @@ impl ControlPlane {
             .await?;
         let mut live = Vec::new();
         for row in rows {
-            match self.backend.get(&row.id) {
+            match self.backend.peek(&row.id) {
                 Ok(info)
                     if matches!(info.state, SandboxState::Running | SandboxState::Creating) =>
                 {
@@ -502,7 +531,13 @@ impl ControlPlane {
 
     async fn sync_logs(&self, id: &str) {
         let (logs, src, id) = (self.logs.clone(), self.backend.log_path(id), id.to_string());
-        let _ = tokio::task::spawn_blocking(move || logs.sync(&id, &src)).await;
+        match logs.pending(&id, &src) {
+            0 => {}
+            // A few lines (the usual case): a handful of small file operations, cheaper
+            // here than the hop to the blocking pool.
+            n if n <= INLINE_LOG_SYNC => logs.sync(&id, &src),
+            _ => drop(tokio::task::spawn_blocking(move || logs.sync(&id, &src)).await),
+        }
     }
 
     /// Log lines of a sandbox of `team`: running, or ended but still retained.
@@ -582,7 +617,7 @@ impl ControlPlane {
     pub async fn upkeep(&self, purge: bool) {
         let ids: Vec<String> = lock(&self.routes).keys().cloned().collect();
         for id in ids {
-            match self.backend.get(&id) {
+            match self.backend.peek(&id) {
                 Ok(info)
                     if matches!(info.state, SandboxState::Running | SandboxState::Creating) =>
                 {

@@ -164,6 +164,14 @@ pub async fn run(env: ServeEnv, args: ServeArgs) -> anyhow::Result<i32> {
             ..Default::default()
         },
     );
+    {
+        // The first command in a new sandbox should not pay for the router's connection.
+        let dp = data_plane.clone();
+        cp.on_created(Box::new(move |id: &str| {
+            let (dp, id) = (dp.clone(), id.to_string());
+            tokio::spawn(async move { dp.prewarm(&id).await });
+        }));
+    }
     let app = cubicle_api::router(cp.clone()).layer(axum::middleware::from_fn(
         move |req: Request, next: Next| {
             let dp = data_plane.clone();

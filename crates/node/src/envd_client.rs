@@ -175,11 +175,13 @@ fn connect_socket_std(socket: &Path) -> Result<std::os::unix::net::UnixStream> {
         .map_err(|e| Error::Envd(format!("connect {}: {e}", socket.display())))
 }
 
-fn connect_socket(socket: &Path) -> Result<UnixStream> {
-    let std_stream = connect_socket_std(socket)?;
-    std_stream
-        .set_nonblocking(true)
-        .and_then(|()| UnixStream::from_std(std_stream))
+async fn connect_socket(socket: &Path) -> Result<UnixStream> {
+    let (dir, name) = match (socket.parent(), socket.file_name().and_then(|n| n.to_str())) {
+        (Some(d), Some(n)) => (d, n),
+        _ => return Err(Error::Envd(format!("bad envd socket path {}", socket.display()))),
+    };
+    cubicle_runtime::connect_ctl_socket_async(dir, name)
+        .await
         .map_err(|e| Error::Envd(format!("connect {}: {e}", socket.display())))
 }
 
@@ -205,7 +207,7 @@ impl EnvdClient {
     }
 
     async fn send(&self, req: Request<Full<Bytes>>) -> Result<Response<Incoming>> {
-        let stream = connect_socket(&self.socket)?;
+        let stream = connect_socket(&self.socket).await?;
         let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
             .await
             .map_err(|e| Error::Envd(format!("handshake: {e}")))?;

@@ -244,17 +244,23 @@ impl Node {
 
     /// A live sandbox, or a recently dead one (state `dead`, with its death reason).
     pub fn get(&self, id: &str) -> Result<SandboxInfo> {
+        let mut info = self.peek(id)?;
+        if info.state != SandboxState::Dead {
+            self.inner.fill_counters(&mut info);
+        }
+        Ok(info)
+    }
+
+    /// [`Node::get`] without reading the live counters from the cgroup (`oom_kills` is 0
+    /// for a sandbox that is not dead): memory only, for the request path.
+    pub fn peek(&self, id: &str) -> Result<SandboxInfo> {
         if self.inner.pool.contains(id) {
             return Err(Error::SandboxNotFound(id.into()));
         }
         {
             let st = self.inner.lock();
             if let Some(l) = st.live.get(id) {
-                let mut info =
-                    SandboxInfo::from_record(&l.record, self.inner.envd_socket(id), l.ready_us);
-                drop(st);
-                self.inner.fill_counters(&mut info);
-                return Ok(info);
+                return Ok(SandboxInfo::from_record(&l.record, self.inner.envd_socket(id), l.ready_us));
             }
         }
         let dead = self.inner.dead.lock().unwrap_or_else(|p| p.into_inner());

@@ -146,15 +146,10 @@ async fn connect_envd(id: &str, socket: &Path) -> Result<Upstream, RouterError> 
             )));
         }
     };
-    let std_stream =
-        tokio::task::spawn_blocking(move || cubicle_runtime::connect_ctl_socket(&dir, &name))
-            .await
-            .map_err(|e| RouterError::Internal(format!("envd connect task: {e}")))?
-            .map_err(|e| not_open(e.to_string()))?;
-    std_stream
-        .set_nonblocking(true)
+    // Inline (no hop to the blocking pool): two O_PATH opens and a non-blocking connect.
+    let stream = cubicle_runtime::connect_ctl_socket_async(&dir, &name)
+        .await
         .map_err(|e| not_open(e.to_string()))?;
-    let stream = UnixStream::from_std(std_stream).map_err(|e| not_open(e.to_string()))?;
     Ok(Upstream::Unix(TokioIo::new(stream)))
 }
 

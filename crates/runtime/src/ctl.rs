@@ -36,9 +36,10 @@ fn open_nofollow(
     Ok(unsafe { OwnedFd::from_raw_fd(fd) })
 }
 
-/// Connects to the Unix socket `name` (a plain file name, e.g. `envd.sock`) in the host
-/// directory `ctl_dir`, refusing symlinks and anything that is not a socket.
-pub fn connect_ctl_socket(ctl_dir: &Path, name: &str) -> Result<UnixStream> {
+/// Opens (`O_PATH`) the Unix socket `name` (a plain file name, e.g. `envd.sock`) in the
+/// host directory `ctl_dir`, refusing symlinks and anything that is not a socket. Connect
+/// through `/proc/self/fd/N` of the result.
+pub fn open_ctl_socket(ctl_dir: &Path, name: &str) -> Result<OwnedFd> {
     if name.is_empty() || name.contains('/') || name == "." || name == ".." {
         return Err(Error::InvalidSpec(format!(
             "ctl socket name {name:?} must be a plain file name"
@@ -64,7 +65,25 @@ pub fn connect_ctl_socket(ctl_dir: &Path, name: &str) -> Result<UnixStream> {
             st.st_mode
         )));
     }
+    Ok(sock)
+}
+
+/// Connects to the Unix socket `name` in the host directory `ctl_dir` (see
+/// [`open_ctl_socket`]). Blocking: a listener whose backlog is full (a sandbox that stops
+/// accepting) makes it wait.
+pub fn connect_ctl_socket(ctl_dir: &Path, name: &str) -> Result<UnixStream> {
+    let sock = open_ctl_socket(ctl_dir, name)?;
     UnixStream::connect(format!("/proc/self/fd/{}", sock.as_raw_fd()))
+        .map_err(io_ctx(|| format!("connect {}/{name}", ctl_dir.display())))
+}
+
+/// [`connect_ctl_socket`] for async callers, without a hop to the blocking pool: the
+/// opens are quick, and the connect is non-blocking (a full backlog is an error here,
+/// never a wait).
+pub async fn connect_ctl_socket_async(ctl_dir: &Path, name: &str) -> Result<tokio::net::UnixStream> {
+    let sock = open_ctl_socket(ctl_dir, name)?;
+    tokio::net::UnixStream::connect(format!("/proc/self/fd/{}", sock.as_raw_fd()))
+        .await
         .map_err(io_ctx(|| format!("connect {}/{name}", ctl_dir.display())))
 }
 

@@ -53,6 +53,24 @@ pub struct ApiKey {
     pub info: ApiKeyInfo,
 }
 
+/// Uses of a key are recorded at most this often.
+const KEY_USE_GRANULARITY_MS: i64 = 60_000;
+
+/// A valid key, as [`Store::find_key`] found it.
+#[derive(Debug, Clone)]
+pub struct FoundKey {
+    pub key_id: i64,
+    pub team: Team,
+    pub last_used_at: Option<i64>,
+}
+
+impl FoundKey {
+    /// Whether its recorded last use is old enough to be written again.
+    pub fn use_is_stale(&self, now: i64) -> bool {
+        self.last_used_at.is_none_or(|t| t < now - KEY_USE_GRANULARITY_MS)
+    }
+}
+
 /// Hex SHA-256 of a key.
 pub fn hash_key(key: &str) -> String {
     let d = Sha256::digest(key.as_bytes());
@@ -173,36 +191,51 @@ impl Store {
     /// The team owning `key`, if the key exists and is not revoked. Records the use (at
     /// most one write per key and minute).
     pub fn authenticate(&self, key: &str) -> Result<Option<Team>> {
+        let Some(found) = self.find_key(key)? else {
+            return Ok(None);
+        };
+        if found.use_is_stale(now_ms()) {
+            self.record_key_use(found.key_id)?;
+        }
+        Ok(Some(found.team))
+    }
+
+    /// Read-only half of [`Store::authenticate`] (works on [`Store::read`]'s view): the
+    /// key's id, team and last use, if it exists and is not revoked.
+    pub fn find_key(&self, key: &str) -> Result<Option<FoundKey>> {
         if !is_well_formed_key(key) {
             return Ok(None);
         }
         let conn = self.conn();
         let found = conn
             .query_row(
-                "SELECT k.id, t.id, t.name, t.created_at FROM api_keys k JOIN teams t ON t.id = k.team_id
+                "SELECT k.id, k.last_used_at, t.id, t.name, t.created_at FROM api_keys k JOIN teams t ON t.id = k.team_id
                  WHERE k.key_hash = ?1 AND k.revoked_at IS NULL",
                 params![hash_key(key)],
                 |r| {
-                    Ok((
-                        r.get::<_, i64>(0)?,
-                        Team {
-                            id: r.get(1)?,
-                            name: r.get(2)?,
-                            created_at: r.get(3)?,
+                    Ok(FoundKey {
+                        key_id: r.get(0)?,
+                        last_used_at: r.get(1)?,
+                        team: Team {
+                            id: r.get(2)?,
+                            name: r.get(3)?,
+                            created_at: r.get(4)?,
                         },
-                    ))
+                    })
                 },
             )
             .optional()?;
-        let Some((key_id, team)) = found else {
-            return Ok(None);
-        };
+        Ok(found)
+    }
+
+    /// Records that key `key_id` was used now (unless it was within the last minute).
+    pub fn record_key_use(&self, key_id: i64) -> Result<()> {
         let now = now_ms();
-        conn.execute(
+        self.conn().execute(
             "UPDATE api_keys SET last_used_at = ?1 WHERE id = ?2 AND (last_used_at IS NULL OR last_used_at < ?3)",
-            params![now, key_id, now - 60_000],
+            params![now, key_id, now - KEY_USE_GRANULARITY_MS],
         )?;
-        Ok(Some(team))
+        Ok(())
     }
 
     /// All keys, oldest first.

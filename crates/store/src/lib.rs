@@ -27,7 +27,7 @@ use std::path::Path;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 pub use idempotency::{IDEMPOTENCY_TTL_MS, IdempotencyClaim};
-pub use keys::{ApiKey, ApiKeyInfo, KEY_PREFIX, Team, hash_key, is_well_formed_key};
+pub use keys::{ApiKey, ApiKeyInfo, FoundKey, KEY_PREFIX, Team, hash_key, is_well_formed_key};
 pub use sandboxes::{SandboxRow, SandboxRowState};
 
 /// The store's single error type.
@@ -71,6 +71,9 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 #[derive(Clone)]
 pub struct Store {
     conn: Arc<Mutex<rusqlite::Connection>>,
+    /// A second, read-only connection for [`Store::read`] (the same one for an in-memory
+    /// database, which a second connection could not see).
+    reader: Arc<Mutex<rusqlite::Connection>>,
 }
 
 impl Store {
@@ -78,7 +81,16 @@ impl Store {
     /// pending migrations.
     pub fn open(path: &Path) -> Result<Store> {
         let conn = rusqlite::Connection::open(path)?;
-        Self::setup(conn)
+        let mut store = Self::setup(conn)?;
+        // After setup: the file exists and is in WAL mode, so this reader never blocks
+        // on the writer, nor the writer on it.
+        let reader = rusqlite::Connection::open_with_flags(
+            path,
+            rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY | rusqlite::OpenFlags::SQLITE_OPEN_NO_MUTEX,
+        )?;
+        reader.busy_timeout(std::time::Duration::from_secs(1))?;
+        store.reader = Arc::new(Mutex::new(reader));
+        Ok(store)
     }
 
     /// A private in-memory database (tests).
@@ -94,8 +106,10 @@ impl Store {
         conn.pragma_update(None, "synchronous", "NORMAL")?;
         conn.pragma_update(None, "foreign_keys", "ON")?;
         schema::migrate(&mut conn)?;
+        let conn = Arc::new(Mutex::new(conn));
         Ok(Store {
-            conn: Arc::new(Mutex::new(conn)),
+            reader: conn.clone(),
+            conn,
         })
     }
 
@@ -113,6 +127,18 @@ impl Store {
         tokio::task::spawn_blocking(move || f(&store))
             .await
             .map_err(|e| Error::Task(e.to_string()))?
+    }
+
+    /// Run the read-only `f` right here, on the read connection: for point reads on the
+    /// request path (an API key, one sandbox row), where a hop to the blocking pool costs
+    /// more than the query. WAL mode: a read never waits for a writer. Writes through the
+    /// view `f` gets fail (the connection is read-only).
+    pub fn read<T>(&self, f: impl FnOnce(&Store) -> Result<T>) -> Result<T> {
+        let view = Store {
+            conn: self.reader.clone(),
+            reader: self.reader.clone(),
+        };
+        f(&view)
     }
 
     /// Schema version of the open database.
@@ -158,6 +184,31 @@ mod tests {
         let other = Store::open(&path).unwrap();
         assert_eq!(other.list_api_keys().unwrap().len(), 1);
         drop((s, other));
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// The inline read connection sees every committed write at once (a revoked key is
+    /// refused on the next request) and cannot write.
+    #[test]
+    fn read_view_sees_commits_and_cannot_write() {
+        let dir = std::env::temp_dir().join(format!("cubicle-store-read-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let s = Store::open(&dir.join("cubicle.db")).unwrap();
+        let t = s.ensure_team("t1").unwrap();
+        let k = s.create_api_key(t.id).unwrap();
+        let found = s.read(|r| r.find_key(&k.plaintext)).unwrap().expect("key visible");
+        assert_eq!(found.team.name, "t1");
+        assert!(found.use_is_stale(now_ms()), "never used yet");
+        s.record_key_use(found.key_id).unwrap();
+        let found = s.read(|r| r.find_key(&k.plaintext)).unwrap().unwrap();
+        assert!(!found.use_is_stale(now_ms()), "use recorded and seen");
+        // Another handle (the CLI) revokes: the reader refuses the key at once.
+        let cli = Store::open(&dir.join("cubicle.db")).unwrap();
+        cli.revoke_api_key(&k.info.prefix).unwrap();
+        assert!(s.read(|r| r.find_key(&k.plaintext)).unwrap().is_none());
+        let err = s.read(|r| r.record_key_use(found.key_id)).unwrap_err();
+        assert!(err.to_string().contains("readonly"), "{err}");
+        drop((s, cli));
         std::fs::remove_dir_all(&dir).unwrap();
     }
 
