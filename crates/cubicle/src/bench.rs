@@ -323,6 +323,12 @@ impl Api {
     /// The server's warm-pool counters (`GET /cubicle/pool`): (claims, misses), or
     /// `None` from a server without that route.
     async fn pool_counts(&self, c: &mut Conn) -> Option<(u64, u64)> {
+        let v = self.pool_json(c).await?;
+        Some((v["claims"].as_u64()?, v["misses"].as_u64()?))
+    }
+
+    /// `GET /cubicle/pool` as JSON, or `None` from a server without that route.
+    async fn pool_json(&self, c: &mut Conn) -> Option<Value> {
         let sender = c.open().await.ok()?;
         sender.ready().await.ok()?;
         let req = self
@@ -334,8 +340,7 @@ impl Api {
             return None;
         }
         let body = resp.into_body().collect().await.ok()?.to_bytes();
-        let v: Value = serde_json::from_slice(&body).ok()?;
-        Some((v["claims"].as_u64()?, v["misses"].as_u64()?))
+        serde_json::from_slice(&body).ok()
     }
 
     async fn list_ids(&self, c: &mut Conn) -> anyhow::Result<Vec<String>> {
@@ -532,8 +537,31 @@ impl Server {
 struct Ctx {
     api: Api,
     pool: String,
+    /// Ready sandboxes per template the pool-on server is configured for.
+    pool_size: usize,
     internet: bool,
     iterations: usize,
+}
+
+/// Before a row: with the pool on, waits (up to a minute) until `template`'s pool is
+/// full again, so every row starts from the same warm state whatever the previous row
+/// drained; then the pool counters, to compare with those after the row.
+async fn before_row(cx: &Ctx, c: &mut Conn, template: &str) -> Option<(u64, u64)> {
+    if cx.pool == "on" {
+        let t = Instant::now();
+        loop {
+            let ready = cx.api.pool_json(c).await.and_then(|v| v["ready"][template].as_u64());
+            if ready.is_none_or(|r| r >= cx.pool_size as u64) {
+                break;
+            }
+            if t.elapsed() > Duration::from_secs(60) {
+                eprintln!("cubicle bench: the {template} pool is still at {ready:?} of {} after 60 s", cx.pool_size);
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+    cx.api.pool_counts(c).await
 }
 
 /// Runs `total` iterations of `op` over `conc` workers; each worker has its own API
@@ -1184,6 +1212,7 @@ pub async fn run(args: BenchArgs, envd: Option<&PathBuf>) -> anyhow::Result<i32>
                 key,
             },
             pool: mode.clone(),
+            pool_size: args.pool_size,
             internet: !args.no_internet,
             iterations: args.iterations.max(1),
         };
@@ -1284,13 +1313,13 @@ async fn run_measures(
     if has("create") {
         for t in templates {
             for &conc in &args.concurrency {
-                let b = cx.api.pool_counts(&mut pc).await;
+                let b = before_row(cx, &mut pc, t).await;
                 let r = measure_create(cx, t, conc, Duration::ZERO).await;
                 emit(&pool_counted(r, b, cx.api.pool_counts(&mut pc).await));
                 if conc == 1 && cx.pool == "on" && args.pace_ms > 0 {
                     // The closed loop above outruns the refill; this is the warm case.
                     let pace = Duration::from_millis(args.pace_ms);
-                    let b = cx.api.pool_counts(&mut pc).await;
+                    let b = before_row(cx, &mut pc, t).await;
                     let r = measure_create(cx, t, conc, pace).await;
                     emit(&pool_counted(r, b, cx.api.pool_counts(&mut pc).await));
                 }
@@ -1310,7 +1339,7 @@ async fn run_measures(
         };
         for t in ts {
             for &conc in &concs {
-                let b = cx.api.pool_counts(&mut pc).await;
+                let b = before_row(cx, &mut pc, t).await;
                 let r = measure_cycle(cx, t, conc, cx.iterations, Duration::ZERO).await;
                 let r = pool_counted(r, b, cx.api.pool_counts(&mut pc).await);
                 if conc == 1 && *t == args.template {
@@ -1319,7 +1348,7 @@ async fn run_measures(
                 emit(&r);
                 if conc == 1 && cx.pool == "on" && args.pace_ms > 0 {
                     let pace = Duration::from_millis(args.pace_ms);
-                    let b = cx.api.pool_counts(&mut pc).await;
+                    let b = before_row(cx, &mut pc, t).await;
                     let r = measure_cycle(cx, t, conc, cx.iterations, pace).await;
                     let r = pool_counted(r, b, cx.api.pool_counts(&mut pc).await);
                     if *t == args.template {
