@@ -35,6 +35,18 @@ pub struct InitRequest {
     pub default_workdir: String,
 }
 
+impl InitRequest {
+    /// What envd must be told about the sandbox `record` describes.
+    pub fn for_record(record: &crate::sandbox::SandboxRecord) -> Self {
+        InitRequest {
+            env_vars: record.env_vars.clone(),
+            access_token: record.access_token.clone(),
+            default_user: record.default_user.clone(),
+            default_workdir: record.default_workdir.clone(),
+        }
+    }
+}
+
 /// A process to run through `process.Process/Start`.
 #[derive(Debug, Clone, Default)]
 pub struct ProcessSpec {

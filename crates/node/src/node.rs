@@ -490,14 +490,7 @@ impl Node {
         let inner = &self.inner;
         let id = id.to_string();
         let client = EnvdClient::new(inner.envd_socket(&id), None);
-        client
-            .init(&InitRequest {
-                env_vars: record.env_vars.clone(),
-                access_token: record.access_token.clone(),
-                default_user: record.default_user.clone(),
-                default_workdir: record.default_workdir.clone(),
-            })
-            .await?;
+        client.init(&InitRequest::for_record(&record)).await?;
         let mut start_command = None;
         if let Some(cmd) = template
             .config

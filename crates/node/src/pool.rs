@@ -256,12 +256,7 @@ impl Node {
             }
             inner.runtime.renice(&id, 0);
             EnvdClient::new(inner.envd_socket(&id), None)
-                .init(&InitRequest {
-                    env_vars: record.env_vars.clone(),
-                    access_token: record.access_token.clone(),
-                    default_user: record.default_user.clone(),
-                    default_workdir: record.default_workdir.clone(),
-                })
+                .init(&InitRequest::for_record(&record))
                 .await?;
             let mut on_disk = record.clone();
             on_disk.state = SandboxState::Running;
