@@ -473,13 +473,7 @@ async fn run_code(kernel: &Kernel, code: &str, tx: &mpsc::Sender<Value>) {
                     let c = &m.content;
                     match m.msg_type() {
                         "execute_input" => c["execution_count"].as_i64().map(output::count_line),
-                        "stream" => Some(output::stream_line(
-                            c["name"].as_str().unwrap_or("stdout"),
-                            c["text"].as_str().unwrap_or(""),
-                            m.date(),
-                        )),
-                        "execute_result" => Some(output::result_line(&c["data"], true)),
-                        "display_data" => Some(output::result_line(&c["data"], false)),
+                        "stream" | "execute_result" | "display_data" => data_line(&m),
                         "error" if !errored => { errored = true; Some(output::error_from_content(c)) }
                         "status" => { if c["execution_state"] == "idle" { idle = true; } None }
                         "execute_reply" => {
@@ -525,18 +519,7 @@ async fn run_code(kernel: &Kernel, code: &str, tx: &mpsc::Sender<Value>) {
         // Deno's kernel can publish a request's last outputs just after its `idle`
         // status: keep taking this request's messages until it has been quiet briefly.
         while let Ok(Some(m)) = tokio::time::timeout(LATE_OUTPUT_QUIET, rx.recv()).await {
-            let c = &m.content;
-            let line = match m.msg_type() {
-                "stream" => Some(output::stream_line(
-                    c["name"].as_str().unwrap_or("stdout"),
-                    c["text"].as_str().unwrap_or(""),
-                    m.date(),
-                )),
-                "execute_result" => Some(output::result_line(&c["data"], true)),
-                "display_data" => Some(output::result_line(&c["data"], false)),
-                _ => None,
-            };
-            if let Some(l) = line
+            if let Some(l) = data_line(&m)
                 && tx.send(l).await.is_err()
             {
                 break;
@@ -544,6 +527,22 @@ async fn run_code(kernel: &Kernel, code: &str, tx: &mpsc::Sender<Value>) {
         }
     }
     kernel.unregister(&id);
+}
+
+/// The output line of a kernel's `stream`, `execute_result` or `display_data` message
+/// (`None` for any other message).
+fn data_line(m: &crate::jupyter::Message) -> Option<Value> {
+    let c = &m.content;
+    match m.msg_type() {
+        "stream" => Some(output::stream_line(
+            c["name"].as_str().unwrap_or("stdout"),
+            c["text"].as_str().unwrap_or(""),
+            m.date(),
+        )),
+        "execute_result" => Some(output::result_line(&c["data"], true)),
+        "display_data" => Some(output::result_line(&c["data"], false)),
+        _ => None,
+    }
 }
 
 /// How long a kernel with late outputs must stay quiet after `idle` (see [`run_code`]).
