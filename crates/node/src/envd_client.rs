@@ -179,20 +179,16 @@ struct ConnectError {
 /// replace the socket with a symlink to some host socket. `connect_ctl_socket` refuses
 /// symlinks and non-sockets.
 fn connect_socket_std(socket: &Path) -> Result<std::os::unix::net::UnixStream> {
-    let (dir, name) = match (socket.parent(), socket.file_name().and_then(|n| n.to_str())) {
-        (Some(d), Some(n)) => (d, n),
-        _ => return Err(Error::Envd(format!("bad envd socket path {}", socket.display()))),
-    };
+    let (dir, name) = cubicle_runtime::ctl_socket_parts(socket)
+        .map_err(|_| Error::Envd(format!("bad envd socket path {}", socket.display())))?;
     cubicle_runtime::connect_ctl_socket(dir, name)
         .map_err(|e| Error::Envd(format!("connect {}: {e}", socket.display())))
 }
 
 async fn connect_socket(socket: &Path) -> Result<UnixStream> {
-    let (dir, name) = match (socket.parent(), socket.file_name().and_then(|n| n.to_str())) {
-        (Some(d), Some(n)) => (d, n),
-        _ => return Err(Error::Envd(format!("bad envd socket path {}", socket.display()))),
-    };
-    cubicle_runtime::connect_ctl_socket_async(dir, name)
+    cubicle_runtime::ctl_socket_parts(socket)
+        .map_err(|_| Error::Envd(format!("bad envd socket path {}", socket.display())))?;
+    cubicle_runtime::connect_ctl_socket_async(socket)
         .await
         .map_err(|e| Error::Envd(format!("connect {}: {e}", socket.display())))
 }

@@ -137,17 +137,14 @@ async fn connect_envd(id: &str, socket: &Path) -> Result<Upstream, RouterError> 
         port: ENVD_PORT,
         detail,
     };
-    let (dir, name) = match (socket.parent(), socket.file_name().and_then(|n| n.to_str())) {
-        (Some(d), Some(n)) => (d.to_owned(), n.to_owned()),
-        _ => {
-            return Err(RouterError::Internal(format!(
-                "bad envd socket path {}",
-                socket.display()
-            )));
-        }
-    };
+    if cubicle_runtime::ctl_socket_parts(socket).is_err() {
+        return Err(RouterError::Internal(format!(
+            "bad envd socket path {}",
+            socket.display()
+        )));
+    }
     // Inline (no hop to the blocking pool): two O_PATH opens and a non-blocking connect.
-    let stream = cubicle_runtime::connect_ctl_socket_async(&dir, &name)
+    let stream = cubicle_runtime::connect_ctl_socket_async(socket)
         .await
         .map_err(|e| not_open(e.to_string()))?;
     Ok(Upstream::Unix(TokioIo::new(stream)))

@@ -77,10 +77,19 @@ pub fn connect_ctl_socket(ctl_dir: &Path, name: &str) -> Result<UnixStream> {
         .map_err(io_ctx(|| format!("connect {}/{name}", ctl_dir.display())))
 }
 
-/// [`connect_ctl_socket`] for async callers, without a hop to the blocking pool: the
-/// opens are quick, and the connect is non-blocking (a full backlog is an error here,
-/// never a wait).
-pub async fn connect_ctl_socket_async(ctl_dir: &Path, name: &str) -> Result<tokio::net::UnixStream> {
+/// A ctl socket's path as its directory and file name (what [`open_ctl_socket`] takes).
+pub fn ctl_socket_parts(socket: &Path) -> Result<(&Path, &str)> {
+    match (socket.parent(), socket.file_name().and_then(|n| n.to_str())) {
+        (Some(d), Some(n)) => Ok((d, n)),
+        _ => Err(Error::InvalidSpec(format!("bad ctl socket path {}", socket.display()))),
+    }
+}
+
+/// [`connect_ctl_socket`] of the socket at `socket` for async callers, without a hop to
+/// the blocking pool: the opens are quick, and the connect is non-blocking (a full
+/// backlog is an error here, never a wait).
+pub async fn connect_ctl_socket_async(socket: &Path) -> Result<tokio::net::UnixStream> {
+    let (ctl_dir, name) = ctl_socket_parts(socket)?;
     let sock = open_ctl_socket(ctl_dir, name)?;
     tokio::net::UnixStream::connect(format!("/proc/self/fd/{}", sock.as_raw_fd()))
         .await

@@ -84,7 +84,7 @@ pub mod network;
 pub mod storage;
 
 pub use cgroup::{Cgroup, CgroupStats, CgroupVersion};
-pub use ctl::{connect_ctl_socket, connect_ctl_socket_async, open_ctl_socket};
+pub use ctl::{connect_ctl_socket, connect_ctl_socket_async, ctl_socket_parts, open_ctl_socket};
 pub use error::{Error, Result};
 pub use sandbox::{Sandbox, list_sandboxes, reap_orphans, remove_leftovers, spawn};
 pub use spec::{
