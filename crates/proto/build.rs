@@ -4,7 +4,10 @@
 use std::{env, path::PathBuf};
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let files = ["proto/process/process.proto", "proto/filesystem/filesystem.proto"];
+    let files = [
+        "proto/process/process.proto",
+        "proto/filesystem/filesystem.proto",
+    ];
     for f in &files {
         println!("cargo:rerun-if-changed={f}");
     }

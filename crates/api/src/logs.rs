@@ -106,7 +106,8 @@ impl LogMirror {
             return 0;
         };
         let offsets = self.offsets.lock().unwrap_or_else(|p| p.into_inner());
-        meta.len().saturating_sub(offsets.get(id).copied().unwrap_or(0))
+        meta.len()
+            .saturating_sub(offsets.get(id).copied().unwrap_or(0))
     }
 
     /// Copy what `source` gained since the last sync. Blocking. Missing source: no-op.

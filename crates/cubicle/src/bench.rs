@@ -550,12 +550,19 @@ async fn before_row(cx: &Ctx, c: &mut Conn, template: &str) -> Option<(u64, u64)
     if cx.pool == "on" {
         let t = Instant::now();
         loop {
-            let ready = cx.api.pool_json(c).await.and_then(|v| v["ready"][template].as_u64());
+            let ready = cx
+                .api
+                .pool_json(c)
+                .await
+                .and_then(|v| v["ready"][template].as_u64());
             if ready.is_none_or(|r| r >= cx.pool_size as u64) {
                 break;
             }
             if t.elapsed() > Duration::from_secs(60) {
-                eprintln!("cubicle bench: the {template} pool is still at {ready:?} of {} after 60 s", cx.pool_size);
+                eprintln!(
+                    "cubicle bench: the {template} pool is still at {ready:?} of {} after 60 s",
+                    cx.pool_size
+                );
                 break;
             }
             tokio::time::sleep(Duration::from_millis(100)).await;

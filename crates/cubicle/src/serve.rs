@@ -82,7 +82,12 @@ pub struct ServeArgs {
           value_parser = cubicle_node::parse_pool_spec)]
     pub pool: std::collections::BTreeMap<String, usize>,
     /// Host memory all pooled sandboxes together may use, in MiB.
-    #[arg(long, env = "CUBICLE_POOL_MEMORY_MB", default_value_t = 1024, value_name = "MIB")]
+    #[arg(
+        long,
+        env = "CUBICLE_POOL_MEMORY_MB",
+        default_value_t = 1024,
+        value_name = "MIB"
+    )]
     pub pool_memory_mb: u64,
 }
 

@@ -30,8 +30,10 @@ pub const ACCESS_TOKEN_HEADER: &str = "x-access-token";
 pub fn http_error(status: StatusCode, message: impl Into<String>) -> Response {
     let body = serde_json::json!({ "code": status.as_u16(), "message": message.into() });
     let mut resp = (status, body.to_string()).into_response();
-    resp.headers_mut()
-        .insert(header::CONTENT_TYPE, header::HeaderValue::from_static("application/json"));
+    resp.headers_mut().insert(
+        header::CONTENT_TYPE,
+        header::HeaderValue::from_static("application/json"),
+    );
     resp
 }
 
@@ -55,7 +57,11 @@ pub fn token_ok(ctx: &Context, headers: &HeaderMap) -> bool {
 }
 
 /// Middleware: requires the access token on every route but `/health` and `/files`.
-pub async fn require_token(State(state): State<Arc<AppState>>, req: Request, next: Next) -> Response {
+pub async fn require_token(
+    State(state): State<Arc<AppState>>,
+    req: Request,
+    next: Next,
+) -> Response {
     let path = req.uri().path();
     if path == "/health" || path == "/files" || token_ok(&state.ctx, req.headers()) {
         return next.run(req).await;
@@ -66,7 +72,11 @@ pub async fn require_token(State(state): State<Arc<AppState>>, req: Request, nex
     let body = req.into_body();
     tokio::spawn(async move {
         let limit = 1 << 20;
-        let _ = tokio::time::timeout(std::time::Duration::from_secs(10), axum::body::to_bytes(body, limit)).await;
+        let _ = tokio::time::timeout(
+            std::time::Duration::from_secs(10),
+            axum::body::to_bytes(body, limit),
+        )
+        .await;
     });
     http_error(StatusCode::UNAUTHORIZED, "invalid access token")
 }
@@ -79,8 +89,13 @@ pub fn basic_auth_user(headers: &HeaderMap) -> Result<Option<String>, ConnectErr
     let text = value
         .to_str()
         .map_err(|_| ConnectError::unauthenticated("invalid authorization header"))?;
-    let Some(encoded) = text.strip_prefix("Basic ").or_else(|| text.strip_prefix("basic ")) else {
-        return Err(ConnectError::unauthenticated("authorization must use the Basic scheme"));
+    let Some(encoded) = text
+        .strip_prefix("Basic ")
+        .or_else(|| text.strip_prefix("basic "))
+    else {
+        return Err(ConnectError::unauthenticated(
+            "authorization must use the Basic scheme",
+        ));
     };
     let decoded = base64::engine::general_purpose::STANDARD
         .decode(encoded.trim())

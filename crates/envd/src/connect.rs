@@ -104,7 +104,10 @@ pub struct ConnectError {
 
 impl ConnectError {
     pub fn new(code: Code, message: impl Into<String>) -> Self {
-        Self { code, message: message.into() }
+        Self {
+            code,
+            message: message.into(),
+        }
     }
     pub fn invalid_argument(message: impl Into<String>) -> Self {
         Self::new(Code::InvalidArgument, message)
@@ -153,8 +156,10 @@ impl IntoResponse for ConnectError {
     /// The unary error form.
     fn into_response(self) -> Response {
         let mut resp = (self.code.http_status(), self.json().to_string()).into_response();
-        resp.headers_mut()
-            .insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+        resp.headers_mut().insert(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/json"),
+        );
         resp
     }
 }
@@ -183,8 +188,10 @@ pub fn unary_ok<T: Serialize>(msg: &T) -> Response {
     match serde_json::to_vec(msg) {
         Ok(body) => {
             let mut resp = (StatusCode::OK, body).into_response();
-            resp.headers_mut()
-                .insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+            resp.headers_mut().insert(
+                header::CONTENT_TYPE,
+                HeaderValue::from_static("application/json"),
+            );
             resp
         }
         Err(e) => ConnectError::internal(format!("encoding response: {e}")).into_response(),
@@ -212,7 +219,9 @@ pub fn envelope(flags: u8, payload: &[u8]) -> Bytes {
 pub fn end_stream_envelope(result: Result<(), &ConnectError>) -> Bytes {
     let payload = match result {
         Ok(()) => b"{}".to_vec(),
-        Err(e) => serde_json::json!({ "error": e.json() }).to_string().into_bytes(),
+        Err(e) => serde_json::json!({ "error": e.json() })
+            .to_string()
+            .into_bytes(),
     };
     envelope(FLAG_END_STREAM, &payload)
 }
@@ -227,7 +236,11 @@ pub struct EnvelopeReader {
 
 impl EnvelopeReader {
     pub fn new(body: Body) -> Self {
-        Self { body, buf: Vec::new(), done: false }
+        Self {
+            body,
+            buf: Vec::new(),
+            done: false,
+        }
     }
 
     /// The next data message; `Ok(None)` at the end of the body or at an end-of-stream
@@ -241,7 +254,9 @@ impl EnvelopeReader {
                 if len > MAX_MESSAGE_BYTES {
                     return Err(ConnectError::new(
                         Code::ResourceExhausted,
-                        format!("message of {len} bytes exceeds the {MAX_MESSAGE_BYTES} byte limit"),
+                        format!(
+                            "message of {len} bytes exceeds the {MAX_MESSAGE_BYTES} byte limit"
+                        ),
                     ));
                 }
                 if self.buf.len() >= 5 + len {
@@ -331,8 +346,10 @@ where
 {
     let body = async_stream_body(messages);
     let mut resp = Response::new(Body::from_stream(body));
-    resp.headers_mut()
-        .insert(header::CONTENT_TYPE, HeaderValue::from_static(STREAM_CONTENT_TYPE));
+    resp.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static(STREAM_CONTENT_TYPE),
+    );
     resp
 }
 
@@ -378,8 +395,10 @@ pub fn client_stream_response<T: Serialize>(result: Result<T, ConnectError>) -> 
         Err(e) => end_stream_envelope(Err(&e)).to_vec(),
     };
     let mut resp = Response::new(Body::from(body));
-    resp.headers_mut()
-        .insert(header::CONTENT_TYPE, HeaderValue::from_static(STREAM_CONTENT_TYPE));
+    resp.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static(STREAM_CONTENT_TYPE),
+    );
     resp
 }
 
@@ -412,8 +431,10 @@ mod tests {
         let mut bytes = envelope(0, br#"{"a":1}"#).to_vec();
         bytes.extend_from_slice(&envelope(0, br#"{"a":2}"#));
         bytes.extend_from_slice(&envelope(FLAG_END_STREAM, b"{}"));
-        let chunks: Vec<Result<Bytes, Infallible>> =
-            bytes.chunks(3).map(|c| Ok(Bytes::copy_from_slice(c))).collect();
+        let chunks: Vec<Result<Bytes, Infallible>> = bytes
+            .chunks(3)
+            .map(|c| Ok(Bytes::copy_from_slice(c)))
+            .collect();
         let body = Body::from_stream(futures_util::stream::iter(chunks));
         let mut r = EnvelopeReader::new(body);
         let a: serde_json::Value = r.next().await.unwrap().unwrap();
@@ -437,7 +458,9 @@ mod tests {
         let msgs = futures_util::stream::iter(vec![Ok(serde_json::json!({"x":1}))]);
         let resp = stream_response(msgs);
         assert_eq!(resp.headers()[header::CONTENT_TYPE], STREAM_CONTENT_TYPE);
-        let body = axum::body::to_bytes(resp.into_body(), 1 << 20).await.unwrap();
+        let body = axum::body::to_bytes(resp.into_body(), 1 << 20)
+            .await
+            .unwrap();
         let first_len = u32::from_be_bytes([body[1], body[2], body[3], body[4]]) as usize;
         assert_eq!(body[0], 0);
         assert_eq!(&body[5..5 + first_len], br#"{"x":1}"#);
@@ -450,7 +473,9 @@ mod tests {
     async fn stream_error_is_in_trailer() {
         let resp = stream_error(ConnectError::not_found("no such process"));
         assert_eq!(resp.status(), StatusCode::OK);
-        let body = axum::body::to_bytes(resp.into_body(), 1 << 20).await.unwrap();
+        let body = axum::body::to_bytes(resp.into_body(), 1 << 20)
+            .await
+            .unwrap();
         assert_eq!(body[0], FLAG_END_STREAM);
         let v: serde_json::Value = serde_json::from_slice(&body[5..]).unwrap();
         assert_eq!(v["error"]["code"], "not_found");
@@ -459,7 +484,10 @@ mod tests {
     #[test]
     fn error_statuses() {
         assert_eq!(Code::NotFound.http_status(), StatusCode::NOT_FOUND);
-        assert_eq!(Code::Unauthenticated.http_status(), StatusCode::UNAUTHORIZED);
+        assert_eq!(
+            Code::Unauthenticated.http_status(),
+            StatusCode::UNAUTHORIZED
+        );
         assert_eq!(Code::Canceled.http_status().as_u16(), 499);
     }
 }

@@ -24,7 +24,11 @@ pub fn resolve(ctx: &Context, user: &User, path: &str) -> Result<PathBuf, Connec
         PathBuf::from(path)
     } else {
         let base = ctx.default_workdir().unwrap_or_else(|| user.home.clone());
-        if path.is_empty() { base } else { base.join(path) }
+        if path.is_empty() {
+            base
+        } else {
+            base.join(path)
+        }
     };
     Ok(clean(&expanded))
 }
@@ -74,18 +78,36 @@ mod tests {
     }
 
     fn user() -> User {
-        User { name: "u".into(), uid: 1000, gid: 1000, home: "/home/u".into(), shell: "/bin/sh".into() }
+        User {
+            name: "u".into(),
+            uid: 1000,
+            gid: 1000,
+            home: "/home/u".into(),
+            shell: "/bin/sh".into(),
+        }
     }
 
     #[test]
     fn resolves() {
         let c = ctx(None);
         assert_eq!(resolve(&c, &user(), "~").unwrap(), PathBuf::from("/home/u"));
-        assert_eq!(resolve(&c, &user(), "~/a/b").unwrap(), PathBuf::from("/home/u/a/b"));
-        assert_eq!(resolve(&c, &user(), "x").unwrap(), PathBuf::from("/home/u/x"));
-        assert_eq!(resolve(&c, &user(), "/a/../../etc/./p").unwrap(), PathBuf::from("/etc/p"));
+        assert_eq!(
+            resolve(&c, &user(), "~/a/b").unwrap(),
+            PathBuf::from("/home/u/a/b")
+        );
+        assert_eq!(
+            resolve(&c, &user(), "x").unwrap(),
+            PathBuf::from("/home/u/x")
+        );
+        assert_eq!(
+            resolve(&c, &user(), "/a/../../etc/./p").unwrap(),
+            PathBuf::from("/etc/p")
+        );
         assert!(resolve(&c, &user(), "/a\0b").is_err());
         let c = ctx(Some("/work"));
-        assert_eq!(resolve(&c, &user(), "x/../y").unwrap(), PathBuf::from("/work/y"));
+        assert_eq!(
+            resolve(&c, &user(), "x/../y").unwrap(),
+            PathBuf::from("/work/y")
+        );
     }
 }

@@ -31,7 +31,10 @@ pub fn router(state: Arc<AppState>) -> Router {
         .merge(process::routes())
         .merge(filesystem::routes())
         .merge(http::routes())
-        .layer(middleware::from_fn_with_state(state.clone(), auth::require_token))
+        .layer(middleware::from_fn_with_state(
+            state.clone(),
+            auth::require_token,
+        ))
         .with_state(state)
 }
 

@@ -46,12 +46,18 @@ impl Context {
             default_user: config.default_user.clone(),
             default_workdir: config.default_workdir.clone(),
         };
-        Self { config, settings: RwLock::new(settings) }
+        Self {
+            config,
+            settings: RwLock::new(settings),
+        }
     }
 
     /// A copy of the current settings.
     pub fn settings(&self) -> Settings {
-        self.settings.read().unwrap_or_else(|e| e.into_inner()).clone()
+        self.settings
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
     }
 
     /// Applies a change to the settings.
@@ -62,23 +68,40 @@ impl Context {
 
     /// The access token every request must carry, if one is set.
     pub fn access_token(&self) -> Option<String> {
-        self.settings.read().unwrap_or_else(|e| e.into_inner()).access_token.clone()
+        self.settings
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .access_token
+            .clone()
     }
 
     /// The sandbox-global environment (create-time env vars).
     pub fn env_vars(&self) -> HashMap<String, String> {
-        self.settings.read().unwrap_or_else(|e| e.into_inner()).env_vars.clone()
+        self.settings
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .env_vars
+            .clone()
     }
 
     /// The default working directory, if configured.
     pub fn default_workdir(&self) -> Option<PathBuf> {
-        self.settings.read().unwrap_or_else(|e| e.into_inner()).default_workdir.clone()
+        self.settings
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .default_workdir
+            .clone()
     }
 
     /// The default user: the configured one (normally `user`), else in development mode
     /// the user envd runs as, else `root`.
     pub fn default_user(&self) -> Option<User> {
-        let name = self.settings.read().unwrap_or_else(|e| e.into_inner()).default_user.clone();
+        let name = self
+            .settings
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .default_user
+            .clone();
         match name {
             Some(n) => users::by_name(&n),
             None if self.config.dev => Some(users::current()),

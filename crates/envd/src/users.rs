@@ -38,11 +38,15 @@ struct Group {
 }
 
 fn passwd_file() -> PathBuf {
-    std::env::var_os("CUBICLE_ENVD_PASSWD").map(PathBuf::from).unwrap_or_else(|| "/etc/passwd".into())
+    std::env::var_os("CUBICLE_ENVD_PASSWD")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| "/etc/passwd".into())
 }
 
 fn group_file() -> PathBuf {
-    std::env::var_os("CUBICLE_ENVD_GROUP").map(PathBuf::from).unwrap_or_else(|| "/etc/group".into())
+    std::env::var_os("CUBICLE_ENVD_GROUP")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| "/etc/group".into())
 }
 
 fn parse_passwd(line: &str) -> Option<User> {
@@ -73,7 +77,11 @@ fn parse_group(line: &str) -> Option<Group> {
     Some(Group {
         name: f[0].to_string(),
         gid: f[2].parse().ok()?,
-        members: f[3].split(',').filter(|s| !s.is_empty()).map(str::to_string).collect(),
+        members: f[3]
+            .split(',')
+            .filter(|s| !s.is_empty())
+            .map(str::to_string)
+            .collect(),
     })
 }
 
@@ -95,14 +103,21 @@ pub fn by_uid(uid: u32) -> Option<User> {
 
 /// The name of a uid, or the number as text when unknown.
 pub fn user_name(uid: u32) -> String {
-    by_uid(uid).map(|u| u.name).unwrap_or_else(|| uid.to_string())
+    by_uid(uid)
+        .map(|u| u.name)
+        .unwrap_or_else(|| uid.to_string())
 }
 
 /// The name of a gid, or the number as text when unknown.
 pub fn group_name(gid: u32) -> String {
     std::fs::read_to_string(group_file())
         .ok()
-        .and_then(|t| t.lines().filter_map(parse_group).find(|g| g.gid == gid).map(|g| g.name))
+        .and_then(|t| {
+            t.lines()
+                .filter_map(parse_group)
+                .find(|g| g.gid == gid)
+                .map(|g| g.name)
+        })
         .unwrap_or_else(|| gid.to_string())
 }
 

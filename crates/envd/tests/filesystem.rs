@@ -92,7 +92,10 @@ async fn send(
     for (k, v) in headers {
         req = req.header(*k, *v);
     }
-    sender.send_request(req.body(Full::new(Bytes::from(body))).unwrap()).await.unwrap()
+    sender
+        .send_request(req.body(Full::new(Bytes::from(body))).unwrap())
+        .await
+        .unwrap()
 }
 
 /// A unary call: (HTTP status, JSON body).
@@ -104,10 +107,16 @@ async fn unary_raw(
 ) -> (u16, Value) {
     let resp = send(addr, method, "application/json", body.to_vec(), headers).await;
     let status = resp.status().as_u16();
-    let ct = resp.headers().get("content-type").map(|v| v.to_str().unwrap().to_string());
+    let ct = resp
+        .headers()
+        .get("content-type")
+        .map(|v| v.to_str().unwrap().to_string());
     assert_eq!(ct.as_deref(), Some("application/json"), "{method}");
     let bytes = resp.into_body().collect().await.unwrap().to_bytes();
-    (status, serde_json::from_slice(&bytes).unwrap_or(Value::Null))
+    (
+        status,
+        serde_json::from_slice(&bytes).unwrap_or(Value::Null),
+    )
 }
 
 async fn unary(addr: SocketAddr, method: &str, body: Value) -> (u16, Value) {
@@ -139,7 +148,10 @@ impl StreamReader {
         .await;
         assert_eq!(resp.status().as_u16(), 200);
         assert_eq!(resp.headers()["content-type"], "application/connect+json");
-        StreamReader { body: resp.into_body(), buf: Vec::new() }
+        StreamReader {
+            body: resp.into_body(),
+            buf: Vec::new(),
+        }
     }
 
     /// The next envelope: (flags, JSON), or None on timeout / end of body.
@@ -179,7 +191,9 @@ impl StreamReader {
             } else {
                 deadline.saturating_duration_since(tokio::time::Instant::now())
             };
-            let Some((flags, v)) = self.next(wait).await else { break };
+            let Some((flags, v)) = self.next(wait).await else {
+                break;
+            };
             assert_eq!(flags, 0, "unexpected end of stream: {v}");
             if let Some(ev) = v.get("filesystem") {
                 out.push(ev.clone());
@@ -196,7 +210,11 @@ fn has_event(events: &[Value], name: &str, ty: &str) -> bool {
 fn names(entries: &Value) -> Vec<String> {
     entries["entries"]
         .as_array()
-        .map(|a| a.iter().map(|e| e["path"].as_str().unwrap().to_string()).collect())
+        .map(|a| {
+            a.iter()
+                .map(|e| e["path"].as_str().unwrap().to_string())
+                .collect()
+        })
         .unwrap_or_default()
 }
 
@@ -237,8 +255,22 @@ async fn list_dir_depths_symlinks_and_errors() {
 
     let (st, v) = unary(srv.addr, "ListDir", json!({"path": d.s(""), "depth": 2})).await;
     assert_eq!(st, 200);
-    assert_eq!(names(&v), vec![d.s("a"), d.s("a/b"), d.s("a/f.txt"), d.s("link"), d.s("loop")]);
-    let f = v["entries"].as_array().unwrap().iter().find(|e| e["name"] == "f.txt").unwrap();
+    assert_eq!(
+        names(&v),
+        vec![
+            d.s("a"),
+            d.s("a/b"),
+            d.s("a/f.txt"),
+            d.s("link"),
+            d.s("loop")
+        ]
+    );
+    let f = v["entries"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|e| e["name"] == "f.txt")
+        .unwrap();
     assert_eq!(f["type"], "FILE_TYPE_FILE");
     assert_eq!(f["size"], "5"); // int64 as a JSON string
     assert_eq!(f["permissions"].as_str().unwrap().len(), 10);
@@ -247,26 +279,46 @@ async fn list_dir_depths_symlinks_and_errors() {
     assert!(f["owner"].as_str().is_some_and(|s| !s.is_empty()));
 
     // Huge depth terminates (symlinks are not descended into).
-    let (st, v) =
-        unary(srv.addr, "ListDir", json!({"path": d.s(""), "depth": 4294967295u32})).await;
+    let (st, v) = unary(
+        srv.addr,
+        "ListDir",
+        json!({"path": d.s(""), "depth": 4294967295u32}),
+    )
+    .await;
     assert_eq!(st, 200);
     assert_eq!(names(&v).len(), 6);
 
     // A symlinked directory is followed; paths keep the requested prefix.
-    let (st, v) = unary(srv.addr, "ListDir", json!({"path": d.s("link"), "depth": 2})).await;
+    let (st, v) = unary(
+        srv.addr,
+        "ListDir",
+        json!({"path": d.s("link"), "depth": 2}),
+    )
+    .await;
     assert_eq!(st, 200);
-    assert_eq!(names(&v), vec![d.s("link/b"), d.s("link/b/c"), d.s("link/f.txt")]);
+    assert_eq!(
+        names(&v),
+        vec![d.s("link/b"), d.s("link/b/c"), d.s("link/f.txt")]
+    );
 
     let (st, v) = unary(srv.addr, "ListDir", json!({"path": d.s("loop")})).await;
-    assert_eq!((st, v["code"].as_str()), (400, Some("failed_precondition")), "{v}");
+    assert_eq!(
+        (st, v["code"].as_str()),
+        (400, Some("failed_precondition")),
+        "{v}"
+    );
     let (st, v) = unary(srv.addr, "ListDir", json!({"path": d.s("a/f.txt")})).await;
     assert_eq!((st, v["code"].as_str()), (400, Some("invalid_argument")));
     let (st, v) = unary(srv.addr, "ListDir", json!({"path": d.s("missing")})).await;
     assert_eq!((st, v["code"].as_str()), (404, Some("not_found")));
     assert!(v["message"].as_str().is_some());
     // `..` is cleaned lexically.
-    let (st, v) =
-        unary(srv.addr, "ListDir", json!({"path": format!("{}/a/b/../..", d.s(""))})).await;
+    let (st, v) = unary(
+        srv.addr,
+        "ListDir",
+        json!({"path": format!("{}/a/b/../..", d.s(""))}),
+    )
+    .await;
     assert_eq!(st, 200);
     assert_eq!(names(&v).len(), 3);
 }
@@ -304,15 +356,22 @@ async fn stat_make_dir_move_remove() {
     let (st, v) = unary(srv.addr, "Stat", json!({"path": d.s("nope")})).await;
     assert_eq!((st, v["code"].as_str()), (404, Some("not_found")));
 
-    let (st, v) =
-        unary(srv.addr, "Move", json!({"source": d.s("file"), "destination": d.s("p/q/moved")}))
-            .await;
+    let (st, v) = unary(
+        srv.addr,
+        "Move",
+        json!({"source": d.s("file"), "destination": d.s("p/q/moved")}),
+    )
+    .await;
     assert_eq!(st, 200, "{v}");
     assert_eq!(v["entry"]["path"], d.s("p/q/moved"));
     assert_eq!(std::fs::read(d.join("p/q/moved")).unwrap(), b"abc");
     assert!(!d.join("file").exists());
-    let (st, v) =
-        unary(srv.addr, "Move", json!({"source": d.s("file"), "destination": d.s("other")})).await;
+    let (st, v) = unary(
+        srv.addr,
+        "Move",
+        json!({"source": d.s("file"), "destination": d.s("other")}),
+    )
+    .await;
     assert_eq!((st, v["code"].as_str()), (404, Some("not_found")));
 
     let (st, v) = unary(srv.addr, "Remove", json!({"path": d.s("x")})).await;
@@ -329,17 +388,36 @@ async fn bad_input_is_a_clean_error() {
     let _g = WATCH_LOCK.lock().await; // creates a (polling) watcher
     let srv = server().await;
     let d = TempDir::new();
-    for body in [&b"{not json"[..], b"[]", b"{\"path\": 5}", b"{\"depth\": -1}", b"\xff\xfe"] {
+    for body in [
+        &b"{not json"[..],
+        b"[]",
+        b"{\"path\": 5}",
+        b"{\"depth\": -1}",
+        b"\xff\xfe",
+    ] {
         let (st, v) = unary_raw(srv.addr, "ListDir", body, &[]).await;
-        assert_eq!((st, v["code"].as_str()), (400, Some("invalid_argument")), "{body:?}");
+        assert_eq!(
+            (st, v["code"].as_str()),
+            (400, Some("invalid_argument")),
+            "{body:?}"
+        );
     }
     let (st, v) = unary(srv.addr, "Stat", json!({"path": "/tmp/a\u{0}b"})).await;
     assert_eq!((st, v["code"].as_str()), (400, Some("invalid_argument")));
     // Unknown fields are ignored; snake_case accepted.
-    let (st, _) = unary(srv.addr, "Stat", json!({"path": d.s(""), "someNewField": 1})).await;
+    let (st, _) = unary(
+        srv.addr,
+        "Stat",
+        json!({"path": d.s(""), "someNewField": 1}),
+    )
+    .await;
     assert_eq!(st, 200);
-    let (st, v) =
-        unary(srv.addr, "CreateWatcher", json!({"path": d.s(""), "include_entry": true})).await;
+    let (st, v) = unary(
+        srv.addr,
+        "CreateWatcher",
+        json!({"path": d.s(""), "include_entry": true}),
+    )
+    .await;
     assert_eq!(st, 200, "{v}");
     let id = v["watcherId"].as_str().unwrap().to_string();
     let (st, _) = unary(srv.addr, "RemoveWatcher", json!({"watcherId": id})).await;
@@ -354,8 +432,14 @@ async fn bad_input_is_a_clean_error() {
     .await;
     assert_eq!((st, v["code"].as_str()), (401, Some("unauthenticated")));
     // A bad stream request ends the stream with an error, HTTP 200.
-    let resp =
-        send(srv.addr, "WatchDir", "application/connect+json", b"\x00\x00\x00".to_vec(), &[]).await;
+    let resp = send(
+        srv.addr,
+        "WatchDir",
+        "application/connect+json",
+        b"\x00\x00\x00".to_vec(),
+        &[],
+    )
+    .await;
     assert_eq!(resp.status().as_u16(), 200);
     let body = resp.into_body().collect().await.unwrap().to_bytes();
     assert_eq!(body[0], 2);
@@ -378,7 +462,10 @@ async fn watch_dir_stream_events() {
     std::fs::write(d.join("plain"), b"").unwrap();
     let mut s = StreamReader::open(srv.addr, "WatchDir", json!({"path": d.s("plain")}), &[]).await;
     let (flags, v) = s.next(Duration::from_secs(5)).await.unwrap();
-    assert_eq!((flags, v["error"]["code"].as_str()), (2, Some("invalid_argument")));
+    assert_eq!(
+        (flags, v["error"]["code"].as_str()),
+        (2, Some("invalid_argument"))
+    );
 
     let mut s = StreamReader::open(
         srv.addr,
@@ -404,11 +491,16 @@ async fn watch_dir_stream_events() {
         .await;
     assert!(has_event(&ev, "new.txt", "EVENT_TYPE_CREATE"), "{ev:?}");
     assert!(has_event(&ev, "new.txt", "EVENT_TYPE_WRITE"), "{ev:?}");
-    assert!(has_event(&ev, "sub/inner.txt", "EVENT_TYPE_CREATE"), "{ev:?}");
+    assert!(
+        has_event(&ev, "sub/inner.txt", "EVENT_TYPE_CREATE"),
+        "{ev:?}"
+    );
     assert!(has_event(&ev, "deep/er", "EVENT_TYPE_CREATE"), "{ev:?}");
     assert!(has_event(&ev, "deep/er/f", "EVENT_TYPE_CREATE"), "{ev:?}");
-    let created =
-        ev.iter().find(|e| e["name"] == "new.txt" && e["type"] == "EVENT_TYPE_WRITE").unwrap();
+    let created = ev
+        .iter()
+        .find(|e| e["name"] == "new.txt" && e["type"] == "EVENT_TYPE_WRITE")
+        .unwrap();
     assert_eq!(created["entry"]["name"], "new.txt");
     assert_eq!(created["entry"]["path"], d.s("new.txt"));
 
@@ -425,7 +517,9 @@ async fn watch_dir_stream_events() {
     assert!(has_event(&ev, "renamed.txt", "EVENT_TYPE_CREATE"), "{ev:?}");
     assert!(has_event(&ev, "renamed.txt", "EVENT_TYPE_REMOVE"), "{ev:?}");
     assert!(
-        ev.iter().filter(|e| e["type"] == "EVENT_TYPE_REMOVE").all(|e| e.get("entry").is_none())
+        ev.iter()
+            .filter(|e| e["type"] == "EVENT_TYPE_REMOVE")
+            .all(|e| e.get("entry").is_none())
     );
 
     // Keepalives flow when idle.
@@ -446,9 +540,15 @@ async fn watch_dir_deadline_ends_stream() {
         &[("connect-timeout-ms", "300")],
     )
     .await;
-    assert_eq!(s.next(Duration::from_secs(5)).await.unwrap().1, json!({"start": {}}));
+    assert_eq!(
+        s.next(Duration::from_secs(5)).await.unwrap().1,
+        json!({"start": {}})
+    );
     let (flags, v) = s.next(Duration::from_secs(5)).await.unwrap();
-    assert_eq!((flags, v["error"]["code"].as_str()), (2, Some("deadline_exceeded")));
+    assert_eq!(
+        (flags, v["error"]["code"].as_str()),
+        (2, Some("deadline_exceeded"))
+    );
     drop(s);
     wait_for_fds(before).await;
 }
@@ -460,7 +560,10 @@ async fn wait_for_fds(expected: usize) {
         }
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    panic!("inotify descriptors: {} (expected {expected})", inotify_fds());
+    panic!(
+        "inotify descriptors: {} (expected {expected})",
+        inotify_fds()
+    );
 }
 
 #[tokio::test]
@@ -477,7 +580,10 @@ async fn dropped_watch_stream_frees_its_inotify_instance() {
         &[("keepalive-ping-interval", "3600")],
     )
     .await;
-    assert_eq!(s.next(Duration::from_secs(5)).await.unwrap().1, json!({"start": {}}));
+    assert_eq!(
+        s.next(Duration::from_secs(5)).await.unwrap().1,
+        json!({"start": {}})
+    );
     assert_eq!(inotify_fds(), before + 1);
     drop(s); // closes the client connection
     wait_for_fds(before).await;
@@ -539,7 +645,10 @@ async fn relative_and_home_paths_resolve_for_the_user() {
     let srv = server().await;
     let home = cubicle_envd::users::current().home;
     if !Path::new(&home).is_dir() {
-        eprintln!("skipping: the current user's home {} does not exist", home.display());
+        eprintln!(
+            "skipping: the current user's home {} does not exist",
+            home.display()
+        );
         return;
     }
     let (st, v) = unary(srv.addr, "Stat", json!({"path": "~"})).await;

@@ -81,7 +81,8 @@ struct Resp {
 
 impl Resp {
     fn json(&self) -> Value {
-        serde_json::from_slice(&self.body).unwrap_or_else(|e| panic!("not JSON ({e}): {:?}", self.body))
+        serde_json::from_slice(&self.body)
+            .unwrap_or_else(|e| panic!("not JSON ({e}): {:?}", self.body))
     }
     fn header(&self, name: &str) -> Option<&str> {
         self.headers.get(name).and_then(|v| v.to_str().ok())
@@ -95,7 +96,11 @@ async fn send(addr: SocketAddr, req: Request<Body>) -> Resp {
     let resp = sender.send_request(req).await.unwrap();
     let (parts, body) = resp.into_parts();
     let body = body.collect().await.unwrap().to_bytes();
-    Resp { status: parts.status, headers: parts.headers, body }
+    Resp {
+        status: parts.status,
+        headers: parts.headers,
+        body,
+    }
 }
 
 fn q(s: &str) -> String {
@@ -103,7 +108,10 @@ fn q(s: &str) -> String {
 }
 
 fn req(method: &str, uri: &str) -> hyper::http::request::Builder {
-    Request::builder().method(method).uri(uri).header("host", "localhost")
+    Request::builder()
+        .method(method)
+        .uri(uri)
+        .header("host", "localhost")
 }
 
 fn multipart(boundary: &str, parts: &[(&str, &[u8])]) -> Vec<u8> {
@@ -129,7 +137,9 @@ fn gzip(data: &[u8]) -> Vec<u8> {
 }
 
 fn xattr(path: &Path, name: &str) -> Option<String> {
-    cubicle_envd::filesystem::read_metadata(path).get(name).cloned()
+    cubicle_envd::filesystem::read_metadata(path)
+        .get(name)
+        .cloned()
 }
 
 async fn upload_octet(addr: SocketAddr, path: &str, data: Vec<u8>) -> Resp {
@@ -144,7 +154,13 @@ async fn upload_octet(addr: SocketAddr, path: &str, data: Vec<u8>) -> Resp {
 }
 
 async fn download(addr: SocketAddr, path: &str) -> Resp {
-    send(addr, req("GET", &format!("/files?path={}", q(path))).body(Body::empty()).unwrap()).await
+    send(
+        addr,
+        req("GET", &format!("/files?path={}", q(path)))
+            .body(Body::empty())
+            .unwrap(),
+    )
+    .await
 }
 
 #[tokio::test]
@@ -171,19 +187,29 @@ async fn multipart_uploads() {
     .await;
     assert_eq!(r.status, StatusCode::OK, "{:?}", r.body);
     let j = r.json();
-    assert_eq!(j, serde_json::json!([{"path": dir.s("sub/a.txt"), "name": "a.txt", "type": "file"}]));
+    assert_eq!(
+        j,
+        serde_json::json!([{"path": dir.s("sub/a.txt"), "name": "a.txt", "type": "file"}])
+    );
     assert_eq!(std::fs::read(dir.join("sub/a.txt")).unwrap(), b"abc");
     assert!(!dir.join("ignored.txt").exists());
 
     // Several files without ?path: full paths (never basenamed), HTML5-encoded quote,
     // nested new directories, one overwrite of an existing file keeping its mode.
     std::fs::write(dir.join("exists.txt"), b"old content that is longer").unwrap();
-    std::fs::set_permissions(dir.join("exists.txt"), std::os::unix::fs::PermissionsExt::from_mode(0o600))
-        .unwrap();
+    std::fs::set_permissions(
+        dir.join("exists.txt"),
+        std::os::unix::fs::PermissionsExt::from_mode(0o600),
+    )
+    .unwrap();
     let quoted = format!("{}/q%22uote.txt", dir.s("deep/er"));
     let body = multipart(
         "b0undary",
-        &[(&dir.s("one.bin"), &[0u8, 1, 2, 255]), (&quoted, b"q"), (&dir.s("exists.txt"), b"new")],
+        &[
+            (&dir.s("one.bin"), &[0u8, 1, 2, 255]),
+            (&quoted, b"q"),
+            (&dir.s("exists.txt"), b"new"),
+        ],
     );
     let r = send(
         s.addr,
@@ -195,13 +221,38 @@ async fn multipart_uploads() {
     .await;
     assert_eq!(r.status, StatusCode::OK, "{:?}", r.body);
     let j = r.json();
-    let paths: Vec<&str> = j.as_array().unwrap().iter().map(|e| e["path"].as_str().unwrap()).collect();
-    assert_eq!(paths, [dir.s("one.bin"), dir.s("deep/er/q\"uote.txt"), dir.s("exists.txt")]);
-    assert_eq!(std::fs::read(dir.join("one.bin")).unwrap(), [0u8, 1, 2, 255]);
-    assert_eq!(std::fs::read(dir.join("deep/er/q\"uote.txt")).unwrap(), b"q");
+    let paths: Vec<&str> = j
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| e["path"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        paths,
+        [
+            dir.s("one.bin"),
+            dir.s("deep/er/q\"uote.txt"),
+            dir.s("exists.txt")
+        ]
+    );
+    assert_eq!(
+        std::fs::read(dir.join("one.bin")).unwrap(),
+        [0u8, 1, 2, 255]
+    );
+    assert_eq!(
+        std::fs::read(dir.join("deep/er/q\"uote.txt")).unwrap(),
+        b"q"
+    );
     assert_eq!(std::fs::read(dir.join("exists.txt")).unwrap(), b"new");
     use std::os::unix::fs::PermissionsExt;
-    assert_eq!(std::fs::metadata(dir.join("exists.txt")).unwrap().permissions().mode() & 0o777, 0o600);
+    assert_eq!(
+        std::fs::metadata(dir.join("exists.txt"))
+            .unwrap()
+            .permissions()
+            .mode()
+            & 0o777,
+        0o600
+    );
 
     // The same path twice in one request → 400.
     let body = multipart("b", &[(&dir.s("dup"), b"1"), (&dir.s("dup"), b"2")]);
@@ -258,13 +309,22 @@ async fn octet_stream_gzip_and_metadata() {
     )
     .await;
     assert_eq!(r.status, StatusCode::OK, "{:?}", r.body);
-    assert_eq!(r.json()[0]["metadata"], serde_json::json!({"owner": "me", "purpose": "a test"}));
+    assert_eq!(
+        r.json()[0]["metadata"],
+        serde_json::json!({"owner": "me", "purpose": "a test"})
+    );
     assert_eq!(std::fs::read(dir.join("z/g.bin")).unwrap(), data);
     assert_eq!(xattr(&dir.join("z/g.bin"), "owner").as_deref(), Some("me"));
-    assert_eq!(xattr(&dir.join("z/g.bin"), "purpose").as_deref(), Some("a test"));
+    assert_eq!(
+        xattr(&dir.join("z/g.bin"), "purpose").as_deref(),
+        Some("a test")
+    );
 
     // gzip multipart.
-    let body = gzip(&multipart("bb", &[(&dir.s("gm.txt"), b"gzipped multipart")]));
+    let body = gzip(&multipart(
+        "bb",
+        &[(&dir.s("gm.txt"), b"gzipped multipart")],
+    ));
     let r = send(
         s.addr,
         req("POST", "/files")
@@ -276,7 +336,10 @@ async fn octet_stream_gzip_and_metadata() {
     )
     .await;
     assert_eq!(r.status, StatusCode::OK, "{:?}", r.body);
-    assert_eq!(std::fs::read(dir.join("gm.txt")).unwrap(), b"gzipped multipart");
+    assert_eq!(
+        std::fs::read(dir.join("gm.txt")).unwrap(),
+        b"gzipped multipart"
+    );
 
     // Overwrite without metadata headers: previous metadata cleared, no "metadata" key.
     let r = upload_octet(s.addr, &dir.s("z/g.bin"), b"plain".to_vec()).await;
@@ -289,7 +352,10 @@ async fn octet_stream_gzip_and_metadata() {
         s.addr,
         req("POST", &format!("/files?path={}", q(&dir.s("badmeta"))))
             .header("content-type", "application/octet-stream")
-            .header("x-metadata-k", hyper::header::HeaderValue::from_bytes(b"caf\xc3\xa9").unwrap())
+            .header(
+                "x-metadata-k",
+                hyper::header::HeaderValue::from_bytes(b"caf\xc3\xa9").unwrap(),
+            )
             .body(Body::from("x"))
             .unwrap(),
     )
@@ -316,16 +382,30 @@ async fn bad_uploads_are_clear_errors() {
     let s = server(None).await;
     let dir = TempDir::new();
     let post = |ct: &'static str, uri: String, body: Vec<u8>| {
-        req("POST", &uri).header("content-type", ct).body(Body::from(body)).unwrap()
+        req("POST", &uri)
+            .header("content-type", ct)
+            .body(Body::from(body))
+            .unwrap()
     };
     let cases: Vec<(Request<Body>, StatusCode)> = vec![
         (
-            post("text/plain", format!("/files?path={}", q(&dir.s("t"))), b"x".to_vec()),
+            post(
+                "text/plain",
+                format!("/files?path={}", q(&dir.s("t"))),
+                b"x".to_vec(),
+            ),
             StatusCode::BAD_REQUEST,
         ),
-        (post("multipart/form-data", "/files".into(), b"x".to_vec()), StatusCode::BAD_REQUEST),
         (
-            post("multipart/form-data; boundary=zz", "/files".into(), b"--zz\r\ngarbage".to_vec()),
+            post("multipart/form-data", "/files".into(), b"x".to_vec()),
+            StatusCode::BAD_REQUEST,
+        ),
+        (
+            post(
+                "multipart/form-data; boundary=zz",
+                "/files".into(),
+                b"--zz\r\ngarbage".to_vec(),
+            ),
             StatusCode::BAD_REQUEST,
         ),
         (
@@ -338,14 +418,29 @@ async fn bad_uploads_are_clear_errors() {
             StatusCode::BAD_REQUEST,
         ),
         (
-            post("multipart/form-data; boundary=zz", "/files".into(), multipart("zz", &[("", b"no name")])),
+            post(
+                "multipart/form-data; boundary=zz",
+                "/files".into(),
+                multipart("zz", &[("", b"no name")]),
+            ),
             StatusCode::BAD_REQUEST,
         ),
         (
-            post("application/octet-stream", "/files?path=%2Ftmp%2Fa%00b".into(), b"x".to_vec()),
+            post(
+                "application/octet-stream",
+                "/files?path=%2Ftmp%2Fa%00b".into(),
+                b"x".to_vec(),
+            ),
             StatusCode::BAD_REQUEST,
         ),
-        (post("application/octet-stream", "/files?path=%ff".into(), b"x".to_vec()), StatusCode::BAD_REQUEST),
+        (
+            post(
+                "application/octet-stream",
+                "/files?path=%ff".into(),
+                b"x".to_vec(),
+            ),
+            StatusCode::BAD_REQUEST,
+        ),
         (
             post(
                 "application/octet-stream",
@@ -366,7 +461,12 @@ async fn bad_uploads_are_clear_errors() {
     assert_eq!(r.status, StatusCode::BAD_REQUEST, "{:?}", r.body);
     std::fs::remove_file(dir.join("plainfile")).unwrap();
     // `..` is resolved lexically and stays an absolute path.
-    let r = upload_octet(s.addr, &format!("{}/x/../dotdot.txt", dir.s("")), b"d".to_vec()).await;
+    let r = upload_octet(
+        s.addr,
+        &format!("{}/x/../dotdot.txt", dir.s("")),
+        b"d".to_vec(),
+    )
+    .await;
     assert_eq!(r.status, StatusCode::OK);
     assert_eq!(r.json()[0]["path"], dir.s("dotdot.txt"));
     // Nothing stray was created.
@@ -392,15 +492,24 @@ async fn downloads() {
     assert_eq!(r.body, data);
     assert_eq!(r.header("content-type"), Some("application/octet-stream"));
     assert_eq!(r.header("content-length"), Some("300000"));
-    assert_eq!(r.header("content-disposition"), Some("inline; filename=\"d.bin\""));
+    assert_eq!(
+        r.header("content-disposition"),
+        Some("inline; filename=\"d.bin\"")
+    );
     assert_eq!(r.header("content-encoding"), None);
 
     let r = download(s.addr, &dir.s("we\"ird name.txt")).await;
-    assert_eq!(r.header("content-disposition"), Some("inline; filename=\"we\\\"ird name.txt\""));
+    assert_eq!(
+        r.header("content-disposition"),
+        Some("inline; filename=\"we\\\"ird name.txt\"")
+    );
 
     // Empty file: Content-Length 0 (the JS SDK relies on it).
     let r = download(s.addr, &dir.s("empty")).await;
-    assert_eq!((r.status, r.header("content-length"), r.body.len()), (StatusCode::OK, Some("0"), 0));
+    assert_eq!(
+        (r.status, r.header("content-length"), r.body.len()),
+        (StatusCode::OK, Some("0"), 0)
+    );
 
     // The generic Accept-Encoding gets identity; an explicit gzip request gets gzip.
     let r = send(
@@ -411,7 +520,10 @@ async fn downloads() {
             .unwrap(),
     )
     .await;
-    assert_eq!((r.header("content-encoding"), r.body.len()), (None, data.len()));
+    assert_eq!(
+        (r.header("content-encoding"), r.body.len()),
+        (None, data.len())
+    );
     let r = send(
         s.addr,
         req("GET", &format!("/files?path={}", q(&dir.s("d.bin"))))
@@ -422,7 +534,9 @@ async fn downloads() {
     .await;
     assert_eq!(r.header("content-encoding"), Some("gzip"));
     let mut plain = Vec::new();
-    flate2::read::GzDecoder::new(&r.body[..]).read_to_end(&mut plain).unwrap();
+    flate2::read::GzDecoder::new(&r.body[..])
+        .read_to_end(&mut plain)
+        .unwrap();
     assert_eq!(plain, data);
     // Nothing acceptable → 406.
     let r = send(
@@ -460,17 +574,29 @@ async fn downloads() {
     // Errors.
     let r = download(s.addr, &dir.s("missing")).await;
     assert_eq!(r.status, StatusCode::NOT_FOUND);
-    assert_eq!(r.json()["message"], format!("path '{}' does not exist", dir.s("missing")));
+    assert_eq!(
+        r.json()["message"],
+        format!("path '{}' does not exist", dir.s("missing"))
+    );
     let r = download(s.addr, &dir.s("")).await;
     assert_eq!(r.status, StatusCode::BAD_REQUEST);
     assert_eq!(r.json()["code"], 400);
-    let r = send(s.addr, req("GET", "/files?path=%2Fa%00b").body(Body::empty()).unwrap()).await;
+    let r = send(
+        s.addr,
+        req("GET", "/files?path=%2Fa%00b")
+            .body(Body::empty())
+            .unwrap(),
+    )
+    .await;
     assert_eq!(r.status, StatusCode::BAD_REQUEST);
     let r = send(
         s.addr,
-        req("GET", &format!("/files?path={}&username=nosuchuser", q(&dir.s("d.bin"))))
-            .body(Body::empty())
-            .unwrap(),
+        req(
+            "GET",
+            &format!("/files?path={}&username=nosuchuser", q(&dir.s("d.bin"))),
+        )
+        .body(Body::empty())
+        .unwrap(),
     )
     .await;
     assert_eq!(r.status, StatusCode::UNAUTHORIZED);
@@ -496,9 +622,21 @@ async fn downloads_respect_the_users_permissions() {
     std::fs::write(dir.join("public"), b"p").unwrap();
     std::fs::set_permissions(dir.join("public"), std::fs::Permissions::from_mode(0o644)).unwrap();
     let as_nobody = |p: &str| format!("/files?path={}&username={}", q(&dir.s(p)), nobody.name);
-    let r = send(s.addr, req("GET", &as_nobody("secret")).body(Body::empty()).unwrap()).await;
+    let r = send(
+        s.addr,
+        req("GET", &as_nobody("secret"))
+            .body(Body::empty())
+            .unwrap(),
+    )
+    .await;
     assert_eq!(r.status, StatusCode::FORBIDDEN, "{:?}", r.body);
-    let r = send(s.addr, req("GET", &as_nobody("public")).body(Body::empty()).unwrap()).await;
+    let r = send(
+        s.addr,
+        req("GET", &as_nobody("public"))
+            .body(Body::empty())
+            .unwrap(),
+    )
+    .await;
     assert_eq!((r.status, &r.body[..]), (StatusCode::OK, &b"p"[..]));
     // Root reads anything; the worker threads kept root's credentials.
     let r = download(s.addr, &dir.s("secret")).await;
@@ -515,7 +653,10 @@ async fn downloads_respect_the_users_permissions() {
     .await;
     assert_eq!(r.status, StatusCode::OK);
     use std::os::unix::fs::MetadataExt;
-    assert_eq!(std::fs::metadata(dir.join("n/owned")).unwrap().uid(), nobody.uid);
+    assert_eq!(
+        std::fs::metadata(dir.join("n/owned")).unwrap().uid(),
+        nobody.uid
+    );
     assert_eq!(std::fs::metadata(dir.join("n")).unwrap().uid(), nobody.uid);
 }
 
@@ -551,24 +692,35 @@ async fn token_and_signatures() {
     let sig = sign(&path, Operation::Read, "", "tok3n", None);
     let r = send(
         s.addr,
-        req("GET", &format!("/files?path={}&signature={}", q(&path), q(&sig)))
-            .header("x-access-token", "wrong")
-            .body(Body::empty())
-            .unwrap(),
+        req(
+            "GET",
+            &format!("/files?path={}&signature={}", q(&path), q(&sig)),
+        )
+        .header("x-access-token", "wrong")
+        .body(Body::empty())
+        .unwrap(),
     )
     .await;
     assert_eq!(r.status, StatusCode::UNAUTHORIZED);
     // Signed download, no expiration.
     let r = send(
         s.addr,
-        req("GET", &format!("/files?path={}&signature={}", q(&path), q(&sig))).body(Body::empty()).unwrap(),
+        req(
+            "GET",
+            &format!("/files?path={}&signature={}", q(&path), q(&sig)),
+        )
+        .body(Body::empty())
+        .unwrap(),
     )
     .await;
     assert_eq!((r.status, &r.body[..]), (StatusCode::OK, &b"content"[..]));
     // Signed with user and expiration in the future.
     let me = cubicle_envd::users::current().name;
-    let exp =
-        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_secs() as i64 + 60;
+    let exp = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs() as i64
+        + 60;
     let sig = sign(&path, Operation::Read, &me, "tok3n", Some(exp));
     let uri = format!(
         "/files?path={}&username={}&signature={}&signature_expiration={exp}",
@@ -587,18 +739,26 @@ async fn token_and_signatures() {
         exp + 1
     );
     assert_eq!(
-        send(s.addr, req("GET", &uri).body(Body::empty()).unwrap()).await.status,
+        send(s.addr, req("GET", &uri).body(Body::empty()).unwrap())
+            .await
+            .status,
         StatusCode::UNAUTHORIZED
     );
     let past = exp - 120;
     let old = sign(&path, Operation::Read, "", "tok3n", Some(past));
-    let uri = format!("/files?path={}&signature={}&signature_expiration={past}", q(&path), q(&old));
+    let uri = format!(
+        "/files?path={}&signature={}&signature_expiration={past}",
+        q(&path),
+        q(&old)
+    );
     let r = send(s.addr, req("GET", &uri).body(Body::empty()).unwrap()).await;
     assert_eq!(r.status, StatusCode::UNAUTHORIZED);
     assert!(r.json()["message"].as_str().unwrap().contains("expired"));
     let uri = format!("/files?path={}&signature=v1_bogus", q(&path));
     assert_eq!(
-        send(s.addr, req("GET", &uri).body(Body::empty()).unwrap()).await.status,
+        send(s.addr, req("GET", &uri).body(Body::empty()).unwrap())
+            .await
+            .status,
         StatusCode::UNAUTHORIZED
     );
     // Signed upload (write op).
@@ -606,10 +766,13 @@ async fn token_and_signatures() {
     let wsig = sign(&target, Operation::Write, "", "tok3n", None);
     let r = send(
         s.addr,
-        req("POST", &format!("/files?path={}&signature={}", q(&target), q(&wsig)))
-            .header("content-type", "application/octet-stream")
-            .body(Body::from("signed"))
-            .unwrap(),
+        req(
+            "POST",
+            &format!("/files?path={}&signature={}", q(&target), q(&wsig)),
+        )
+        .header("content-type", "application/octet-stream")
+        .body(Body::from("signed"))
+        .unwrap(),
     )
     .await;
     assert_eq!(r.status, StatusCode::OK, "{:?}", r.body);
@@ -618,10 +781,13 @@ async fn token_and_signatures() {
     let rsig = sign(&target, Operation::Read, "", "tok3n", None);
     let r = send(
         s.addr,
-        req("POST", &format!("/files?path={}&signature={}", q(&target), q(&rsig)))
-            .header("content-type", "application/octet-stream")
-            .body(Body::from("nope"))
-            .unwrap(),
+        req(
+            "POST",
+            &format!("/files?path={}&signature={}", q(&target), q(&rsig)),
+        )
+        .header("content-type", "application/octet-stream")
+        .body(Body::from("nope"))
+        .unwrap(),
     )
     .await;
     assert_eq!(r.status, StatusCode::UNAUTHORIZED);
@@ -636,7 +802,10 @@ async fn init_envs_and_metrics() {
                   "timestamp":"2026-11-30T12:00:00Z","volumeMounts":[],"unknownField":true}"#;
     let r = send(
         s.addr,
-        req("POST", "/init").header("content-type", "application/json").body(Body::from(body)).unwrap(),
+        req("POST", "/init")
+            .header("content-type", "application/json")
+            .body(Body::from(body))
+            .unwrap(),
     )
     .await;
     assert_eq!(r.status, StatusCode::NO_CONTENT, "{:?}", r.body);
@@ -646,8 +815,14 @@ async fn init_envs_and_metrics() {
     // The token now guards /envs and a second /init (resume with the same token works).
     let r = send(s.addr, req("GET", "/envs").body(Body::empty()).unwrap()).await;
     assert_eq!(r.status, StatusCode::UNAUTHORIZED);
-    let r = send(s.addr, req("GET", "/envs").header("x-access-token", "newtok").body(Body::empty()).unwrap())
-        .await;
+    let r = send(
+        s.addr,
+        req("GET", "/envs")
+            .header("x-access-token", "newtok")
+            .body(Body::empty())
+            .unwrap(),
+    )
+    .await;
     assert_eq!(r.status, StatusCode::OK);
     assert_eq!(r.header("cache-control"), Some("no-store"));
     let envs = r.json();
@@ -667,15 +842,23 @@ async fn init_envs_and_metrics() {
     // Malformed JSON → 400 JSON.
     let r = send(
         s.addr,
-        req("POST", "/init").header("x-access-token", "newtok").body(Body::from("{nope")).unwrap(),
+        req("POST", "/init")
+            .header("x-access-token", "newtok")
+            .body(Body::from("{nope"))
+            .unwrap(),
     )
     .await;
     assert_eq!(r.status, StatusCode::BAD_REQUEST);
     assert_eq!(r.json()["code"], 400);
 
-    let r =
-        send(s.addr, req("GET", "/metrics").header("x-access-token", "newtok").body(Body::empty()).unwrap())
-            .await;
+    let r = send(
+        s.addr,
+        req("GET", "/metrics")
+            .header("x-access-token", "newtok")
+            .body(Body::empty())
+            .unwrap(),
+    )
+    .await;
     assert_eq!(r.status, StatusCode::OK);
     let m = r.json();
     for key in [
@@ -706,7 +889,10 @@ async fn dropped_upload_leaves_nothing_behind() {
     let conn_task = tokio::spawn(conn);
     let chunks = futures_util::stream::unfold(0u32, |i| async move {
         if i < 16 {
-            Some((Ok::<_, std::io::Error>(Bytes::from(vec![b'x'; 64 * 1024])), i + 1))
+            Some((
+                Ok::<_, std::io::Error>(Bytes::from(vec![b'x'; 64 * 1024])),
+                i + 1,
+            ))
         } else {
             // Then stall forever: the client will go away.
             std::future::pending::<()>().await;
@@ -722,14 +908,20 @@ async fn dropped_upload_leaves_nothing_behind() {
     // Wait until the file exists and has data, then drop the connection.
     let start = Instant::now();
     while std::fs::metadata(&target).map(|m| m.len()).unwrap_or(0) < 1 << 20 {
-        assert!(start.elapsed() < Duration::from_secs(10), "upload never started");
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "upload never started"
+        );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     pending.abort();
     conn_task.abort();
     let start = Instant::now();
     while Path::new(&target).exists() {
-        assert!(start.elapsed() < Duration::from_secs(10), "partial file was not removed");
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "partial file was not removed"
+        );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     assert_eq!(std::fs::read_dir(&dir.0).unwrap().count(), 0);
@@ -772,7 +964,10 @@ async fn big_streamed_upload_keeps_memory_bounded() {
         if let Ok(Some(st)) = child.try_wait() {
             panic!("envd exited: {st}");
         }
-        assert!(start.elapsed() < Duration::from_secs(20), "envd did not start");
+        assert!(
+            start.elapsed() < Duration::from_secs(20),
+            "envd did not start"
+        );
         std::thread::sleep(Duration::from_millis(20));
     }
     let _guard = Kill(child);
@@ -803,7 +998,10 @@ async fn big_streamed_upload_keeps_memory_bounded() {
     let resp = sender
         .send_request(
             req("POST", "/files")
-                .header("content-type", format!("multipart/form-data; boundary={boundary}"))
+                .header(
+                    "content-type",
+                    format!("multipart/form-data; boundary={boundary}"),
+                )
                 .header("content-length", total.to_string())
                 .body(Body::from_stream(body))
                 .unwrap(),
@@ -818,7 +1016,9 @@ async fn big_streamed_upload_keeps_memory_bounded() {
     let mut sender = unix(sock.clone()).await;
     let resp = sender
         .send_request(
-            req("GET", &format!("/files?path={}", q(&dir.s("big.bin")))).body(Body::empty()).unwrap(),
+            req("GET", &format!("/files?path={}", q(&dir.s("big.bin"))))
+                .body(Body::empty())
+                .unwrap(),
         )
         .await
         .unwrap();
@@ -851,14 +1051,20 @@ async fn big_streamed_upload_keeps_memory_bounded() {
         .await
         .unwrap();
     assert_eq!(resp.status(), StatusCode::OK);
-    assert_eq!(std::fs::metadata(dir.join("zeros.bin")).unwrap().len(), 256 << 20);
+    assert_eq!(
+        std::fs::metadata(dir.join("zeros.bin")).unwrap().len(),
+        256 << 20
+    );
     let _ = std::fs::remove_file(dir.join("zeros.bin"));
     let after_download = vm_hwm_kib(pid);
     let _ = std::fs::remove_file(dir.join("big.bin"));
     eprintln!(
         "envd VmHWM: baseline {baseline} KiB, after 512 MiB upload {after_upload} KiB, after download + gzip upload {after_download} KiB"
     );
-    assert!(after_download < baseline + 64 * 1024, "envd peak RSS grew by more than 64 MiB");
+    assert!(
+        after_download < baseline + 64 * 1024,
+        "envd peak RSS grew by more than 64 MiB"
+    );
 }
 
 /// A full filesystem answers 507 (the SDK's `NotEnoughSpaceException`) and leaves no

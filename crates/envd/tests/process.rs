@@ -12,14 +12,26 @@ use serde_json::json;
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn echo_hi_events_in_order() {
     let envd = serve().await;
-    let mut s = stream(&envd, "Start", sh("echo hi"), &[("keepalive-ping-interval", "50")]).await;
+    let mut s = stream(
+        &envd,
+        "Start",
+        sh("echo hi"),
+        &[("keepalive-ping-interval", "50")],
+    )
+    .await;
     let (flags, first) = s.next().await.unwrap();
     assert_eq!(flags, 0);
-    assert!(first["event"]["start"]["pid"].as_u64().unwrap() > 0, "{first}");
+    assert!(
+        first["event"]["start"]["pid"].as_u64().unwrap() > 0,
+        "{first}"
+    );
     let (_, data) = s.next().await.unwrap();
     assert_eq!(data, json!({"event": {"data": {"stdout": "aGkK"}}}));
     let (_, end) = s.next().await.unwrap();
-    assert_eq!(end, json!({"event": {"end": {"exited": true, "status": "exit status 0"}}}));
+    assert_eq!(
+        end,
+        json!({"event": {"end": {"exited": true, "status": "exit status 0"}}})
+    );
     let (flags, trailer) = s.next().await.unwrap();
     assert_eq!((flags, trailer), (2, json!({})));
     assert!(s.next().await.is_none());
@@ -47,7 +59,10 @@ async fn env_cwd_and_user() {
     let (mut s, _) = start(&envd, req, &[]).await;
     let c = s.collect().await;
     let me = cubicle_envd::users::current();
-    assert_eq!(c.stdout(), format!("bar:/tmp:{}:{}:home\n", me.name, me.name));
+    assert_eq!(
+        c.stdout(),
+        format!("bar:/tmp:{}:{}:home\n", me.name, me.name)
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -74,12 +89,22 @@ async fn stdin_pipe_send_input_and_close() {
     let envd = serve().await;
     let req = json!({"process": {"cmd": "cat"}, "stdin": true});
     let (mut s, pid) = start(&envd, req, &[]).await;
-    let (st, body) = unary(&envd, "SendInput", json!({"process": {"pid": pid}, "input": {"stdin": b64(b"hello\n")}})).await;
+    let (st, body) = unary(
+        &envd,
+        "SendInput",
+        json!({"process": {"pid": pid}, "input": {"stdin": b64(b"hello\n")}}),
+    )
+    .await;
     assert_eq!((st, body), (200, json!({})));
     let ev = s.event().await;
     assert_eq!(ev["data"]["stdout"], b64(b"hello\n"));
     // Wrong kind of input.
-    let (st, body) = unary(&envd, "SendInput", json!({"process": {"pid": pid}, "input": {"pty": b64(b"x")}})).await;
+    let (st, body) = unary(
+        &envd,
+        "SendInput",
+        json!({"process": {"pid": pid}, "input": {"pty": b64(b"x")}}),
+    )
+    .await;
     assert_eq!(st, 400, "{body}");
     assert_eq!(body["code"], "invalid_argument");
     let (st, _) = unary(&envd, "CloseStdin", json!({"process": {"pid": pid}})).await;
@@ -87,7 +112,12 @@ async fn stdin_pipe_send_input_and_close() {
     let c = s.collect().await;
     assert_eq!(c.end.unwrap()["status"], "exit status 0");
     // Finished: input is refused as not_found.
-    let (st, body) = unary(&envd, "SendInput", json!({"process": {"pid": pid}, "input": {"stdin": b64(b"x")}})).await;
+    let (st, body) = unary(
+        &envd,
+        "SendInput",
+        json!({"process": {"pid": pid}, "input": {"stdin": b64(b"x")}}),
+    )
+    .await;
     assert_eq!((st, body["code"].as_str()), (404, Some("not_found")));
 }
 
@@ -95,14 +125,27 @@ async fn stdin_pipe_send_input_and_close() {
 async fn stdin_absent_means_pipe_and_disabled_refuses_input() {
     let envd = serve().await;
     let (mut s, pid) = start(&envd, json!({"process": {"cmd": "cat"}}), &[]).await;
-    unary(&envd, "SendInput", json!({"process": {"pid": pid}, "input": {"stdin": b64(b"x\n")}})).await;
+    unary(
+        &envd,
+        "SendInput",
+        json!({"process": {"pid": pid}, "input": {"stdin": b64(b"x\n")}}),
+    )
+    .await;
     assert_eq!(s.event().await["data"]["stdout"], b64(b"x\n"));
     unary(&envd, "CloseStdin", json!({"process": {"pid": pid}})).await;
     s.collect().await;
 
     let (mut s, pid) = start(&envd, sh("sleep 0.5"), &[]).await;
-    let (st, body) = unary(&envd, "SendInput", json!({"process": {"pid": pid}, "input": {"stdin": b64(b"x")}})).await;
-    assert_eq!((st, body["code"].as_str()), (400, Some("failed_precondition")));
+    let (st, body) = unary(
+        &envd,
+        "SendInput",
+        json!({"process": {"pid": pid}, "input": {"stdin": b64(b"x")}}),
+    )
+    .await;
+    assert_eq!(
+        (st, body["code"].as_str()),
+        (400, Some("failed_precondition"))
+    );
     s.collect().await;
 }
 
@@ -110,9 +153,18 @@ async fn stdin_absent_means_pipe_and_disabled_refuses_input() {
 async fn timeout_kills_the_process_group() {
     let envd = serve().await;
     let t0 = Instant::now();
-    let (mut s, pid) = start(&envd, sh("sleep 30 & echo $!; wait"), &[("connect-timeout-ms", "700")]).await;
+    let (mut s, pid) = start(
+        &envd,
+        sh("sleep 30 & echo $!; wait"),
+        &[("connect-timeout-ms", "700")],
+    )
+    .await;
     let ev = s.event().await;
-    let child: u32 = String::from_utf8(unb64(ev["data"]["stdout"].as_str().unwrap())).unwrap().trim().parse().unwrap();
+    let child: u32 = String::from_utf8(unb64(ev["data"]["stdout"].as_str().unwrap()))
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
     assert!(alive(child));
     let (flags, trailer) = s.next().await.unwrap();
     assert_eq!(flags, 2);
@@ -123,13 +175,21 @@ async fn timeout_kills_the_process_group() {
     let mut c = stream(&envd, "Connect", json!({"process": {"pid": pid}}), &[]).await;
     assert_eq!(c.event().await["start"]["pid"], pid);
     let end = c.collect().await.end.unwrap();
-    assert_eq!(end, json!({"exitCode": -1, "status": "signal: killed", "error": "signal: killed"}));
+    assert_eq!(
+        end,
+        json!({"exitCode": -1, "status": "signal: killed", "error": "signal: killed"})
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn disconnect_keeps_running_and_connect_reattaches() {
     let envd = serve().await;
-    let (mut s, pid) = start(&envd, sh("for i in $(seq 1 15); do echo $i; sleep 0.1; done"), &[]).await;
+    let (mut s, pid) = start(
+        &envd,
+        sh("for i in $(seq 1 15); do echo $i; sleep 0.1; done"),
+        &[],
+    )
+    .await;
     assert_eq!(s.event().await["data"]["stdout"], b64(b"1\n"));
     s.disconnect();
     tokio::time::sleep(Duration::from_millis(300)).await;
@@ -144,7 +204,10 @@ async fn disconnect_keeps_running_and_connect_reattaches() {
     // Exited: start + retained end.
     let mut c = stream(&envd, "Connect", json!({"process": {"pid": pid}}), &[]).await;
     assert_eq!(c.event().await, json!({"start": {"pid": pid}}));
-    assert_eq!(c.event().await, json!({"end": {"exited": true, "status": "exit status 0"}}));
+    assert_eq!(
+        c.event().await,
+        json!({"end": {"exited": true, "status": "exit status 0"}})
+    );
     assert_eq!(c.next().await.unwrap(), (2, json!({})));
 }
 
@@ -178,22 +241,48 @@ async fn list_and_send_signal() {
     let (mut s, pid) = start(&envd, req, &[]).await;
     let (st, list) = unary(&envd, "List", json!({})).await;
     assert_eq!(st, 200);
-    let me = list["processes"].as_array().unwrap().iter().find(|p| p["pid"] == pid).cloned().unwrap();
+    let me = list["processes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|p| p["pid"] == pid)
+        .cloned()
+        .unwrap();
     assert_eq!(
         me,
         json!({"pid": pid, "tag": "t1", "config": {"cmd": "/bin/sh", "args": ["-c", "sleep 30"], "envs": {"A": "b"}, "cwd": "/tmp"}})
     );
-    let (st, body) = unary(&envd, "SendSignal", json!({"process": {"pid": pid}, "signal": "SIGNAL_UNSPECIFIED"})).await;
+    let (st, body) = unary(
+        &envd,
+        "SendSignal",
+        json!({"process": {"pid": pid}, "signal": "SIGNAL_UNSPECIFIED"}),
+    )
+    .await;
     assert_eq!((st, body["code"].as_str()), (501, Some("unimplemented")));
-    let (st, _) = unary(&envd, "SendSignal", json!({"process": {"tag": "t1"}, "signal": "SIGNAL_SIGTERM"})).await;
+    let (st, _) = unary(
+        &envd,
+        "SendSignal",
+        json!({"process": {"tag": "t1"}, "signal": "SIGNAL_SIGTERM"}),
+    )
+    .await;
     assert_eq!(st, 200);
     let c = s.collect().await;
-    assert_eq!(c.end.unwrap(), json!({"exitCode": -1, "status": "signal: terminated", "error": "signal: terminated"}));
+    assert_eq!(
+        c.end.unwrap(),
+        json!({"exitCode": -1, "status": "signal: terminated", "error": "signal: terminated"})
+    );
     let (_, list) = unary(&envd, "List", json!({})).await;
     // An empty list is `{}` (proto3 JSON omits empty repeated fields).
-    let listed = list["processes"].as_array().is_some_and(|a| a.iter().any(|p| p["pid"] == pid));
+    let listed = list["processes"]
+        .as_array()
+        .is_some_and(|a| a.iter().any(|p| p["pid"] == pid));
     assert!(!listed);
-    let (st, body) = unary(&envd, "SendSignal", json!({"process": {"pid": pid}, "signal": "SIGNAL_SIGKILL"})).await;
+    let (st, body) = unary(
+        &envd,
+        "SendSignal",
+        json!({"process": {"pid": pid}, "signal": "SIGNAL_SIGKILL"}),
+    )
+    .await;
     assert_eq!((st, body["code"].as_str()), (404, Some("not_found")));
 }
 
@@ -206,7 +295,12 @@ async fn sigkill_kills_bash_children() {
         .trim()
         .parse()
         .unwrap();
-    let (st, _) = unary(&envd, "SendSignal", json!({"process": {"pid": pid}, "signal": "SIGNAL_SIGKILL"})).await;
+    let (st, _) = unary(
+        &envd,
+        "SendSignal",
+        json!({"process": {"pid": pid}, "signal": "SIGNAL_SIGKILL"}),
+    )
+    .await;
     assert_eq!(st, 200);
     let c = s.collect().await;
     assert_eq!(c.end.unwrap()["status"], "signal: killed");
@@ -219,7 +313,11 @@ async fn background_grandchild_does_not_hold_the_end() {
     let t0 = Instant::now();
     let (mut s, _) = start(&envd, sh("sleep 5 & echo $!"), &[]).await;
     let c = s.collect().await;
-    assert!(t0.elapsed() < Duration::from_secs(3), "end took {:?}", t0.elapsed());
+    assert!(
+        t0.elapsed() < Duration::from_secs(3),
+        "end took {:?}",
+        t0.elapsed()
+    );
     assert_eq!(c.end.as_ref().unwrap()["status"], "exit status 0");
     let child: u32 = c.stdout().trim().parse().unwrap();
     unsafe { libc::kill(child as i32, libc::SIGKILL) };
@@ -244,9 +342,19 @@ async fn pty_input_and_resize() {
         "pty": {"size": {"cols": 80, "rows": 24}}});
     let (mut s, pid) = start(&envd, req, &[]).await;
     // A PTY takes pty bytes, not stdin.
-    let (st, _) = unary(&envd, "SendInput", json!({"process": {"pid": pid}, "input": {"stdin": b64(b"x")}})).await;
+    let (st, _) = unary(
+        &envd,
+        "SendInput",
+        json!({"process": {"pid": pid}, "input": {"stdin": b64(b"x")}}),
+    )
+    .await;
     assert_eq!(st, 400);
-    let (st, _) = unary(&envd, "SendInput", json!({"process": {"pid": pid}, "input": {"pty": b64(b"echo $((6*7))\n")}})).await;
+    let (st, _) = unary(
+        &envd,
+        "SendInput",
+        json!({"process": {"pid": pid}, "input": {"pty": b64(b"echo $((6*7))\n")}}),
+    )
+    .await;
     assert_eq!(st, 200);
     let mut out = Vec::new();
     while !String::from_utf8_lossy(&out).contains("42") {
@@ -255,9 +363,19 @@ async fn pty_input_and_resize() {
             out.extend_from_slice(&unb64(p));
         }
     }
-    let (st, _) = unary(&envd, "Update", json!({"process": {"pid": pid}, "pty": {"size": {"cols": 100, "rows": 50}}})).await;
+    let (st, _) = unary(
+        &envd,
+        "Update",
+        json!({"process": {"pid": pid}, "pty": {"size": {"cols": 100, "rows": 50}}}),
+    )
+    .await;
     assert_eq!(st, 200);
-    unary(&envd, "SendInput", json!({"process": {"pid": pid}, "input": {"pty": b64(b"stty size\n")}})).await;
+    unary(
+        &envd,
+        "SendInput",
+        json!({"process": {"pid": pid}, "input": {"pty": b64(b"stty size\n")}}),
+    )
+    .await;
     let mut out = Vec::new();
     while !String::from_utf8_lossy(&out).contains("50 100") {
         let ev = s.event().await;
@@ -266,8 +384,19 @@ async fn pty_input_and_resize() {
         }
     }
     let (_, list) = unary(&envd, "List", json!({})).await;
-    assert!(list["processes"].as_array().unwrap().iter().any(|p| p["pid"] == pid));
-    unary(&envd, "SendInput", json!({"process": {"pid": pid}, "input": {"pty": b64(b"exit 5\n")}})).await;
+    assert!(
+        list["processes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|p| p["pid"] == pid)
+    );
+    unary(
+        &envd,
+        "SendInput",
+        json!({"process": {"pid": pid}, "input": {"pty": b64(b"exit 5\n")}}),
+    )
+    .await;
     let c = s.collect().await;
     assert_eq!(c.end.unwrap()["exitCode"], 5);
     let _ = std::fs::remove_dir_all(&home);
@@ -277,19 +406,36 @@ async fn pty_input_and_resize() {
 async fn update_on_pipe_process_is_an_error() {
     let envd = serve().await;
     let (mut s, pid) = start(&envd, sh("sleep 0.5"), &[]).await;
-    let (st, body) = unary(&envd, "Update", json!({"process": {"pid": pid}, "pty": {"size": {"cols": 1, "rows": 1}}})).await;
-    assert_eq!((st, body["code"].as_str()), (400, Some("failed_precondition")));
+    let (st, body) = unary(
+        &envd,
+        "Update",
+        json!({"process": {"pid": pid}, "pty": {"size": {"cols": 1, "rows": 1}}}),
+    )
+    .await;
+    assert_eq!(
+        (st, body["code"].as_str()),
+        (400, Some("failed_precondition"))
+    );
     s.collect().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn stream_input_is_ordered() {
     let envd = serve().await;
-    let (mut s, pid) = start(&envd, json!({"process": {"cmd": "cat"}, "stdin": true}), &[]).await;
+    let (mut s, pid) = start(
+        &envd,
+        json!({"process": {"cmd": "cat"}, "stdin": true}),
+        &[],
+    )
+    .await;
     let (tx, resp) = client_stream(&envd, "StreamInput").await;
-    tx.send(json!({"start": {"process": {"pid": pid}}})).await.unwrap();
+    tx.send(json!({"start": {"process": {"pid": pid}}}))
+        .await
+        .unwrap();
     for part in ["a", "b", "c", "\n"] {
-        tx.send(json!({"data": {"input": {"stdin": b64(part.as_bytes())}}})).await.unwrap();
+        tx.send(json!({"data": {"input": {"stdin": b64(part.as_bytes())}}}))
+            .await
+            .unwrap();
     }
     tx.send(json!({"keepalive": {}})).await.unwrap();
     drop(tx);
@@ -301,7 +447,9 @@ async fn stream_input_is_ordered() {
 
     // Unknown pid.
     let (tx, resp) = client_stream(&envd, "StreamInput").await;
-    tx.send(json!({"start": {"process": {"pid": 999999}}})).await.unwrap();
+    tx.send(json!({"start": {"process": {"pid": 999999}}}))
+        .await
+        .unwrap();
     drop(tx);
     let (flags, v) = resp.await.unwrap().next().await.unwrap();
     assert_eq!((flags, v["error"]["code"].as_str()), (2, Some("not_found")));
@@ -310,27 +458,70 @@ async fn stream_input_is_ordered() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_input_is_refused_cleanly() {
     let envd = serve().await;
-    for payload in [&b"{not json"[..], br#"{}"#, br#"{"process":{"cmd":""}}"#, br#"{"process":{"cmd":5}}"#] {
+    for payload in [
+        &b"{not json"[..],
+        br#"{}"#,
+        br#"{"process":{"cmd":""}}"#,
+        br#"{"process":{"cmd":5}}"#,
+    ] {
         let mut s = stream_raw(&envd, "Start", payload, &[]).await;
         let (flags, v) = s.next().await.unwrap();
         assert_eq!(flags, 2);
         assert_eq!(v["error"]["code"], "invalid_argument", "{v}");
     }
-    let mut s = stream(&envd, "Start", json!({"process": {"cmd": "true", "cwd": "/nonexistent-cb"}}), &[]).await;
+    let mut s = stream(
+        &envd,
+        "Start",
+        json!({"process": {"cmd": "true", "cwd": "/nonexistent-cb"}}),
+        &[],
+    )
+    .await;
     let (_, v) = s.next().await.unwrap();
     assert_eq!(v["error"]["code"], "invalid_argument");
-    assert_eq!(v["error"]["message"], "cwd '/nonexistent-cb' does not exist");
-    let mut s = stream(&envd, "Start", json!({"process": {"cmd": "/nonexistent-cb-binary"}}), &[]).await;
+    assert_eq!(
+        v["error"]["message"],
+        "cwd '/nonexistent-cb' does not exist"
+    );
+    let mut s = stream(
+        &envd,
+        "Start",
+        json!({"process": {"cmd": "/nonexistent-cb-binary"}}),
+        &[],
+    )
+    .await;
     let (_, v) = s.next().await.unwrap();
     assert_eq!(v["error"]["code"], "invalid_argument");
-    let mut s = stream(&envd, "Start", json!({"process": {"cmd": "true", "envs": {"A=B": "c"}}}), &[]).await;
-    assert_eq!(s.next().await.unwrap().1["error"]["code"], "invalid_argument");
-    let mut s = stream(&envd, "Start", sh("true"), &[("authorization", "Basic bm9zdWNodXNlcjo=")]).await;
-    assert_eq!(s.next().await.unwrap().1["error"]["code"], "unauthenticated");
+    let mut s = stream(
+        &envd,
+        "Start",
+        json!({"process": {"cmd": "true", "envs": {"A=B": "c"}}}),
+        &[],
+    )
+    .await;
+    assert_eq!(
+        s.next().await.unwrap().1["error"]["code"],
+        "invalid_argument"
+    );
+    let mut s = stream(
+        &envd,
+        "Start",
+        sh("true"),
+        &[("authorization", "Basic bm9zdWNodXNlcjo=")],
+    )
+    .await;
+    assert_eq!(
+        s.next().await.unwrap().1["error"]["code"],
+        "unauthenticated"
+    );
 
     let (st, v) = unary_raw(&envd, "List", b"{oops", &[]).await;
     assert_eq!((st, v["code"].as_str()), (400, Some("invalid_argument")));
-    let (st, v) = unary(&envd, "SendInput", json!({"process": {"pid": 999999}, "input": {"stdin": "eA=="}})).await;
+    let (st, v) = unary(
+        &envd,
+        "SendInput",
+        json!({"process": {"pid": 999999}, "input": {"stdin": "eA=="}}),
+    )
+    .await;
     assert_eq!((st, v["code"].as_str()), (404, Some("not_found")));
     let (st, v) = unary(&envd, "SendInput", json!({"input": {"stdin": "eA=="}})).await;
     assert_eq!((st, v["code"].as_str()), (400, Some("invalid_argument")));
@@ -338,7 +529,12 @@ async fn bad_input_is_refused_cleanly() {
     assert_eq!((st, v["code"].as_str()), (404, Some("not_found")));
     let (st, v) = unary(&envd, "Update", json!({"process": {"pid": 999999}})).await;
     assert_eq!((st, v["code"].as_str()), (404, Some("not_found")));
-    let (st, v) = unary(&envd, "SendSignal", json!({"process": {"pid": 1}, "signal": "SIGNAL_BOGUS"})).await;
+    let (st, v) = unary(
+        &envd,
+        "SendSignal",
+        json!({"process": {"pid": 1}, "signal": "SIGNAL_BOGUS"}),
+    )
+    .await;
     assert_eq!((st, v["code"].as_str()), (400, Some("invalid_argument")));
     // The service still works.
     let (mut s, _) = start(&envd, sh("echo ok"), &[]).await;
@@ -348,9 +544,19 @@ async fn bad_input_is_refused_cleanly() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn huge_stdin_input() {
     let envd = serve().await;
-    let (mut s, pid) = start(&envd, json!({"process": {"cmd": "/bin/sh", "args": ["-c", "wc -c"]}, "stdin": true}), &[]).await;
+    let (mut s, pid) = start(
+        &envd,
+        json!({"process": {"cmd": "/bin/sh", "args": ["-c", "wc -c"]}, "stdin": true}),
+        &[],
+    )
+    .await;
     let data = vec![b'x'; 4 << 20];
-    let (st, _) = unary(&envd, "SendInput", json!({"process": {"pid": pid}, "input": {"stdin": b64(&data)}})).await;
+    let (st, _) = unary(
+        &envd,
+        "SendInput",
+        json!({"process": {"pid": pid}, "input": {"stdin": b64(&data)}}),
+    )
+    .await;
     assert_eq!(st, 200);
     unary(&envd, "CloseStdin", json!({"process": {"pid": pid}})).await;
     assert_eq!(s.collect().await.stdout().trim(), (4 << 20).to_string());
@@ -364,18 +570,39 @@ async fn children_get_default_signal_dispositions() {
         libc::signal(libc::SIGQUIT, libc::SIG_IGN);
     }
     let envd = serve().await;
-    let (mut s, _) = start(&envd, json!({"process": {"cmd": "cat", "args": ["/proc/self/status"]}, "stdin": false}), &[]).await;
+    let (mut s, _) = start(
+        &envd,
+        json!({"process": {"cmd": "cat", "args": ["/proc/self/status"]}, "stdin": false}),
+        &[],
+    )
+    .await;
     let out = s.collect().await.stdout();
     let ign = out.lines().find(|l| l.starts_with("SigIgn:")).unwrap();
-    assert_eq!(ign.split_whitespace().nth(1), Some("0000000000000000"), "{ign}");
+    assert_eq!(
+        ign.split_whitespace().nth(1),
+        Some("0000000000000000"),
+        "{ign}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn non_json_content_types_are_415() {
     let envd = serve().await;
-    let (st, _) = unary_raw(&envd, "List", b"{}", &[("content-type", "application/proto")]).await;
+    let (st, _) = unary_raw(
+        &envd,
+        "List",
+        b"{}",
+        &[("content-type", "application/proto")],
+    )
+    .await;
     assert_eq!(st, 415);
-    let (st, v) = unary_raw(&envd, "List", b"{}", &[("content-type", "application/json; charset=utf-8")]).await;
+    let (st, v) = unary_raw(
+        &envd,
+        "List",
+        b"{}",
+        &[("content-type", "application/json; charset=utf-8")],
+    )
+    .await;
     assert_eq!(st, 200, "{v}");
 }
 
@@ -388,7 +615,8 @@ async fn children_inherit_only_stdio() {
     ] {
         let (mut s, _) = start(&envd, req, &[]).await;
         let c = s.collect().await;
-        let out = String::from_utf8_lossy(if c.pty.is_empty() { &c.stdout } else { &c.pty }).into_owned();
+        let out =
+            String::from_utf8_lossy(if c.pty.is_empty() { &c.stdout } else { &c.pty }).into_owned();
         // 0, 1, 2 and the directory ls itself opened.
         let fds: Vec<&str> = out.split_whitespace().collect();
         assert_eq!(fds, ["0", "1", "2", "3"], "{out:?}");
@@ -402,9 +630,15 @@ async fn children_inherit_only_stdio() {
 async fn start_round_trip() {
     let envd = serve().await;
     for (name, req) in [
-        ("/bin/true", json!({"process": {"cmd": "/bin/true"}, "stdin": false})),
-        ("bash -l -c true", json!({"process": {"cmd": "/bin/bash", "args": ["-l", "-c", "true"],
-            "envs": {"HOME": "/nonexistent-cb"}}, "stdin": false})),
+        (
+            "/bin/true",
+            json!({"process": {"cmd": "/bin/true"}, "stdin": false}),
+        ),
+        (
+            "bash -l -c true",
+            json!({"process": {"cmd": "/bin/bash", "args": ["-l", "-c", "true"],
+            "envs": {"HOME": "/nonexistent-cb"}}, "stdin": false}),
+        ),
     ] {
         let mut times = Vec::new();
         for _ in 0..300 {

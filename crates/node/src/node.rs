@@ -260,7 +260,11 @@ impl Node {
         {
             let st = self.inner.lock();
             if let Some(l) = st.live.get(id) {
-                return Ok(SandboxInfo::from_record(&l.record, self.inner.envd_socket(id), l.ready_us));
+                return Ok(SandboxInfo::from_record(
+                    &l.record,
+                    self.inner.envd_socket(id),
+                    l.ready_us,
+                ));
             }
         }
         let dead = self.inner.dead.lock().unwrap_or_else(|p| p.into_inner());
@@ -534,7 +538,10 @@ impl Node {
             })
             .await;
             if let (Err(e), Some(w)) = (&r, &start_command) {
-                return Err(Error::Runtime(format!("{e}; the start command: {}", w.describe())));
+                return Err(Error::Runtime(format!(
+                    "{e}; the start command: {}",
+                    w.describe()
+                )));
             }
             r?;
         }
@@ -951,10 +958,15 @@ impl Inner {
     ) -> Result<SandboxRecord> {
         let mut st = self.lock();
         if st.live.contains_key(id) {
-            return Err(Error::InvalidRequest(format!("sandbox '{id}' already exists")));
+            return Err(Error::InvalidRequest(format!(
+                "sandbox '{id}' already exists"
+            )));
         }
         let slot = st.slots.allocate().ok_or_else(|| {
-            Error::Capacity(format!("all {} sandbox slots are in use", st.slots.in_use()))
+            Error::Capacity(format!(
+                "all {} sandbox slots are in use",
+                st.slots.in_use()
+            ))
         })?;
         let now = now_ms();
         let c = &template.config;

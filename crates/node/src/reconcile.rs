@@ -88,7 +88,10 @@ pub(crate) async fn reconcile(node: &Node) -> Result<ReconcileReport> {
         report.adopted.push(r.id.clone());
         inner.lock().live.insert(
             r.id.clone(),
-            Live { watcher: Some(watcher), ..Live::new(r) },
+            Live {
+                watcher: Some(watcher),
+                ..Live::new(r)
+            },
         );
     }
     let adopted: HashSet<String> = report.adopted.iter().cloned().collect();

@@ -611,7 +611,11 @@ async fn template_start_command_runs(envd: PathBuf) -> TestResult {
         .err()
         .ok_or_else(|| anyhow::anyhow!("a failing start command made a ready sandbox"))?
         .to_string();
-    anyhow::ensure!(t.elapsed() < Duration::from_secs(10), "took {:?}", t.elapsed());
+    anyhow::ensure!(
+        t.elapsed() < Duration::from_secs(10),
+        "took {:?}",
+        t.elapsed()
+    );
     anyhow::ensure!(
         e.contains("start command failed") && e.contains("code 3") && e.contains("cb-start-marker"),
         "error: {e}"

@@ -81,7 +81,10 @@ pub fn connect_ctl_socket(ctl_dir: &Path, name: &str) -> Result<UnixStream> {
 pub fn ctl_socket_parts(socket: &Path) -> Result<(&Path, &str)> {
     match (socket.parent(), socket.file_name().and_then(|n| n.to_str())) {
         (Some(d), Some(n)) => Ok((d, n)),
-        _ => Err(Error::InvalidSpec(format!("bad ctl socket path {}", socket.display()))),
+        _ => Err(Error::InvalidSpec(format!(
+            "bad ctl socket path {}",
+            socket.display()
+        ))),
     }
 }
 

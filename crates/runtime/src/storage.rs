@@ -90,7 +90,10 @@ pub struct StorageConfig {
 
 impl StorageConfig {
     pub fn new(state_dir: impl Into<PathBuf>) -> Self {
-        StorageConfig { state_dir: state_dir.into(), image_size: 64 << 30 }
+        StorageConfig {
+            state_dir: state_dir.into(),
+            image_size: 64 << 30,
+        }
     }
 }
 
@@ -129,7 +132,8 @@ impl Storage {
 
     /// Opens (setting up on first use) the storage described by `config`. Idempotent.
     pub fn open_with(config: StorageConfig) -> Result<Self> {
-        fs::create_dir_all(&config.state_dir).map_err(io_err(format!("creating {}", config.state_dir.display())))?;
+        fs::create_dir_all(&config.state_dir)
+            .map_err(io_err(format!("creating {}", config.state_dir.display())))?;
         let state_dir = fs::canonicalize(&config.state_dir)
             .map_err(io_err(format!("resolving {}", config.state_dir.display())))?;
         let root = state_dir.join(SANDBOXES);
@@ -153,7 +157,11 @@ impl Storage {
                 }
                 image_mounted = true;
                 detect(&root)?.ok_or_else(|| {
-                    StorageError::Unsupported(format!("{} mounted at {} has no quotas", image.display(), root.display()))
+                    StorageError::Unsupported(format!(
+                        "{} mounted at {} has no quotas",
+                        image.display(),
+                        root.display()
+                    ))
                 })?
             }
         };
@@ -161,7 +169,14 @@ impl Storage {
             QuotaBackend::BtrfsQgroup => btrfs_qgroups_dir(&root)?,
             QuotaBackend::XfsProject => PathBuf::new(),
         };
-        let storage = Storage { root, image, backend, image_mounted, qgroups_dir, projects: Mutex::new(HashMap::new()) };
+        let storage = Storage {
+            root,
+            image,
+            backend,
+            image_mounted,
+            qgroups_dir,
+            projects: Mutex::new(HashMap::new()),
+        };
         if backend == QuotaBackend::XfsProject {
             storage.load_projects()?;
         }
@@ -204,7 +219,11 @@ impl Storage {
             let _ = self.remove_entry(&tmp_name);
             return Err(e);
         }
-        fs::rename(&tmp, &dest).map_err(io_err(format!("renaming {} to {}", tmp.display(), dest.display())))?;
+        fs::rename(&tmp, &dest).map_err(io_err(format!(
+            "renaming {} to {}",
+            tmp.display(),
+            dest.display()
+        )))?;
         Ok(dest)
     }
 
@@ -222,24 +241,35 @@ impl Storage {
         match self.backend {
             QuotaBackend::XfsProject => {
                 let f = File::open(&dir).map_err(io_err(format!("opening {}", dir.display())))?;
-                let projid = fsxattr_get(&f).map_err(io_err(format!("reading project id of {}", dir.display())))?.fsx_projid;
-                let q = xfs_get_quota(&f, projid).map_err(io_err(format!("reading quota of project {projid}")))?;
-                Ok(DiskUsage { used_bytes: q.d_bcount * 512, limit_bytes: q.d_blk_hardlimit * 512 })
+                let projid = fsxattr_get(&f)
+                    .map_err(io_err(format!("reading project id of {}", dir.display())))?
+                    .fsx_projid;
+                let q = xfs_get_quota(&f, projid)
+                    .map_err(io_err(format!("reading quota of project {projid}")))?;
+                Ok(DiskUsage {
+                    used_bytes: q.d_bcount * 512,
+                    limit_bytes: q.d_blk_hardlimit * 512,
+                })
             }
             QuotaBackend::BtrfsQgroup => {
                 let f = File::open(&dir).map_err(io_err(format!("opening {}", dir.display())))?;
-                let subvol = btrfs_subvol_id(&f).map_err(io_err(format!("looking up subvolume of {}", dir.display())))?;
+                let subvol = btrfs_subvol_id(&f)
+                    .map_err(io_err(format!("looking up subvolume of {}", dir.display())))?;
                 let q = self.qgroups_dir.join(format!("0_{subvol}"));
                 let read = |name: &str| -> Result<u64> {
                     let p = q.join(name);
-                    let s = fs::read_to_string(&p).map_err(io_err(format!("reading {}", p.display())))?;
+                    let s = fs::read_to_string(&p)
+                        .map_err(io_err(format!("reading {}", p.display())))?;
                     s.trim().parse::<u64>().map_err(|_| StorageError::Io {
                         what: format!("parsing {}", p.display()),
                         source: io::Error::from(io::ErrorKind::InvalidData),
                     })
                 };
                 let used = read("referenced")? + read("rsv_data").unwrap_or(0);
-                Ok(DiskUsage { used_bytes: used, limit_bytes: read("max_referenced")? })
+                Ok(DiskUsage {
+                    used_bytes: used,
+                    limit_bytes: read("max_referenced")?,
+                })
             }
         }
     }
@@ -257,11 +287,18 @@ impl Storage {
             QuotaBackend::XfsProject => {
                 self.load_projects()?;
                 let used: HashSet<u32> = self.lock_projects().keys().copied().collect();
-                let f = File::open(&self.root).map_err(io_err(format!("opening {}", self.root.display())))?;
+                let f = File::open(&self.root)
+                    .map_err(io_err(format!("opening {}", self.root.display())))?;
                 let mut id = 1u32;
-                while let Some(q) = xfs_next_quota(&f, id).map_err(io_err("listing project quotas"))? {
-                    if q.d_id != 0 && !used.contains(&q.d_id) && (q.d_blk_hardlimit != 0 || q.d_ino_hardlimit != 0) {
-                        xfs_set_limits(&f, q.d_id, 0, 0).map_err(io_err(format!("clearing quota of project {}", q.d_id)))?;
+                while let Some(q) =
+                    xfs_next_quota(&f, id).map_err(io_err("listing project quotas"))?
+                {
+                    if q.d_id != 0
+                        && !used.contains(&q.d_id)
+                        && (q.d_blk_hardlimit != 0 || q.d_ino_hardlimit != 0)
+                    {
+                        xfs_set_limits(&f, q.d_id, 0, 0)
+                            .map_err(io_err(format!("clearing quota of project {}", q.d_id)))?;
                     }
                     match q.d_id.checked_add(1) {
                         Some(n) => id = n,
@@ -278,9 +315,13 @@ impl Storage {
                         live.insert(id);
                     }
                 }
-                let root = File::open(&self.root).map_err(io_err(format!("opening {}", self.root.display())))?;
+                let root = File::open(&self.root)
+                    .map_err(io_err(format!("opening {}", self.root.display())))?;
                 let top = btrfs_subvol_id(&root).unwrap_or(5);
-                for entry in fs::read_dir(&self.qgroups_dir).map_err(io_err("listing qgroups"))?.flatten() {
+                for entry in fs::read_dir(&self.qgroups_dir)
+                    .map_err(io_err("listing qgroups"))?
+                    .flatten()
+                {
                     let name = entry.file_name().to_string_lossy().into_owned();
                     if let Some(id) = name.strip_prefix("0_").and_then(|s| s.parse::<u64>().ok())
                         && id != 5
@@ -312,7 +353,9 @@ impl Storage {
 
     fn entries(&self) -> Result<Vec<String>> {
         let mut out = Vec::new();
-        for entry in fs::read_dir(&self.root).map_err(io_err(format!("listing {}", self.root.display())))? {
+        for entry in
+            fs::read_dir(&self.root).map_err(io_err(format!("listing {}", self.root.display())))?
+        {
             let entry = entry.map_err(io_err(format!("listing {}", self.root.display())))?;
             out.push(entry.file_name().to_string_lossy().into_owned());
         }
@@ -332,25 +375,36 @@ impl Storage {
         }
         match self.backend {
             QuotaBackend::XfsProject => {
-                let projid = File::open(&path).ok().and_then(|f| fsxattr_get(&f).ok()).map(|x| x.fsx_projid);
-                fs::remove_dir_all(&path).map_err(io_err(format!("removing {}", path.display())))?;
+                let projid = File::open(&path)
+                    .ok()
+                    .and_then(|f| fsxattr_get(&f).ok())
+                    .map(|x| x.fsx_projid);
+                fs::remove_dir_all(&path)
+                    .map_err(io_err(format!("removing {}", path.display())))?;
                 if let Some(projid) = projid.filter(|&p| p != 0) {
-                    let root = File::open(&self.root).map_err(io_err(format!("opening {}", self.root.display())))?;
-                    xfs_set_limits(&root, projid, 0, 0).map_err(io_err(format!("clearing quota of project {projid}")))?;
+                    let root = File::open(&self.root)
+                        .map_err(io_err(format!("opening {}", self.root.display())))?;
+                    xfs_set_limits(&root, projid, 0, 0)
+                        .map_err(io_err(format!("clearing quota of project {projid}")))?;
                     self.lock_projects().remove(&projid);
                 }
             }
             QuotaBackend::BtrfsQgroup => {
-                let root = File::open(&self.root).map_err(io_err(format!("opening {}", self.root.display())))?;
+                let root = File::open(&self.root)
+                    .map_err(io_err(format!("opening {}", self.root.display())))?;
                 if meta.ino() == 256 {
                     // A subvolume: destroying it is O(1), the kernel cleans up in the background.
-                    let subvol = File::open(&path).ok().and_then(|f| btrfs_subvol_id(&f).ok());
-                    btrfs_subvol_destroy(&root, name).map_err(io_err(format!("deleting subvolume {}", path.display())))?;
+                    let subvol = File::open(&path)
+                        .ok()
+                        .and_then(|f| btrfs_subvol_id(&f).ok());
+                    btrfs_subvol_destroy(&root, name)
+                        .map_err(io_err(format!("deleting subvolume {}", path.display())))?;
                     if let Some(id) = subvol {
                         let _ = btrfs_qgroup_destroy(&root, id); // else `reconcile` retries
                     }
                 } else {
-                    fs::remove_dir_all(&path).map_err(io_err(format!("removing {}", path.display())))?;
+                    fs::remove_dir_all(&path)
+                        .map_err(io_err(format!("removing {}", path.display())))?;
                 }
             }
         }
@@ -380,19 +434,26 @@ impl Storage {
         fs::create_dir(tmp).map_err(io_err(format!("creating {}", tmp.display())))?;
         let projid = {
             let mut projects = self.lock_projects();
-            let projid = (1..u32::MAX).find(|p| !projects.contains_key(p)).ok_or(StorageError::NoFreeId)?;
+            let projid = (1..u32::MAX)
+                .find(|p| !projects.contains_key(p))
+                .ok_or(StorageError::NoFreeId)?;
             projects.insert(projid, id.to_string());
             projid
         };
         let result = (|| {
             let dir = File::open(tmp).map_err(io_err(format!("opening {}", tmp.display())))?;
-            let mut x = fsxattr_get(&dir).map_err(io_err(format!("reading attributes of {}", tmp.display())))?;
+            let mut x = fsxattr_get(&dir)
+                .map_err(io_err(format!("reading attributes of {}", tmp.display())))?;
             x.fsx_projid = projid;
             x.fsx_xflags |= FS_XFLAG_PROJINHERIT;
-            fsxattr_set(&dir, &x).map_err(io_err(format!("setting project id {projid} on {}", tmp.display())))?;
+            fsxattr_set(&dir, &x).map_err(io_err(format!(
+                "setting project id {projid} on {}",
+                tmp.display()
+            )))?;
             let blocks = quota_bytes.div_ceil(512);
             let inodes = (quota_bytes / 4096).max(65_536);
-            xfs_set_limits(&dir, projid, blocks, inodes).map_err(io_err(format!("setting quota of project {projid}")))
+            xfs_set_limits(&dir, projid, blocks, inodes)
+                .map_err(io_err(format!("setting quota of project {projid}")))
         })();
         if result.is_err() {
             self.lock_projects().remove(&projid);
@@ -401,19 +462,30 @@ impl Storage {
     }
 
     fn btrfs_create(&self, tmp_name: &str, quota_bytes: u64) -> Result<()> {
-        let root = File::open(&self.root).map_err(io_err(format!("opening {}", self.root.display())))?;
-        btrfs_subvol_create(&root, tmp_name).map_err(io_err(format!("creating subvolume {tmp_name}")))?;
-        let dir = File::open(self.root.join(tmp_name)).map_err(io_err(format!("opening {tmp_name}")))?;
-        let id = btrfs_subvol_id(&dir).map_err(io_err(format!("looking up subvolume {tmp_name}")))?;
-        btrfs_qgroup_limit(&root, id, quota_bytes).map_err(io_err(format!("limiting qgroup 0/{id}")))
+        let root =
+            File::open(&self.root).map_err(io_err(format!("opening {}", self.root.display())))?;
+        btrfs_subvol_create(&root, tmp_name)
+            .map_err(io_err(format!("creating subvolume {tmp_name}")))?;
+        let dir =
+            File::open(self.root.join(tmp_name)).map_err(io_err(format!("opening {tmp_name}")))?;
+        let id =
+            btrfs_subvol_id(&dir).map_err(io_err(format!("looking up subvolume {tmp_name}")))?;
+        btrfs_qgroup_limit(&root, id, quota_bytes)
+            .map_err(io_err(format!("limiting qgroup 0/{id}")))
     }
 }
 
 fn check_id(id: &str) -> Result<()> {
     let ok = !id.is_empty()
         && id.len() <= 64
-        && id.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_');
-    if ok { Ok(()) } else { Err(StorageError::InvalidId(id.to_string())) }
+        && id
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_');
+    if ok {
+        Ok(())
+    } else {
+        Err(StorageError::InvalidId(id.to_string()))
+    }
 }
 
 /// Unmounts the filesystem mounted at `path` (the quota image of a state directory,
@@ -465,7 +537,10 @@ fn unescape_mountinfo(s: &str) -> String {
     let mut out = Vec::with_capacity(b.len());
     let mut i = 0;
     while i < b.len() {
-        if b[i] == b'\\' && i + 3 < b.len() && b[i + 1..i + 4].iter().all(|c| (b'0'..=b'7').contains(c)) {
+        if b[i] == b'\\'
+            && i + 3 < b.len()
+            && b[i + 1..i + 4].iter().all(|c| (b'0'..=b'7').contains(c))
+        {
             out.push((b[i + 1] - b'0') * 64 + (b[i + 2] - b'0') * 8 + (b[i + 3] - b'0'));
             i += 4;
         } else {
@@ -477,10 +552,13 @@ fn unescape_mountinfo(s: &str) -> String {
 }
 
 fn mounts() -> Result<Vec<MountEntry>> {
-    let text = fs::read_to_string("/proc/self/mountinfo").map_err(io_err("reading /proc/self/mountinfo"))?;
+    let text = fs::read_to_string("/proc/self/mountinfo")
+        .map_err(io_err("reading /proc/self/mountinfo"))?;
     let mut out = Vec::new();
     for line in text.lines() {
-        let Some((left, right)) = line.split_once(" - ") else { continue };
+        let Some((left, right)) = line.split_once(" - ") else {
+            continue;
+        };
         let l: Vec<&str> = left.split(' ').collect();
         let r: Vec<&str> = right.split(' ').collect();
         if l.len() < 5 || r.len() < 3 {
@@ -509,12 +587,17 @@ fn is_mount_point(path: &Path) -> Result<bool> {
 }
 
 fn mount_source_is_loop_of(root: &Path, image: &Path) -> bool {
-    let Ok(Some(m)) = mount_of(root) else { return false };
+    let Ok(Some(m)) = mount_of(root) else {
+        return false;
+    };
     if m.mount_point != root {
         return false;
     }
-    let Some(dev) = m.source.strip_prefix("/dev/") else { return false };
-    let backing = fs::read_to_string(format!("/sys/block/{dev}/loop/backing_file")).unwrap_or_default();
+    let Some(dev) = m.source.strip_prefix("/dev/") else {
+        return false;
+    };
+    let backing =
+        fs::read_to_string(format!("/sys/block/{dev}/loop/backing_file")).unwrap_or_default();
     Path::new(backing.trim()) == image
 }
 
@@ -524,15 +607,20 @@ fn detect(root: &Path) -> Result<Option<QuotaBackend>> {
     // SAFETY: zeroed statfs is valid; c is a valid path.
     let mut st: libc::statfs = unsafe { std::mem::zeroed() };
     if unsafe { libc::statfs(c.as_ptr(), &mut st) } != 0 {
-        return Err(io_err(format!("statfs {}", root.display()))(io::Error::last_os_error()));
+        return Err(io_err(format!("statfs {}", root.display()))(
+            io::Error::last_os_error(),
+        ));
     }
     match st.f_type as i64 {
         XFS_SUPER_MAGIC => {
-            let enforced = mount_of(root)?
-                .is_some_and(|m| m.fstype == "xfs" && m.super_options.split(',').any(|o| o == "prjquota"));
+            let enforced = mount_of(root)?.is_some_and(|m| {
+                m.fstype == "xfs" && m.super_options.split(',').any(|o| o == "prjquota")
+            });
             Ok(enforced.then_some(QuotaBackend::XfsProject))
         }
-        BTRFS_SUPER_MAGIC => Ok(btrfs_qgroups_dir(root).is_ok_and(|d| d.exists()).then_some(QuotaBackend::BtrfsQgroup)),
+        BTRFS_SUPER_MAGIC => Ok(btrfs_qgroups_dir(root)
+            .is_ok_and(|d| d.exists())
+            .then_some(QuotaBackend::BtrfsQgroup)),
         _ => Ok(None),
     }
 }
@@ -541,7 +629,9 @@ fn run(cmd: &str, args: &[&str]) -> Result<()> {
     let out = Command::new(cmd)
         .args(args)
         .output()
-        .map_err(io_err(format!("running {cmd} (see scripts/install-deps.sh)")))?;
+        .map_err(io_err(format!(
+            "running {cmd} (see scripts/install-deps.sh)"
+        )))?;
     if !out.status.success() {
         return Err(StorageError::Command {
             command: format!("{cmd} {}", args.join(" ")),
@@ -563,11 +653,15 @@ fn image_fstype(image: &Path) -> Result<Option<&'static str>> {
     use std::io::{Read, Seek, SeekFrom};
     let mut f = File::open(image).map_err(io_err(format!("opening {}", image.display())))?;
     let mut magic = [0u8; 8];
-    f.read_exact(&mut magic[..4]).map_err(io_err(format!("reading {}", image.display())))?;
+    f.read_exact(&mut magic[..4])
+        .map_err(io_err(format!("reading {}", image.display())))?;
     if &magic[..4] == b"XFSB" {
         return Ok(Some("xfs"));
     }
-    if f.seek(SeekFrom::Start(0x10040)).is_ok() && f.read_exact(&mut magic).is_ok() && &magic == b"_BHRfS_M" {
+    if f.seek(SeekFrom::Start(0x10040)).is_ok()
+        && f.read_exact(&mut magic).is_ok()
+        && &magic == b"_BHRfS_M"
+    {
         return Ok(Some("btrfs"));
     }
     Ok(None)
@@ -576,7 +670,10 @@ fn image_fstype(image: &Path) -> Result<Option<&'static str>> {
 fn mount_image(image: &Path, root: &Path) -> Result<()> {
     let (img, dir) = (path_str(image)?, path_str(root)?);
     match image_fstype(image)? {
-        Some("xfs") => run("mount", &["-t", "xfs", "-o", "loop,prjquota,noatime", img, dir]),
+        Some("xfs") => run(
+            "mount",
+            &["-t", "xfs", "-o", "loop,prjquota,noatime", img, dir],
+        ),
         Some("btrfs") => {
             run("mount", &["-t", "btrfs", "-o", "loop,noatime", img, dir])?;
             if !btrfs_qgroups_dir(root).is_ok_and(|d| d.exists()) {
@@ -603,12 +700,17 @@ fn create_image(image: &Path, root: &Path, size: u64) -> Result<()> {
             .mode(0o600)
             .open(&tmp)
             .map_err(io_err(format!("creating {}", tmp.display())))?;
-        f.set_len(size).map_err(io_err(format!("sizing {}", tmp.display())))
+        f.set_len(size)
+            .map_err(io_err(format!("sizing {}", tmp.display())))
     };
     let (t, dir) = (path_str(&tmp)?.to_string(), path_str(root)?.to_string());
     make(size)?;
     run("mkfs.xfs", &["-q", "-f", "-m", "reflink=1", &t])?;
-    let xfs_ok = run("mount", &["-t", "xfs", "-o", "loop,prjquota,noatime", &t, &dir]).is_ok();
+    let xfs_ok = run(
+        "mount",
+        &["-t", "xfs", "-o", "loop,prjquota,noatime", &t, &dir],
+    )
+    .is_ok();
     if !xfs_ok {
         // The kernel refuses `prjquota` (no CONFIG_XFS_QUOTA): use btrfs qgroups instead.
         fs::remove_file(&tmp).map_err(io_err(format!("removing {}", tmp.display())))?;
@@ -622,7 +724,11 @@ fn create_image(image: &Path, root: &Path, size: u64) -> Result<()> {
     }
     fs::set_permissions(root, std::os::unix::fs::PermissionsExt::from_mode(0o711))
         .map_err(io_err(format!("chmod {}", root.display())))?;
-    fs::rename(&tmp, image).map_err(io_err(format!("renaming {} to {}", tmp.display(), image.display())))
+    fs::rename(&tmp, image).map_err(io_err(format!(
+        "renaming {} to {}",
+        tmp.display(),
+        image.display()
+    )))
 }
 
 // ---------------------------------------------------------------------------------------
@@ -688,27 +794,49 @@ const _: () = assert!(std::mem::size_of::<FsDiskQuota>() == 112);
 
 fn ioctl(f: &impl AsRawFd, req: u64, arg: *mut libc::c_void) -> io::Result<()> {
     // SAFETY: callers pass a request number matching the pointed-to struct.
-    if unsafe { libc::ioctl(f.as_raw_fd(), req as _, arg) } < 0 { Err(io::Error::last_os_error()) } else { Ok(()) }
+    if unsafe { libc::ioctl(f.as_raw_fd(), req as _, arg) } < 0 {
+        Err(io::Error::last_os_error())
+    } else {
+        Ok(())
+    }
 }
 
 fn fsxattr_get(f: &File) -> io::Result<FsXattr> {
     let mut x = FsXattr::default();
-    ioctl(f, FS_IOC_FSGETXATTR, &mut x as *mut FsXattr as *mut libc::c_void)?;
+    ioctl(
+        f,
+        FS_IOC_FSGETXATTR,
+        &mut x as *mut FsXattr as *mut libc::c_void,
+    )?;
     Ok(x)
 }
 
 fn fsxattr_set(f: &File, x: &FsXattr) -> io::Result<()> {
     let mut x = *x;
-    ioctl(f, FS_IOC_FSSETXATTR, &mut x as *mut FsXattr as *mut libc::c_void)
+    ioctl(
+        f,
+        FS_IOC_FSSETXATTR,
+        &mut x as *mut FsXattr as *mut libc::c_void,
+    )
 }
 
 fn quotactl_fd(f: &File, cmd: u32, id: u32, q: &mut FsDiskQuota) -> io::Result<()> {
     let qcmd = (cmd << 8) | (PRJQUOTA & 0xff);
     // SAFETY: quotactl_fd(2) with a valid fd and a pointer to a fs_disk_quota.
     let rc = unsafe {
-        libc::syscall(libc::SYS_quotactl_fd, f.as_raw_fd(), qcmd as libc::c_uint, id as libc::c_uint, q as *mut FsDiskQuota)
+        libc::syscall(
+            libc::SYS_quotactl_fd,
+            f.as_raw_fd(),
+            qcmd as libc::c_uint,
+            id as libc::c_uint,
+            q as *mut FsDiskQuota,
+        )
     };
-    if rc < 0 { Err(io::Error::last_os_error()) } else { Ok(()) }
+    if rc < 0 {
+        Err(io::Error::last_os_error())
+    } else {
+        Ok(())
+    }
 }
 
 /// Sets project `id`'s hard (and soft) block and inode limits; 0 clears them.
@@ -787,7 +915,10 @@ const _: () = assert!(std::mem::size_of::<BtrfsVolArgs>() == 4096);
 const _: () = assert!(std::mem::size_of::<BtrfsInoLookupArgs>() == 4096);
 
 fn vol_args(name: &str) -> io::Result<Box<BtrfsVolArgs>> {
-    let mut a = Box::new(BtrfsVolArgs { fd: 0, name: [0; 4088] });
+    let mut a = Box::new(BtrfsVolArgs {
+        fd: 0,
+        name: [0; 4088],
+    });
     let b = name.as_bytes();
     if b.len() >= a.name.len() || b.contains(&0) || b.contains(&b'/') {
         return Err(io::Error::from(io::ErrorKind::InvalidInput));
@@ -798,18 +929,34 @@ fn vol_args(name: &str) -> io::Result<Box<BtrfsVolArgs>> {
 
 fn btrfs_subvol_create(parent: &File, name: &str) -> io::Result<()> {
     let mut a = vol_args(name)?;
-    ioctl(parent, BTRFS_IOC_SUBVOL_CREATE, &mut *a as *mut BtrfsVolArgs as *mut libc::c_void)
+    ioctl(
+        parent,
+        BTRFS_IOC_SUBVOL_CREATE,
+        &mut *a as *mut BtrfsVolArgs as *mut libc::c_void,
+    )
 }
 
 fn btrfs_subvol_destroy(parent: &File, name: &str) -> io::Result<()> {
     let mut a = vol_args(name)?;
-    ioctl(parent, BTRFS_IOC_SNAP_DESTROY, &mut *a as *mut BtrfsVolArgs as *mut libc::c_void)
+    ioctl(
+        parent,
+        BTRFS_IOC_SNAP_DESTROY,
+        &mut *a as *mut BtrfsVolArgs as *mut libc::c_void,
+    )
 }
 
 /// The id of the subvolume `f` is in.
 fn btrfs_subvol_id(f: &File) -> io::Result<u64> {
-    let mut a = Box::new(BtrfsInoLookupArgs { treeid: 0, objectid: 256, name: [0; 4080] });
-    ioctl(f, BTRFS_IOC_INO_LOOKUP, &mut *a as *mut BtrfsInoLookupArgs as *mut libc::c_void)?;
+    let mut a = Box::new(BtrfsInoLookupArgs {
+        treeid: 0,
+        objectid: 256,
+        name: [0; 4080],
+    });
+    ioctl(
+        f,
+        BTRFS_IOC_INO_LOOKUP,
+        &mut *a as *mut BtrfsInoLookupArgs as *mut libc::c_void,
+    )?;
     Ok(a.treeid)
 }
 
@@ -822,23 +969,45 @@ fn btrfs_qgroup_limit(f: &File, subvol: u64, bytes: u64) -> io::Result<()> {
         rsv_rfer: 0,
         rsv_excl: 0,
     };
-    ioctl(f, BTRFS_IOC_QGROUP_LIMIT, &mut a as *mut BtrfsQgroupLimitArgs as *mut libc::c_void)
+    ioctl(
+        f,
+        BTRFS_IOC_QGROUP_LIMIT,
+        &mut a as *mut BtrfsQgroupLimitArgs as *mut libc::c_void,
+    )
 }
 
 fn btrfs_qgroup_destroy(f: &File, subvol: u64) -> io::Result<()> {
-    let mut a = BtrfsQgroupCreateArgs { create: 0, qgroupid: subvol };
-    ioctl(f, BTRFS_IOC_QGROUP_CREATE, &mut a as *mut BtrfsQgroupCreateArgs as *mut libc::c_void)
+    let mut a = BtrfsQgroupCreateArgs {
+        create: 0,
+        qgroupid: subvol,
+    };
+    ioctl(
+        f,
+        BTRFS_IOC_QGROUP_CREATE,
+        &mut a as *mut BtrfsQgroupCreateArgs as *mut libc::c_void,
+    )
 }
 
 /// `/sys/fs/btrfs/<fsid>/qgroups` of the filesystem holding `path`.
 fn btrfs_qgroups_dir(path: &Path) -> Result<PathBuf> {
     let f = File::open(path).map_err(io_err(format!("opening {}", path.display())))?;
     let mut info = [0u8; 1024];
-    ioctl(&f, BTRFS_IOC_FS_INFO, info.as_mut_ptr() as *mut libc::c_void)
-        .map_err(io_err(format!("BTRFS_IOC_FS_INFO on {}", path.display())))?;
+    ioctl(
+        &f,
+        BTRFS_IOC_FS_INFO,
+        info.as_mut_ptr() as *mut libc::c_void,
+    )
+    .map_err(io_err(format!("BTRFS_IOC_FS_INFO on {}", path.display())))?;
     let id = &info[16..32];
     let hex: String = id.iter().map(|b| format!("{b:02x}")).collect();
-    let uuid = format!("{}-{}-{}-{}-{}", &hex[0..8], &hex[8..12], &hex[12..16], &hex[16..20], &hex[20..32]);
+    let uuid = format!(
+        "{}-{}-{}-{}-{}",
+        &hex[0..8],
+        &hex[8..12],
+        &hex[12..16],
+        &hex[16..20],
+        &hex[20..32]
+    );
     Ok(PathBuf::from(format!("/sys/fs/btrfs/{uuid}/qgroups")))
 }
 
@@ -902,9 +1071,13 @@ mod tests {
             eprintln!("SKIPPED: needs root (loop-mounts a filesystem image, sets quotas)");
             return;
         }
-        let state = std::env::temp_dir().join(format!("cubicle-test-storage-{}", std::process::id()));
+        let state =
+            std::env::temp_dir().join(format!("cubicle-test-storage-{}", std::process::id()));
         let _ = fs::remove_dir_all(&state);
-        let config = StorageConfig { state_dir: state.clone(), image_size: 2 << 30 };
+        let config = StorageConfig {
+            state_dir: state.clone(),
+            image_size: 2 << 30,
+        };
         let storage = match Storage::open_with(config.clone()) {
             Ok(s) => s,
             Err(e @ StorageError::Io { .. }) | Err(e @ StorageError::Command { .. })
@@ -918,11 +1091,16 @@ mod tests {
         };
         let image = storage.image_path().to_path_buf();
         eprintln!("storage backend: {:?}", storage.backend());
-        let guard = Cleanup { state: state.clone() };
+        let guard = Cleanup {
+            state: state.clone(),
+        };
 
         let quota = 10u64 << 20;
         let dir = storage.create_sandbox_dir("sb-one", quota).unwrap();
-        assert!(storage.create_sandbox_dir("sb-one", quota).is_err(), "duplicate ids are refused");
+        assert!(
+            storage.create_sandbox_dir("sb-one", quota).is_err(),
+            "duplicate ids are refused"
+        );
         let other = storage.create_sandbox_dir("sb-two", quota).unwrap();
         fs::create_dir_all(dir.join("upper/nested")).unwrap();
 
@@ -930,9 +1108,18 @@ mod tests {
         let (written, err) = fill(&dir.join("upper/nested/big"), 64 << 20);
         let err = err.expect("writing 64 MiB into a 10 MiB quota must fail");
         let code = err.raw_os_error();
-        eprintln!("writer stopped after {} MiB with {err} ({code:?})", written >> 20);
-        assert!(code == Some(libc::ENOSPC) || code == Some(libc::EDQUOT), "{err}");
-        assert!(written <= quota, "wrote {written} bytes past a {quota} quota");
+        eprintln!(
+            "writer stopped after {} MiB with {err} ({code:?})",
+            written >> 20
+        );
+        assert!(
+            code == Some(libc::ENOSPC) || code == Some(libc::EDQUOT),
+            "{err}"
+        );
+        assert!(
+            written <= quota,
+            "wrote {written} bytes past a {quota} quota"
+        );
         let expected = match storage.backend() {
             QuotaBackend::XfsProject => libc::ENOSPC,
             QuotaBackend::BtrfsQgroup => libc::EDQUOT,
@@ -946,7 +1133,10 @@ mod tests {
         let u = storage.usage("sb-one").unwrap();
         eprintln!("usage: {u:?}");
         assert_eq!(u.limit_bytes, quota);
-        assert!(u.used_bytes >= quota * 8 / 10, "usage {u:?} should be near the limit");
+        assert!(
+            u.used_bytes >= quota * 8 / 10,
+            "usage {u:?} should be near the limit"
+        );
 
         // Removal frees it; a new sandbox with the same id starts empty.
         storage.remove_sandbox_dir("sb-one").unwrap();
@@ -954,7 +1144,10 @@ mod tests {
         assert!(!dir.exists());
         let dir = storage.create_sandbox_dir("sb-one", quota).unwrap();
         let (_, err) = fill(&dir.join("again"), 5 << 20);
-        assert!(err.is_none(), "after removal the quota is free again: {err:?}");
+        assert!(
+            err.is_none(),
+            "after removal the quota is free again: {err:?}"
+        );
 
         // Reconcile: a half-created entry and an unknown sandbox go; known ones stay.
         fs::create_dir(storage.root().join(".creating-zombie")).unwrap();
@@ -966,17 +1159,46 @@ mod tests {
         // Restart: open again finds the mounted fs; then unmount and re-open re-mounts.
         drop(storage);
         let storage = Storage::open_with(config.clone()).unwrap();
-        assert!(storage.sandbox_dir("sb-one").unwrap().join("again").exists());
+        assert!(
+            storage
+                .sandbox_dir("sb-one")
+                .unwrap()
+                .join("again")
+                .exists()
+        );
         storage.unmount().unwrap();
-        assert!(loop_devices_backed_by(&image).is_empty(), "loop device leaked");
+        assert!(
+            loop_devices_backed_by(&image).is_empty(),
+            "loop device leaked"
+        );
         let storage = Storage::open_with(config.clone()).unwrap();
-        assert!(storage.sandbox_dir("sb-one").unwrap().join("again").exists(), "data survives a re-mount");
-        assert_eq!(storage.usage("sb-one").unwrap().limit_bytes, quota, "quota survives a re-mount");
+        assert!(
+            storage
+                .sandbox_dir("sb-one")
+                .unwrap()
+                .join("again")
+                .exists(),
+            "data survives a re-mount"
+        );
+        assert_eq!(
+            storage.usage("sb-one").unwrap().limit_bytes,
+            quota,
+            "quota survives a re-mount"
+        );
         storage.remove_sandbox_dir("sb-one").unwrap();
         storage.unmount().unwrap();
         drop(guard);
-        assert!(loop_devices_backed_by(&image).is_empty(), "loop device leaked");
-        assert!(!mounts().unwrap().iter().any(|m| m.mount_point.starts_with(&state)), "mount leaked");
+        assert!(
+            loop_devices_backed_by(&image).is_empty(),
+            "loop device leaked"
+        );
+        assert!(
+            !mounts()
+                .unwrap()
+                .iter()
+                .any(|m| m.mount_point.starts_with(&state)),
+            "mount leaked"
+        );
         assert!(!state.exists());
     }
 
@@ -988,9 +1210,16 @@ mod tests {
             eprintln!("SKIPPED: needs root");
             return;
         }
-        let state = std::env::temp_dir().join(format!("cubicle-bench-storage-{}", std::process::id()));
-        let guard = Cleanup { state: state.clone() };
-        let storage = Storage::open_with(StorageConfig { state_dir: state.clone(), image_size: 8 << 30 }).unwrap();
+        let state =
+            std::env::temp_dir().join(format!("cubicle-bench-storage-{}", std::process::id()));
+        let guard = Cleanup {
+            state: state.clone(),
+        };
+        let storage = Storage::open_with(StorageConfig {
+            state_dir: state.clone(),
+            image_size: 8 << 30,
+        })
+        .unwrap();
         let (mut c, mut r) = (Vec::new(), Vec::new());
         for i in 0..200 {
             let id = format!("bench-{i}");
@@ -1002,7 +1231,10 @@ mod tests {
             storage.remove_sandbox_dir(&id).unwrap();
             r.push(t.elapsed());
         }
-        for (name, v) in [("create_sandbox_dir", &mut c), ("remove_sandbox_dir", &mut r)] {
+        for (name, v) in [
+            ("create_sandbox_dir", &mut c),
+            ("remove_sandbox_dir", &mut r),
+        ] {
             v.sort();
             println!(
                 "{name:>18} ({:?}): p50 {:>8.1?}  p99 {:>8.1?}  max {:>8.1?}  (n={})",
@@ -1020,7 +1252,10 @@ mod tests {
 
     fn which(bin: &str) -> Option<PathBuf> {
         std::env::var_os("PATH").and_then(|p| {
-            std::env::split_paths(&p).chain([PathBuf::from("/usr/sbin"), PathBuf::from("/sbin")]).map(|d| d.join(bin)).find(|p| p.exists())
+            std::env::split_paths(&p)
+                .chain([PathBuf::from("/usr/sbin"), PathBuf::from("/sbin")])
+                .map(|d| d.join(bin))
+                .find(|p| p.exists())
         })
     }
 
@@ -1032,7 +1267,11 @@ mod tests {
     impl Drop for Cleanup {
         fn drop(&mut self) {
             if let Ok(ms) = mounts() {
-                for m in ms.iter().rev().filter(|m| m.mount_point.starts_with(&self.state)) {
+                for m in ms
+                    .iter()
+                    .rev()
+                    .filter(|m| m.mount_point.starts_with(&self.state))
+                {
                     if let Ok(c) = cpath(&m.mount_point) {
                         // SAFETY: valid path.
                         unsafe { libc::umount2(c.as_ptr(), libc::MNT_DETACH) };

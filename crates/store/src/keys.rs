@@ -67,7 +67,8 @@ pub struct FoundKey {
 impl FoundKey {
     /// Whether its recorded last use is old enough to be written again.
     pub fn use_is_stale(&self, now: i64) -> bool {
-        self.last_used_at.is_none_or(|t| t < now - KEY_USE_GRANULARITY_MS)
+        self.last_used_at
+            .is_none_or(|t| t < now - KEY_USE_GRANULARITY_MS)
     }
 }
 

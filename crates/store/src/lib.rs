@@ -196,7 +196,10 @@ mod tests {
         let s = Store::open(&dir.join("cubicle.db")).unwrap();
         let t = s.ensure_team("t1").unwrap();
         let k = s.create_api_key(t.id).unwrap();
-        let found = s.read(|r| r.find_key(&k.plaintext)).unwrap().expect("key visible");
+        let found = s
+            .read(|r| r.find_key(&k.plaintext))
+            .unwrap()
+            .expect("key visible");
         assert_eq!(found.team.name, "t1");
         assert!(found.use_is_stale(now_ms()), "never used yet");
         s.record_key_use(found.key_id).unwrap();

@@ -69,14 +69,23 @@ pub fn read_metadata(path: &Path) -> HashMap<String, String> {
         return out;
     };
     for raw in names.split(|b| *b == 0).filter(|n| !n.is_empty()) {
-        let Ok(name) = std::str::from_utf8(raw) else { continue };
-        let Some(key) = name.strip_prefix(METADATA_XATTR_PREFIX) else { continue };
+        let Ok(name) = std::str::from_utf8(raw) else {
+            continue;
+        };
+        let Some(key) = name.strip_prefix(METADATA_XATTR_PREFIX) else {
+            continue;
+        };
         if key.is_empty() {
             continue;
         }
-        let Ok(cname) = CString::new(raw) else { continue };
+        let Ok(cname) = CString::new(raw) else {
+            continue;
+        };
         if let Some(value) = xattr_get(&cpath, &cname) {
-            out.insert(key.to_string(), String::from_utf8_lossy(&value).into_owned());
+            out.insert(
+                key.to_string(),
+                String::from_utf8_lossy(&value).into_owned(),
+            );
         }
     }
     out
@@ -111,8 +120,14 @@ fn xattr_get(path: &CString, name: &CString) -> Option<Vec<u8>> {
         return Some(buf);
     }
     // SAFETY: buf is valid for buf.len() bytes.
-    let got =
-        unsafe { libc::getxattr(path.as_ptr(), name.as_ptr(), buf.as_mut_ptr().cast(), buf.len()) };
+    let got = unsafe {
+        libc::getxattr(
+            path.as_ptr(),
+            name.as_ptr(),
+            buf.as_mut_ptr().cast(),
+            buf.len(),
+        )
+    };
     if got < 0 {
         return None;
     }
@@ -172,11 +187,17 @@ impl EntryBuilder {
     }
 
     fn user(&mut self, uid: u32) -> String {
-        self.users.entry(uid).or_insert_with(|| users::user_name(uid)).clone()
+        self.users
+            .entry(uid)
+            .or_insert_with(|| users::user_name(uid))
+            .clone()
     }
 
     fn group(&mut self, gid: u32) -> String {
-        self.groups.entry(gid).or_insert_with(|| users::group_name(gid)).clone()
+        self.groups
+            .entry(gid)
+            .or_insert_with(|| users::group_name(gid))
+            .clone()
     }
 }
 
@@ -257,9 +278,15 @@ mod tests {
         assert_eq!(go_mode_string(libc::S_IFREG | 0o644), "-rw-r--r--");
         assert_eq!(go_mode_string(libc::S_IFDIR | 0o755), "drwxr-xr-x");
         assert_eq!(go_mode_string(libc::S_IFLNK | 0o777), "Lrwxrwxrwx");
-        assert_eq!(go_mode_string(libc::S_IFDIR | libc::S_ISVTX | 0o777), "dtrwxrwxrwx");
+        assert_eq!(
+            go_mode_string(libc::S_IFDIR | libc::S_ISVTX | 0o777),
+            "dtrwxrwxrwx"
+        );
         assert_eq!(go_mode_string(libc::S_IFCHR | 0o666), "Dcrw-rw-rw-");
-        assert_eq!(go_mode_string(libc::S_IFREG | libc::S_ISUID | 0o755), "urwxr-xr-x");
+        assert_eq!(
+            go_mode_string(libc::S_IFREG | libc::S_ISUID | 0o755),
+            "urwxr-xr-x"
+        );
         assert_eq!(go_mode_string(libc::S_IFREG), "----------");
     }
 
@@ -307,7 +334,10 @@ mod tests {
 
         let err = entry_info(&d.join("missing"), Path::new("/x")).unwrap_err();
         assert_eq!(err.kind(), io::ErrorKind::NotFound);
-        assert_eq!(entry_info(Path::new("/"), Path::new("/")).unwrap().name, "/");
+        assert_eq!(
+            entry_info(Path::new("/"), Path::new("/")).unwrap().name,
+            "/"
+        );
     }
 
     #[test]
@@ -320,7 +350,13 @@ mod tests {
             let n = CString::new(name).unwrap();
             // SAFETY: valid pointers and lengths.
             unsafe {
-                libc::setxattr(cpath.as_ptr(), n.as_ptr(), value.as_ptr().cast(), value.len(), 0)
+                libc::setxattr(
+                    cpath.as_ptr(),
+                    n.as_ptr(),
+                    value.as_ptr().cast(),
+                    value.len(),
+                    0,
+                )
             }
         };
         if set("user.e2b.owner", b"alice") != 0 {

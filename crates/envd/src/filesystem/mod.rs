@@ -15,7 +15,6 @@ pub mod entry;
 pub mod ops;
 pub mod watch;
 
-
 use std::{path::PathBuf, sync::Arc};
 
 use axum::{
@@ -48,7 +47,10 @@ pub struct FilesystemService {
 
 impl FilesystemService {
     pub fn new(ctx: Arc<Context>) -> Self {
-        Self { ctx, watchers: WatcherTable::default() }
+        Self {
+            ctx,
+            watchers: WatcherTable::default(),
+        }
     }
 
     /// Number of live polling watchers (CreateWatcher minus RemoveWatcher).
@@ -75,7 +77,10 @@ pub fn routes() -> Router<Arc<AppState>> {
         .route("/filesystem.Filesystem/Remove", post(remove))
         .route("/filesystem.Filesystem/WatchDir", post(watch_dir))
         .route("/filesystem.Filesystem/CreateWatcher", post(create_watcher))
-        .route("/filesystem.Filesystem/GetWatcherEvents", post(get_watcher_events))
+        .route(
+            "/filesystem.Filesystem/GetWatcherEvents",
+            post(get_watcher_events),
+        )
         .route("/filesystem.Filesystem/RemoveWatcher", post(remove_watcher))
 }
 

@@ -112,7 +112,9 @@ pub fn move_entry(
         });
     }
     if source == Path::new("/") || destination == Path::new("/") {
-        return Err(ConnectError::invalid_argument("cannot move the root directory"));
+        return Err(ConnectError::invalid_argument(
+            "cannot move the root directory",
+        ));
     }
     if source != destination && destination.starts_with(source) {
         return Err(ConnectError::invalid_argument(format!(
@@ -128,16 +130,26 @@ pub fn move_entry(
         Err(e) if e.raw_os_error() == Some(libc::EXDEV) => {
             copy_tree(source, destination).map_err(|e| {
                 let _ = remove_path(destination);
-                io_error(&e, &format!("moving '{}' across filesystems", source.display()))
+                io_error(
+                    &e,
+                    &format!("moving '{}' across filesystems", source.display()),
+                )
             })?;
             remove_path(source).map_err(|e| {
-                io_error(&e, &format!("removing '{}' after copying it", source.display()))
+                io_error(
+                    &e,
+                    &format!("removing '{}' after copying it", source.display()),
+                )
             })?;
         }
         Err(e) => {
             return Err(io_error(
                 &e,
-                &format!("moving '{}' to '{}'", source.display(), destination.display()),
+                &format!(
+                    "moving '{}' to '{}'",
+                    source.display(),
+                    destination.display()
+                ),
             ));
         }
     }
@@ -172,7 +184,11 @@ fn copy_tree(src: &Path, dst: &Path) -> io::Result<()> {
 /// Removes a file, symlink or whole directory tree (never following symlinks).
 fn remove_path(path: &Path) -> io::Result<()> {
     let meta = std::fs::symlink_metadata(path)?;
-    if meta.is_dir() { std::fs::remove_dir_all(path) } else { std::fs::remove_file(path) }
+    if meta.is_dir() {
+        std::fs::remove_dir_all(path)
+    } else {
+        std::fs::remove_file(path)
+    }
 }
 
 /// `Remove`: deletes `path` recursively; a missing path is fine. `/` is refused.
@@ -262,7 +278,9 @@ impl Walker {
             if level >= self.max_depth {
                 continue;
             }
-            let Ok(meta) = std::fs::symlink_metadata(&real) else { continue };
+            let Ok(meta) = std::fs::symlink_metadata(&real) else {
+                continue;
+            };
             if !meta.is_dir() {
                 continue; // files, and symlinks (never descended into)
             }
@@ -301,7 +319,9 @@ pub fn resolve_nonempty(
     what: &str,
 ) -> Result<PathBuf, ConnectError> {
     if path.is_empty() {
-        return Err(ConnectError::invalid_argument(format!("{what}: path must not be empty")));
+        return Err(ConnectError::invalid_argument(format!(
+            "{what}: path must not be empty"
+        )));
     }
     paths::resolve(ctx, user, path)
 }
@@ -333,7 +353,10 @@ mod tests {
         symlink(d.join("loop"), d.join("loop")).unwrap();
         let s = |p: &str| d.join(p).to_string_lossy().into_owned();
 
-        assert_eq!(paths_of(&list_dir(&d, 0).unwrap()), vec![s("a"), s("la"), s("loop"), s("z")]);
+        assert_eq!(
+            paths_of(&list_dir(&d, 0).unwrap()),
+            vec![s("a"), s("la"), s("loop"), s("z")]
+        );
         assert_eq!(
             paths_of(&list_dir(&d, 2).unwrap()),
             vec![s("a"), s("a/b"), s("a/f"), s("la"), s("loop"), s("z")]
@@ -341,14 +364,37 @@ mod tests {
         // Huge depth: the symlinked directory and the loop are not descended into.
         assert_eq!(
             paths_of(&list_dir(&d, u32::MAX).unwrap()),
-            vec![s("a"), s("a/b"), s("a/b/c"), s("a/f"), s("la"), s("loop"), s("z")]
+            vec![
+                s("a"),
+                s("a/b"),
+                s("a/b/c"),
+                s("a/f"),
+                s("la"),
+                s("loop"),
+                s("z")
+            ]
         );
         // A symlink as the listed path is followed; paths keep the requested prefix.
-        assert_eq!(paths_of(&list_dir(&d.join("la"), 1).unwrap()), vec![s("la/b"), s("la/f")]);
-        assert_eq!(list_dir(&d.join("loop"), 1).unwrap_err().code, Code::FailedPrecondition);
-        assert_eq!(list_dir(&d.join("z"), 1).unwrap_err().code, Code::InvalidArgument);
-        assert_eq!(list_dir(&d.join("missing"), 1).unwrap_err().code, Code::NotFound);
-        assert_eq!(list_dir(&d.join("z/under-file"), 1).unwrap_err().code, Code::NotFound);
+        assert_eq!(
+            paths_of(&list_dir(&d.join("la"), 1).unwrap()),
+            vec![s("la/b"), s("la/f")]
+        );
+        assert_eq!(
+            list_dir(&d.join("loop"), 1).unwrap_err().code,
+            Code::FailedPrecondition
+        );
+        assert_eq!(
+            list_dir(&d.join("z"), 1).unwrap_err().code,
+            Code::InvalidArgument
+        );
+        assert_eq!(
+            list_dir(&d.join("missing"), 1).unwrap_err().code,
+            Code::NotFound
+        );
+        assert_eq!(
+            list_dir(&d.join("z/under-file"), 1).unwrap_err().code,
+            Code::NotFound
+        );
     }
 
     #[test]
@@ -357,18 +403,32 @@ mod tests {
         let user = me();
         let e = make_dir(&d.join("x/y"), &user).unwrap();
         assert_eq!(e.name, "y");
-        assert_eq!(make_dir(&d.join("x/y"), &user).unwrap_err().code, Code::AlreadyExists);
+        assert_eq!(
+            make_dir(&d.join("x/y"), &user).unwrap_err().code,
+            Code::AlreadyExists
+        );
         std::fs::write(d.join("file"), b"1").unwrap();
-        assert_eq!(make_dir(&d.join("file"), &user).unwrap_err().code, Code::InvalidArgument);
-        assert_eq!(make_dir(&d.join("file/sub"), &user).unwrap_err().code, Code::InvalidArgument);
+        assert_eq!(
+            make_dir(&d.join("file"), &user).unwrap_err().code,
+            Code::InvalidArgument
+        );
+        assert_eq!(
+            make_dir(&d.join("file/sub"), &user).unwrap_err().code,
+            Code::InvalidArgument
+        );
         symlink(d.join("nowhere"), d.join("dangling")).unwrap();
-        assert_eq!(make_dir(&d.join("dangling"), &user).unwrap_err().code, Code::InvalidArgument);
+        assert_eq!(
+            make_dir(&d.join("dangling"), &user).unwrap_err().code,
+            Code::InvalidArgument
+        );
         assert_eq!(
             make_dir(&d.join("dangling/sub"), &user).unwrap_err().code,
             Code::InvalidArgument
         );
         assert_eq!(
-            move_entry(&d.join("x"), &d.join("file/x"), &user).unwrap_err().code,
+            move_entry(&d.join("x"), &d.join("file/x"), &user)
+                .unwrap_err()
+                .code,
             Code::InvalidArgument
         );
 
@@ -377,11 +437,15 @@ mod tests {
         assert_eq!(std::fs::read(d.join("new/parent/file2")).unwrap(), b"1");
         assert!(!d.join("file").exists());
         assert_eq!(
-            move_entry(&d.join("file"), &d.join("other"), &user).unwrap_err().code,
+            move_entry(&d.join("file"), &d.join("other"), &user)
+                .unwrap_err()
+                .code,
             Code::NotFound
         );
         assert_eq!(
-            move_entry(&d.join("x"), &d.join("x/y/inside"), &user).unwrap_err().code,
+            move_entry(&d.join("x"), &d.join("x/y/inside"), &user)
+                .unwrap_err()
+                .code,
             Code::InvalidArgument
         );
 
@@ -389,7 +453,10 @@ mod tests {
         assert!(!d.join("x").exists());
         remove(&d.join("x")).unwrap(); // missing is fine
         remove(&d.join("new/parent/file2/below-a-file")).unwrap();
-        assert_eq!(remove(Path::new("/")).unwrap_err().code, Code::InvalidArgument);
+        assert_eq!(
+            remove(Path::new("/")).unwrap_err().code,
+            Code::InvalidArgument
+        );
         assert_eq!(stat(&d.join("x")).unwrap_err().code, Code::NotFound);
     }
 
@@ -401,6 +468,9 @@ mod tests {
         symlink("sub/f", d.join("src/l")).unwrap();
         copy_tree(&d.join("src"), &d.join("dst")).unwrap();
         assert_eq!(std::fs::read(d.join("dst/sub/f")).unwrap(), b"data");
-        assert_eq!(std::fs::read_link(d.join("dst/l")).unwrap(), PathBuf::from("sub/f"));
+        assert_eq!(
+            std::fs::read_link(d.join("dst/l")).unwrap(),
+            PathBuf::from("sub/f")
+        );
     }
 }

@@ -221,7 +221,11 @@ impl DirWatcher {
         } else {
             None
         };
-        self.pending.push_back(FilesystemEvent { name, r#type: ty as i32, entry });
+        self.pending.push_back(FilesystemEvent {
+            name,
+            r#type: ty as i32,
+            entry,
+        });
     }
 
     fn handle(&mut self, wd: WatchDescriptor, mask: EventMask, name: Option<OsString>) {
@@ -234,7 +238,9 @@ impl DirWatcher {
             self.dirs.remove(&id);
             return;
         }
-        let Some(dir_rel) = self.dirs.get(&id).map(|(_, p)| p.clone()) else { return };
+        let Some(dir_rel) = self.dirs.get(&id).map(|(_, p)| p.clone()) else {
+            return;
+        };
         let Some(name) = name else {
             // An event about a watched directory itself.
             if id != self.root_wd {
@@ -291,9 +297,13 @@ impl DirWatcher {
             return false;
         }
         let full = self.root.join(rel);
-        match self.watches.add(&full, BASE_MASK | WatchMask::ONLYDIR | WatchMask::DONT_FOLLOW) {
+        match self.watches.add(
+            &full,
+            BASE_MASK | WatchMask::ONLYDIR | WatchMask::DONT_FOLLOW,
+        ) {
             Ok(wd) => {
-                self.dirs.insert(wd.get_watch_descriptor_id(), (wd, rel.to_path_buf()));
+                self.dirs
+                    .insert(wd.get_watch_descriptor_id(), (wd, rel.to_path_buf()));
                 true
             }
             Err(e) => {
@@ -315,7 +325,9 @@ impl DirWatcher {
             {
                 continue;
             }
-            let Ok(rd) = std::fs::read_dir(&full) else { continue };
+            let Ok(rd) = std::fs::read_dir(&full) else {
+                continue;
+            };
             let mut names: Vec<OsString> =
                 rd.filter_map(|c| c.ok().map(|c| c.file_name())).collect();
             names.sort();
@@ -325,7 +337,9 @@ impl DirWatcher {
                 if announce {
                     self.push(&child, EventType::Create);
                 }
-                let Ok(m) = std::fs::symlink_metadata(self.root.join(&child)) else { continue };
+                let Ok(m) = std::fs::symlink_metadata(self.root.join(&child)) else {
+                    continue;
+                };
                 if m.is_dir() {
                     if self.dirs.len() >= MAX_WATCHES_PER_WATCHER {
                         return Err(ConnectError::new(
@@ -337,12 +351,13 @@ impl DirWatcher {
                         ));
                     }
                     let path = self.root.join(&child);
-                    match self
-                        .watches
-                        .add(&path, BASE_MASK | WatchMask::ONLYDIR | WatchMask::DONT_FOLLOW)
-                    {
+                    match self.watches.add(
+                        &path,
+                        BASE_MASK | WatchMask::ONLYDIR | WatchMask::DONT_FOLLOW,
+                    ) {
                         Ok(wd) => {
-                            self.dirs.insert(wd.get_watch_descriptor_id(), (wd, child.clone()));
+                            self.dirs
+                                .insert(wd.get_watch_descriptor_id(), (wd, child.clone()));
                             subdirs.push(child);
                         }
                         Err(e) if e.raw_os_error() == Some(libc::ENOSPC) => {
@@ -411,7 +426,13 @@ pub fn watch_stream(
             st.tick.as_mut().reset(next);
             return Some((Ok(msg(WatchEvent::Start(StartEvent {}))), st));
         }
-        let State { watcher, tick, deadline, keepalive, .. } = &mut st;
+        let State {
+            watcher,
+            tick,
+            deadline,
+            keepalive,
+            ..
+        } = &mut st;
         let expired = async {
             match deadline.as_mut() {
                 Some(d) => d.as_mut().await,
@@ -541,7 +562,11 @@ impl WatcherTable {
 
     /// Stops and forgets watcher `id`.
     pub fn remove(&self, id: &str) -> Result<(), ConnectError> {
-        let removed = self.watchers.lock().unwrap_or_else(|e| e.into_inner()).remove(id);
+        let removed = self
+            .watchers
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(id);
         match removed {
             Some(w) => {
                 drop(w);
@@ -553,7 +578,10 @@ impl WatcherTable {
 
     /// Number of live polling watchers.
     pub fn len(&self) -> usize {
-        self.watchers.lock().unwrap_or_else(|e| e.into_inner()).len()
+        self.watchers
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .len()
     }
 
     /// Whether there are no polling watchers.
@@ -576,8 +604,9 @@ mod tests {
         let mut out: Vec<FilesystemEvent> = Vec::new();
         let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
         loop {
-            let all =
-                want.iter().all(|(n, t)| out.iter().any(|e| e.name == *n && e.r#type == *t as i32));
+            let all = want
+                .iter()
+                .all(|(n, t)| out.iter().any(|e| e.name == *n && e.r#type == *t as i32));
             let wait = if all {
                 Duration::from_millis(200)
             } else {
@@ -598,7 +627,11 @@ mod tests {
     async fn maps_events_recursively() {
         let d = tmp();
         std::fs::create_dir(d.join("pre")).unwrap();
-        let opts = WatchOptions { recursive: true, include_entry: true, ..Default::default() };
+        let opts = WatchOptions {
+            recursive: true,
+            include_entry: true,
+            ..Default::default()
+        };
         let mut w = DirWatcher::new(d.to_path_buf(), opts).unwrap();
         assert_eq!(w.watched_dirs(), 2);
 
@@ -626,7 +659,10 @@ mod tests {
         // No duplicate REMOVE for subdirectories (DELETE_SELF is dropped).
         std::fs::remove_dir_all(d.join("new")).unwrap();
         let evs = collect(&mut w, &[("new", Remove)]).await;
-        let removes = evs.iter().filter(|e| e.name == "new" && e.r#type == Remove as i32).count();
+        let removes = evs
+            .iter()
+            .filter(|e| e.name == "new" && e.r#type == Remove as i32)
+            .count();
         assert_eq!(removes, 1, "{evs:?}");
         assert_eq!(w.watched_dirs(), 2);
     }
@@ -635,18 +671,28 @@ mod tests {
     async fn non_recursive_ignores_subdirs_and_entries_only_for_create_write_chmod() {
         let d = tmp();
         std::fs::create_dir(d.join("sub")).unwrap();
-        let opts = WatchOptions { include_entry: true, ..Default::default() };
+        let opts = WatchOptions {
+            include_entry: true,
+            ..Default::default()
+        };
         let mut w = DirWatcher::new(d.to_path_buf(), opts).unwrap();
         std::fs::write(d.join("sub/inner"), b"x").unwrap();
         std::fs::write(d.join("top"), b"x").unwrap();
-        let mut got =
-            collect(&mut w, &[("top", EventType::Create), ("top", EventType::Write)]).await;
+        let mut got = collect(
+            &mut w,
+            &[("top", EventType::Create), ("top", EventType::Write)],
+        )
+        .await;
         assert!(got.iter().all(|e| !e.name.starts_with("sub/")), "{got:?}");
-        let create =
-            got.iter().find(|e| e.name == "top" && e.r#type == EventType::Create as i32).unwrap();
+        let create = got
+            .iter()
+            .find(|e| e.name == "top" && e.r#type == EventType::Create as i32)
+            .unwrap();
         assert_eq!(create.entry.as_ref().map(|e| e.name.as_str()), Some("top"));
-        let write =
-            got.iter().find(|e| e.name == "top" && e.r#type == EventType::Write as i32).unwrap();
+        let write = got
+            .iter()
+            .find(|e| e.name == "top" && e.r#type == EventType::Write as i32)
+            .unwrap();
         assert_eq!(write.entry.as_ref().map(|e| e.size), Some(1));
         std::fs::set_permissions(
             d.join("top"),
@@ -654,13 +700,21 @@ mod tests {
         )
         .unwrap();
         std::fs::remove_file(d.join("top")).unwrap();
-        got = collect(&mut w, &[("top", EventType::Chmod), ("top", EventType::Remove)]).await;
+        got = collect(
+            &mut w,
+            &[("top", EventType::Chmod), ("top", EventType::Remove)],
+        )
+        .await;
         // The entry is looked up when the event is read: gone by then, so no entry.
-        let chmod =
-            got.iter().find(|e| e.name == "top" && e.r#type == EventType::Chmod as i32).unwrap();
+        let chmod = got
+            .iter()
+            .find(|e| e.name == "top" && e.r#type == EventType::Chmod as i32)
+            .unwrap();
         assert!(chmod.entry.is_none());
-        let remove =
-            got.iter().find(|e| e.name == "top" && e.r#type == EventType::Remove as i32).unwrap();
+        let remove = got
+            .iter()
+            .find(|e| e.name == "top" && e.r#type == EventType::Remove as i32)
+            .unwrap();
         assert!(remove.entry.is_none());
     }
 
@@ -670,12 +724,18 @@ mod tests {
         let d = tmp();
         let outside = tmp();
         std::fs::create_dir_all(d.join("sub/inner")).unwrap();
-        let opts = WatchOptions { recursive: true, ..Default::default() };
+        let opts = WatchOptions {
+            recursive: true,
+            ..Default::default()
+        };
         let mut w = DirWatcher::new(d.to_path_buf(), opts).unwrap();
         assert_eq!(w.watched_dirs(), 3);
         std::fs::rename(d.join("sub"), d.join("moved")).unwrap();
         let evs = collect(&mut w, &[("sub", Rename), ("moved", Create)]).await;
-        assert!(has(&evs, "sub", Rename) && has(&evs, "moved", Create), "{evs:?}");
+        assert!(
+            has(&evs, "sub", Rename) && has(&evs, "moved", Create),
+            "{evs:?}"
+        );
         std::fs::write(d.join("moved/inner/f"), b"x").unwrap();
         let evs = collect(&mut w, &[("moved/inner/f", Create)]).await;
         assert!(has(&evs, "moved/inner/f", Create), "{evs:?}");
@@ -696,7 +756,9 @@ mod tests {
         let d = tmp();
         std::fs::write(d.join("f"), b"").unwrap();
         assert_eq!(
-            validate_watch_path(&d.join("missing"), false).unwrap_err().code,
+            validate_watch_path(&d.join("missing"), false)
+                .unwrap_err()
+                .code,
             Code::NotFound
         );
         assert_eq!(

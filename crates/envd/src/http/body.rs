@@ -44,7 +44,10 @@ pub(crate) const MAX_PART_HEADER_BYTES: u64 = 1024 * 1024;
 pub(crate) fn from_body(body: Body, idle: Duration) -> ByteStream {
     Box::pin(DrainOnDrop {
         inner: Some(Box::pin(IdleTimeout {
-            inner: body.into_data_stream().map(|r| r.map_err(io::Error::other)).boxed(),
+            inner: body
+                .into_data_stream()
+                .map(|r| r.map_err(io::Error::other))
+                .boxed(),
             idle,
             sleep: Box::pin(tokio::time::sleep(idle)),
         })),
@@ -136,7 +139,12 @@ use std::future::Future as _;
 
 /// Decodes a gzip (possibly multi-member) stream.
 pub(crate) fn gunzip(inner: ByteStream) -> ByteStream {
-    Box::pin(Gunzip { inner, dec: MultiGzDecoder::new(Vec::new()), pending: Bytes::new(), done: false })
+    Box::pin(Gunzip {
+        inner,
+        dec: MultiGzDecoder::new(Vec::new()),
+        pending: Bytes::new(),
+        done: false,
+    })
 }
 
 struct Gunzip {
@@ -147,7 +155,10 @@ struct Gunzip {
 }
 
 fn invalid_gzip(detail: impl std::fmt::Display) -> io::Error {
-    io::Error::new(io::ErrorKind::InvalidData, format!("invalid gzip body: {detail}"))
+    io::Error::new(
+        io::ErrorKind::InvalidData,
+        format!("invalid gzip body: {detail}"),
+    )
 }
 
 impl Stream for Gunzip {
@@ -192,7 +203,11 @@ impl Stream for Gunzip {
                         return Poll::Ready(Some(Err(invalid_gzip(e))));
                     }
                     let out = mem::take(this.dec.get_mut());
-                    return Poll::Ready(if out.is_empty() { None } else { Some(Ok(Bytes::from(out))) });
+                    return Poll::Ready(if out.is_empty() {
+                        None
+                    } else {
+                        Some(Ok(Bytes::from(out)))
+                    });
                 }
             }
         }
@@ -231,7 +246,13 @@ impl HeaderGuard {
 
 /// Re-chunks and paces a stream (see the module documentation).
 pub(crate) fn paced(inner: ByteStream, guard: Option<Arc<HeaderGuard>>) -> ByteStream {
-    Box::pin(Paced { inner, pending: Bytes::new(), since_yield: 0, guard, failed: false })
+    Box::pin(Paced {
+        inner,
+        pending: Bytes::new(),
+        since_yield: 0,
+        guard,
+        failed: false,
+    })
 }
 
 struct Paced {
@@ -331,7 +352,9 @@ mod tests {
 
     #[tokio::test]
     async fn rejects_bad_gzip() {
-        let err = collect(gunzip(source(vec![b"not gzip at all".to_vec()]))).await.unwrap_err();
+        let err = collect(gunzip(source(vec![b"not gzip at all".to_vec()])))
+            .await
+            .unwrap_err();
         assert_eq!(err.kind(), io::ErrorKind::InvalidData);
         let z = gz(&vec![7u8; 100_000]);
         let truncated = z[..z.len() / 2].to_vec();
@@ -344,14 +367,21 @@ mod tests {
         let s = paced(source(vec![vec![1u8; 1 << 20]]), None);
         let chunks: Vec<_> = s.collect().await;
         assert_eq!(chunks.len(), 16);
-        assert!(chunks.iter().all(|c| c.as_ref().unwrap().len() == MAX_CHUNK));
+        assert!(
+            chunks
+                .iter()
+                .all(|c| c.as_ref().unwrap().len() == MAX_CHUNK)
+        );
         let guard = Arc::new(HeaderGuard::default());
         guard.arm();
         let err = collect(paced(source(vec![vec![0u8; 2 << 20]]), Some(guard.clone()))).await;
         assert!(err.is_err());
         guard.disarm();
         assert_eq!(
-            collect(paced(source(vec![vec![0u8; 2 << 20]]), Some(guard))).await.unwrap().len(),
+            collect(paced(source(vec![vec![0u8; 2 << 20]]), Some(guard)))
+                .await
+                .unwrap()
+                .len(),
             2 << 20
         );
     }

@@ -45,7 +45,11 @@ const CHUNK: usize = 64 * 1024;
 const QUEUE: usize = 4;
 
 /// `GET /files` (and `HEAD`).
-pub(crate) async fn get_files(State(state): State<Arc<AppState>>, headers: HeaderMap, uri: Uri) -> Response {
+pub(crate) async fn get_files(
+    State(state): State<Arc<AppState>>,
+    headers: HeaderMap,
+    uri: Uri,
+) -> Response {
     match download(&state.ctx, &headers, uri.query()).await {
         Ok(resp) => resp,
         Err(e) => {
@@ -55,16 +59,27 @@ pub(crate) async fn get_files(State(state): State<Arc<AppState>>, headers: Heade
     }
 }
 
-async fn download(ctx: &Context, headers: &HeaderMap, query: Option<&str>) -> Result<Response, HttpError> {
+async fn download(
+    ctx: &Context,
+    headers: &HeaderMap,
+    query: Option<&str>,
+) -> Result<Response, HttpError> {
     let q = FilesQuery::parse(query)?;
     signature::authorize(ctx, headers, &q, Operation::Read)?;
     let user = auth::resolve_user(ctx, q.user()).map_err(|e| HttpError::unauthorized(e.message))?;
     let raw = q.path.as_deref().unwrap_or("");
     let path = paths::resolve(ctx, &user, raw).map_err(|e| {
-        HttpError::bad_request(format!("invalid path '{}': {}", raw.escape_debug(), e.message))
+        HttpError::bad_request(format!(
+            "invalid path '{}': {}",
+            raw.escape_debug(),
+            e.message
+        ))
     })?;
     let accept = AcceptEncoding::parse(headers.get(header::ACCEPT_ENCODING));
-    let range_header = headers.get(header::RANGE).and_then(|v| v.to_str().ok()).map(str::to_string);
+    let range_header = headers
+        .get(header::RANGE)
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_string);
 
     let opened = {
         let path = path.clone();
@@ -105,7 +120,9 @@ async fn download(ctx: &Context, headers: &HeaderMap, query: Option<&str>) -> Re
             builder = builder.header(header::CONTENT_ENCODING, "gzip");
         }
         let body = stream_file(file, 0, None, Some(first), gzip);
-        return builder.body(body).map_err(|e| HttpError::internal(e.to_string()));
+        return builder
+            .body(body)
+            .map_err(|e| HttpError::internal(e.to_string()));
     }
 
     let range = range_header.as_deref().and_then(|r| parse_range(r, size));
@@ -122,9 +139,11 @@ async fn download(ctx: &Context, headers: &HeaderMap, query: Option<&str>) -> Re
                     .map_err(|e| HttpError::internal(e.to_string()));
             }
             Some(Err(())) => {
-                let mut resp =
-                    HttpError::new(StatusCode::RANGE_NOT_SATISFIABLE, "requested range not satisfiable")
-                        .into_response();
+                let mut resp = HttpError::new(
+                    StatusCode::RANGE_NOT_SATISFIABLE,
+                    "requested range not satisfiable",
+                )
+                .into_response();
                 if let Ok(v) = HeaderValue::from_str(&format!("bytes */{size}")) {
                     resp.headers_mut().insert(header::CONTENT_RANGE, v);
                 }
@@ -150,7 +169,10 @@ async fn download(ctx: &Context, headers: &HeaderMap, query: Option<&str>) -> Re
 }
 
 fn not_acceptable() -> HttpError {
-    HttpError::new(StatusCode::NOT_ACCEPTABLE, "no acceptable content encoding, supported: gzip, identity")
+    HttpError::new(
+        StatusCode::NOT_ACCEPTABLE,
+        "no acceptable content encoding, supported: gzip, identity",
+    )
 }
 
 struct Opened {
@@ -162,24 +184,37 @@ struct Opened {
 fn open_for_reading(path: &Path, user: &User) -> Result<Opened, HttpError> {
     let shown = path.display();
     let file = as_user(user, || {
-        std::fs::OpenOptions::new().read(true).custom_flags(libc::O_NOCTTY | libc::O_NONBLOCK).open(path)
+        std::fs::OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_NOCTTY | libc::O_NONBLOCK)
+            .open(path)
     })
     .map_err(|e| match e.raw_os_error() {
-        Some(libc::ENOENT) | Some(libc::ENOTDIR) => {
-            HttpError::new(StatusCode::NOT_FOUND, format!("path '{shown}' does not exist"))
-        }
+        Some(libc::ENOENT) | Some(libc::ENOTDIR) => HttpError::new(
+            StatusCode::NOT_FOUND,
+            format!("path '{shown}' does not exist"),
+        ),
         Some(libc::EACCES) | Some(libc::EPERM) => HttpError::new(
             StatusCode::FORBIDDEN,
-            format!("permission denied: user '{}' cannot read '{shown}'", user.name),
+            format!(
+                "permission denied: user '{}' cannot read '{shown}'",
+                user.name
+            ),
         ),
         _ => HttpError::from_io(&e, &format!("opening '{shown}'")),
     })?;
-    let meta = file.metadata().map_err(|e| HttpError::from_io(&e, &format!("reading '{shown}'")))?;
+    let meta = file
+        .metadata()
+        .map_err(|e| HttpError::from_io(&e, &format!("reading '{shown}'")))?;
     if meta.is_dir() {
-        return Err(HttpError::bad_request(format!("path '{shown}' is a directory")));
+        return Err(HttpError::bad_request(format!(
+            "path '{shown}' is a directory"
+        )));
     }
     if !meta.file_type().is_file() {
-        return Err(HttpError::bad_request(format!("path '{shown}' is not a regular file")));
+        return Err(HttpError::bad_request(format!(
+            "path '{shown}' is not a regular file"
+        )));
     }
     // Back to blocking reads (O_NONBLOCK only kept a FIFO from hanging the open).
     // SAFETY: plain fcntl on an fd we own.
@@ -191,7 +226,10 @@ fn open_for_reading(path: &Path, user: &User) -> Result<Opened, HttpError> {
             libc::fcntl(fd, libc::F_SETFL, flags & !libc::O_NONBLOCK);
         }
     }
-    Ok(Opened { file, size: meta.len() })
+    Ok(Opened {
+        file,
+        size: meta.len(),
+    })
 }
 
 /// Runs `f` with the filesystem credentials of `user` (uid, gid, groups) when envd runs
@@ -228,7 +266,9 @@ fn as_user<T: Send>(user: &User, f: impl FnOnce() -> io::Result<T> + Send) -> io
                     if libc::syscall(libc::SYS_setfsuid, uid) as u32 != uid
                         || libc::syscall(libc::SYS_setfsgid, gid) as u32 != gid
                     {
-                        return Err(io::Error::other("could not switch to the user's credentials"));
+                        return Err(io::Error::other(
+                            "could not switch to the user's credentials",
+                        ));
                     }
                 }
                 f()
@@ -250,7 +290,13 @@ fn read_retrying(file: &mut File, buf: &mut [u8]) -> io::Result<usize> {
 
 /// A body streaming `file` from `offset` (`len` bytes, or to EOF), optionally gzip
 /// compressed, read on a blocking thread through a small bounded queue.
-fn stream_file(file: File, offset: u64, len: Option<u64>, first: Option<Vec<u8>>, gzip: bool) -> Body {
+fn stream_file(
+    file: File,
+    offset: u64,
+    len: Option<u64>,
+    first: Option<Vec<u8>>,
+    gzip: bool,
+) -> Body {
     let (tx, rx) = tokio::sync::mpsc::channel::<io::Result<Bytes>>(QUEUE);
     tokio::task::spawn_blocking(move || {
         let result = pump(&file, offset, len, first, gzip, &tx);
@@ -261,7 +307,9 @@ fn stream_file(file: File, offset: u64, len: Option<u64>, first: Option<Vec<u8>>
             let _ = tx.blocking_send(Err(e));
         }
     });
-    Body::from_stream(stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|item| (item, rx)) }))
+    Body::from_stream(stream::unfold(rx, |mut rx| async move {
+        rx.recv().await.map(|item| (item, rx))
+    }))
 }
 
 /// Sink for the compressor: hands out what it produced.
@@ -318,7 +366,10 @@ fn pump(
         };
         if n == 0 {
             if remaining.is_some_and(|r| r > 0) {
-                return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "the file shrank while being read"));
+                return Err(io::Error::new(
+                    io::ErrorKind::UnexpectedEof,
+                    "the file shrank while being read",
+                ));
             }
             break;
         }
@@ -341,7 +392,10 @@ fn pump(
 /// `inline; filename="…"` with `"`/`\` escaped and non-printable or non-ASCII
 /// characters replaced by `_`, plus RFC 5987 `filename*` when the name needed that.
 fn content_disposition(path: &Path) -> HeaderValue {
-    let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_else(|| "file".into());
+    let name = path
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_else(|| "file".into());
     let mut ascii = String::with_capacity(name.len());
     let mut exact = true;
     for c in name.chars() {
@@ -395,7 +449,11 @@ fn parse_range(value: &str, size: u64) -> Option<Result<(u64, u64), ()>> {
         return Some(Ok((size.saturating_sub(n), size - 1)));
     }
     let start: u64 = a.parse().ok()?;
-    let end: u64 = if b.is_empty() { size.saturating_sub(1) } else { b.parse().ok()? };
+    let end: u64 = if b.is_empty() {
+        size.saturating_sub(1)
+    } else {
+        b.parse().ok()?
+    };
     if start >= size {
         return Some(Err(()));
     }
@@ -425,7 +483,11 @@ impl AcceptEncoding {
                 }
                 let mut q = 1.0f32;
                 for p in parts {
-                    if let Some(v) = p.trim().strip_prefix("q=").or_else(|| p.trim().strip_prefix("Q=")) {
+                    if let Some(v) = p
+                        .trim()
+                        .strip_prefix("q=")
+                        .or_else(|| p.trim().strip_prefix("Q="))
+                    {
                         q = v.trim().parse().unwrap_or(0.0);
                     }
                 }
@@ -436,7 +498,10 @@ impl AcceptEncoding {
     }
 
     fn q(&self, coding: &str) -> Option<f32> {
-        self.entries.iter().find(|(c, _)| c == coding).map(|(_, q)| *q)
+        self.entries
+            .iter()
+            .find(|(c, _)| c == coding)
+            .map(|(_, q)| *q)
     }
 
     fn identity_ok(&self) -> bool {
@@ -516,12 +581,21 @@ mod tests {
 
     #[test]
     fn dispositions() {
-        assert_eq!(content_disposition(Path::new("/a/b.txt")), "inline; filename=\"b.txt\"");
-        assert_eq!(content_disposition(Path::new("/a/q\"\\.txt")), "inline; filename=\"q\\\"\\\\.txt\"");
+        assert_eq!(
+            content_disposition(Path::new("/a/b.txt")),
+            "inline; filename=\"b.txt\""
+        );
+        assert_eq!(
+            content_disposition(Path::new("/a/q\"\\.txt")),
+            "inline; filename=\"q\\\"\\\\.txt\""
+        );
         assert_eq!(
             content_disposition(Path::new("/a/你\n.txt")),
             "inline; filename=\"__.txt\"; filename*=UTF-8''%E4%BD%A0%0A.txt"
         );
-        assert_eq!(content_disposition(Path::new("/")), "inline; filename=\"file\"");
+        assert_eq!(
+            content_disposition(Path::new("/")),
+            "inline; filename=\"file\""
+        );
     }
 }

@@ -66,7 +66,8 @@ pub(crate) async fn post_init(State(state): State<Arc<AppState>>, body: Body) ->
     match init(&state.ctx, body).await {
         Ok(()) => {
             let mut resp = StatusCode::NO_CONTENT.into_response();
-            resp.headers_mut().insert("x-envd-version", HeaderValue::from_static(ENVD_VERSION));
+            resp.headers_mut()
+                .insert("x-envd-version", HeaderValue::from_static(ENVD_VERSION));
             resp
         }
         Err(e) => e.into_response(),
@@ -121,11 +122,18 @@ pub(crate) fn apply(ctx: &Context, req: InitRequest) -> Result<(), HttpError> {
     {
         tracing::warn!(user = %u, "init: the default user does not exist (yet)");
     }
-    if req.volume_mounts.as_ref().is_some_and(|v| !v.is_null() && v.as_array().is_none_or(|a| !a.is_empty()))
+    if req
+        .volume_mounts
+        .as_ref()
+        .is_some_and(|v| !v.is_null() && v.as_array().is_none_or(|a| !a.is_empty()))
     {
         tracing::warn!("init: volumeMounts are not supported by cubicle-envd; ignored");
     }
-    if req.ca_bundle.as_ref().is_some_and(|v| !v.is_null() && v.as_str() != Some("")) {
+    if req
+        .ca_bundle
+        .as_ref()
+        .is_some_and(|v| !v.is_null() && v.as_str() != Some(""))
+    {
         tracing::info!("init: caBundle ignored (certificates are the node's business)");
     }
 
@@ -156,8 +164,11 @@ fn write_identity_files(sandbox_id: Option<&str>, template_id: Option<&str>) {
         tracing::warn!(error = %e, "init: cannot create {RUN_DIR}");
         return;
     }
-    let files =
-        [(".E2B_SANDBOX", Some("true")), (".E2B_SANDBOX_ID", sandbox_id), (".E2B_TEMPLATE_ID", template_id)];
+    let files = [
+        (".E2B_SANDBOX", Some("true")),
+        (".E2B_SANDBOX_ID", sandbox_id),
+        (".E2B_TEMPLATE_ID", template_id),
+    ];
     for (name, content) in files {
         if let Some(content) = content
             && let Err(e) = std::fs::write(dir.join(name), content)
@@ -171,7 +182,8 @@ fn write_identity_files(sandbox_id: Option<&str>, template_id: Option<&str>) {
 pub(crate) async fn get_envs(State(state): State<Arc<AppState>>) -> Response {
     let envs = state.ctx.env_vars();
     let mut resp = axum::Json(envs).into_response();
-    resp.headers_mut().insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
+    resp.headers_mut()
+        .insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
     resp
 }
 
@@ -181,7 +193,12 @@ mod tests {
     use crate::state::Config;
 
     fn ctx() -> Context {
-        Context::new(Config { dev: true, default_user: None, default_workdir: None, access_token: None })
+        Context::new(Config {
+            dev: true,
+            default_user: None,
+            default_workdir: None,
+            access_token: None,
+        })
     }
 
     #[test]
@@ -201,9 +218,16 @@ mod tests {
         assert_eq!(s.default_user.as_deref(), Some("root"));
         assert_eq!(s.default_workdir, Some(PathBuf::from("/tmp")));
         // A second init merges env vars and keeps what it does not mention.
-        apply(&c, serde_json::from_str(r#"{"envVars":{"B":"2"}}"#).unwrap()).unwrap();
+        apply(
+            &c,
+            serde_json::from_str(r#"{"envVars":{"B":"2"}}"#).unwrap(),
+        )
+        .unwrap();
         let s = c.settings();
-        assert_eq!((s.env_vars["A"].as_str(), s.env_vars["B"].as_str()), ("1", "2"));
+        assert_eq!(
+            (s.env_vars["A"].as_str(), s.env_vars["B"].as_str()),
+            ("1", "2")
+        );
         assert_eq!(s.access_token.as_deref(), Some("tok"));
         // "" removes the token.
         apply(&c, serde_json::from_str(r#"{"accessToken":""}"#).unwrap()).unwrap();
@@ -221,7 +245,11 @@ mod tests {
             r#"{"defaultWorkdir":"relative"}"#,
         ] {
             let req: InitRequest = serde_json::from_str(body).unwrap();
-            assert_eq!(apply(&c, req).unwrap_err().status, StatusCode::BAD_REQUEST, "{body}");
+            assert_eq!(
+                apply(&c, req).unwrap_err().status,
+                StatusCode::BAD_REQUEST,
+                "{body}"
+            );
         }
         assert!(serde_json::from_str::<InitRequest>(r#"{"envVars":{"A":1}}"#).is_err());
     }

@@ -39,7 +39,9 @@ pub(crate) fn from_headers(headers: &HeaderMap) -> Result<Metadata, HttpError> {
     let mut out = Metadata::new();
     let mut total = 0usize;
     for name in headers.keys() {
-        let Some(key) = name.as_str().strip_prefix(HEADER_PREFIX) else { continue };
+        let Some(key) = name.as_str().strip_prefix(HEADER_PREFIX) else {
+            continue;
+        };
         if key.is_empty() {
             continue;
         }
@@ -51,10 +53,14 @@ pub(crate) fn from_headers(headers: &HeaderMap) -> Result<Metadata, HttpError> {
             )));
         }
         if !key.bytes().all(|b| b.is_ascii_graphic()) {
-            return Err(HttpError::bad_request(format!("metadata key '{key}' is not printable ASCII")));
+            return Err(HttpError::bad_request(format!(
+                "metadata key '{key}' is not printable ASCII"
+            )));
         }
         // The first value of a repeated header counts.
-        let Some(value) = headers.get(name) else { continue };
+        let Some(value) = headers.get(name) else {
+            continue;
+        };
         let value = value.as_bytes();
         if !value.iter().all(|b| (0x20..=0x7e).contains(b)) {
             return Err(HttpError::bad_request(format!(
@@ -83,7 +89,11 @@ pub(crate) fn apply(fd: BorrowedFd<'_>, metadata: &Metadata) -> io::Result<()> {
         Err(e) => return Err(e),
     };
     for name in existing {
-        let Some(key) = name.to_str().ok().and_then(|n| n.strip_prefix(METADATA_XATTR_PREFIX)) else {
+        let Some(key) = name
+            .to_str()
+            .ok()
+            .and_then(|n| n.strip_prefix(METADATA_XATTR_PREFIX))
+        else {
             continue;
         };
         if metadata.contains_key(key) {
@@ -101,8 +111,15 @@ pub(crate) fn apply(fd: BorrowedFd<'_>, metadata: &Metadata) -> io::Result<()> {
         let name = CString::new(format!("{METADATA_XATTR_PREFIX}{key}"))
             .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "NUL in metadata key"))?;
         // SAFETY: valid fd, NUL-terminated name, value valid for value.len() bytes.
-        let rc =
-            unsafe { libc::fsetxattr(fd.as_raw_fd(), name.as_ptr(), value.as_ptr().cast(), value.len(), 0) };
+        let rc = unsafe {
+            libc::fsetxattr(
+                fd.as_raw_fd(),
+                name.as_ptr(),
+                value.as_ptr().cast(),
+                value.len(),
+                0,
+            )
+        };
         if rc != 0 {
             return Err(io::Error::last_os_error());
         }
@@ -157,16 +174,25 @@ mod tests {
         assert_eq!(m["a.b_c"], "v a l");
 
         let mut h = HeaderMap::new();
-        h.insert("x-metadata-k", HeaderValue::from_bytes(b"caf\xc3\xa9").unwrap());
+        h.insert(
+            "x-metadata-k",
+            HeaderValue::from_bytes(b"caf\xc3\xa9").unwrap(),
+        );
         assert_eq!(from_headers(&h).unwrap_err().status, 400);
 
         let mut h = HeaderMap::new();
         let long = format!("x-metadata-{}", "k".repeat(MAX_KEY_BYTES + 1));
-        h.insert(axum::http::HeaderName::from_bytes(long.as_bytes()).unwrap(), HeaderValue::from_static("v"));
+        h.insert(
+            axum::http::HeaderName::from_bytes(long.as_bytes()).unwrap(),
+            HeaderValue::from_static("v"),
+        );
         assert_eq!(from_headers(&h).unwrap_err().status, 400);
         let mut h = HeaderMap::new();
         let ok = format!("x-metadata-{}", "k".repeat(MAX_KEY_BYTES));
-        h.insert(axum::http::HeaderName::from_bytes(ok.as_bytes()).unwrap(), HeaderValue::from_static("v"));
+        h.insert(
+            axum::http::HeaderName::from_bytes(ok.as_bytes()).unwrap(),
+            HeaderValue::from_static("v"),
+        );
         assert!(from_headers(&h).is_ok());
 
         let mut h = HeaderMap::new();

@@ -58,7 +58,9 @@ pub(crate) async fn get_metrics(State(_state): State<Arc<AppState>>) -> Response
 
 /// Gathers the metrics now (blocks up to ~100 ms for a first CPU sample).
 pub(crate) fn collect() -> Metrics {
-    let cpu_count = std::thread::available_parallelism().map(|n| n.get() as u32).unwrap_or(1);
+    let cpu_count = std::thread::available_parallelism()
+        .map(|n| n.get() as u32)
+        .unwrap_or(1);
     let cpu_used_pct = cpu_percent(cpu_count);
     let mem = memory();
     let (disk_used, disk_total) = disk("/");
@@ -92,7 +94,11 @@ fn cgroup_dir(controller: Option<&str>) -> Option<PathBuf> {
             if !root.join("cgroup.controllers").exists() {
                 return None;
             }
-            let rel = own.lines().find_map(|l| l.strip_prefix("0::")).unwrap_or("/").to_string();
+            let rel = own
+                .lines()
+                .find_map(|l| l.strip_prefix("0::"))
+                .unwrap_or("/")
+                .to_string();
             (root.to_path_buf(), rel)
         }
         Some(c) => {
@@ -106,7 +112,9 @@ fn cgroup_dir(controller: Option<&str>) -> Option<PathBuf> {
                 }
             }
             let (ctrls, rel) = found?;
-            let base = [root.join(c), root.join(&ctrls)].into_iter().find(|p| p.is_dir())?;
+            let base = [root.join(c), root.join(&ctrls)]
+                .into_iter()
+                .find(|p| p.is_dir())?;
             (base, rel)
         }
     };
@@ -130,7 +138,10 @@ fn read_kv(path: &Path) -> HashMap<String, u64> {
         .lines()
         .filter_map(|l| {
             let mut f = l.split_whitespace();
-            Some((f.next()?.trim_end_matches(':').to_string(), f.next()?.parse().ok()?))
+            Some((
+                f.next()?.trim_end_matches(':').to_string(),
+                f.next()?.parse().ok()?,
+            ))
         })
         .collect()
 }
@@ -158,7 +169,11 @@ fn cpu_counter() -> Option<CpuCounter> {
     }
     let stat = std::fs::read_to_string("/proc/stat").ok()?;
     let line = stat.lines().find(|l| l.starts_with("cpu "))?;
-    let v: Vec<u64> = line.split_whitespace().skip(1).filter_map(|x| x.parse().ok()).collect();
+    let v: Vec<u64> = line
+        .split_whitespace()
+        .skip(1)
+        .filter_map(|x| x.parse().ok())
+        .collect();
     if v.len() < 4 {
         return None;
     }
@@ -174,7 +189,8 @@ fn cpu_percent(cpus: u32) -> f64 {
     let mut last = LAST_CPU.lock().unwrap_or_else(|e| e.into_inner());
     let previous = match *last {
         Some((at, c))
-            if at.elapsed() >= Duration::from_millis(50) && at.elapsed() < Duration::from_secs(60) =>
+            if at.elapsed() >= Duration::from_millis(50)
+                && at.elapsed() < Duration::from_secs(60) =>
         {
             Some((at, c))
         }
@@ -189,17 +205,27 @@ fn cpu_percent(cpus: u32) -> f64 {
             (at, c)
         }
     };
-    let Some(now_c) = cpu_counter() else { return 0.0 };
+    let Some(now_c) = cpu_counter() else {
+        return 0.0;
+    };
     let now = Instant::now();
     *last = Some((now, now_c));
     let pct = match (before, now_c) {
         (CpuCounter::Cgroup(a), CpuCounter::Cgroup(b)) => {
             let wall = now.duration_since(then).as_nanos() as f64 * cpus.max(1) as f64;
-            if wall <= 0.0 { 0.0 } else { b.saturating_sub(a) as f64 / wall * 100.0 }
+            if wall <= 0.0 {
+                0.0
+            } else {
+                b.saturating_sub(a) as f64 / wall * 100.0
+            }
         }
         (CpuCounter::ProcStat(b0, t0), CpuCounter::ProcStat(b1, t1)) => {
             let dt = t1.saturating_sub(t0);
-            if dt == 0 { 0.0 } else { b1.saturating_sub(b0) as f64 / dt as f64 * 100.0 }
+            if dt == 0 {
+                0.0
+            } else {
+                b1.saturating_sub(b0) as f64 / dt as f64 * 100.0
+            }
         }
         _ => 0.0,
     };
@@ -218,7 +244,10 @@ fn memory() -> Memory {
     let info = read_kv(Path::new("/proc/meminfo"));
     let kb = |k: &str| info.get(k).copied().unwrap_or(0) * 1024;
     let machine_total = kb("MemTotal");
-    let available = info.get("MemAvailable").map(|v| v * 1024).unwrap_or(kb("MemFree") + kb("Cached"));
+    let available = info
+        .get("MemAvailable")
+        .map(|v| v * 1024)
+        .unwrap_or(kb("MemFree") + kb("Cached"));
     let host = Memory {
         total: machine_total,
         used: machine_total.saturating_sub(available),
@@ -227,7 +256,9 @@ fn memory() -> Memory {
     // A cgroup with a limit below the machine's memory describes the sandbox better.
     let limited = |limit: u64| limit > 0 && (machine_total == 0 || limit < machine_total);
     if let Some(dir) = cgroup_dir(None) {
-        let limit = std::fs::read_to_string(dir.join("memory.max")).ok().and_then(|s| s.trim().parse().ok());
+        let limit = std::fs::read_to_string(dir.join("memory.max"))
+            .ok()
+            .and_then(|s| s.trim().parse().ok());
         if let (Some(limit), Some(usage)) = (limit, read_u64(&dir.join("memory.current")))
             && limited(limit)
         {
@@ -246,12 +277,19 @@ fn memory() -> Memory {
             && limited(limit)
         {
             let stat = read_kv(&dir.join("memory.stat"));
-            let inactive =
-                stat.get("total_inactive_file").or(stat.get("inactive_file")).copied().unwrap_or(0);
+            let inactive = stat
+                .get("total_inactive_file")
+                .or(stat.get("inactive_file"))
+                .copied()
+                .unwrap_or(0);
             return Memory {
                 total: limit,
                 used: usage.saturating_sub(inactive),
-                cache: stat.get("total_cache").or(stat.get("cache")).copied().unwrap_or(0),
+                cache: stat
+                    .get("total_cache")
+                    .or(stat.get("cache"))
+                    .copied()
+                    .unwrap_or(0),
             };
         }
     }
@@ -262,7 +300,9 @@ fn memory() -> Memory {
 
 /// (used, total) bytes of the filesystem at `path`.
 fn disk(path: &str) -> (u64, u64) {
-    let Ok(c) = CString::new(path) else { return (0, 0) };
+    let Ok(c) = CString::new(path) else {
+        return (0, 0);
+    };
     // SAFETY: statvfs fills the zeroed struct; c is NUL-terminated.
     let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
     if unsafe { libc::statvfs(c.as_ptr(), &mut st) } != 0 {

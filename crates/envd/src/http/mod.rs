@@ -49,7 +49,10 @@ pub(crate) struct HttpError {
 
 impl HttpError {
     pub fn new(status: StatusCode, message: impl Into<String>) -> Self {
-        Self { status, message: message.into() }
+        Self {
+            status,
+            message: message.into(),
+        }
     }
     pub fn bad_request(message: impl Into<String>) -> Self {
         Self::new(StatusCode::BAD_REQUEST, message)
@@ -140,8 +143,11 @@ impl FilesQuery {
 }
 
 fn decode_component(s: &str) -> Result<Cow<'_, str>, HttpError> {
-    let plus_decoded: Cow<'_, str> =
-        if s.contains('+') { Cow::Owned(s.replace('+', " ")) } else { Cow::Borrowed(s) };
+    let plus_decoded: Cow<'_, str> = if s.contains('+') {
+        Cow::Owned(s.replace('+', " "))
+    } else {
+        Cow::Borrowed(s)
+    };
     let decoded = percent_encoding::percent_decode_str(&plus_decoded)
         .decode_utf8()
         .map_err(|_| HttpError::bad_request("query parameter is not valid UTF-8"))?;
@@ -167,8 +173,14 @@ mod tests {
         assert_eq!(q.path.as_deref(), Some(""));
         assert_eq!(FilesQuery::parse(None).unwrap(), FilesQuery::default());
         // Bad percent-encoding is kept literally; invalid UTF-8 is refused.
-        assert_eq!(FilesQuery::parse(Some("path=%zz")).unwrap().path.as_deref(), Some("%zz"));
-        assert_eq!(FilesQuery::parse(Some("path=%ff")).unwrap_err().status, StatusCode::BAD_REQUEST);
+        assert_eq!(
+            FilesQuery::parse(Some("path=%zz")).unwrap().path.as_deref(),
+            Some("%zz")
+        );
+        assert_eq!(
+            FilesQuery::parse(Some("path=%ff")).unwrap_err().status,
+            StatusCode::BAD_REQUEST
+        );
     }
 
     #[test]

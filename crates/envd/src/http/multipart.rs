@@ -115,7 +115,10 @@ fn decode_ext_value(v: &str) -> Option<String> {
     if !charset.eq_ignore_ascii_case("utf-8") {
         return None;
     }
-    percent_encoding::percent_decode_str(value).decode_utf8().ok().map(|c| c.into_owned())
+    percent_encoding::percent_decode_str(value)
+        .decode_utf8()
+        .ok()
+        .map(|c| c.into_owned())
 }
 
 #[cfg(test)]
@@ -143,9 +146,13 @@ mod tests {
             filename(br#"form-data; name="file"; filename="/tmp/a; filename=b""#).as_deref(),
             Some("/tmp/a; filename=b")
         );
-        assert_eq!(filename(br#"form-data; filename=/tmp/bare; name=file"#).as_deref(), Some("/tmp/bare"));
         assert_eq!(
-            filename("form-data; name=\"file\"; filename*=UTF-8''%E4%BD%A0%20x".as_bytes()).as_deref(),
+            filename(br#"form-data; filename=/tmp/bare; name=file"#).as_deref(),
+            Some("/tmp/bare")
+        );
+        assert_eq!(
+            filename("form-data; name=\"file\"; filename*=UTF-8''%E4%BD%A0%20x".as_bytes())
+                .as_deref(),
             Some("你 x")
         );
         assert_eq!(filename(br#"form-data; name="file""#), None);
@@ -162,10 +169,14 @@ mod tests {
     /// Random headers built from the characters that matter never panic or hang.
     #[test]
     fn never_panics() {
-        let alphabet = [" ", ";", "=", "\"", "\\", "a", "%", "2", "f", "filename", "name", "你", "*", "'"];
+        let alphabet = [
+            " ", ";", "=", "\"", "\\", "a", "%", "2", "f", "filename", "name", "你", "*", "'",
+        ];
         for _ in 0..20_000 {
             let n = rand::random_range(0..24);
-            let s: String = (0..n).map(|_| alphabet[rand::random_range(0..alphabet.len())]).collect();
+            let s: String = (0..n)
+                .map(|_| alphabet[rand::random_range(0..alphabet.len())])
+                .collect();
             let _ = filename(format!("form-data;{s}").as_bytes());
             let _ = html5_decode(&s);
         }

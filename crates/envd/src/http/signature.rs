@@ -44,7 +44,10 @@ pub fn sign(path: &str, op: Operation, user: &str, token: &str, expiration: Opti
         raw.push_str(&exp.to_string());
     }
     let digest = Sha256::digest(raw.as_bytes());
-    format!("v1_{}", base64::engine::general_purpose::STANDARD_NO_PAD.encode(digest))
+    format!(
+        "v1_{}",
+        base64::engine::general_purpose::STANDARD_NO_PAD.encode(digest)
+    )
 }
 
 fn now_unix() -> i64 {
@@ -69,7 +72,9 @@ pub(crate) fn authorize(
         return if constant_time_eq(given.as_bytes(), token.as_bytes()) {
             Ok(())
         } else {
-            Err(HttpError::unauthorized("access token present in header but does not match"))
+            Err(HttpError::unauthorized(
+                "access token present in header but does not match",
+            ))
         };
     }
     let Some(signature) = query.signature.as_deref() else {
@@ -118,11 +123,23 @@ mod tests {
             "v1_+oUuSuDwZH607yeEMzKYH5g8Lm4NXH3iGDZ0mZif/S8"
         );
         assert_eq!(
-            sign("~/dir/file name.txt", Operation::Write, "root", "0123456789abcdef", None),
+            sign(
+                "~/dir/file name.txt",
+                Operation::Write,
+                "root",
+                "0123456789abcdef",
+                None
+            ),
             "v1_icVl++1OBQ0gSpVit1mKXpUxrpe5RJR6S9QN9Sork1w"
         );
         assert_eq!(
-            sign("/tmp/x", Operation::Read, "user", "tok", Some(1_700_000_060)),
+            sign(
+                "/tmp/x",
+                Operation::Read,
+                "user",
+                "tok",
+                Some(1_700_000_060)
+            ),
             "v1_dR7ozUBQR+V9Qq7xUvArHTi5gTd8QYyRO6kJEi0iZhA"
         );
     }
@@ -149,10 +166,20 @@ mod tests {
     fn authorizes() {
         let h = HeaderMap::new();
         // No token set: anything goes.
-        assert!(authorize(&ctx(None), &h, &query("/a", None, None, None), Operation::Read).is_ok());
+        assert!(
+            authorize(
+                &ctx(None),
+                &h,
+                &query("/a", None, None, None),
+                Operation::Read
+            )
+            .is_ok()
+        );
         let c = ctx(Some("tok"));
         assert_eq!(
-            authorize(&c, &h, &query("/a", None, None, None), Operation::Read).unwrap_err().status,
+            authorize(&c, &h, &query("/a", None, None, None), Operation::Read)
+                .unwrap_err()
+                .status,
             401
         );
         let mut good = HeaderMap::new();
@@ -162,26 +189,82 @@ mod tests {
         let mut bad = HeaderMap::new();
         bad.insert(ACCESS_TOKEN_HEADER, "nope".parse().unwrap());
         let sig = sign("/a", Operation::Read, "", "tok", None);
-        assert!(authorize(&c, &bad, &query("/a", None, Some(sig.clone()), None), Operation::Read).is_err());
-        assert!(authorize(&c, &h, &query("/a", None, Some(sig.clone()), None), Operation::Read).is_ok());
+        assert!(
+            authorize(
+                &c,
+                &bad,
+                &query("/a", None, Some(sig.clone()), None),
+                Operation::Read
+            )
+            .is_err()
+        );
+        assert!(
+            authorize(
+                &c,
+                &h,
+                &query("/a", None, Some(sig.clone()), None),
+                Operation::Read
+            )
+            .is_ok()
+        );
         // Wrong operation, path or user.
-        assert!(authorize(&c, &h, &query("/a", None, Some(sig.clone()), None), Operation::Write).is_err());
-        assert!(authorize(&c, &h, &query("/b", None, Some(sig.clone()), None), Operation::Read).is_err());
-        assert!(authorize(&c, &h, &query("/a", Some("root"), Some(sig), None), Operation::Read).is_err());
+        assert!(
+            authorize(
+                &c,
+                &h,
+                &query("/a", None, Some(sig.clone()), None),
+                Operation::Write
+            )
+            .is_err()
+        );
+        assert!(
+            authorize(
+                &c,
+                &h,
+                &query("/b", None, Some(sig.clone()), None),
+                Operation::Read
+            )
+            .is_err()
+        );
+        assert!(
+            authorize(
+                &c,
+                &h,
+                &query("/a", Some("root"), Some(sig), None),
+                Operation::Read
+            )
+            .is_err()
+        );
         // Expiration: in the future ok, in the past refused, tampered refused.
         let future = now_unix() + 60;
         let sig = sign("/a", Operation::Write, "root", "tok", Some(future));
         assert!(
-            authorize(&c, &h, &query("/a", Some("root"), Some(sig.clone()), Some(future)), Operation::Write)
-                .is_ok()
+            authorize(
+                &c,
+                &h,
+                &query("/a", Some("root"), Some(sig.clone()), Some(future)),
+                Operation::Write
+            )
+            .is_ok()
         );
         assert!(
-            authorize(&c, &h, &query("/a", Some("root"), Some(sig), Some(future + 1)), Operation::Write)
-                .is_err()
+            authorize(
+                &c,
+                &h,
+                &query("/a", Some("root"), Some(sig), Some(future + 1)),
+                Operation::Write
+            )
+            .is_err()
         );
         let past = now_unix() - 1;
         let sig = sign("/a", Operation::Read, "", "tok", Some(past));
-        let err = authorize(&c, &h, &query("/a", None, Some(sig), Some(past)), Operation::Read).unwrap_err();
+        let err = authorize(
+            &c,
+            &h,
+            &query("/a", None, Some(sig), Some(past)),
+            Operation::Read,
+        )
+        .unwrap_err();
         assert!(err.message.contains("expired"), "{err}");
     }
 }

@@ -119,10 +119,17 @@ async fn upload(
     body: Body,
 ) -> Result<Vec<WriteEntry>, HttpError> {
     let content_type = match headers.get(header::CONTENT_TYPE) {
-        Some(v) => v.to_str().map_err(|_| HttpError::bad_request("invalid Content-Type header"))?,
+        Some(v) => v
+            .to_str()
+            .map_err(|_| HttpError::bad_request("invalid Content-Type header"))?,
         None => "",
     };
-    let media = content_type.split(';').next().unwrap_or_default().trim().to_ascii_lowercase();
+    let media = content_type
+        .split(';')
+        .next()
+        .unwrap_or_default()
+        .trim()
+        .to_ascii_lowercase();
 
     let mut stream = body::from_body(body, body::IDLE_TIMEOUT);
     if request_is_gzipped(headers)? {
@@ -155,7 +162,9 @@ async fn upload(
         guard.arm();
         let next = form.next_field().await;
         guard.disarm();
-        let Some(mut field) = next.map_err(multipart_error)? else { break };
+        let Some(mut field) = next.map_err(multipart_error)? else {
+            break;
+        };
         if field.name() != Some("file") {
             // Not a file: skip its content (outside the header budget).
             while field.chunk().await.map_err(multipart_error)?.is_some() {}
@@ -186,14 +195,21 @@ async fn upload(
         written.push(write_file(target, &user, data, &meta).await?);
     }
     if written.is_empty() {
-        return Err(HttpError::bad_request("the multipart body has no part named 'file'"));
+        return Err(HttpError::bad_request(
+            "the multipart body has no part named 'file'",
+        ));
     }
     Ok(written)
 }
 
 fn resolve(ctx: &Context, user: &User, raw: &str) -> Result<PathBuf, HttpError> {
-    paths::resolve(ctx, user, raw)
-        .map_err(|e| HttpError::bad_request(format!("invalid path '{}': {}", raw.escape_debug(), e.message)))
+    paths::resolve(ctx, user, raw).map_err(|e| {
+        HttpError::bad_request(format!(
+            "invalid path '{}': {}",
+            raw.escape_debug(),
+            e.message
+        ))
+    })
 }
 
 /// Whether the body is gzip-encoded; other encodings are refused.
@@ -201,7 +217,11 @@ fn request_is_gzipped(headers: &HeaderMap) -> Result<bool, HttpError> {
     let Some(value) = headers.get(header::CONTENT_ENCODING) else {
         return Ok(false);
     };
-    let text = value.to_str().unwrap_or_default().trim().to_ascii_lowercase();
+    let text = value
+        .to_str()
+        .unwrap_or_default()
+        .trim()
+        .to_ascii_lowercase();
     match text.as_str() {
         "" | "identity" => Ok(false),
         "gzip" | "x-gzip" => Ok(true),
@@ -220,7 +240,10 @@ fn boundary(content_type: &str) -> Option<String> {
             return None;
         }
         let v = v.trim();
-        let v = v.strip_prefix('"').and_then(|s| s.strip_suffix('"')).unwrap_or(v);
+        let v = v
+            .strip_prefix('"')
+            .and_then(|s| s.strip_suffix('"'))
+            .unwrap_or(v);
         (!v.is_empty() && v.len() <= 200).then(|| v.to_string())
     })
 }
@@ -270,7 +293,9 @@ where
             .await
             .map_err(|e| HttpError::internal(format!("upload task failed: {e}")))??
     };
-    let mut cleanup = RemoveOnDrop { created: created.map(|(dev, ino)| (target.clone(), dev, ino)) };
+    let mut cleanup = RemoveOnDrop {
+        created: created.map(|(dev, ino)| (target.clone(), dev, ino)),
+    };
 
     let (tx, mut rx) = tokio::sync::mpsc::channel::<Bytes>(WRITE_QUEUE);
     let writer = tokio::task::spawn_blocking(move || -> io::Result<File> {
@@ -296,19 +321,27 @@ where
         }
     }
     drop(tx);
-    let written = writer.await.map_err(|e| HttpError::internal(format!("upload writer failed: {e}")))?;
+    let written = writer
+        .await
+        .map_err(|e| HttpError::internal(format!("upload writer failed: {e}")))?;
     if let Some(e) = read_error {
         return Err(e);
     }
-    let file = written.map_err(|e| HttpError::from_io(&e, &format!("writing '{}'", target.display())))?;
+    let file =
+        written.map_err(|e| HttpError::from_io(&e, &format!("writing '{}'", target.display())))?;
     let meta_owned = meta.clone();
     tokio::task::spawn_blocking(move || metadata::apply(file.as_fd(), &meta_owned))
         .await
         .map_err(|e| HttpError::internal(format!("upload task failed: {e}")))?
-        .map_err(|e| HttpError::from_io(&e, &format!("setting metadata on '{}'", target.display())))?;
+        .map_err(|e| {
+            HttpError::from_io(&e, &format!("setting metadata on '{}'", target.display()))
+        })?;
     cleanup.created = None;
 
-    let name = target.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_else(|| "/".into());
+    let name = target
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_else(|| "/".into());
     Ok(WriteEntry {
         path: target.to_string_lossy().into_owned(),
         name,
@@ -323,11 +356,16 @@ fn open_target(path: &Path, user: &User) -> Result<(File, Option<(u64, u64)>), H
     let shown = path.display();
     if let Some(parent) = path.parent() {
         paths::create_dirs_as(parent, user).map_err(|e| match e.kind() {
-            io::ErrorKind::AlreadyExists | io::ErrorKind::NotADirectory => HttpError::bad_request(format!(
-                "cannot create the directory '{}': a path component is not a directory",
-                parent.display()
-            )),
-            _ => HttpError::from_io(&e, &format!("creating the directory '{}'", parent.display())),
+            io::ErrorKind::AlreadyExists | io::ErrorKind::NotADirectory => {
+                HttpError::bad_request(format!(
+                    "cannot create the directory '{}': a path component is not a directory",
+                    parent.display()
+                ))
+            }
+            _ => HttpError::from_io(
+                &e,
+                &format!("creating the directory '{}'", parent.display()),
+            ),
         })?;
     }
     let hand_over = |f: &File| {
@@ -343,11 +381,18 @@ fn open_target(path: &Path, user: &User) -> Result<(File, Option<(u64, u64)>), H
     };
 
     // 1. A new file.
-    match OpenOptions::new().write(true).create_new(true).mode(0o644).custom_flags(libc::O_NOCTTY).open(path)
+    match OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o644)
+        .custom_flags(libc::O_NOCTTY)
+        .open(path)
     {
         Ok(f) => {
             let m = f.metadata().map_err(open_err)?;
-            let guard = RemoveOnDrop { created: Some((path.to_path_buf(), m.dev(), m.ino())) };
+            let guard = RemoveOnDrop {
+                created: Some((path.to_path_buf(), m.dev(), m.ino())),
+            };
             hand_over(&f)?;
             std::mem::forget(guard);
             return Ok((f, Some((m.dev(), m.ino()))));
@@ -356,7 +401,10 @@ fn open_target(path: &Path, user: &User) -> Result<(File, Option<(u64, u64)>), H
         Err(e) => return Err(open_err(e)),
     }
     // 2. An existing file (or a symlink to one). Non-blocking so a FIFO cannot hang us.
-    let file = match OpenOptions::new().write(true).custom_flags(libc::O_NOCTTY | libc::O_NONBLOCK).open(path)
+    let file = match OpenOptions::new()
+        .write(true)
+        .custom_flags(libc::O_NOCTTY | libc::O_NONBLOCK)
+        .open(path)
     {
         Ok(f) => f,
         // A dangling symlink: create its target, as open(O_CREAT) does.
@@ -376,7 +424,8 @@ fn open_target(path: &Path, user: &User) -> Result<(File, Option<(u64, u64)>), H
     if !m.file_type().is_file() {
         return Err(not_regular());
     }
-    file.set_len(0).map_err(|e| HttpError::from_io(&e, &format!("truncating '{shown}'")))?;
+    file.set_len(0)
+        .map_err(|e| HttpError::from_io(&e, &format!("truncating '{shown}'")))?;
     hand_over(&file)?;
     Ok((file, None))
 }
@@ -387,8 +436,14 @@ mod tests {
 
     #[test]
     fn boundaries() {
-        assert_eq!(boundary("multipart/form-data; boundary=abc").as_deref(), Some("abc"));
-        assert_eq!(boundary("multipart/form-data; charset=x; BOUNDARY=\"a b\"").as_deref(), Some("a b"));
+        assert_eq!(
+            boundary("multipart/form-data; boundary=abc").as_deref(),
+            Some("abc")
+        );
+        assert_eq!(
+            boundary("multipart/form-data; charset=x; BOUNDARY=\"a b\"").as_deref(),
+            Some("a b")
+        );
         assert_eq!(boundary("multipart/form-data"), None);
         assert_eq!(boundary("multipart/form-data; boundary="), None);
     }
@@ -400,6 +455,9 @@ mod tests {
         h.insert(header::CONTENT_ENCODING, "GZIP".parse().unwrap());
         assert!(request_is_gzipped(&h).unwrap());
         h.insert(header::CONTENT_ENCODING, "br".parse().unwrap());
-        assert_eq!(request_is_gzipped(&h).unwrap_err().status, StatusCode::BAD_REQUEST);
+        assert_eq!(
+            request_is_gzipped(&h).unwrap_err().status,
+            StatusCode::BAD_REQUEST
+        );
     }
 }

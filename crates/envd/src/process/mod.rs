@@ -28,8 +28,8 @@ use axum::{
 use cubicle_proto::process::{
     CloseStdinRequest, CloseStdinResponse, ConnectRequest, ConnectResponse, ListRequest,
     ListResponse, ProcessEvent, ProcessSelector, SendInputRequest, SendInputResponse,
-    SendSignalRequest, SendSignalResponse, Signal, StartRequest, StartResponse,
-    StreamInputRequest, StreamInputResponse, UpdateRequest, UpdateResponse,
+    SendSignalRequest, SendSignalResponse, Signal, StartRequest, StartResponse, StreamInputRequest,
+    StreamInputResponse, UpdateRequest, UpdateResponse,
     process_event::{Event, KeepAlive, StartEvent},
     process_input::Input,
     process_selector::Selector,
@@ -74,13 +74,30 @@ pub fn routes() -> Router<Arc<AppState>> {
 /// `application/json`, streams `application/connect+json`. Anything else (e.g. the
 /// binary `application/proto`) is `415 Unsupported Media Type`. A missing header is
 /// tolerated.
-async fn require_json_content_type(req: axum::extract::Request, next: axum::middleware::Next) -> Response {
-    let streaming = matches!(req.uri().path().rsplit('/').next(), Some("Start" | "Connect" | "StreamInput"));
-    let expected = if streaming { connect::STREAM_CONTENT_TYPE } else { "application/json" };
-    let given = req.headers().get(axum::http::header::CONTENT_TYPE).map(|v| {
-        let s = String::from_utf8_lossy(v.as_bytes()).to_string();
-        s.split(';').next().unwrap_or_default().trim().to_ascii_lowercase()
-    });
+async fn require_json_content_type(
+    req: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    let streaming = matches!(
+        req.uri().path().rsplit('/').next(),
+        Some("Start" | "Connect" | "StreamInput")
+    );
+    let expected = if streaming {
+        connect::STREAM_CONTENT_TYPE
+    } else {
+        "application/json"
+    };
+    let given = req
+        .headers()
+        .get(axum::http::header::CONTENT_TYPE)
+        .map(|v| {
+            let s = String::from_utf8_lossy(v.as_bytes()).to_string();
+            s.split(';')
+                .next()
+                .unwrap_or_default()
+                .trim()
+                .to_ascii_lowercase()
+        });
     match given {
         Some(ct) if ct != expected => {
             let msg = format!("unsupported content type {ct:?}: expected {expected}");
@@ -103,9 +120,11 @@ async fn start(State(st): State<Arc<AppState>>, headers: HeaderMap, body: Body) 
         Err(e) => return connect::stream_error(e),
     };
     match st.process.start(&headers, req).await {
-        Ok(events) => connect::stream_response(
-            events.map(|e| e.map(|ev| StartResponse { event: Some(ProcessEvent { event: Some(ev) }) })),
-        ),
+        Ok(events) => connect::stream_response(events.map(|e| {
+            e.map(|ev| StartResponse {
+                event: Some(ProcessEvent { event: Some(ev) }),
+            })
+        })),
         Err(e) => connect::stream_error(e),
     }
 }
@@ -116,9 +135,11 @@ async fn connect_rpc(State(st): State<Arc<AppState>>, headers: HeaderMap, body: 
         Err(e) => return connect::stream_error(e),
     };
     match st.process.attach(&headers, req) {
-        Ok(events) => connect::stream_response(
-            events.map(|e| e.map(|ev| ConnectResponse { event: Some(ProcessEvent { event: Some(ev) }) })),
-        ),
+        Ok(events) => connect::stream_response(events.map(|e| {
+            e.map(|ev| ConnectResponse {
+                event: Some(ProcessEvent { event: Some(ev) }),
+            })
+        })),
         Err(e) => connect::stream_error(e),
     }
 }
@@ -179,7 +200,9 @@ async fn with_deadline<T>(
     fut: impl Future<Output = Result<T, ConnectError>>,
 ) -> Result<T, ConnectError> {
     match connect::timeout(headers).filter(|d| !d.is_zero()) {
-        Some(d) => tokio::time::timeout(d, fut).await.unwrap_or_else(|_| Err(deadline_exceeded())),
+        Some(d) => tokio::time::timeout(d, fut)
+            .await
+            .unwrap_or_else(|_| Err(deadline_exceeded())),
         None => fut.await,
     }
 }
@@ -190,7 +213,9 @@ fn deadline_exceeded() -> ConnectError {
 
 fn input_error(e: InputError) -> ConnectError {
     match e {
-        InputError::Disabled | InputError::Closed => ConnectError::failed_precondition(e.to_string()),
+        InputError::Disabled | InputError::Closed => {
+            ConnectError::failed_precondition(e.to_string())
+        }
         InputError::IsPty | InputError::NotPty => ConnectError::invalid_argument(e.to_string()),
         InputError::Io(ref io) if io.raw_os_error() == Some(libc::EPIPE) => {
             ConnectError::failed_precondition("stdin of the process is closed (broken pipe)")
@@ -201,7 +226,10 @@ fn input_error(e: InputError) -> ConnectError {
 
 impl ProcessService {
     pub fn new(ctx: Arc<Context>) -> Self {
-        Self { ctx, table: Arc::new(Table::default()) }
+        Self {
+            ctx,
+            table: Arc::new(Table::default()),
+        }
     }
 
     /// Number of table entries (running and retained); for tests and metrics.
@@ -209,22 +237,34 @@ impl ProcessService {
         self.table.len()
     }
 
-    async fn start(&self, headers: &HeaderMap, req: StartRequest) -> Result<EventStream, ConnectError> {
-        let config = req.process.ok_or_else(|| ConnectError::invalid_argument("missing process config"))?;
+    async fn start(
+        &self,
+        headers: &HeaderMap,
+        req: StartRequest,
+    ) -> Result<EventStream, ConnectError> {
+        let config = req
+            .process
+            .ok_or_else(|| ConnectError::invalid_argument("missing process config"))?;
         if config.cmd.is_empty() {
             return Err(ConnectError::invalid_argument("missing command"));
         }
         let user = auth::acting_user(&self.ctx, headers)?;
         let cwd = self.working_dir(&user, config.cwd.as_deref())?;
         if let Some(bad) = config.envs.keys().find(|k| !spawn::valid_env_name(k)) {
-            return Err(ConnectError::invalid_argument(format!("invalid environment variable name {bad:?}")));
+            return Err(ConnectError::invalid_argument(format!(
+                "invalid environment variable name {bad:?}"
+            )));
         }
         let env = spawn::environment(&user, &self.ctx.env_vars(), &config.envs);
         let pty_size = req.pty.map(|p| {
             let size = p.size.unwrap_or_default();
             (pty::clamp(size.cols), pty::clamp(size.rows))
         });
-        let stdin_mode = if req.stdin == Some(false) { spawn::StdinMode::Null } else { spawn::StdinMode::Pipe };
+        let stdin_mode = if req.stdin == Some(false) {
+            spawn::StdinMode::Null
+        } else {
+            spawn::StdinMode::Pipe
+        };
         let spec = spawn::SpawnSpec {
             cmd: config.cmd.clone(),
             args: config.args.clone(),
@@ -236,7 +276,9 @@ impl ProcessService {
             stdin: stdin_mode,
             pty: pty_size,
         };
-        let deadline = connect::timeout(headers).filter(|d| !d.is_zero()).map(|d| Instant::now() + d);
+        let deadline = connect::timeout(headers)
+            .filter(|d| !d.is_zero())
+            .map(|d| Instant::now() + d);
         let keepalive = connect::keepalive_interval(headers);
         let table = self.table.clone();
         let tag = req.tag;
@@ -252,7 +294,11 @@ impl ProcessService {
 
     /// The working directory of a new process: the requested one (which must exist), else
     /// the default workdir or home (else `/`).
-    fn working_dir(&self, user: &crate::users::User, cwd: Option<&str>) -> Result<PathBuf, ConnectError> {
+    fn working_dir(
+        &self,
+        user: &crate::users::User,
+        cwd: Option<&str>,
+    ) -> Result<PathBuf, ConnectError> {
         match cwd.filter(|c| !c.is_empty()) {
             Some(c) => {
                 let path = paths::resolve(&self.ctx, user, c)?;
@@ -266,21 +312,23 @@ impl ProcessService {
             }
             None => {
                 let path = paths::resolve(&self.ctx, user, "")?;
-                Ok(if path.is_dir() { path } else { PathBuf::from("/") })
+                Ok(if path.is_dir() {
+                    path
+                } else {
+                    PathBuf::from("/")
+                })
             }
         }
     }
 
     fn find(&self, selector: Option<&ProcessSelector>) -> Result<Arc<Proc>, ConnectError> {
         match selector.and_then(|s| s.selector.as_ref()) {
-            Some(Selector::Pid(pid)) => self
-                .table
-                .get(*pid)
-                .ok_or_else(|| ConnectError::not_found(format!("process with pid {pid} not found"))),
-            Some(Selector::Tag(tag)) => self
-                .table
-                .by_tag(tag)
-                .ok_or_else(|| ConnectError::not_found(format!("process with tag {tag} not found"))),
+            Some(Selector::Pid(pid)) => self.table.get(*pid).ok_or_else(|| {
+                ConnectError::not_found(format!("process with pid {pid} not found"))
+            }),
+            Some(Selector::Tag(tag)) => self.table.by_tag(tag).ok_or_else(|| {
+                ConnectError::not_found(format!("process with tag {tag} not found"))
+            }),
             None => Err(ConnectError::invalid_argument("missing process selector")),
         }
     }
@@ -290,18 +338,32 @@ impl ProcessService {
         if p.running() {
             Ok(p)
         } else {
-            Err(ConnectError::not_found(format!("process with pid {} not found", p.pid)))
+            Err(ConnectError::not_found(format!(
+                "process with pid {} not found",
+                p.pid
+            )))
         }
     }
 
-    fn attach(&self, headers: &HeaderMap, req: ConnectRequest) -> Result<EventStream, ConnectError> {
+    fn attach(
+        &self,
+        headers: &HeaderMap,
+        req: ConnectRequest,
+    ) -> Result<EventStream, ConnectError> {
         let proc = self.find(req.process.as_ref())?;
         let pid = proc.pid;
         let (tx, rx) = mpsc::channel(table::SUBSCRIBER_BUFFER);
         match proc.subscribe(tx) {
             Ok(()) => {
-                let deadline = connect::timeout(headers).filter(|d| !d.is_zero()).map(|d| Instant::now() + d);
-                Ok(live_events(pid, rx, deadline, connect::keepalive_interval(headers)))
+                let deadline = connect::timeout(headers)
+                    .filter(|d| !d.is_zero())
+                    .map(|d| Instant::now() + d);
+                Ok(live_events(
+                    pid,
+                    rx,
+                    deadline,
+                    connect::keepalive_interval(headers),
+                ))
             }
             Err(end) => Ok(Box::pin(futures_util::stream::iter([
                 Ok(Event::Start(StartEvent { pid })),
@@ -311,7 +373,9 @@ impl ProcessService {
     }
 
     fn list(&self) -> ListResponse {
-        ListResponse { processes: self.table.running().iter().map(|p| p.info()).collect() }
+        ListResponse {
+            processes: self.table.running().iter().map(|p| p.info()).collect(),
+        }
     }
 
     async fn send_input(&self, req: SendInputRequest) -> Result<SendInputResponse, ConnectError> {
@@ -334,16 +398,25 @@ impl ProcessService {
         result
     }
 
-    async fn feed_input(&self, reader: &mut EnvelopeReader) -> Result<StreamInputResponse, ConnectError> {
+    async fn feed_input(
+        &self,
+        reader: &mut EnvelopeReader,
+    ) -> Result<StreamInputResponse, ConnectError> {
         let first: Option<StreamInputRequest> = reader.next().await?;
         let proc = match first.and_then(|m| m.event) {
             Some(stream_input_request::Event::Start(s)) => self.find_running(s.process.as_ref())?,
-            _ => return Err(ConnectError::invalid_argument("the first message must be a start event")),
+            _ => {
+                return Err(ConnectError::invalid_argument(
+                    "the first message must be a start event",
+                ));
+            }
         };
         while let Some(msg) = reader.next::<StreamInputRequest>().await? {
             match msg.event {
                 Some(stream_input_request::Event::Data(d)) => match d.input.and_then(|i| i.input) {
-                    Some(Input::Stdin(data)) => proc.write_stdin(&data).await.map_err(input_error)?,
+                    Some(Input::Stdin(data)) => {
+                        proc.write_stdin(&data).await.map_err(input_error)?
+                    }
                     Some(Input::Pty(data)) => proc.write_pty(&data).await.map_err(input_error)?,
                     None => {}
                 },
@@ -360,7 +433,12 @@ impl ProcessService {
         let sig = match Signal::try_from(req.signal) {
             Ok(Signal::Sigkill) => libc::SIGKILL,
             Ok(Signal::Sigterm) => libc::SIGTERM,
-            _ => return Err(ConnectError::unimplemented(format!("invalid signal: {}", req.signal))),
+            _ => {
+                return Err(ConnectError::unimplemented(format!(
+                    "invalid signal: {}",
+                    req.signal
+                )));
+            }
         };
         let proc = self.find_running(req.process.as_ref())?;
         proc.signal(sig).map_err(|e| {
@@ -373,7 +451,10 @@ impl ProcessService {
         Ok(SendSignalResponse {})
     }
 
-    async fn close_stdin(&self, req: CloseStdinRequest) -> Result<CloseStdinResponse, ConnectError> {
+    async fn close_stdin(
+        &self,
+        req: CloseStdinRequest,
+    ) -> Result<CloseStdinResponse, ConnectError> {
         let proc = self.find_running(req.process.as_ref())?;
         proc.close_stdin().await.map_err(input_error)?;
         Ok(CloseStdinResponse {})
@@ -383,10 +464,11 @@ impl ProcessService {
         let proc = self.find_running(req.process.as_ref())?;
         if let Some(p) = req.pty {
             let size = p.size.unwrap_or_default();
-            proc.resize(pty::clamp(size.cols), pty::clamp(size.rows)).map_err(|e| match e {
-                InputError::NotPty => ConnectError::failed_precondition("process is not a PTY"),
-                other => input_error(other),
-            })?;
+            proc.resize(pty::clamp(size.cols), pty::clamp(size.rows))
+                .map_err(|e| match e {
+                    InputError::NotPty => ConnectError::failed_precondition("process is not a PTY"),
+                    other => input_error(other),
+                })?;
         }
         Ok(UpdateResponse {})
     }
@@ -404,7 +486,11 @@ fn register(
     let mut child = spawned.child;
     let pid = child.id();
     let (stdin, sources, master) = match spawned.io {
-        spawn::Io::Pipes { stdin, stdout, stderr } => (
+        spawn::Io::Pipes {
+            stdin,
+            stdout,
+            stderr,
+        } => (
             match stdin {
                 Some(s) => StdinState::Open(s),
                 None => StdinState::Disabled,
@@ -449,33 +535,40 @@ fn live_events(
         started: bool,
         done: bool,
     }
-    let state = S { rx, started: false, done: false };
-    Box::pin(futures_util::stream::unfold(state, move |mut s| async move {
-        if s.done {
-            return None;
-        }
-        if !s.started {
-            s.started = true;
-            return Some((Ok(Event::Start(StartEvent { pid })), s));
-        }
-        tokio::select! {
-            biased;
-            _ = async { sleep_until(deadline.unwrap_or_else(Instant::now)).await }, if deadline.is_some() => {
-                s.done = true;
-                Some((Err(deadline_exceeded()), s))
+    let state = S {
+        rx,
+        started: false,
+        done: false,
+    };
+    Box::pin(futures_util::stream::unfold(
+        state,
+        move |mut s| async move {
+            if s.done {
+                return None;
             }
-            ev = s.rx.recv() => match ev {
-                Some(ev @ Event::End(_)) => {
+            if !s.started {
+                s.started = true;
+                return Some((Ok(Event::Start(StartEvent { pid })), s));
+            }
+            tokio::select! {
+                biased;
+                _ = async { sleep_until(deadline.unwrap_or_else(Instant::now)).await }, if deadline.is_some() => {
                     s.done = true;
-                    Some((Ok(ev), s))
+                    Some((Err(deadline_exceeded()), s))
                 }
-                Some(ev) => Some((Ok(ev), s)),
-                None => {
-                    s.done = true;
-                    Some((Err(ConnectError::new(Code::Unavailable, "process stream ended without an end event")), s))
-                }
-            },
-            _ = sleep(keepalive) => Some((Ok(Event::Keepalive(KeepAlive {})), s)),
-        }
-    }))
+                ev = s.rx.recv() => match ev {
+                    Some(ev @ Event::End(_)) => {
+                        s.done = true;
+                        Some((Ok(ev), s))
+                    }
+                    Some(ev) => Some((Ok(ev), s)),
+                    None => {
+                        s.done = true;
+                        Some((Err(ConnectError::new(Code::Unavailable, "process stream ended without an end event")), s))
+                    }
+                },
+                _ = sleep(keepalive) => Some((Ok(Event::Keepalive(KeepAlive {})), s)),
+            }
+        },
+    ))
 }

@@ -111,9 +111,17 @@ impl PtyMaster {
             let res = guard.try_io(|inner| {
                 // SAFETY: buf is valid for writes of buf.len() bytes.
                 let n = unsafe {
-                    libc::read(inner.get_ref().as_raw_fd(), buf.as_mut_ptr().cast(), buf.len())
+                    libc::read(
+                        inner.get_ref().as_raw_fd(),
+                        buf.as_mut_ptr().cast(),
+                        buf.len(),
+                    )
                 };
-                if n < 0 { Err(io::Error::last_os_error()) } else { Ok(n as usize) }
+                if n < 0 {
+                    Err(io::Error::last_os_error())
+                } else {
+                    Ok(n as usize)
+                }
             });
             match res {
                 Ok(Ok(n)) => return Ok(n),
@@ -132,9 +140,17 @@ impl PtyMaster {
             let res = guard.try_io(|inner| {
                 // SAFETY: data is valid for reads of data.len() bytes.
                 let n = unsafe {
-                    libc::write(inner.get_ref().as_raw_fd(), data.as_ptr().cast(), data.len())
+                    libc::write(
+                        inner.get_ref().as_raw_fd(),
+                        data.as_ptr().cast(),
+                        data.len(),
+                    )
                 };
-                if n < 0 { Err(io::Error::last_os_error()) } else { Ok(n as usize) }
+                if n < 0 {
+                    Err(io::Error::last_os_error())
+                } else {
+                    Ok(n as usize)
+                }
             });
             match res {
                 Ok(Ok(n)) => data = &data[n..],
@@ -164,7 +180,10 @@ mod tests {
         };
         let mut ws: libc::winsize = unsafe { std::mem::zeroed() };
         // SAFETY: TIOCGWINSZ writes a struct winsize.
-        assert_eq!(unsafe { libc::ioctl(slave.as_raw_fd(), libc::TIOCGWINSZ, &mut ws) }, 0);
+        assert_eq!(
+            unsafe { libc::ioctl(slave.as_raw_fd(), libc::TIOCGWINSZ, &mut ws) },
+            0
+        );
         assert_eq!((ws.ws_col, ws.ws_row), (100, 30));
         // Both ends are close-on-exec.
         for fd in [master.as_raw_fd(), slave.as_raw_fd()] {

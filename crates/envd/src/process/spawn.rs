@@ -60,8 +60,14 @@ pub struct SpawnSpec {
 
 /// The I/O ends envd keeps.
 pub enum Io {
-    Pipes { stdin: Option<pipe::Sender>, stdout: pipe::Receiver, stderr: pipe::Receiver },
-    Pty { master: OwnedFd },
+    Pipes {
+        stdin: Option<pipe::Sender>,
+        stdout: pipe::Receiver,
+        stderr: pipe::Receiver,
+    },
+    Pty {
+        master: OwnedFd,
+    },
 }
 
 /// A started child.
@@ -105,7 +111,10 @@ pub fn valid_env_name(name: &str) -> bool {
 
 /// The highest descriptor number that may be open (for kernels without `close_range`).
 fn open_fd_limit() -> libc::c_int {
-    let mut rl = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    let mut rl = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
     // SAFETY: getrlimit writes a struct rlimit.
     if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut rl) } == 0 {
         rl.rlim_cur.min(65536) as libc::c_int
@@ -203,7 +212,12 @@ extern "C" fn child_main(arg: *mut c_void) -> libc::c_int {
         // Raw rt_sigaction: glibc's wrapper refuses its internal signals 32/33.
         for sig in 1..=a.sig_max {
             if sig != libc::SIGKILL && sig != libc::SIGSTOP {
-                let dfl = KernelSigaction { handler: libc::SIG_DFL, flags: 0, restorer: 0, mask: 0 };
+                let dfl = KernelSigaction {
+                    handler: libc::SIG_DFL,
+                    flags: 0,
+                    restorer: 0,
+                    mask: 0,
+                };
                 libc::syscall(
                     libc::SYS_rt_sigaction,
                     sig,
@@ -215,7 +229,13 @@ extern "C" fn child_main(arg: *mut c_void) -> libc::c_int {
         }
         // Descriptors envd itself inherited without close-on-exec (from whoever started
         // it) must not reach the child either (the fd table is the child's own copy).
-        if libc::syscall(libc::SYS_close_range, 3u32, u32::MAX, libc::CLOSE_RANGE_CLOEXEC) < 0 {
+        if libc::syscall(
+            libc::SYS_close_range,
+            3u32,
+            u32::MAX,
+            libc::CLOSE_RANGE_CLOEXEC,
+        ) < 0
+        {
             for fd in 3..a.fd_limit {
                 libc::fcntl(fd, libc::F_SETFD, libc::FD_CLOEXEC);
             }
@@ -239,14 +259,25 @@ extern "C" fn child_main(arg: *mut c_void) -> libc::c_int {
             return fail(a);
         }
         let empty: u64 = 0;
-        libc::syscall(libc::SYS_rt_sigprocmask, libc::SIG_SETMASK, &empty as *const u64, std::ptr::null_mut::<u64>(), 8usize);
+        libc::syscall(
+            libc::SYS_rt_sigprocmask,
+            libc::SIG_SETMASK,
+            &empty as *const u64,
+            std::ptr::null_mut::<u64>(),
+            8usize,
+        );
         libc::execve(a.program, a.argv, a.envp);
         fail(a)
     }
 }
 
 fn c_string(s: &[u8], what: &str) -> io::Result<CString> {
-    CString::new(s).map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, format!("{what} contains a NUL byte")))
+    CString::new(s).map_err(|_| {
+        io::Error::new(
+            io::ErrorKind::InvalidInput,
+            format!("{what} contains a NUL byte"),
+        )
+    })
 }
 
 /// The file `execve` will run for `cmd`: itself when it has a `/`, else the first
@@ -258,11 +289,17 @@ fn resolve_program(cmd: &str, env: &[(String, String)]) -> io::Result<PathBuf> {
     if cmd.contains('/') {
         return Ok(PathBuf::from(cmd));
     }
-    let path = env.iter().rev().find(|(k, _)| k == "PATH").map_or(DEFAULT_PATH, |(_, v)| v.as_str());
+    let path = env
+        .iter()
+        .rev()
+        .find(|(k, _)| k == "PATH")
+        .map_or(DEFAULT_PATH, |(_, v)| v.as_str());
     let mut denied = false;
     for dir in path.split(':') {
         let candidate = Path::new(if dir.is_empty() { "." } else { dir }).join(cmd);
-        let Ok(c) = CString::new(candidate.as_os_str().as_bytes()) else { continue };
+        let Ok(c) = CString::new(candidate.as_os_str().as_bytes()) else {
+            continue;
+        };
         // SAFETY: access on a valid C string.
         if unsafe { libc::access(c.as_ptr(), libc::X_OK) } == 0 {
             if candidate.is_file() {
@@ -272,7 +309,11 @@ fn resolve_program(cmd: &str, env: &[(String, String)]) -> io::Result<PathBuf> {
             denied = true;
         }
     }
-    Err(io::Error::from_raw_os_error(if denied { libc::EACCES } else { libc::ENOENT }))
+    Err(io::Error::from_raw_os_error(if denied {
+        libc::EACCES
+    } else {
+        libc::ENOENT
+    }))
 }
 
 /// A descriptor numbered 3 or above (the child dup2s sources onto 0–2 in order, so no
@@ -315,7 +356,12 @@ fn dev_null() -> io::Result<OwnedFd> {
 /// Starts the process. Must be called inside the tokio runtime (it registers the pipes
 /// and the exit notification with the reactor).
 pub fn spawn(spec: &SpawnSpec) -> io::Result<Spawned> {
-    let program = c_string(resolve_program(&spec.cmd, &spec.env)?.as_os_str().as_bytes(), "the command")?;
+    let program = c_string(
+        resolve_program(&spec.cmd, &spec.env)?
+            .as_os_str()
+            .as_bytes(),
+        "the command",
+    )?;
     let mut argv_c = vec![c_string(spec.cmd.as_bytes(), "the command")?];
     for a in &spec.args {
         argv_c.push(c_string(a.as_bytes(), "an argument")?);
@@ -325,10 +371,16 @@ pub fn spawn(spec: &SpawnSpec) -> io::Result<Spawned> {
         .iter()
         .map(|(k, v)| c_string(format!("{k}={v}").as_bytes(), "an environment variable"))
         .collect::<io::Result<Vec<_>>>()?;
-    let argv: Vec<*const libc::c_char> =
-        argv_c.iter().map(|c| c.as_ptr()).chain(std::iter::once(std::ptr::null())).collect();
-    let envp: Vec<*const libc::c_char> =
-        envp_c.iter().map(|c| c.as_ptr()).chain(std::iter::once(std::ptr::null())).collect();
+    let argv: Vec<*const libc::c_char> = argv_c
+        .iter()
+        .map(|c| c.as_ptr())
+        .chain(std::iter::once(std::ptr::null()))
+        .collect();
+    let envp: Vec<*const libc::c_char> = envp_c
+        .iter()
+        .map(|c| c.as_ptr())
+        .chain(std::iter::once(std::ptr::null()))
+        .collect();
     let cwd = c_string(spec.cwd.as_os_str().as_bytes(), "cwd")?;
 
     // SAFETY: geteuid/getuid cannot fail.
@@ -337,7 +389,10 @@ pub fn spawn(spec: &SpawnSpec) -> io::Result<Spawned> {
     if !switch_user && spec.uid != uid_now {
         return Err(io::Error::new(
             io::ErrorKind::PermissionDenied,
-            format!("envd does not run as root and cannot start processes as uid {}", spec.uid),
+            format!(
+                "envd does not run as root and cannot start processes as uid {}",
+                spec.uid
+            ),
         ));
     }
 
@@ -346,7 +401,10 @@ pub fn spawn(spec: &SpawnSpec) -> io::Result<Spawned> {
         Some((cols, rows)) => {
             let (master, slave) = pty::open(cols, rows)?;
             let slave = above_stdio(slave)?;
-            ([slave.try_clone()?, slave.try_clone()?, slave], Kept::Pty(master))
+            (
+                [slave.try_clone()?, slave.try_clone()?, slave],
+                Kept::Pty(master),
+            )
         }
         None => {
             let (stdin_child, stdin_kept) = match spec.stdin {
@@ -358,7 +416,10 @@ pub fn spawn(spec: &SpawnSpec) -> io::Result<Spawned> {
             };
             let (out_r, out_w) = pipe_pair()?;
             let (err_r, err_w) = pipe_pair()?;
-            ([stdin_child, out_w, err_w], Kept::Pipes(stdin_kept, out_r, err_r))
+            (
+                [stdin_child, out_w, err_w],
+                Kept::Pipes(stdin_kept, out_r, err_r),
+            )
         }
     };
 
@@ -368,7 +429,11 @@ pub fn spawn(spec: &SpawnSpec) -> io::Result<Spawned> {
         argv: argv.as_ptr(),
         envp: envp.as_ptr(),
         cwd: cwd.as_ptr(),
-        stdio: [child_ends[0].as_raw_fd(), child_ends[1].as_raw_fd(), child_ends[2].as_raw_fd()],
+        stdio: [
+            child_ends[0].as_raw_fd(),
+            child_ends[1].as_raw_fd(),
+            child_ends[2].as_raw_fd(),
+        ],
         groups: groups.as_ptr(),
         ngroups: groups.len(),
         uid: spec.uid,
@@ -424,7 +489,10 @@ pub fn spawn(spec: &SpawnSpec) -> io::Result<Spawned> {
         // SAFETY: a new descriptor we own; the OwnedFd inside the AsyncFd keeps it open
         // (and the same) for the AsyncFd's whole life.
         unsafe {
-            AsyncFd::register_with_interest(OwnedFd::from_raw_fd(pidfd as libc::c_int), tokio::io::Interest::READABLE)
+            AsyncFd::register_with_interest(
+                OwnedFd::from_raw_fd(pidfd as libc::c_int),
+                tokio::io::Interest::READABLE,
+            )
         }
         .map_err(|e| e.into_parts().1)
     };
@@ -440,7 +508,11 @@ pub fn spawn(spec: &SpawnSpec) -> io::Result<Spawned> {
             return Err(e);
         }
     };
-    let child = Child { pid: pid as u32, exited, reaped: false };
+    let child = Child {
+        pid: pid as u32,
+        exited,
+        reaped: false,
+    };
     let io = match kept {
         Kept::Pty(master) => Io::Pty { master },
         Kept::Pipes(stdin, stdout, stderr) => Io::Pipes {
@@ -474,10 +546,18 @@ mod tests {
 
     #[test]
     fn env_order_last_wins() {
-        let global = HashMap::from([("A".to_string(), "g".to_string()), ("HOME".into(), "/g".into())]);
+        let global = HashMap::from([
+            ("A".to_string(), "g".to_string()),
+            ("HOME".into(), "/g".into()),
+        ]);
         let call = HashMap::from([("A".to_string(), "c".to_string())]);
         let env = environment(&user(), &global, &call);
-        let get = |k: &str| env.iter().filter(|(ek, _)| ek == k).map(|(_, v)| v.clone()).collect::<Vec<_>>();
+        let get = |k: &str| {
+            env.iter()
+                .filter(|(ek, _)| ek == k)
+                .map(|(_, v)| v.clone())
+                .collect::<Vec<_>>()
+        };
         assert_eq!(get("A"), vec!["c"]);
         assert_eq!(get("HOME"), vec!["/g"]);
         assert_eq!(get("USER"), vec!["u"]);
@@ -499,8 +579,14 @@ mod tests {
         let me = crate::users::current();
         let spec = SpawnSpec {
             cmd: "/bin/sh".into(),
-            args: vec!["-c".into(), "echo $FOO:$(pwd); ps -o sid= -p $$ 2>/dev/null || cat /proc/self/stat".into()],
-            env: vec![("FOO".into(), "bar".into()), ("PATH".into(), DEFAULT_PATH.into())],
+            args: vec![
+                "-c".into(),
+                "echo $FOO:$(pwd); ps -o sid= -p $$ 2>/dev/null || cat /proc/self/stat".into(),
+            ],
+            env: vec![
+                ("FOO".into(), "bar".into()),
+                ("PATH".into(), DEFAULT_PATH.into()),
+            ],
             cwd: "/tmp".into(),
             uid: me.uid,
             gid: me.gid,
@@ -509,10 +595,14 @@ mod tests {
             pty: None,
         };
         let Spawned { mut child, io } = spawn(&spec).unwrap();
-        let Io::Pipes { mut stdout, .. } = io else { panic!("pipes expected") };
+        let Io::Pipes { mut stdout, .. } = io else {
+            panic!("pipes expected")
+        };
         let pid = child.id();
         let mut out = String::new();
-        tokio::io::AsyncReadExt::read_to_string(&mut stdout, &mut out).await.unwrap();
+        tokio::io::AsyncReadExt::read_to_string(&mut stdout, &mut out)
+            .await
+            .unwrap();
         assert!(child.wait().await.unwrap().success());
         assert!(out.starts_with("bar:/tmp\n"), "{out}");
         // The shell is its own session leader: sid == pid.
@@ -553,25 +643,37 @@ mod tests {
 
     async fn output(spawned: Spawned) -> (String, ExitStatus) {
         let Spawned { mut child, io } = spawned;
-        let Io::Pipes { mut stdout, .. } = io else { panic!("pipes expected") };
+        let Io::Pipes { mut stdout, .. } = io else {
+            panic!("pipes expected")
+        };
         let mut out = String::new();
-        tokio::io::AsyncReadExt::read_to_string(&mut stdout, &mut out).await.unwrap();
+        tokio::io::AsyncReadExt::read_to_string(&mut stdout, &mut out)
+            .await
+            .unwrap();
         (out, child.wait().await.unwrap())
     }
 
     /// A bare name is looked up in the child's PATH; an unknown one is ENOENT, as execvp.
     #[tokio::test]
     async fn path_lookup_and_missing_command() {
-        let (out, st) = output(spawn(&spec("sh", &["-c", "echo ok"], StdinMode::Null)).unwrap()).await;
+        let (out, st) =
+            output(spawn(&spec("sh", &["-c", "echo ok"], StdinMode::Null)).unwrap()).await;
         assert_eq!((out.as_str(), st.code()), ("ok\n", Some(0)));
-        let e = spawn(&spec("no-such-command-cubicle", &[], StdinMode::Null)).err().unwrap();
+        let e = spawn(&spec("no-such-command-cubicle", &[], StdinMode::Null))
+            .err()
+            .unwrap();
         assert_eq!(e.raw_os_error(), Some(libc::ENOENT), "{e}");
-        let e = spawn(&spec("/no/such/file", &[], StdinMode::Null)).err().unwrap();
+        let e = spawn(&spec("/no/such/file", &[], StdinMode::Null))
+            .err()
+            .unwrap();
         assert_eq!(e.raw_os_error(), Some(libc::ENOENT), "{e}");
         // Not executable: execve's own error comes back from the child.
-        let plain = std::env::temp_dir().join(format!("cubicle-spawn-noexec-{}", std::process::id()));
+        let plain =
+            std::env::temp_dir().join(format!("cubicle-spawn-noexec-{}", std::process::id()));
         std::fs::write(&plain, "#!/bin/sh\n").unwrap();
-        let e = spawn(&spec(plain.to_str().unwrap(), &[], StdinMode::Null)).err().unwrap();
+        let e = spawn(&spec(plain.to_str().unwrap(), &[], StdinMode::Null))
+            .err()
+            .unwrap();
         let _ = std::fs::remove_file(&plain);
         assert_eq!(e.raw_os_error(), Some(libc::EACCES), "{e}");
     }
@@ -583,13 +685,23 @@ mod tests {
         // SAFETY: dup of stdout-or-whatever fd 1 into a new plain descriptor.
         let leaked = unsafe { libc::fcntl(1, libc::F_DUPFD, 3) };
         let script = "ls /proc/self/fd | tr '\\n' ' '; grep -E '^Sig(Ign|Blk)' /proc/self/status | tr -s '\\t' ' '; cat";
-        let Spawned { mut child, io } = spawn(&spec("/bin/sh", &["-c", script], StdinMode::Pipe)).unwrap();
-        let Io::Pipes { stdin, mut stdout, .. } = io else { panic!("pipes expected") };
+        let Spawned { mut child, io } =
+            spawn(&spec("/bin/sh", &["-c", script], StdinMode::Pipe)).unwrap();
+        let Io::Pipes {
+            stdin, mut stdout, ..
+        } = io
+        else {
+            panic!("pipes expected")
+        };
         let mut stdin = stdin.expect("a stdin pipe");
-        tokio::io::AsyncWriteExt::write_all(&mut stdin, b"from stdin").await.unwrap();
+        tokio::io::AsyncWriteExt::write_all(&mut stdin, b"from stdin")
+            .await
+            .unwrap();
         drop(stdin);
         let mut out = String::new();
-        tokio::io::AsyncReadExt::read_to_string(&mut stdout, &mut out).await.unwrap();
+        tokio::io::AsyncReadExt::read_to_string(&mut stdout, &mut out)
+            .await
+            .unwrap();
         assert!(child.wait().await.unwrap().success());
         if leaked >= 0 {
             // SAFETY: closing the descriptor dup'd above.
@@ -605,9 +717,11 @@ mod tests {
     /// Exit codes and deaths by signal come back as the kernel reports them.
     #[tokio::test]
     async fn exit_code_and_signal() {
-        let (_, st) = output(spawn(&spec("/bin/sh", &["-c", "exit 7"], StdinMode::Null)).unwrap()).await;
+        let (_, st) =
+            output(spawn(&spec("/bin/sh", &["-c", "exit 7"], StdinMode::Null)).unwrap()).await;
         assert_eq!(st.code(), Some(7));
-        let (_, st) = output(spawn(&spec("/bin/sh", &["-c", "kill -9 $$"], StdinMode::Null)).unwrap()).await;
+        let (_, st) =
+            output(spawn(&spec("/bin/sh", &["-c", "kill -9 $$"], StdinMode::Null)).unwrap()).await;
         assert_eq!(st.signal(), Some(libc::SIGKILL));
     }
 }

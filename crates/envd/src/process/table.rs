@@ -116,17 +116,29 @@ impl Proc {
             pid,
             config,
             tag,
-            kind: if pty.is_some() { Kind::Pty } else { Kind::Pipes },
+            kind: if pty.is_some() {
+                Kind::Pty
+            } else {
+                Kind::Pipes
+            },
             reaped: AtomicBool::new(false),
             stdin: tokio::sync::Mutex::new(stdin),
             pty: Mutex::new(pty),
-            live: Mutex::new(Live { subscribers: first.into_iter().collect(), end: None, finished_at: None }),
+            live: Mutex::new(Live {
+                subscribers: first.into_iter().collect(),
+                end: None,
+                finished_at: None,
+            }),
         }
     }
 
     /// The `ProcessInfo` of `List`.
     pub fn info(&self) -> ProcessInfo {
-        ProcessInfo { config: Some(self.config.clone()), pid: self.pid, tag: self.tag.clone() }
+        ProcessInfo {
+            config: Some(self.config.clone()),
+            pid: self.pid,
+            tag: self.tag.clone(),
+        }
     }
 
     /// Whether the process is still running (its `end` not yet published).
@@ -162,7 +174,9 @@ impl Proc {
             }
         }
         if !gone.is_empty() {
-            lock(&self.live).subscribers.retain(|s| !gone.iter().any(|g| g.same_channel(s)));
+            lock(&self.live)
+                .subscribers
+                .retain(|s| !gone.iter().any(|g| g.same_channel(s)));
         }
     }
 
@@ -256,7 +270,11 @@ pub fn signal_session(pid: u32, sig: libc::c_int) -> io::Result<()> {
     let mut others = 0;
     if let Ok(dir) = std::fs::read_dir("/proc") {
         for entry in dir.flatten() {
-            let Some(p) = entry.file_name().to_str().and_then(|s| s.parse::<libc::pid_t>().ok()) else {
+            let Some(p) = entry
+                .file_name()
+                .to_str()
+                .and_then(|s| s.parse::<libc::pid_t>().ok())
+            else {
                 continue;
             };
             if p == pgid {
@@ -275,7 +293,11 @@ pub fn signal_session(pid: u32, sig: libc::c_int) -> io::Result<()> {
     }
     // The group may be gone while the leader is a zombie not yet reaped.
     // SAFETY: plain system call.
-    if unsafe { libc::kill(pgid, sig) } == 0 { Ok(()) } else { Err(group_err) }
+    if unsafe { libc::kill(pgid, sig) } == 0 {
+        Ok(())
+    } else {
+        Err(group_err)
+    }
 }
 
 /// The session id of a process, from `/proc/<pid>/stat`.
@@ -343,10 +365,20 @@ pub fn end_event(status: &io::Result<std::process::ExitStatus>) -> EndEvent {
                 if st.core_dumped() {
                     text.push_str(" (core dumped)");
                 }
-                EndEvent { exit_code: -1, exited: false, status: text.clone(), error: Some(text) }
+                EndEvent {
+                    exit_code: -1,
+                    exited: false,
+                    status: text.clone(),
+                    error: Some(text),
+                }
             } else {
                 let text = format!("{st}");
-                EndEvent { exit_code: -1, exited: false, status: text.clone(), error: Some(text) }
+                EndEvent {
+                    exit_code: -1,
+                    exited: false,
+                    status: text.clone(),
+                    error: Some(text),
+                }
             }
         }
         Err(e) => EndEvent {
@@ -360,13 +392,21 @@ pub fn end_event(status: &io::Result<std::process::ExitStatus>) -> EndEvent {
 
 /// The output ends the supervisor reads.
 pub enum Sources {
-    Pipes { stdout: pipe::Receiver, stderr: pipe::Receiver },
+    Pipes {
+        stdout: pipe::Receiver,
+        stderr: pipe::Receiver,
+    },
     Pty(Arc<PtyMaster>),
 }
 
 /// Runs one process to completion: reads its output, kills it at `kill_at`, reaps it,
 /// drains what is left, publishes the `end`, and releases every descriptor.
-pub async fn supervise(proc: Arc<Proc>, mut child: Child, output: Sources, kill_at: Option<Instant>) {
+pub async fn supervise(
+    proc: Arc<Proc>,
+    mut child: Child,
+    output: Sources,
+    kill_at: Option<Instant>,
+) {
     let (mut stdout, mut stderr, pty) = match output {
         Sources::Pipes { stdout, stderr } => (Some(stdout), Some(stderr), None),
         Sources::Pty(m) => (None, None, Some(m)),
@@ -434,10 +474,15 @@ pub async fn supervise(proc: Arc<Proc>, mut child: Child, output: Sources, kill_
 }
 
 fn data(output: Output) -> Event {
-    Event::Data(DataEvent { output: Some(output) })
+    Event::Data(DataEvent {
+        output: Some(output),
+    })
 }
 
-async fn read_opt<R: tokio::io::AsyncRead + Unpin>(r: Option<&mut R>, buf: &mut [u8]) -> io::Result<usize> {
+async fn read_opt<R: tokio::io::AsyncRead + Unpin>(
+    r: Option<&mut R>,
+    buf: &mut [u8],
+) -> io::Result<usize> {
     match r {
         Some(r) => r.read(buf).await,
         None => std::future::pending().await,
@@ -504,7 +549,10 @@ impl Table {
 
 fn purge(m: &mut HashMap<u32, Arc<Proc>>) {
     let now = Instant::now();
-    m.retain(|_, p| p.finished_at().is_none_or(|t| now.duration_since(t) < RETENTION));
+    m.retain(|_, p| {
+        p.finished_at()
+            .is_none_or(|t| now.duration_since(t) < RETENTION)
+    });
 }
 
 #[cfg(test)]
@@ -516,7 +564,10 @@ mod tests {
     #[test]
     fn end_conventions() {
         let ok = end_event(&Ok(ExitStatus::from_raw(0)));
-        assert_eq!((ok.exit_code, ok.exited, ok.status.as_str(), ok.error), (0, true, "exit status 0", None));
+        assert_eq!(
+            (ok.exit_code, ok.exited, ok.status.as_str(), ok.error),
+            (0, true, "exit status 0", None)
+        );
         let three = end_event(&Ok(ExitStatus::from_raw(3 << 8)));
         assert_eq!(three.exit_code, 3);
         assert_eq!(three.error.as_deref(), Some("exit status 3"));
@@ -541,12 +592,20 @@ mod tests {
 
     #[tokio::test]
     async fn subscribe_after_finish_gets_end() {
-        let p = Proc::new(1, ProcessConfig::default(), None, StdinState::Disabled, None, None);
+        let p = Proc::new(
+            1,
+            ProcessConfig::default(),
+            None,
+            StdinState::Disabled,
+            None,
+            None,
+        );
         assert!(p.running());
         let (tx, mut rx) = mpsc::channel(4);
         p.subscribe(tx).unwrap();
         p.publish(data(Output::Stdout(b"x".to_vec()))).await;
-        p.finish(end_event(&Ok(std::process::ExitStatus::from_raw(0)))).await;
+        p.finish(end_event(&Ok(std::process::ExitStatus::from_raw(0))))
+            .await;
         assert!(matches!(rx.recv().await, Some(Event::Data(_))));
         assert!(matches!(rx.recv().await, Some(Event::End(_))));
         assert!(rx.recv().await.is_none());
@@ -558,7 +617,14 @@ mod tests {
 
     #[tokio::test]
     async fn detached_subscribers_are_dropped() {
-        let p = Proc::new(1, ProcessConfig::default(), None, StdinState::Disabled, None, None);
+        let p = Proc::new(
+            1,
+            ProcessConfig::default(),
+            None,
+            StdinState::Disabled,
+            None,
+            None,
+        );
         let (tx, rx) = mpsc::channel(1);
         p.subscribe(tx).unwrap();
         drop(rx);

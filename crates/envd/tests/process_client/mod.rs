@@ -71,7 +71,8 @@ impl StreamResp {
     pub async fn next(&mut self) -> Option<(u8, Value)> {
         loop {
             if self.buf.len() >= 5 {
-                let len = u32::from_be_bytes([self.buf[1], self.buf[2], self.buf[3], self.buf[4]]) as usize;
+                let len = u32::from_be_bytes([self.buf[1], self.buf[2], self.buf[3], self.buf[4]])
+                    as usize;
                 if self.buf.len() >= 5 + len {
                     let flags = self.buf[0];
                     let payload: Vec<u8> = self.buf.drain(..5 + len).skip(5).collect();
@@ -100,14 +101,21 @@ impl StreamResp {
     pub async fn collect(&mut self) -> Collected {
         let mut c = Collected::default();
         loop {
-            let (flags, v) = self.next().await.expect("stream ended before end-of-stream");
+            let (flags, v) = self
+                .next()
+                .await
+                .expect("stream ended before end-of-stream");
             if flags == 2 {
                 c.trailer = Some(v);
                 return c;
             }
             let ev = &v["event"];
             if let Some(d) = ev.get("data") {
-                for (k, out) in [("stdout", &mut c.stdout), ("stderr", &mut c.stderr), ("pty", &mut c.pty)] {
+                for (k, out) in [
+                    ("stdout", &mut c.stdout),
+                    ("stderr", &mut c.stderr),
+                    ("pty", &mut c.pty),
+                ] {
                     if let Some(s) = d.get(k).and_then(Value::as_str) {
                         out.extend_from_slice(&unb64(s));
                     }
@@ -147,14 +155,27 @@ impl Collected {
     }
 }
 
-async fn send(addr: SocketAddr, path: &str, ct: &str, headers: &[(&str, &str)], body: Body) -> StreamResp {
+async fn send(
+    addr: SocketAddr,
+    path: &str,
+    ct: &str,
+    headers: &[(&str, &str)],
+    body: Body,
+) -> StreamResp {
     let stream = TcpStream::connect(addr).await.unwrap();
-    let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream)).await.unwrap();
+    let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
+        .await
+        .unwrap();
     let conn = tokio::spawn(async move {
         let _ = conn.await;
     });
-    let mut req = Request::post(path).header("host", "localhost").header("connect-protocol-version", "1");
-    if !headers.iter().any(|(k, _)| k.eq_ignore_ascii_case("content-type")) {
+    let mut req = Request::post(path)
+        .header("host", "localhost")
+        .header("connect-protocol-version", "1");
+    if !headers
+        .iter()
+        .any(|(k, _)| k.eq_ignore_ascii_case("content-type"))
+    {
         req = req.header("content-type", ct);
     }
     for (k, v) in headers {
@@ -167,7 +188,13 @@ async fn send(addr: SocketAddr, path: &str, ct: &str, headers: &[(&str, &str)], 
         .get("content-type")
         .map(|v| v.to_str().unwrap().to_string())
         .unwrap_or_default();
-    StreamResp { status, content_type, body: resp.into_body(), buf: Vec::new(), conn }
+    StreamResp {
+        status,
+        content_type,
+        body: resp.into_body(),
+        buf: Vec::new(),
+        conn,
+    }
 }
 
 /// Opens a server-stream call with one request message.
@@ -176,9 +203,21 @@ pub async fn stream(envd: &Envd, method: &str, msg: Value, headers: &[(&str, &st
 }
 
 /// Like [`stream`], with raw payload bytes.
-pub async fn stream_raw(envd: &Envd, method: &str, payload: &[u8], headers: &[(&str, &str)]) -> StreamResp {
+pub async fn stream_raw(
+    envd: &Envd,
+    method: &str,
+    payload: &[u8],
+    headers: &[(&str, &str)],
+) -> StreamResp {
     let body = Full::new(envelope(0, payload)).boxed();
-    let r = send(envd.addr, &format!("/process.Process/{method}"), "application/connect+json", headers, body).await;
+    let r = send(
+        envd.addr,
+        &format!("/process.Process/{method}"),
+        "application/connect+json",
+        headers,
+        body,
+    )
+    .await;
     assert_eq!(r.status, 200);
     assert_eq!(r.content_type, "application/connect+json");
     r
@@ -189,26 +228,49 @@ pub async fn unary(envd: &Envd, method: &str, msg: Value) -> (u16, Value) {
     unary_raw(envd, method, msg.to_string().as_bytes(), &[]).await
 }
 
-pub async fn unary_raw(envd: &Envd, method: &str, payload: &[u8], headers: &[(&str, &str)]) -> (u16, Value) {
+pub async fn unary_raw(
+    envd: &Envd,
+    method: &str,
+    payload: &[u8],
+    headers: &[(&str, &str)],
+) -> (u16, Value) {
     let body = Full::new(Bytes::copy_from_slice(payload)).boxed();
-    let mut r = send(envd.addr, &format!("/process.Process/{method}"), "application/json", headers, body).await;
+    let mut r = send(
+        envd.addr,
+        &format!("/process.Process/{method}"),
+        "application/json",
+        headers,
+        body,
+    )
+    .await;
     let mut bytes = Vec::new();
     while let Some(Ok(f)) = r.body.frame().await {
         if let Ok(d) = f.into_data() {
             bytes.extend_from_slice(&d);
         }
     }
-    let v = if bytes.is_empty() { Value::Null } else { serde_json::from_slice(&bytes).unwrap() };
+    let v = if bytes.is_empty() {
+        Value::Null
+    } else {
+        serde_json::from_slice(&bytes).unwrap()
+    };
     (r.status, v)
 }
 
 /// A client-stream call whose messages are fed through the returned sender.
-pub async fn client_stream(envd: &Envd, method: &str) -> (mpsc::Sender<Value>, JoinHandle<StreamResp>) {
+pub async fn client_stream(
+    envd: &Envd,
+    method: &str,
+) -> (mpsc::Sender<Value>, JoinHandle<StreamResp>) {
     let (tx, mut rx) = mpsc::channel::<Value>(16);
     let (ftx, frx) = mpsc::channel::<Result<Frame<Bytes>, Infallible>>(16);
     tokio::spawn(async move {
         while let Some(v) = rx.recv().await {
-            if ftx.send(Ok(Frame::data(envelope(0, v.to_string().as_bytes())))).await.is_err() {
+            if ftx
+                .send(Ok(Frame::data(envelope(0, v.to_string().as_bytes()))))
+                .await
+                .is_err()
+            {
                 return;
             }
         }
@@ -217,7 +279,8 @@ pub async fn client_stream(envd: &Envd, method: &str) -> (mpsc::Sender<Value>, J
     let body = StreamBody::new(tokio_stream::wrappers::ReceiverStream::new(frx)).boxed();
     let addr = envd.addr;
     let path = format!("/process.Process/{method}");
-    let h = tokio::spawn(async move { send(addr, &path, "application/connect+json", &[], body).await });
+    let h =
+        tokio::spawn(async move { send(addr, &path, "application/connect+json", &[], body).await });
     (tx, h)
 }
 
@@ -225,7 +288,9 @@ pub async fn client_stream(envd: &Envd, method: &str) -> (mpsc::Sender<Value>, J
 pub async fn start(envd: &Envd, req: Value, headers: &[(&str, &str)]) -> (StreamResp, u32) {
     let mut s = stream(envd, "Start", req, headers).await;
     let first = s.event().await;
-    let pid = first["start"]["pid"].as_u64().unwrap_or_else(|| panic!("first event is not start: {first}"));
+    let pid = first["start"]["pid"]
+        .as_u64()
+        .unwrap_or_else(|| panic!("first event is not start: {first}"));
     (s, pid as u32)
 }
 

@@ -74,7 +74,10 @@ pub enum NetworkError {
 
 impl NetworkError {
     pub(crate) fn io(what: impl Into<String>, source: io::Error) -> Self {
-        NetworkError::Io { what: what.into(), source }
+        NetworkError::Io {
+            what: what.into(),
+            source,
+        }
     }
 }
 
@@ -91,8 +94,15 @@ impl Ipv4Cidr {
         if prefix_len > 32 {
             return Err(NetworkError::InvalidCidr(format!("{addr}/{prefix_len}")));
         }
-        let mask = if prefix_len == 0 { 0 } else { u32::MAX << (32 - prefix_len) };
-        Ok(Ipv4Cidr { addr: Ipv4Addr::from(u32::from(addr) & mask), prefix_len })
+        let mask = if prefix_len == 0 {
+            0
+        } else {
+            u32::MAX << (32 - prefix_len)
+        };
+        Ok(Ipv4Cidr {
+            addr: Ipv4Addr::from(u32::from(addr) & mask),
+            prefix_len,
+        })
     }
     pub fn addr(&self) -> Ipv4Addr {
         self.addr
@@ -102,10 +112,13 @@ impl Ipv4Cidr {
     }
     /// Number of addresses (saturating at u32::MAX for /0).
     pub fn size(&self) -> u32 {
-        1u64.checked_shl(32 - self.prefix_len as u32).map_or(u32::MAX, |n| n.min(u32::MAX as u64) as u32)
+        1u64.checked_shl(32 - self.prefix_len as u32)
+            .map_or(u32::MAX, |n| n.min(u32::MAX as u64) as u32)
     }
     pub fn contains(&self, ip: Ipv4Addr) -> bool {
-        Ipv4Cidr::new(ip, self.prefix_len).map(|c| c.addr == self.addr).unwrap_or(false)
+        Ipv4Cidr::new(ip, self.prefix_len)
+            .map(|c| c.addr == self.addr)
+            .unwrap_or(false)
     }
 }
 
@@ -166,7 +179,12 @@ pub fn parse_resolv_conf(text: &str) -> Vec<Ipv4Addr> {
 
 impl Default for NetworkConfig {
     fn default() -> Self {
-        let c = |s: &str| s.parse::<Ipv4Cidr>().unwrap_or(Ipv4Cidr { addr: Ipv4Addr::UNSPECIFIED, prefix_len: 32 });
+        let c = |s: &str| {
+            s.parse::<Ipv4Cidr>().unwrap_or(Ipv4Cidr {
+                addr: Ipv4Addr::UNSPECIFIED,
+                prefix_len: 32,
+            })
+        };
         NetworkConfig {
             table: "cubicle".into(),
             ifname_prefix: "cbs".into(),
@@ -212,7 +230,11 @@ pub struct EgressPolicy {
 
 impl Default for EgressPolicy {
     fn default() -> Self {
-        EgressPolicy { allow_internet: true, allow_out: Vec::new(), deny_out: Vec::new() }
+        EgressPolicy {
+            allow_internet: true,
+            allow_out: Vec::new(),
+            deny_out: Vec::new(),
+        }
     }
 }
 
@@ -244,7 +266,8 @@ impl Network {
         enable_ip_forwarding()?;
         let (static_part, policy_part) = net.render_rules()?;
         let table = &net.config.table;
-        let mut script = format!("table inet {table} {{}}\ndelete table inet {table}\n{static_part}\n");
+        let mut script =
+            format!("table inet {table} {{}}\ndelete table inet {table}\n{static_part}\n");
         if !nft_table_exists(&format!("{table}_policy"))? {
             script.push_str(&policy_part);
         }
@@ -262,17 +285,31 @@ impl Network {
             )));
         }
         let t = &config.table;
-        if t.is_empty() || t.len() > 32 || !t.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_') {
-            return Err(NetworkError::Config(format!("table {t:?} must be 1-32 of [A-Za-z0-9_]")));
+        if t.is_empty()
+            || t.len() > 32
+            || !t.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_')
+        {
+            return Err(NetworkError::Config(format!(
+                "table {t:?} must be 1-32 of [A-Za-z0-9_]"
+            )));
         }
         if config.pool.prefix_len() > 30 {
-            return Err(NetworkError::Config(format!("pool {} too small", config.pool)));
+            return Err(NetworkError::Config(format!(
+                "pool {} too small",
+                config.pool
+            )));
         }
         // Interface names are <prefix><slot> and must fit IFNAMSIZ-1 = 15 bytes.
         let digits_left = 15 - p.len() as u32;
-        let name_limit = 10u64.saturating_pow(digits_left.min(9)).min(u32::MAX as u64) as u32;
+        let name_limit = 10u64
+            .saturating_pow(digits_left.min(9))
+            .min(u32::MAX as u64) as u32;
         let max_slots = (config.pool.size() / 2).min(name_limit);
-        Ok(Network { config, max_slots, with_policy: Mutex::new(HashSet::new()) })
+        Ok(Network {
+            config,
+            max_slots,
+            with_policy: Mutex::new(HashSet::new()),
+        })
     }
 
     pub fn config(&self) -> &NetworkConfig {
@@ -287,7 +324,11 @@ impl Network {
     /// The addresses and interface name slot `slot` uses (pure computation).
     pub fn slot_info(&self, slot: u32) -> Result<NetInfo, NetworkError> {
         if slot >= self.max_slots {
-            return Err(NetworkError::SlotOutOfRange { slot, pool: self.config.pool, max: self.max_slots });
+            return Err(NetworkError::SlotOutOfRange {
+                slot,
+                pool: self.config.pool,
+                max: self.max_slots,
+            });
         }
         let base = u32::from(self.config.pool.addr()) + 2 * slot;
         Ok(NetInfo {
@@ -317,7 +358,8 @@ impl Network {
     /// default route, for `slot`. A stale pair left on that slot (crash) is replaced.
     pub fn attach(&self, netns: &Netns, slot: u32) -> Result<NetInfo, NetworkError> {
         let info = self.slot_info(slot)?;
-        let mut host = RouteSocket::open().map_err(|e| NetworkError::io("opening netlink socket", e))?;
+        let mut host =
+            RouteSocket::open().map_err(|e| NetworkError::io("opening netlink socket", e))?;
         let create = |host: &mut RouteSocket| {
             host.create_veth(&info.host_ifname, SANDBOX_IFNAME, netns, self.config.mtu)
         };
@@ -327,10 +369,21 @@ impl Network {
                 // Leftover host side for this slot (or eth0 already in the sandbox).
                 let _ = host.delete_link(&info.host_ifname);
                 create(&mut host).map_err(|e| {
-                    NetworkError::io(format!("creating veth {} (after removing a stale one)", info.host_ifname), e)
+                    NetworkError::io(
+                        format!(
+                            "creating veth {} (after removing a stale one)",
+                            info.host_ifname
+                        ),
+                        e,
+                    )
                 })?;
             }
-            Err(e) => return Err(NetworkError::io(format!("creating veth {}", info.host_ifname), e)),
+            Err(e) => {
+                return Err(NetworkError::io(
+                    format!("creating veth {}", info.host_ifname),
+                    e,
+                ));
+            }
         }
         let result = self.configure(&mut host, netns, &info);
         if result.is_err() {
@@ -339,11 +392,21 @@ impl Network {
         result.map(|()| info)
     }
 
-    fn configure(&self, host: &mut RouteSocket, netns: &Netns, info: &NetInfo) -> Result<(), NetworkError> {
+    fn configure(
+        &self,
+        host: &mut RouteSocket,
+        netns: &Netns,
+        info: &NetInfo,
+    ) -> Result<(), NetworkError> {
         let host_index = host
             .link_index(&info.host_ifname)
             .map_err(|e| NetworkError::io(format!("looking up {}", info.host_ifname), e))?
-            .ok_or_else(|| NetworkError::io(format!("looking up {}", info.host_ifname), io::Error::from_raw_os_error(libc::ENODEV)))?;
+            .ok_or_else(|| {
+                NetworkError::io(
+                    format!("looking up {}", info.host_ifname),
+                    io::Error::from_raw_os_error(libc::ENODEV),
+                )
+            })?;
         // IPv6 off on the host side before it goes up. Sandboxes have no IPv6, and every
         // IPv6-enabled interface adds ff00::/8 and fe80::/64 routes to the host's tables,
         // all at the same prefix: with thousands of sandboxes each create and delete then
@@ -353,31 +416,54 @@ impl Network {
         host.set_up(host_index)
             .map_err(|e| NetworkError::io(format!("setting {} up", info.host_ifname), e))?;
         host.add_address(host_index, info.gateway, 31)
-            .map_err(|e| NetworkError::io(format!("adding {}/31 to {}", info.gateway, info.host_ifname), e))?;
+            .map_err(|e| {
+                NetworkError::io(
+                    format!("adding {}/31 to {}", info.gateway, info.host_ifname),
+                    e,
+                )
+            })?;
 
         let mut inside = netns::route_socket_in(netns)?;
         let index = inside
             .link_index(SANDBOX_IFNAME)
             .map_err(|e| NetworkError::io("looking up eth0 in sandbox", e))?
-            .ok_or_else(|| NetworkError::io("looking up eth0 in sandbox", io::Error::from_raw_os_error(libc::ENODEV)))?;
-        inside.set_up(index).map_err(|e| NetworkError::io("setting sandbox eth0 up", e))?;
+            .ok_or_else(|| {
+                NetworkError::io(
+                    "looking up eth0 in sandbox",
+                    io::Error::from_raw_os_error(libc::ENODEV),
+                )
+            })?;
+        inside
+            .set_up(index)
+            .map_err(|e| NetworkError::io("setting sandbox eth0 up", e))?;
         inside
             .add_address(index, info.sandbox_ip, 31)
-            .map_err(|e| NetworkError::io(format!("adding {}/31 to sandbox eth0", info.sandbox_ip), e))?;
-        inside
-            .add_default_route(index, info.gateway)
-            .map_err(|e| NetworkError::io(format!("adding default route via {} in sandbox", info.gateway), e))?;
+            .map_err(|e| {
+                NetworkError::io(format!("adding {}/31 to sandbox eth0", info.sandbox_ip), e)
+            })?;
+        inside.add_default_route(index, info.gateway).map_err(|e| {
+            NetworkError::io(
+                format!("adding default route via {} in sandbox", info.gateway),
+                e,
+            )
+        })?;
         Ok(())
     }
 
     /// Removes slot `slot`'s veth pair and policy (idempotent: missing pieces are fine).
     pub fn detach(&self, slot: u32) -> Result<(), NetworkError> {
         let info = self.slot_info(slot)?;
-        let mut host = RouteSocket::open().map_err(|e| NetworkError::io("opening netlink socket", e))?;
+        let mut host =
+            RouteSocket::open().map_err(|e| NetworkError::io("opening netlink socket", e))?;
         match host.delete_link(&info.host_ifname) {
             Ok(()) => {}
             Err(e) if e.raw_os_error() == Some(libc::ENODEV) => {}
-            Err(e) => return Err(NetworkError::io(format!("deleting {}", info.host_ifname), e)),
+            Err(e) => {
+                return Err(NetworkError::io(
+                    format!("deleting {}", info.host_ifname),
+                    e,
+                ));
+            }
         }
         let had_policy = self.lock_policy().contains(&slot);
         if had_policy {
@@ -399,20 +485,36 @@ impl Network {
         let t = format!("{}_policy", self.config.table);
         let chain = format!("sb_{slot}");
         let mut s = String::new();
-        s.push_str(&format!("add chain inet {t} {chain}\nflush chain inet {t} {chain}\n"));
-        let list = |v: &[Ipv4Cidr]| v.iter().map(|c| c.to_string()).collect::<Vec<_>>().join(", ");
+        s.push_str(&format!(
+            "add chain inet {t} {chain}\nflush chain inet {t} {chain}\n"
+        ));
+        let list = |v: &[Ipv4Cidr]| {
+            v.iter()
+                .map(|c| c.to_string())
+                .collect::<Vec<_>>()
+                .join(", ")
+        };
         if !policy.allow_out.is_empty() {
-            s.push_str(&format!("add rule inet {t} {chain} ip daddr {{ {} }} accept\n", list(&policy.allow_out)));
+            s.push_str(&format!(
+                "add rule inet {t} {chain} ip daddr {{ {} }} accept\n",
+                list(&policy.allow_out)
+            ));
         }
         if !policy.deny_out.is_empty() {
-            s.push_str(&format!("add rule inet {t} {chain} ip daddr {{ {} }} goto deny\n", list(&policy.deny_out)));
+            s.push_str(&format!(
+                "add rule inet {t} {chain} ip daddr {{ {} }} goto deny\n",
+                list(&policy.deny_out)
+            ));
         }
         if !policy.allow_internet {
             s.push_str(&format!("add rule inet {t} {chain} goto deny\n"));
         }
         let had = self.lock_policy().contains(&slot);
         if !had {
-            s.push_str(&format!("add element inet {t} sandbox_policy {{ {} : jump {chain} }}\n", info.sandbox_ip));
+            s.push_str(&format!(
+                "add element inet {t} sandbox_policy {{ {} : jump {chain} }}\n",
+                info.sandbox_ip
+            ));
         }
         nft_apply(&s, &format!("setting the egress policy of slot {slot}"))?;
         self.lock_policy().insert(slot);
@@ -422,9 +524,12 @@ impl Network {
     /// After a crash: deletes every sandbox veth and policy whose slot is not in `known`.
     pub fn reconcile(&self, known: &[u32]) -> Result<(), NetworkError> {
         let known: HashSet<u32> = known.iter().copied().collect();
-        let mut host = RouteSocket::open().map_err(|e| NetworkError::io("opening netlink socket", e))?;
+        let mut host =
+            RouteSocket::open().map_err(|e| NetworkError::io("opening netlink socket", e))?;
         for link in self.sandbox_links(&mut host)? {
-            let keep = self.slot_of_ifname(&link.name).is_some_and(|s| known.contains(&s));
+            let keep = self
+                .slot_of_ifname(&link.name)
+                .is_some_and(|s| known.contains(&s));
             if !keep {
                 match host.delete_link(&link.name) {
                     Ok(()) => {}
@@ -434,7 +539,12 @@ impl Network {
             }
         }
         self.load_policy_slots()?;
-        let stale: Vec<u32> = self.lock_policy().iter().copied().filter(|s| !known.contains(s)).collect();
+        let stale: Vec<u32> = self
+            .lock_policy()
+            .iter()
+            .copied()
+            .filter(|s| !known.contains(s))
+            .collect();
         if !stale.is_empty() {
             self.remove_policies(&stale)?;
         }
@@ -444,7 +554,8 @@ impl Network {
     /// Removes everything this network created on the host: all `<prefix>*` links and
     /// both nftables tables. For tests and `cubicle` uninstall; not used in normal runs.
     pub fn teardown_all(&self) -> Result<(), NetworkError> {
-        let mut host = RouteSocket::open().map_err(|e| NetworkError::io("opening netlink socket", e))?;
+        let mut host =
+            RouteSocket::open().map_err(|e| NetworkError::io("opening netlink socket", e))?;
         for link in self.sandbox_links(&mut host)? {
             match host.delete_link(&link.name) {
                 Ok(()) => {}
@@ -464,12 +575,15 @@ impl Network {
     /// Host links that belong to sandboxes (name `<prefix><digits>`, or any veth with
     /// the prefix).
     fn sandbox_links(&self, host: &mut RouteSocket) -> Result<Vec<netlink::Link>, NetworkError> {
-        let links = host.links().map_err(|e| NetworkError::io("listing links", e))?;
+        let links = host
+            .links()
+            .map_err(|e| NetworkError::io("listing links", e))?;
         Ok(links
             .into_iter()
             .filter(|l| {
                 self.slot_of_ifname(&l.name).is_some()
-                    || (l.name.starts_with(&self.config.ifname_prefix) && l.kind.as_deref() == Some("veth"))
+                    || (l.name.starts_with(&self.config.ifname_prefix)
+                        && l.kind.as_deref() == Some("veth"))
             })
             .collect())
     }
@@ -528,11 +642,15 @@ impl Network {
             let info = self.slot_info(slot)?;
             let ip = info.sandbox_ip.to_string();
             if elems.contains(&ip) {
-                s.push_str(&format!("delete element inet {t} sandbox_policy {{ {ip} }}\n"));
+                s.push_str(&format!(
+                    "delete element inet {t} sandbox_policy {{ {ip} }}\n"
+                ));
             }
             let chain = format!("sb_{slot}");
             if chains.contains(&chain) {
-                s.push_str(&format!("flush chain inet {t} {chain}\ndelete chain inet {t} {chain}\n"));
+                s.push_str(&format!(
+                    "flush chain inet {t} {chain}\ndelete chain inet {t} {chain}\n"
+                ));
             }
         }
         if !s.is_empty() {
@@ -551,10 +669,21 @@ impl Network {
             if v.is_empty() {
                 String::new()
             } else {
-                format!("elements = {{ {} }}", v.iter().map(|c| c.to_string()).collect::<Vec<_>>().join(", "))
+                format!(
+                    "elements = {{ {} }}",
+                    v.iter()
+                        .map(|c| c.to_string())
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                )
             }
         };
-        let dns: Vec<Ipv4Cidr> = self.config.dns_resolvers.iter().filter_map(|a| Ipv4Cidr::new(*a, 32).ok()).collect();
+        let dns: Vec<Ipv4Cidr> = self
+            .config
+            .dns_resolvers
+            .iter()
+            .filter_map(|a| Ipv4Cidr::new(*a, 32).ok())
+            .collect();
         let text = EGRESS_RULES
             .replace("@TABLE@", &self.config.table)
             .replace("@IFPREFIX@", &self.config.ifname_prefix)
@@ -562,24 +691,30 @@ impl Network {
             .replace("@PRIVATE@", &elements(&self.config.deny_private))
             .replace("@NODE_ALLOW@", &elements(&self.config.node_allow))
             .replace("@DNS@", &elements(&dns));
-        let pos = text
-            .find(POLICY_MARKER)
-            .ok_or_else(|| NetworkError::Config("egress_rules.nft lacks the policy marker".into()))?;
+        let pos = text.find(POLICY_MARKER).ok_or_else(|| {
+            NetworkError::Config("egress_rules.nft lacks the policy marker".into())
+        })?;
         Ok((text[..pos].to_string(), text[pos..].to_string()))
     }
 }
 
 fn enable_ip_forwarding() -> Result<(), NetworkError> {
     let path = "/proc/sys/net/ipv4/ip_forward";
-    let cur = std::fs::read_to_string(path).map_err(|e| NetworkError::io(format!("reading {path}"), e))?;
+    let cur = std::fs::read_to_string(path)
+        .map_err(|e| NetworkError::io(format!("reading {path}"), e))?;
     if cur.trim() != "1" {
-        std::fs::write(path, "1").map_err(|e| NetworkError::io(format!("writing {path} (are you root?)"), e))?;
+        std::fs::write(path, "1")
+            .map_err(|e| NetworkError::io(format!("writing {path} (are you root?)"), e))?;
     }
     Ok(())
 }
 
 fn nft_binary() -> &'static str {
-    if std::path::Path::new("/usr/sbin/nft").exists() { "/usr/sbin/nft" } else { "nft" }
+    if std::path::Path::new("/usr/sbin/nft").exists() {
+        "/usr/sbin/nft"
+    } else {
+        "nft"
+    }
 }
 
 /// Runs `nft -f -` with `script` (one atomic transaction).
@@ -592,9 +727,13 @@ pub(crate) fn nft_apply(script: &str, context: &str) -> Result<(), NetworkError>
         .spawn()
         .map_err(|e| NetworkError::io("running nft (is the nftables package installed?)", e))?;
     if let Some(mut stdin) = child.stdin.take() {
-        stdin.write_all(script.as_bytes()).map_err(|e| NetworkError::io("writing to nft", e))?;
+        stdin
+            .write_all(script.as_bytes())
+            .map_err(|e| NetworkError::io("writing to nft", e))?;
     }
-    let out = child.wait_with_output().map_err(|e| NetworkError::io("waiting for nft", e))?;
+    let out = child
+        .wait_with_output()
+        .map_err(|e| NetworkError::io("waiting for nft", e))?;
     if !out.status.success() {
         return Err(NetworkError::Nft {
             context: context.to_string(),
@@ -616,8 +755,12 @@ fn nft_json(args: &[&str]) -> Result<serde_json::Value, NetworkError> {
             stderr: String::from_utf8_lossy(&out.stderr).trim().to_string(),
         });
     }
-    serde_json::from_slice(&out.stdout)
-        .map_err(|e| NetworkError::io("parsing nft JSON", io::Error::new(io::ErrorKind::InvalidData, e)))
+    serde_json::from_slice(&out.stdout).map_err(|e| {
+        NetworkError::io(
+            "parsing nft JSON",
+            io::Error::new(io::ErrorKind::InvalidData, e),
+        )
+    })
 }
 
 fn nft_table_exists(name: &str) -> Result<bool, NetworkError> {
@@ -641,7 +784,12 @@ fn disable_ipv6(ifname: &str) -> Result<(), NetworkError> {
     let path = format!("/proc/sys/net/ipv6/conf/{ifname}/disable_ipv6");
     match std::fs::write(&path, "1") {
         Ok(()) => Ok(()),
-        Err(e) if e.kind() == io::ErrorKind::NotFound && !std::path::Path::new("/proc/sys/net/ipv6").exists() => Ok(()),
+        Err(e)
+            if e.kind() == io::ErrorKind::NotFound
+                && !std::path::Path::new("/proc/sys/net/ipv6").exists() =>
+        {
+            Ok(())
+        }
         Err(e) => Err(NetworkError::io(format!("writing {path}"), e)),
     }
 }

@@ -72,7 +72,10 @@ impl Msg {
         let mut buf = vec![0u8; NLMSG_HDRLEN];
         buf[4..6].copy_from_slice(&ty.to_ne_bytes());
         buf[6..8].copy_from_slice(&flags.to_ne_bytes());
-        Msg { buf, nests: Vec::new() }
+        Msg {
+            buf,
+            nests: Vec::new(),
+        }
     }
 
     fn pad(&mut self) {
@@ -177,7 +180,11 @@ fn parse_link(payload: &[u8]) -> Option<Link> {
             _ => {}
         }
     }
-    Some(Link { index, name: name?, kind })
+    Some(Link {
+        index,
+        name: name?,
+        kind,
+    })
 }
 
 /// A `NETLINK_ROUTE` socket, bound to the network namespace it was created in.
@@ -192,7 +199,11 @@ impl RouteSocket {
     pub fn open() -> io::Result<Self> {
         // SAFETY: plain syscalls on values we own; the fd is wrapped at once.
         let fd = unsafe {
-            libc::socket(libc::AF_NETLINK, libc::SOCK_RAW | libc::SOCK_CLOEXEC, libc::NETLINK_ROUTE)
+            libc::socket(
+                libc::AF_NETLINK,
+                libc::SOCK_RAW | libc::SOCK_CLOEXEC,
+                libc::NETLINK_ROUTE,
+            )
         };
         if fd < 0 {
             return Err(io::Error::last_os_error());
@@ -224,7 +235,11 @@ impl RouteSocket {
                 std::mem::size_of::<libc::c_int>() as libc::socklen_t,
             );
         }
-        Ok(RouteSocket { fd, seq: 0, buf: vec![0u8; 64 * 1024] })
+        Ok(RouteSocket {
+            fd,
+            seq: 0,
+            buf: vec![0u8; 64 * 1024],
+        })
     }
 
     fn send(&mut self, msg: &mut Msg) -> io::Result<u32> {
@@ -280,7 +295,10 @@ impl RouteSocket {
                 let ty = u16::from_ne_bytes([data[4], data[5]]);
                 let mseq = u32::from_ne_bytes([data[8], data[9], data[10], data[11]]);
                 if len < NLMSG_HDRLEN || len > data.len() {
-                    return Err(io::Error::new(io::ErrorKind::InvalidData, "truncated netlink message"));
+                    return Err(io::Error::new(
+                        io::ErrorKind::InvalidData,
+                        "truncated netlink message",
+                    ));
                 }
                 let payload = &data[NLMSG_HDRLEN..len];
                 data = &data[align4(len).min(data.len())..];
@@ -291,10 +309,18 @@ impl RouteSocket {
                     NLMSG_DONE => return Ok(()),
                     NLMSG_ERROR => {
                         if payload.len() < 4 {
-                            return Err(io::Error::new(io::ErrorKind::InvalidData, "short netlink error"));
+                            return Err(io::Error::new(
+                                io::ErrorKind::InvalidData,
+                                "short netlink error",
+                            ));
                         }
-                        let err = i32::from_ne_bytes([payload[0], payload[1], payload[2], payload[3]]);
-                        return if err == 0 { Ok(()) } else { Err(io::Error::from_raw_os_error(-err)) };
+                        let err =
+                            i32::from_ne_bytes([payload[0], payload[1], payload[2], payload[3]]);
+                        return if err == 0 {
+                            Ok(())
+                        } else {
+                            Err(io::Error::from_raw_os_error(-err))
+                        };
                     }
                     _ => {
                         if on_msg(ty, payload) {
@@ -320,7 +346,10 @@ impl RouteSocket {
         peer_netns: &impl AsRawFd,
         mtu: Option<u32>,
     ) -> io::Result<()> {
-        let mut m = Msg::new(RTM_NEWLINK, NLM_F_REQUEST | NLM_F_ACK | NLM_F_CREATE | NLM_F_EXCL);
+        let mut m = Msg::new(
+            RTM_NEWLINK,
+            NLM_F_REQUEST | NLM_F_ACK | NLM_F_CREATE | NLM_F_EXCL,
+        );
         // Down: the caller configures it (IPv6 off) before setting it up.
         m.header(&ifinfomsg(0, 0, 0));
         m.attr_str(IFLA_IFNAME, host_name);
@@ -400,7 +429,10 @@ impl RouteSocket {
 
     /// Adds `addr/prefix_len` to link `index`.
     pub fn add_address(&mut self, index: i32, addr: Ipv4Addr, prefix_len: u8) -> io::Result<()> {
-        let mut m = Msg::new(RTM_NEWADDR, NLM_F_REQUEST | NLM_F_ACK | NLM_F_CREATE | NLM_F_EXCL);
+        let mut m = Msg::new(
+            RTM_NEWADDR,
+            NLM_F_REQUEST | NLM_F_ACK | NLM_F_CREATE | NLM_F_EXCL,
+        );
         let mut h = [0u8; 8];
         h[0] = libc::AF_INET as u8;
         h[1] = prefix_len;
@@ -414,7 +446,10 @@ impl RouteSocket {
     /// Adds a default route via `gateway` on link `index` (onlink: no need to wait for
     /// the connected route).
     pub fn add_default_route(&mut self, index: i32, gateway: Ipv4Addr) -> io::Result<()> {
-        let mut m = Msg::new(RTM_NEWROUTE, NLM_F_REQUEST | NLM_F_ACK | NLM_F_CREATE | NLM_F_EXCL);
+        let mut m = Msg::new(
+            RTM_NEWROUTE,
+            NLM_F_REQUEST | NLM_F_ACK | NLM_F_CREATE | NLM_F_EXCL,
+        );
         let mut h = [0u8; 12];
         h[0] = libc::AF_INET as u8;
         h[4] = RT_TABLE_MAIN;
@@ -442,7 +477,10 @@ mod tests {
         m.end_nest();
         let bytes = m.finish(7).to_vec();
         assert_eq!(bytes.len(), 16 + 16 + 4 + 12);
-        assert_eq!(u32::from_ne_bytes(bytes[0..4].try_into().unwrap()) as usize, bytes.len());
+        assert_eq!(
+            u32::from_ne_bytes(bytes[0..4].try_into().unwrap()) as usize,
+            bytes.len()
+        );
         let body = &bytes[32..];
         let (ty, inner) = attrs(body).next().unwrap();
         assert_eq!(ty, IFLA_LINKINFO);

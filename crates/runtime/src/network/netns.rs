@@ -32,9 +32,12 @@ impl Netns {
     /// Opens a namespace file such as `/run/netns/NAME`.
     pub fn open(path: impl AsRef<Path>) -> Result<Self, NetworkError> {
         let path = path.as_ref();
-        let file = std::fs::File::open(path)
-            .map_err(|e| NetworkError::io(format!("opening network namespace {}", path.display()), e))?;
-        Ok(Netns { fd: OwnedFd::from(file) })
+        let file = std::fs::File::open(path).map_err(|e| {
+            NetworkError::io(format!("opening network namespace {}", path.display()), e)
+        })?;
+        Ok(Netns {
+            fd: OwnedFd::from(file),
+        })
     }
 
     /// The namespace of the calling thread.
@@ -49,7 +52,10 @@ impl Netns {
 
     /// A second handle to the same namespace.
     pub fn try_clone(&self) -> Result<Self, NetworkError> {
-        let fd = self.fd.try_clone().map_err(|e| NetworkError::io("duplicating netns fd", e))?;
+        let fd = self
+            .fd
+            .try_clone()
+            .map_err(|e| NetworkError::io("duplicating netns fd", e))?;
         Ok(Netns { fd })
     }
 }
@@ -80,7 +86,10 @@ where
             .spawn_scoped(s, move || {
                 // SAFETY: fd is a valid namespace fd borrowed for the scope's lifetime.
                 if unsafe { libc::setns(fd, libc::CLONE_NEWNET) } != 0 {
-                    return Err(NetworkError::io("setns(CLONE_NEWNET)", io::Error::last_os_error()));
+                    return Err(NetworkError::io(
+                        "setns(CLONE_NEWNET)",
+                        io::Error::last_os_error(),
+                    ));
                 }
                 Ok(f())
             })
@@ -155,6 +164,9 @@ pub fn loopback_up(netns: &Netns) -> Result<(), NetworkError> {
     let index = sock
         .link_index("lo")
         .map_err(|e| NetworkError::io("looking up lo", e))?
-        .ok_or_else(|| NetworkError::io("looking up lo", io::Error::from_raw_os_error(libc::ENODEV)))?;
-    sock.set_up(index).map_err(|e| NetworkError::io("setting lo up", e))
+        .ok_or_else(|| {
+            NetworkError::io("looking up lo", io::Error::from_raw_os_error(libc::ENODEV))
+        })?;
+    sock.set_up(index)
+        .map_err(|e| NetworkError::io("setting lo up", e))
 }

@@ -19,14 +19,20 @@ static SERIAL: Mutex<()> = Mutex::new(());
 /// Serializes the root tests within this process (mutex) and across processes (an
 /// abstract Unix socket name, released by the kernel when the holder exits), since they
 /// share one table and interface prefix and colleagues may run the suite concurrently.
-fn serial() -> (std::sync::MutexGuard<'static, ()>, std::os::unix::net::UnixListener) {
+fn serial() -> (
+    std::sync::MutexGuard<'static, ()>,
+    std::os::unix::net::UnixListener,
+) {
     use std::os::linux::net::SocketAddrExt;
     let guard = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
-    let addr = std::os::unix::net::SocketAddr::from_abstract_name(b"cubicle-network-tests").expect("abstract name");
+    let addr = std::os::unix::net::SocketAddr::from_abstract_name(b"cubicle-network-tests")
+        .expect("abstract name");
     loop {
         match std::os::unix::net::UnixListener::bind_addr(&addr) {
             Ok(l) => return (guard, l),
-            Err(e) if e.kind() == io::ErrorKind::AddrInUse => std::thread::sleep(Duration::from_millis(50)),
+            Err(e) if e.kind() == io::ErrorKind::AddrInUse => {
+                std::thread::sleep(Duration::from_millis(50))
+            }
             Err(e) => panic!("test lock: {e}"),
         }
     }
@@ -39,7 +45,10 @@ fn cidr_parse_and_normalize() {
     assert_eq!(c.size(), 65536);
     assert!(c.contains("10.200.255.1".parse().unwrap()));
     assert!(!c.contains("10.201.0.1".parse().unwrap()));
-    assert_eq!("1.2.3.4".parse::<Ipv4Cidr>().unwrap().to_string(), "1.2.3.4/32");
+    assert_eq!(
+        "1.2.3.4".parse::<Ipv4Cidr>().unwrap().to_string(),
+        "1.2.3.4/32"
+    );
     assert!("1.2.3.4/33".parse::<Ipv4Cidr>().is_err());
     assert!("::1/128".parse::<Ipv4Cidr>().is_err());
 }
@@ -49,7 +58,10 @@ fn slots_are_deterministic() {
     let net = Network::new(NetworkConfig::default()).unwrap();
     assert_eq!(net.max_slots(), 32768);
     let i = net.slot_info(0).unwrap();
-    assert_eq!((i.gateway, i.sandbox_ip), ("10.200.0.0".parse().unwrap(), "10.200.0.1".parse().unwrap()));
+    assert_eq!(
+        (i.gateway, i.sandbox_ip),
+        ("10.200.0.0".parse().unwrap(), "10.200.0.1".parse().unwrap())
+    );
     let i = net.slot_info(300).unwrap();
     assert_eq!(i.host_ifname, "cbs300");
     assert_eq!(i.sandbox_ip, "10.200.2.89".parse::<Ipv4Addr>().unwrap());
@@ -64,9 +76,20 @@ fn slots_are_deterministic() {
 
 #[test]
 fn rules_render_without_placeholders() {
-    let net = Network::new(NetworkConfig { deny_private: vec![], ..NetworkConfig::default() }).unwrap();
+    let net = Network::new(NetworkConfig {
+        deny_private: vec![],
+        ..NetworkConfig::default()
+    })
+    .unwrap();
     let (a, b) = net.render_rules().unwrap();
-    for ph in ["@TABLE@", "@IFPREFIX@", "@POOL@", "@PRIVATE@", "@NODE_ALLOW@", "@DNS@"] {
+    for ph in [
+        "@TABLE@",
+        "@IFPREFIX@",
+        "@POOL@",
+        "@PRIVATE@",
+        "@NODE_ALLOW@",
+        "@DNS@",
+    ] {
         assert!(!a.contains(ph) && !b.contains(ph), "{ph} left in the rules");
     }
     assert!(a.contains("iifname \"cbs*\""));
@@ -78,14 +101,26 @@ fn rules_render_without_placeholders() {
 #[test]
 fn resolv_conf_skips_loopback_and_ipv6() {
     let text = "# x\nnameserver 127.0.0.53\nnameserver 10.255.255.53\nnameserver ::1\nsearch a\nnameserver 1.1.1.1\n";
-    assert_eq!(parse_resolv_conf(text), vec!["10.255.255.53".parse::<Ipv4Addr>().unwrap(), "1.1.1.1".parse().unwrap()]);
+    assert_eq!(
+        parse_resolv_conf(text),
+        vec![
+            "10.255.255.53".parse::<Ipv4Addr>().unwrap(),
+            "1.1.1.1".parse().unwrap()
+        ]
+    );
 }
 
 #[test]
 fn bad_config_is_rejected() {
-    let bad = NetworkConfig { ifname_prefix: "toolongprefix".into(), ..NetworkConfig::default() };
+    let bad = NetworkConfig {
+        ifname_prefix: "toolongprefix".into(),
+        ..NetworkConfig::default()
+    };
     assert!(Network::new(bad).is_err());
-    let bad = NetworkConfig { table: "x; flush ruleset".into(), ..NetworkConfig::default() };
+    let bad = NetworkConfig {
+        table: "x; flush ruleset".into(),
+        ..NetworkConfig::default()
+    };
     assert!(Network::new(bad).is_err());
 }
 
@@ -100,10 +135,16 @@ fn is_root() -> bool {
 macro_rules! require_root {
     () => {
         if !is_root() {
-            eprintln!("SKIPPED: needs root (creates network namespaces, veths and nftables tables)");
+            eprintln!(
+                "SKIPPED: needs root (creates network namespaces, veths and nftables tables)"
+            );
             return;
         }
-        if Command::new(nft_binary()).arg("--version").output().is_err() {
+        if Command::new(nft_binary())
+            .arg("--version")
+            .output()
+            .is_err()
+        {
             eprintln!("SKIPPED: the `nft` binary (nftables package) is not installed");
             return;
         }
@@ -126,7 +167,11 @@ fn test_config() -> NetworkConfig {
 
 fn sh(cmd: &str, args: &[&str]) -> String {
     let out = Command::new(cmd).args(args).output().expect("spawn");
-    assert!(out.status.success(), "{cmd} {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{cmd} {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
@@ -149,7 +194,9 @@ impl TestNs {
 
 impl Drop for TestNs {
     fn drop(&mut self) {
-        let _ = Command::new("ip").args(["netns", "del", &self.name]).output();
+        let _ = Command::new("ip")
+            .args(["netns", "del", &self.name])
+            .output();
     }
 }
 
@@ -165,12 +212,48 @@ impl World {
         let net = Network::init(test_config()).unwrap();
         // The test "internet": a namespace with 198.51.100.2, reached via the host.
         let internet = TestNs::new("inet");
-        sh("ip", &["link", "add", INET_IF, "type", "veth", "peer", "name", "eth0", "netns", &internet.name]);
+        sh(
+            "ip",
+            &[
+                "link",
+                "add",
+                INET_IF,
+                "type",
+                "veth",
+                "peer",
+                "name",
+                "eth0",
+                "netns",
+                &internet.name,
+            ],
+        );
         sh("ip", &["addr", "add", "198.51.100.1/24", "dev", INET_IF]);
         sh("ip", &["link", "set", INET_IF, "up"]);
-        sh("ip", &["-n", &internet.name, "addr", "add", "198.51.100.2/24", "dev", "eth0"]);
+        sh(
+            "ip",
+            &[
+                "-n",
+                &internet.name,
+                "addr",
+                "add",
+                "198.51.100.2/24",
+                "dev",
+                "eth0",
+            ],
+        );
         sh("ip", &["-n", &internet.name, "link", "set", "eth0", "up"]);
-        sh("ip", &["-n", &internet.name, "route", "add", "default", "via", "198.51.100.1"]);
+        sh(
+            "ip",
+            &[
+                "-n",
+                &internet.name,
+                "route",
+                "add",
+                "default",
+                "via",
+                "198.51.100.1",
+            ],
+        );
         // Guard: a forwarded packet from a test sandbox may only leave towards the test
         // internet or back into test sandboxes; anything else is counted and dropped.
         nft_apply(
@@ -194,7 +277,9 @@ impl Drop for World {
     fn drop(&mut self) {
         let _ = self.net.teardown_all();
         let _ = Command::new("ip").args(["link", "del", INET_IF]).output();
-        let _ = Command::new("nft").args(["delete", "table", "inet", GUARD_TABLE]).output();
+        let _ = Command::new("nft")
+            .args(["delete", "table", "inet", GUARD_TABLE])
+            .output();
     }
 }
 
@@ -203,7 +288,9 @@ fn cleanup_leftovers() {
         let _ = net.teardown_all();
     }
     let _ = Command::new("ip").args(["link", "del", INET_IF]).output();
-    let _ = Command::new("nft").args(["delete", "table", "inet", GUARD_TABLE]).output();
+    let _ = Command::new("nft")
+        .args(["delete", "table", "inet", GUARD_TABLE])
+        .output();
 }
 
 fn guard_counters() -> u64 {
@@ -217,7 +304,9 @@ fn guard_counters() -> u64 {
 /// A TCP listener bound in `ns` at `addr` that answers each connection with the peer's
 /// address (so the test can see NAT) and records it.
 fn listen_in(ns: &Netns, addr: SocketAddr) -> (SocketAddr, std::sync::mpsc::Receiver<SocketAddr>) {
-    let listener = run_in_netns(ns, move || TcpListener::bind(addr)).unwrap().unwrap();
+    let listener = run_in_netns(ns, move || TcpListener::bind(addr))
+        .unwrap()
+        .unwrap();
     let local = listener.local_addr().unwrap();
     listener.set_nonblocking(false).unwrap();
     let (tx, rx) = std::sync::mpsc::channel();
@@ -275,7 +364,10 @@ fn egress_isolation_end_to_end() {
     if std::path::Path::new("/proc/sys/net/ipv6").exists() {
         let v = std::fs::read_to_string("/proc/sys/net/ipv6/conf/cbt1/disable_ipv6").unwrap();
         assert_eq!(v.trim(), "1");
-        let out = Command::new("ip").args(["-6", "route", "show", "table", "all", "dev", "cbt1"]).output().unwrap();
+        let out = Command::new("ip")
+            .args(["-6", "route", "show", "table", "all", "dev", "cbt1"])
+            .output()
+            .unwrap();
         let routes = String::from_utf8_lossy(&out.stdout);
         assert!(routes.trim().is_empty(), "IPv6 routes on cbt1: {routes}");
     }
@@ -283,7 +375,11 @@ fn egress_isolation_end_to_end() {
     // 1. Internet: sandbox A reaches the test internet host, NATed to the host address.
     let (inet_addr, inet_rx) = listen_in(&world.internet.ns, v4("198.51.100.2", 0));
     let reply = try_connect(&a.ns, inet_addr).expect("sandbox should reach the internet host");
-    assert_eq!(reply.split(':').next(), Some("198.51.100.1"), "egress must be masqueraded");
+    assert_eq!(
+        reply.split(':').next(),
+        Some("198.51.100.1"),
+        "egress must be masqueraded"
+    );
     assert!(inet_rx.recv_timeout(Duration::from_secs(1)).is_ok());
     assert!(try_connect(&b.ns, inet_addr).is_ok());
 
@@ -291,9 +387,16 @@ fn egress_isolation_end_to_end() {
     let (a_addr, a_rx) = listen_in(&a.ns, SocketAddr::V4(SocketAddrV4::new(ia.sandbox_ip, 0)));
     let t = Instant::now();
     let err = try_connect(&b.ns, a_addr).expect_err("sandbox B must not reach sandbox A");
-    assert!(t.elapsed() < Duration::from_secs(1), "denial should be immediate, got {err} after {:?}", t.elapsed());
+    assert!(
+        t.elapsed() < Duration::from_secs(1),
+        "denial should be immediate, got {err} after {:?}",
+        t.elapsed()
+    );
     // ...nor A's host-side (gateway) address.
-    let err2 = try_connect(&b.ns, SocketAddr::V4(SocketAddrV4::new(ia.gateway, a_addr.port())));
+    let err2 = try_connect(
+        &b.ns,
+        SocketAddr::V4(SocketAddrV4::new(ia.gateway, a_addr.port())),
+    );
     assert!(err2.is_err());
     // ...but the host itself can, via the namespace (the router's path).
     let mut s = connect_addr_in_netns(&a.ns, a_addr).unwrap();
@@ -301,26 +404,46 @@ fn egress_isolation_end_to_end() {
     s.read_to_string(&mut got).unwrap();
     assert!(got.starts_with(&ia.sandbox_ip.to_string()));
     assert!(a_rx.recv_timeout(Duration::from_secs(1)).is_ok());
-    assert!(a_rx.try_recv().is_err(), "sandbox B's attempt must not have arrived");
+    assert!(
+        a_rx.try_recv().is_err(),
+        "sandbox B's attempt must not have arrived"
+    );
 
     // 3. The host: its veth address, its loopback, its primary address.
     let host_ns = Netns::current().unwrap();
     let (gw_addr, gw_rx) = listen_in(&host_ns, SocketAddr::V4(SocketAddrV4::new(ia.gateway, 0)));
-    assert!(try_connect(&a.ns, gw_addr).is_err(), "sandbox must not reach the host's veth address");
+    assert!(
+        try_connect(&a.ns, gw_addr).is_err(),
+        "sandbox must not reach the host's veth address"
+    );
     let (lo_addr, lo_rx) = listen_in(&host_ns, v4("127.0.0.1", 0));
-    assert!(try_connect(&a.ns, lo_addr).is_err(), "sandbox must not reach host loopback services");
+    assert!(
+        try_connect(&a.ns, lo_addr).is_err(),
+        "sandbox must not reach host loopback services"
+    );
     if let Some(ip) = host_primary_ipv4() {
         let (p_addr, p_rx) = listen_in(&host_ns, SocketAddr::V4(SocketAddrV4::new(ip, 0)));
-        assert!(try_connect(&a.ns, p_addr).is_err(), "sandbox must not reach the host at {ip}");
+        assert!(
+            try_connect(&a.ns, p_addr).is_err(),
+            "sandbox must not reach the host at {ip}"
+        );
         assert!(p_rx.try_recv().is_err());
     }
     assert!(gw_rx.try_recv().is_err() && lo_rx.try_recv().is_err());
 
     // 4. Link-local / metadata (and a private range) are refused at once.
-    for target in [v4("169.254.169.254", 80), v4("10.1.2.3", 80), v4("192.168.1.1", 80)] {
+    for target in [
+        v4("169.254.169.254", 80),
+        v4("10.1.2.3", 80),
+        v4("192.168.1.1", 80),
+    ] {
         let t = Instant::now();
         let err = try_connect(&a.ns, target).expect_err("must be denied");
-        assert!(t.elapsed() < Duration::from_secs(1), "{target}: {err} after {:?}", t.elapsed());
+        assert!(
+            t.elapsed() < Duration::from_secs(1),
+            "{target}: {err} after {:?}",
+            t.elapsed()
+        );
     }
 
     // 5. No internet: only loopback exists; but the host can still reach inside.
@@ -344,7 +467,10 @@ fn egress_isolation_end_to_end() {
     drop(a);
     drop(world);
     let links = sh("ip", &["-o", "link"]);
-    assert!(!links.contains(": cbt") && !links.contains(INET_IF), "leftover links:\n{links}");
+    assert!(
+        !links.contains(": cbt") && !links.contains(INET_IF),
+        "leftover links:\n{links}"
+    );
     let ruleset = sh("nft", &["list", "tables"]);
     assert!(!ruleset.contains(TEST_TABLE), "leftover tables:\n{ruleset}");
     assert!(!sh("ip", &["netns", "list"]).contains(&format!("-{}", std::process::id())));
@@ -363,10 +489,16 @@ fn policies_allow_deny_and_reconcile() {
     assert!(try_connect(&a.ns, inet_addr).is_ok());
 
     // denyOut the test internet host.
-    let deny = EgressPolicy { deny_out: vec!["198.51.100.0/24".parse().unwrap()], ..Default::default() };
+    let deny = EgressPolicy {
+        deny_out: vec!["198.51.100.0/24".parse().unwrap()],
+        ..Default::default()
+    };
     world.net.set_policy(5, &deny).unwrap();
     assert!(try_connect(&a.ns, inet_addr).is_err(), "denyOut must block");
-    assert!(try_connect(&b.ns, inet_addr).is_ok(), "another sandbox is unaffected");
+    assert!(
+        try_connect(&b.ns, inet_addr).is_ok(),
+        "another sandbox is unaffected"
+    );
 
     // Anti-spoofing: A (denied) takes B's address to escape its policy; the host drops
     // those packets before routing. Counters in the guard table (after the raw-priority
@@ -387,18 +519,62 @@ fn policies_allow_deny_and_reconcile() {
     .unwrap();
     let (gw, spoofed) = (ia.gateway.to_string(), ib.sandbox_ip.to_string());
     assert!(try_connect(&a.ns, inet_addr).is_err());
-    sh("ip", &["-n", &a.name, "addr", "add", &format!("{spoofed}/32"), "dev", "eth0"]);
-    sh("ip", &["-n", &a.name, "route", "replace", "default", "via", &gw, "dev", "eth0", "src", &spoofed, "onlink"]);
+    sh(
+        "ip",
+        &[
+            "-n",
+            &a.name,
+            "addr",
+            "add",
+            &format!("{spoofed}/32"),
+            "dev",
+            "eth0",
+        ],
+    );
+    sh(
+        "ip",
+        &[
+            "-n", &a.name, "route", "replace", "default", "via", &gw, "dev", "eth0", "src",
+            &spoofed, "onlink",
+        ],
+    );
     let _ = try_connect(&a.ns, inet_addr);
-    sh("ip", &["-n", &a.name, "route", "replace", "default", "via", &gw, "dev", "eth0", "onlink"]);
-    sh("ip", &["-n", &a.name, "addr", "del", &format!("{spoofed}/32"), "dev", "eth0"]);
+    sh(
+        "ip",
+        &[
+            "-n", &a.name, "route", "replace", "default", "via", &gw, "dev", "eth0", "onlink",
+        ],
+    );
+    sh(
+        "ip",
+        &[
+            "-n",
+            &a.name,
+            "addr",
+            "del",
+            &format!("{spoofed}/32"),
+            "dev",
+            "eth0",
+        ],
+    );
     let chain = sh("nft", &["list", "chain", "inet", GUARD_TABLE, "spoof"]);
     let count = |tag: &str| -> u64 {
         let line = chain.lines().find(|l| l.contains(tag)).unwrap_or_default();
-        line.split("packets ").nth(1).and_then(|r| r.split_whitespace().next()).and_then(|n| n.parse().ok()).unwrap_or(0)
+        line.split("packets ")
+            .nth(1)
+            .and_then(|r| r.split_whitespace().next())
+            .and_then(|n| n.parse().ok())
+            .unwrap_or(0)
     };
-    assert!(count("\"genuine\"") > 0, "control counter saw nothing:\n{chain}");
-    assert_eq!(count("\"spoofed\""), 0, "spoofed packets got past prerouting:\n{chain}");
+    assert!(
+        count("\"genuine\"") > 0,
+        "control counter saw nothing:\n{chain}"
+    );
+    assert_eq!(
+        count("\"spoofed\""),
+        0,
+        "spoofed packets got past prerouting:\n{chain}"
+    );
 
     // Internet off, allowOut the host: allowed. Other destinations: denied.
     let allow = EgressPolicy {
@@ -407,11 +583,17 @@ fn policies_allow_deny_and_reconcile() {
         deny_out: vec!["198.51.100.0/24".parse().unwrap()],
     };
     world.net.set_policy(5, &allow).unwrap();
-    assert!(try_connect(&a.ns, inet_addr).is_ok(), "allowOut wins over denyOut");
+    assert!(
+        try_connect(&a.ns, inet_addr).is_ok(),
+        "allowOut wins over denyOut"
+    );
     assert!(try_connect(&a.ns, v4("198.51.100.9", inet_addr.port())).is_err());
 
     // A user allowOut cannot open the metadata range or the host.
-    let sneaky = EgressPolicy { allow_out: vec!["169.254.0.0/16".parse().unwrap()], ..Default::default() };
+    let sneaky = EgressPolicy {
+        allow_out: vec!["169.254.0.0/16".parse().unwrap()],
+        ..Default::default()
+    };
     world.net.set_policy(6, &sneaky).unwrap();
     assert!(try_connect(&b.ns, v4("169.254.169.254", 80)).is_err());
 
@@ -422,14 +604,29 @@ fn policies_allow_deny_and_reconcile() {
 
     // A "restart": init again keeps policies, reconcile drops slot 6 (unknown).
     let net2 = Network::init(test_config()).unwrap();
-    assert!(try_connect(&a.ns, inet_addr).is_err(), "policy survives re-init");
+    assert!(
+        try_connect(&a.ns, inet_addr).is_err(),
+        "policy survives re-init"
+    );
     net2.reconcile(&[5]).unwrap();
     let links = sh("ip", &["-o", "link"]);
-    assert!(links.contains(": cbt5@") && !links.contains(": cbt6@"), "{links}");
-    let policy = sh("nft", &["list", "table", "inet", &format!("{TEST_TABLE}_policy")]);
-    assert!(policy.contains("sb_5") && !policy.contains("sb_6"), "{policy}");
+    assert!(
+        links.contains(": cbt5@") && !links.contains(": cbt6@"),
+        "{links}"
+    );
+    let policy = sh(
+        "nft",
+        &["list", "table", "inet", &format!("{TEST_TABLE}_policy")],
+    );
+    assert!(
+        policy.contains("sb_5") && !policy.contains("sb_6"),
+        "{policy}"
+    );
     net2.detach(5).unwrap();
-    let policy = sh("nft", &["list", "table", "inet", &format!("{TEST_TABLE}_policy")]);
+    let policy = sh(
+        "nft",
+        &["list", "table", "inet", &format!("{TEST_TABLE}_policy")],
+    );
     assert!(!policy.contains("sb_5"), "{policy}");
     assert_eq!(guard_counters(), 0);
 }
@@ -439,7 +636,10 @@ fn async_connect_in_netns() {
     require_root!();
     let ns = TestNs::new("async");
     let (addr, _rx) = listen_in(&ns.ns, v4("127.0.0.1", 0));
-    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
     let got = rt.block_on(async {
         use tokio::io::AsyncReadExt;
         let mut s = connect_in_netns_async(&ns.ns, addr.port()).await.unwrap();
@@ -479,7 +679,11 @@ fn attach_detach_latency() {
         drop(connect_in_netns(&spaces[0].ns, addr.port()).unwrap());
         conn.push(t.elapsed());
     }
-    for (name, v) in [("attach", &mut att), ("detach", &mut det), ("connect_in_netns", &mut conn)] {
+    for (name, v) in [
+        ("attach", &mut att),
+        ("detach", &mut det),
+        ("connect_in_netns", &mut conn),
+    ] {
         v.sort();
         println!(
             "{name:>17}: p50 {:>8.1?}  p99 {:>8.1?}  max {:>8.1?}  (n={})",
