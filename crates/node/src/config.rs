@@ -39,7 +39,7 @@ pub struct NodeConfig {
     pub template_progress: bool,
     /// Max tasks per sandbox.
     pub pids_limit: u32,
-    /// Warm pools: template name → sandboxes kept ready (empty: no pools). See `pool.rs`.
+    /// Warm pools: template name → sandboxes kept ready (empty: no pools). See `pool/mod.rs`.
     pub pool: std::collections::BTreeMap<String, usize>,
     /// Host memory all pooled sandboxes together may use (measured), in MiB.
     pub pool_memory_mb: u64,

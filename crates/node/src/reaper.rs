@@ -6,7 +6,7 @@ use std::sync::Weak;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use crate::node::{Inner, now_ms};
+use crate::node::inner::{Inner, now_ms};
 use crate::sandbox::{DeathReason, SandboxState};
 
 /// Longest sleep between checks (also the retry period of failed teardowns).

@@ -14,7 +14,8 @@ use std::time::Duration;
 
 use crate::envd_client::EnvdClient;
 use crate::error::{IoContext, Result};
-use crate::node::{Live, Node, blocking, spawn_watcher};
+use crate::node::inner::{Inner, Live, blocking};
+use crate::node::teardown::spawn_watcher;
 use crate::sandbox::{SandboxRecord, SandboxState};
 use crate::{fsutil, ids, procfs};
 
@@ -27,8 +28,7 @@ pub struct ReconcileReport {
     pub removed: Vec<String>,
 }
 
-pub(crate) async fn reconcile(node: &Node) -> Result<ReconcileReport> {
-    let inner = &node.inner;
+pub(crate) async fn reconcile(inner: &Arc<Inner>) -> Result<ReconcileReport> {
     let sdir = inner.config.state_dir.join("sandboxes");
     let mut report = ReconcileReport::default();
     // id -> slot (if known) of everything to remove

@@ -11,7 +11,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use super::*;
-use crate::runtime::{SandboxStats, Started};
+use crate::runtime::{SandboxStats, StartSpec, Started};
 
 #[derive(Default)]
 struct FakeRuntime {

@@ -18,7 +18,7 @@
 //! In memory a pooled sandbox is an ordinary `Live` entry in state `running` with an end
 //! time far away, plus membership in [`Pool`]; `Node::list`/`get` hide it. On disk its
 //! record stays `creating`, so reconciliation after a crash destroys it like any
-//! half-made sandbox. [`Node::close`] destroys the pool's sandboxes.
+//! half-made sandbox. [`Node::close`](crate::Node::close) destroys the pool's sandboxes.
 //!
 //! Refill: one background task per node tops every pool up to its target, one sandbox at
 //! a time (cold creates share a bounded semaphore with it, so a burst of 50 creates does
@@ -34,18 +34,23 @@
 //! it (up to 4× the configured size), a minute without misses lowers it back; the sum of
 //! all pooled sandboxes' measured memory stays under `pool_memory_mb`.
 
-use std::collections::{BTreeMap, HashSet, VecDeque};
-use std::sync::{Arc, Mutex, Weak};
+use std::collections::{BTreeMap, VecDeque};
+use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
-
-use tokio::sync::{Notify, Semaphore};
 
 use crate::envd_client::{EnvdClient, InitRequest};
 use crate::error::{Error, Result};
-use crate::node::{Inner, Node, now_ms, spawn_watcher};
+use crate::node::create::CreatePlan;
+use crate::node::inner::{Inner, now_ms, sandbox_env};
+use crate::node::teardown::spawn_watcher;
 use crate::sandbox::{CreateRequest, DeathReason, SandboxInfo, SandboxState};
 use crate::template::Template;
 use crate::{fsutil, ids};
+
+mod state;
+
+pub(crate) use state::Pool;
+pub use state::PoolStats;
 
 /// End time of a pooled sandbox (never reached; the claim sets the real one).
 const POOLED_END_MS: u64 = 100 * 365 * 24 * 3600 * 1000;
@@ -60,91 +65,6 @@ const REFILL_PAUSE: Duration = Duration::from_millis(25);
 /// Nice value of the refill thread and of pooled sandboxes until claimed.
 const REFILL_NICE: i32 = 19;
 
-/// The pools of one node.
-pub(crate) struct Pool {
-    inner: Mutex<PoolState>,
-    /// Wakes the refill task (a claim, a miss, close).
-    pub(crate) wake: Arc<Notify>,
-    /// Bounds concurrent cold creates and refills.
-    pub(crate) create_permits: Arc<Semaphore>,
-    /// Background teardowns in flight (`NodeConfig::async_teardown`).
-    pub(crate) teardowns: std::sync::atomic::AtomicUsize,
-    /// The low-priority background runtime (refills, async teardowns), once started.
-    pub(crate) background: std::sync::OnceLock<tokio::runtime::Handle>,
-}
-
-#[derive(Default)]
-struct PoolState {
-    /// Ready sandbox ids per template, oldest first.
-    ready: BTreeMap<String, VecDeque<String>>,
-    /// Every pooled id (ready or being made).
-    members: HashSet<String>,
-    /// Current target per template.
-    target: BTreeMap<String, usize>,
-    last_miss: BTreeMap<String, Instant>,
-    /// When a create last claimed from a pool.
-    last_claim: Option<Instant>,
-    /// Counters (for tests and the bench).
-    claims: u64,
-    misses: u64,
-    refills: u64,
-}
-
-/// Pool counters.
-#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize)]
-pub struct PoolStats {
-    /// Ready sandboxes per template.
-    pub ready: BTreeMap<String, usize>,
-    /// Current target per template.
-    pub target: BTreeMap<String, usize>,
-    /// Creates served from a pool.
-    pub claims: u64,
-    /// Creates that could have used a pool but found it empty.
-    pub misses: u64,
-    /// Pooled sandboxes made.
-    pub refills: u64,
-}
-
-impl Pool {
-    pub(crate) fn new(config: &crate::config::NodeConfig) -> Pool {
-        let st = PoolState {
-            target: config.pool.clone(),
-            ..Default::default()
-        };
-        Pool {
-            inner: Mutex::new(st),
-            wake: Arc::new(Notify::new()),
-            create_permits: Arc::new(Semaphore::new(config.create_concurrency.max(1))),
-            teardowns: Default::default(),
-            background: Default::default(),
-        }
-    }
-
-    fn lock(&self) -> std::sync::MutexGuard<'_, PoolState> {
-        self.inner.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    /// Whether `id` is a pooled (unclaimed) sandbox.
-    pub(crate) fn contains(&self, id: &str) -> bool {
-        self.lock().members.contains(id)
-    }
-
-    /// Drops `id` from the pool (its sandbox is gone).
-    pub(crate) fn forget(&self, id: &str) {
-        let mut ps = self.lock();
-        if ps.members.remove(id) {
-            for q in ps.ready.values_mut() {
-                q.retain(|x| x != id);
-            }
-        }
-    }
-
-    /// Pooled ids (unclaimed), for hiding them from listings.
-    pub(crate) fn members(&self) -> HashSet<String> {
-        self.lock().members.clone()
-    }
-}
-
 /// Whether `template` can be pooled at all.
 fn poolable(t: &Template) -> bool {
     t.config
@@ -154,44 +74,15 @@ fn poolable(t: &Template) -> bool {
         && t.config.ready_port.is_none()
 }
 
-impl Node {
-    /// Pool counters.
-    pub fn pool_stats(&self) -> PoolStats {
-        let st = self.inner.pool.lock();
-        PoolStats {
-            ready: st.ready.iter().map(|(k, v)| (k.clone(), v.len())).collect(),
-            target: st.target.clone(),
-            claims: st.claims,
-            misses: st.misses,
-            refills: st.refills,
-        }
-    }
-
-    /// Waits (up to `limit`) until background teardowns of killed sandboxes are done;
-    /// a server calls it before [`Node::close`] so that a stop leaves nothing half-removed.
-    pub async fn settle(&self, limit: Duration) {
-        let t = Instant::now();
-        while self
-            .inner
-            .pool
-            .teardowns
-            .load(std::sync::atomic::Ordering::SeqCst)
-            > 0
-            && t.elapsed() < limit
-        {
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-    }
-
+impl Inner {
     /// Serves `req` from the template's pool if it can. `None`: create cold.
     pub(crate) async fn try_claim(
-        &self,
+        self: &Arc<Self>,
         req: &CreateRequest,
-        template: &Template,
-        limits: (u64, u32, u64),
-        timeout: Duration,
+        plan: &CreatePlan,
     ) -> Option<Result<SandboxInfo>> {
-        let inner = &self.inner;
+        let inner = self;
+        let (template, limits, timeout) = (&plan.template, plan.limits, plan.timeout);
         let name = &template.config.name;
         let defaults = (
             template.config.memory_mb,
@@ -237,7 +128,7 @@ impl Node {
                 continue;
             }
             let r = &mut live.record;
-            r.env_vars = crate::node::sandbox_env(template, &req.env_vars, &id);
+            r.env_vars = sandbox_env(template, &req.env_vars, &id);
             r.metadata = req.metadata.clone();
             r.created_at_ms = now;
             r.end_at_ms = now + timeout.as_millis() as u64;
@@ -287,8 +178,12 @@ impl Node {
 
     /// Makes one pooled sandbox of `template` (internet on, the template's limits). Its
     /// exit watcher runs on `main` (the node's runtime), not on the refill thread's.
-    async fn fill_one(&self, template: &Template, main: &tokio::runtime::Handle) -> Result<()> {
-        let inner = &self.inner;
+    async fn fill_one(
+        self: &Arc<Self>,
+        template: &Template,
+        main: &tokio::runtime::Handle,
+    ) -> Result<()> {
+        let inner = self;
         let id = ids::new_sandbox_id();
         // A member before it is live, so `list` never shows a sandbox being made for the pool.
         inner.pool.lock().members.insert(id.clone());
@@ -339,7 +234,7 @@ impl Node {
 
     /// Destroys every unclaimed pooled sandbox (blocking; used by `close`).
     pub(crate) fn drain_pool_blocking(&self) {
-        let inner = &self.inner;
+        let inner = self;
         // Only ready ones: a sandbox still being made is its refill's to remove (it sees
         // the node closed); if the process exits first, its `creating` record makes the
         // next open destroy it.
@@ -461,9 +356,6 @@ async fn refill(weak: Weak<Inner>, main: tokio::runtime::Handle) {
         if inner.closed.load(std::sync::atomic::Ordering::SeqCst) {
             return;
         }
-        let node = Node {
-            inner: inner.clone(),
-        };
         // Which template needs one most (fewest ready relative to its target)?
         let budget = inner.config.pool_memory_mb.saturating_mul(1 << 20);
         let est = estimate(&inner);
@@ -508,13 +400,11 @@ async fn refill(weak: Weak<Inner>, main: tokio::runtime::Handle) {
             })
         };
         if let Some(left) = pause {
-            drop(node);
             drop(inner);
             tokio::time::sleep(left).await;
             continue;
         }
         let Some(name) = want else {
-            drop(node);
             drop(inner);
             tokio::select! {
                 _ = wake.notified() => {}
@@ -529,7 +419,6 @@ async fn refill(weak: Weak<Inner>, main: tokio::runtime::Handle) {
         let template = match tokio::task::spawn_blocking(move || store.get(&n2)).await {
             Ok(Ok(Some(t))) if poolable(&t) => t,
             Ok(Ok(None)) => {
-                drop(node);
                 drop(inner);
                 tokio::time::sleep(Duration::from_secs(1)).await;
                 continue;
@@ -547,18 +436,17 @@ async fn refill(weak: Weak<Inner>, main: tokio::runtime::Handle) {
             Err(_) => return,
         };
         let permits = inner.pool.create_permits.clone();
-        drop(inner);
         let Ok(_permit) = permits.acquire_owned().await else {
             return;
         };
-        match node.fill_one(&template, &main).await {
+        match inner.fill_one(&template, &main).await {
             Ok(()) => failures = 0,
             Err(e) => {
                 failures += 1;
                 tracing::warn!(template = %name, "pool refill failed: {e}");
                 // Back off on repeated failures (capacity, a broken template).
                 let wait = Duration::from_millis(100 << failures.min(6));
-                drop(node);
+                drop(inner);
                 tokio::time::sleep(wait).await;
             }
         }

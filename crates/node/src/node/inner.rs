@@ -1,0 +1,204 @@
+//! The node's shared core: [`Inner`] (configuration, runtime, the live sandboxes and
+//! their slots, the pools), a slot and record for a new sandbox ([`Inner::reserve`]), and
+//! the small helpers every path uses. The create path (`create.rs`), the death path
+//! (`teardown.rs`), the pools, the reaper and reconciliation all work on [`Inner`].
+
+use std::collections::{HashMap, VecDeque};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use tokio::sync::Notify;
+
+use crate::config::NodeConfig;
+use crate::error::{Error, IoContext, Result};
+use crate::ids;
+use crate::pool::Pool;
+use crate::runtime::SandboxRuntime;
+use crate::sandbox::{DeathReason, SandboxInfo, SandboxRecord, SandboxState};
+use crate::slots::UidSlots;
+use crate::template::{Template, TemplateStore};
+
+/// How many dead sandboxes `get` still remembers (with their death reason).
+pub(crate) const DEAD_MEMORY: usize = 1024;
+
+/// What every part of the node shares: configuration, runtime, the live sandboxes and
+/// their slots, the pools. [`Node`](super::Node) is a handle on it.
+pub(crate) struct Inner {
+    pub(crate) config: NodeConfig,
+    pub(crate) templates: TemplateStore,
+    pub(crate) runtime: Arc<dyn SandboxRuntime>,
+    pub(crate) state: Mutex<State>,
+    /// Woken when end times change (the reaper re-plans) or the node closes.
+    pub(crate) changed: Arc<Notify>,
+    /// Set by [`Node::close`]: the reaper stops.
+    pub(crate) closed: std::sync::atomic::AtomicBool,
+    /// Recently dead sandboxes, newest last.
+    pub(crate) dead: Mutex<VecDeque<SandboxInfo>>,
+    /// What reconciliation did when the node opened.
+    pub(crate) reconciled: Mutex<crate::reconcile::ReconcileReport>,
+    /// Exclusive lock on `<state>/node.lock`: one node per state directory.
+    pub(super) _node_lock: std::fs::File,
+    /// Warm pools and the cold-create semaphore (`pool/`).
+    pub(crate) pool: Pool,
+}
+
+/// The live sandboxes and the uid slots, under one lock ([`Inner::lock`]).
+pub(crate) struct State {
+    pub(crate) live: HashMap<String, Live>,
+    pub(crate) slots: UidSlots,
+}
+
+/// A sandbox the node knows: its record, and what the node does about it.
+pub(crate) struct Live {
+    pub(crate) record: SandboxRecord,
+    pub(crate) ready_us: u64,
+    /// `kill` arrived while the sandbox was still being created.
+    pub(crate) kill_requested: Option<DeathReason>,
+    /// Teardown failed; the reaper retries it.
+    pub(crate) teardown_failed: bool,
+    pub(crate) watcher: Option<tokio::task::AbortHandle>,
+}
+
+impl Live {
+    /// A sandbox that is being created (or adopted): no kill pending, no watcher yet.
+    pub(crate) fn new(record: SandboxRecord) -> Self {
+        Live {
+            record,
+            ready_us: 0,
+            kill_requested: None,
+            teardown_failed: false,
+            watcher: None,
+        }
+    }
+}
+
+impl Inner {
+    pub(crate) fn lock(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    pub(crate) fn sandbox_dir(&self, id: &str) -> PathBuf {
+        self.config.state_dir.join("sandboxes").join(id)
+    }
+
+    pub(crate) fn envd_socket(&self, id: &str) -> PathBuf {
+        self.sandbox_dir(id).join("ctl").join("envd.sock")
+    }
+
+    /// Live counters of a live sandbox's info (OOM kills so far).
+    pub(crate) fn fill_counters(&self, info: &mut SandboxInfo) {
+        if let Some(s) = self.runtime.stats(&info.id) {
+            info.oom_kills = s.oom_kills;
+        }
+    }
+
+    /// Reserves a slot for new sandbox `id` and enters its `creating` record: the
+    /// template's limits, user and workdir, internet on, a fresh access token, no env
+    /// vars or metadata, ending now — then `customize` sets what differs.
+    pub(crate) fn reserve(
+        &self,
+        id: &str,
+        template: &Template,
+        customize: impl FnOnce(&mut SandboxRecord),
+    ) -> Result<SandboxRecord> {
+        let mut st = self.lock();
+        if st.live.contains_key(id) {
+            return Err(Error::InvalidRequest(format!(
+                "sandbox '{id}' already exists"
+            )));
+        }
+        let slot = st.slots.allocate().ok_or_else(|| {
+            Error::Capacity(format!(
+                "all {} sandbox slots are in use",
+                st.slots.in_use()
+            ))
+        })?;
+        let now = now_ms();
+        let c = &template.config;
+        let mut record = SandboxRecord {
+            id: id.to_string(),
+            template: c.name.clone(),
+            state: SandboxState::Creating,
+            slot,
+            uid_base: st.slots.uid_base(slot),
+            pid: None,
+            pid_start_time: None,
+            created_at_ms: now,
+            end_at_ms: now,
+            memory_mb: c.memory_mb,
+            cpus: c.cpus,
+            disk_mb: c.disk_mb,
+            internet: true,
+            env_vars: Default::default(),
+            metadata: Default::default(),
+            access_token: ids::new_access_token(),
+            default_user: c.default_user.clone(),
+            default_workdir: c.default_workdir.clone(),
+            death_reason: None,
+            runtime: serde_json::Value::Null,
+        };
+        customize(&mut record);
+        st.live.insert(id.to_string(), Live::new(record.clone()));
+        Ok(record)
+    }
+}
+
+/// A sandbox's environment: the template's, then the caller's, then E2B's own
+/// `E2B_SANDBOX`, `E2B_SANDBOX_ID` and `E2B_TEMPLATE_ID` (which the caller cannot override).
+pub(crate) fn sandbox_env(
+    template: &Template,
+    requested: &std::collections::BTreeMap<String, String>,
+    id: &str,
+) -> std::collections::BTreeMap<String, String> {
+    let mut env = template.config.env.clone();
+    env.extend(requested.iter().map(|(k, v)| (k.clone(), v.clone())));
+    env.insert("E2B_SANDBOX".into(), "true".into());
+    env.insert("E2B_SANDBOX_ID".into(), id.into());
+    env.insert("E2B_TEMPLATE_ID".into(), template.config.name.clone());
+    env
+}
+
+/// Run a blocking closure on the blocking pool.
+pub(crate) async fn blocking<T: Send + 'static>(
+    f: impl FnOnce() -> Result<T> + Send + 'static,
+) -> Result<T> {
+    tokio::task::spawn_blocking(f)
+        .await
+        .map_err(|e| Error::Runtime(format!("blocking task failed: {e}")))?
+}
+
+/// Unix time in ms.
+pub(crate) fn now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
+}
+
+/// Take `<state>/node.lock` exclusively (one node per state directory: reconciliation
+/// must never see another live node's sandboxes as leftovers). Waits if it is held.
+pub(super) fn lock_node(path: &Path) -> Result<std::fs::File> {
+    use std::os::fd::AsRawFd;
+    let f = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(path)
+        .ctx("open", path)?;
+    // SAFETY: valid fd owned by `f`.
+    if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
+        tracing::warn!(
+            "another cubicle node uses {}; waiting for it to exit",
+            path.display()
+        );
+        eprintln!(
+            "waiting for another cubicle process using {} to finish...",
+            path.display()
+        );
+        // SAFETY: as above.
+        if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX) } != 0 {
+            return Err(Error::io("flock", path, std::io::Error::last_os_error()));
+        }
+    }
+    Ok(f)
+}

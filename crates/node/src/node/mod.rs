@@ -1,0 +1,423 @@
+//! [`Node`]: the sandboxes of one host.
+//!
+//! A sandbox's life on a node:
+//! 1. `create` reserves an id and a uid slot, writes `<state>/sandboxes/<id>/sandbox.json`
+//!    (state `creating`) *before* touching the kernel, asks the runtime to start it
+//!    (PID 1 = envd), waits for envd's `/health` on `<dir>/ctl/envd.sock`, POSTs `/init`,
+//!    and marks the record `running`.
+//! 2. It dies by `kill` (`killed`), by its end time (`timeout`, enforced by the node's
+//!    reaper task), or on its own (`exited`, `oom`, `disk_full`, noticed through a pidfd).
+//!    The reason is written to the record, then the runtime tears everything down, the
+//!    directory is removed and only then the slot is freed.
+//! 3. After a crash, [`Node::open`] reconciles (see `reconcile.rs`).
+//!
+//! This file is the node's public interface. The shared state every path works on is
+//! `inner.rs`, the create path `create.rs`, the death path `teardown.rs`; the pools
+//! (`crate::pool`) use the create path and the shared state, never this file.
+
+use std::collections::{HashMap, VecDeque};
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use tokio::sync::Notify;
+
+use crate::config::NodeConfig;
+use crate::envd_client::EnvdClient;
+use crate::error::{Error, IoContext, Result};
+use crate::pool::PoolStats;
+use crate::runtime::SandboxRuntime;
+use crate::sandbox::{CreateRequest, DeathReason, SandboxInfo, SandboxRecord, SandboxState};
+use crate::slots::UidSlots;
+use crate::template::TemplateStore;
+use crate::{fsutil, procfs};
+
+pub(crate) mod create;
+pub(crate) mod inner;
+pub(crate) mod teardown;
+
+use inner::{Inner, State, blocking, lock_node, now_ms};
+
+/// Path of envd inside the sandbox.
+pub const ENVD_IN_SANDBOX: &str = "/run/cubicle/envd";
+/// envd's socket inside the sandbox (host side: `<sandbox dir>/ctl/envd.sock`).
+pub const ENVD_SOCKET_IN_SANDBOX: &str = "/run/cubicle/ctl/envd.sock";
+
+/// The sandboxes of one host. Cheap to clone.
+#[derive(Clone)]
+pub struct Node {
+    pub(crate) inner: Arc<Inner>,
+}
+
+impl Node {
+    /// Open the node on `config.state_dir` with the given runtime: create the state
+    /// layout, reconcile whatever a previous run left (adopt live sandboxes it knows,
+    /// remove everything else), and start the reaper that enforces end times.
+    pub async fn open_with_runtime(
+        config: NodeConfig,
+        runtime: Arc<dyn SandboxRuntime>,
+    ) -> Result<Node> {
+        let lock = Node::lock_state_dir(&config.state_dir).await?;
+        Node::open_locked(config, runtime, lock).await
+    }
+
+    /// Take the state directory's node lock (one node per state directory); waits while
+    /// another process holds it.
+    pub(crate) async fn lock_state_dir(state_dir: &Path) -> Result<std::fs::File> {
+        std::fs::create_dir_all(state_dir).ctx("mkdir", state_dir)?;
+        let p = state_dir.join("node.lock");
+        blocking(move || lock_node(&p)).await
+    }
+
+    pub(crate) async fn open_locked(
+        config: NodeConfig,
+        runtime: Arc<dyn SandboxRuntime>,
+        node_lock: std::fs::File,
+    ) -> Result<Node> {
+        let state_dir = config.state_dir.clone();
+        for d in [state_dir.clone(), state_dir.join("sandboxes")] {
+            std::fs::create_dir_all(&d).ctx("mkdir", &d)?;
+            // The sandbox's root (an unprivileged host uid) must traverse these to reach
+            // its overlay upper/work dirs.
+            let mode = std::fs::metadata(&d).ctx("stat", &d)?.permissions().mode();
+            if mode & 0o001 == 0 {
+                std::fs::set_permissions(
+                    &d,
+                    std::fs::Permissions::from_mode((mode & 0o7777) | 0o711),
+                )
+                .ctx("chmod", &d)?;
+            }
+        }
+        let templates = TemplateStore::open(&state_dir)?;
+        let end = config
+            .first_slot
+            .saturating_add(config.max_sandboxes)
+            .min(runtime.max_slots());
+        let inner = Arc::new(Inner {
+            templates,
+            runtime,
+            state: Mutex::new(State {
+                live: HashMap::new(),
+                slots: UidSlots::new(config.uid_base, config.first_slot, end),
+            }),
+            changed: Arc::new(Notify::new()),
+            closed: std::sync::atomic::AtomicBool::new(false),
+            dead: Mutex::new(VecDeque::new()),
+            reconciled: Mutex::new(Default::default()),
+            _node_lock: node_lock,
+            pool: crate::pool::Pool::new(&config),
+            config,
+        });
+        let node = Node { inner };
+        let report = crate::reconcile::reconcile(&node.inner).await?;
+        *node
+            .inner
+            .reconciled
+            .lock()
+            .unwrap_or_else(|p| p.into_inner()) = report;
+        tokio::spawn(crate::reaper::run(Arc::downgrade(&node.inner)));
+        if !node.inner.config.pool.is_empty() || node.inner.config.async_teardown {
+            crate::pool::start_background(&node.inner);
+        }
+        Ok(node)
+    }
+
+    /// Stop this node's background work (reaper, exit watchers) and leave its sandboxes
+    /// running: a later [`Node::open`] on the same state directory adopts them.
+    pub fn close(&self) {
+        self.inner
+            .closed
+            .store(true, std::sync::atomic::Ordering::SeqCst);
+        let mut st = self.inner.lock();
+        for live in st.live.values_mut() {
+            if let Some(w) = live.watcher.take() {
+                w.abort();
+            }
+        }
+        drop(st);
+        self.inner.changed.notify_one();
+        self.inner.pool.wake.notify_one();
+        // Unclaimed pooled sandboxes have no user: remove them rather than leave them.
+        self.inner.drain_pool_blocking();
+    }
+
+    /// What reconciliation adopted and removed when this node opened.
+    pub fn reconcile_report(&self) -> crate::reconcile::ReconcileReport {
+        self.inner
+            .reconciled
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
+    /// The node's configuration.
+    pub fn config(&self) -> &NodeConfig {
+        &self.inner.config
+    }
+
+    /// The node's template store.
+    pub fn templates(&self) -> &TemplateStore {
+        &self.inner.templates
+    }
+
+    /// `<state>/sandboxes/<id>`.
+    pub fn sandbox_dir(&self, id: &str) -> PathBuf {
+        self.inner.sandbox_dir(id)
+    }
+
+    /// A client for the envd of sandbox `id` (with its access token).
+    pub fn envd(&self, id: &str) -> Result<EnvdClient> {
+        let st = self.inner.lock();
+        let live = st
+            .live
+            .get(id)
+            .ok_or_else(|| Error::SandboxNotFound(id.into()))?;
+        Ok(EnvdClient::new(
+            self.inner.envd_socket(id),
+            Some(live.record.access_token.clone()),
+        ))
+    }
+
+    /// Live sandboxes (creating, running or dying), sorted by creation time.
+    pub fn list(&self) -> Vec<SandboxInfo> {
+        let pooled = self.inner.pool.members();
+        let st = self.inner.lock();
+        let mut v: Vec<SandboxInfo> = st
+            .live
+            .values()
+            .filter(|l| !pooled.contains(&l.record.id))
+            .map(|l| {
+                SandboxInfo::from_record(
+                    &l.record,
+                    self.inner.envd_socket(&l.record.id),
+                    l.ready_us,
+                )
+            })
+            .collect();
+        drop(st);
+        for i in &mut v {
+            self.inner.fill_counters(i);
+        }
+        v.sort_by_key(|i| (i.created_at_ms, i.id.clone()));
+        v
+    }
+
+    /// A live sandbox, or a recently dead one (state `dead`, with its death reason).
+    pub fn get(&self, id: &str) -> Result<SandboxInfo> {
+        let mut info = self.peek(id)?;
+        if info.state != SandboxState::Dead {
+            self.inner.fill_counters(&mut info);
+        }
+        Ok(info)
+    }
+
+    /// [`Node::get`] without reading the live counters from the cgroup (`oom_kills` is 0
+    /// for a sandbox that is not dead): memory only, for the request path.
+    pub fn peek(&self, id: &str) -> Result<SandboxInfo> {
+        if self.inner.pool.contains(id) {
+            return Err(Error::SandboxNotFound(id.into()));
+        }
+        {
+            let st = self.inner.lock();
+            if let Some(l) = st.live.get(id) {
+                return Ok(SandboxInfo::from_record(
+                    &l.record,
+                    self.inner.envd_socket(id),
+                    l.ready_us,
+                ));
+            }
+        }
+        let dead = self.inner.dead.lock().unwrap_or_else(|p| p.into_inner());
+        dead.iter()
+            .rev()
+            .find(|i| i.id == id)
+            .cloned()
+            .ok_or_else(|| Error::SandboxNotFound(id.into()))
+    }
+
+    /// Create a sandbox and return once its envd has accepted `/init`.
+    ///
+    /// Cancellation-safe: the work runs in its own task, so dropping this future (a client
+    /// that went away) never strands a half-created sandbox; it completes and lives until
+    /// its end time.
+    pub async fn create(&self, req: CreateRequest) -> Result<SandboxInfo> {
+        let inner = self.inner.clone();
+        tokio::spawn(async move {
+            let t0 = Instant::now();
+            let plan = inner.plan_create(&req).await?;
+            if let Some(r) = inner.try_claim(&req, &plan).await {
+                return r;
+            }
+            inner.create_cold(&req, plan, t0).await
+        })
+        .await
+        .map_err(|e| Error::Runtime(format!("create task failed: {e}")))?
+    }
+
+    /// Kill a sandbox (reason `killed`) and remove every trace of it. Returns when it is
+    /// gone (for a sandbox still being created: once the kill is registered; its `create`
+    /// then fails and cleans up).
+    pub async fn kill(&self, id: &str) -> Result<()> {
+        self.kill_with_reason(id, DeathReason::Killed).await
+    }
+
+    /// Kill with an explicit reason.
+    pub async fn kill_with_reason(&self, id: &str, reason: DeathReason) -> Result<()> {
+        {
+            let mut st = self.inner.lock();
+            let live = st
+                .live
+                .get_mut(id)
+                .ok_or_else(|| Error::SandboxNotFound(id.into()))?;
+            if live.record.state == SandboxState::Creating {
+                // create() notices and tears down itself.
+                live.kill_requested = Some(reason);
+                return Ok(());
+            }
+        }
+        if self.inner.config.async_teardown {
+            // Dead now, cleaned up in the background: mark it (state `dying`, reason),
+            // SIGKILL its init (the sandbox's pid namespace dies with it), answer.
+            let Some(record) = self.inner.mark_dying(id, reason, false) else {
+                return Err(Error::SandboxNotFound(id.into()));
+            };
+            // The pidfd pins the process: then check it is still the recorded one.
+            if let Some(pid) = record.pid.filter(|p| *p > 1)
+                && let Ok(fd) = procfs::pidfd_open(pid)
+                && procfs::is_alive(pid, record.pid_start_time)
+            {
+                use std::os::fd::AsRawFd;
+                // SAFETY: pidfd_send_signal on a pidfd we own; no pointers but NULL.
+                unsafe {
+                    libc::syscall(
+                        libc::SYS_pidfd_send_signal,
+                        fd.as_raw_fd(),
+                        libc::SIGKILL,
+                        std::ptr::null::<libc::siginfo_t>(),
+                        0,
+                    )
+                };
+            }
+            let (inner, id2) = (self.inner.clone(), id.to_string());
+            use std::sync::atomic::Ordering::SeqCst;
+            inner.pool.teardowns.fetch_add(1, SeqCst);
+            let work = async move {
+                inner.clone().teardown(&id2, record).await;
+                inner.pool.teardowns.fetch_sub(1, SeqCst);
+            };
+            // On the low-priority background thread: cleaning up after a sandbox must
+            // not slow the requests and sandboxes still in use.
+            match self.inner.pool.background.get() {
+                Some(bg) => drop(bg.spawn(work)),
+                None => drop(tokio::spawn(work)),
+            }
+            return Ok(());
+        }
+        // In its own task: a dropped caller must not stop a teardown halfway.
+        let (inner, id2) = (self.inner.clone(), id.to_string());
+        let done = tokio::spawn(async move { inner.finish(&id2, reason, false).await })
+            .await
+            .map_err(|e| Error::Runtime(format!("kill task failed: {e}")))?;
+        if done {
+            Ok(())
+        } else {
+            Err(Error::SandboxNotFound(id.into()))
+        }
+    }
+
+    /// Kill every live sandbox (reason `killed`).
+    pub async fn kill_all(&self) {
+        let ids: Vec<String> = self.inner.lock().live.keys().cloned().collect();
+        for id in ids {
+            let _ = self.kill(&id).await;
+        }
+    }
+
+    /// Set a sandbox's end time to now + `timeout`.
+    pub fn set_timeout(&self, id: &str, timeout: Duration) -> Result<()> {
+        let record = {
+            let mut st = self.inner.lock();
+            let live = st
+                .live
+                .get_mut(id)
+                .ok_or_else(|| Error::SandboxNotFound(id.into()))?;
+            live.record.end_at_ms = now_ms() + timeout.as_millis() as u64;
+            live.record.clone()
+        };
+        fsutil::write_json_atomic(&self.inner.sandbox_dir(id).join("sandbox.json"), &record)?;
+        self.inner.changed.notify_one();
+        Ok(())
+    }
+
+    /// Usage counters of a live sandbox (memory, OOM kills so far, CPU, tasks, disk).
+    pub fn stats(&self, id: &str) -> Result<crate::runtime::SandboxStats> {
+        if !self.inner.lock().live.contains_key(id) {
+            return Err(Error::SandboxNotFound(id.into()));
+        }
+        self.inner
+            .runtime
+            .stats(id)
+            .ok_or_else(|| Error::SandboxNotFound(id.into()))
+    }
+
+    /// Pool counters.
+    pub fn pool_stats(&self) -> PoolStats {
+        self.inner.pool.stats()
+    }
+
+    /// Waits (up to `limit`) until background teardowns of killed sandboxes are done;
+    /// a server calls it before [`Node::close`] so that a stop leaves nothing half-removed.
+    pub async fn settle(&self, limit: Duration) {
+        let t = Instant::now();
+        while self
+            .inner
+            .pool
+            .teardowns
+            .load(std::sync::atomic::Ordering::SeqCst)
+            > 0
+            && t.elapsed() < limit
+        {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    /// Host memory used by a sandbox's cgroup, in bytes.
+    pub fn memory_usage(&self, id: &str) -> Option<u64> {
+        self.inner.runtime.memory_usage(id)
+    }
+}
+
+/// Ids of sandboxes whose records name `template` (to refuse removing a template in use).
+pub fn sandboxes_using_template(state_dir: &Path, template: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    let Ok(rd) = std::fs::read_dir(state_dir.join("sandboxes")) else {
+        return out;
+    };
+    for e in rd.flatten() {
+        if let Ok(r) = fsutil::read_json::<SandboxRecord>(&e.path().join("sandbox.json"))
+            && r.template == template
+        {
+            out.push(r.id);
+        }
+    }
+    out
+}
+
+/// Records on disk (for `cubicle sandbox list` without a running node).
+pub fn records_on_disk(state_dir: &Path) -> Vec<SandboxRecord> {
+    let mut out = Vec::new();
+    let Ok(rd) = std::fs::read_dir(state_dir.join("sandboxes")) else {
+        return out;
+    };
+    for e in rd.flatten() {
+        if let Ok(r) = fsutil::read_json::<SandboxRecord>(&e.path().join("sandbox.json")) {
+            out.push(r);
+        }
+    }
+    out.sort_by_key(|r| r.created_at_ms);
+    out
+}
+
+#[cfg(test)]
+mod tests;

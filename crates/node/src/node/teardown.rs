@@ -1,0 +1,143 @@
+//! A sandbox's death: record why (`dying` + reason), destroy its kernel objects, remove
+//! its directory, free its slot, remember it among the recently dead. Also the exit
+//! watcher that notices a sandbox whose init exited on its own.
+
+use std::path::PathBuf;
+use std::sync::{Arc, Weak};
+use std::time::Duration;
+
+use tokio::io::unix::AsyncFd;
+
+use super::inner::{DEAD_MEMORY, Inner, blocking};
+use crate::fsutil;
+use crate::procfs;
+use crate::sandbox::{DeathReason, SandboxInfo, SandboxRecord, SandboxState};
+
+impl Inner {
+    /// Tear sandbox `id` down for `reason`: record why, destroy its kernel objects,
+    /// remove its directory, free its slot. Returns false if someone else is already
+    /// doing it or it is unknown. `from_create` allows tearing down a `creating` one.
+    pub(crate) async fn finish(
+        self: Arc<Self>,
+        id: &str,
+        reason: DeathReason,
+        from_create: bool,
+    ) -> bool {
+        let Some(record) = self.mark_dying(id, reason, from_create) else {
+            return false;
+        };
+        self.teardown(id, record).await
+    }
+
+    /// First step of [`Inner::finish`]: record the death (state `dying`, reason), stop
+    /// watching. `None`: unknown, or someone else is already tearing it down.
+    pub(crate) fn mark_dying(
+        &self,
+        id: &str,
+        reason: DeathReason,
+        from_create: bool,
+    ) -> Option<SandboxRecord> {
+        {
+            let mut st = self.lock();
+            let live = st.live.get_mut(id)?;
+            let retry = live.teardown_failed;
+            if !retry {
+                if live.record.state == SandboxState::Dying
+                    || (live.record.state == SandboxState::Creating && !from_create)
+                {
+                    return None;
+                }
+                live.record.state = SandboxState::Dying;
+                // A limit hit explains an `exited` better than the plain word.
+                live.record.death_reason = Some(reason);
+            }
+            live.teardown_failed = false;
+            if let Some(w) = live.watcher.take() {
+                w.abort();
+            }
+            Some(live.record.clone())
+        }
+    }
+
+    /// Second step of [`Inner::finish`]: destroy, remove, free the slot.
+    pub(crate) async fn teardown(self: Arc<Self>, id: &str, record: SandboxRecord) -> bool {
+        let dir = self.sandbox_dir(id);
+        let _ = fsutil::write_json_atomic(&dir.join("sandbox.json"), &record);
+        let rt = self.runtime.clone();
+        let (id2, dir2, slot) = (id.to_string(), dir.clone(), record.slot);
+        let result = blocking(move || {
+            // The final OOM count, while the cgroup still exists (see SandboxInfo::oom_kills).
+            let oom_kills = rt.stats(&id2).map(|s| s.oom_kills);
+            rt.destroy(&id2, Some(slot), &dir2)?;
+            rt.remove_dir(&id2, &dir2)?;
+            Ok(oom_kills)
+        })
+        .await;
+        let mut st = self.lock();
+        match result {
+            Ok(oom_kills) => {
+                st.live.remove(id);
+                st.slots.release(record.slot);
+                drop(st);
+                self.pool.forget(id);
+                let mut info = SandboxInfo::from_record(&record, PathBuf::new(), 0);
+                info.state = SandboxState::Dead;
+                info.oom_kills = oom_kills.unwrap_or(0);
+                tracing::info!(sandbox = %id, reason = %info.death_reason.map(|r| r.as_str()).unwrap_or("?"), "sandbox removed");
+                let mut dead = self.dead.lock().unwrap_or_else(|p| p.into_inner());
+                dead.push_back(info);
+                while dead.len() > DEAD_MEMORY {
+                    dead.pop_front();
+                }
+                true
+            }
+            Err(e) => {
+                tracing::error!(sandbox = %id, "teardown failed (will retry): {e}");
+                if let Some(live) = st.live.get_mut(id) {
+                    live.teardown_failed = true;
+                }
+                true
+            }
+        }
+    }
+
+    /// Called when a sandbox's init exited on its own.
+    pub(crate) async fn on_init_exit(self: Arc<Self>, id: String) {
+        let dir = self.sandbox_dir(&id);
+        let rt = self.runtime.clone();
+        let (i2, d2) = (id.clone(), dir.clone());
+        let reason = tokio::task::spawn_blocking(move || rt.limit_hit(&i2, &d2))
+            .await
+            .ok()
+            .flatten();
+        self.finish(&id, reason.unwrap_or(DeathReason::Exited), false)
+            .await;
+    }
+}
+
+/// Watch `pid` (not our child) through a pidfd; when it exits, tear the sandbox down.
+pub(crate) fn spawn_watcher(inner: Weak<Inner>, id: String, pid: i32) -> tokio::task::AbortHandle {
+    let task = tokio::spawn(async move {
+        // Err: the process is already gone.
+        if let Ok(fd) = procfs::pidfd_open(pid) {
+            // SAFETY: the OwnedFd is moved into the AsyncFd, which keeps it open until it
+            // deregisters it on drop; nobody else closes it.
+            match unsafe { AsyncFd::register_with_interest(fd, tokio::io::Interest::READABLE) } {
+                Ok(afd) => {
+                    let _ = afd.readable().await;
+                }
+                Err(e) => {
+                    tracing::warn!(sandbox = %id, "cannot watch pid {pid}: {e}; polling");
+                    while procfs::is_alive(pid, None) {
+                        tokio::time::sleep(Duration::from_millis(500)).await;
+                    }
+                }
+            }
+        }
+        if let Some(inner) = inner.upgrade() {
+            // A new task: finish() aborts this watcher task.
+            tokio::spawn(inner.on_init_exit(id));
+        }
+    });
+    task.abort_handle()
+}

@@ -1,0 +1,107 @@
+//! The pools' bookkeeping: which sandboxes are pooled (ready per template, or being
+//! made), the targets, the counters, and the node-wide create semaphore and background
+//! thread handle. The node's shared state holds one [`Pool`]; the claim and refill logic
+//! is `pool/mod.rs`.
+
+use std::collections::{BTreeMap, HashSet, VecDeque};
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use tokio::sync::{Notify, Semaphore};
+
+/// The pools of one node.
+pub(crate) struct Pool {
+    inner: Mutex<PoolState>,
+    /// Wakes the refill task (a claim, a miss, close).
+    pub(crate) wake: Arc<Notify>,
+    /// Bounds concurrent cold creates and refills.
+    pub(crate) create_permits: Arc<Semaphore>,
+    /// Background teardowns in flight (`NodeConfig::async_teardown`).
+    pub(crate) teardowns: std::sync::atomic::AtomicUsize,
+    /// The low-priority background runtime (refills, async teardowns), once started.
+    pub(crate) background: std::sync::OnceLock<tokio::runtime::Handle>,
+}
+
+#[derive(Default)]
+pub(super) struct PoolState {
+    /// Ready sandbox ids per template, oldest first.
+    pub(super) ready: BTreeMap<String, VecDeque<String>>,
+    /// Every pooled id (ready or being made).
+    pub(super) members: HashSet<String>,
+    /// Current target per template.
+    pub(super) target: BTreeMap<String, usize>,
+    pub(super) last_miss: BTreeMap<String, Instant>,
+    /// When a create last claimed from a pool.
+    pub(super) last_claim: Option<Instant>,
+    /// Counters (for tests and the bench).
+    pub(super) claims: u64,
+    pub(super) misses: u64,
+    pub(super) refills: u64,
+}
+
+/// Pool counters.
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize)]
+pub struct PoolStats {
+    /// Ready sandboxes per template.
+    pub ready: BTreeMap<String, usize>,
+    /// Current target per template.
+    pub target: BTreeMap<String, usize>,
+    /// Creates served from a pool.
+    pub claims: u64,
+    /// Creates that could have used a pool but found it empty.
+    pub misses: u64,
+    /// Pooled sandboxes made.
+    pub refills: u64,
+}
+
+impl Pool {
+    pub(crate) fn new(config: &crate::config::NodeConfig) -> Pool {
+        let st = PoolState {
+            target: config.pool.clone(),
+            ..Default::default()
+        };
+        Pool {
+            inner: Mutex::new(st),
+            wake: Arc::new(Notify::new()),
+            create_permits: Arc::new(Semaphore::new(config.create_concurrency.max(1))),
+            teardowns: Default::default(),
+            background: Default::default(),
+        }
+    }
+
+    pub(super) fn lock(&self) -> std::sync::MutexGuard<'_, PoolState> {
+        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Whether `id` is a pooled (unclaimed) sandbox.
+    pub(crate) fn contains(&self, id: &str) -> bool {
+        self.lock().members.contains(id)
+    }
+
+    /// Drops `id` from the pool (its sandbox is gone).
+    pub(crate) fn forget(&self, id: &str) {
+        let mut ps = self.lock();
+        if ps.members.remove(id) {
+            for q in ps.ready.values_mut() {
+                q.retain(|x| x != id);
+            }
+        }
+    }
+
+    /// Pool counters.
+    pub(crate) fn stats(&self) -> PoolStats {
+        let st = self.lock();
+        PoolStats {
+            ready: st.ready.iter().map(|(k, v)| (k.clone(), v.len())).collect(),
+            target: st.target.clone(),
+            claims: st.claims,
+            misses: st.misses,
+            refills: st.refills,
+        }
+    }
+
+    /// Pooled ids (unclaimed), for hiding them from listings.
+    pub(crate) fn members(&self) -> HashSet<String> {
+        self.lock().members.clone()
+    }
+}
