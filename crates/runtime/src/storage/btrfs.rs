@@ -1,0 +1,240 @@
+//! btrfs qgroups (the fallback for kernels without XFS quota, e.g. the development
+//! machines): a sandbox directory is a subvolume (`BTRFS_IOC_SUBVOL_CREATE`) whose level-0
+//! qgroup gets a `max_rfer` limit (`BTRFS_IOC_QGROUP_LIMIT`); writers past it see EDQUOT.
+//! Usage is read from `/sys/fs/btrfs/<fsid>/qgroups/0_<subvol>/`. Constants and layouts
+//! from linux/btrfs.h.
+
+use std::collections::HashSet;
+use std::fs::{self, File};
+use std::io;
+use std::os::unix::fs::MetadataExt;
+use std::path::{Path, PathBuf};
+
+use super::{DiskUsage, Result, Storage, StorageError, io_err, ioctl};
+
+impl Storage {
+    /// Makes `root/tmp_name` a subvolume whose qgroup is limited to `quota_bytes`.
+    pub(super) fn btrfs_create(&self, tmp_name: &str, quota_bytes: u64) -> Result<()> {
+        let root =
+            File::open(&self.root).map_err(io_err(format!("opening {}", self.root.display())))?;
+        btrfs_subvol_create(&root, tmp_name)
+            .map_err(io_err(format!("creating subvolume {tmp_name}")))?;
+        let dir =
+            File::open(self.root.join(tmp_name)).map_err(io_err(format!("opening {tmp_name}")))?;
+        let id =
+            btrfs_subvol_id(&dir).map_err(io_err(format!("looking up subvolume {tmp_name}")))?;
+        btrfs_qgroup_limit(&root, id, quota_bytes)
+            .map_err(io_err(format!("limiting qgroup 0/{id}")))
+    }
+
+    /// Bytes used (including data reserved for writes not yet committed) and the limit
+    /// of the subvolume `dir`.
+    pub(super) fn btrfs_usage(&self, dir: &Path) -> Result<DiskUsage> {
+        let f = File::open(dir).map_err(io_err(format!("opening {}", dir.display())))?;
+        let subvol = btrfs_subvol_id(&f)
+            .map_err(io_err(format!("looking up subvolume of {}", dir.display())))?;
+        let q = self.qgroups_dir.join(format!("0_{subvol}"));
+        let read = |name: &str| -> Result<u64> {
+            let p = q.join(name);
+            let s = fs::read_to_string(&p).map_err(io_err(format!("reading {}", p.display())))?;
+            s.trim().parse::<u64>().map_err(|_| StorageError::Io {
+                what: format!("parsing {}", p.display()),
+                source: io::Error::from(io::ErrorKind::InvalidData),
+            })
+        };
+        let used = read("referenced")? + read("rsv_data").unwrap_or(0);
+        Ok(DiskUsage {
+            used_bytes: used,
+            limit_bytes: read("max_referenced")?,
+        })
+    }
+
+    /// Destroys the level-0 qgroups no subvolume uses.
+    pub(super) fn btrfs_reconcile(&self) -> Result<()> {
+        let mut live = HashSet::new();
+        for name in self.entries()? {
+            if let Ok(f) = File::open(self.root.join(&name))
+                && let Ok(id) = btrfs_subvol_id(&f)
+            {
+                live.insert(id);
+            }
+        }
+        let root =
+            File::open(&self.root).map_err(io_err(format!("opening {}", self.root.display())))?;
+        let top = btrfs_subvol_id(&root).unwrap_or(5);
+        for entry in fs::read_dir(&self.qgroups_dir)
+            .map_err(io_err("listing qgroups"))?
+            .flatten()
+        {
+            let name = entry.file_name().to_string_lossy().into_owned();
+            if let Some(id) = name.strip_prefix("0_").and_then(|s| s.parse::<u64>().ok())
+                && id != 5
+                && id != top
+                && !live.contains(&id)
+            {
+                // Fails (harmlessly) while a deleted subvolume is still being cleaned.
+                let _ = btrfs_qgroup_destroy(&root, id);
+            }
+        }
+        Ok(())
+    }
+
+    /// Removes directory `root/name` (`meta`: its metadata): a subvolume with its qgroup,
+    /// or a plain directory.
+    pub(super) fn btrfs_remove(&self, name: &str, meta: &fs::Metadata) -> Result<()> {
+        let path = self.root.join(name);
+        let root =
+            File::open(&self.root).map_err(io_err(format!("opening {}", self.root.display())))?;
+        if meta.ino() == 256 {
+            // A subvolume: destroying it is O(1), the kernel cleans up in the background.
+            let subvol = File::open(&path)
+                .ok()
+                .and_then(|f| btrfs_subvol_id(&f).ok());
+            btrfs_subvol_destroy(&root, name)
+                .map_err(io_err(format!("deleting subvolume {}", path.display())))?;
+            if let Some(id) = subvol {
+                let _ = btrfs_qgroup_destroy(&root, id); // else `reconcile` retries
+            }
+        } else {
+            fs::remove_dir_all(&path).map_err(io_err(format!("removing {}", path.display())))?;
+        }
+        Ok(())
+    }
+}
+
+const BTRFS_IOC_SUBVOL_CREATE: u64 = 0x5000_940e;
+const BTRFS_IOC_SNAP_DESTROY: u64 = 0x5000_940f;
+const BTRFS_IOC_INO_LOOKUP: u64 = 0xd000_9412;
+const BTRFS_IOC_QGROUP_CREATE: u64 = 0x4010_942a;
+const BTRFS_IOC_QGROUP_LIMIT: u64 = 0x8030_942b;
+const BTRFS_IOC_FS_INFO: u64 = 0x8400_941f;
+const BTRFS_QGROUP_LIMIT_MAX_RFER: u64 = 1;
+
+#[repr(C)]
+struct BtrfsVolArgs {
+    fd: i64,
+    name: [u8; 4088],
+}
+
+#[repr(C)]
+struct BtrfsInoLookupArgs {
+    treeid: u64,
+    objectid: u64,
+    name: [u8; 4080],
+}
+
+#[repr(C)]
+struct BtrfsQgroupLimitArgs {
+    qgroupid: u64,
+    flags: u64,
+    max_rfer: u64,
+    max_excl: u64,
+    rsv_rfer: u64,
+    rsv_excl: u64,
+}
+
+#[repr(C)]
+struct BtrfsQgroupCreateArgs {
+    create: u64,
+    qgroupid: u64,
+}
+
+const _: () = assert!(std::mem::size_of::<BtrfsVolArgs>() == 4096);
+const _: () = assert!(std::mem::size_of::<BtrfsInoLookupArgs>() == 4096);
+
+fn vol_args(name: &str) -> io::Result<Box<BtrfsVolArgs>> {
+    let mut a = Box::new(BtrfsVolArgs {
+        fd: 0,
+        name: [0; 4088],
+    });
+    let b = name.as_bytes();
+    if b.len() >= a.name.len() || b.contains(&0) || b.contains(&b'/') {
+        return Err(io::Error::from(io::ErrorKind::InvalidInput));
+    }
+    a.name[..b.len()].copy_from_slice(b);
+    Ok(a)
+}
+
+fn btrfs_subvol_create(parent: &File, name: &str) -> io::Result<()> {
+    let mut a = vol_args(name)?;
+    ioctl(
+        parent,
+        BTRFS_IOC_SUBVOL_CREATE,
+        &mut *a as *mut BtrfsVolArgs as *mut libc::c_void,
+    )
+}
+
+fn btrfs_subvol_destroy(parent: &File, name: &str) -> io::Result<()> {
+    let mut a = vol_args(name)?;
+    ioctl(
+        parent,
+        BTRFS_IOC_SNAP_DESTROY,
+        &mut *a as *mut BtrfsVolArgs as *mut libc::c_void,
+    )
+}
+
+/// The id of the subvolume `f` is in.
+fn btrfs_subvol_id(f: &File) -> io::Result<u64> {
+    let mut a = Box::new(BtrfsInoLookupArgs {
+        treeid: 0,
+        objectid: 256,
+        name: [0; 4080],
+    });
+    ioctl(
+        f,
+        BTRFS_IOC_INO_LOOKUP,
+        &mut *a as *mut BtrfsInoLookupArgs as *mut libc::c_void,
+    )?;
+    Ok(a.treeid)
+}
+
+fn btrfs_qgroup_limit(f: &File, subvol: u64, bytes: u64) -> io::Result<()> {
+    let mut a = BtrfsQgroupLimitArgs {
+        qgroupid: subvol, // level 0
+        flags: BTRFS_QGROUP_LIMIT_MAX_RFER,
+        max_rfer: bytes,
+        max_excl: 0,
+        rsv_rfer: 0,
+        rsv_excl: 0,
+    };
+    ioctl(
+        f,
+        BTRFS_IOC_QGROUP_LIMIT,
+        &mut a as *mut BtrfsQgroupLimitArgs as *mut libc::c_void,
+    )
+}
+
+fn btrfs_qgroup_destroy(f: &File, subvol: u64) -> io::Result<()> {
+    let mut a = BtrfsQgroupCreateArgs {
+        create: 0,
+        qgroupid: subvol,
+    };
+    ioctl(
+        f,
+        BTRFS_IOC_QGROUP_CREATE,
+        &mut a as *mut BtrfsQgroupCreateArgs as *mut libc::c_void,
+    )
+}
+
+/// `/sys/fs/btrfs/<fsid>/qgroups` of the filesystem holding `path`.
+pub(super) fn btrfs_qgroups_dir(path: &Path) -> Result<PathBuf> {
+    let f = File::open(path).map_err(io_err(format!("opening {}", path.display())))?;
+    let mut info = [0u8; 1024];
+    ioctl(
+        &f,
+        BTRFS_IOC_FS_INFO,
+        info.as_mut_ptr() as *mut libc::c_void,
+    )
+    .map_err(io_err(format!("BTRFS_IOC_FS_INFO on {}", path.display())))?;
+    let id = &info[16..32];
+    let hex: String = id.iter().map(|b| format!("{b:02x}")).collect();
+    let uuid = format!(
+        "{}-{}-{}-{}-{}",
+        &hex[0..8],
+        &hex[8..12],
+        &hex[12..16],
+        &hex[16..20],
+        &hex[20..32]
+    );
+    Ok(PathBuf::from(format!("/sys/fs/btrfs/{uuid}/qgroups")))
+}

@@ -1,0 +1,258 @@
+//! Where the quota filesystem comes from: `<state>/sandboxes` as it is, or a sparse image
+//! `<state>/storage.img` loop-mounted there (created once: XFS with `prjquota` if the
+//! kernel enforces it, else btrfs with quotas). Also the mount table reading this needs
+//! and [`unmount_path`]. One-time setup: spawning `mkfs`/`mount` is fine here.
+
+use std::ffi::CString;
+use std::fs::{self, File};
+use std::io;
+use std::os::unix::ffi::OsStrExt;
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use super::btrfs::btrfs_qgroups_dir;
+use super::{QuotaBackend, Result, StorageError, io_err};
+
+const XFS_SUPER_MAGIC: i64 = 0x5846_5342;
+const BTRFS_SUPER_MAGIC: i64 = 0x9123_683e;
+
+/// Unmounts the filesystem mounted at `path` (the quota image of a state directory,
+/// `<state>/sandboxes`, which a node leaves mounted across restarts).
+///
+/// EBUSY can be transient: a child forked by another thread of this process holds copies
+/// of our descriptors (some inside this filesystem) until it execs and its close-on-exec
+/// descriptors go. Retries for up to about a second.
+pub fn unmount_path(path: &Path) -> Result<()> {
+    let c = cpath(path)?;
+    let mut attempts = 0;
+    loop {
+        // SAFETY: c is a valid NUL-terminated path.
+        if unsafe { libc::umount2(c.as_ptr(), 0) } == 0 {
+            return Ok(());
+        }
+        let err = io::Error::last_os_error();
+        attempts += 1;
+        if err.raw_os_error() != Some(libc::EBUSY) || attempts >= 50 {
+            return Err(StorageError::Io {
+                what: format!("unmounting {}", path.display()),
+                source: err,
+            });
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+}
+
+pub(super) fn cpath(p: &Path) -> Result<CString> {
+    CString::new(p.as_os_str().as_bytes()).map_err(|_| StorageError::Io {
+        what: format!("path {}", p.display()),
+        source: io::Error::from(io::ErrorKind::InvalidInput),
+    })
+}
+
+/// One line of /proc/self/mountinfo.
+pub(super) struct MountEntry {
+    pub(super) mount_point: PathBuf,
+    fstype: String,
+    source: String,
+    super_options: String,
+}
+
+pub(super) fn unescape_mountinfo(s: &str) -> String {
+    let b = s.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        if b[i] == b'\\'
+            && i + 3 < b.len()
+            && b[i + 1..i + 4].iter().all(|c| (b'0'..=b'7').contains(c))
+        {
+            out.push((b[i + 1] - b'0') * 64 + (b[i + 2] - b'0') * 8 + (b[i + 3] - b'0'));
+            i += 4;
+        } else {
+            out.push(b[i]);
+            i += 1;
+        }
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+pub(super) fn mounts() -> Result<Vec<MountEntry>> {
+    let text = fs::read_to_string("/proc/self/mountinfo")
+        .map_err(io_err("reading /proc/self/mountinfo"))?;
+    let mut out = Vec::new();
+    for line in text.lines() {
+        let Some((left, right)) = line.split_once(" - ") else {
+            continue;
+        };
+        let l: Vec<&str> = left.split(' ').collect();
+        let r: Vec<&str> = right.split(' ').collect();
+        if l.len() < 5 || r.len() < 3 {
+            continue;
+        }
+        out.push(MountEntry {
+            mount_point: PathBuf::from(unescape_mountinfo(l[4])),
+            fstype: r[0].to_string(),
+            source: unescape_mountinfo(r[1]),
+            super_options: r[2].to_string(),
+        });
+    }
+    Ok(out)
+}
+
+/// The mount `path` lives on (the last-mounted one whose mount point is a prefix).
+fn mount_of(path: &Path) -> Result<Option<MountEntry>> {
+    Ok(mounts()?
+        .into_iter()
+        .filter(|m| path.starts_with(&m.mount_point))
+        .max_by_key(|m| m.mount_point.components().count()))
+}
+
+pub(super) fn is_mount_point(path: &Path) -> Result<bool> {
+    Ok(mounts()?.iter().any(|m| m.mount_point == path))
+}
+
+pub(super) fn mount_source_is_loop_of(root: &Path, image: &Path) -> bool {
+    let Ok(Some(m)) = mount_of(root) else {
+        return false;
+    };
+    if m.mount_point != root {
+        return false;
+    }
+    let Some(dev) = m.source.strip_prefix("/dev/") else {
+        return false;
+    };
+    let backing =
+        fs::read_to_string(format!("/sys/block/{dev}/loop/backing_file")).unwrap_or_default();
+    Path::new(backing.trim()) == image
+}
+
+/// The quota mechanism usable at `root`, if any.
+pub(super) fn detect(root: &Path) -> Result<Option<QuotaBackend>> {
+    let c = cpath(root)?;
+    // SAFETY: zeroed statfs is valid; c is a valid path.
+    let mut st: libc::statfs = unsafe { std::mem::zeroed() };
+    if unsafe { libc::statfs(c.as_ptr(), &mut st) } != 0 {
+        return Err(io_err(format!("statfs {}", root.display()))(
+            io::Error::last_os_error(),
+        ));
+    }
+    match st.f_type as i64 {
+        XFS_SUPER_MAGIC => {
+            let enforced = mount_of(root)?.is_some_and(|m| {
+                m.fstype == "xfs" && m.super_options.split(',').any(|o| o == "prjquota")
+            });
+            Ok(enforced.then_some(QuotaBackend::XfsProject))
+        }
+        BTRFS_SUPER_MAGIC => Ok(btrfs_qgroups_dir(root)
+            .is_ok_and(|d| d.exists())
+            .then_some(QuotaBackend::BtrfsQgroup)),
+        _ => Ok(None),
+    }
+}
+
+fn run(cmd: &str, args: &[&str]) -> Result<()> {
+    let out = Command::new(cmd)
+        .args(args)
+        .output()
+        .map_err(io_err(format!(
+            "running {cmd} (see scripts/install-deps.sh)"
+        )))?;
+    if !out.status.success() {
+        return Err(StorageError::Command {
+            command: format!("{cmd} {}", args.join(" ")),
+            stderr: String::from_utf8_lossy(&out.stderr).trim().to_string(),
+        });
+    }
+    Ok(())
+}
+
+fn path_str(p: &Path) -> Result<&str> {
+    p.to_str().ok_or_else(|| StorageError::Io {
+        what: format!("non-UTF-8 path {}", p.display()),
+        source: io::Error::from(io::ErrorKind::InvalidInput),
+    })
+}
+
+/// Which filesystem an image holds, from its superblock magic.
+fn image_fstype(image: &Path) -> Result<Option<&'static str>> {
+    use std::io::{Read, Seek, SeekFrom};
+    let mut f = File::open(image).map_err(io_err(format!("opening {}", image.display())))?;
+    let mut magic = [0u8; 8];
+    f.read_exact(&mut magic[..4])
+        .map_err(io_err(format!("reading {}", image.display())))?;
+    if &magic[..4] == b"XFSB" {
+        return Ok(Some("xfs"));
+    }
+    if f.seek(SeekFrom::Start(0x10040)).is_ok()
+        && f.read_exact(&mut magic).is_ok()
+        && &magic == b"_BHRfS_M"
+    {
+        return Ok(Some("btrfs"));
+    }
+    Ok(None)
+}
+
+pub(super) fn mount_image(image: &Path, root: &Path) -> Result<()> {
+    let (img, dir) = (path_str(image)?, path_str(root)?);
+    match image_fstype(image)? {
+        Some("xfs") => run(
+            "mount",
+            &["-t", "xfs", "-o", "loop,prjquota,noatime", img, dir],
+        ),
+        Some("btrfs") => {
+            run("mount", &["-t", "btrfs", "-o", "loop,noatime", img, dir])?;
+            if !btrfs_qgroups_dir(root).is_ok_and(|d| d.exists()) {
+                run("btrfs", &["quota", "enable", dir])?;
+            }
+            Ok(())
+        }
+        _ => Err(StorageError::Unsupported(format!(
+            "{} holds neither XFS nor btrfs; move it away to let Cubicle create a new one",
+            image.display()
+        ))),
+    }
+}
+
+/// Creates the sparse image (XFS if the kernel enforces XFS project quotas, else btrfs)
+/// and mounts it. Built under a temporary name so a crash never leaves a half-made image.
+pub(super) fn create_image(image: &Path, root: &Path, size: u64) -> Result<()> {
+    let tmp = image.with_extension("img.tmp");
+    let _ = fs::remove_file(&tmp);
+    let make = |size: u64| -> Result<()> {
+        let f = fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .open(&tmp)
+            .map_err(io_err(format!("creating {}", tmp.display())))?;
+        f.set_len(size)
+            .map_err(io_err(format!("sizing {}", tmp.display())))
+    };
+    let (t, dir) = (path_str(&tmp)?.to_string(), path_str(root)?.to_string());
+    make(size)?;
+    run("mkfs.xfs", &["-q", "-f", "-m", "reflink=1", &t])?;
+    let xfs_ok = run(
+        "mount",
+        &["-t", "xfs", "-o", "loop,prjquota,noatime", &t, &dir],
+    )
+    .is_ok();
+    if !xfs_ok {
+        // The kernel refuses `prjquota` (no CONFIG_XFS_QUOTA): use btrfs qgroups instead.
+        fs::remove_file(&tmp).map_err(io_err(format!("removing {}", tmp.display())))?;
+        make(size)?;
+        run("mkfs.btrfs", &["-q", "-f", &t])?;
+        run("mount", &["-t", "btrfs", "-o", "loop,noatime", &t, &dir])?;
+        if let Err(e) = run("btrfs", &["quota", "enable", &dir]) {
+            let _ = run("umount", &[&dir]);
+            return Err(e);
+        }
+    }
+    fs::set_permissions(root, std::os::unix::fs::PermissionsExt::from_mode(0o711))
+        .map_err(io_err(format!("chmod {}", root.display())))?;
+    fs::rename(&tmp, image).map_err(io_err(format!(
+        "renaming {} to {}",
+        tmp.display(),
+        image.display()
+    )))
+}
