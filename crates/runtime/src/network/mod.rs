@@ -44,6 +44,8 @@ pub use netns::{
 
 use netlink::RouteSocket;
 
+use crate::error::{Error, Result};
+
 /// The default egress rules, with placeholders (see the file's header).
 const EGRESS_RULES: &str = include_str!("egress_rules.nft");
 /// The line splitting `EGRESS_RULES` into the static part (re-created by every `init`)
@@ -52,34 +54,6 @@ const POLICY_MARKER: &str = "# ---- per-sandbox policy table";
 
 /// Name of the sandbox side of the veth pair.
 pub const SANDBOX_IFNAME: &str = "eth0";
-
-/// Errors of the network module.
-#[derive(Debug, thiserror::Error)]
-pub enum NetworkError {
-    #[error("{what}: {source}")]
-    Io {
-        what: String,
-        #[source]
-        source: io::Error,
-    },
-    #[error("nft failed while {context}: {stderr}")]
-    Nft { context: String, stderr: String },
-    #[error("invalid network configuration: {0}")]
-    Config(String),
-    #[error("invalid IPv4 CIDR {0:?} (expected a.b.c.d or a.b.c.d/len; sandboxes are IPv4-only)")]
-    InvalidCidr(String),
-    #[error("slot {slot} is outside the address pool {pool} ({max} slots)")]
-    SlotOutOfRange { slot: u32, pool: Ipv4Cidr, max: u32 },
-}
-
-impl NetworkError {
-    pub(crate) fn io(what: impl Into<String>, source: io::Error) -> Self {
-        NetworkError::Io {
-            what: what.into(),
-            source,
-        }
-    }
-}
 
 /// An IPv4 network, `a.b.c.d/len` (host bits cleared).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -90,9 +64,9 @@ pub struct Ipv4Cidr {
 
 impl Ipv4Cidr {
     /// `addr/prefix_len`, with the host bits of `addr` cleared.
-    pub fn new(addr: Ipv4Addr, prefix_len: u8) -> Result<Self, NetworkError> {
+    pub fn new(addr: Ipv4Addr, prefix_len: u8) -> Result<Self> {
         if prefix_len > 32 {
-            return Err(NetworkError::InvalidCidr(format!("{addr}/{prefix_len}")));
+            return Err(Error::InvalidCidr(format!("{addr}/{prefix_len}")));
         }
         let mask = if prefix_len == 0 {
             0
@@ -129,9 +103,9 @@ impl fmt::Display for Ipv4Cidr {
 }
 
 impl FromStr for Ipv4Cidr {
-    type Err = NetworkError;
+    type Err = Error;
     fn from_str(s: &str) -> Result<Self, Self::Err> {
-        let bad = || NetworkError::InvalidCidr(s.to_string());
+        let bad = || Error::InvalidCidr(s.to_string());
         let (ip, len) = match s.trim().split_once('/') {
             Some((ip, len)) => (ip, len.parse::<u8>().map_err(|_| bad())?),
             None => (s.trim(), 32),
@@ -261,7 +235,7 @@ impl Network {
     /// Prepares the host once per node start (idempotent): enables IPv4 forwarding and
     /// (re)creates the egress rules table; creates the policy table if it is missing
     /// (existing per-sandbox policies are kept; call [`Network::reconcile`] next).
-    pub fn init(config: NetworkConfig) -> Result<Self, NetworkError> {
+    pub fn init(config: NetworkConfig) -> Result<Self> {
         let net = Self::new(config)?;
         enable_ip_forwarding()?;
         let (static_part, policy_part) = net.render_rules()?;
@@ -277,10 +251,10 @@ impl Network {
     }
 
     /// A handle without touching the host (for reconciliation tools and unit tests).
-    pub fn new(config: NetworkConfig) -> Result<Self, NetworkError> {
+    pub fn new(config: NetworkConfig) -> Result<Self> {
         let p = &config.ifname_prefix;
         if p.is_empty() || p.len() > 7 || !p.bytes().all(|b| b.is_ascii_alphanumeric()) {
-            return Err(NetworkError::Config(format!(
+            return Err(Error::NetworkConfig(format!(
                 "ifname_prefix {p:?} must be 1-7 ASCII letters/digits"
             )));
         }
@@ -289,12 +263,12 @@ impl Network {
             || t.len() > 32
             || !t.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_')
         {
-            return Err(NetworkError::Config(format!(
+            return Err(Error::NetworkConfig(format!(
                 "table {t:?} must be 1-32 of [A-Za-z0-9_]"
             )));
         }
         if config.pool.prefix_len() > 30 {
-            return Err(NetworkError::Config(format!(
+            return Err(Error::NetworkConfig(format!(
                 "pool {} too small",
                 config.pool
             )));
@@ -322,9 +296,9 @@ impl Network {
     }
 
     /// The addresses and interface name slot `slot` uses (pure computation).
-    pub fn slot_info(&self, slot: u32) -> Result<NetInfo, NetworkError> {
+    pub fn slot_info(&self, slot: u32) -> Result<NetInfo> {
         if slot >= self.max_slots {
-            return Err(NetworkError::SlotOutOfRange {
+            return Err(Error::SlotOutOfRange {
                 slot,
                 pool: self.config.pool,
                 max: self.max_slots,
@@ -356,10 +330,9 @@ impl Network {
 
     /// Gives the sandbox whose network namespace is `netns` its veth pair, address and
     /// default route, for `slot`. A stale pair left on that slot (crash) is replaced.
-    pub fn attach(&self, netns: &Netns, slot: u32) -> Result<NetInfo, NetworkError> {
+    pub fn attach(&self, netns: &Netns, slot: u32) -> Result<NetInfo> {
         let info = self.slot_info(slot)?;
-        let mut host =
-            RouteSocket::open().map_err(|e| NetworkError::io("opening netlink socket", e))?;
+        let mut host = RouteSocket::open().map_err(|e| Error::io("opening netlink socket", e))?;
         let create = |host: &mut RouteSocket| {
             host.create_veth(&info.host_ifname, SANDBOX_IFNAME, netns, self.config.mtu)
         };
@@ -369,7 +342,7 @@ impl Network {
                 // Leftover host side for this slot (or eth0 already in the sandbox).
                 let _ = host.delete_link(&info.host_ifname);
                 create(&mut host).map_err(|e| {
-                    NetworkError::io(
+                    Error::io(
                         format!(
                             "creating veth {} (after removing a stale one)",
                             info.host_ifname
@@ -379,10 +352,7 @@ impl Network {
                 })?;
             }
             Err(e) => {
-                return Err(NetworkError::io(
-                    format!("creating veth {}", info.host_ifname),
-                    e,
-                ));
+                return Err(Error::io(format!("creating veth {}", info.host_ifname), e));
             }
         }
         let result = self.configure(&mut host, netns, &info);
@@ -392,17 +362,12 @@ impl Network {
         result.map(|()| info)
     }
 
-    fn configure(
-        &self,
-        host: &mut RouteSocket,
-        netns: &Netns,
-        info: &NetInfo,
-    ) -> Result<(), NetworkError> {
+    fn configure(&self, host: &mut RouteSocket, netns: &Netns, info: &NetInfo) -> Result<()> {
         let host_index = host
             .link_index(&info.host_ifname)
-            .map_err(|e| NetworkError::io(format!("looking up {}", info.host_ifname), e))?
+            .map_err(|e| Error::io(format!("looking up {}", info.host_ifname), e))?
             .ok_or_else(|| {
-                NetworkError::io(
+                Error::io(
                     format!("looking up {}", info.host_ifname),
                     io::Error::from_raw_os_error(libc::ENODEV),
                 )
@@ -414,10 +379,10 @@ impl Network {
         // in `perf`: __find_rr_leaf, fib6_walk_continue, fib6_ifdown).
         disable_ipv6(&info.host_ifname)?;
         host.set_up(host_index)
-            .map_err(|e| NetworkError::io(format!("setting {} up", info.host_ifname), e))?;
+            .map_err(|e| Error::io(format!("setting {} up", info.host_ifname), e))?;
         host.add_address(host_index, info.gateway, 31)
             .map_err(|e| {
-                NetworkError::io(
+                Error::io(
                     format!("adding {}/31 to {}", info.gateway, info.host_ifname),
                     e,
                 )
@@ -426,23 +391,21 @@ impl Network {
         let mut inside = netns::route_socket_in(netns)?;
         let index = inside
             .link_index(SANDBOX_IFNAME)
-            .map_err(|e| NetworkError::io("looking up eth0 in sandbox", e))?
+            .map_err(|e| Error::io("looking up eth0 in sandbox", e))?
             .ok_or_else(|| {
-                NetworkError::io(
+                Error::io(
                     "looking up eth0 in sandbox",
                     io::Error::from_raw_os_error(libc::ENODEV),
                 )
             })?;
         inside
             .set_up(index)
-            .map_err(|e| NetworkError::io("setting sandbox eth0 up", e))?;
+            .map_err(|e| Error::io("setting sandbox eth0 up", e))?;
         inside
             .add_address(index, info.sandbox_ip, 31)
-            .map_err(|e| {
-                NetworkError::io(format!("adding {}/31 to sandbox eth0", info.sandbox_ip), e)
-            })?;
+            .map_err(|e| Error::io(format!("adding {}/31 to sandbox eth0", info.sandbox_ip), e))?;
         inside.add_default_route(index, info.gateway).map_err(|e| {
-            NetworkError::io(
+            Error::io(
                 format!("adding default route via {} in sandbox", info.gateway),
                 e,
             )
@@ -451,18 +414,14 @@ impl Network {
     }
 
     /// Removes slot `slot`'s veth pair and policy (idempotent: missing pieces are fine).
-    pub fn detach(&self, slot: u32) -> Result<(), NetworkError> {
+    pub fn detach(&self, slot: u32) -> Result<()> {
         let info = self.slot_info(slot)?;
-        let mut host =
-            RouteSocket::open().map_err(|e| NetworkError::io("opening netlink socket", e))?;
+        let mut host = RouteSocket::open().map_err(|e| Error::io("opening netlink socket", e))?;
         match host.delete_link(&info.host_ifname) {
             Ok(()) => {}
             Err(e) if e.raw_os_error() == Some(libc::ENODEV) => {}
             Err(e) => {
-                return Err(NetworkError::io(
-                    format!("deleting {}", info.host_ifname),
-                    e,
-                ));
+                return Err(Error::io(format!("deleting {}", info.host_ifname), e));
             }
         }
         let had_policy = self.lock_policy().contains(&slot);
@@ -474,7 +433,7 @@ impl Network {
 
     /// Sets (or, for the default policy, clears) slot `slot`'s egress policy. Costs one
     /// `nft` run; sandboxes with the default policy never need it.
-    pub fn set_policy(&self, slot: u32, policy: &EgressPolicy) -> Result<(), NetworkError> {
+    pub fn set_policy(&self, slot: u32, policy: &EgressPolicy) -> Result<()> {
         let info = self.slot_info(slot)?;
         if policy.is_default() {
             if self.lock_policy().contains(&slot) {
@@ -522,10 +481,9 @@ impl Network {
     }
 
     /// After a crash: deletes every sandbox veth and policy whose slot is not in `known`.
-    pub fn reconcile(&self, known: &[u32]) -> Result<(), NetworkError> {
+    pub fn reconcile(&self, known: &[u32]) -> Result<()> {
         let known: HashSet<u32> = known.iter().copied().collect();
-        let mut host =
-            RouteSocket::open().map_err(|e| NetworkError::io("opening netlink socket", e))?;
+        let mut host = RouteSocket::open().map_err(|e| Error::io("opening netlink socket", e))?;
         for link in self.sandbox_links(&mut host)? {
             let keep = self
                 .slot_of_ifname(&link.name)
@@ -534,7 +492,7 @@ impl Network {
                 match host.delete_link(&link.name) {
                     Ok(()) => {}
                     Err(e) if e.raw_os_error() == Some(libc::ENODEV) => {}
-                    Err(e) => return Err(NetworkError::io(format!("deleting {}", link.name), e)),
+                    Err(e) => return Err(Error::io(format!("deleting {}", link.name), e)),
                 }
             }
         }
@@ -553,14 +511,13 @@ impl Network {
 
     /// Removes everything this network created on the host: all `<prefix>*` links and
     /// both nftables tables. For tests and `cubicle` uninstall; not used in normal runs.
-    pub fn teardown_all(&self) -> Result<(), NetworkError> {
-        let mut host =
-            RouteSocket::open().map_err(|e| NetworkError::io("opening netlink socket", e))?;
+    pub fn teardown_all(&self) -> Result<()> {
+        let mut host = RouteSocket::open().map_err(|e| Error::io("opening netlink socket", e))?;
         for link in self.sandbox_links(&mut host)? {
             match host.delete_link(&link.name) {
                 Ok(()) => {}
                 Err(e) if e.raw_os_error() == Some(libc::ENODEV) => {}
-                Err(e) => return Err(NetworkError::io(format!("deleting {}", link.name), e)),
+                Err(e) => return Err(Error::io(format!("deleting {}", link.name), e)),
             }
         }
         let t = &self.config.table;
@@ -574,10 +531,8 @@ impl Network {
 
     /// Host links that belong to sandboxes (name `<prefix><digits>`, or any veth with
     /// the prefix).
-    fn sandbox_links(&self, host: &mut RouteSocket) -> Result<Vec<netlink::Link>, NetworkError> {
-        let links = host
-            .links()
-            .map_err(|e| NetworkError::io("listing links", e))?;
+    fn sandbox_links(&self, host: &mut RouteSocket) -> Result<Vec<netlink::Link>> {
+        let links = host.links().map_err(|e| Error::io("listing links", e))?;
         Ok(links
             .into_iter()
             .filter(|l| {
@@ -593,7 +548,7 @@ impl Network {
     }
 
     /// Reads which slots have a policy chain or map element from the kernel.
-    fn load_policy_slots(&self) -> Result<(), NetworkError> {
+    fn load_policy_slots(&self) -> Result<()> {
         let t = format!("{}_policy", self.config.table);
         let mut slots = HashSet::new();
         if nft_table_exists(&t)? {
@@ -620,7 +575,7 @@ impl Network {
     }
 
     /// Deletes the map elements and chains of `slots`, tolerating missing pieces.
-    fn remove_policies(&self, slots: &[u32]) -> Result<(), NetworkError> {
+    fn remove_policies(&self, slots: &[u32]) -> Result<()> {
         let t = format!("{}_policy", self.config.table);
         let v = nft_json(&["list", "table", "inet", &t])?;
         let mut chains = HashSet::new();
@@ -664,7 +619,7 @@ impl Network {
     }
 
     /// Fills the placeholders of `egress_rules.nft`; returns (static part, policy table).
-    fn render_rules(&self) -> Result<(String, String), NetworkError> {
+    fn render_rules(&self) -> Result<(String, String)> {
         let elements = |v: &[Ipv4Cidr]| {
             if v.is_empty() {
                 String::new()
@@ -692,19 +647,18 @@ impl Network {
             .replace("@NODE_ALLOW@", &elements(&self.config.node_allow))
             .replace("@DNS@", &elements(&dns));
         let pos = text.find(POLICY_MARKER).ok_or_else(|| {
-            NetworkError::Config("egress_rules.nft lacks the policy marker".into())
+            Error::NetworkConfig("egress_rules.nft lacks the policy marker".into())
         })?;
         Ok((text[..pos].to_string(), text[pos..].to_string()))
     }
 }
 
-fn enable_ip_forwarding() -> Result<(), NetworkError> {
+fn enable_ip_forwarding() -> Result<()> {
     let path = "/proc/sys/net/ipv4/ip_forward";
-    let cur = std::fs::read_to_string(path)
-        .map_err(|e| NetworkError::io(format!("reading {path}"), e))?;
+    let cur = std::fs::read_to_string(path).map_err(|e| Error::io(format!("reading {path}"), e))?;
     if cur.trim() != "1" {
         std::fs::write(path, "1")
-            .map_err(|e| NetworkError::io(format!("writing {path} (are you root?)"), e))?;
+            .map_err(|e| Error::io(format!("writing {path} (are you root?)"), e))?;
     }
     Ok(())
 }
@@ -718,24 +672,24 @@ fn nft_binary() -> &'static str {
 }
 
 /// Runs `nft -f -` with `script` (one atomic transaction).
-pub(crate) fn nft_apply(script: &str, context: &str) -> Result<(), NetworkError> {
+pub(crate) fn nft_apply(script: &str, context: &str) -> Result<()> {
     let mut child = Command::new(nft_binary())
         .args(["-f", "-"])
         .stdin(Stdio::piped())
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
         .spawn()
-        .map_err(|e| NetworkError::io("running nft (is the nftables package installed?)", e))?;
+        .map_err(|e| Error::io("running nft (is the nftables package installed?)", e))?;
     if let Some(mut stdin) = child.stdin.take() {
         stdin
             .write_all(script.as_bytes())
-            .map_err(|e| NetworkError::io("writing to nft", e))?;
+            .map_err(|e| Error::io("writing to nft", e))?;
     }
     let out = child
         .wait_with_output()
-        .map_err(|e| NetworkError::io("waiting for nft", e))?;
+        .map_err(|e| Error::io("waiting for nft", e))?;
     if !out.status.success() {
-        return Err(NetworkError::Nft {
+        return Err(Error::Nft {
             context: context.to_string(),
             stderr: String::from_utf8_lossy(&out.stderr).trim().to_string(),
         });
@@ -743,27 +697,27 @@ pub(crate) fn nft_apply(script: &str, context: &str) -> Result<(), NetworkError>
     Ok(())
 }
 
-fn nft_json(args: &[&str]) -> Result<serde_json::Value, NetworkError> {
+fn nft_json(args: &[&str]) -> Result<serde_json::Value> {
     let out = Command::new(nft_binary())
         .arg("-j")
         .args(args)
         .output()
-        .map_err(|e| NetworkError::io("running nft (is the nftables package installed?)", e))?;
+        .map_err(|e| Error::io("running nft (is the nftables package installed?)", e))?;
     if !out.status.success() {
-        return Err(NetworkError::Nft {
+        return Err(Error::Nft {
             context: format!("nft -j {}", args.join(" ")),
             stderr: String::from_utf8_lossy(&out.stderr).trim().to_string(),
         });
     }
     serde_json::from_slice(&out.stdout).map_err(|e| {
-        NetworkError::io(
+        Error::io(
             "parsing nft JSON",
             io::Error::new(io::ErrorKind::InvalidData, e),
         )
     })
 }
 
-fn nft_table_exists(name: &str) -> Result<bool, NetworkError> {
+fn nft_table_exists(name: &str) -> Result<bool> {
     let v = nft_json(&["list", "tables", "inet"])?;
     Ok(v["nftables"]
         .as_array()
@@ -773,14 +727,14 @@ fn nft_table_exists(name: &str) -> Result<bool, NetworkError> {
 }
 
 /// Whether the nftables table `inet <name>` exists (for tests and leak checks).
-pub fn table_exists(name: &str) -> Result<bool, NetworkError> {
+pub fn table_exists(name: &str) -> Result<bool> {
     nft_table_exists(name)
 }
 
 /// Turns IPv6 off on host interface `ifname` (`net.ipv6.conf.<ifname>.disable_ipv6`), in
 /// the network namespace of the calling thread. A host without IPv6 has nothing to turn
 /// off.
-fn disable_ipv6(ifname: &str) -> Result<(), NetworkError> {
+fn disable_ipv6(ifname: &str) -> Result<()> {
     let path = format!("/proc/sys/net/ipv6/conf/{ifname}/disable_ipv6");
     match std::fs::write(&path, "1") {
         Ok(()) => Ok(()),
@@ -790,6 +744,6 @@ fn disable_ipv6(ifname: &str) -> Result<(), NetworkError> {
         {
             Ok(())
         }
-        Err(e) => Err(NetworkError::io(format!("writing {path}"), e)),
+        Err(e) => Err(Error::io(format!("writing {path}"), e)),
     }
 }

@@ -10,7 +10,8 @@ use std::io;
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 
-use super::{DiskUsage, Result, Storage, StorageError, io_err, ioctl};
+use super::{DiskUsage, Storage, ioctl};
+use crate::error::{Error, Result, io_err};
 
 impl Storage {
     /// Makes `root/tmp_name` a subvolume whose qgroup is limited to `quota_bytes`.
@@ -37,8 +38,8 @@ impl Storage {
         let read = |name: &str| -> Result<u64> {
             let p = q.join(name);
             let s = fs::read_to_string(&p).map_err(io_err(format!("reading {}", p.display())))?;
-            s.trim().parse::<u64>().map_err(|_| StorageError::Io {
-                what: format!("parsing {}", p.display()),
+            s.trim().parse::<u64>().map_err(|_| Error::Io {
+                context: format!("parsing {}", p.display()),
                 source: io::Error::from(io::ErrorKind::InvalidData),
             })
         };

@@ -11,8 +11,9 @@ use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
+use super::QuotaBackend;
 use super::btrfs::btrfs_qgroups_dir;
-use super::{QuotaBackend, Result, StorageError, io_err};
+use crate::error::{Error, Result, io_err};
 
 const XFS_SUPER_MAGIC: i64 = 0x5846_5342;
 const BTRFS_SUPER_MAGIC: i64 = 0x9123_683e;
@@ -34,8 +35,8 @@ pub fn unmount_path(path: &Path) -> Result<()> {
         let err = io::Error::last_os_error();
         attempts += 1;
         if err.raw_os_error() != Some(libc::EBUSY) || attempts >= 50 {
-            return Err(StorageError::Io {
-                what: format!("unmounting {}", path.display()),
+            return Err(Error::Io {
+                context: format!("unmounting {}", path.display()),
                 source: err,
             });
         }
@@ -44,8 +45,8 @@ pub fn unmount_path(path: &Path) -> Result<()> {
 }
 
 pub(super) fn cpath(p: &Path) -> Result<CString> {
-    CString::new(p.as_os_str().as_bytes()).map_err(|_| StorageError::Io {
-        what: format!("path {}", p.display()),
+    CString::new(p.as_os_str().as_bytes()).map_err(|_| Error::Io {
+        context: format!("path {}", p.display()),
         source: io::Error::from(io::ErrorKind::InvalidInput),
     })
 }
@@ -159,7 +160,7 @@ fn run(cmd: &str, args: &[&str]) -> Result<()> {
             "running {cmd} (see scripts/install-deps.sh)"
         )))?;
     if !out.status.success() {
-        return Err(StorageError::Command {
+        return Err(Error::Command {
             command: format!("{cmd} {}", args.join(" ")),
             stderr: String::from_utf8_lossy(&out.stderr).trim().to_string(),
         });
@@ -168,8 +169,8 @@ fn run(cmd: &str, args: &[&str]) -> Result<()> {
 }
 
 fn path_str(p: &Path) -> Result<&str> {
-    p.to_str().ok_or_else(|| StorageError::Io {
-        what: format!("non-UTF-8 path {}", p.display()),
+    p.to_str().ok_or_else(|| Error::Io {
+        context: format!("non-UTF-8 path {}", p.display()),
         source: io::Error::from(io::ErrorKind::InvalidInput),
     })
 }
@@ -207,7 +208,7 @@ pub(super) fn mount_image(image: &Path, root: &Path) -> Result<()> {
             }
             Ok(())
         }
-        _ => Err(StorageError::Unsupported(format!(
+        _ => Err(Error::QuotaUnsupported(format!(
             "{} holds neither XFS nor btrfs; move it away to let Cubicle create a new one",
             image.display()
         ))),

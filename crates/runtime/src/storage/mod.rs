@@ -43,38 +43,14 @@ use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 
+use crate::error::{Error, Result, io_err};
+
 mod btrfs;
 mod image;
 mod xfs;
 
 pub use image::unmount_path;
 use image::{create_image, detect, is_mount_point, mount_image, mount_source_is_loop_of};
-
-/// Errors of the storage module.
-#[derive(Debug, thiserror::Error)]
-pub enum StorageError {
-    #[error("{what}: {source}")]
-    Io {
-        what: String,
-        #[source]
-        source: io::Error,
-    },
-    #[error("{command} failed: {stderr}")]
-    Command { command: String, stderr: String },
-    #[error("invalid sandbox id {0:?} (1-64 characters of [A-Za-z0-9_-])")]
-    InvalidId(String),
-    #[error("no disk quota support: {0}")]
-    Unsupported(String),
-    #[error("no project ids left")]
-    NoFreeId,
-}
-
-type Result<T, E = StorageError> = std::result::Result<T, E>;
-
-fn io_err(what: impl Into<String>) -> impl FnOnce(io::Error) -> StorageError {
-    let what = what.into();
-    move |source| StorageError::Io { what, source }
-}
 
 /// Which kernel mechanism enforces the quotas.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -148,7 +124,7 @@ impl Storage {
             Some(b) => b,
             None => {
                 if is_mount_point(&root)? {
-                    return Err(StorageError::Unsupported(format!(
+                    return Err(Error::QuotaUnsupported(format!(
                         "{} is a mount without project quotas / qgroups; unmount it or mount with prjquota",
                         root.display()
                     )));
@@ -160,7 +136,7 @@ impl Storage {
                 }
                 image_mounted = true;
                 detect(&root)?.ok_or_else(|| {
-                    StorageError::Unsupported(format!(
+                    Error::QuotaUnsupported(format!(
                         "{} mounted at {} has no quotas",
                         image.display(),
                         root.display()
@@ -206,8 +182,8 @@ impl Storage {
     pub fn create_sandbox_dir(&self, id: &str, quota_bytes: u64) -> Result<PathBuf> {
         let dest = self.sandbox_dir(id)?;
         if dest.exists() {
-            return Err(StorageError::Io {
-                what: format!("creating {}", dest.display()),
+            return Err(Error::Io {
+                context: format!("creating {}", dest.display()),
                 source: io::Error::from_raw_os_error(libc::EEXIST),
             });
         }
@@ -314,7 +290,7 @@ fn check_id(id: &str) -> Result<()> {
     if ok {
         Ok(())
     } else {
-        Err(StorageError::InvalidId(id.to_string()))
+        Err(Error::InvalidId(id.to_string()))
     }
 }
 
@@ -399,7 +375,7 @@ mod tests {
         };
         let storage = match Storage::open_with(config.clone()) {
             Ok(s) => s,
-            Err(e @ StorageError::Io { .. }) | Err(e @ StorageError::Command { .. })
+            Err(e @ Error::Io { .. }) | Err(e @ Error::Command { .. })
                 if which("mkfs.btrfs").is_none() || which("mkfs.xfs").is_none() =>
             {
                 eprintln!("SKIPPED: xfsprogs / btrfs-progs missing (scripts/install-deps.sh): {e}");

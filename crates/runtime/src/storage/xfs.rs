@@ -9,7 +9,8 @@ use std::io;
 use std::os::fd::AsRawFd;
 use std::path::Path;
 
-use super::{Result, Storage, StorageError, io_err, ioctl};
+use super::{Storage, ioctl};
+use crate::error::{Error, Result, io_err};
 
 impl Storage {
     pub(super) fn lock_projects(&self) -> std::sync::MutexGuard<'_, HashMap<u32, String>> {
@@ -38,7 +39,7 @@ impl Storage {
             let mut projects = self.lock_projects();
             let projid = (1..u32::MAX)
                 .find(|p| !projects.contains_key(p))
-                .ok_or(StorageError::NoFreeId)?;
+                .ok_or(Error::NoFreeProjectId)?;
             projects.insert(projid, id.to_string());
             projid
         };
