@@ -38,7 +38,17 @@ pub enum Error {
     /// No free uid range / slot left.
     #[error("no capacity left: {0}")]
     Capacity(String),
-    /// The runtime (isolation layer) failed.
+    /// The isolation layer (`cubicle-runtime`) failed at step `what`.
+    #[error("runtime: {what}: {source}")]
+    Isolation {
+        /// The step (e.g. `spawn`, `network attach`).
+        what: String,
+        /// The runtime's error.
+        #[source]
+        source: cubicle_runtime::Error,
+    },
+    /// Starting or running a sandbox failed outside the isolation layer: a readiness
+    /// probe, a start command, a kill during creation, a task that panicked.
     #[error("runtime: {0}")]
     Runtime(String),
     /// envd inside the sandbox misbehaved or was unreachable.

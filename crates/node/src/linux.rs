@@ -31,8 +31,11 @@ pub struct LinuxRuntime {
     storage: std::result::Result<Storage, String>,
 }
 
-fn rt_err(what: &str, e: impl std::fmt::Display) -> Error {
-    Error::Runtime(format!("{what}: {e}"))
+fn rt_err(what: &str, source: cubicle_runtime::Error) -> Error {
+    Error::Isolation {
+        what: what.to_string(),
+        source,
+    }
 }
 
 impl LinuxRuntime {
@@ -64,6 +67,7 @@ impl LinuxRuntime {
     }
 
     fn network(&self) -> Result<&Network> {
+        // The runtime's error was logged when the node opened; its text is all that is kept.
         self.network
             .as_ref()
             .map_err(|e| Error::Runtime(format!("sandbox networking unavailable: {e}")))
