@@ -1,7 +1,9 @@
-//! Paths as clients give them: `~` and `~/x` expand to the acting user's home, relative
-//! paths resolve against the default workdir (else the home), and the result is cleaned
-//! lexically (`.`/`..`). NUL bytes are refused. Parent directories created on a user's
-//! behalf belong to that user.
+//! Paths as clients give them, resolved as E2B's envd does: `~` and `~/x` expand to the
+//! acting user's home; any other relative path resolves against the acting user's home
+//! too (`files.write("a.txt", user="root")` is `/root/a.txt`); only an empty path (a
+//! command without `cwd`, a listing of "") means the default workdir, else that home.
+//! The result is cleaned lexically (`.`/`..`). NUL bytes are refused. Parent
+//! directories created on a user's behalf belong to that user.
 
 use std::{
     io,
@@ -16,19 +18,16 @@ pub fn resolve(ctx: &Context, user: &User, path: &str) -> Result<PathBuf, Connec
     if path.contains('\0') {
         return Err(ConnectError::invalid_argument("path contains a NUL byte"));
     }
-    let expanded: PathBuf = if path == "~" {
+    let expanded: PathBuf = if path.is_empty() {
+        ctx.default_workdir().unwrap_or_else(|| user.home.clone())
+    } else if path == "~" {
         user.home.clone()
     } else if let Some(rest) = path.strip_prefix("~/") {
         user.home.join(rest)
     } else if path.starts_with('/') {
         PathBuf::from(path)
     } else {
-        let base = ctx.default_workdir().unwrap_or_else(|| user.home.clone());
-        if path.is_empty() {
-            base
-        } else {
-            base.join(path)
-        }
+        user.home.join(path)
     };
     Ok(clean(&expanded))
 }
@@ -104,10 +103,25 @@ mod tests {
             PathBuf::from("/etc/p")
         );
         assert!(resolve(&c, &user(), "/a\0b").is_err());
+        assert_eq!(resolve(&c, &user(), "").unwrap(), PathBuf::from("/home/u"));
+        // A default workdir is where an empty path (a command without cwd) points;
+        // relative paths still follow the acting user's home, as in E2B's envd.
         let c = ctx(Some("/work"));
+        assert_eq!(resolve(&c, &user(), "").unwrap(), PathBuf::from("/work"));
         assert_eq!(
             resolve(&c, &user(), "x/../y").unwrap(),
-            PathBuf::from("/work/y")
+            PathBuf::from("/home/u/y")
+        );
+        let root = User {
+            name: "root".into(),
+            uid: 0,
+            gid: 0,
+            home: "/root".into(),
+            shell: "/bin/sh".into(),
+        };
+        assert_eq!(
+            resolve(&c, &root, "hello.txt").unwrap(),
+            PathBuf::from("/root/hello.txt")
         );
     }
 }

@@ -31,8 +31,9 @@ pub struct InitRequest {
     pub access_token: String,
     /// Default user.
     pub default_user: String,
-    /// Default workdir.
-    pub default_workdir: String,
+    /// Default workdir (left out when the template sets none: the user's home).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub default_workdir: Option<String>,
 }
 
 impl InitRequest {
@@ -611,7 +612,7 @@ mod tests {
             env_vars: BTreeMap::new(),
             access_token: "tok".into(),
             default_user: "user".into(),
-            default_workdir: "/home/user".into(),
+            default_workdir: Some("/home/user".into()),
         })
         .await
         .unwrap();

@@ -120,10 +120,12 @@ pub struct SandboxRecord {
     pub metadata: BTreeMap<String, String>,
     /// envd access token.
     pub access_token: String,
-    /// Default user / workdir given to envd.
+    /// Default user given to envd.
     pub default_user: String,
-    /// Default workdir given to envd.
-    pub default_workdir: String,
+    /// Default workdir given to envd: where commands without a `cwd` start. `None`:
+    /// the acting user's home (as on E2B for templates that set no workdir).
+    #[serde(default, deserialize_with = "crate::template::workdir_or_none")]
+    pub default_workdir: Option<String>,
     /// Why it is dying (set before teardown).
     #[serde(default)]
     pub death_reason: Option<DeathReason>,

@@ -173,8 +173,8 @@ def secured_envd() -> Iterator[SecuredEnvd]:
     if not binary:
         pytest.skip("CUBICLE_ENVD_BIN not set: run through tests/e2e/envd-host.sh")
     token = "cbtok" + uuid.uuid4().hex + uuid.uuid4().hex[:20]
-    # a default workdir other than the home: commands start there and relative
-    # paths resolve against it
+    # a default workdir other than the home: commands without cwd start there (relative
+    # paths still resolve against the acting user's home, as in E2B's envd)
     workdir = f"/tmp/cb-workdir-{uuid.uuid4().hex[:8]}"
     os.makedirs(workdir)
     os.chown(workdir, 1000, 1000)

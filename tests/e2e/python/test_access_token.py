@@ -78,9 +78,13 @@ def test_sdk_without_token_gets_authentication_exception(secured_envd: SecuredEn
 def test_sdk_with_token_and_init_settings(secured_sbx: Sandbox, secured_envd: SecuredEnvd):
     r = secured_sbx.commands.run('echo "$CUBICLE_INIT_VAR|$(whoami)|$(pwd)|$HOME"')
     assert r.stdout == f"from-init|user|{secured_envd.workdir}|/home/user\n", "defaultWorkdir from /init"
-    # relative paths resolve against the default workdir, `~` still against the home
-    info = secured_sbx.files.write("rel-to-workdir.txt", "w")
-    assert info.path == f"{secured_envd.workdir}/rel-to-workdir.txt"
+    # a root command without cwd starts in the workdir too; relative paths resolve
+    # against the acting user's home, not the workdir (E2B's envd)
+    assert secured_sbx.commands.run("pwd", user="root").stdout == f"{secured_envd.workdir}\n"
+    n = uuid.uuid4().hex[:8]
+    info = secured_sbx.files.write(f"rel-{n}.txt", "w")
+    assert info.path == f"/home/user/rel-{n}.txt"
+    secured_sbx.files.remove(info.path)
     assert secured_sbx.files.get_info("~").path == "/home/user"
     assert secured_sbx.commands.run("pwd", cwd="/").stdout == "/\n"
     r = secured_sbx.commands.run("echo $CUBICLE_INIT_VAR", envs={"CUBICLE_INIT_VAR": "per-call"})

@@ -187,6 +187,19 @@ def test_tilde_and_relative_paths(sbx: Sandbox, unique: str):
 
         sbx.files.write(f"~/{name}", "root tilde", user="root")
         assert sbx.commands.run(f"cat /root/{name}", user="root").stdout == "root tilde"
+
+        # relative paths follow the requested user: root's are under /root
+        info = sbx.files.write(f"rel-{name}", "root rel", user="root")
+        assert info.path == f"/root/rel-{name}"
+        assert sbx.commands.run(f"stat -c %U /root/rel-{name}", user="root").stdout == "root\n"
+        assert sbx.files.read(f"rel-{name}", user="root") == "root rel"
+        assert not sbx.files.exists(f"rel-{name}"), "not in the default user's home"
+        assert sbx.files.make_dir(f"rd-{unique}", user="root")
+        assert [e.path for e in sbx.files.list(".", user="root") if e.name == f"rd-{unique}"] == [f"/root/rd-{unique}"]
+        assert sbx.files.rename(f"rd-{unique}", f"rd2-{unique}", user="root").path == f"/root/rd2-{unique}"
+        sbx.files.remove(f"rd2-{unique}", user="root")
+        sbx.files.remove(f"rel-{name}", user="root")
+        assert sbx.commands.run("ls -A /root", user="root").stdout.count(unique) == 1  # only ~/{name}
     finally:
         sbx.files.remove(f"/home/user/{name}", user="root")
         sbx.files.remove(f"/home/user/rel-{unique}", user="root")

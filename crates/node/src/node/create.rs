@@ -203,16 +203,20 @@ impl Inner {
             internet: record.internet,
             hostname: id.clone(),
             envd_binary: inner.config.envd_binary.clone(),
-            init: vec![
-                ENVD_IN_SANDBOX.into(),
-                "--init".into(),
-                "--unix-socket".into(),
-                ENVD_SOCKET_IN_SANDBOX.into(),
-                "--default-user".into(),
-                record.default_user.clone(),
-                "--default-workdir".into(),
-                record.default_workdir.clone(),
-            ],
+            init: {
+                let mut argv = vec![
+                    ENVD_IN_SANDBOX.into(),
+                    "--init".into(),
+                    "--unix-socket".into(),
+                    ENVD_SOCKET_IN_SANDBOX.into(),
+                    "--default-user".into(),
+                    record.default_user.clone(),
+                ];
+                if let Some(w) = &record.default_workdir {
+                    argv.extend(["--default-workdir".into(), w.clone()]);
+                }
+                argv
+            },
             env: template.config.env.clone(),
             binds,
         };

@@ -153,6 +153,9 @@ pub fn build(rootfs: &Path, base: &super::Template, p: &Progress) -> Result<Temp
     cfg.name = NAME.into();
     cfg.builder = BUILDER.into();
     cfg.memory_mb = cfg.memory_mb.max(1024);
+    // E2B's code-interpreter template sets its workdir: commands without a cwd start in
+    // /home/user whoever runs them (relative paths still follow the user's home).
+    cfg.default_workdir = Some("/home/user".into());
     let path =
         cfg.env.get("PATH").cloned().unwrap_or_else(|| {
             "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin".into()

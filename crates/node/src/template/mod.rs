@@ -42,8 +42,15 @@ pub struct TemplateConfig {
     pub name: String,
     /// User processes run as when the caller names none.
     pub default_user: String,
-    /// Working directory of processes when the caller names none.
-    pub default_workdir: String,
+    /// Working directory of processes whose caller names none; `None` (E2B's base
+    /// image sets none): the acting user's home. Relative paths always resolve against
+    /// the acting user's home, whatever this says.
+    #[serde(
+        default,
+        deserialize_with = "workdir_or_none",
+        skip_serializing_if = "Option::is_none"
+    )]
+    pub default_workdir: Option<String>,
     /// Environment every process in the sandbox gets.
     #[serde(default)]
     pub env: BTreeMap<String, String>,
@@ -72,13 +79,13 @@ pub struct TemplateConfig {
 }
 
 impl TemplateConfig {
-    /// Defaults shared by the built-ins: user `user`, workdir `/home/user`, 2 vCPU,
-    /// 512 MiB memory, 5 GiB disk.
+    /// Defaults shared by the built-ins: user `user`, no workdir (commands start in the
+    /// acting user's home), 2 vCPU, 512 MiB memory, 5 GiB disk.
     pub fn with_defaults(name: &str, builder: &str) -> Self {
         TemplateConfig {
             name: name.to_string(),
             default_user: "user".into(),
-            default_workdir: "/home/user".into(),
+            default_workdir: None,
             env: BTreeMap::new(),
             start_command: None,
             ready_port: None,
@@ -90,6 +97,14 @@ impl TemplateConfig {
             builder: builder.to_string(),
         }
     }
+}
+
+/// Reads a workdir where an empty string (or `null`) means none.
+pub(crate) fn workdir_or_none<'de, D: serde::Deserializer<'de>>(
+    d: D,
+) -> std::result::Result<Option<String>, D::Error> {
+    let w: Option<String> = Option::deserialize(d)?;
+    Ok(w.filter(|w| !w.is_empty()))
 }
 
 /// A built template on disk.
@@ -337,6 +352,7 @@ pub(crate) fn add_cubicle_mount_points(rootfs: &Path) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use serde_json::json;
 
     #[test]
     fn names() {
@@ -346,6 +362,24 @@ mod tests {
         assert!(validate_name("../x").is_err());
         assert!(validate_name("A").is_err());
         assert!(validate_name("").is_err());
+    }
+
+    #[test]
+    fn workdir_is_optional() {
+        let mut c = TemplateConfig::with_defaults("t", "t/1");
+        let json = serde_json::to_value(&c).unwrap();
+        assert!(json.get("defaultWorkdir").is_none(), "{json}");
+        c.default_workdir = Some("/app".into());
+        let back: TemplateConfig =
+            serde_json::from_value(serde_json::to_value(&c).unwrap()).unwrap();
+        assert_eq!(back.default_workdir.as_deref(), Some("/app"));
+        // configs written before it was optional, and an empty one
+        for (w, want) in [(json!("/home/user"), Some("/home/user")), (json!(""), None)] {
+            let mut j = serde_json::to_value(&c).unwrap();
+            j["defaultWorkdir"] = w;
+            let t: TemplateConfig = serde_json::from_value(j).unwrap();
+            assert_eq!(t.default_workdir.as_deref(), want);
+        }
     }
 
     #[test]

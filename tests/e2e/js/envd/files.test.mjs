@@ -129,7 +129,15 @@ test('~ and relative paths', async () => {
     assert.equal(info.path, `/home/user/${name}`)
     assert.equal(await sbx.files.read(name), 't')
     assert.equal((await sbx.commands.run(`cat /home/user/${name}`)).stdout, 't')
+    // relative paths follow the requested user: root's land under /root
+    const r = await sbx.files.write(`rel-${name}`, 'r', { user: 'root' })
+    assert.equal(r.path, `/root/rel-${name}`)
+    assert.equal(await sbx.files.read(`rel-${name}`, { user: 'root' }), 'r')
+    assert.equal(await sbx.files.exists(`rel-${name}`), false)
+    assert.equal((await sbx.files.getInfo(`rel-${name}`, { user: 'root' })).owner, 'root')
+    assert.equal((await sbx.commands.run('pwd', { user: 'root' })).stdout, '/root\n')
   } finally {
     await removeAsRoot(sbx, `/home/user/${name}`)
+    await removeAsRoot(sbx, `/root/rel-${name}`)
   }
 })
