@@ -23,6 +23,7 @@ pub mod backend;
 pub mod commands;
 pub mod error;
 pub mod logs;
+pub mod metrics;
 pub mod model;
 pub mod query;
 pub mod resolver;

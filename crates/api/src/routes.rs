@@ -342,8 +342,7 @@ async fn metrics(
     {
         return Err(ApiError::BadRequest("start must not be after end".into()));
     }
-    // Cubicle keeps no metric history yet: the answer is the current sample.
-    Ok(Json(cp.metrics(&team, &id).await?).into_response())
+    Ok(Json(cp.metrics(&team, &id, start, end).await?).into_response())
 }
 
 async fn metrics_many(
@@ -352,6 +351,15 @@ async fn metrics_many(
     RawQuery(q): RawQuery,
 ) -> ApiResult<Response> {
     let q = Query::parse(q.as_deref())?;
+    // `start`/`end` (unix seconds) are Cubicle's addition: E2B's batch route answers
+    // with the latest sample only.
+    let start = q.int("start", 0..=i64::MAX)?;
+    let end = q.int("end", 0..=i64::MAX)?;
+    if let (Some(s), Some(e)) = (start, end)
+        && s > e
+    {
+        return Err(ApiError::BadRequest("start must not be after end".into()));
+    }
     let ids: Vec<String> = q
         .get("sandbox_ids")
         .ok_or_else(|| ApiError::BadRequest("sandbox_ids is required".into()))?
@@ -365,7 +373,7 @@ async fn metrics_many(
             "sandbox_ids must name 1 to 100 sandboxes".into(),
         ));
     }
-    let sandboxes = cp.metrics_many(&team, &ids).await?;
+    let sandboxes = cp.metrics_many(&team, &ids, start, end).await?;
     Ok(Json(serde_json::json!({ "sandboxes": sandboxes })).into_response())
 }
 

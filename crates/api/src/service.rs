@@ -2,9 +2,9 @@
 //! node ([`Backend`]) and the store, enforces team ownership (another team's sandbox is
 //! indistinguishable from a missing one: 404), keeps the store in step with the node
 //! (deaths the node noticed by itself — timeout, OOM, exit — are recorded with their
-//! reason), mirrors logs and samples CPU for metrics.
+//! reason), mirrors logs and samples metrics into a bounded history ([`crate::metrics`]).
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -18,6 +18,7 @@ use crate::commands::{
 };
 use crate::error::{ApiError, ApiResult};
 use crate::logs::{LogLine, LogMirror};
+use crate::metrics::{MetricsHistory, Shape};
 use crate::model::{
     CLIENT_ID, ENVD_VERSION, Lifecycle, ListedSandbox, Network, Sandbox, SandboxDetail,
     SandboxMetric,
@@ -68,8 +69,8 @@ pub struct ControlPlane {
     /// Live sandboxes created through the API → their traffic token (read by the router
     /// without touching the database).
     routes: Mutex<HashMap<String, Option<String>>>,
-    /// Last CPU sample per sandbox: (unix ms, CPU ns).
-    cpu: Mutex<HashMap<String, (i64, u64)>>,
+    /// Metric samples of the live sandboxes.
+    metrics: MetricsHistory,
     logs: Arc<LogMirror>,
     /// Called with the id of every sandbox a create hands out (see [`ControlPlane::on_created`]).
     on_created: std::sync::OnceLock<CreatedHook>,
@@ -104,7 +105,7 @@ impl ControlPlane {
             store,
             config,
             routes: Mutex::new(HashMap::new()),
-            cpu: Mutex::new(HashMap::new()),
+            metrics: MetricsHistory::default(),
             on_created: std::sync::OnceLock::new(),
         });
         let rows = cp.store.call(|s| s.running_sandboxes(None)).await?;
@@ -329,7 +330,7 @@ impl ControlPlane {
             .unwrap_or("lost")
             .to_string();
         lock(&self.routes).remove(id);
-        lock(&self.cpu).remove(id);
+        self.metrics.forget(id);
         let id2 = id.to_string();
         if let Err(e) = self
             .store
@@ -561,54 +562,69 @@ impl ControlPlane {
 
     // ---- metrics ----
 
-    async fn sample(&self, row: &SandboxRow, info: &SandboxInfo) -> ApiResult<SandboxMetric> {
-        let (backend, id) = (self.backend.clone(), row.id.clone());
-        let stats = tokio::task::spawn_blocking(move || backend.stats(&id))
-            .await
-            .map_err(|e| ApiError::Internal(format!("stats task: {e}")))??;
-        let now = now_ms();
-        let (t0, c0) = lock(&self.cpu)
-            .insert(row.id.clone(), (now, stats.cpu_usage_ns))
-            .unwrap_or((info.created_at_ms as i64, 0));
-        let wall_ns = ((now - t0).max(1) as f64) * 1e6;
-        let cpus = row.cpu_count.max(1) as f64;
-        let pct = (stats.cpu_usage_ns.saturating_sub(c0) as f64 / (wall_ns * cpus) * 100.0)
-            .clamp(0.0, 100.0);
-        Ok(SandboxMetric {
-            timestamp: format_time(now),
-            timestamp_unix: now / 1000,
-            cpu_count: row.cpu_count,
-            cpu_used_pct: (pct * 100.0).round() / 100.0,
-            mem_used: stats.memory_bytes,
-            mem_total: row.memory_mb << 20,
-            mem_cache: 0,
-            disk_used: stats.disk_used_bytes.unwrap_or(0),
-            disk_total: stats.disk_limit_bytes.unwrap_or(row.disk_mb << 20),
-        })
+    /// `GET /sandboxes/{id}/metrics`: the samples taken with `start <= time <= end`
+    /// (unix seconds; open ends: since the sandbox started, until now).
+    pub async fn metrics(
+        &self,
+        team: &Team,
+        id: &str,
+        start: Option<i64>,
+        end: Option<i64>,
+    ) -> ApiResult<Vec<SandboxMetric>> {
+        self.owned(team, id).await?;
+        Ok(self.metrics.range(id, start, end))
     }
 
-    /// `GET /sandboxes/{id}/metrics`: one current sample.
-    pub async fn metrics(&self, team: &Team, id: &str) -> ApiResult<Vec<SandboxMetric>> {
-        let (row, info) = self.owned(team, id).await?;
-        Ok(vec![self.sample(&row, &info).await?])
-    }
-
-    /// `GET /sandboxes/metrics?sandbox_ids=…`: current samples of those that are the
-    /// team's and alive (others are left out).
+    /// `GET /sandboxes/metrics?sandbox_ids=…`: the latest sample (inside `start..=end`
+    /// when given) of each of those that are the team's and alive; others are left out.
     pub async fn metrics_many(
         &self,
         team: &Team,
         ids: &[String],
+        start: Option<i64>,
+        end: Option<i64>,
     ) -> ApiResult<BTreeMap<String, SandboxMetric>> {
         let mut out = BTreeMap::new();
         for id in ids {
-            if let Ok((row, info)) = self.owned(team, id).await
-                && let Ok(m) = self.sample(&row, &info).await
+            if self.owned(team, id).await.is_ok()
+                && let Some(m) = self.metrics.latest(id, start, end)
             {
                 out.insert(id.clone(), m);
             }
         }
         Ok(out)
+    }
+
+    /// Samples the live sandboxes whose step elapsed (at most [`crate::metrics::BUDGET`]
+    /// per call), on the blocking pool: cgroup counters and the disk quota.
+    pub async fn sample_metrics(self: &Arc<Self>) {
+        let ids: HashSet<String> = lock(&self.routes).keys().cloned().collect();
+        self.metrics.retain(&ids);
+        let due = self.metrics.due(ids, now_ms());
+        if due.is_empty() {
+            return;
+        }
+        let cp = self.clone();
+        let _ = tokio::task::spawn_blocking(move || {
+            for id in due {
+                let Ok(info) = cp.backend.peek(&id) else {
+                    continue;
+                };
+                if info.state != SandboxState::Running {
+                    continue;
+                }
+                if let Ok(stats) = cp.backend.stats(&id) {
+                    let shape = Shape {
+                        created_at_ms: info.created_at_ms as i64,
+                        cpus: info.cpus,
+                        mem_total: info.memory_mb << 20,
+                        disk_total: info.disk_mb << 20,
+                    };
+                    cp.metrics.record(&id, shape, now_ms(), &stats);
+                }
+            }
+        })
+        .await;
     }
 
     // ---- background upkeep ----
@@ -653,6 +669,7 @@ impl ControlPlane {
                 tokio::time::sleep(period).await;
                 let Some(cp) = weak.upgrade() else { return };
                 cp.upkeep(n.is_multiple_of(60)).await;
+                cp.sample_metrics().await;
                 n += 1;
             }
         })

@@ -915,6 +915,18 @@ async fn logs_v2_filters() {
 async fn metrics_shapes() {
     let h = harness().await;
     let id = h.create_a(json!({"templateID":"base"})).await;
+    // No sample yet: an empty list, and the batch route leaves the sandbox out.
+    let r = h
+        .a(
+            Method::GET,
+            &format!("/sandboxes/{id}/metrics"),
+            Value::Null,
+        )
+        .await;
+    assert_eq!((r.status, r.json.clone()), (StatusCode::OK, json!([])));
+    h.cp.sample_metrics().await;
+    // Sampled once per step: a second pass right away takes nothing.
+    h.cp.sample_metrics().await;
     let r = h
         .a(
             Method::GET,
@@ -937,9 +949,40 @@ async fn metrics_shapes() {
     ] {
         assert!(!m[k].is_null(), "{k}: {m}");
     }
+    assert_eq!(r.json.as_array().unwrap().len(), 1, "{}", r.json);
     assert_eq!(m["memUsed"], 10 << 20);
     assert_eq!(m["memTotal"], 512u64 << 20);
     assert_eq!(m["diskUsed"], 4096);
+    let t = m["timestampUnix"].as_i64().unwrap();
+    for (q, n) in [
+        (format!("start={t}&end={t}"), 1),
+        (format!("start={t}"), 1),
+        (format!("end={}", t - 1), 0),
+        ("start=0&end=1000".to_string(), 0),
+        (format!("start={}", t + 1), 0),
+    ] {
+        let r = h
+            .a(
+                Method::GET,
+                &format!("/sandboxes/{id}/metrics?{q}"),
+                Value::Null,
+            )
+            .await;
+        assert_eq!(r.status, StatusCode::OK, "{q}");
+        assert_eq!(r.json.as_array().unwrap().len(), n, "{q}: {}", r.json);
+    }
+    let r = h
+        .a(
+            Method::GET,
+            &format!("/sandboxes/metrics?sandbox_ids={id}&end={}", t - 1),
+            Value::Null,
+        )
+        .await;
+    assert_eq!(
+        r.json,
+        json!({"sandboxes": {}}),
+        "a range before the sample"
+    );
     let r = h
         .a(
             Method::GET,

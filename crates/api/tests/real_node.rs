@@ -128,6 +128,17 @@ async fn scenario(node: &Node, state: &std::path::Path) -> anyhow::Result<()> {
         "detail: {s} {d}"
     );
 
+    // One sample of the real counters (serve's upkeep takes one every 5 s).
+    cp.sample_metrics().await;
+    // What a sample reads (cgroup counters, the disk quota), for docs/serve.md.
+    let t = Instant::now();
+    for _ in 0..200 {
+        node.stats(&id)?;
+    }
+    println!(
+        "real_node: one metrics sample (Node::stats) takes {:?}",
+        t.elapsed() / 200
+    );
     let (s, m) = call(
         &app,
         Method::GET,
