@@ -58,9 +58,11 @@ pub struct ServeArgs {
         value_name = "ADDR:PORT"
     )]
     pub listen: SocketAddr,
-    /// Domain for host-based routing (`<port>-<id>.<domain>`), also returned to SDKs as
-    /// the sandboxes' `domain`. Without it, clients must set E2B_SANDBOX_URL.
-    #[arg(long, env = "CUBICLE_DOMAIN")]
+    /// Domain for host-based routing (`<port>-<id>.<domain>`; `DOMAIN[:PORT]`, the port
+    /// being the one clients connect to), returned to SDKs as the sandboxes' `domain`, so
+    /// that `get_host(port)` names it. Default: `localhost:<listen port>` (names under
+    /// `localhost` resolve to this machine's loopback).
+    #[arg(long, env = "CUBICLE_DOMAIN", value_name = "DOMAIN[:PORT]")]
     pub domain: Option<String>,
     /// Longest sandbox timeout a request may ask for, in seconds.
     #[arg(long, env = "CUBICLE_MAX_TIMEOUT", default_value_t = 24 * 3600, value_name = "SECS")]
@@ -107,6 +109,8 @@ pub async fn run(env: ServeEnv, args: ServeArgs) -> anyhow::Result<i32> {
             args.max_timeout
         );
     }
+    // A bad --domain is refused before anything slow happens.
+    SandboxDomain::new(args.domain.as_deref(), args.listen.port())?;
     let state_dir = &env.state_dir;
     let envd = cubicle_node::config::find_envd_binary(env.envd_binary.clone())?;
     let mut config = NodeConfig::new(state_dir, envd);
@@ -153,10 +157,16 @@ pub async fn run(env: ServeEnv, args: ServeArgs) -> anyhow::Result<i32> {
             .context("admin key task")??
     };
 
+    let listener = tokio::net::TcpListener::bind(args.listen)
+        .await
+        .with_context(|| format!("listening on {}", args.listen))?;
+    let addr = listener.local_addr()?;
+    let domain = SandboxDomain::new(args.domain.as_deref(), addr.port())?;
+
     let mut api_config = ApiConfig::new(state_dir.join("logs"));
     api_config.limits.default_timeout = Duration::from_secs(args.default_timeout);
     api_config.limits.max_timeout = Duration::from_secs(args.max_timeout);
-    api_config.domain = args.domain.clone();
+    api_config.domain = Some(domain.advertised.clone());
     let cp = ControlPlane::open(Arc::new(node.clone()), store, api_config)
         .await
         .map_err(|e| anyhow::anyhow!("starting the control plane: {e}"))?;
@@ -165,7 +175,7 @@ pub async fn run(env: ServeEnv, args: ServeArgs) -> anyhow::Result<i32> {
     let data_plane = DataPlane::new(
         Arc::new(ApiResolver::new(cp.clone())),
         RouterConfig {
-            domain: args.domain.clone(),
+            domain: Some(domain.routing.clone()),
             ..Default::default()
         },
     );
@@ -190,10 +200,6 @@ pub async fn run(env: ServeEnv, args: ServeArgs) -> anyhow::Result<i32> {
         },
     ));
 
-    let listener = tokio::net::TcpListener::bind(args.listen)
-        .await
-        .with_context(|| format!("listening on {}", args.listen))?;
-    let addr = listener.local_addr()?;
     let host = if addr.ip().is_unspecified() {
         "127.0.0.1".to_string()
     } else if addr.is_ipv6() {
@@ -211,12 +217,8 @@ pub async fn run(env: ServeEnv, args: ServeArgs) -> anyhow::Result<i32> {
         out.flush()?;
     }
     eprintln!(
-        "cubicle: serving {} on {addr} (state {}); adopted {} running sandbox(es)",
-        if args.domain.is_some() {
-            "API, router and host routing"
-        } else {
-            "API and router"
-        },
+        "cubicle: serving API and router on {addr}, sandbox ports at http://<port>-<id>.{} (state {}); adopted {} running sandbox(es)",
+        domain.advertised,
         state_dir.display(),
         report.adopted.len()
     );
@@ -245,6 +247,58 @@ pub async fn run(env: ServeEnv, args: ServeArgs) -> anyhow::Result<i32> {
     node.settle(Duration::from_secs(10)).await;
     node.close();
     Ok(0)
+}
+
+/// The sandboxes' domain: what SDKs are told (`get_host(port)` is
+/// `<port>-<id>.<advertised>`) and what the router matches `Host` names against.
+#[derive(Debug, Clone, PartialEq)]
+struct SandboxDomain {
+    /// `DOMAIN[:PORT]` as returned to SDKs.
+    advertised: String,
+    /// `DOMAIN` without the port, lowercase.
+    routing: String,
+}
+
+impl SandboxDomain {
+    /// From `--domain` (`DOMAIN[:PORT]`), else `localhost:<listen_port>`: a browser, curl,
+    /// systemd-resolved or nss-myhostname resolve every name under `localhost` to the
+    /// loopback address, so `get_host()` works on this machine without DNS set-up.
+    fn new(flag: Option<&str>, listen_port: u16) -> anyhow::Result<Self> {
+        let Some(flag) = flag else {
+            return Ok(SandboxDomain {
+                advertised: if listen_port == 80 {
+                    "localhost".into()
+                } else {
+                    format!("localhost:{listen_port}")
+                },
+                routing: "localhost".into(),
+            });
+        };
+        let flag = flag.trim().trim_end_matches('.');
+        let (host, port) = match flag.rsplit_once(':') {
+            Some((h, p)) => (h, Some(p)),
+            None => (flag, None),
+        };
+        let label_ok = |l: &str| {
+            !l.is_empty()
+                && l.len() <= 63
+                && l.bytes().all(|c| c.is_ascii_alphanumeric() || c == b'-')
+        };
+        if host.is_empty() || host.len() > 253 || !host.split('.').all(label_ok) {
+            anyhow::bail!(
+                "--domain '{flag}' is not a DNS name (DOMAIN or DOMAIN:PORT, e.g. sandbox.example.com)"
+            );
+        }
+        if let Some(p) = port
+            && p.parse::<u16>().map_or(true, |p| p == 0)
+        {
+            anyhow::bail!("--domain '{flag}': '{p}' is not a port (1-65535)");
+        }
+        Ok(SandboxDomain {
+            advertised: flag.to_ascii_lowercase(),
+            routing: host.to_ascii_lowercase(),
+        })
+    }
 }
 
 async fn shutdown_signal() -> &'static str {
@@ -296,4 +350,33 @@ fn admin_key(store: &Store, state_dir: &Path) -> anyhow::Result<String> {
         path.display()
     );
     Ok(key.plaintext)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::SandboxDomain;
+
+    #[test]
+    fn sandbox_domain() {
+        let d = SandboxDomain::new(None, 3000).unwrap();
+        assert_eq!(
+            (d.advertised.as_str(), d.routing.as_str()),
+            ("localhost:3000", "localhost")
+        );
+        let d = SandboxDomain::new(None, 80).unwrap();
+        assert_eq!(d.advertised, "localhost");
+        let d = SandboxDomain::new(Some("Sandbox.Example.com"), 3000).unwrap();
+        assert_eq!(
+            (d.advertised.as_str(), d.routing.as_str()),
+            ("sandbox.example.com", "sandbox.example.com")
+        );
+        let d = SandboxDomain::new(Some("cubicle.test:8443"), 3000).unwrap();
+        assert_eq!(
+            (d.advertised.as_str(), d.routing.as_str()),
+            ("cubicle.test:8443", "cubicle.test")
+        );
+        for bad in ["", "a..b", "x:0", "x:http", "under_score.test", "http://x"] {
+            assert!(SandboxDomain::new(Some(bad), 3000).is_err(), "{bad}");
+        }
+    }
 }

@@ -16,7 +16,9 @@
 #   2. starts `cubicle serve --listen 127.0.0.1:<free port> --state-dir <D>` (D =
 #      $CUBICLE_E2E_STATE_DIR, default /var/lib/cubicle-e2e: persistent so the `base`
 #      template is built once per machine; never /var/lib/cubicle, the operator's);
-#      with `--domain` when serve has that flag (Host routing is then tested too) and
+#      without `--domain` (the default, `localhost:<port>`, is what `get_host()` is
+#      tested with: names under `localhost` must resolve to loopback here, which
+#      nss-myhostname or systemd-resolved do) unless CUBICLE_E2E_DOMAIN names one, and
 #      `--no-reap-foreign` (else serve removes every `cubicle/*` cgroup it does not know,
 #      i.e. colleagues' sandboxes on a shared machine);
 #   3. waits for `cubicle: ready`, takes E2B_API_URL / E2B_SANDBOX_URL / E2B_API_KEY
@@ -38,7 +40,8 @@
 #   CUBICLE_E2E_FIRST_SLOT      first uid/network slot of the node (default 20000)
 #   CUBICLE_E2E_READY_TIMEOUT   seconds to wait for `cubicle: ready` (default 1800: the
 #                               first start on a fresh machine builds `base`)
-#   CUBICLE_E2E_DOMAIN          domain for `serve --domain` (default cubicle.test)
+#   CUBICLE_E2E_DOMAIN          domain for `serve --domain` (default: none, i.e. serve's
+#                               own default `localhost:<port>`)
 #   CUBICLE_E2E_SUITE_TIMEOUT   per-suite time limit in seconds (default 2400)
 #   CUBICLE_PYTEST_ARGS         extra pytest arguments
 #   CUBICLE_E2E_KEEP_LOG=1      keep the server log even on success
@@ -82,7 +85,7 @@ STATE=${CUBICLE_E2E_STATE_DIR:-/var/lib/cubicle-e2e}
 SLOT=${CUBICLE_E2E_FIRST_SLOT:-20000}
 READY_TIMEOUT=${CUBICLE_E2E_READY_TIMEOUT:-1800}
 SUITE_TIMEOUT=${CUBICLE_E2E_SUITE_TIMEOUT:-2400}
-DOMAIN_WANTED=${CUBICLE_E2E_DOMAIN:-cubicle.test}
+DOMAIN_WANTED=${CUBICLE_E2E_DOMAIN:-}
 PY="$ROOT/tests/e2e/.venv/bin/python"
 
 STATE=$(realpath -m "$STATE")
@@ -239,10 +242,15 @@ PORT=$(free_port)
 # --no-reap-foreign: serve otherwise removes every `cubicle/*` cgroup its state dir does
 # not know, i.e. other nodes' and tests' sandboxes on a shared machine.
 serve_args=(serve --listen "127.0.0.1:$PORT" --state-dir "$STATE" --no-reap-foreign)
-DOMAIN=""
-if "$CUBICLE_BIN" serve --help 2>&1 | grep -q -- '--domain'; then
+# The sandboxes' domain as SDKs see it (`get_host(port)` = <port>-<id>.$DOMAIN).
+DOMAIN="localhost:$PORT"
+if [[ -n "$DOMAIN_WANTED" ]]; then
   DOMAIN=$DOMAIN_WANTED
   serve_args+=(--domain "$DOMAIN")
+fi
+if [[ "$DOMAIN" == localhost* ]] && ! getent hosts "8000-probe.localhost" >/dev/null; then
+  echo "serve-e2e: names under localhost do not resolve on this host: the get_host() tests will" >&2
+  echo "serve-e2e: fail (apt-get install libnss-myhostname, or use systemd-resolved)" >&2
 fi
 echo "serve-e2e: $CUBICLE_BIN ${serve_args[*]} (first slot $SLOT, netns private)"
 # start_server LOGFILE: start serve, wait for `cubicle: ready`; sets SERVE_PID, READY_MS

@@ -76,7 +76,7 @@ test('getHost(8000): python3 -m http.server reached through the router', async (
     assert.ok(res, 'http.server never answered')
     assert.equal(await res.text(), 'js web')
     if (DOMAIN) {
-      // Host routing: what a browser pointed at 8000-<id>.<domain> (wildcard DNS) sends
+      // Host routing: what a browser pointed at getHost(8000) sends
       const { request } = await import('node:http')
       const u = new URL(SANDBOX_URL)
       const body = await new Promise((resolve, reject) => {

@@ -7,7 +7,9 @@ is configured for the SDK: no debug mode, no domain. The launcher also exports, 
 the tests' own use only:
 
   CUBICLE_E2E_KEY_B          an API key of a second team ("other")
-  CUBICLE_E2E_DOMAIN         the domain given to `serve --domain` (Host routing), if any
+  CUBICLE_E2E_DOMAIN         the sandboxes' domain as SDKs get it (`get_host(p)` is
+                             `<p>-<id>.<domain>`): `serve --domain`, else serve's
+                             default `localhost:<port>`
   CUBICLE_E2E_IDS_FILE       every sandbox id a test created is appended here (the
                              launcher's leak check looks for each one after the run)
   CUBICLE_E2E_TEMPLATE       realistic template (default `base`, the SDK default)

@@ -130,9 +130,9 @@ def _start_http_server(sbx: Sandbox):
 
 
 def test_get_host_http_server(sbx: Sandbox):
-    """`get_host(8000)` names `8000-<id>.<domain>`; with E2B_SANDBOX_URL and no
-    domain a user reaches the port by sending the request to the server with the
-    routing headers (and by Host when serve has a domain)."""
+    """`get_host(8000)` names `8000-<id>.<domain>`; a user reaches the port by sending
+    the request to E2B_SANDBOX_URL with the routing headers, or with that Host (what a
+    client resolving the name to the server sends; test_fidelity.py resolves it)."""
     host = sbx.get_host(8000)
     assert host.startswith(f"8000-{sbx.sandbox_id}."), host
     handle = _start_http_server(sbx)
