@@ -19,29 +19,43 @@ use crate::error::{Error, IoContext, Result};
 /// Debian suite of the template.
 pub const SUITE: &str = "bookworm";
 
-/// Packages installed on top of minbase (what E2B's base image commonly has, cheaply).
+/// Packages installed on top of minbase: what code written for E2B's base image (Debian
+/// bookworm's `python:3.11` image plus Node.js, build tools and E2B's provisioning set)
+/// commonly relies on. `python-is-python3` makes `python` Python 3; `build-essential` and
+/// `python3-dev` let `pip` build C extensions; `yarnpkg` is linked as `yarn`. Deliberate
+/// differences (Debian's Node.js 18 and Python 3.11.2, no systemd) are in
+/// `docs/templates.md`.
 pub const PACKAGES: &[&str] = &[
     "bash",
     "coreutils",
     "python3",
     "python3-pip",
     "python3-venv",
+    "python3-dev",
+    "python-is-python3",
+    "build-essential",
     "nodejs",
     "npm",
+    "yarnpkg",
     "git",
+    "gh",
     "curl",
     "wget",
     "ca-certificates",
+    "gnupg",
     "sudo",
     "procps",
     "iproute2",
     "iputils-ping",
+    "socat",
     "less",
     "nano",
     "jq",
     "unzip",
     "zip",
+    "bzip2",
     "xz-utils",
+    "patch",
     "file",
     "openssh-client",
     "netcat-openbsd",
@@ -260,7 +274,7 @@ pub fn build(rootfs: &Path, p: &Progress) -> Result<TemplateConfig> {
     )
     .ctx("write", &noinst)?;
 
-    p.stage("apt-get install (python3, nodejs, npm, git, curl, sudo, ...)");
+    p.stage("apt-get install (python3, build-essential, nodejs, npm, git, curl, sudo, ...)");
     let script = format!(
         "chroot \"$R\" apt-get update\n\
          chroot \"$R\" apt-get install -y --no-install-recommends {}\n",
@@ -272,6 +286,15 @@ pub fn build(rootfs: &Path, p: &Progress) -> Result<TemplateConfig> {
     let script = "chroot \"$R\" useradd --create-home --uid 1000 --user-group --shell /bin/bash --groups sudo user\n\
         sed -i 's/^# *\\(en_US.UTF-8\\)/\\1/' \"$R/etc/locale.gen\" && chroot \"$R\" locale-gen || true\n";
     in_private_chroot(rootfs, script, "useradd", p)?;
+    // As E2B's image: `pip install` works without a venv (Debian's python marks itself
+    // externally managed, which makes pip refuse), `yarn` exists, `/usr/local` is
+    // writable by everyone (user-installed packages land there, visible to root too)
+    // and there is a world-writable `/code`.
+    let script = "rm -f \"$R\"/usr/lib/python3*/EXTERNALLY-MANAGED\n\
+        ln -sf /usr/bin/yarnpkg \"$R/usr/local/bin/yarn\"\n\
+        chmod -R a+rwX \"$R/usr/local\"\n\
+        mkdir -p \"$R/code\" && chmod 777 \"$R/code\"\n";
+    in_private_chroot(rootfs, script, "E2B compatibility", p)?;
     let sudoers = rootfs.join("etc/sudoers.d/cubicle-user");
     fs::write(&sudoers, "user ALL=(ALL:ALL) NOPASSWD: ALL\n").ctx("write", &sudoers)?;
     fs::set_permissions(&sudoers, fs::Permissions::from_mode(0o440)).ctx("chmod", &sudoers)?;
@@ -295,7 +318,7 @@ pub fn build(rootfs: &Path, p: &Progress) -> Result<TemplateConfig> {
     }
     super::add_cubicle_mount_points(rootfs)?;
 
-    let mut cfg = TemplateConfig::with_defaults("base", "base/1");
+    let mut cfg = TemplateConfig::with_defaults("base", "base/2");
     cfg.env.insert(
         "PATH".into(),
         "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin".into(),
