@@ -12,6 +12,7 @@ PACKAGES=(
   nftables debootstrap busybox-static runc bubblewrap xfsprogs iproute2 attr
   util-linux procps curl ca-certificates python3 python3-venv
   btrfs-progs
+  libnss-myhostname  # names under localhost resolve to loopback: get_host() with serve's default domain
   gcc libc6-dev  # cubicle-runtime tests compile static C probes (setuid, seccomp)
 )
 
