@@ -9,6 +9,7 @@
 
 use std::collections::HashMap;
 use std::io::{Read, Seek, SeekFrom, Write};
+use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
 use std::path::PathBuf;
 use std::sync::Mutex;
 
@@ -147,7 +148,11 @@ impl LogMirror {
         };
         offsets.insert(id.to_string(), offset + upto as u64);
         drop(offsets);
-        std::fs::create_dir_all(&self.dir)?;
+        // Root's alone, like the state directory: what sandboxes print may be secret.
+        std::fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(&self.dir)?;
         if std::fs::metadata(&mirror).map(|m| m.len()).unwrap_or(0) > MAX_MIRROR {
             return Ok(());
         }
@@ -161,6 +166,7 @@ impl LogMirror {
         let mut f = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
+            .mode(0o600)
             .open(&mirror)?;
         f.write_all(out.as_bytes())
     }

@@ -29,7 +29,7 @@ impl ApiResolver {
         Some(SandboxTarget {
             id: info.id.clone(),
             envd_socket: info.envd_socket.clone(),
-            init_pid: u32::try_from(info.pid?).ok()?,
+            init_pidfd: info.init_pidfd.as_ref().map(|p| p.fd().clone()),
             envd_access_token: Some(info.access_token.clone()),
             traffic_access_token: traffic,
         })

@@ -213,9 +213,19 @@ impl ControlPlane {
                 match claim {
                     IdempotencyClaim::Claimed => break,
                     IdempotencyClaim::Done(id) => {
+                        let info = self
+                            .backend
+                            .peek(&id)
+                            .ok()
+                            .filter(|i| i.state == SandboxState::Running);
                         let row = self.store.call(move |s| s.sandbox(&id)).await?;
-                        return match row {
-                            Some(row) if row.team_id == team_id => Ok(self.sandbox_body(&row)),
+                        return match (row, info) {
+                            (Some(row), Some(info))
+                                if row.team_id == team_id
+                                    && row.state == SandboxRowState::Running =>
+                            {
+                                Ok(self.sandbox_body(&row, &info))
+                            }
                             _ => Err(ApiError::Conflict(
                                 "the sandbox created for this Idempotency-Key no longer exists"
                                     .into(),
@@ -279,7 +289,6 @@ impl ControlPlane {
             alias: Some(info.template.clone()),
             metadata: cmd.metadata,
             env_var_names,
-            envd_access_token: info.access_token.clone(),
             traffic_access_token: cmd
                 .private_traffic
                 .then(cubicle_node::ids::new_access_token),
@@ -304,17 +313,19 @@ impl ControlPlane {
             hook(&row.id);
         }
         tracing::info!(sandbox = %row.id, team = %team.name, template = %row.template_id, "sandbox created");
-        Ok(self.sandbox_body(&row))
+        Ok(self.sandbox_body(&row, &info))
     }
 
-    fn sandbox_body(&self, row: &SandboxRow) -> Sandbox {
+    /// The `Sandbox` body: the row's facts, the envd token from the node's record (the
+    /// database does not keep it).
+    fn sandbox_body(&self, row: &SandboxRow, info: &SandboxInfo) -> Sandbox {
         Sandbox {
             template_id: row.template_id.clone(),
             sandbox_id: row.id.clone(),
             client_id: CLIENT_ID,
             envd_version: ENVD_VERSION,
             alias: row.alias.clone(),
-            envd_access_token: row.envd_access_token.clone(),
+            envd_access_token: info.access_token.clone(),
             traffic_access_token: row.traffic_access_token.clone(),
             domain: self.config.domain.clone(),
         }
@@ -377,7 +388,7 @@ impl ControlPlane {
             disk_size_mb: row.disk_mb,
             state: "running",
             alias: row.alias.clone(),
-            envd_access_token: row.envd_access_token.clone(),
+            envd_access_token: info.access_token.clone(),
             allow_internet_access: row.allow_internet,
             domain: self.config.domain.clone(),
             metadata: row.metadata.clone(),
@@ -449,9 +460,9 @@ impl ControlPlane {
 
     /// `POST /v2/sandboxes/{id}/connect` (and v1): running → extend, 200.
     pub async fn connect(&self, team: &Team, id: &str, cmd: Connect) -> ApiResult<Sandbox> {
-        let (row, _) = self.owned(team, id).await?;
+        let (row, info) = self.owned(team, id).await?;
         self.apply_end(id, cmd.timeout, true).await?;
-        Ok(self.sandbox_body(&row))
+        Ok(self.sandbox_body(&row, &info))
     }
 
     // ---- list ----

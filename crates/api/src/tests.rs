@@ -78,6 +78,7 @@ impl Backend for FakeNode {
                 access_token: cubicle_node::ids::new_access_token(),
                 uid_base: 200_000,
                 pid: Some(4242),
+                init_pidfd: None,
                 envd_socket: self.dir.join(&id).join("ctl/envd.sock"),
                 ready_us: 1,
                 oom_kills: 0,
@@ -1099,12 +1100,13 @@ async fn resolver_sees_live_api_sandboxes_only() {
     let open = h.create_a(json!({"templateID":"base"})).await;
     let resolver = ApiResolver::new(h.cp.clone());
     let t = resolver.resolve(&id).unwrap();
-    assert_eq!(t.init_pid, 4242);
+    assert!(t.init_pidfd.is_none(), "the fake backend has no init process");
     assert!(t.envd_socket.ends_with(format!("{id}/ctl/envd.sock")));
     let row = h.cp.store().sandbox(&id).unwrap().unwrap();
+    let info = h.cp.backend().peek(&id).unwrap();
     assert_eq!(
         t.envd_access_token.as_deref(),
-        Some(row.envd_access_token.as_str())
+        Some(info.access_token.as_str())
     );
     assert!(t.traffic_access_token.is_some());
     assert_eq!(t.traffic_access_token, row.traffic_access_token);

@@ -181,7 +181,17 @@ async fn scenario(node: &Node, state: &std::path::Path) -> anyhow::Result<()> {
         "{}",
         target.envd_socket.display()
     );
-    ensure!(std::path::Path::new(&format!("/proc/{}", target.init_pid)).exists());
+    // The router reaches user ports through a pidfd of the sandbox's init.
+    let pidfd = target.init_pidfd.as_ref().context("the target has the init's pidfd")?;
+    let fdinfo = std::fs::read_to_string(format!(
+        "/proc/self/fdinfo/{}",
+        std::os::fd::AsRawFd::as_raw_fd(&**pidfd)
+    ))?;
+    let init = node.get(&id)?.pid.context("the sandbox has an init pid")?;
+    ensure!(
+        fdinfo.lines().any(|l| l == format!("Pid:\t{init}")),
+        "the pidfd names pid {init}: {fdinfo}"
+    );
     ensure!(target.envd_access_token.as_deref() == v["envdAccessToken"].as_str());
 
     // Expiry is enforced by the node; the API notices and records why.

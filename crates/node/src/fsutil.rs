@@ -6,7 +6,7 @@ use std::ffi::CString;
 use std::fs;
 use std::io::Write;
 use std::os::unix::ffi::OsStrExt;
-use std::os::unix::fs::MetadataExt;
+use std::os::unix::fs::{MetadataExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 
 use serde::Serialize;
@@ -14,9 +14,10 @@ use serde::de::DeserializeOwned;
 
 use crate::error::{Error, IoContext, Result};
 
-/// Write `value` as pretty JSON to `path` atomically (temp file + rename). No fsync: the
-/// records describe kernel state (processes, mounts, cgroups) that a power loss erases
-/// anyway; what they must survive is a crash of the node process, and the page cache does.
+/// Write `value` as pretty JSON to `path` atomically (temp file + rename), mode 0600.
+/// No fsync: the records describe kernel state (processes, mounts, cgroups) that a power
+/// loss erases anyway; what they must survive is a crash of the node process, and the
+/// page cache does.
 pub fn write_json_atomic<T: Serialize>(path: &Path, value: &T) -> Result<()> {
     let data = serde_json::to_vec_pretty(value).map_err(|e| Error::Record {
         path: path.into(),
@@ -24,7 +25,17 @@ pub fn write_json_atomic<T: Serialize>(path: &Path, value: &T) -> Result<()> {
     })?;
     let tmp = path.with_extension(format!("tmp{}", std::process::id()));
     {
-        let mut f = fs::File::create(&tmp).ctx("create", &tmp)?;
+        // 0600: records hold secrets (a sandbox's envd token).
+        let mut f = fs::OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .mode(0o600)
+            .open(&tmp)
+            .ctx("create", &tmp)?;
+        // A leftover temporary file keeps its old mode: set it.
+        f.set_permissions(fs::Permissions::from_mode(0o600))
+            .ctx("chmod", &tmp)?;
         f.write_all(&data).ctx("write", &tmp)?;
     }
     fs::rename(&tmp, path).ctx("rename", path)?;

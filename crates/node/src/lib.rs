@@ -34,7 +34,9 @@ pub use envd_client::{EnvdClient, ProcessEnd, ProcessEvent, ProcessSpec};
 pub use error::{Error, Result};
 pub use node::{Node, records_on_disk, sandboxes_using_template};
 pub use pool::{PoolStats, parse_pool_spec};
-pub use sandbox::{CreateRequest, DeathReason, SandboxInfo, SandboxRecord, SandboxState};
+pub use sandbox::{
+    CreateRequest, DeathReason, InitPidfd, SandboxInfo, SandboxRecord, SandboxState,
+};
 
 impl Node {
     /// Open the node with the Linux runtime (`cubicle-runtime`): see

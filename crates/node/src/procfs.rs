@@ -41,6 +41,18 @@ pub fn pidfd_open(pid: i32) -> std::io::Result<OwnedFd> {
     Ok(unsafe { OwnedFd::from_raw_fd(fd as i32) })
 }
 
+/// Whether the process a pidfd names has exited (a poll that does not wait).
+pub fn pidfd_exited(fd: &OwnedFd) -> bool {
+    use std::os::fd::AsRawFd;
+    let mut pfd = libc::pollfd {
+        fd: fd.as_raw_fd(),
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    // SAFETY: one valid pollfd, no wait.
+    unsafe { libc::poll(&mut pfd, 1, 0) > 0 }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

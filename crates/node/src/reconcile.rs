@@ -16,7 +16,7 @@ use crate::envd_client::EnvdClient;
 use crate::error::{IoContext, Result};
 use crate::node::inner::{Inner, Live, blocking};
 use crate::node::teardown::spawn_watcher;
-use crate::sandbox::{SandboxRecord, SandboxState};
+use crate::sandbox::{InitPidfd, SandboxRecord, SandboxState};
 use crate::{fsutil, ids, procfs};
 
 /// What reconciliation did.
@@ -83,13 +83,15 @@ pub(crate) async fn reconcile(inner: &Arc<Inner>) -> Result<ReconcileReport> {
             continue;
         }
         let pid = r.pid.unwrap_or(0);
-        let watcher = spawn_watcher(Arc::downgrade(inner), r.id.clone(), pid);
+        let init = InitPidfd::open(pid, r.pid_start_time);
+        let watcher = spawn_watcher(Arc::downgrade(inner), r.id.clone(), init.as_ref());
         tracing::info!(sandbox = %r.id, pid, "adopted");
         report.adopted.push(r.id.clone());
         inner.lock().live.insert(
             r.id.clone(),
             Live {
                 watcher: Some(watcher),
+                init,
                 ..Live::new(r)
             },
         );

@@ -3,7 +3,9 @@
 //! possible), the public info, and why a sandbox died.
 
 use std::collections::BTreeMap;
+use std::os::fd::OwnedFd;
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
@@ -134,6 +136,28 @@ pub struct SandboxRecord {
     pub runtime: serde_json::Value,
 }
 
+/// A pidfd of a sandbox's init. It names that process and no other, even after the
+/// process died and its pid was given to someone else: enter the sandbox's network
+/// namespace through it (`setns` on a pidfd fails once the process has exited), never
+/// through `/proc/<pid>/ns/net`. Cheap to clone (one shared descriptor).
+#[derive(Debug, Clone)]
+pub struct InitPidfd(Arc<OwnedFd>);
+
+impl InitPidfd {
+    /// A pidfd for `pid`, kept only if `pid` still is the process that started at
+    /// `start_time` (checked after the pidfd pinned the process, so a pid reused in
+    /// between is caught). `None`: that process is gone.
+    pub fn open(pid: i32, start_time: Option<u64>) -> Option<InitPidfd> {
+        let fd = crate::procfs::pidfd_open(pid).ok()?;
+        crate::procfs::is_alive(pid, start_time).then(|| InitPidfd(Arc::new(fd)))
+    }
+
+    /// The descriptor.
+    pub fn fd(&self) -> &Arc<OwnedFd> {
+        &self.0
+    }
+}
+
 /// What callers see of a sandbox.
 #[derive(Debug, Clone, Serialize)]
 #[serde(rename_all = "camelCase")]
@@ -164,8 +188,12 @@ pub struct SandboxInfo {
     pub access_token: String,
     /// First host uid of the sandbox's range.
     pub uid_base: u32,
-    /// Host pid of the sandbox's init (envd).
+    /// Host pid of the sandbox's init (envd). For display: to reach into the sandbox use
+    /// [`SandboxInfo::init_pidfd`].
     pub pid: Option<i32>,
+    /// A pidfd of the init, while the node watches it (not for dead sandboxes).
+    #[serde(skip)]
+    pub init_pidfd: Option<InitPidfd>,
     /// envd's Unix socket on the host.
     pub envd_socket: PathBuf,
     /// How long create took until envd answered `/init`, in µs (0 for adopted sandboxes).
@@ -195,6 +223,7 @@ impl SandboxInfo {
             access_token: r.access_token.clone(),
             uid_base: r.uid_base,
             pid: r.pid,
+            init_pidfd: None,
             envd_socket,
             ready_us,
             oom_kills: 0,

@@ -7,8 +7,9 @@
 //!   could plant a symlink to a host socket there; that function refuses anything but a
 //!   real socket). It is a blocking call, so it runs on the blocking pool: a sandbox that
 //!   stops accepting must not stall a reactor thread.
-//! * any other port → `127.0.0.1:<port>` inside the sandbox's network namespace
-//!   (`/proc/<init_pid>/ns/net`), whether or not the sandbox has a veth.
+//! * any other port → `127.0.0.1:<port>` inside the sandbox's network namespace, entered
+//!   through a pidfd of its init (never `/proc/<pid>/ns/net`, which a reused pid would
+//!   turn into another process's namespace), whether or not the sandbox has a veth.
 //!
 //! The sandbox is re-resolved for every new connection, so a killed sandbox is never
 //! reconnected to.
@@ -150,18 +151,34 @@ async fn connect_envd(id: &str, socket: &Path) -> Result<Upstream, RouterError> 
     Ok(Upstream::Unix(TokioIo::new(stream)))
 }
 
+/// Whether an error chain holds ESRCH: `setns` through a pidfd whose process exited.
+fn is_gone(err: &(dyn std::error::Error + 'static)) -> bool {
+    let mut cur: Option<&(dyn std::error::Error + 'static)> = Some(err);
+    while let Some(e) = cur {
+        if let Some(io) = e.downcast_ref::<io::Error>()
+            && io.raw_os_error() == Some(libc::ESRCH)
+        {
+            return true;
+        }
+        cur = e.source();
+    }
+    false
+}
+
 async fn connect_tcp(target: &SandboxTarget, port: u16) -> Result<Upstream, RouterError> {
     let id = target.id.clone();
-    let pid = i32::try_from(target.init_pid).map_err(|_| {
-        RouterError::Internal(format!("sandbox {id}: bad init pid {}", target.init_pid))
-    })?;
-    // No such process any more: the sandbox is gone.
-    let netns = cubicle_runtime::network::Netns::from_pid(pid)
-        .map_err(|_| RouterError::SandboxNotFound { id: id.clone() })?;
+    let gone = || RouterError::SandboxNotFound { id: id.clone() };
+    let pidfd = target.init_pidfd.as_ref().ok_or_else(gone)?;
+    let netns = cubicle_runtime::network::Netns::from_fd(pidfd.try_clone().map_err(|e| {
+        RouterError::Internal(format!("sandbox {id}: duplicating the init's pidfd: {e}"))
+    })?);
     let stream = cubicle_runtime::network::connect_in_netns_async(&netns, port)
         .await
         .map_err(|e| {
-            if is_refused(&e) {
+            if is_gone(&e) {
+                // The init has exited: the sandbox is gone.
+                gone()
+            } else if is_refused(&e) {
                 RouterError::PortNotOpen {
                     id: id.clone(),
                     port,

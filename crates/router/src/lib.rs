@@ -1,8 +1,10 @@
 //! cubicle-router: the data plane. Every request that carries `E2b-Sandbox-Id` /
 //! `E2b-Sandbox-Port` (or a `Host: <port>-<id>.<domain>`, or a presigned `/files` URL
-//! opened without headers) is streamed to that port inside that sandbox.
+//! opened without headers) is streamed to that port inside that sandbox. [`server`] is
+//! the listener `cubicle serve` runs both planes on, with per-client connection limits
+//! and a header-read timeout.
 
-use std::{path::PathBuf, sync::Arc};
+use std::{os::fd::OwnedFd, path::PathBuf, sync::Arc};
 
 /// Where a sandbox can be reached, as the control plane knows it.
 #[derive(Debug, Clone)]
@@ -12,9 +14,11 @@ pub struct SandboxTarget {
     /// envd's Unix socket on the host (`<state>/sandboxes/<id>/ctl/envd.sock`); reach it
     /// with `cubicle_runtime::connect_ctl_socket` (refuses symlinks the sandbox may plant).
     pub envd_socket: PathBuf,
-    /// Host pid of the sandbox's PID 1: its network namespace is `/proc/<pid>/ns/net`
-    /// (`cubicle_runtime::network::connect_in_netns_async`).
-    pub init_pid: u32,
+    /// A pidfd of the sandbox's PID 1: user ports are reached by entering that process's
+    /// network namespace through it (`setns` on a pidfd; it fails once the process has
+    /// exited, so a reused pid never leads into another process's namespace). `None`:
+    /// only envd's port is reachable.
+    pub init_pidfd: Option<Arc<OwnedFd>>,
     /// The envd access token (also the secret of presigned file URLs).
     pub envd_access_token: Option<String>,
     /// Required as `e2b-traffic-access-token` on non-envd ports when set.

@@ -119,7 +119,7 @@ mod tests {
         SandboxTarget {
             id: id.into(),
             envd_socket: "/nonexistent".into(),
-            init_pid: 1,
+            init_pidfd: None,
             envd_access_token: token.map(Into::into),
             traffic_access_token: None,
         }

@@ -742,6 +742,46 @@ async fn dead_init_is_not_found() {
     );
 }
 
+/// The attack: a sandbox's init died, the router still has its target, and the init's
+/// pid now belongs to another process with its own network namespace and a server on
+/// the asked port (another sandbox, or any local process). Entering `/proc/<pid>/ns/net`
+/// would reach that process; through the dead init's pidfd the router finds nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reused_init_pid_leads_nowhere() {
+    if !is_root() {
+        eprintln!("skipping reused_init_pid_leads_nowhere: needs root");
+        return;
+    }
+    // The "sandbox": a process whose pidfd the resolver hands out, then dies.
+    let mut init = std::process::Command::new("sleep").arg("1000").spawn().unwrap();
+    let pid = init.id();
+    let dead = target("sbreuse", std::path::Path::new("/nonexistent"), pid, None, None);
+    assert!(dead.init_pidfd.is_some());
+    init.kill().unwrap();
+    init.wait().unwrap();
+    // Its pid, now another network namespace with a web server.
+    let other = NetnsBox::with_pid("reused_init_pid_leads_nowhere", pid)
+        .expect("could not get the freed pid reused (too many forks on this host?)");
+    assert_eq!(other.pid, pid, "the pid is reused");
+    let web = other.listen();
+    let port = web.local_addr().unwrap().port();
+    serve_web(web, Arc::new(AtomicUsize::new(0))).await;
+
+    let resolver = Arc::new(FakeResolver::default());
+    resolver.insert(dead);
+    // Control: the same server is reachable for a target that really is that process.
+    resolver.insert(target("sbother", std::path::Path::new("/nonexistent"), other.pid, None, None));
+    let addr = start_router(resolver, RouterConfig::default()).await;
+    let resp = send(addr, request("GET", "/hello", &hdrs(&route("sbother", port)), empty())).await;
+    assert_eq!(resp.status(), 200);
+    let resp = send(addr, request("GET", "/hello", &hdrs(&route("sbreuse", port)), empty())).await;
+    assert_eq!(resp.status(), 502);
+    assert_eq!(
+        body_text(resp).await,
+        r#"{"sandboxId":"sbreuse","message":"The sandbox was not found","code":502}"#
+    );
+}
+
 /// A client that leaves before the sandbox answered: the upstream connection is closed
 /// too (watched in the namespace's own TCP table), not left waiting for the answer.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -6,7 +6,8 @@
 //! 1. wait for the helper's "go" (uid/gid maps written) and receive the prepared mount fds;
 //! 2. become root of its user namespace (`setresgid/setgroups/setresuid` to 0);
 //! 3. new session (detached from the caller's terminal), stdout → the log (stderr);
-//! 4. build the root filesystem and `pivot_root` into it (`rootfs.rs`);
+//! 4. build the root filesystem and `pivot_root` into it (`rootfs.rs`), with paths relative
+//!    to the sandbox directory (the working directory the helper gave it);
 //! 5. hostname, loopback up, stdin ← /dev/null;
 //! 6. reset signal dispositions, mask and umask; drop capabilities from the bounding set (`capabilities.rs`), install the seccomp
 //!    filter (`seccomp.rs`), mark every other fd close-on-exec;
@@ -80,7 +81,12 @@ fn run(
         ));
     }
     let sources: Vec<_> = binds.into_iter().map(|b| b.source).collect();
-    rootfs::execute(&rootfs::plan(spec, cgroup), &fds, &sources, status)?;
+    // The helper made the sandbox directory our working directory: its upper, work and
+    // staging directories are reached relative to it, so this process (an unprivileged
+    // host uid) needs no search permission on the state directory above (root's, 0700).
+    let mut here = spec.clone();
+    here.sandbox_dir = std::path::PathBuf::from(".");
+    rootfs::execute(&rootfs::plan(&here, cgroup), &fds, &sources, status)?;
     drop(fds);
     mark(status, "rootfs_ready");
 

@@ -8,7 +8,9 @@
 //!
 //! 1. read the [`HelperRequest`] (JSON) from stdin; compile the seccomp policy;
 //! 2. join the sandbox cgroup (so the child is born in it, before any user code runs,
-//!    and its cgroup namespace is rooted there);
+//!    and its cgroup namespace is rooted there); chdir into the sandbox directory (the
+//!    child inherits it and builds its root filesystem relative to it, never through the
+//!    root-only state directory);
 //! 3. `clone(CLONE_NEWUSER|NEWPID|NEWNS|NEWNET|NEWIPC|NEWUTS|NEWCGROUP|CLONE_PARENT)`:
 //!    CLONE_PARENT makes the sandbox's init a child of the *caller*, so the caller can
 //!    `waitpid` it and read its exit status; the helper then just exits;
@@ -122,6 +124,10 @@ fn run(out: RawFd) -> Result<(), String> {
     mark(out, "helper_in_cgroup");
 
     let (parent_sock, child_sock) = socketpair().map_err(|e| format!("socketpair: {e}"))?;
+    // The child inherits this working directory and reaches its upper/work/staging
+    // directories relative to it: the state directory above stays root-only (0700).
+    std::env::set_current_dir(&spec.sandbox_dir)
+        .map_err(|e| format!("chdir {}: {e}", spec.sandbox_dir.display()))?;
 
     let flags = libc::CLONE_NEWUSER
         | libc::CLONE_NEWPID

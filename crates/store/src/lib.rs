@@ -61,6 +61,16 @@ pub enum Error {
     /// The blocking task running the query failed.
     #[error("database task: {0}")]
     Task(String),
+    /// The database file could not be created or its permissions set.
+    #[error("{what} {}: {source}", path.display())]
+    File {
+        /// What was being done.
+        what: &'static str,
+        /// Which file.
+        path: std::path::PathBuf,
+        /// Why it failed.
+        source: std::io::Error,
+    },
 }
 
 /// Result alias.
@@ -80,6 +90,7 @@ impl Store {
     /// Open (creating if needed) the database at `path`, switch it to WAL mode and apply
     /// pending migrations.
     pub fn open(path: &Path) -> Result<Store> {
+        restrict_to_owner(path)?;
         let conn = rusqlite::Connection::open(path)?;
         let mut store = Self::setup(conn)?;
         // After setup: the file exists and is in WAL mode, so this reader never blocks
@@ -105,6 +116,9 @@ impl Store {
         conn.pragma_update(None, "journal_mode", "WAL")?;
         conn.pragma_update(None, "synchronous", "NORMAL")?;
         conn.pragma_update(None, "foreign_keys", "ON")?;
+        // Deleted rows (revoked keys, ended sandboxes' tokens) are overwritten, not left
+        // in free pages.
+        conn.pragma_update(None, "secure_delete", "ON")?;
         schema::migrate(&mut conn)?;
         let conn = Arc::new(Mutex::new(conn));
         Ok(Store {
@@ -145,6 +159,35 @@ impl Store {
     pub fn schema_version(&self) -> Result<i64> {
         schema::current_version(&self.conn())
     }
+}
+
+/// Makes the database and its WAL and shared-memory files readable by their owner only
+/// (0600): they hold API-key hashes and traffic tokens. Creates the database file with
+/// that mode when it is missing; SQLite gives the `-wal` and `-shm` files it creates the
+/// database file's mode.
+fn restrict_to_owner(db: &Path) -> Result<()> {
+    use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
+    let file_err = |what, path: &Path| {
+        let path = path.to_path_buf();
+        move |source| Error::File { what, path, source }
+    };
+    std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .mode(0o600)
+        .open(db)
+        .map_err(file_err("creating", db))?;
+    for suffix in ["", "-wal", "-shm"] {
+        let mut name = db.as_os_str().to_owned();
+        name.push(suffix);
+        let p = Path::new(&name);
+        match std::fs::set_permissions(p, std::fs::Permissions::from_mode(0o600)) {
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound && !suffix.is_empty() => {}
+            r => r.map_err(file_err("chmod 0600", p))?,
+        }
+    }
+    Ok(())
 }
 
 /// Unix time in milliseconds.
@@ -212,6 +255,83 @@ mod tests {
         let err = s.read(|r| r.record_key_use(found.key_id)).unwrap_err();
         assert!(err.to_string().contains("readonly"), "{err}");
         drop((s, cli));
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// A local user must not read the database: 0600 for the file, its WAL and its
+    /// shared memory, also when an older Cubicle left them world-readable.
+    #[test]
+    fn database_files_are_private() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = std::env::temp_dir().join(format!("cubicle-store-mode-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("cubicle.db");
+        let modes = || {
+            ["cubicle.db", "cubicle.db-wal", "cubicle.db-shm"]
+                .map(|f| std::fs::metadata(dir.join(f)).unwrap().permissions().mode() & 0o777)
+        };
+        let s = Store::open(&path).unwrap();
+        s.ensure_team("t").unwrap();
+        assert_eq!(modes(), [0o600; 3]);
+        drop(s);
+        for f in ["cubicle.db", "cubicle.db-wal", "cubicle.db-shm"] {
+            let p = dir.join(f);
+            if p.exists() {
+                std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o644)).unwrap();
+            }
+        }
+        let s = Store::open(&path).unwrap();
+        s.ensure_team("u").unwrap();
+        assert_eq!(modes(), [0o600; 3]);
+        drop(s);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// Version 1 kept every sandbox's envd token; version 2 drops them (the node's
+    /// record holds them) and the traffic tokens of ended sandboxes.
+    #[test]
+    fn migration_2_forgets_tokens_it_does_not_need() {
+        let dir = std::env::temp_dir().join(format!("cubicle-store-mig-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("cubicle.db");
+        {
+            let c = rusqlite::Connection::open(&path).unwrap();
+            c.execute_batch(
+                "CREATE TABLE schema_version (version INTEGER PRIMARY KEY, applied_at INTEGER NOT NULL);",
+            )
+            .unwrap();
+            c.execute_batch(schema::MIGRATIONS[0]).unwrap();
+            c.execute_batch(
+                "INSERT INTO schema_version VALUES (1, 0);
+                 INSERT INTO teams VALUES (1, 't', 0);
+                 INSERT INTO sandboxes VALUES ('live', 1, 'base', NULL, '{}', '[]', 'envd-secret',
+                     'traffic-live', 1, 2, 512, 5120, 1, 2, 'running', NULL, NULL);
+                 INSERT INTO sandboxes VALUES ('gone', 1, 'base', NULL, '{}', '[]', 'envd-secret',
+                     'traffic-gone', 1, 2, 512, 5120, 1, 2, 'ended', 'killed', 3);",
+            )
+            .unwrap();
+        }
+        let s = Store::open(&path).unwrap();
+        assert_eq!(s.schema_version().unwrap(), schema::SCHEMA_VERSION);
+        let live = s.sandbox("live").unwrap().unwrap();
+        assert_eq!(live.traffic_access_token.as_deref(), Some("traffic-live"));
+        let gone = s.sandbox("gone").unwrap().unwrap();
+        assert_eq!(gone.traffic_access_token, None);
+        let cols: Vec<String> = s
+            .conn()
+            .prepare("SELECT name FROM pragma_table_info('sandboxes')")
+            .unwrap()
+            .query_map([], |r| r.get(0))
+            .unwrap()
+            .collect::<rusqlite::Result<_>>()
+            .unwrap();
+        assert!(!cols.iter().any(|c| c == "envd_access_token"), "{cols:?}");
+        drop(s);
+        // Not in freed pages either (secure_delete), once the last handle closed.
+        let raw = std::fs::read(&path).unwrap();
+        let has = |needle: &[u8]| raw.windows(needle.len()).any(|w| w == needle);
+        assert!(!has(b"envd-secret") && !has(b"traffic-gone"));
+        assert!(has(b"traffic-live"));
         std::fs::remove_dir_all(&dir).unwrap();
     }
 

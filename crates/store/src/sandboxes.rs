@@ -49,9 +49,9 @@ pub struct SandboxRow {
     pub metadata: BTreeMap<String, String>,
     /// Names of the create-time env vars (values are never stored).
     pub env_var_names: Vec<String>,
-    /// envd access token (the router passes it on; presigned URLs are signed with it).
-    pub envd_access_token: String,
-    /// Required on non-envd ports when set.
+    /// Required on non-envd ports when set (in clear: `connect` returns it to the SDK,
+    /// which sends it on every request to those ports). Cleared when the sandbox ends.
+    /// (The envd token is not stored here: the node's record holds it.)
     pub traffic_access_token: Option<String>,
     /// Internet access.
     pub allow_internet: bool,
@@ -73,14 +73,14 @@ pub struct SandboxRow {
     pub ended_at: Option<i64>,
 }
 
-const COLUMNS: &str = "id, team_id, template_id, alias, metadata, env_var_names, envd_access_token,
+const COLUMNS: &str = "id, team_id, template_id, alias, metadata, env_var_names,
     traffic_access_token, allow_internet, cpu_count, memory_mb, disk_mb, started_at, end_at,
     state, death_reason, ended_at";
 
 fn row(r: &rusqlite::Row<'_>) -> rusqlite::Result<(SandboxRow, String, String)> {
     let metadata: String = r.get(4)?;
     let env: String = r.get(5)?;
-    let state: String = r.get(14)?;
+    let state: String = r.get(13)?;
     Ok((
         SandboxRow {
             id: r.get(0)?,
@@ -89,17 +89,16 @@ fn row(r: &rusqlite::Row<'_>) -> rusqlite::Result<(SandboxRow, String, String)> 
             alias: r.get(3)?,
             metadata: BTreeMap::new(),
             env_var_names: Vec::new(),
-            envd_access_token: r.get(6)?,
-            traffic_access_token: r.get(7)?,
-            allow_internet: r.get(8)?,
-            cpu_count: r.get(9)?,
-            memory_mb: r.get::<_, i64>(10)? as u64,
-            disk_mb: r.get::<_, i64>(11)? as u64,
-            started_at: r.get(12)?,
-            end_at: r.get(13)?,
+            traffic_access_token: r.get(6)?,
+            allow_internet: r.get(7)?,
+            cpu_count: r.get(8)?,
+            memory_mb: r.get::<_, i64>(9)? as u64,
+            disk_mb: r.get::<_, i64>(10)? as u64,
+            started_at: r.get(11)?,
+            end_at: r.get(12)?,
             state: SandboxRowState::parse(&state),
-            death_reason: r.get(15)?,
-            ended_at: r.get(16)?,
+            death_reason: r.get(14)?,
+            ended_at: r.get(15)?,
         },
         metadata,
         env,
@@ -117,7 +116,7 @@ impl Store {
     /// Insert a new sandbox record.
     pub fn insert_sandbox(&self, s: &SandboxRow) -> Result<()> {
         self.conn().execute(
-            &format!("INSERT INTO sandboxes ({COLUMNS}) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16, ?17)"),
+            &format!("INSERT INTO sandboxes ({COLUMNS}) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16)"),
             params![
                 s.id,
                 s.team_id,
@@ -125,7 +124,6 @@ impl Store {
                 s.alias,
                 serde_json::to_string(&s.metadata)?,
                 serde_json::to_string(&s.env_var_names)?,
-                s.envd_access_token,
                 s.traffic_access_token,
                 s.allow_internet,
                 s.cpu_count,
@@ -175,10 +173,11 @@ impl Store {
         Ok(())
     }
 
-    /// Mark a sandbox ended (no-op if it already is). Returns whether it changed.
+    /// Mark a sandbox ended (no-op if it already is), forgetting its traffic token.
+    /// Returns whether it changed.
     pub fn mark_ended(&self, id: &str, reason: &str, ended_at: i64) -> Result<bool> {
         let n = self.conn().execute(
-            "UPDATE sandboxes SET state = 'ended', death_reason = ?1, ended_at = ?2 WHERE id = ?3 AND state = 'running'",
+            "UPDATE sandboxes SET state = 'ended', death_reason = ?1, ended_at = ?2, traffic_access_token = NULL WHERE id = ?3 AND state = 'running'",
             params![reason, ended_at, id],
         )?;
         Ok(n > 0)
@@ -212,8 +211,7 @@ mod tests {
             alias: Some("base".into()),
             metadata: [("k".to_string(), "v".to_string())].into(),
             env_var_names: vec!["FOO".into()],
-            envd_access_token: "tok".into(),
-            traffic_access_token: None,
+            traffic_access_token: Some("traffic".into()),
             allow_internet: true,
             cpu_count: 2,
             memory_mb: 512,
@@ -248,6 +246,7 @@ mod tests {
         let ended = s.sandbox("one").unwrap().unwrap();
         assert_eq!(ended.state, SandboxRowState::Ended);
         assert_eq!(ended.death_reason.as_deref(), Some("killed"));
+        assert_eq!(ended.traffic_access_token, None, "an ended sandbox keeps no token");
         assert!(s.running_sandboxes(Some(a.id)).unwrap().is_empty());
         assert_eq!(s.purge_ended(4000).unwrap(), Vec::<String>::new());
         assert_eq!(s.purge_ended(5001).unwrap(), vec!["one".to_string()]);

@@ -7,7 +7,7 @@ use rusqlite::Connection;
 use crate::{Error, Result};
 
 /// The migrations, in order; index + 1 is the version each one produces.
-const MIGRATIONS: &[&str] = &[
+pub(crate) const MIGRATIONS: &[&str] = &[
     // 1: teams, API keys, sandboxes, idempotency keys.
     r#"
     CREATE TABLE teams (
@@ -54,6 +54,13 @@ const MIGRATIONS: &[&str] = &[
         expires_at    INTEGER NOT NULL,
         PRIMARY KEY (team_id, key)
     );
+    "#,
+    // 2: store only what is needed. The envd token lives in the node's record (which
+    // needs it to reach envd after a restart); the API reads it from there. An ended
+    // sandbox needs no traffic token.
+    r#"
+    ALTER TABLE sandboxes DROP COLUMN envd_access_token;
+    UPDATE sandboxes SET traffic_access_token = NULL WHERE state = 'ended';
     "#,
 ];
 

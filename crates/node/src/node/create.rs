@@ -9,13 +9,15 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use super::inner::{Inner, blocking, sandbox_env};
+use super::inner::{Inner, birth_env, blocking, sandbox_env};
 use super::teardown::spawn_watcher;
 use super::{ENVD_IN_SANDBOX, ENVD_SOCKET_IN_SANDBOX};
 use crate::envd_client::{EnvdClient, InitRequest};
 use crate::error::{Error, IoContext, Result};
 use crate::runtime::StartSpec;
-use crate::sandbox::{CreateRequest, DeathReason, SandboxInfo, SandboxRecord, SandboxState};
+use crate::sandbox::{
+    CreateRequest, DeathReason, InitPidfd, SandboxInfo, SandboxRecord, SandboxState,
+};
 use crate::slots::IDS_PER_SANDBOX;
 use crate::template::Template;
 use crate::{fsutil, ids, procfs};
@@ -203,12 +205,16 @@ impl Inner {
             internet: record.internet,
             hostname: id.clone(),
             envd_binary: inner.config.envd_binary.clone(),
+            // envd answers the node on its Unix socket; on TCP only inside the sandbox
+            // (loopback), never on the sandbox's address, which the host can route to.
             init: {
                 let mut argv = vec![
                     ENVD_IN_SANDBOX.into(),
                     "--init".into(),
                     "--unix-socket".into(),
                     ENVD_SOCKET_IN_SANDBOX.into(),
+                    "--listen".into(),
+                    "127.0.0.1".into(),
                     "--default-user".into(),
                     record.default_user.clone(),
                 ];
@@ -217,7 +223,7 @@ impl Inner {
                 }
                 argv
             },
-            env: template.config.env.clone(),
+            env: birth_env(template, &record.access_token),
             binds,
         };
         let t_prep = t0.elapsed();
@@ -258,7 +264,8 @@ impl Inner {
     ) -> Result<SandboxInfo> {
         let inner = self;
         let id = id.to_string();
-        let client = EnvdClient::new(inner.envd_socket(&id), None);
+        // envd was born with this token (`birth_env`): /init needs it too.
+        let client = EnvdClient::new(inner.envd_socket(&id), Some(record.access_token.clone()));
         client.init(&InitRequest::for_record(&record)).await?;
         let mut start_command = None;
         if let Some(cmd) = template
@@ -269,7 +276,6 @@ impl Inner {
         {
             // The template's start command: started through envd as the default user, in
             // the background (its failure to start fails the create).
-            let authed = EnvdClient::new(inner.envd_socket(&id), Some(record.access_token.clone()));
             let spec = crate::envd_client::ProcessSpec {
                 cmd: "/bin/sh".into(),
                 args: vec!["-c".into(), cmd.to_string()],
@@ -277,7 +283,7 @@ impl Inner {
             };
             // Its output is kept (the last 4 KiB) until the sandbox is ready, so that a
             // start command that fails or never listens explains itself in the error.
-            let watched = authed.start_watched(&spec, 4096).await?;
+            let watched = client.start_watched(&spec, 4096).await?;
             tracing::info!(sandbox = %id, pid = watched.pid, "start command running: {cmd}");
             start_command = Some(watched);
         }
@@ -314,7 +320,7 @@ impl Inner {
         record.state = SandboxState::Running;
         fsutil::write_json_atomic(&dir.join("sandbox.json"), &record)?;
         let ready_us = t0.elapsed().as_micros() as u64;
-        {
+        let info = {
             let mut st = inner.lock();
             let live = st
                 .live
@@ -327,8 +333,14 @@ impl Inner {
             }
             live.record = record.clone();
             live.ready_us = ready_us;
-            live.watcher = Some(spawn_watcher(Arc::downgrade(inner), id.clone(), pid));
-        }
+            live.init = InitPidfd::open(pid, record.pid_start_time);
+            live.watcher = Some(spawn_watcher(
+                Arc::downgrade(inner),
+                id.clone(),
+                live.init.as_ref(),
+            ));
+            live.info(inner.envd_socket(&id))
+        };
         inner.changed.notify_one();
         tracing::info!(
             sandbox = %id,
@@ -339,11 +351,7 @@ impl Inner {
             healthy_us = t_health.as_micros() as u64,
             "sandbox ready"
         );
-        Ok(SandboxInfo::from_record(
-            &record,
-            inner.envd_socket(&id),
-            ready_us,
-        ))
+        Ok(info)
     }
 
     fn update_record(&self, record: &SandboxRecord) -> Result<()> {

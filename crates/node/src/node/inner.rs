@@ -14,7 +14,7 @@ use crate::error::{Error, IoContext, Result};
 use crate::ids;
 use crate::pool::Pool;
 use crate::runtime::SandboxRuntime;
-use crate::sandbox::{DeathReason, SandboxInfo, SandboxRecord, SandboxState};
+use crate::sandbox::{DeathReason, InitPidfd, SandboxInfo, SandboxRecord, SandboxState};
 use crate::slots::UidSlots;
 use crate::template::{Template, TemplateStore};
 
@@ -57,6 +57,8 @@ pub(crate) struct Live {
     /// Teardown failed; the reaper retries it.
     pub(crate) teardown_failed: bool,
     pub(crate) watcher: Option<tokio::task::AbortHandle>,
+    /// A pidfd of the init, from the moment the sandbox is live (see [`InitPidfd`]).
+    pub(crate) init: Option<InitPidfd>,
 }
 
 impl Live {
@@ -68,7 +70,15 @@ impl Live {
             kill_requested: None,
             teardown_failed: false,
             watcher: None,
+            init: None,
         }
+    }
+
+    /// What callers see of it.
+    pub(crate) fn info(&self, envd_socket: PathBuf) -> SandboxInfo {
+        let mut info = SandboxInfo::from_record(&self.record, envd_socket, self.ready_us);
+        info.init_pidfd = self.init.clone();
+        info
     }
 }
 
@@ -158,6 +168,20 @@ pub(crate) fn sandbox_env(
     env
 }
 
+/// envd's (PID 1's) environment: the template's, and the access token envd requires
+/// from its first request on (`CUBICLE_ENVD_ACCESS_TOKEN`). So a sandbox is never
+/// reachable without a secret, also while it waits unclaimed in a pool: the claim's
+/// `/init` must present it to set the user's token. (Processes started through envd do
+/// not inherit envd's environment.)
+pub(crate) fn birth_env(
+    template: &Template,
+    token: &str,
+) -> std::collections::BTreeMap<String, String> {
+    let mut env = template.config.env.clone();
+    env.insert("CUBICLE_ENVD_ACCESS_TOKEN".into(), token.into());
+    env
+}
+
 /// Run a blocking closure on the blocking pool.
 pub(crate) async fn blocking<T: Send + 'static>(
     f: impl FnOnce() -> Result<T> + Send + 'static,
@@ -179,10 +203,12 @@ pub(crate) fn now_ms() -> u64 {
 /// must never see another live node's sandboxes as leftovers). Waits if it is held.
 pub(super) fn lock_node(path: &Path) -> Result<std::fs::File> {
     use std::os::fd::AsRawFd;
+    use std::os::unix::fs::OpenOptionsExt;
     let f = std::fs::OpenOptions::new()
         .create(true)
         .truncate(false)
         .write(true)
+        .mode(0o600)
         .open(path)
         .ctx("open", path)?;
     // SAFETY: valid fd owned by `f`.

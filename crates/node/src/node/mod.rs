@@ -65,7 +65,12 @@ impl Node {
     /// Take the state directory's node lock (one node per state directory); waits while
     /// another process holds it.
     pub(crate) async fn lock_state_dir(state_dir: &Path) -> Result<std::fs::File> {
-        std::fs::create_dir_all(state_dir).ctx("mkdir", state_dir)?;
+        use std::os::unix::fs::DirBuilderExt;
+        std::fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(state_dir)
+            .ctx("mkdir", state_dir)?;
         let p = state_dir.join("node.lock");
         blocking(move || lock_node(&p)).await
     }
@@ -78,16 +83,11 @@ impl Node {
         let state_dir = config.state_dir.clone();
         for d in [state_dir.clone(), state_dir.join("sandboxes")] {
             std::fs::create_dir_all(&d).ctx("mkdir", &d)?;
-            // The sandbox's root (an unprivileged host uid) must traverse these to reach
-            // its overlay upper/work dirs.
-            let mode = std::fs::metadata(&d).ctx("stat", &d)?.permissions().mode();
-            if mode & 0o001 == 0 {
-                std::fs::set_permissions(
-                    &d,
-                    std::fs::Permissions::from_mode((mode & 0o7777) | 0o711),
-                )
+            // Root's alone: records, logs and the database hold tokens. Sandboxes reach
+            // their own directories relative to a working directory the runtime gives
+            // them, never through these.
+            std::fs::set_permissions(&d, std::fs::Permissions::from_mode(0o700))
                 .ctx("chmod", &d)?;
-            }
         }
         let templates = TemplateStore::open(&state_dir)?;
         let end = config
@@ -187,13 +187,7 @@ impl Node {
             .live
             .values()
             .filter(|l| !pooled.contains(&l.record.id))
-            .map(|l| {
-                SandboxInfo::from_record(
-                    &l.record,
-                    self.inner.envd_socket(&l.record.id),
-                    l.ready_us,
-                )
-            })
+            .map(|l| l.info(self.inner.envd_socket(&l.record.id)))
             .collect();
         drop(st);
         for i in &mut v {
@@ -221,11 +215,7 @@ impl Node {
         {
             let st = self.inner.lock();
             if let Some(l) = st.live.get(id) {
-                return Ok(SandboxInfo::from_record(
-                    &l.record,
-                    self.inner.envd_socket(id),
-                    l.ready_us,
-                ));
+                return Ok(l.info(self.inner.envd_socket(id)));
             }
         }
         let dead = self.inner.dead.lock().unwrap_or_else(|p| p.into_inner());

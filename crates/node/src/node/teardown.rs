@@ -11,7 +11,7 @@ use tokio::io::unix::AsyncFd;
 use super::inner::{DEAD_MEMORY, Inner, blocking};
 use crate::fsutil;
 use crate::procfs;
-use crate::sandbox::{DeathReason, SandboxInfo, SandboxRecord, SandboxState};
+use crate::sandbox::{DeathReason, InitPidfd, SandboxInfo, SandboxRecord, SandboxState};
 
 impl Inner {
     /// Tear sandbox `id` down for `reason`: record why, destroy its kernel objects,
@@ -115,11 +115,17 @@ impl Inner {
     }
 }
 
-/// Watch `pid` (not our child) through a pidfd; when it exits, tear the sandbox down.
-pub(crate) fn spawn_watcher(inner: Weak<Inner>, id: String, pid: i32) -> tokio::task::AbortHandle {
+/// Watch a sandbox's init through its pidfd (`None`: it is already gone); when it exits,
+/// tear the sandbox down.
+pub(crate) fn spawn_watcher(
+    inner: Weak<Inner>,
+    id: String,
+    init: Option<&InitPidfd>,
+) -> tokio::task::AbortHandle {
+    let fd = init.and_then(|i| i.fd().try_clone().ok());
     let task = tokio::spawn(async move {
-        // Err: the process is already gone.
-        if let Ok(fd) = procfs::pidfd_open(pid) {
+        if let Some(fd) = fd {
+            let poll_fd = fd.try_clone();
             // SAFETY: the OwnedFd is moved into the AsyncFd, which keeps it open until it
             // deregisters it on drop; nobody else closes it.
             match unsafe { AsyncFd::register_with_interest(fd, tokio::io::Interest::READABLE) } {
@@ -127,9 +133,11 @@ pub(crate) fn spawn_watcher(inner: Weak<Inner>, id: String, pid: i32) -> tokio::
                     let _ = afd.readable().await;
                 }
                 Err(e) => {
-                    tracing::warn!(sandbox = %id, "cannot watch pid {pid}: {e}; polling");
-                    while procfs::is_alive(pid, None) {
-                        tokio::time::sleep(Duration::from_millis(500)).await;
+                    tracing::warn!(sandbox = %id, "cannot watch the init's pidfd: {e}; polling");
+                    if let Ok(fd) = poll_fd {
+                        while !procfs::pidfd_exited(&fd) {
+                            tokio::time::sleep(Duration::from_millis(500)).await;
+                        }
                     }
                 }
             }

@@ -43,7 +43,7 @@ use crate::error::{Error, Result};
 use crate::node::create::CreatePlan;
 use crate::node::inner::{Inner, now_ms, sandbox_env};
 use crate::node::teardown::spawn_watcher;
-use crate::sandbox::{CreateRequest, DeathReason, SandboxInfo, SandboxState};
+use crate::sandbox::{CreateRequest, DeathReason, InitPidfd, SandboxInfo, SandboxState};
 use crate::template::Template;
 use crate::{fsutil, ids};
 
@@ -94,7 +94,7 @@ impl Inner {
         }
         let t0 = Instant::now();
         // Take a ready one (skipping ids whose sandbox died meanwhile).
-        let record = loop {
+        let (record, birth_token) = loop {
             let id = {
                 let mut ps = inner.pool.lock();
                 if !ps.target.contains_key(name) {
@@ -127,6 +127,9 @@ impl Inner {
             if live.record.state != SandboxState::Running {
                 continue;
             }
+            // The pooled sandbox's envd was born with this token (`birth_env`): the
+            // claim's /init presents it to set the user's new one.
+            let birth_token = std::mem::take(&mut live.record.access_token);
             let r = &mut live.record;
             r.env_vars = sandbox_env(template, &req.env_vars, &id);
             r.metadata = req.metadata.clone();
@@ -135,7 +138,7 @@ impl Inner {
             r.access_token = ids::new_access_token();
             r.memory_mb = limits.0;
             r.cpus = limits.1;
-            break live.record.clone();
+            break (live.record.clone(), birth_token);
         };
         inner.pool.wake.notify_one();
         let id = record.id.clone();
@@ -146,7 +149,7 @@ impl Inner {
                     .set_limits(&id, limits.0, limits.1, inner.config.pids_limit)?;
             }
             inner.runtime.renice(&id, 0);
-            EnvdClient::new(inner.envd_socket(&id), None)
+            EnvdClient::new(inner.envd_socket(&id), Some(birth_token))
                 .init(&InitRequest::for_record(&record))
                 .await?;
             let mut on_disk = record.clone();
@@ -161,19 +164,19 @@ impl Inner {
             return None;
         }
         let ready_us = t0.elapsed().as_micros() as u64;
-        {
+        let info = {
             let mut st = inner.lock();
-            if let Some(live) = st.live.get_mut(&id) {
-                live.ready_us = ready_us;
+            match st.live.get_mut(&id) {
+                Some(live) => {
+                    live.ready_us = ready_us;
+                    live.info(inner.envd_socket(&id))
+                }
+                None => SandboxInfo::from_record(&record, inner.envd_socket(&id), ready_us),
             }
-        }
+        };
         inner.changed.notify_one();
         tracing::info!(sandbox = %id, template = %name, ready_us, "sandbox claimed from the pool");
-        Some(Ok(SandboxInfo::from_record(
-            &record,
-            inner.envd_socket(&id),
-            ready_us,
-        )))
+        Some(Ok(info))
     }
 
     /// Makes one pooled sandbox of `template` (internet on, the template's limits). Its
@@ -211,10 +214,15 @@ impl Inner {
                         return Err(Error::SandboxNotFound(id));
                     };
                     // Running in memory (killable, watched); `creating` on disk.
+                    live.init = InitPidfd::open(pid, record.pid_start_time);
                     live.record = record;
                     live.record.state = SandboxState::Running;
                     let _in_main = main.enter();
-                    live.watcher = Some(spawn_watcher(Arc::downgrade(inner), id.clone(), pid));
+                    live.watcher = Some(spawn_watcher(
+                        Arc::downgrade(inner),
+                        id.clone(),
+                        live.init.as_ref(),
+                    ));
                 }
                 let mut ps = inner.pool.lock();
                 ps.refills += 1;

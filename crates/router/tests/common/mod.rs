@@ -53,6 +53,16 @@ impl SandboxResolver for FakeResolver {
     }
 }
 
+/// A pidfd of `pid` (`None` when there is no such process), as the node hands them out.
+pub fn pidfd(pid: u32) -> Option<Arc<std::os::fd::OwnedFd>> {
+    use std::os::fd::FromRawFd;
+    // SAFETY: plain syscall; on success the fd is new and ours.
+    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid as libc::pid_t, 0) };
+    // SAFETY: a fresh descriptor.
+    (fd >= 0).then(|| Arc::new(unsafe { std::os::fd::OwnedFd::from_raw_fd(fd as i32) }))
+}
+
+/// A target whose init is process `init_pid` (reached through a pidfd opened now).
 pub fn target(
     id: &str,
     socket: &Path,
@@ -63,7 +73,7 @@ pub fn target(
     SandboxTarget {
         id: id.into(),
         envd_socket: socket.to_owned(),
-        init_pid,
+        init_pidfd: pidfd(init_pid),
         envd_access_token: token.map(Into::into),
         traffic_access_token: traffic.map(Into::into),
     }
@@ -331,6 +341,20 @@ impl NetnsBox {
         let netns = Netns::from_pid(pid as i32).unwrap();
         loopback_up(&netns).unwrap();
         Some(NetnsBox { child, pid, netns })
+    }
+
+    /// Like [`NetnsBox::new`], but the namespace's process gets pid `wanted` (a pid that
+    /// was just freed), set up through `/proc/sys/kernel/ns_last_pid`; other processes of
+    /// the host may take it first, so this retries. `None` when it did not succeed.
+    pub fn with_pid(test: &str, wanted: u32) -> Option<NetnsBox> {
+        for _ in 0..200 {
+            std::fs::write("/proc/sys/kernel/ns_last_pid", (wanted - 1).to_string()).ok()?;
+            let b = NetnsBox::new(test)?;
+            if b.pid == wanted {
+                return Some(b);
+            }
+        }
+        None
     }
 
     /// A listener on 127.0.0.1:0 inside the namespace.

@@ -24,7 +24,8 @@ pub struct Netns {
 }
 
 impl Netns {
-    /// The network namespace of process `pid`.
+    /// The network namespace of process `pid` now. Only for a pid that cannot have been
+    /// reused (a child not yet reaped); else open a pidfd and use [`Netns::from_fd`].
     pub fn from_pid(pid: i32) -> Result<Self> {
         Self::open(format!("/proc/{pid}/ns/net"))
     }
@@ -44,7 +45,9 @@ impl Netns {
         Self::open("/proc/thread-self/ns/net")
     }
 
-    /// Wraps an fd that refers to a network namespace.
+    /// Wraps an fd that refers to a network namespace, or a pidfd: then the namespace is
+    /// that process's, and entering it fails (ESRCH) once the process has exited — no
+    /// reused pid can redirect it, unlike [`Netns::from_pid`].
     pub fn from_fd(fd: OwnedFd) -> Self {
         Netns { fd }
     }

@@ -408,6 +408,20 @@ fn egress_isolation_end_to_end() {
         a_rx.try_recv().is_err(),
         "sandbox B's attempt must not have arrived"
     );
+    // ...and not through A's address: the host's own connections into a sandbox (any
+    // local user's `curl <sandbox ip>:<port>`) are refused at once.
+    let t = Instant::now();
+    let err = std::net::TcpStream::connect_timeout(&a_addr, Duration::from_secs(3))
+        .expect_err("the host must not open a connection to a sandbox's address");
+    assert!(
+        t.elapsed() < Duration::from_secs(1),
+        "refusal should be immediate, got {err} after {:?}",
+        t.elapsed()
+    );
+    assert!(
+        a_rx.recv_timeout(Duration::from_millis(200)).is_err(),
+        "the host's attempt must not have arrived"
+    );
 
     // 3. The host: its veth address, its loopback, its primary address.
     let host_ns = Netns::current().unwrap();

@@ -249,7 +249,7 @@ pub(super) fn create_image(image: &Path, root: &Path, size: u64) -> Result<()> {
             return Err(e);
         }
     }
-    fs::set_permissions(root, std::os::unix::fs::PermissionsExt::from_mode(0o711))
+    fs::set_permissions(root, std::os::unix::fs::PermissionsExt::from_mode(0o700))
         .map_err(io_err(format!("chmod {}", root.display())))?;
     fs::rename(&tmp, image).map_err(io_err(format!(
         "renaming {} to {}",
