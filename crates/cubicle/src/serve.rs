@@ -21,6 +21,9 @@
 //! to the sandboxes anyway. Revoke it with `cubicle apikey revoke`; the next start makes
 //! a new one.
 //!
+//! Connections (`cubicle_router::server`): at most `--max-connections-per-client` per
+//! client address and half the open-file limit in all, request heads within 30 s.
+//!
 //! SIGTERM/SIGINT: stop accepting, give open requests 5 s, stop the node's background
 //! work and exit. Sandboxes keep running (their end times still hold: the next start
 //! adopts them and enforces them).
@@ -83,6 +86,15 @@ pub struct ServeArgs {
     #[arg(long, env = "CUBICLE_POOL", default_value = "", value_name = "TEMPLATE=N,…",
           value_parser = cubicle_node::parse_pool_spec)]
     pub pool: std::collections::BTreeMap<String, usize>,
+    /// Open connections one client address may hold (REST and data plane together);
+    /// more are answered 429 and closed.
+    #[arg(
+        long,
+        env = "CUBICLE_MAX_CONNECTIONS_PER_CLIENT",
+        default_value_t = 512,
+        value_name = "N"
+    )]
+    pub max_connections_per_client: usize,
     /// Host memory all pooled sandboxes together may use, in MiB.
     #[arg(
         long,
@@ -224,17 +236,17 @@ pub async fn run(env: ServeEnv, args: ServeArgs) -> anyhow::Result<i32> {
     );
 
     let (stop_tx, mut stop_rx) = tokio::sync::watch::channel(false);
-    // TCP_NODELAY: Connect streams are sequences of small writes; with Nagle each one
-    // after the first waits for the client's delayed ACK (~40 ms per `commands.run`).
-    let listener = axum::serve::ListenerExt::tap_io(listener, |tcp| {
-        let _ = tcp.set_nodelay(true);
-    });
-    let server = axum::serve(listener, app).with_graceful_shutdown(async move {
+    let limits = cubicle_router::ServerLimits {
+        max_connections_per_client: args.max_connections_per_client,
+        max_connections: max_connections(),
+        ..Default::default()
+    };
+    let server = cubicle_router::server::serve(listener, app, limits, async move {
         let _ = stop_rx.changed().await;
     });
-    let mut server = std::pin::pin!(server.into_future());
+    let mut server = std::pin::pin!(server);
     tokio::select! {
-        r = &mut server => r.context("server")?,
+        () = &mut server => {}
         sig = shutdown_signal() => {
             eprintln!("cubicle: {sig}: stopping (sandboxes keep running; the next start adopts them)");
             let _ = stop_tx.send(true);
@@ -299,6 +311,22 @@ impl SandboxDomain {
             routing: host.to_ascii_lowercase(),
         })
     }
+}
+
+/// How many connections the server may hold in all: half the limit on open files (the
+/// other half is for sandboxes, the database and logs).
+fn max_connections() -> usize {
+    let mut rl = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit writes a struct rlimit.
+    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut rl) } != 0 {
+        return cubicle_router::ServerLimits::default().max_connections;
+    }
+    usize::try_from(rl.rlim_cur / 2)
+        .unwrap_or(usize::MAX)
+        .max(64)
 }
 
 async fn shutdown_signal() -> &'static str {

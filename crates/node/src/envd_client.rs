@@ -325,16 +325,8 @@ impl EnvdClient {
         let resp = self.send(req).await?;
         let status = resp.status();
         if !status.is_success() {
-            let body = resp
-                .into_body()
-                .collect()
-                .await
-                .map(|b| b.to_bytes())
-                .unwrap_or_default();
-            return Err(Error::Envd(format!(
-                "/init answered {status}: {}",
-                String::from_utf8_lossy(&body)
-            )));
+            let body = error_body(resp.into_body()).await;
+            return Err(Error::Envd(format!("/init answered {status}: {body}")));
         }
         Ok(())
     }
@@ -421,16 +413,8 @@ impl EnvdClient {
         let resp = self.send(req).await?;
         if resp.status() != StatusCode::OK {
             let status = resp.status();
-            let body = resp
-                .into_body()
-                .collect()
-                .await
-                .map(|b| b.to_bytes())
-                .unwrap_or_default();
-            return Err(Error::Envd(format!(
-                "Start answered {status}: {}",
-                String::from_utf8_lossy(&body)
-            )));
+            let body = error_body(resp.into_body()).await;
+            return Err(Error::Envd(format!("Start answered {status}: {body}")));
         }
         let mut body = resp.into_body();
         let mut buf = BytesMut::new();
@@ -501,6 +485,33 @@ pub fn encode_envelope(flags: u8, payload: &[u8]) -> Bytes {
     out.freeze()
 }
 
+/// The start of an error answer's body, for a message: at most [`MAX_ERROR_BODY`] bytes,
+/// read for at most [`ERROR_BODY_TIME`]. The other end is a socket the sandbox's root can
+/// replace with its own server, which may answer an endless body, or none.
+async fn error_body(mut body: Incoming) -> String {
+    let mut got = Vec::new();
+    let read = async {
+        while got.len() < MAX_ERROR_BODY {
+            match body.frame().await {
+                Some(Ok(frame)) => {
+                    if let Some(data) = frame.data_ref() {
+                        let room = MAX_ERROR_BODY - got.len();
+                        got.extend_from_slice(&data[..data.len().min(room)]);
+                    }
+                }
+                _ => break,
+            }
+        }
+    };
+    let _ = tokio::time::timeout(ERROR_BODY_TIME, read).await;
+    String::from_utf8_lossy(&got).into_owned()
+}
+
+/// How much of an error body [`error_body`] keeps.
+const MAX_ERROR_BODY: usize = 4096;
+/// How long [`error_body`] waits for it.
+const ERROR_BODY_TIME: Duration = Duration::from_secs(2);
+
 /// Take one complete envelope off the front of `buf`, if there is one.
 pub fn decode_envelope(buf: &mut BytesMut) -> Result<Option<(u8, Bytes)>> {
     if buf.len() < 5 {
@@ -541,6 +552,69 @@ mod tests {
         assert_eq!(got[0].0, 0);
         assert_eq!(&got[0].1[..], br#"{"event":{"start":{"pid":7}}}"#);
         assert_eq!(got[1], (2, Bytes::from_static(b"{}")));
+    }
+
+    /// An envd (or whatever the sandbox's root put on its socket) answering an error
+    /// with an endless body: the client reads a bounded prefix and returns.
+    #[tokio::test]
+    async fn endless_error_body_is_cut_short() {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let dir = std::env::temp_dir().join(format!("cubicle-envdc-err-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let sock = dir.join("envd.sock");
+        let _ = std::fs::remove_file(&sock);
+        let listener = tokio::net::UnixListener::bind(&sock).unwrap();
+        let sent = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let sent2 = sent.clone();
+        tokio::spawn(async move {
+            while let Ok((mut s, _)) = listener.accept().await {
+                let sent = sent2.clone();
+                tokio::spawn(async move {
+                    let mut tmp = [0u8; 4096];
+                    let _ = s.read(&mut tmp).await;
+                    let head = b"HTTP/1.1 500 Internal Server Error\r\ntransfer-encoding: chunked\r\n\r\n";
+                    if s.write_all(head).await.is_err() {
+                        return;
+                    }
+                    let chunk = format!("10000\r\n{}\r\n", "x".repeat(0x10000));
+                    while s.write_all(chunk.as_bytes()).await.is_ok() {
+                        sent.fetch_add(0x10000, std::sync::atomic::Ordering::SeqCst);
+                    }
+                });
+            }
+        });
+        let c = EnvdClient::new(&sock, Some("tok".into()));
+        let t = std::time::Instant::now();
+        let req = InitRequest {
+            env_vars: BTreeMap::new(),
+            access_token: "tok".into(),
+            default_user: "user".into(),
+            default_workdir: Some("/home/user".into()),
+        };
+        let err = tokio::time::timeout(Duration::from_secs(10), c.init(&req))
+            .await
+            .expect("init must not read an endless error body to its end")
+            .unwrap_err()
+            .to_string();
+        assert!(t.elapsed() < Duration::from_secs(5), "{:?}", t.elapsed());
+        assert!(err.contains("500") && err.len() < 2 * MAX_ERROR_BODY, "{}", err.len());
+        let err = c
+            .run(
+                &ProcessSpec {
+                    cmd: "id".into(),
+                    ..Default::default()
+                },
+                |_| {},
+            )
+            .await
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("500") && err.len() < 2 * MAX_ERROR_BODY, "{}", err.len());
+        assert!(
+            sent.load(std::sync::atomic::Ordering::SeqCst) < 64 << 20,
+            "the client stopped reading"
+        );
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[test]

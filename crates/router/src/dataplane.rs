@@ -13,7 +13,8 @@
 //! streams need `application/connect+json` exactly), `X-Access-Token` goes to envd (which
 //! checks it), and the `E2b-Sandbox-*` headers are kept (harmless, as upstream E2B does).
 //! `Connection: upgrade` requests (WebSocket) to user ports are forwarded with their
-//! upgrade headers; on `101` both sides are upgraded and bytes are copied both ways.
+//! upgrade headers; on `101` both sides are upgraded and bytes are copied both ways until
+//! either side closes or nothing moves for `RouterConfig::tunnel_idle_timeout`.
 //! Upgrades to envd's port are refused (envd has none; it is an internal surface).
 
 use std::sync::Arc;
@@ -47,6 +48,7 @@ struct Inner {
     resolver: Resolver,
     domain: Option<String>,
     client: Client<SandboxConnector, Body>,
+    tunnel_idle_timeout: std::time::Duration,
 }
 
 fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
@@ -75,6 +77,7 @@ impl DataPlane {
                 resolver,
                 domain,
                 client,
+                tunnel_idle_timeout: config.tunnel_idle_timeout,
             }),
         }
     }
@@ -202,6 +205,7 @@ impl DataPlane {
             let (mut parts, _) = resp.into_parts();
             routing::strip_hop_by_hop(&mut parts.headers, true);
             let (id, port_) = (id.to_owned(), port);
+            let idle = self.inner.tunnel_idle_timeout;
             tokio::spawn(async move {
                 let (client, upstream) = match tokio::try_join!(client_upgrade, upstream_upgrade) {
                     Ok(pair) => pair,
@@ -212,7 +216,7 @@ impl DataPlane {
                 };
                 let mut client = TokioIo::new(client);
                 let mut upstream = TokioIo::new(upstream);
-                if let Err(e) = tokio::io::copy_bidirectional(&mut client, &mut upstream).await {
+                if let Err(e) = crate::tunnel::copy_until_idle(&mut client, &mut upstream, idle).await {
                     tracing::debug!(sandbox = %id, port = port_, "upgraded connection ended: {e}");
                 }
             });

@@ -45,10 +45,13 @@ mod dataplane;
 mod error;
 mod presign;
 mod routing;
+pub mod server;
+mod tunnel;
 
 pub use dataplane::DataPlane;
 pub use error::RouterError;
 pub use routing::ENVD_PORT;
+pub use server::ServerLimits;
 
 use std::time::Duration;
 
@@ -64,6 +67,9 @@ pub struct RouterConfig {
     pub pool_idle_timeout: Duration,
     /// At most this many idle upstream connections per (sandbox, port).
     pub pool_max_idle_per_port: usize,
+    /// An upgraded connection (WebSocket) to a user port is closed after this long
+    /// without a byte in either direction.
+    pub tunnel_idle_timeout: Duration,
 }
 
 impl Default for RouterConfig {
@@ -73,6 +79,7 @@ impl Default for RouterConfig {
             connect_timeout: Duration::from_secs(5),
             pool_idle_timeout: Duration::from_secs(30),
             pool_max_idle_per_port: 16,
+            tunnel_idle_timeout: Duration::from_secs(600),
         }
     }
 }

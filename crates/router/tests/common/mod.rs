@@ -22,7 +22,7 @@ use axum::{
     response::IntoResponse,
 };
 use bytes::Bytes;
-use cubicle_router::{DataPlane, RouterConfig, SandboxResolver, SandboxTarget};
+use cubicle_router::{DataPlane, RouterConfig, SandboxResolver, SandboxTarget, ServerLimits};
 use cubicle_runtime::network::{Netns, loopback_up, run_in_netns};
 use http_body_util::{BodyExt, Full, combinators::BoxBody};
 use hyper::{Request, Response, body::Incoming};
@@ -185,8 +185,18 @@ impl Drop for Envd {
 
 // ---------------------------------------------------------------- router
 
-/// Serves the data plane (and a stand-in REST API answering 418) on 127.0.0.1:0.
+/// Serves the data plane (and a stand-in REST API answering 418) on 127.0.0.1:0, with
+/// `cubicle serve`'s front door and its default limits.
 pub async fn start_router(resolver: Arc<FakeResolver>, config: RouterConfig) -> SocketAddr {
+    start_router_with_limits(resolver, config, ServerLimits::default()).await
+}
+
+/// [`start_router`] with the given connection limits.
+pub async fn start_router_with_limits(
+    resolver: Arc<FakeResolver>,
+    config: RouterConfig,
+    limits: ServerLimits,
+) -> SocketAddr {
     let dp = DataPlane::new(resolver, config);
     let app = axum::Router::new().fallback(move |req: AxumRequest| {
         let dp = dp.clone();
@@ -200,14 +210,12 @@ pub async fn start_router(resolver: Arc<FakeResolver>, config: RouterConfig) -> 
     });
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
-    // As `cubicle serve` must: without TCP_NODELAY, streamed responses (several small
-    // writes) stall ~40 ms per exchange on Nagle + delayed ACK.
-    let listener = axum::serve::ListenerExt::tap_io(listener, |tcp| {
-        let _ = tcp.set_nodelay(true);
-    });
-    tokio::spawn(async move {
-        let _ = axum::serve(listener, app).await;
-    });
+    tokio::spawn(cubicle_router::server::serve(
+        listener,
+        app,
+        limits,
+        std::future::pending(),
+    ));
     addr
 }
 
