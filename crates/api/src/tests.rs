@@ -1100,7 +1100,10 @@ async fn resolver_sees_live_api_sandboxes_only() {
     let open = h.create_a(json!({"templateID":"base"})).await;
     let resolver = ApiResolver::new(h.cp.clone());
     let t = resolver.resolve(&id).unwrap();
-    assert!(t.init_pidfd.is_none(), "the fake backend has no init process");
+    assert!(
+        t.init_pidfd.is_none(),
+        "the fake backend has no init process"
+    );
     assert!(t.envd_socket.ends_with(format!("{id}/ctl/envd.sock")));
     let row = h.cp.store().sandbox(&id).unwrap().unwrap();
     let info = h.cp.backend().peek(&id).unwrap();

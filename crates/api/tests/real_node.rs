@@ -80,7 +80,7 @@ async fn run() -> anyhow::Result<()> {
     let mut cfg = NodeConfig::new(&state, envd);
     cfg.first_slot = 3600; // disjoint from other tests' slot ranges
     cfg.max_sandboxes = 16;
-    cfg.reap_foreign = false;
+    cfg.any_free_slots = true;
     let node = Node::open(cfg).await?;
     let result = scenario(&node, &state).await;
     node.kill_all().await;
@@ -182,7 +182,10 @@ async fn scenario(node: &Node, state: &std::path::Path) -> anyhow::Result<()> {
         target.envd_socket.display()
     );
     // The router reaches user ports through a pidfd of the sandbox's init.
-    let pidfd = target.init_pidfd.as_ref().context("the target has the init's pidfd")?;
+    let pidfd = target
+        .init_pidfd
+        .as_ref()
+        .context("the target has the init's pidfd")?;
     let fdinfo = std::fs::read_to_string(format!(
         "/proc/self/fdinfo/{}",
         std::os::fd::AsRawFd::as_raw_fd(&**pidfd)

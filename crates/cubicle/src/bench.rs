@@ -3,7 +3,8 @@
 //!
 //! The server is either one the bench starts itself (a child `cubicle serve` on its own
 //! state directory, default `/var/lib/cubicle-bench`, listening on a free loopback port,
-//! `--no-reap-foreign`; its `export …` lines and `cubicle: ready` are read from its stdout)
+//! slots from 8000 (or the next free range); its `export …` lines and `cubicle: ready`
+//! are read from its stdout)
 //! or the one given by `--url`/`--api-key`. Everything the bench creates it kills again.
 //!
 //! Measures (all through the public REST API and the data-plane router, as an SDK does):
@@ -475,10 +476,14 @@ impl Server {
         if let Some(e) = envd {
             cmd.arg("--envd-binary").arg(e);
         }
-        cmd.args(["--first-slot", &BENCH_FIRST_SLOT.to_string()])
-            .args(["serve", "--listen", "127.0.0.1:0", "--no-reap-foreign"])
-            .arg("--max-timeout")
-            .arg("3600");
+        cmd.args([
+            "--first-slot",
+            &BENCH_FIRST_SLOT.to_string(),
+            "--any-free-slots",
+        ])
+        .args(["serve", "--listen", "127.0.0.1:0"])
+        .arg("--max-timeout")
+        .arg("3600");
         // Build only what the bench uses (base takes a minute the first time).
         if !templates.iter().any(|t| t == "base") {
             cmd.arg("--no-build-templates");

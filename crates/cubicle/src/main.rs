@@ -31,16 +31,23 @@ struct Cli {
     /// The `cubicle-envd` binary mounted into sandboxes (default: next to this binary).
     #[arg(long, global = true, env = "CUBICLE_ENVD_BIN")]
     envd_binary: Option<PathBuf>,
-    /// First uid/network slot this process's node allocates (nodes sharing a host must
-    /// use disjoint ranges).
+    /// First uid/network slot of this state directory's node: its sandboxes use slots
+    /// FIRST..FIRST+MAX (host uids 200000 + slot*65536, veth cbs<slot>). Nodes on one
+    /// host need disjoint ranges; an overlapping one is refused.
+    #[arg(long, global = true, env = "CUBICLE_FIRST_SLOT", default_value_t = 0)]
+    first_slot: u32,
+    /// Most sandboxes of this node at once (the size of its slot range).
     #[arg(
         long,
         global = true,
-        env = "CUBICLE_FIRST_SLOT",
-        default_value_t = 0,
-        hide = true
+        env = "CUBICLE_MAX_SANDBOXES",
+        default_value_t = 4096
     )]
-    first_slot: u32,
+    max_sandboxes: u32,
+    /// When the slot range overlaps another node's, take the next free one instead of
+    /// failing (test harnesses that run side by side).
+    #[arg(long, global = true, env = "CUBICLE_ANY_FREE_SLOTS", hide = true)]
+    any_free_slots: bool,
     #[command(subcommand)]
     command: Command,
 }
@@ -71,6 +78,9 @@ enum Command {
     /// Measure create/cycle/exec latency, density and peers (runc, bwrap) against a
     /// server it starts (or `--url`).
     Bench(bench::BenchArgs),
+    /// The guardian of a `cubicle run`'s sandbox (started by `run` itself).
+    #[command(name = "__run-guard", hide = true)]
+    RunGuard,
 }
 
 fn main() {
@@ -114,6 +124,8 @@ fn node_opts(cli: &Cli) -> sandbox_cmd::NodeOpts {
         state_dir: cli.state_dir.clone(),
         envd_binary: cli.envd_binary.clone(),
         first_slot: cli.first_slot,
+        max_sandboxes: cli.max_sandboxes,
+        any_free_slots: cli.any_free_slots,
     }
 }
 
@@ -121,17 +133,11 @@ async fn dispatch(cli: Cli) -> anyhow::Result<i32> {
     let opts = node_opts(&cli);
     match cli.command {
         Command::Run(args) => run::run(&opts, args).await,
+        Command::RunGuard => run::guard(&opts).await,
         Command::Template { command } => template_cmd::run(&cli.state_dir, command).await,
         Command::Sandbox(args) => client::run(args, &cli.state_dir).await,
         Command::Local { command } => sandbox_cmd::run(&opts, command).await,
-        Command::Serve(args) => {
-            let env = serve::ServeEnv {
-                state_dir: cli.state_dir.clone(),
-                envd_binary: cli.envd_binary.clone(),
-                first_slot: cli.first_slot,
-            };
-            serve::run(env, args).await
-        }
+        Command::Serve(args) => serve::run(opts, args).await,
         Command::Bench(args) => bench::run(args, cli.envd_binary.as_ref()).await,
         Command::Apikey { command } => {
             let dir = cli.state_dir.clone();

@@ -1,6 +1,15 @@
 //! `cubicle run`: create a sandbox, run one command in it through envd (as root),
 //! stream stdout/stderr live, exit with the command's exit code, destroy the sandbox
 //! (unless `--keep`, which prints its id instead).
+//!
+//! The sandbox of a run without `--keep` dies with the run, however the run ends: a
+//! guardian process (this binary again, `__run-guard`, in its own process group so a
+//! terminal's Ctrl-C or hang-up does not reach it) holds the read end of a pipe whose
+//! write end only the run has. The run tells it the sandbox's id once created and `done`
+//! once it removed the sandbox itself. When the pipe closes without `done` — the run was
+//! killed (SIGKILL included), crashed or lost its terminal — the guardian kills every
+//! process of the sandbox at once, then opens the node on the state directory, whose
+//! reconciliation removes what is left (directory, quota, network, a half-made sandbox).
 
 use std::collections::BTreeMap;
 use std::io::Write;
@@ -57,6 +66,12 @@ pub async fn run(opts: &crate::sandbox_cmd::NodeOpts, args: RunArgs) -> anyhow::
         env_vars.insert(k.to_string(), v.to_string());
     }
     let node = crate::sandbox_cmd::open_node(opts, true).await?;
+    // Before the create: a run killed while creating leaves no sandbox either.
+    let mut guard = if args.keep {
+        None
+    } else {
+        Some(Guardian::start(opts).context("starting the sandbox's guardian")?)
+    };
     let req = CreateRequest {
         template: args.template.clone(),
         id: None,
@@ -69,6 +84,9 @@ pub async fn run(opts: &crate::sandbox_cmd::NodeOpts, args: RunArgs) -> anyhow::
         metadata: BTreeMap::new(),
     };
     let info = node.create(req).await.context("creating the sandbox")?;
+    if let Some(g) = &mut guard {
+        g.tell(&format!("sandbox {}", info.id));
+    }
     if args.verbose {
         eprintln!(
             "sandbox {} ready in {:.2} ms",
@@ -115,12 +133,103 @@ pub async fn run(opts: &crate::sandbox_cmd::NodeOpts, args: RunArgs) -> anyhow::
         eprintln!("cubicle: removing sandbox {}: {e}", info.id);
     }
     node.close();
+    if let Some(g) = &mut guard {
+        g.tell("done");
+    }
     if let Err(e) = result
         && code != 130
     {
         eprintln!("cubicle: running {:?}: {e:#}", args.command);
     }
     Ok(code)
+}
+
+/// The run's end of the pipe to its sandbox's guardian (see the module docs).
+struct Guardian {
+    pipe: std::process::ChildStdin,
+}
+
+impl Guardian {
+    /// Starts the guardian for a node with these options.
+    fn start(opts: &crate::sandbox_cmd::NodeOpts) -> anyhow::Result<Guardian> {
+        use std::os::unix::process::CommandExt;
+        let mut cmd = std::process::Command::new("/proc/self/exe");
+        cmd.arg("--state-dir")
+            .arg(&opts.state_dir)
+            .args(["--first-slot", &opts.first_slot.to_string()])
+            .args(["--max-sandboxes", &opts.max_sandboxes.to_string()]);
+        if opts.any_free_slots {
+            cmd.arg("--any-free-slots");
+        }
+        if let Some(e) = &opts.envd_binary {
+            cmd.arg("--envd-binary").arg(e);
+        }
+        let mut child = cmd
+            .arg(GUARD_COMMAND)
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .process_group(0)
+            .spawn()?;
+        let pipe = child
+            .stdin
+            .take()
+            .ok_or_else(|| anyhow::anyhow!("the guardian has no stdin"))?;
+        Ok(Guardian { pipe })
+    }
+
+    /// One line to the guardian (best effort: it is only needed if this process dies).
+    fn tell(&mut self, line: &str) {
+        let _ = writeln!(self.pipe, "{line}");
+    }
+}
+
+/// The hidden subcommand the guardian runs as.
+pub const GUARD_COMMAND: &str = "__run-guard";
+
+/// The guardian (see the module docs): waits for its run; if the run ends without
+/// saying `done`, kills the run's sandbox and reconciles the state directory.
+pub async fn guard(opts: &crate::sandbox_cmd::NodeOpts) -> anyhow::Result<i32> {
+    let lines = tokio::task::spawn_blocking(|| {
+        let mut lines = Vec::new();
+        for line in std::io::stdin().lines() {
+            match line {
+                Ok(l) => lines.push(l),
+                Err(_) => break,
+            }
+        }
+        lines
+    })
+    .await?;
+    if lines.iter().any(|l| l == "done") {
+        return Ok(0);
+    }
+    let id = lines
+        .iter()
+        .find_map(|l| l.strip_prefix("sandbox "))
+        .filter(|id| cubicle_node::ids::is_valid_sandbox_id(id));
+    if let Some(id) = id {
+        // Dead now: every process of its cgroup (the init first, so the pid namespace
+        // ends); the rest is reconciliation's.
+        let id2 = id.to_string();
+        let _ = tokio::task::spawn_blocking(move || cubicle_runtime::remove_leftovers(&id2, None))
+            .await;
+    }
+    let envd = cubicle_node::config::find_envd_binary(opts.envd_binary.clone())
+        .unwrap_or_else(|_| std::path::PathBuf::from("/nonexistent/cubicle-envd"));
+    let mut config = opts.config(envd);
+    // The run that held the state directory is gone; another command may hold it now.
+    config.wait_for_lock = true;
+    let node = cubicle_node::Node::open(config).await?;
+    if let Some(id) = id
+        && node
+            .get(id)
+            .is_ok_and(|i| i.state != cubicle_node::SandboxState::Dead)
+    {
+        let _ = node.kill(id).await;
+    }
+    node.close();
+    Ok(0)
 }
 
 /// Signal number from Go-style status strings (`signal: killed`).

@@ -22,11 +22,24 @@ pub enum SandboxCommand {
     },
 }
 
-/// Where and how the CLI opens its node.
+/// Where and how the CLI opens its node (global options).
 pub struct NodeOpts {
     pub state_dir: PathBuf,
     pub envd_binary: Option<PathBuf>,
     pub first_slot: u32,
+    pub max_sandboxes: u32,
+    pub any_free_slots: bool,
+}
+
+impl NodeOpts {
+    /// The node configuration these options describe, with `envd`.
+    pub fn config(&self, envd: PathBuf) -> NodeConfig {
+        let mut config = NodeConfig::new(&self.state_dir, envd);
+        config.first_slot = self.first_slot;
+        config.max_sandboxes = self.max_sandboxes;
+        config.any_free_slots = self.any_free_slots;
+        config
+    }
 }
 
 pub async fn open_node(opts: &NodeOpts, need_envd: bool) -> anyhow::Result<Node> {
@@ -36,9 +49,8 @@ pub async fn open_node(opts: &NodeOpts, need_envd: bool) -> anyhow::Result<Node>
         Err(e) if need_envd => return Err(e.into()),
         Err(_) => PathBuf::from("/nonexistent/cubicle-envd"),
     };
-    let mut config = NodeConfig::new(state_dir, envd);
+    let mut config = opts.config(envd);
     config.template_progress = true;
-    config.first_slot = opts.first_slot;
     Node::open(config)
         .await
         .with_context(|| format!("opening the node on {}", state_dir.display()))

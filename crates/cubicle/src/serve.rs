@@ -31,7 +31,7 @@
 use std::io::Write;
 use std::net::SocketAddr;
 use std::os::unix::fs::OpenOptionsExt;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -39,7 +39,7 @@ use anyhow::Context;
 use axum::extract::Request;
 use axum::middleware::Next;
 use cubicle_api::{ApiConfig, ApiResolver, ControlPlane};
-use cubicle_node::{Node, NodeConfig};
+use cubicle_node::Node;
 use cubicle_router::{DataPlane, RouterConfig};
 use cubicle_store::Store;
 
@@ -77,8 +77,8 @@ pub struct ServeArgs {
     /// then built on first use.
     #[arg(long)]
     pub no_build_templates: bool,
-    /// Leave cgroups/veths of sandboxes this state directory does not know alone (for
-    /// hosts shared with other Cubicle nodes or tests; a dedicated host removes them).
+    /// Accepted and ignored: reconciliation only ever touches what this state directory
+    /// and its slot range own (older scripts pass it).
     #[arg(long, env = "CUBICLE_NO_REAP_FOREIGN", hide = true)]
     pub no_reap_foreign: bool,
     /// Warm pools: sandboxes kept ready per template, e.g. `tiny=4,base=8` (creates with
@@ -105,14 +105,7 @@ pub struct ServeArgs {
     pub pool_memory_mb: u64,
 }
 
-/// Where the node comes from (global CLI options).
-pub struct ServeEnv {
-    pub state_dir: PathBuf,
-    pub envd_binary: Option<PathBuf>,
-    pub first_slot: u32,
-}
-
-pub async fn run(env: ServeEnv, args: ServeArgs) -> anyhow::Result<i32> {
+pub async fn run(env: crate::sandbox_cmd::NodeOpts, args: ServeArgs) -> anyhow::Result<i32> {
     if args.max_timeout == 0 || args.default_timeout == 0 || args.default_timeout > args.max_timeout
     {
         anyhow::bail!(
@@ -125,10 +118,8 @@ pub async fn run(env: ServeEnv, args: ServeArgs) -> anyhow::Result<i32> {
     SandboxDomain::new(args.domain.as_deref(), args.listen.port())?;
     let state_dir = &env.state_dir;
     let envd = cubicle_node::config::find_envd_binary(env.envd_binary.clone())?;
-    let mut config = NodeConfig::new(state_dir, envd);
+    let mut config = env.config(envd);
     config.template_progress = true;
-    config.first_slot = env.first_slot;
-    config.reap_foreign = !args.no_reap_foreign;
     config.default_timeout = Duration::from_secs(args.default_timeout);
     config.pool = args.pool.clone();
     config.pool_memory_mb = args.pool_memory_mb;

@@ -1,6 +1,8 @@
 //! The `cubicle` binary end to end (as root): `run -- id`, exit codes, `--keep` +
-//! `local list` + `local kill`, and a node killed with SIGKILL mid-create followed by
-//! a new `Node::open` that reconciles everything (each kind of trace checked).
+//! `local list` + `local kill`, a node killed with SIGKILL mid-create followed by a new
+//! `Node::open` that reconciles everything (each kind of trace checked), a `run` killed
+//! with SIGKILL whose sandbox dies with it, and `run` on a state directory another
+//! process holds (fails at once, saying what to do).
 //!
 //! Skips (saying why) when not root, without busybox-static, or without a statically
 //! linked cubicle-envd (scripts/build-envd.sh builds it).
@@ -48,6 +50,8 @@ fn cubicle(state: &Path, slot: u32) -> Command {
     let mut c = Command::new(BIN);
     c.env("CUBICLE_STATE_DIR", state)
         .env("CUBICLE_FIRST_SLOT", slot.to_string())
+        .env("CUBICLE_MAX_SANDBOXES", "16")
+        .env("CUBICLE_ANY_FREE_SLOTS", "true")
         .env_remove("CUBICLE_LOG");
     c
 }
@@ -139,8 +143,10 @@ fn sigkill_mid_create_then_reopen_leaves_nothing() {
     for delay_ms in [
         0u64, 5, 15, 30, 40, 50, 60, 70, 80, 90, 100, 120, 150, 250, 400,
     ] {
+        // --keep: no guardian (see `sigkill_of_run_kills_its_sandbox`): this is the
+        // node's own crash recovery.
         let mut child = cubicle(&state, slot)
-            .args(["run", "--template", "tiny", "--", "sleep", "30"])
+            .args(["run", "--template", "tiny", "--keep", "--", "sleep", "30"])
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
@@ -161,6 +167,8 @@ fn sigkill_mid_create_then_reopen_leaves_nothing() {
         rt.block_on(async {
             let mut cfg = NodeConfig::new(&state, &envd);
             cfg.first_slot = slot;
+            cfg.max_sandboxes = 16;
+            cfg.any_free_slots = true;
             let node = Node::open(cfg).await.unwrap();
             let report = node.reconcile_report();
             for id in &ids {
@@ -206,4 +214,185 @@ fn sigkill_mid_create_then_reopen_leaves_nothing() {
     eprintln!("crash test: {adopted} sandboxes adopted (then killed), {removed} removed");
     assert!(removed > 0, "no kill landed mid-create");
     let _ = cubicle_node::fsutil::remove_tree(&state);
+}
+
+/// Issue 10, item 6: a `cubicle run` killed with SIGKILL — while it creates the
+/// sandbox, or while its command runs — takes its sandbox with it: no process of it
+/// survives the next second, and every trace (cgroup, directory, veth, mounts) is gone
+/// soon after, without any later command reconciling.
+#[test]
+fn sigkill_of_run_kills_its_sandbox() {
+    let Some(_envd) = ready() else { return };
+    let state = state_dir("runkill");
+    let slot = 3800;
+    let st = cubicle(&state, slot)
+        .args(["template", "build", "tiny"])
+        .output()
+        .unwrap();
+    assert!(st.status.success());
+    // None: kill once the command runs; Some(ms): that long after the start (mid-create).
+    for delay in [None, Some(40u64), Some(90), None] {
+        let mut child = cubicle(&state, slot)
+            .args(["run", "--template", "tiny", "--", "sleep", "600"])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        let mut running = None;
+        match delay {
+            Some(ms) => std::thread::sleep(Duration::from_millis(ms)),
+            None => {
+                let t = std::time::Instant::now();
+                while running.is_none() {
+                    running = cubicle_node::records_on_disk(&state).into_iter().find(|r| {
+                        r.state == cubicle_node::SandboxState::Running
+                            && r.pid
+                                .is_some_and(|p| cubicle_node::procfs::is_alive(p, None))
+                    });
+                    assert!(t.elapsed() < Duration::from_secs(20), "the run never ran");
+                    std::thread::sleep(Duration::from_millis(20));
+                }
+            }
+        }
+        let ids: Vec<String> = std::fs::read_dir(state.join("sandboxes"))
+            .map(|rd| {
+                rd.flatten()
+                    .map(|e| e.file_name().to_string_lossy().into_owned())
+                    .filter(|n| cubicle_node::ids::is_valid_sandbox_id(n))
+                    .collect()
+            })
+            .unwrap_or_default();
+        let records = cubicle_node::records_on_disk(&state);
+        child.kill().unwrap();
+        let killed = std::time::Instant::now();
+        let _ = child.wait();
+        if let Some(r) = &running {
+            // Its processes die at once.
+            let pid = r.pid.unwrap();
+            while cubicle_node::procfs::is_alive(pid, r.pid_start_time)
+                || !cubicle_node::traces::pids(&r.id).is_empty()
+            {
+                assert!(
+                    killed.elapsed() < Duration::from_secs(2),
+                    "sandbox {} still runs {:?} after its run was killed",
+                    r.id,
+                    killed.elapsed()
+                );
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            eprintln!(
+                "sandbox {} dead {:?} after its run was SIGKILLed",
+                r.id,
+                killed.elapsed()
+            );
+        }
+        // Then everything else goes, without anyone but the guardian doing anything.
+        wait_for_guardians(&state);
+        let mut ids = ids;
+        ids.extend(running.iter().map(|r| r.id.clone()));
+        for id in &ids {
+            let r = records.iter().find(|r| &r.id == id);
+            loop {
+                let t = cubicle_node::traces::leftovers(
+                    &state,
+                    id,
+                    r.map(|r| r.slot),
+                    r.and_then(|r| r.pid),
+                );
+                if t.is_empty() {
+                    break;
+                }
+                assert!(
+                    killed.elapsed() < Duration::from_secs(15),
+                    "delay {delay:?}: {id} left {t:?}"
+                );
+                std::thread::sleep(Duration::from_millis(50));
+            }
+        }
+    }
+    let _ = cubicle_node::fsutil::remove_tree(&state);
+}
+
+/// Waits until no `cubicle __run-guard` of `state` runs any more (a guardian that starts
+/// after the test removed the state directory would make it again).
+fn wait_for_guardians(state: &Path) {
+    let t = std::time::Instant::now();
+    let mine = |cmdline: &[u8]| {
+        let c = String::from_utf8_lossy(cmdline);
+        c.contains("__run-guard") && c.contains(&*state.to_string_lossy())
+    };
+    while std::fs::read_dir("/proc")
+        .into_iter()
+        .flatten()
+        .flatten()
+        .any(|e| std::fs::read(e.path().join("cmdline")).is_ok_and(|c| mine(&c)))
+    {
+        assert!(
+            t.elapsed() < Duration::from_secs(20),
+            "a guardian of {} still runs",
+            state.display()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Issue 10, item 9: with a node (e.g. `cubicle serve`) on the state directory, `cubicle
+/// run` fails at once, naming the holder and saying what to do, instead of waiting
+/// forever; with a state directory of its own and an overlapping slot range it is
+/// refused too, naming the other node; with its own slots it works.
+#[test]
+fn run_next_to_a_node_fails_at_once_or_uses_its_own_slots() {
+    let Some(envd) = ready() else { return };
+    let state = state_dir("busy");
+    let other = state_dir("busy-own");
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let node = rt.block_on(async {
+        let mut cfg = NodeConfig::new(&state, &envd);
+        cfg.first_slot = 3900;
+        cfg.max_sandboxes = 16;
+        cfg.any_free_slots = true;
+        Node::open(cfg).await.unwrap()
+    });
+    // The node's slots (3900.., or the next free range if a colleague's test has those).
+    let slot = node.config().first_slot;
+    let t = std::time::Instant::now();
+    let out = cubicle(&state, slot)
+        .env_remove("CUBICLE_ANY_FREE_SLOTS")
+        .args(["run", "--template", "tiny", "--", "id"])
+        .output()
+        .unwrap();
+    assert!(t.elapsed() < Duration::from_secs(10), "{:?}", t.elapsed());
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("in use by process") && err.contains("cubicle sandbox exec"),
+        "{err}"
+    );
+    // Its own state directory, the same slots: refused, naming the node that has them.
+    let out = cubicle(&other, slot)
+        .env_remove("CUBICLE_ANY_FREE_SLOTS")
+        .args(["run", "--template", "tiny", "--", "id"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("overlap") && err.contains(&state.display().to_string()),
+        "{err}"
+    );
+    // Its own slots: works.
+    let out = cubicle(&other, slot + 16)
+        .args(["run", "--template", "tiny", "--", "id"])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(String::from_utf8_lossy(&out.stdout).starts_with("uid=0(root)"));
+    node.close();
+    drop(node);
+    let _ = cubicle_node::fsutil::remove_tree(&state);
+    let _ = cubicle_node::fsutil::remove_tree(&other);
 }

@@ -437,15 +437,11 @@ impl Serve {
                 "ip link set lo up && exec \"$0\" \"$@\"",
             ])
             .arg(BIN)
-            .args([
-                "serve",
-                "--listen",
-                "127.0.0.1:0",
-                "--no-build-templates",
-                "--no-reap-foreign",
-            ])
+            .args(["serve", "--listen", "127.0.0.1:0", "--no-build-templates"])
             .env("CUBICLE_STATE_DIR", &state)
             .env("CUBICLE_FIRST_SLOT", SERVE_FIRST_SLOT.to_string())
+            .env("CUBICLE_MAX_SANDBOXES", "16")
+            .env("CUBICLE_ANY_FREE_SLOTS", "true")
             .env("CUBICLE_ENVD_BIN", envd_binary())
             .env_remove("CUBICLE_LOG")
             .stdin(Stdio::null())
@@ -535,6 +531,8 @@ impl Drop for Serve {
                 .args(args)
                 .env("CUBICLE_STATE_DIR", &self.state)
                 .env("CUBICLE_FIRST_SLOT", SERVE_FIRST_SLOT.to_string())
+                .env("CUBICLE_MAX_SANDBOXES", "16")
+                .env("CUBICLE_ANY_FREE_SLOTS", "true")
                 .env_remove("CUBICLE_LOG")
                 .output()
         };

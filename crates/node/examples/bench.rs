@@ -47,6 +47,7 @@ fn main() -> anyhow::Result<()> {
         let mut cfg = NodeConfig::new(&state, envd);
         cfg.template_progress = true;
         cfg.first_slot = 2000;
+        cfg.any_free_slots = true;
         let node = Node::open(cfg).await?;
         for t in &templates {
             node.templates().ensure(t, true)?;

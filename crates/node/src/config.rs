@@ -21,16 +21,17 @@ pub struct NodeConfig {
     /// First host uid of slot 0's range.
     pub uid_base: u32,
     /// First slot this node allocates (slot `s`: uids `uid_base + s*65536..`, network
-    /// address pair `s`). Two nodes on one host must use disjoint slot ranges.
+    /// address pair `s`). Two nodes on one host must use disjoint slot ranges: opening a
+    /// node whose range overlaps another live node's fails (`host_slots.rs`).
     pub first_slot: u32,
     /// Most sandboxes alive at once (slots `first_slot..first_slot+max_sandboxes`).
     pub max_sandboxes: u32,
-    /// At start, also remove every sandbox cgroup (`cubicle/*`) and veth this state
-    /// directory has no record of. Off by default: the node writes a sandbox's record
-    /// before it creates any kernel object, so its own crash leftovers are always found
-    /// through records; turning this on also kills sandboxes of *other* nodes or tests
-    /// on the same host. For a dedicated host (`cubicle serve`) it may be turned on.
-    pub reap_foreign: bool,
+    /// When the slot range overlaps another node's, use the first free range of the same
+    /// size above it instead of failing (tests, which run side by side on one host).
+    pub any_free_slots: bool,
+    /// When another process uses the state directory, wait for it to finish instead of
+    /// failing at once with a message that names it.
+    pub wait_for_lock: bool,
     /// Sandbox lifetime when the request names none.
     pub default_timeout: Duration,
     /// How long create waits for envd's `/health`.
@@ -60,7 +61,8 @@ impl NodeConfig {
             uid_base: 200_000,
             first_slot: 0,
             max_sandboxes: 4096,
-            reap_foreign: false,
+            any_free_slots: false,
+            wait_for_lock: false,
             default_timeout: Duration::from_secs(300),
             envd_ready_timeout: Duration::from_secs(10),
             template_progress: false,

@@ -572,7 +572,8 @@ mod tests {
                 tokio::spawn(async move {
                     let mut tmp = [0u8; 4096];
                     let _ = s.read(&mut tmp).await;
-                    let head = b"HTTP/1.1 500 Internal Server Error\r\ntransfer-encoding: chunked\r\n\r\n";
+                    let head =
+                        b"HTTP/1.1 500 Internal Server Error\r\ntransfer-encoding: chunked\r\n\r\n";
                     if s.write_all(head).await.is_err() {
                         return;
                     }
@@ -597,7 +598,11 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(t.elapsed() < Duration::from_secs(5), "{:?}", t.elapsed());
-        assert!(err.contains("500") && err.len() < 2 * MAX_ERROR_BODY, "{}", err.len());
+        assert!(
+            err.contains("500") && err.len() < 2 * MAX_ERROR_BODY,
+            "{}",
+            err.len()
+        );
         let err = c
             .run(
                 &ProcessSpec {
@@ -609,7 +614,11 @@ mod tests {
             .await
             .unwrap_err()
             .to_string();
-        assert!(err.contains("500") && err.len() < 2 * MAX_ERROR_BODY, "{}", err.len());
+        assert!(
+            err.contains("500") && err.len() < 2 * MAX_ERROR_BODY,
+            "{}",
+            err.len()
+        );
         assert!(
             sent.load(std::sync::atomic::Ordering::SeqCst) < 64 << 20,
             "the client stopped reading"

@@ -54,6 +54,12 @@ pub enum Error {
     /// envd inside the sandbox misbehaved or was unreachable.
     #[error("envd: {0}")]
     Envd(String),
+    /// Another process uses the state directory (one node per state directory).
+    #[error("{0}")]
+    StateDirBusy(String),
+    /// The slot range overlaps another node's on this host.
+    #[error("{0}")]
+    SlotsTaken(String),
     /// A JSON record could not be read or written.
     #[error("record {path}: {source}")]
     Record {

@@ -16,6 +16,7 @@ pub mod config;
 pub mod envd_client;
 pub mod error;
 pub mod fsutil;
+pub mod host_slots;
 pub mod ids;
 pub mod linux;
 mod node;
@@ -41,13 +42,43 @@ pub use sandbox::{
 impl Node {
     /// Open the node with the Linux runtime (`cubicle-runtime`): see
     /// [`Node::open_with_runtime`].
-    pub async fn open(config: NodeConfig) -> Result<Node> {
+    ///
+    /// Fails at once when another process uses the state directory (unless
+    /// [`NodeConfig::wait_for_lock`]), and when the slot range overlaps another node's on
+    /// this host (unless [`NodeConfig::any_free_slots`]; see [`host_slots`]).
+    pub async fn open(mut config: NodeConfig) -> Result<Node> {
         // Lock first: runtime init mounts the state's storage.
-        let lock = Node::lock_state_dir(&config.state_dir).await?;
+        let lock = Node::lock_state_dir(&config.state_dir, config.wait_for_lock).await?;
         let dir = config.state_dir.clone();
         let runtime = tokio::task::spawn_blocking(move || linux::LinuxRuntime::init(&dir))
             .await
             .map_err(|e| Error::Runtime(format!("runtime init task: {e}")))??;
-        Node::open_locked(config, std::sync::Arc::new(runtime), lock).await
+        let limit = runtime::SandboxRuntime::max_slots(&runtime);
+        let wanted = config.first_slot
+            ..config
+                .first_slot
+                .saturating_add(config.max_sandboxes)
+                .min(limit);
+        let (dir, any_free) = (config.state_dir.clone(), config.any_free_slots);
+        let lease = tokio::task::spawn_blocking(move || {
+            host_slots::lease(
+                std::path::Path::new(host_slots::REGISTRY),
+                &dir,
+                wanted,
+                any_free,
+                limit,
+            )
+        })
+        .await
+        .map_err(|e| Error::Runtime(format!("slot registration task: {e}")))??;
+        if lease.range().start != config.first_slot {
+            tracing::info!(
+                "slots {}.. are another node's: this node uses {:?}",
+                config.first_slot,
+                lease.range()
+            );
+            config.first_slot = lease.range().start;
+        }
+        Node::open_locked(config, std::sync::Arc::new(runtime), lock, Some(lease)).await
     }
 }

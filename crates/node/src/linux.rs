@@ -203,14 +203,10 @@ impl SandboxRuntime for LinuxRuntime {
         }
     }
 
-    fn kernel_ids(&self) -> Result<Vec<String>> {
-        cubicle_runtime::list_sandboxes().map_err(|e| rt_err("listing sandbox cgroups", e))
-    }
-
-    fn reconcile_network(&self, known_slots: &[u32]) -> Result<()> {
+    fn reconcile_network(&self, owned: std::ops::Range<u32>, known_slots: &[u32]) -> Result<()> {
         match &self.network {
             Ok(net) => net
-                .reconcile(known_slots)
+                .reconcile(owned, known_slots)
                 .map_err(|e| rt_err("network reconcile", e)),
             Err(_) => Ok(()),
         }

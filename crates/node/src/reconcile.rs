@@ -3,12 +3,17 @@
 //!
 //! Adopted: a `<state>/sandboxes/<id>/sandbox.json` in state `running` whose init pid is
 //! alive with the recorded start time and whose envd answers `/health`. Removed:
-//! every other sandbox directory (with whatever is mounted below it), every cgroup
-//! `cubicle/<id>` not adopted (its processes killed), and every network object (veth,
-//! nftables element) whose slot is not adopted. (With `reap_foreign: false` only what
-//! this state directory records is touched: for hosts shared by several nodes or tests.)
+//! every other sandbox directory (with whatever is mounted below it) and the kernel
+//! objects its record names (cgroup `cubicle/<id>` and its processes, the veth and
+//! nftables entries of its slot), and every network object of this node's slot range
+//! whose slot is not adopted.
+//!
+//! Only what this state directory owns is touched: the node writes a sandbox's record
+//! before it creates any kernel object, so its own leftovers are always found through
+//! records, and its slot range is its own (`host_slots.rs`). Sandboxes of other nodes on
+//! the host — another state directory, another slot range — are never reaped.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -96,23 +101,6 @@ pub(crate) async fn reconcile(inner: &Arc<Inner>) -> Result<ReconcileReport> {
             },
         );
     }
-    let adopted: HashSet<String> = report.adopted.iter().cloned().collect();
-
-    let rt = inner.runtime.clone();
-    let kernel_ids = if inner.config.reap_foreign {
-        blocking(move || rt.kernel_ids()).await.unwrap_or_else(|e| {
-            tracing::warn!("listing sandbox cgroups failed: {e}");
-            Vec::new()
-        })
-    } else {
-        Vec::new()
-    };
-    for id in kernel_ids {
-        if !adopted.contains(&id) {
-            doomed.entry(id).or_insert(None);
-        }
-    }
-
     for (id, slot) in doomed {
         let rt = inner.runtime.clone();
         let dir = inner.sandbox_dir(&id);
@@ -140,12 +128,14 @@ pub(crate) async fn reconcile(inner: &Arc<Inner>) -> Result<ReconcileReport> {
     if let Err(e) = blocking(move || rt.reconcile_storage(&known)).await {
         tracing::warn!("storage reconciliation failed: {e}");
     }
-    if inner.config.reap_foreign {
-        let slots: Vec<u32> = inner.lock().live.values().map(|l| l.record.slot).collect();
-        let rt = inner.runtime.clone();
-        if let Err(e) = blocking(move || rt.reconcile_network(&slots)).await {
-            tracing::warn!("network reconciliation failed: {e}");
-        }
+    let (owned, slots) = {
+        let st = inner.lock();
+        let slots: Vec<u32> = st.live.values().map(|l| l.record.slot).collect();
+        (st.slots.range(), slots)
+    };
+    let rt = inner.runtime.clone();
+    if let Err(e) = blocking(move || rt.reconcile_network(owned, &slots)).await {
+        tracing::warn!("network reconciliation failed: {e}");
     }
     report.removed.sort();
     Ok(report)

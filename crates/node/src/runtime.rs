@@ -106,11 +106,9 @@ pub trait SandboxRuntime: Send + Sync + 'static {
     /// pieces are fine. Does not delete `sandbox_dir` itself (the node does).
     fn destroy(&self, id: &str, slot: Option<u32>, sandbox_dir: &std::path::Path) -> Result<()>;
 
-    /// Ids that have kernel objects (cgroups `cubicle/<id>`) on this host.
-    fn kernel_ids(&self) -> Result<Vec<String>>;
-
-    /// Remove network objects (veths, nft elements) of every slot not in `known_slots`.
-    fn reconcile_network(&self, known_slots: &[u32]) -> Result<()>;
+    /// Remove network objects (veths, nft elements) of every slot in `owned` (this node's
+    /// range: other nodes on the host own the other slots) not in `known_slots`.
+    fn reconcile_network(&self, owned: std::ops::Range<u32>, known_slots: &[u32]) -> Result<()>;
 
     /// If a limit explains why sandbox `id` died or is dying (OOM kills counted in its
     /// cgroup, a full disk quota), say which.

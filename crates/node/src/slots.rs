@@ -50,6 +50,11 @@ impl UidSlots {
         self.used.remove(&slot);
     }
 
+    /// The slots this allocator hands out.
+    pub fn range(&self) -> std::ops::Range<u32> {
+        self.first..self.end
+    }
+
     /// Slots in use.
     pub fn in_use(&self) -> usize {
         self.used.len()

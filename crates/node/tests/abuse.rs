@@ -229,7 +229,7 @@ async fn setup(envd: &Path, state: &Path) -> anyhow::Result<Ctx> {
     let mut cfg = NodeConfig::new(state, envd);
     cfg.first_slot = FIRST_SLOT;
     cfg.max_sandboxes = MAX_SANDBOXES;
-    cfg.reap_foreign = false;
+    cfg.any_free_slots = true;
     let node = Node::open(cfg).await?;
     let store = node.templates().clone();
     let t = Instant::now();

@@ -112,7 +112,7 @@ async fn node(envd: &Path, name: &str, first_slot: u32) -> anyhow::Result<(Node,
     let mut cfg = NodeConfig::new(&state, envd);
     cfg.first_slot = first_slot;
     cfg.max_sandboxes = 64;
-    cfg.reap_foreign = false;
+    cfg.any_free_slots = true;
     Ok((Node::open(cfg).await?, state))
 }
 
@@ -429,6 +429,7 @@ async fn pid1_reaps_orphans_keeps_exit_codes(envd: PathBuf) -> TestResult {
 
 async fn reopen_adopts_live_and_removes_dead(envd: PathBuf) -> TestResult {
     let (node, state) = node(&envd, "reopen", 3400).await?;
+    let first_slot = node.config().first_slot;
     let live = node.create(tiny()).await?;
     let doomed = node.create(tiny()).await?;
     // Simulate a crash: the node goes away without cleaning; `doomed`'s init dies meanwhile.
@@ -441,8 +442,9 @@ async fn reopen_adopts_live_and_removes_dead(envd: PathBuf) -> TestResult {
     )?;
     // Give the kernel a moment; the zombie is ours (CLONE_PARENT) and reaped by destroy.
     tokio::time::sleep(Duration::from_millis(100)).await;
+    // The same slots: the sandboxes' (a stopped node with live sandboxes keeps them).
     let mut cfg = NodeConfig::new(&state, &envd);
-    cfg.first_slot = 3400;
+    cfg.first_slot = first_slot;
     cfg.max_sandboxes = 64;
     let node = Node::open(cfg).await?;
     let report = node.reconcile_report();

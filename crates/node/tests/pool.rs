@@ -71,6 +71,7 @@ async fn open(envd: &Path, state: &Path, pool: usize) -> anyhow::Result<Node> {
     let mut cfg = NodeConfig::new(state, envd);
     cfg.first_slot = FIRST_SLOT;
     cfg.max_sandboxes = 32;
+    cfg.any_free_slots = true;
     if pool > 0 {
         cfg.pool.insert("tiny".into(), pool);
     }

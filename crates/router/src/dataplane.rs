@@ -216,7 +216,9 @@ impl DataPlane {
                 };
                 let mut client = TokioIo::new(client);
                 let mut upstream = TokioIo::new(upstream);
-                if let Err(e) = crate::tunnel::copy_until_idle(&mut client, &mut upstream, idle).await {
+                if let Err(e) =
+                    crate::tunnel::copy_until_idle(&mut client, &mut upstream, idle).await
+                {
                     tracing::debug!(sandbox = %id, port = port_, "upgraded connection ended: {e}");
                 }
             });

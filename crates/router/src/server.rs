@@ -84,7 +84,11 @@ enum Refusal {
     Total(usize),
 }
 
-fn admit(counts: &Arc<Mutex<Counts>>, limits: &ServerLimits, client: IpAddr) -> Result<Admitted, Refusal> {
+fn admit(
+    counts: &Arc<Mutex<Counts>>,
+    limits: &ServerLimits,
+    client: IpAddr,
+) -> Result<Admitted, Refusal> {
     let mut c = lock(counts);
     if c.total >= limits.max_connections {
         return Err(Refusal::Total(limits.max_connections));

@@ -13,7 +13,11 @@ use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 
 /// Copies between `a` and `b` until one side closes, an error, or `idle` passes without
 /// a byte in either direction. Returns why it ended.
-pub(crate) async fn copy_until_idle<A, B>(a: &mut A, b: &mut B, idle: Duration) -> std::io::Result<()>
+pub(crate) async fn copy_until_idle<A, B>(
+    a: &mut A,
+    b: &mut B,
+    idle: Duration,
+) -> std::io::Result<()>
 where
     A: AsyncRead + AsyncWrite + Unpin,
     B: AsyncRead + AsyncWrite + Unpin,

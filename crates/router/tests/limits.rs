@@ -73,10 +73,16 @@ async fn connections_per_client_are_limited() {
 
     // The held connections still work.
     let s = &mut held[0];
-    s.write_all(b"GET / HTTP/1.1\r\nhost: x\r\n\r\n").await.unwrap();
+    s.write_all(b"GET / HTTP/1.1\r\nhost: x\r\n\r\n")
+        .await
+        .unwrap();
     let mut buf = [0u8; 64];
     let n = s.read(&mut buf).await.unwrap();
-    assert!(buf[..n].starts_with(b"HTTP/1.1 418"), "{:?}", String::from_utf8_lossy(&buf[..n]));
+    assert!(
+        buf[..n].starts_with(b"HTTP/1.1 418"),
+        "{:?}",
+        String::from_utf8_lossy(&buf[..n])
+    );
 
     // Closing two frees two places.
     held.truncate(2);

@@ -753,9 +753,18 @@ async fn reused_init_pid_leads_nowhere() {
         return;
     }
     // The "sandbox": a process whose pidfd the resolver hands out, then dies.
-    let mut init = std::process::Command::new("sleep").arg("1000").spawn().unwrap();
+    let mut init = std::process::Command::new("sleep")
+        .arg("1000")
+        .spawn()
+        .unwrap();
     let pid = init.id();
-    let dead = target("sbreuse", std::path::Path::new("/nonexistent"), pid, None, None);
+    let dead = target(
+        "sbreuse",
+        std::path::Path::new("/nonexistent"),
+        pid,
+        None,
+        None,
+    );
     assert!(dead.init_pidfd.is_some());
     init.kill().unwrap();
     init.wait().unwrap();
@@ -770,11 +779,25 @@ async fn reused_init_pid_leads_nowhere() {
     let resolver = Arc::new(FakeResolver::default());
     resolver.insert(dead);
     // Control: the same server is reachable for a target that really is that process.
-    resolver.insert(target("sbother", std::path::Path::new("/nonexistent"), other.pid, None, None));
+    resolver.insert(target(
+        "sbother",
+        std::path::Path::new("/nonexistent"),
+        other.pid,
+        None,
+        None,
+    ));
     let addr = start_router(resolver, RouterConfig::default()).await;
-    let resp = send(addr, request("GET", "/hello", &hdrs(&route("sbother", port)), empty())).await;
+    let resp = send(
+        addr,
+        request("GET", "/hello", &hdrs(&route("sbother", port)), empty()),
+    )
+    .await;
     assert_eq!(resp.status(), 200);
-    let resp = send(addr, request("GET", "/hello", &hdrs(&route("sbreuse", port)), empty())).await;
+    let resp = send(
+        addr,
+        request("GET", "/hello", &hdrs(&route("sbreuse", port)), empty()),
+    )
+    .await;
     assert_eq!(resp.status(), 502);
     assert_eq!(
         body_text(resp).await,

@@ -246,7 +246,10 @@ mod tests {
         let ended = s.sandbox("one").unwrap().unwrap();
         assert_eq!(ended.state, SandboxRowState::Ended);
         assert_eq!(ended.death_reason.as_deref(), Some("killed"));
-        assert_eq!(ended.traffic_access_token, None, "an ended sandbox keeps no token");
+        assert_eq!(
+            ended.traffic_access_token, None,
+            "an ended sandbox keeps no token"
+        );
         assert!(s.running_sandboxes(Some(a.id)).unwrap().is_empty());
         assert_eq!(s.purge_ended(4000).unwrap(), Vec::<String>::new());
         assert_eq!(s.purge_ended(5001).unwrap(), vec!["one".to_string()]);

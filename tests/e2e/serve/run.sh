@@ -18,9 +18,9 @@
 #      template is built once per machine; never /var/lib/cubicle, the operator's);
 #      without `--domain` (the default, `localhost:<port>`, is what `get_host()` is
 #      tested with: names under `localhost` must resolve to loopback here, which
-#      nss-myhostname or systemd-resolved do) unless CUBICLE_E2E_DOMAIN names one, and
-#      `--no-reap-foreign` (else serve removes every `cubicle/*` cgroup it does not know,
-#      i.e. colleagues' sandboxes on a shared machine);
+#      nss-myhostname or systemd-resolved do) unless CUBICLE_E2E_DOMAIN names one, on
+#      slots $CUBICLE_E2E_FIRST_SLOT..+1000 (nodes on one host need disjoint ranges;
+#      serve refuses one that overlaps another live node's);
 #   3. waits for `cubicle: ready`, takes E2B_API_URL / E2B_SANDBOX_URL / E2B_API_KEY
 #      from the `export …` lines serve printed, creates a key of a second team with
 #      `cubicle apikey create --team other`;
@@ -239,9 +239,7 @@ trap 'exit 130' INT TERM
 # --- start the server ---------------------------------------------------------------------
 RUN_START_MS=$(( $(date +%s) * 1000 - 1000 ))
 PORT=$(free_port)
-# --no-reap-foreign: serve otherwise removes every `cubicle/*` cgroup its state dir does
-# not know, i.e. other nodes' and tests' sandboxes on a shared machine.
-serve_args=(serve --listen "127.0.0.1:$PORT" --state-dir "$STATE" --no-reap-foreign)
+serve_args=(serve --listen "127.0.0.1:$PORT" --state-dir "$STATE")
 # The sandboxes' domain as SDKs see it (`get_host(port)` = <port>-<id>.$DOMAIN).
 DOMAIN="localhost:$PORT"
 if [[ -n "$DOMAIN_WANTED" ]]; then
@@ -257,7 +255,8 @@ echo "serve-e2e: $CUBICLE_BIN ${serve_args[*]} (first slot $SLOT, netns private)
 start_server() {
   local log=$1 t0 ready=0
   t0=$(date +%s%N)
-  CUBICLE_FIRST_SLOT=$SLOT CUBICLE_ENVD_BIN="$CUBICLE_ENVD_BIN" CUBICLE_LOG=${CUBICLE_LOG:-info} \
+  CUBICLE_FIRST_SLOT=$SLOT CUBICLE_MAX_SANDBOXES=1000 CUBICLE_ENVD_BIN="$CUBICLE_ENVD_BIN" \
+    CUBICLE_LOG=${CUBICLE_LOG:-info} \
     "$CUBICLE_BIN" "${serve_args[@]}" >"$log" 2>&1 </dev/null &
   SERVE_PID=$!
   for _ in $(seq $((READY_TIMEOUT * 20))); do

@@ -6,6 +6,7 @@
 use std::collections::{HashMap, VecDeque};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
 
 use tokio::sync::Notify;
 
@@ -20,6 +21,9 @@ use crate::template::{Template, TemplateStore};
 
 /// How many dead sandboxes `get` still remembers (with their death reason).
 pub(crate) const DEAD_MEMORY: usize = 1024;
+/// How long opening a node waits for another holder of the state directory before it
+/// fails (unless told to wait for good).
+const LOCK_GRACE: Duration = Duration::from_secs(3);
 
 /// What every part of the node shares: configuration, runtime, the live sandboxes and
 /// their slots, the pools. [`Node`](super::Node) is a handle on it.
@@ -38,6 +42,8 @@ pub(crate) struct Inner {
     pub(crate) reconciled: Mutex<crate::reconcile::ReconcileReport>,
     /// Exclusive lock on `<state>/node.lock`: one node per state directory.
     pub(super) _node_lock: std::fs::File,
+    /// This node's slot range, registered host-wide (`None` for test runtimes).
+    pub(super) _slot_lease: Option<crate::host_slots::SlotLease>,
     /// Warm pools and the cold-create semaphore (`pool/`).
     pub(crate) pool: Pool,
 }
@@ -200,31 +206,59 @@ pub(crate) fn now_ms() -> u64 {
 }
 
 /// Take `<state>/node.lock` exclusively (one node per state directory: reconciliation
-/// must never see another live node's sandboxes as leftovers). Waits if it is held.
-pub(super) fn lock_node(path: &Path) -> Result<std::fs::File> {
+/// must never see another live node's sandboxes as leftovers), and write who holds it
+/// into it. When it is held: wait (`wait`), or fail after [`LOCK_GRACE`] with a message
+/// that names the holder and says what to do instead.
+pub(super) fn lock_node(path: &Path, wait: bool) -> Result<std::fs::File> {
+    use std::io::{Seek, Write};
     use std::os::fd::AsRawFd;
     use std::os::unix::fs::OpenOptionsExt;
-    let f = std::fs::OpenOptions::new()
+    let mut f = std::fs::OpenOptions::new()
         .create(true)
         .truncate(false)
+        .read(true)
         .write(true)
         .mode(0o600)
         .open(path)
         .ctx("open", path)?;
     // SAFETY: valid fd owned by `f`.
-    if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
-        tracing::warn!(
-            "another cubicle node uses {}; waiting for it to exit",
-            path.display()
-        );
-        eprintln!(
-            "waiting for another cubicle process using {} to finish...",
-            path.display()
-        );
+    let try_lock = || unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } == 0;
+    // A short-lived holder (`cubicle local list`, the guardian of a killed `cubicle run`
+    // cleaning up) is waited for; a server is not.
+    let grace = std::time::Instant::now() + LOCK_GRACE;
+    let mut locked = try_lock();
+    while !locked && !wait && std::time::Instant::now() < grace {
+        std::thread::sleep(Duration::from_millis(50));
+        locked = try_lock();
+    }
+    if !locked {
+        let holder = std::fs::read_to_string(path).unwrap_or_default();
+        let holder = holder.trim();
+        let holder = if holder.is_empty() {
+            "another process".to_string()
+        } else {
+            format!("process {holder}")
+        };
+        let dir = path.parent().unwrap_or(path).display();
+        if !wait {
+            return Err(Error::StateDirBusy(format!(
+                "the state directory {dir} is in use by {holder} (one Cubicle node per state directory). If that is `cubicle serve`, use it: `cubicle sandbox create` and `cubicle sandbox exec ID -- CMD`. Or give this command a state directory and slots of its own: `cubicle --state-dir /var/lib/cubicle-run --first-slot 8192 run -- CMD`."
+            )));
+        }
+        tracing::warn!("{dir} is in use by {holder}; waiting for it to exit");
+        eprintln!("waiting for {holder}, which uses {dir}, to finish...");
         // SAFETY: as above.
         if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX) } != 0 {
             return Err(Error::io("flock", path, std::io::Error::last_os_error()));
         }
     }
+    let cmdline = std::fs::read("/proc/self/cmdline")
+        .map(|c| String::from_utf8_lossy(&c).replace('\0', " "))
+        .unwrap_or_default();
+    let me = format!("{} ({})\n", std::process::id(), cmdline.trim());
+    let _ = f
+        .set_len(0)
+        .and_then(|()| f.rewind())
+        .and_then(|()| f.write_all(me.as_bytes()));
     Ok(f)
 }

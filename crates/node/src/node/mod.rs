@@ -58,13 +58,13 @@ impl Node {
         config: NodeConfig,
         runtime: Arc<dyn SandboxRuntime>,
     ) -> Result<Node> {
-        let lock = Node::lock_state_dir(&config.state_dir).await?;
-        Node::open_locked(config, runtime, lock).await
+        let lock = Node::lock_state_dir(&config.state_dir, config.wait_for_lock).await?;
+        Node::open_locked(config, runtime, lock, None).await
     }
 
-    /// Take the state directory's node lock (one node per state directory); waits while
-    /// another process holds it.
-    pub(crate) async fn lock_state_dir(state_dir: &Path) -> Result<std::fs::File> {
+    /// Take the state directory's node lock (one node per state directory). When another
+    /// process holds it: wait for it (`wait`), or fail at once naming that process.
+    pub(crate) async fn lock_state_dir(state_dir: &Path, wait: bool) -> Result<std::fs::File> {
         use std::os::unix::fs::DirBuilderExt;
         std::fs::DirBuilder::new()
             .recursive(true)
@@ -72,13 +72,14 @@ impl Node {
             .create(state_dir)
             .ctx("mkdir", state_dir)?;
         let p = state_dir.join("node.lock");
-        blocking(move || lock_node(&p)).await
+        blocking(move || lock_node(&p, wait)).await
     }
 
     pub(crate) async fn open_locked(
         config: NodeConfig,
         runtime: Arc<dyn SandboxRuntime>,
         node_lock: std::fs::File,
+        slot_lease: Option<crate::host_slots::SlotLease>,
     ) -> Result<Node> {
         let state_dir = config.state_dir.clone();
         for d in [state_dir.clone(), state_dir.join("sandboxes")] {
@@ -106,6 +107,7 @@ impl Node {
             dead: Mutex::new(VecDeque::new()),
             reconciled: Mutex::new(Default::default()),
             _node_lock: node_lock,
+            _slot_lease: slot_lease,
             pool: crate::pool::Pool::new(&config),
             config,
         });

@@ -71,10 +71,7 @@ impl SandboxRuntime for FakeRuntime {
         self.destroyed.lock().unwrap().push(id.to_string());
         Ok(())
     }
-    fn kernel_ids(&self) -> Result<Vec<String>> {
-        Ok(self.procs.lock().unwrap().keys().cloned().collect())
-    }
-    fn reconcile_network(&self, _known: &[u32]) -> Result<()> {
+    fn reconcile_network(&self, _owned: std::ops::Range<u32>, _known: &[u32]) -> Result<()> {
         Ok(())
     }
     fn limit_hit(&self, _id: &str, _dir: &Path) -> Option<DeathReason> {

@@ -33,6 +33,7 @@ use std::collections::HashSet;
 use std::fmt;
 use std::io::{self, Write};
 use std::net::Ipv4Addr;
+use std::ops::Range;
 use std::process::{Command, Stdio};
 use std::str::FromStr;
 use std::sync::Mutex;
@@ -480,15 +481,18 @@ impl Network {
         Ok(())
     }
 
-    /// After a crash: deletes every sandbox veth and policy whose slot is not in `known`.
-    pub fn reconcile(&self, known: &[u32]) -> Result<()> {
+    /// After a crash: deletes every sandbox veth and policy of the slots in `owned` (the
+    /// calling node's range; other nodes on the host own the others) that are not in
+    /// `known`.
+    pub fn reconcile(&self, owned: Range<u32>, known: &[u32]) -> Result<()> {
         let known: HashSet<u32> = known.iter().copied().collect();
         let mut host = RouteSocket::open().map_err(|e| Error::io("opening netlink socket", e))?;
         for link in self.sandbox_links(&mut host)? {
-            let keep = self
-                .slot_of_ifname(&link.name)
-                .is_some_and(|s| known.contains(&s));
-            if !keep {
+            let Some(slot) = self.slot_of_ifname(&link.name) else {
+                // A veth with our prefix but no slot number: not any node's; leave it.
+                continue;
+            };
+            if owned.contains(&slot) && !known.contains(&slot) {
                 match host.delete_link(&link.name) {
                     Ok(()) => {}
                     Err(e) if e.raw_os_error() == Some(libc::ENODEV) => {}
@@ -501,7 +505,7 @@ impl Network {
             .lock_policy()
             .iter()
             .copied()
-            .filter(|s| !known.contains(s))
+            .filter(|s| owned.contains(s) && !known.contains(s))
             .collect();
         if !stale.is_empty() {
             self.remove_policies(&stale)?;

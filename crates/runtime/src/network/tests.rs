@@ -616,13 +616,28 @@ fn policies_allow_deny_and_reconcile() {
     assert!(try_connect(&a.ns, inet_addr).is_ok());
     world.net.set_policy(5, &deny).unwrap();
 
-    // A "restart": init again keeps policies, reconcile drops slot 6 (unknown).
+    // A "restart": init again keeps policies. A node owning slots 0..6 leaves slot 6
+    // alone (another node's); owning 0..7, it drops slot 6 (unknown).
     let net2 = Network::init(test_config()).unwrap();
     assert!(
         try_connect(&a.ns, inet_addr).is_err(),
         "policy survives re-init"
     );
-    net2.reconcile(&[5]).unwrap();
+    net2.reconcile(0..6, &[5]).unwrap();
+    let links = sh("ip", &["-o", "link"]);
+    assert!(
+        links.contains(": cbt5@") && links.contains(": cbt6@"),
+        "{links}"
+    );
+    let policy = sh(
+        "nft",
+        &["list", "table", "inet", &format!("{TEST_TABLE}_policy")],
+    );
+    assert!(
+        policy.contains("sb_5") && policy.contains("sb_6"),
+        "another node's slot must stay: {policy}"
+    );
+    net2.reconcile(0..7, &[5]).unwrap();
     let links = sh("ip", &["-o", "link"]);
     assert!(
         links.contains(": cbt5@") && !links.contains(": cbt6@"),
