@@ -625,6 +625,31 @@ fn against_cubicle_serve() {
         "{info}"
     );
 
+    // Issue 10, item 4: what serve keeps is root's alone (a local user reads no token).
+    {
+        use std::os::unix::fs::PermissionsExt;
+        let mode = |p: &std::path::Path| {
+            std::fs::metadata(p)
+                .map(|m| m.permissions().mode() & 0o777)
+                .unwrap_or_else(|e| panic!("{}: {e}", p.display()))
+        };
+        let st = &serve.state;
+        for (p, want) in [
+            (st.clone(), 0o700),
+            (st.join("cubicle.db"), 0o600),
+            (st.join("admin-api-key"), 0o600),
+            (st.join("sandboxes").join(&id).join("sandbox.json"), 0o600),
+        ] {
+            assert_eq!(mode(&p), want, "{}", p.display());
+        }
+        for aux in ["cubicle.db-wal", "cubicle.db-shm"] {
+            let p = st.join(aux);
+            if p.exists() {
+                assert_eq!(mode(&p), 0o600, "{}", p.display());
+            }
+        }
+    }
+
     let end_at = |serve: &Serve| -> Value {
         let v: Value = serde_json::from_str(&harness::ok(
             serve.run(&["info", "--json", &id]),
