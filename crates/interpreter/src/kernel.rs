@@ -1,12 +1,15 @@
-//! One Jupyter kernel process and its ZeroMQ channels (shell DEALER, iopub SUB).
+//! One Jupyter kernel process and its ZeroMQ channels (shell DEALER, iopub SUB, and a
+//! control DEALER for kernels interrupted by message), and the kernelspecs that say how
+//! to start each language's kernel.
 //!
 //! The kernel is spawned from a connection file (random loopback ports, random HMAC
 //! key) in its own process group. A task per channel decodes incoming messages and routes
 //! them by `parent_header.msg_id` to whoever registered that request id; a third task
-//! waits for the process and flips `dead`. Interrupts are SIGINT to the kernel (ipykernel's
-//! default `interrupt_mode` is `signal`). Dropping the `Kernel` kills its process group.
+//! waits for the process and flips `dead`. Interrupts are SIGINT to the kernel (the default
+//! `interrupt_mode`, `signal`: ipykernel, IRkernel) or an `interrupt_request` on control
+//! (`message`: jjava, Deno). Dropping the `Kernel` kills its process group.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -21,44 +24,111 @@ use crate::jupyter::{self, Message};
 
 type Routes = Arc<Mutex<HashMap<String, mpsc::UnboundedSender<Message>>>>;
 
-/// How to launch kernels.
-#[derive(Debug, Clone)]
+/// How to start one language's kernel: a Jupyter kernelspec (`kernel.json`) or Deno.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Spec {
+    /// argv with `{connection_file}` still in it (and `{resource_dir}` replaced).
+    pub argv: Vec<String>,
+    /// Extra environment of the kernel (the spec's `env`).
+    pub env: BTreeMap<String, String>,
+    /// Interrupted with `interrupt_request` on the control channel (`interrupt_mode:
+    /// message`) rather than SIGINT.
+    pub interrupt_message: bool,
+    /// May publish a request's last outputs after its `idle` status (Deno does).
+    pub late_outputs: bool,
+}
+
+/// How to launch kernels: one [`Spec`] per language.
+#[derive(Debug, Clone, Default)]
 pub struct Launcher {
-    /// Python interpreter with ipykernel (and bash_kernel) installed.
-    pub python: String,
-    /// Deno binary for JavaScript/TypeScript (`deno jupyter --kernel`), if installed.
-    pub deno: Option<String>,
+    /// Language (lower case: `python`, `bash`, `r`, `java`, `javascript`, `typescript`)
+    /// → its kernel.
+    pub specs: BTreeMap<String, Spec>,
     /// Directory for connection files.
     pub runtime_dir: PathBuf,
 }
 
 impl Launcher {
-    /// argv for a language's kernel (`{cf}` is replaced by the connection file), or
-    /// `None` if unsupported.
-    pub fn argv(&self, language: &str) -> Option<Vec<String>> {
-        let module = match language {
-            "python" => "ipykernel_launcher",
-            "bash" => "bash_kernel",
-            "javascript" | "typescript" => {
-                let deno = self.deno.clone()?;
-                return Some(vec![
-                    deno,
+    /// Kernels found in the kernelspec directories `dirs` (each holding `<name>/kernel.json`;
+    /// the first spec of a language wins), plus Deno's built-in kernel for JavaScript and
+    /// TypeScript when `deno` is given.
+    pub fn discover(dirs: &[PathBuf], deno: Option<&str>, runtime_dir: PathBuf) -> Launcher {
+        let mut specs = BTreeMap::new();
+        for dir in dirs {
+            let Ok(rd) = std::fs::read_dir(dir) else {
+                continue;
+            };
+            let mut entries: Vec<PathBuf> = rd.flatten().map(|e| e.path()).collect();
+            entries.sort();
+            for d in entries {
+                let Some((lang, spec)) = read_spec(&d) else {
+                    continue;
+                };
+                specs.entry(lang).or_insert(spec);
+            }
+        }
+        if let Some(deno) = deno {
+            let spec = Spec {
+                argv: vec![
+                    deno.to_string(),
                     "jupyter".into(),
                     "--kernel".into(),
                     "--conn".into(),
-                    "{cf}".into(),
-                ]);
-            }
-            _ => return None,
-        };
-        Some(vec![
-            self.python.clone(),
-            "-m".into(),
-            module.into(),
-            "-f".into(),
-            "{cf}".into(),
-        ])
+                    "{connection_file}".into(),
+                ],
+                env: BTreeMap::from([("NO_COLOR".to_string(), "1".to_string())]),
+                interrupt_message: true,
+                late_outputs: true,
+            };
+            specs.insert("javascript".into(), spec.clone());
+            specs.insert("typescript".into(), spec);
+        }
+        Launcher { specs, runtime_dir }
     }
+
+    /// The languages this sandbox can run.
+    pub fn languages(&self) -> Vec<&str> {
+        self.specs.keys().map(String::as_str).collect()
+    }
+}
+
+/// A kernelspec directory's language and [`Spec`], if its `kernel.json` is usable.
+fn read_spec(dir: &std::path::Path) -> Option<(String, Spec)> {
+    let text = std::fs::read_to_string(dir.join("kernel.json")).ok()?;
+    let v: Value = serde_json::from_str(&text).ok()?;
+    let lang = v.get("language")?.as_str()?.trim().to_ascii_lowercase();
+    let resource_dir = dir.to_string_lossy();
+    let argv: Vec<String> = v
+        .get("argv")?
+        .as_array()?
+        .iter()
+        .map(|a| {
+            a.as_str()
+                .map(|a| a.replace("{resource_dir}", &resource_dir))
+        })
+        .collect::<Option<_>>()?;
+    if argv.is_empty() || !argv.iter().any(|a| a.contains("{connection_file}")) {
+        return None;
+    }
+    let env = v
+        .get("env")
+        .and_then(Value::as_object)
+        .map(|m| {
+            m.iter()
+                .filter_map(|(k, v)| Some((k.clone(), v.as_str()?.to_string())))
+                .collect()
+        })
+        .unwrap_or_default();
+    let interrupt_message = v.get("interrupt_mode").and_then(Value::as_str) == Some("message");
+    Some((
+        lang,
+        Spec {
+            argv,
+            env,
+            interrupt_message,
+            late_outputs: false,
+        },
+    ))
 }
 
 pub struct Kernel {
@@ -68,6 +138,7 @@ pub struct Kernel {
     /// Control channel, for kernels interrupted by `interrupt_request` (Deno: SIGINT
     /// would end it) rather than by SIGINT.
     control_tx: Option<mpsc::UnboundedSender<Vec<Bytes>>>,
+    late_outputs: bool,
     routes: Routes,
     pid: i32,
     dead: watch::Receiver<bool>,
@@ -91,12 +162,16 @@ impl Kernel {
         cwd: &str,
         env: &[(String, String)],
     ) -> Result<Arc<Kernel>, Error> {
-        let argv = launcher
-            .argv(language)
-            .ok_or_else(|| Error::Kernel(format!("language '{language}' is not supported in this sandbox (supported: python, bash, and javascript/typescript when deno is installed)")))?;
+        let spec = launcher.specs.get(language).ok_or_else(|| {
+            Error::Kernel(format!(
+                "language '{language}' is not supported in this sandbox (supported: {})",
+                launcher.languages().join(", ")
+            ))
+        })?;
+        let argv = spec.argv.clone();
         let key = jupyter::random_id();
         let (shell, iopub, control) = (free_port()?, free_port()?, free_port()?);
-        let js = matches!(language, "javascript" | "typescript");
+        let by_message = spec.interrupt_message;
         let conn = json!({
             "shell_port": shell, "iopub_port": iopub, "stdin_port": free_port()?,
             "control_port": control, "hb_port": free_port()?,
@@ -121,21 +196,21 @@ impl Kernel {
                 .map_err(|e| Error::io("write connection file", e))?;
         }
         let cf = conn_file.to_string_lossy().into_owned();
-        let argv: Vec<String> = argv.into_iter().map(|a| a.replace("{cf}", &cf)).collect();
+        let argv: Vec<String> = argv
+            .into_iter()
+            .map(|a| a.replace("{connection_file}", &cf))
+            .collect();
         let mut cmd = tokio::process::Command::new(&argv[0]);
         cmd.args(&argv[1..])
             .current_dir(cwd)
             .env_remove("CUBICLE_ENVD_ACCESS_TOKEN")
+            .envs(spec.env.iter())
             .envs(env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
             .stdin(std::process::Stdio::null())
             .process_group(0)
             .kill_on_drop(true);
         if language == "python" {
             cmd.env("MPLBACKEND", "module://matplotlib_inline.backend_inline");
-        }
-        if js {
-            // Plain `text/plain` (Deno.inspect colours it otherwise).
-            cmd.env("NO_COLOR", "1");
         }
         let mut child = cmd
             .spawn()
@@ -205,7 +280,7 @@ impl Kernel {
             }
         }));
         let mut control_tx = None;
-        if js {
+        if by_message {
             let mut ctl = DealerSocket::new();
             while ctl.connect(&addr(control)).await.is_err() {
                 if Instant::now() > deadline {
@@ -247,6 +322,7 @@ impl Kernel {
             session: jupyter::random_id(),
             shell_tx,
             control_tx,
+            late_outputs: spec.late_outputs,
             routes,
             pid,
             dead,
@@ -316,10 +392,9 @@ impl Kernel {
         Ok((id, rx))
     }
 
-    /// Whether the kernel may publish outputs after its `idle` status (Deno's does; it is
-    /// also the kernel interrupted over the control channel).
+    /// Whether the kernel may publish outputs after its `idle` status (Deno's does).
     pub fn late_outputs(&self) -> bool {
-        self.control_tx.is_some()
+        self.late_outputs
     }
 
     pub fn unregister(&self, id: &str) {

@@ -1,24 +1,26 @@
 //! `cubicle-interpreter`: E2B's code-interpreter API (port 49999) inside a sandbox, on
-//! real Jupyter kernels (ipykernel for Python, bash_kernel for bash).
+//! real Jupyter kernels: every kernelspec installed (ipykernel, bash_kernel, IRkernel,
+//! jjava, …) plus Deno's built-in kernel for JavaScript and TypeScript.
 //!
-//! The sandbox-global environment: at start it asks envd `GET /envs` on
-//! `--envd-url` (token from `$CUBICLE_ENVD_ACCESS_TOKEN` if set); if envd is not
-//! reachable there (Cubicle's node talks to envd over a Unix socket only) the
-//! interpreter's own environment is used, which envd built from the same `/init` env
-//! vars when it started the template's start command.
+//! Default contexts for Python and JavaScript exist from the start; the kernels of the
+//! languages in `--start-kernels` are started (and warmed) before the server listens,
+//! the others at their context's first execution. The sandbox's env vars and the
+//! caller's access token are checked with envd's `GET /envs` (see `server.rs`).
+//!
+//! Memory: with `--merge-memory` the interpreter asks the kernel (`PR_SET_MEMORY_MERGE`)
+//! to let KSM merge identical pages of itself and of every kernel it starts (inherited
+//! across fork and exec); the host decides whether KSM runs.
 
+mod envd;
 mod error;
 mod jupyter;
 mod kernel;
 mod output;
 mod server;
 
-use std::collections::BTreeMap;
 use std::path::PathBuf;
-use std::time::Duration;
 
 use clap::Parser;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 #[derive(Parser, Debug)]
 #[command(version, about = "E2B-compatible code interpreter on Jupyter kernels")]
@@ -29,43 +31,48 @@ struct Args {
     /// Listen address.
     #[arg(long, default_value = "0.0.0.0")]
     listen: std::net::IpAddr,
-    /// Python with ipykernel (and bash_kernel).
+    /// Python of the kernels' virtualenv: its `share/jupyter/kernels` is searched first.
     #[arg(long, default_value = "/opt/cubicle/venv/bin/python")]
     python: String,
+    /// More kernelspec directories, searched after the virtualenv's.
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "/usr/local/share/jupyter/kernels,/usr/share/jupyter/kernels"
+    )]
+    kernel_dirs: Vec<PathBuf>,
     /// Deno binary for JavaScript/TypeScript kernels (ignored if missing).
     #[arg(long, default_value = "/usr/local/bin/deno")]
     deno: String,
     /// Default working directory of contexts.
     #[arg(long, default_value = "/home/user")]
     cwd: String,
-    /// envd base URL for `GET /envs` (plain http on loopback).
+    /// Languages whose default context's kernel starts before the server listens.
+    #[arg(long, value_delimiter = ',', default_value = "python")]
+    start_kernels: Vec<String>,
+    /// envd's Unix socket (for `GET /envs`).
+    #[arg(long, default_value = "/run/cubicle/ctl/envd.sock")]
+    envd_socket: PathBuf,
+    /// envd's TCP address, used when the socket is missing.
     #[arg(long, default_value = "127.0.0.1:49983")]
     envd_addr: String,
+    /// Let KSM merge identical pages of the interpreter and its kernels.
+    #[arg(long)]
+    merge_memory: bool,
 }
 
-/// `GET /envs` from envd, or `None`.
-async fn fetch_envs(addr: &str) -> Option<BTreeMap<String, String>> {
-    let fut = async {
-        let mut s = tokio::net::TcpStream::connect(addr).await.ok()?;
-        let mut req = format!("GET /envs HTTP/1.0\r\nHost: {addr}\r\n");
-        if let Ok(t) = std::env::var("CUBICLE_ENVD_ACCESS_TOKEN") {
-            req.push_str(&format!("X-Access-Token: {t}\r\n"));
-        }
-        req.push_str("\r\n");
-        s.write_all(req.as_bytes()).await.ok()?;
-        let mut buf = Vec::new();
-        s.read_to_end(&mut buf).await.ok()?;
-        let text = String::from_utf8_lossy(&buf);
-        let (head, body) = text.split_once("\r\n\r\n")?;
-        if !head.starts_with("HTTP/1.1 200") && !head.starts_with("HTTP/1.0 200") {
-            return None;
-        }
-        serde_json::from_str(body).ok()
-    };
-    tokio::time::timeout(Duration::from_secs(2), fut)
-        .await
-        .ok()
-        .flatten()
+/// `prctl(PR_SET_MEMORY_MERGE, 1)`: this process and its descendants' anonymous pages
+/// become candidates for KSM.
+fn enable_memory_merge() {
+    const PR_SET_MEMORY_MERGE: libc::c_int = 67;
+    // SAFETY: prctl with integer arguments only.
+    let r = unsafe { libc::prctl(PR_SET_MEMORY_MERGE, 1 as libc::c_ulong, 0, 0, 0) };
+    if r != 0 {
+        tracing::warn!(
+            "PR_SET_MEMORY_MERGE: {}; kernels' memory is not merged",
+            std::io::Error::last_os_error()
+        );
+    }
 }
 
 #[tokio::main]
@@ -76,22 +83,24 @@ async fn main() -> anyhow::Result<()> {
         )
         .init();
     let args = Args::parse();
-    let global_env = match fetch_envs(&args.envd_addr).await {
-        Some(e) => e,
-        None => {
-            tracing::info!("envd /envs not reachable; using the inherited environment");
-            BTreeMap::new()
-        }
-    };
+    if args.merge_memory {
+        enable_memory_merge();
+    }
     let runtime_dir =
         std::env::temp_dir().join(format!("cubicle-interpreter-{}", std::process::id()));
-    let launcher = kernel::Launcher {
-        python: args.python.clone(),
-        deno: std::path::Path::new(&args.deno)
-            .is_file()
-            .then(|| args.deno.clone()),
-        runtime_dir: runtime_dir.clone(),
-    };
+    let mut dirs = Vec::new();
+    if let Some(venv) = std::path::Path::new(&args.python)
+        .parent()
+        .and_then(|b| b.parent())
+    {
+        dirs.push(venv.join("share/jupyter/kernels"));
+    }
+    dirs.extend(args.kernel_dirs.iter().cloned());
+    let deno = std::path::Path::new(&args.deno)
+        .is_file()
+        .then_some(args.deno.as_str());
+    let launcher = kernel::Launcher::discover(&dirs, deno, runtime_dir.clone());
+    tracing::info!("kernels: {}", launcher.languages().join(", "));
     let cwd = if std::path::Path::new(&args.cwd).is_dir() {
         args.cwd.clone()
     } else {
@@ -99,10 +108,21 @@ async fn main() -> anyhow::Result<()> {
             .map(|p| p.display().to_string())
             .unwrap_or_else(|_| "/".into())
     };
-    let app = server::App::new(launcher, cwd, global_env);
-    // The default Python context exists before we listen: /health means "ready to run".
-    if let Err(e) = app.default_context("python").await {
-        tracing::error!("default python context: {e}");
+    let envd = envd::Envd {
+        socket: Some(args.envd_socket.clone()),
+        tcp: Some(args.envd_addr.clone()),
+    };
+    let app = server::App::new(launcher, cwd, envd);
+    // E2B's default contexts, Python first, exist before we listen; /health then means
+    // "ready to run".
+    for lang in ["python", "javascript"] {
+        if !app.launcher.specs.contains_key(lang) {
+            continue;
+        }
+        let lazy = !args.start_kernels.iter().any(|l| l == lang);
+        if let Err(e) = app.default_context(lang, lazy).await {
+            tracing::error!("default {lang} context: {e}");
+        }
     }
     let listener = tokio::net::TcpListener::bind((args.listen, args.port)).await?;
     tracing::info!("listening on {}", listener.local_addr()?);

@@ -1,5 +1,11 @@
 //! HTTP API on port 49999 (spec §4): `/execute` (NDJSON stream), `/contexts`, `/health`.
 //!
+//! `/execute` checks the caller's `X-Access-Token` the way E2B's server does, by asking
+//! envd's `/envs` with it (envd answers 401 to a wrong one); the answer is also the
+//! sandbox-global env, which a kernel gets in its process environment when it starts
+//! after that, or as a silent execution before its next code when it started before
+//! (a pooled sandbox's kernels start before the claim tells envd the env vars).
+//!
 //! Each context owns one kernel behind an async mutex, so executions in a context run
 //! one at a time. An execution runs in its own task writing lines into a channel that
 //! backs the response body: when the client goes away (disconnect or SDK timeout) the
@@ -15,23 +21,42 @@ use std::time::Duration;
 use axum::Router;
 use axum::body::{Body, Bytes as AxBytes};
 use axum::extract::{Path, State};
-use axum::http::{StatusCode, header};
+use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{delete, get, post};
 use serde::Deserialize;
 use serde_json::{Value, json};
 use tokio::sync::mpsc;
 
+use crate::envd::{Envd, Envs};
 use crate::kernel::{Kernel, Launcher};
 use crate::output;
 
 pub struct App {
     pub launcher: Launcher,
     pub default_cwd: String,
-    /// Sandbox-global env (from envd `/envs`), injected on a context's first execution.
-    pub global_env: BTreeMap<String, String>,
-    contexts: Mutex<HashMap<String, Arc<Ctx>>>,
+    envd: Envd,
+    /// The interpreter's own environment (what envd gave the start command): the value
+    /// a variable returns to after an execution's `env_vars` when the sandbox has none.
+    base_env: BTreeMap<String, String>,
+    auth: tokio::sync::Mutex<Auth>,
+    /// Every context, in creation order.
+    contexts: Mutex<Vec<Arc<Ctx>>>,
     defaults: tokio::sync::Mutex<HashMap<String, String>>,
+}
+
+/// The sandbox-global env vars as envd last gave them; `version` grows with every change.
+#[derive(Debug, Default)]
+pub struct GlobalEnv {
+    version: u64,
+    vars: BTreeMap<String, String>,
+}
+
+#[derive(Default)]
+struct Auth {
+    /// The token envd last accepted (`Some(None)`: envd wants none).
+    accepted: Option<Option<String>>,
+    global: Arc<GlobalEnv>,
 }
 
 pub struct Ctx {
@@ -44,7 +69,11 @@ pub struct Ctx {
 
 struct RunState {
     kernel: Option<Arc<Kernel>>,
-    env_injected: bool,
+    /// The kernel is started at the context's first execution (a default context of a
+    /// language not used yet).
+    pending: bool,
+    /// Version of the global env the kernel has.
+    env_version: u64,
 }
 
 fn text(status: StatusCode, msg: impl Into<String>) -> Response {
@@ -61,112 +90,165 @@ pub fn normalize_language(l: &str) -> String {
     }
 }
 
-/// Python code that registers the `e2b/data` (pandas) and `e2b/chart` (matplotlib via
-/// e2b-charts) display formatters, lazily by type name so nothing is imported up front.
+/// Python run silently in every new Python kernel, as E2B's image does with its IPython
+/// startup scripts: the `e2b/data` formatter (a pandas DataFrame as column → list of
+/// values), the `e2b/chart` formatter (a matplotlib Figure through
+/// `e2b_charts.chart_figure_to_dict`), `application/json` for lists and dicts, no
+/// truncation of long sequences in `text/plain`, and PIL's `Image.save` to a path also
+/// displays the image. Nothing heavy is imported: the formatters look at `sys.modules`.
 const PYTHON_SETUP: &str = r#"
 def __cubicle_setup():
-    import json
+    import sys, json
     from IPython import get_ipython
-    from IPython.core.formatters import BaseFormatter
+    from IPython.core.formatters import BaseFormatter, JSONFormatter
     from traitlets import ObjectName, Unicode
     ip = get_ipython()
     fm = ip.display_formatter
-    class _Data(BaseFormatter):
+
+    class E2BData(BaseFormatter):
         format_type = Unicode("e2b/data")
         print_method = ObjectName("_repr_e2b_data_")
-        _return_type = (dict, list)
-    class _Chart(BaseFormatter):
+        _return_type = (dict, str)
+        def __call__(self, obj):
+            pd = sys.modules.get("pandas")
+            if pd is None or not isinstance(obj, pd.DataFrame):
+                return super().__call__(obj)
+            out = obj.to_dict(orient="list")
+            for k, col in out.items():
+                out[k] = [v.isoformat() if isinstance(v, pd.Timestamp) else v for v in col]
+            return out
+
+    class E2BChart(BaseFormatter):
         format_type = Unicode("e2b/chart")
         print_method = ObjectName("_repr_e2b_chart_")
-        _return_type = (dict, list)
-    fm.formatters["e2b/data"] = _Data(parent=fm)
-    fm.formatters["e2b/chart"] = _Chart(parent=fm)
-    fm.active_types = list(fm.active_types) + ["e2b/data", "e2b/chart"]
-    def _df(df):
-        return json.loads(df.to_json(date_format="iso"))
-    def _chart(fig):
-        # Registered for `object` (a by-name registration for matplotlib's Figure does
-        # not survive the inline backend's set-up): anything but a Figure is skipped.
-        if type(fig).__name__ != "Figure" or not type(fig).__module__.startswith("matplotlib"):
-            return None
+        _return_type = (dict, str)
+        def __call__(self, obj):
+            if sys.modules.get("matplotlib") is None:
+                return super().__call__(obj)
+            from matplotlib.figure import Figure
+            if not isinstance(obj, Figure):
+                return super().__call__(obj)
+            try:
+                from e2b_charts import chart_figure_to_dict
+                return chart_figure_to_dict(obj)
+            except Exception:
+                return {}
+
+    class E2BJSON(JSONFormatter):
+        def __call__(self, obj):
+            if isinstance(obj, (list, dict)):
+                try:
+                    np = sys.modules.get("numpy")
+                    def conv(o):
+                        if np is not None and isinstance(o, np.generic):
+                            return o.item()
+                        if np is not None and isinstance(o, np.ndarray):
+                            return o.tolist()
+                        raise TypeError(type(o).__name__)
+                    return json.loads(json.dumps(obj, default=conv)), {"expanded": True}
+                except (TypeError, ValueError):
+                    pass
+            return super().__call__(obj)
+
+    fm.formatters["e2b/data"] = E2BData(parent=fm)
+    fm.formatters["e2b/chart"] = E2BChart(parent=fm)
+    fm.formatters["application/json"] = E2BJSON(parent=fm)
+    fm.formatters["text/plain"].max_seq_length = 0
+
+    def patch_pil(mod):
+        from IPython.display import display
         try:
-            from e2b_charts import chart_figure_to_dict
-            d = chart_figure_to_dict(fig)
-            return d or None
+            from PIL.ImageShow import UnixViewer
+            UnixViewer.show_file = lambda self, path, **options: 0
         except Exception:
-            return None
-    for mod in ("pandas", "pandas.core.frame"):
-        fm.formatters["e2b/data"].for_type_by_name(mod, "DataFrame", _df)
-    fm.formatters["e2b/chart"].for_type(object, _chart)
+            pass
+        original = mod.Image.save
+        def save(image, fp, format=None, **params):
+            if isinstance(fp, str):
+                display(image)
+            return original(image, fp, format, **params)
+        mod.Image.save = save
+
+    class PilHook:
+        # Patches PIL.Image once (and if) user code imports it.
+        def find_spec(self, name, path=None, target=None):
+            if name != "PIL.Image":
+                return None
+            sys.meta_path.remove(self)
+            import importlib.util
+            spec = importlib.util.find_spec(name)
+            if spec is None or spec.loader is None:
+                return spec
+            exec_module = spec.loader.exec_module
+            def exec_and_patch(module):
+                exec_module(module)
+                patch_pil(module)
+            spec.loader.exec_module = exec_and_patch
+            return spec
+
+    sys.meta_path.insert(0, PilHook())
 __cubicle_setup()
 del __cubicle_setup
+1 + 1
 "#;
 
 fn sh_quote(s: &str) -> String {
     format!("'{}'", s.replace('\'', "'\\''"))
 }
 
-fn py_str(s: &str) -> String {
+/// A double-quoted string literal valid in Python, JavaScript, R and Java.
+fn str_lit(s: &str) -> String {
     Value::String(s.to_string()).to_string()
 }
 
 /// Code (in the kernel's language) setting `vars`.
 fn set_env_code(lang: &str, vars: &BTreeMap<String, String>) -> String {
-    if is_js(lang) {
-        vars.iter()
-            .map(|(k, v)| format!("Deno.env.set({}, {});\n", py_str(k), py_str(v)))
-            .collect()
-    } else if lang == "bash" {
-        vars.iter()
-            .filter(|(k, _)| is_env_name(k))
-            .map(|(k, v)| format!("export {k}={}\n", sh_quote(v)))
-            .collect()
-    } else {
-        let m: serde_json::Map<String, Value> = vars
-            .iter()
-            .map(|(k, v)| (k.clone(), Value::String(v.clone())))
-            .collect();
-        format!(
-            "import os as __cb_os\n__cb_os.environ.update(__import__('json').loads({}))\ndel __cb_os\n",
-            py_str(&Value::Object(m).to_string())
-        )
-    }
-}
-
-/// Code restoring `keys` to their global value (or removing them).
-fn restore_env_code(lang: &str, keys: &[&String], global: &BTreeMap<String, String>) -> String {
     let mut out = String::new();
-    if is_js(lang) {
-        for k in keys {
-            match global.get(*k) {
-                Some(v) => out.push_str(&format!("Deno.env.set({}, {});\n", py_str(k), py_str(v))),
-                None => out.push_str(&format!("Deno.env.delete({});\n", py_str(k))),
-            }
+    for (k, v) in vars {
+        let (k_, v_) = (str_lit(k), str_lit(v));
+        match lang {
+            "python" => out.push_str(&format!("__import__('os').environ[{k_}] = {v_}\n")),
+            "javascript" | "typescript" => out.push_str(&format!("Deno.env.set({k_}, {v_});\n")),
+            "r" => out.push_str(&format!(
+                "do.call(Sys.setenv, setNames(list({v_}), {k_}))\n"
+            )),
+            "java" => out.push_str(&format!("System.setProperty({k_}, {v_});\n")),
+            "bash" if is_env_name(k) => out.push_str(&format!("export {k}={}\n", sh_quote(v))),
+            _ => {}
         }
-    } else if lang == "bash" {
-        for k in keys.iter().filter(|k| is_env_name(k)) {
-            match global.get(*k) {
-                Some(v) => out.push_str(&format!("export {k}={}\n", sh_quote(v))),
-                None => out.push_str(&format!("unset {k}\n")),
-            }
-        }
-    } else {
-        out.push_str("import os as __cb_os\n");
-        for k in keys {
-            match global.get(*k) {
-                Some(v) => {
-                    out.push_str(&format!("__cb_os.environ[{}] = {}\n", py_str(k), py_str(v)))
-                }
-                None => out.push_str(&format!("__cb_os.environ.pop({}, None)\n", py_str(k))),
-            }
-        }
-        out.push_str("del __cb_os\n");
     }
     out
 }
 
-fn is_js(lang: &str) -> bool {
-    lang == "javascript" || lang == "typescript"
+/// Code removing `keys`.
+fn unset_env_code(lang: &str, keys: &[&String]) -> String {
+    let mut out = String::new();
+    for k in keys {
+        let k_ = str_lit(k);
+        match lang {
+            "python" => out.push_str(&format!("__import__('os').environ.pop({k_}, None)\n")),
+            "javascript" | "typescript" => out.push_str(&format!("Deno.env.delete({k_});\n")),
+            "r" => out.push_str(&format!("Sys.unsetenv({k_})\n")),
+            "java" => out.push_str(&format!("System.clearProperty({k_});\n")),
+            "bash" if is_env_name(k) => out.push_str(&format!("unset {k}\n")),
+            _ => {}
+        }
+    }
+    out
+}
+
+/// Code giving `keys` back their sandbox value (`sandbox`), removing those without one.
+fn restore_env_code(lang: &str, keys: &[&String], sandbox: &BTreeMap<String, String>) -> String {
+    let set: BTreeMap<String, String> = keys
+        .iter()
+        .filter_map(|k| sandbox.get(*k).map(|v| ((*k).clone(), v.clone())))
+        .collect();
+    let unset: Vec<&String> = keys
+        .iter()
+        .copied()
+        .filter(|k| !sandbox.contains_key(*k))
+        .collect();
+    set_env_code(lang, &set) + &unset_env_code(lang, &unset)
 }
 
 fn is_env_name(k: &str) -> bool {
@@ -175,68 +257,161 @@ fn is_env_name(k: &str) -> bool {
         && !k.as_bytes()[0].is_ascii_digit()
 }
 
+/// A 401 in E2B's error shape.
+fn unauthorized() -> Response {
+    (
+        StatusCode::UNAUTHORIZED,
+        axum::Json(json!({"code": 401, "message": "invalid access token"})),
+    )
+        .into_response()
+}
+
 impl App {
-    pub fn new(
-        launcher: Launcher,
-        default_cwd: String,
-        global_env: BTreeMap<String, String>,
-    ) -> Arc<App> {
+    pub fn new(launcher: Launcher, default_cwd: String, envd: Envd) -> Arc<App> {
         Arc::new(App {
             launcher,
             default_cwd,
-            global_env,
+            envd,
+            base_env: std::env::vars()
+                .filter(|(k, _)| k != "CUBICLE_ENVD_ACCESS_TOKEN")
+                .collect(),
+            auth: Default::default(),
             contexts: Mutex::default(),
             defaults: tokio::sync::Mutex::default(),
         })
     }
 
-    async fn start_kernel(&self, language: &str, cwd: &str) -> Result<Arc<Kernel>, String> {
-        let k = Kernel::start(&self.launcher, language, cwd, &[])
+    /// Checks `token` with envd (once per token) and returns the sandbox-global env.
+    async fn authorize(&self, token: Option<&str>) -> Result<Arc<GlobalEnv>, Response> {
+        let mut a = self.auth.lock().await;
+        if let Some(acc) = &a.accepted {
+            let same = match (acc.as_deref(), token) {
+                (None, None) => true,
+                (Some(x), Some(y)) => constant_time_eq(x.as_bytes(), y.as_bytes()),
+                _ => false,
+            };
+            if same {
+                return Ok(a.global.clone());
+            }
+        }
+        match self.envd.envs(token).await {
+            Envs::Vars(vars) => {
+                a.accepted = Some(token.map(str::to_string));
+                if vars != a.global.vars {
+                    let version = a.global.version + 1;
+                    a.global = Arc::new(GlobalEnv { version, vars });
+                }
+                Ok(a.global.clone())
+            }
+            Envs::Unauthorized => Err(unauthorized()),
+            Envs::Unreachable(why) => {
+                tracing::error!("cannot check the access token: {why}");
+                Err((
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    axum::Json(json!({"code": 503, "message": format!("cannot check the access token: envd is not reachable ({why})")})),
+                )
+                    .into_response())
+            }
+        }
+    }
+
+    /// The sandbox's value of every variable: the interpreter's own environment under
+    /// the sandbox-global env.
+    fn sandbox_env(&self, global: &GlobalEnv) -> BTreeMap<String, String> {
+        let mut env = self.base_env.clone();
+        env.extend(global.vars.iter().map(|(k, v)| (k.clone(), v.clone())));
+        env
+    }
+
+    async fn start_kernel(
+        &self,
+        language: &str,
+        cwd: &str,
+        global: &GlobalEnv,
+    ) -> Result<Arc<Kernel>, String> {
+        let env: Vec<(String, String)> = global
+            .vars
+            .iter()
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect();
+        let k = Kernel::start(&self.launcher, language, cwd, &env)
             .await
             .map_err(|e| e.to_string())?;
         if language == "python" {
             let _ = run_hidden(&k, PYTHON_SETUP).await;
         }
+        if language == "java" && !global.vars.is_empty() {
+            // E2B's Java contexts see the sandbox's variables as system properties too.
+            let _ = run_hidden(&k, &set_env_code(language, &global.vars)).await;
+        }
         Ok(k)
     }
 
-    /// Create a context with a fresh kernel.
-    async fn create_context(&self, language: &str, cwd: Option<&str>) -> Result<Arc<Ctx>, String> {
+    /// Create a context; its kernel starts now unless `lazy`.
+    async fn create_context(
+        &self,
+        language: &str,
+        cwd: Option<&str>,
+        lazy: bool,
+    ) -> Result<Arc<Ctx>, String> {
         let cwd = cwd
             .filter(|c| !c.is_empty())
             .unwrap_or(&self.default_cwd)
             .to_string();
-        let k = self.start_kernel(language, &cwd).await?;
+        if !self.launcher.specs.contains_key(language) {
+            return Err(format!(
+                "language '{language}' is not supported in this sandbox (supported: {})",
+                self.launcher.languages().join(", ")
+            ));
+        }
+        if !std::path::Path::new(&cwd).is_dir() {
+            return Err(format!("cwd '{cwd}' is not a directory"));
+        }
+        let global = self.auth.lock().await.global.clone();
+        let kernel = if lazy {
+            None
+        } else {
+            Some(self.start_kernel(language, &cwd, &global).await?)
+        };
         let ctx = Arc::new(Ctx {
             id: jupyter_id(),
             language: language.to_string(),
             cwd,
-            current: Mutex::new(Some(k.clone())),
+            current: Mutex::new(kernel.clone()),
             run: tokio::sync::Mutex::new(RunState {
-                kernel: Some(k),
-                env_injected: false,
+                pending: kernel.is_none(),
+                kernel,
+                env_version: global.version,
             }),
         });
         if let Ok(mut m) = self.contexts.lock() {
-            m.insert(ctx.id.clone(), ctx.clone());
+            m.push(ctx.clone());
         }
         Ok(ctx)
     }
 
     fn get(&self, id: &str) -> Option<Arc<Ctx>> {
-        self.contexts.lock().ok().and_then(|m| m.get(id).cloned())
+        self.contexts
+            .lock()
+            .ok()
+            .and_then(|m| m.iter().find(|c| c.id == id).cloned())
     }
 
-    /// The default context of a language, created on first use.
-    pub async fn default_context(&self, language: &str) -> Result<Arc<Ctx>, String> {
+    /// The default context of a language, created on first use (its kernel started now
+    /// unless `lazy`).
+    pub async fn default_context(&self, language: &str, lazy: bool) -> Result<Arc<Ctx>, String> {
         let mut d = self.defaults.lock().await;
         if let Some(c) = d.get(language).and_then(|id| self.get(id)) {
             return Ok(c);
         }
-        let c = self.create_context(language, None).await?;
+        let c = self.create_context(language, None, lazy).await?;
         d.insert(language.to_string(), c.id.clone());
         Ok(c)
     }
+}
+
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
 fn jupyter_id() -> String {
@@ -261,12 +436,11 @@ fn ctx_json(c: &Ctx) -> Value {
 }
 
 async fn list_contexts(State(app): State<Arc<App>>) -> Response {
-    let mut v: Vec<Value> = app
+    let v: Vec<Value> = app
         .contexts
         .lock()
-        .map(|m| m.values().map(|c| ctx_json(c)).collect())
+        .map(|m| m.iter().map(|c| ctx_json(c)).collect())
         .unwrap_or_default();
-    v.sort_by(|a, b| a["id"].as_str().cmp(&b["id"].as_str()));
     axum::Json(Value::Array(v)).into_response()
 }
 
@@ -286,14 +460,17 @@ async fn create_context(State(app): State<Arc<App>>, body: AxBytes) -> Response 
         }
     };
     let lang = normalize_language(req.language.as_deref().unwrap_or("python"));
-    match app.create_context(&lang, req.cwd.as_deref()).await {
+    match app.create_context(&lang, req.cwd.as_deref(), false).await {
         Ok(c) => axum::Json(ctx_json(&c)).into_response(),
         Err(e) => text(StatusCode::INTERNAL_SERVER_ERROR, e),
     }
 }
 
 async fn delete_context(State(app): State<Arc<App>>, Path(id): Path<String>) -> Response {
-    let removed = app.contexts.lock().ok().and_then(|mut m| m.remove(&id));
+    let removed = app.contexts.lock().ok().and_then(|mut m| {
+        let i = m.iter().position(|c| c.id == id)?;
+        Some(m.remove(i))
+    });
     match removed {
         Some(c) => {
             if let Some(k) = c.current.lock().ok().and_then(|mut k| k.take()) {
@@ -301,6 +478,7 @@ async fn delete_context(State(app): State<Arc<App>>, Path(id): Path<String>) -> 
             }
             let mut run = c.run.lock().await;
             run.kernel = None;
+            run.pending = false;
             StatusCode::OK.into_response()
         }
         None => text(StatusCode::NOT_FOUND, format!("Context {id} not found")),
@@ -317,13 +495,15 @@ async fn restart_context(State(app): State<Arc<App>>, Path(id): Path<String>) ->
     }
     let mut run = c.run.lock().await;
     run.kernel = None;
-    match app.start_kernel(&c.language, &c.cwd).await {
+    let global = app.auth.lock().await.global.clone();
+    match app.start_kernel(&c.language, &c.cwd, &global).await {
         Ok(k) => {
             if let Ok(mut cur) = c.current.lock() {
                 *cur = Some(k.clone());
             }
             run.kernel = Some(k);
-            run.env_injected = false;
+            run.pending = false;
+            run.env_version = global.version;
             StatusCode::OK.into_response()
         }
         Err(e) => text(StatusCode::INTERNAL_SERVER_ERROR, e),
@@ -338,7 +518,7 @@ struct ExecReq {
     env_vars: Option<BTreeMap<String, String>>,
 }
 
-async fn execute(State(app): State<Arc<App>>, body: AxBytes) -> Response {
+async fn execute(State(app): State<Arc<App>>, headers: HeaderMap, body: AxBytes) -> Response {
     let req: ExecReq = match serde_json::from_slice(&body) {
         Ok(r) => r,
         Err(e) => return text(StatusCode::BAD_REQUEST, format!("invalid request: {e}")),
@@ -349,6 +529,13 @@ async fn execute(State(app): State<Arc<App>>, body: AxBytes) -> Response {
             "context_id and language are mutually exclusive",
         );
     }
+    let token = headers
+        .get("x-access-token")
+        .map(|v| v.to_str().unwrap_or("\n"));
+    let global = match app.authorize(token).await {
+        Ok(g) => g,
+        Err(resp) => return resp,
+    };
     let ctx = match &req.context_id {
         Some(id) => match app.get(id) {
             Some(c) => c,
@@ -356,7 +543,9 @@ async fn execute(State(app): State<Arc<App>>, body: AxBytes) -> Response {
         },
         None => {
             let lang = normalize_language(req.language.as_deref().unwrap_or("python"));
-            match app.default_context(&lang).await {
+            // A language's first use starts its kernel in the execution (lazily), so
+            // that the request does not wait for it before its stream starts.
+            match app.default_context(&lang, true).await {
                 Ok(c) => c,
                 Err(e) => return text(StatusCode::INTERNAL_SERVER_ERROR, e),
             }
@@ -368,6 +557,7 @@ async fn execute(State(app): State<Arc<App>>, body: AxBytes) -> Response {
         ctx,
         req.code,
         req.env_vars.unwrap_or_default(),
+        global,
         tx,
     ));
     let stream = futures_util::stream::unfold(rx, |mut rx| async move {
@@ -387,9 +577,28 @@ async fn run_execution(
     ctx: Arc<Ctx>,
     code: String,
     env_vars: BTreeMap<String, String>,
+    global: Arc<GlobalEnv>,
     tx: mpsc::Sender<Value>,
 ) {
     let mut run = ctx.run.lock().await;
+    if run.pending {
+        run.pending = false;
+        match app.start_kernel(&ctx.language, &ctx.cwd, &global).await {
+            Ok(k) => {
+                if let Ok(mut cur) = ctx.current.lock() {
+                    *cur = Some(k.clone());
+                }
+                run.kernel = Some(k);
+                run.env_version = global.version;
+            }
+            Err(e) => {
+                run.pending = true;
+                let _ = tx.send(output::error_line("KernelStartError", &e)).await;
+                let _ = tx.send(output::simple("end_of_execution")).await;
+                return;
+            }
+        }
+    }
     let Some(kernel) = run.kernel.clone().filter(|k| !k.is_dead()) else {
         let _ = tx
             .send(output::error_line(
@@ -400,25 +609,26 @@ async fn run_execution(
         let _ = tx.send(output::simple("end_of_execution")).await;
         return;
     };
-    if !run.env_injected {
-        run.env_injected = true;
-        if !app.global_env.is_empty() {
-            let _ = run_hidden(&kernel, &set_env_code(&ctx.language, &app.global_env)).await;
-        }
+    // The sandbox's variables and this execution's in one silent execution.
+    let mut vars = BTreeMap::new();
+    if run.env_version != global.version {
+        run.env_version = global.version;
+        vars.extend(global.vars.iter().map(|(k, v)| (k.clone(), v.clone())));
     }
-    if !env_vars.is_empty() {
-        let _ = run_hidden(&kernel, &set_env_code(&ctx.language, &env_vars)).await;
+    vars.extend(env_vars.iter().map(|(k, v)| (k.clone(), v.clone())));
+    if !vars.is_empty() {
+        let _ = run_hidden(&kernel, &set_env_code(&ctx.language, &vars)).await;
     }
     run_code(&kernel, &code, &tx).await;
+    // The caller has its answer before the variables are restored (the context stays
+    // locked until they are).
+    let _ = tx.send(output::simple("end_of_execution")).await;
+    drop(tx);
     if !env_vars.is_empty() && !kernel.is_dead() {
         let keys: Vec<&String> = env_vars.keys().collect();
-        let _ = run_hidden(
-            &kernel,
-            &restore_env_code(&ctx.language, &keys, &app.global_env),
-        )
-        .await;
+        let sandbox = app.sandbox_env(&global);
+        let _ = run_hidden(&kernel, &restore_env_code(&ctx.language, &keys, &sandbox)).await;
     }
-    let _ = tx.send(output::simple("end_of_execution")).await;
 }
 
 /// Run code silently (no history, outputs ignored) and wait until the kernel is idle.
@@ -564,11 +774,38 @@ mod tests {
         let mut v = BTreeMap::new();
         v.insert("A".to_string(), "it's \"x\"".to_string());
         assert_eq!(set_env_code("bash", &v), "export A='it'\\''s \"x\"'\n");
-        let py = set_env_code("python", &v);
-        assert!(py.contains("environ.update"));
-        let g = BTreeMap::new();
+        assert_eq!(
+            set_env_code("python", &v),
+            "__import__('os').environ[\"A\"] = \"it's \\\"x\\\"\"\n"
+        );
+        assert_eq!(
+            set_env_code("r", &v),
+            "do.call(Sys.setenv, setNames(list(\"it's \\\"x\\\"\"), \"A\"))\n"
+        );
+        assert_eq!(
+            set_env_code("java", &v),
+            "System.setProperty(\"A\", \"it's \\\"x\\\"\");\n"
+        );
         let k = "A".to_string();
-        assert_eq!(restore_env_code("bash", &[&k], &g), "unset A\n");
-        assert!(restore_env_code("python", &[&k], &g).contains("environ.pop(\"A\", None)"));
+        let none = BTreeMap::new();
+        assert_eq!(restore_env_code("bash", &[&k], &none), "unset A\n");
+        assert_eq!(
+            restore_env_code("python", &[&k], &none),
+            "__import__('os').environ.pop(\"A\", None)\n"
+        );
+        // Restored to the sandbox's value, not removed.
+        let sandbox = BTreeMap::from([("A".to_string(), "g".to_string())]);
+        assert_eq!(
+            restore_env_code("r", &[&k], &sandbox),
+            "do.call(Sys.setenv, setNames(list(\"g\"), \"A\"))\n"
+        );
+        assert_eq!(
+            restore_env_code("java", &[&k], &sandbox),
+            "System.setProperty(\"A\", \"g\");\n"
+        );
+        assert_eq!(
+            restore_env_code("javascript", &[&k], &none),
+            "Deno.env.delete(\"A\");\n"
+        );
     }
 }

@@ -45,6 +45,7 @@
 #   CUBICLE_E2E_SUITE_TIMEOUT   per-suite time limit in seconds (default 2400)
 #   CUBICLE_PYTEST_ARGS         extra pytest arguments
 #   CUBICLE_E2E_KEEP_LOG=1      keep the server log even on success
+#   CUBICLE_E2E_SERVE_ARGS      extra `cubicle serve` flags (e.g. "--pool code-interpreter-v1=4")
 # Exit status: non-zero if a suite failed, the server did not start or something leaked.
 set -uo pipefail
 
@@ -68,8 +69,9 @@ if [[ "${CUBICLE_SERVE_E2E_INNER:-}" != "1" ]]; then
   templates=(tiny base)
   [[ ${CUBICLE_E2E_SKIP_CI:-0} == 1 ]] || templates+=(code-interpreter-v1)
   for t in "${templates[@]}"; do
-    if [[ ! -d "$state/templates/$t/rootfs" ]]; then
-      echo "serve-e2e: building template $t in $state (once)"
+    # Also when it exists: a built-in made by an older builder is rebuilt (a no-op otherwise).
+    if [[ ! -d "$state/templates/$t/rootfs" || $t == code-interpreter-v1 ]]; then
+      [[ -d "$state/templates/$t/rootfs" ]] || echo "serve-e2e: building template $t in $state (once)"
       CUBICLE_ENVD_BIN=${CUBICLE_ENVD_BIN:-$ROOT/target/x86_64-unknown-linux-gnu/debug/cubicle-envd} \
         "$bin" template build "$t" --state-dir "$state" \
         || echo "serve-e2e: building template $t failed; tests that use it will fail" >&2
@@ -240,6 +242,9 @@ trap 'exit 130' INT TERM
 RUN_START_MS=$(( $(date +%s) * 1000 - 1000 ))
 PORT=$(free_port)
 serve_args=(serve --listen "127.0.0.1:$PORT" --state-dir "$STATE")
+# Extra serve flags, e.g. CUBICLE_E2E_SERVE_ARGS="--pool code-interpreter-v1=4".
+read -r -a extra_serve_args <<<"${CUBICLE_E2E_SERVE_ARGS:-}"
+serve_args+=("${extra_serve_args[@]}")
 # The sandboxes' domain as SDKs see it (`get_host(port)` = <port>-<id>.$DOMAIN).
 DOMAIN="localhost:$PORT"
 if [[ -n "$DOMAIN_WANTED" ]]; then

@@ -267,56 +267,9 @@ impl Inner {
         // envd was born with this token (`birth_env`): /init needs it too.
         let client = EnvdClient::new(inner.envd_socket(&id), Some(record.access_token.clone()));
         client.init(&InitRequest::for_record(&record)).await?;
-        let mut start_command = None;
-        if let Some(cmd) = template
-            .config
-            .start_command
-            .as_deref()
-            .filter(|c| !c.trim().is_empty())
-        {
-            // The template's start command: started through envd as the default user, in
-            // the background (its failure to start fails the create).
-            let spec = crate::envd_client::ProcessSpec {
-                cmd: "/bin/sh".into(),
-                args: vec!["-c".into(), cmd.to_string()],
-                ..Default::default()
-            };
-            // Its output is kept (the last 4 KiB) until the sandbox is ready, so that a
-            // start command that fails or never listens explains itself in the error.
-            let watched = client.start_watched(&spec, 4096).await?;
-            tracing::info!(sandbox = %id, pid = watched.pid, "start command running: {cmd}");
-            start_command = Some(watched);
-        }
-        if let Some(port) = template.config.ready_port {
-            // The template's readiness probe (e.g. code-interpreter's /health on 49999).
-            let (spid, pst) = (started.pid, record.pid_start_time);
-            let exit_code = start_command.as_ref().map(|w| w.exit_code());
-            let r = blocking(move || {
-                crate::template::ready::wait_http_health(
-                    spid,
-                    port,
-                    std::time::Duration::from_secs(120),
-                    move || {
-                        if !procfs::is_alive(spid, pst) {
-                            return Some("the sandbox died".into());
-                        }
-                        // A start command that exits 0 may have left a server running in
-                        // the background: only a failure ends the wait early.
-                        let failed = exit_code.as_ref().and_then(|f| f()).filter(|c| *c != 0);
-                        failed.map(|code| format!("the start command failed (exit code {code})"))
-                    },
-                )
-            })
-            .await;
-            if let (Err(e), Some(w)) = (&r, &start_command) {
-                return Err(Error::Runtime(format!(
-                    "{e}; the start command: {}",
-                    w.describe()
-                )));
-            }
-            r?;
-        }
-        drop(start_command);
+        inner
+            .start_template_command(&record, template, started.pid)
+            .await?;
         record.state = SandboxState::Running;
         fsutil::write_json_atomic(&dir.join("sandbox.json"), &record)?;
         let ready_us = t0.elapsed().as_micros() as u64;
@@ -352,6 +305,71 @@ impl Inner {
             "sandbox ready"
         );
         Ok(info)
+    }
+
+    /// Starts the template's start command (if any) through envd, as the template's
+    /// start user, and waits for its readiness port (if any): part of a cold create, and
+    /// of a pool refill for templates with a start command. `record.access_token` is the
+    /// token envd was given (empty: none yet).
+    pub(crate) async fn start_template_command(
+        &self,
+        record: &SandboxRecord,
+        template: &Template,
+        init_pid: i32,
+    ) -> Result<()> {
+        let id = &record.id;
+        let mut start_command = None;
+        if let Some(cmd) = template
+            .config
+            .start_command
+            .as_deref()
+            .filter(|c| !c.trim().is_empty())
+        {
+            // Started in the background (its failure to start fails the create).
+            let token = Some(record.access_token.clone()).filter(|t| !t.is_empty());
+            let authed = EnvdClient::new(self.envd_socket(id), token);
+            let spec = crate::envd_client::ProcessSpec {
+                cmd: "/bin/sh".into(),
+                args: vec!["-c".into(), cmd.to_string()],
+                user: template.config.start_user.clone(),
+                ..Default::default()
+            };
+            // Its output is kept (the last 4 KiB) until the sandbox is ready, so that a
+            // start command that fails or never listens explains itself in the error.
+            let watched = authed.start_watched(&spec, 4096).await?;
+            tracing::info!(sandbox = %id, pid = watched.pid, "start command running: {cmd}");
+            start_command = Some(watched);
+        }
+        if let Some(port) = template.config.ready_port {
+            // The template's readiness probe (e.g. code-interpreter's /health on 49999).
+            let (spid, pst) = (init_pid, record.pid_start_time);
+            let exit_code = start_command.as_ref().map(|w| w.exit_code());
+            let r = blocking(move || {
+                crate::template::ready::wait_http_health(
+                    spid,
+                    port,
+                    std::time::Duration::from_secs(120),
+                    move || {
+                        if !procfs::is_alive(spid, pst) {
+                            return Some("the sandbox died".into());
+                        }
+                        // A start command that exits 0 may have left a server running in
+                        // the background: only a failure ends the wait early.
+                        let failed = exit_code.as_ref().and_then(|f| f()).filter(|c| *c != 0);
+                        failed.map(|code| format!("the start command failed (exit code {code})"))
+                    },
+                )
+            })
+            .await;
+            if let (Err(e), Some(w)) = (&r, &start_command) {
+                return Err(Error::Runtime(format!(
+                    "{e}; the start command: {}",
+                    w.describe()
+                )));
+            }
+            r?;
+        }
+        Ok(())
     }
 
     fn update_record(&self, record: &SandboxRecord) -> Result<()> {

@@ -11,9 +11,16 @@
 //! Who may claim: a create without a caller-chosen id whose disk quota is the template's
 //! and whose internet setting matches the pool's (pools are made with internet on, the
 //! SDKs' default). Other memory or CPU limits are written to the claimed sandbox's cgroup.
-//! Anything else is created cold. Templates
-//! with a start command or readiness port are never pooled (their start command must see
-//! the caller's env vars).
+//! Anything else is created cold.
+//!
+//! Templates with a start command are pooled with it running and ready (its readiness
+//! port answered): a refill first initialises envd with the sandbox's own variables
+//! (`E2B_SANDBOX_ID`, …; the token stays its birth token), then starts the command as a
+//! cold create would. A
+//! create with env vars claims such a sandbox only if the template says its program
+//! takes them from envd at run time (`TemplateConfig::late_env`: the code interpreter
+//! reads `/envs` at a context's first execution); otherwise it is created cold, so a
+//! start command always sees the env vars it was created with.
 //!
 //! In memory a pooled sandbox is an ordinary `Live` entry in state `running` with an end
 //! time far away, plus membership in [`Pool`]; `Node::list`/`get` hide it. On disk its
@@ -65,13 +72,21 @@ const REFILL_PAUSE: Duration = Duration::from_millis(25);
 /// Nice value of the refill thread and of pooled sandboxes until claimed.
 const REFILL_NICE: i32 = 19;
 
-/// Whether `template` can be pooled at all.
-fn poolable(t: &Template) -> bool {
+/// Whether `template` has a start command (or a readiness port) that a refill runs.
+fn has_start(t: &Template) -> bool {
     t.config
         .start_command
         .as_deref()
-        .is_none_or(|c| c.trim().is_empty())
-        && t.config.ready_port.is_none()
+        .is_some_and(|c| !c.trim().is_empty())
+        || t.config.ready_port.is_some()
+}
+
+/// Whether a pooled sandbox of `t` may serve `req` (see the module comment).
+fn claimable(t: &Template, req: &CreateRequest, disk_mb: u64) -> bool {
+    req.id.is_none()
+        && disk_mb == t.config.disk_mb
+        && req.internet
+        && (req.env_vars.is_empty() || !has_start(t) || t.config.late_env)
 }
 
 impl Inner {
@@ -89,7 +104,7 @@ impl Inner {
             template.config.cpus,
             template.config.disk_mb,
         );
-        if req.id.is_some() || limits.2 != defaults.2 || !req.internet || !poolable(template) {
+        if !claimable(template, req, limits.2) {
             return None;
         }
         let t0 = Instant::now();
@@ -199,7 +214,11 @@ impl Inner {
                 return Err(e);
             }
         };
-        match self.start_phase(record, template, Instant::now()).await {
+        let started = match self.start_phase(record, template, Instant::now()).await {
+            Ok(record) if has_start(template) => self.start_pooled_command(record, template).await,
+            other => other,
+        };
+        match started {
             Ok(record) if inner.closed.load(std::sync::atomic::Ordering::SeqCst) => {
                 let _ = record;
                 inner.pool.lock().members.remove(&id);
@@ -238,6 +257,27 @@ impl Inner {
                 Err(e)
             }
         }
+    }
+
+    /// For a template with a start command: envd learns the sandbox's own variables
+    /// (its token stays the one it was born with; the claim sets the user's), then the
+    /// start command runs and its readiness port answers, as in a cold create.
+    async fn start_pooled_command(
+        &self,
+        record: crate::sandbox::SandboxRecord,
+        template: &Template,
+    ) -> Result<crate::sandbox::SandboxRecord> {
+        let mut pre = record.clone();
+        pre.env_vars = sandbox_env(template, &BTreeMap::new(), &record.id);
+        EnvdClient::new(
+            self.envd_socket(&record.id),
+            Some(record.access_token.clone()),
+        )
+        .init(&InitRequest::for_record(&pre))
+        .await?;
+        let pid = record.pid.unwrap_or(0);
+        self.start_template_command(&pre, template, pid).await?;
+        Ok(record)
     }
 
     /// Destroys every unclaimed pooled sandbox (blocking; used by `close`).
@@ -425,15 +465,10 @@ async fn refill(weak: Weak<Inner>, main: tokio::runtime::Handle) {
         let store = inner.templates.clone();
         let n2 = name.clone();
         let template = match tokio::task::spawn_blocking(move || store.get(&n2)).await {
-            Ok(Ok(Some(t))) if poolable(&t) => t,
+            Ok(Ok(Some(t))) => t,
             Ok(Ok(None)) => {
                 drop(inner);
                 tokio::time::sleep(Duration::from_secs(1)).await;
-                continue;
-            }
-            Ok(Ok(Some(_))) => {
-                tracing::warn!(template = %name, "template has a start command: not pooled");
-                inner.pool.lock().target.remove(&name);
                 continue;
             }
             Ok(Err(e)) => {

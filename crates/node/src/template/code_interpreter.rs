@@ -2,11 +2,18 @@
 //! `base` template plus a Python virtualenv with Jupyter kernels and the data stack, and
 //! `cubicle-interpreter` (E2B's port-49999 code-interpreter API) as its start command.
 //!
-//! Steps: copy `base`'s rootfs (`cp -a --reflink=auto`), `python3 -m venv` at
-//! [`VENV`] and `pip install` [`PIP_PACKAGES`] inside a private chroot (PyPI must be
-//! reachable), register the kernels (`ipykernel`, `bash_kernel`), `npm install -g deno`
+//! Steps: copy `base`'s rootfs (`cp -a --reflink=auto`), `apt-get install` [`APT_PACKAGES`]
+//! (R with IRkernel, whose kernelspec lands in `/usr/share/jupyter/kernels/ir`, and
+//! Debian's JDK for Java), `python3 -m venv` at [`VENV`] and `pip install`
+//! [`PIP_PACKAGES`] inside a private chroot (Debian's mirror and PyPI must be reachable),
+//! register the kernels (`ipykernel`, `bash_kernel`; `jjava` installs its own spec into
+//! the venv, its jar included, so nothing is fetched at run time), `npm install -g deno`
 //! (JavaScript/TypeScript via `deno jupyter --kernel`), and copy the statically
-//! linked `cubicle-interpreter` binary into `/usr/local/bin`. The binary is copied at
+//! linked `cubicle-interpreter` binary into `/usr/local/bin`.
+//!
+//! The start command runs the interpreter as root (E2B's kernels run as root: a context
+//! may use any `cwd`), with KSM merging allowed for its kernels, and the template is
+//! poolable with any env vars (`late_env`: the interpreter takes them from envd). The binary is copied at
 //! build time, so after changing the interpreter rebuild the template
 //! (`cubicle template build code-interpreter-v1 --force`). The binary is found like
 //! envd: `$CUBICLE_INTERPRETER_BIN`, else next to the running executable or in the
@@ -32,7 +39,7 @@ pub const VENV: &str = "/opt/cubicle/venv";
 /// copy in `/usr/local/bin` (made at build time) is the fallback.
 pub const MOUNT_POINT: &str = "/run/cubicle/interpreter";
 /// Builder tag of templates made here (`TemplateConfig::builder`).
-pub const BUILDER: &str = "code-interpreter/2";
+pub const BUILDER: &str = "code-interpreter/3";
 /// The interpreter's port (E2B's).
 pub const READY_PORT: u16 = 49999;
 /// Deno (npm package `deno`), whose `deno jupyter --kernel` runs JavaScript/TypeScript.
@@ -44,8 +51,12 @@ pub const PIP_PACKAGES: &[&str] = &[
     "numpy",
     "pandas",
     "matplotlib",
+    "pillow",
     "e2b-charts",
+    "jjava",
 ];
+/// Debian packages: R and its Jupyter kernel, and a JDK (with `jshell`) for jjava.
+pub const APT_PACKAGES: &[&str] = &["r-base-core", "r-cran-irkernel", "default-jdk-headless"];
 
 fn fail(message: impl Into<String>) -> Error {
     Error::TemplateBuild {
@@ -110,20 +121,33 @@ pub fn build(rootfs: &Path, base: &super::Template, p: &Progress) -> Result<Temp
         return Err(fail(format!("cp -a of the base rootfs failed ({st})")));
     }
 
-    p.stage(&format!("pip install {}", PIP_PACKAGES.join(" ")));
+    p.stage(&format!(
+        "apt-get install {}; pip install {}",
+        APT_PACKAGES.join(" "),
+        PIP_PACKAGES.join(" ")
+    ));
     let script = format!(
-        "chroot \"$R\" python3 -m venv {VENV}\n\
+        "chroot \"$R\" apt-get update -q\n\
+         DEBIAN_FRONTEND=noninteractive chroot \"$R\" apt-get install -y -q --no-install-recommends {apt}\n\
+         chroot \"$R\" apt-get clean\n\
+         rm -rf \"$R\"/var/lib/apt/lists/*\n\
+         chroot \"$R\" python3 -m venv {VENV}\n\
          chroot \"$R\" {VENV}/bin/pip install --no-cache-dir --disable-pip-version-check -q {pkgs}\n\
          chroot \"$R\" {VENV}/bin/python -m ipykernel install --prefix {VENV} >/dev/null\n\
          chroot \"$R\" {VENV}/bin/python -m bash_kernel.install --prefix {VENV} >/dev/null\n\
-         chroot \"$R\" {VENV}/bin/python -c 'import matplotlib.pyplot, pandas, numpy, e2b_charts'\n\
+         chroot \"$R\" {VENV}/bin/python -c 'import matplotlib.pyplot, pandas, numpy, PIL.Image, e2b_charts'\n\
+         test -f \"$R\"{VENV}/share/jupyter/kernels/java/kernel.json\n\
+         test -f \"$R\"/usr/share/jupyter/kernels/ir/kernel.json\n\
+         chroot \"$R\" Rscript -e 'library(IRkernel)'\n\
+         chroot \"$R\" jshell --version\n\
          chroot \"$R\" npm install -g --no-audit --no-fund --loglevel=error deno@{DENO_VERSION}\n\
          D=$(cd \"$R\" && find usr/local/lib/node_modules -path '*@deno/linux-x64-glibc/deno' -type f | head -n1)\n\
          if [ -n \"$D\" ]; then ln -sf \"/$D\" \"$R/usr/local/bin/deno\"; fi\n\
          chroot \"$R\" /usr/local/bin/deno --version\n\
          rm -rf \"$R\"/root/.npm\n\
          rm -rf \"$R\"/root/.cache \"$R\"/tmp/*\n",
-        pkgs = PIP_PACKAGES.join(" ")
+        pkgs = PIP_PACKAGES.join(" "),
+        apt = APT_PACKAGES.join(" ")
     );
     // The host's CA bundle (it may trust a TLS-intercepting egress proxy that the fresh
     // rootfs does not know), used for pip only and removed afterwards.
@@ -162,8 +186,10 @@ pub fn build(rootfs: &Path, base: &super::Template, p: &Progress) -> Result<Temp
         });
     cfg.env.insert("PATH".into(), format!("{VENV}/bin:{path}"));
     cfg.start_command = Some(format!(
-        "I={MOUNT_POINT}; [ -x $I ] || I=/usr/local/bin/{BIN_NAME}; exec $I --port {READY_PORT} --python {VENV}/bin/python --deno /usr/local/bin/deno >/tmp/cubicle-interpreter.log 2>&1"
+        "I={MOUNT_POINT}; [ -x $I ] || I=/usr/local/bin/{BIN_NAME}; exec $I --port {READY_PORT} --python {VENV}/bin/python --deno /usr/local/bin/deno --merge-memory >/tmp/cubicle-interpreter.log 2>&1"
     ));
+    cfg.start_user = Some("root".into());
+    cfg.late_env = true;
     cfg.ready_port = Some(READY_PORT);
     Ok(cfg)
 }

@@ -29,6 +29,12 @@ use crate::fsutil;
 /// Names of the templates this crate can build by itself.
 pub const BUILTINS: &[&str] = &["tiny", "base", code_interpreter::NAME];
 
+/// Whether a built template is what this version's builder makes: a built-in made by an
+/// older builder (another `builder` tag) is rebuilt on its next `ensure` or `build`.
+fn is_current(t: &Template) -> bool {
+    t.config.name != code_interpreter::NAME || t.config.builder == code_interpreter::BUILDER
+}
+
 /// Mount point inside every rootfs where the runtime bind-mounts the envd binary.
 pub const ENVD_MOUNT_POINT: &str = "run/cubicle/envd";
 /// Directory inside every rootfs where the runtime bind-mounts the host-visible control dir.
@@ -57,6 +63,16 @@ pub struct TemplateConfig {
     /// Command started (through envd) after the sandbox is ready, if any.
     #[serde(default)]
     pub start_command: Option<String>,
+    /// User the start command runs as (the default user when `None`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub start_user: Option<String>,
+    /// The start command's program takes the sandbox's env vars from envd when it needs
+    /// them (the code interpreter does, at a context's first execution) rather than from
+    /// its own environment: a pooled sandbox, whose start command was started before the
+    /// claim, may then serve creates that set env vars. Otherwise only creates without
+    /// env vars claim pooled sandboxes of a template with a start command.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub late_env: bool,
     /// TCP port inside the sandbox that must answer `GET /health` with 200 (after the
     /// start command) before the sandbox counts as ready, if any.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -88,6 +104,8 @@ impl TemplateConfig {
             default_workdir: None,
             env: BTreeMap::new(),
             start_command: None,
+            start_user: None,
+            late_env: false,
             ready_port: None,
             cpus: 2,
             memory_mb: 512,
@@ -173,7 +191,9 @@ impl TemplateStore {
 
     /// The template, building it first if it is a built-in that is not built yet.
     pub fn ensure(&self, name: &str, progress: bool) -> Result<Template> {
-        if let Some(t) = self.get(name)? {
+        if let Some(t) = self.get(name)?
+            && is_current(&t)
+        {
             return Ok(t);
         }
         if !BUILTINS.contains(&name) {
@@ -217,8 +237,8 @@ impl TemplateStore {
         fsutil::remove_tree(&trash)
     }
 
-    /// Build a built-in template (`tiny` or `base`). With `force`, rebuild even if it
-    /// exists (the old one is replaced atomically).
+    /// Build a built-in template (`tiny`, `base`, `code-interpreter-v1`). With `force`,
+    /// rebuild even if it exists and is current (the old one is replaced atomically).
     pub fn build(&self, name: &str, force: bool, progress: bool) -> Result<Template> {
         validate_name(name)?;
         if !BUILTINS.contains(&name) {
@@ -231,7 +251,10 @@ impl TemplateStore {
             });
         }
         let _lock = self.lock(name)?;
-        if !force && let Some(t) = self.get(name)? {
+        if !force
+            && let Some(t) = self.get(name)?
+            && is_current(&t)
+        {
             return Ok(t);
         }
         self.remove_stale_builds(name);
