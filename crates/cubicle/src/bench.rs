@@ -17,6 +17,10 @@
 //!   envd's RSS/PSS per sandbox; p99 of `GET /health` round trips to all of them.
 //! - `peer`: the same cycle done with `runc run` on the template's rootfs and with
 //!   `bwrap --unshare-all`, next to Cubicle's c=1 cycle of the same run, with ratios.
+//! - `interp`: the code interpreter (`code-interpreter-v1`): create + first `run_code`
+//!   result, and `run_code("1+1")` through the router (see [`interp`]).
+
+mod interp;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -40,12 +44,13 @@ pub const DEFAULT_BENCH_STATE_DIR: &str = "/var/lib/cubicle-bench";
 /// Slots of the bench's own server (disjoint from other nodes on a shared host).
 const BENCH_FIRST_SLOT: u32 = 8000;
 const ENVD_PORT: u16 = 49983;
-const ALL_MEASURES: &[&str] = &["create", "cycle", "exec", "density", "peer"];
+const ALL_MEASURES: &[&str] = &["create", "cycle", "exec", "density", "peer", "interp"];
 
 /// `cubicle bench` options.
 #[derive(clap::Args, Debug)]
 pub struct BenchArgs {
-    /// Measures to run: create, cycle, exec, density, peer (default: all but density).
+    /// Measures to run: create, cycle, exec, density, peer, interp (default: create,
+    /// cycle, exec, peer).
     #[arg(value_name = "MEASURE")]
     pub measures: Vec<String>,
     /// Use this server instead of starting one (with --api-key).
@@ -91,6 +96,12 @@ pub struct BenchArgs {
     /// One JSON object per line per measure instead of a table.
     #[arg(long)]
     pub json: bool,
+    /// `interp`: warm-pool size of code-interpreter-v1 in pool mode `on`.
+    #[arg(long, default_value_t = 4)]
+    pub interp_pool_size: usize,
+    /// `interp`: pause between two creates of `interp-first` (a pool refills meanwhile).
+    #[arg(long, default_value_t = 2000)]
+    pub interp_pace_ms: u64,
 }
 
 /// One result line.
@@ -469,6 +480,7 @@ impl Server {
         envd: Option<&PathBuf>,
         templates: &[String],
         pool: Option<usize>,
+        interp_pool: Option<usize>,
     ) -> anyhow::Result<(Server, String, String)> {
         let exe = std::env::current_exe().context("finding the cubicle binary")?;
         let mut cmd = tokio::process::Command::new(exe);
@@ -488,8 +500,14 @@ impl Server {
         if !templates.iter().any(|t| t == "base") {
             cmd.arg("--no-build-templates");
         }
-        if let Some(n) = pool {
-            let spec: Vec<String> = templates.iter().map(|t| format!("{t}={n}")).collect();
+        let mut spec: Vec<String> = match pool {
+            Some(n) => templates.iter().map(|t| format!("{t}={n}")).collect(),
+            None => Vec::new(),
+        };
+        if let Some(n) = interp_pool {
+            spec.push(format!("{}={n}", interp::TEMPLATE));
+        }
+        if !spec.is_empty() {
             cmd.arg("--pool").arg(spec.join(","));
         }
         cmd.stdin(Stdio::null())
@@ -539,6 +557,7 @@ impl Server {
 // ---------------------------------------------------------------------------------------
 // Measures.
 
+#[derive(Clone)]
 struct Ctx {
     api: Api,
     pool: String,
@@ -1182,8 +1201,8 @@ pub async fn run(args: BenchArgs, envd: Option<&PathBuf>) -> anyhow::Result<i32>
         if m.is_empty() {
             bail!("--pool-modes takes off and/or on");
         }
-        // Only create/cycle differ between modes.
-        if !(has("create") || has("cycle")) {
+        // Only create/cycle/interp differ between modes.
+        if !(has("create") || has("cycle") || has("interp")) {
             m.truncate(1);
         }
         m
@@ -1208,8 +1227,17 @@ pub async fn run(args: BenchArgs, envd: Option<&PathBuf>) -> anyhow::Result<i32>
                     "cubicle bench: starting `cubicle serve` on {} (warm pool {mode})",
                     args.server_state_dir.display()
                 );
-                let (s, u, k) =
-                    Server::start(&args.server_state_dir, envd, &templates, pool).await?;
+                let interp_pool = pool
+                    .filter(|_| has("interp"))
+                    .map(|_| args.interp_pool_size);
+                let (s, u, k) = Server::start(
+                    &args.server_state_dir,
+                    envd,
+                    &templates,
+                    pool,
+                    interp_pool,
+                )
+                .await?;
                 if let Some(n) = pool {
                     // Let the pool fill (about 20-40 ms per sandbox on 2 cores).
                     let wait = Duration::from_millis((n * templates.len()) as u64 * 60 + 1000);
@@ -1377,6 +1405,21 @@ async fn run_measures(
     if has("density") && first_mode {
         for r in measure_density(cx, &args.template, args.n).await? {
             emit(&r);
+        }
+    }
+    if has("interp") {
+        let pace = Duration::from_millis(args.interp_pace_ms);
+        let pool_size = if cx.pool == "on" {
+            args.interp_pool_size
+        } else {
+            cx.pool_size
+        };
+        let icx = Ctx { pool_size, ..cx.clone() };
+        let b = before_row(&icx, &mut pc, interp::TEMPLATE).await;
+        let r = interp::measure_first(&icx, pace).await;
+        emit(&pool_counted(r, b, cx.api.pool_counts(&mut pc).await));
+        if first_mode {
+            emit(&interp::measure_run(cx).await?);
         }
     }
     Ok(())

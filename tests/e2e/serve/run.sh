@@ -45,7 +45,8 @@
 #   CUBICLE_E2E_SUITE_TIMEOUT   per-suite time limit in seconds (default 2400)
 #   CUBICLE_PYTEST_ARGS         extra pytest arguments
 #   CUBICLE_E2E_KEEP_LOG=1      keep the server log even on success
-#   CUBICLE_E2E_SERVE_ARGS      extra `cubicle serve` flags (e.g. "--pool code-interpreter-v1=4")
+#   CUBICLE_E2E_SERVE_ARGS      extra `cubicle serve` flags (default "--pool code-interpreter-v1=2";
+#                               "" for none)
 # Exit status: non-zero if a suite failed, the server did not start or something leaked.
 set -uo pipefail
 
@@ -242,8 +243,11 @@ trap 'exit 130' INT TERM
 RUN_START_MS=$(( $(date +%s) * 1000 - 1000 ))
 PORT=$(free_port)
 serve_args=(serve --listen "127.0.0.1:$PORT" --state-dir "$STATE")
-# Extra serve flags, e.g. CUBICLE_E2E_SERVE_ARGS="--pool code-interpreter-v1=4".
-read -r -a extra_serve_args <<<"${CUBICLE_E2E_SERVE_ARGS:-}"
+# Extra serve flags. By default a small code-interpreter pool, so that the code
+# interpreter's tests run on pooled (claimed) sandboxes as users' creates do.
+default_serve_args="--pool code-interpreter-v1=2"
+[[ ${CUBICLE_E2E_SKIP_CI:-0} == 1 ]] && default_serve_args=""
+read -r -a extra_serve_args <<<"${CUBICLE_E2E_SERVE_ARGS-$default_serve_args}"
 serve_args+=("${extra_serve_args[@]}")
 # The sandboxes' domain as SDKs see it (`get_host(port)` = <port>-<id>.$DOMAIN).
 DOMAIN="localhost:$PORT"

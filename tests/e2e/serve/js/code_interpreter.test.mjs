@@ -76,3 +76,33 @@ test('envs, bash, contexts, timeout', { skip }, async () => {
   await assert.rejects(sbx.runCode('import time\nwhile True: time.sleep(0.05)', { timeoutMs: 2000 }))
   assert.equal((await sbx.runCode('x + 1', { timeoutMs: 30_000 })).text, '42')
 })
+
+// Issue #12: E2B's behaviour, point by point, as the JS SDK sees it.
+test('default contexts, sandbox envs in every language, root, R and Java', { skip }, async () => {
+  const { Sandbox } = await import(PKG.href)
+  const s = await Sandbox.create('code-interpreter-v1', { envs: { CB_JS_G: 'g' }, requestTimeoutMs: 600_000 })
+  t.track(s.sandboxId)
+  try {
+    const first = await s.runCode('1 + 1')
+    assert.equal(first.text, '2')
+    assert.equal(first.executionCount, 1)
+    const ctxs = await s.listCodeContexts()
+    assert.deepEqual(ctxs.slice(0, 2).map((c) => c.language), ['python', 'javascript'])
+    assert.equal((await s.runCode("import os; os.getenv('CB_JS_G')")).text, 'g')
+    assert.equal((await s.runCode('process.env.CB_JS_G', { language: 'javascript' })).text, 'g')
+    assert.equal((await s.runCode('process.env.CB_JS_G', { language: 'js', envs: { CB_JS_G: 'o' } })).text, 'o')
+    assert.equal((await s.runCode('process.env.CB_JS_G', { language: 'js' })).text, 'g')
+    assert.equal((await s.runCode('echo $CB_JS_G', { language: 'bash' })).logs.stdout.join(''), 'g\n')
+    assert.equal((await s.runCode('import os; os.getuid()')).text, '0')
+    const root = await s.createCodeContext({ cwd: '/root' })
+    assert.equal((await s.runCode('import os; os.getcwd()', { context: root })).text, '/root')
+    assert.equal((await s.listCodeContexts()).at(-1).id, root.id)
+    assert.equal((await s.runCode('Sys.getenv("CB_JS_G")', { language: 'r' })).text, '[1] "g"')
+    assert.equal((await s.runCode('6 * 7', { language: 'r' })).text, '[1] 42')
+    const j = await s.runCode('System.getenv("CB_JS_G") + (6 * 7)', { language: 'java', timeoutMs: 120_000 })
+    assert.equal(j.error, undefined)
+    assert.equal(j.text, 'g42')
+  } finally {
+    await s.kill()
+  }
+})
