@@ -45,12 +45,14 @@ pub const READY_PORT: u16 = 49999;
 /// Deno (npm package `deno`), whose `deno jupyter --kernel` runs JavaScript/TypeScript.
 pub const DENO_VERSION: &str = "2.9.6";
 /// Python packages installed into the venv (kept small: CI builds this from scratch).
+/// pandas and matplotlib stay on the series E2B's image pins (2.2, 3.10): code written
+/// for E2B (e.g. `boxplot(labels=…)`, removed in matplotlib 3.11) runs unchanged.
 pub const PIP_PACKAGES: &[&str] = &[
     "ipykernel",
     "bash_kernel",
     "numpy",
-    "pandas",
-    "matplotlib",
+    "pandas==2.2.*",
+    "matplotlib==3.10.*",
     "pillow",
     "e2b-charts",
     "jjava",
@@ -146,7 +148,12 @@ pub fn build(rootfs: &Path, base: &super::Template, p: &Progress) -> Result<Temp
          chroot \"$R\" /usr/local/bin/deno --version\n\
          rm -rf \"$R\"/root/.npm\n\
          rm -rf \"$R\"/root/.cache \"$R\"/tmp/*\n",
-        pkgs = PIP_PACKAGES.join(" "),
+        // Quoted: version specifiers hold shell glob characters.
+        pkgs = PIP_PACKAGES
+            .iter()
+            .map(|p| format!("'{p}'"))
+            .collect::<Vec<_>>()
+            .join(" "),
         apt = APT_PACKAGES.join(" ")
     );
     // The host's CA bundle (it may trust a TLS-intercepting egress proxy that the fresh

@@ -97,8 +97,9 @@ test('default contexts, sandbox envs in every language, root, R and Java', { ski
     const root = await s.createCodeContext({ cwd: '/root' })
     assert.equal((await s.runCode('import os; os.getcwd()', { context: root })).text, '/root')
     assert.equal((await s.listCodeContexts()).at(-1).id, root.id)
-    assert.equal((await s.runCode('Sys.getenv("CB_JS_G")', { language: 'r' })).text, '[1] "g"')
-    assert.equal((await s.runCode('6 * 7', { language: 'r' })).text, '[1] 42')
+    // IRkernel sends values as display data: as upstream, results[0].text
+    assert.equal((await s.runCode('Sys.getenv("CB_JS_G")', { language: 'r' })).results[0].text.trim(), '[1] "g"')
+    assert.equal((await s.runCode('6 * 7', { language: 'r' })).results[0].text.trim(), '[1] 42')
     const j = await s.runCode('System.getenv("CB_JS_G") + (6 * 7)', { language: 'java', timeoutMs: 120_000 })
     assert.equal(j.error, undefined)
     assert.equal(j.text, 'g42')
