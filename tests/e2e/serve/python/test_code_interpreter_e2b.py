@@ -122,8 +122,9 @@ CHARTS = {
     "scatter": "plt.scatter([1, 2, 3], [3, 1, 2], label='pts')\nplt.xlabel('x')\nplt.ylabel('y')\nplt.title('Scatter')",
     "bar": "plt.bar(['a', 'b', 'c'], [3, 5, 2], label='n')\nplt.xlabel('k')\nplt.ylabel('v')\nplt.title('Bar')",
     "pie": "plt.pie([30, 70], labels=['x', 'y'])\nplt.title('Pie')",
-    # `labels=` as in E2B's own test (matplotlib 3.10, as upstream pins)
-    "box_and_whisker": "plt.boxplot([[1, 2, 3, 4, 5, 9], [2, 3, 4, 5, 6]], labels=['A', 'B'])\nplt.xlabel('g')\nplt.ylabel('v')\nplt.title('Box')",
+    # as in E2B's own test: `labels=` (matplotlib 3.10, as upstream pins) and
+    # `patch_artist=True` (boxes as patches: e2b-charts' sign of a box plot)
+    "box_and_whisker": "plt.boxplot([[85, 90, 78, 92, 88], [95, 89, 76, 91, 84, 87]], labels=['A', 'B'], patch_artist=True)\nplt.xlabel('g')\nplt.ylabel('v')\nplt.title('Box')",
 }
 
 
@@ -142,6 +143,11 @@ def test_chart_types(ci: Sandbox, kind: str):
     assert c.elements, c.to_dict()
     if kind in ("line", "scatter", "bar", "box_and_whisker"):
         assert c.x_label and c.y_label, c.to_dict()
+    if kind == "box_and_whisker":
+        # upstream's expected figures for the same data
+        assert [e.label for e in c.elements] == ["A", "B"]
+        assert [e.median for e in c.elements] == [88, 88]
+        assert [e.outliers for e in c.elements] == [[], [76]]
 
 
 def test_supergraph(ci: Sandbox):
