@@ -6,11 +6,15 @@ measures on the `code-interpreter-v1` template:
   run_code("1+1")         round trip through the router, N runs (default 500) in one
                           sandbox after a warm-up
   create→first result     `Sandbox.create()` + the first `run_code("1+1")`, M runs
-                          (default 10; each sandbox killed outside the timed region)
+                          (default 10; each sandbox killed outside the timed region,
+                          then `--pace` seconds of pause, so that a warm pool refills:
+                          run the server with `--pool code-interpreter-v1=N`)
 
 and prints p50 / p90 / p99 / max in milliseconds. Run it through the e2e launcher:
 
-    sudo tests/e2e/serve/run.sh -- tests/e2e/.venv/bin/python bench/code_interpreter.py [--runs 500] [--creates 10]
+    sudo tests/e2e/serve/run.sh -- tests/e2e/.venv/bin/python bench/code_interpreter.py [--runs 500] [--creates 10] [--pace 3]
+
+(run.sh runs the server with `--pool code-interpreter-v1=2` unless CUBICLE_E2E_SERVE_ARGS says otherwise).
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--runs", type=int, default=500)
     ap.add_argument("--creates", type=int, default=10)
+    ap.add_argument("--pace", type=float, default=0.0, help="seconds between creates")
     a = ap.parse_args()
 
     # Make sure the template is built (the first create may build it).
@@ -55,7 +60,8 @@ def main():
             assert ex.text == "2"
     finally:
         s.kill()
-    report('run_code("1+1")', rt)
+    if rt:
+        report('run_code("1+1")', rt)
 
     cf = []
     for _ in range(a.creates):
@@ -67,7 +73,9 @@ def main():
             assert ex.text == "2"
         finally:
             s.kill()
-    report("create→first result", cf)
+        time.sleep(a.pace)
+    if cf:
+        report("create→first result", cf)
 
 
 if __name__ == "__main__":

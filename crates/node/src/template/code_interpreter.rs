@@ -12,8 +12,8 @@
 //! linked `cubicle-interpreter` binary into `/usr/local/bin`.
 //!
 //! The start command runs the interpreter as root (E2B's kernels run as root: a context
-//! may use any `cwd`), with KSM merging allowed for its kernels, and the template is
-//! poolable with any env vars (`late_env`: the interpreter takes them from envd). The binary is copied at
+//! may use any `cwd`), and the template is poolable with any env vars (`late_env`: the
+//! interpreter takes them from envd). The binary is copied at
 //! build time, so after changing the interpreter rebuild the template
 //! (`cubicle template build code-interpreter-v1 --force`). The binary is found like
 //! envd: `$CUBICLE_INTERPRETER_BIN`, else next to the running executable or in the
@@ -193,7 +193,7 @@ pub fn build(rootfs: &Path, base: &super::Template, p: &Progress) -> Result<Temp
         });
     cfg.env.insert("PATH".into(), format!("{VENV}/bin:{path}"));
     cfg.start_command = Some(format!(
-        "I={MOUNT_POINT}; [ -x $I ] || I=/usr/local/bin/{BIN_NAME}; exec $I --port {READY_PORT} --python {VENV}/bin/python --deno /usr/local/bin/deno --merge-memory >/tmp/cubicle-interpreter.log 2>&1"
+        "I={MOUNT_POINT}; [ -x $I ] || I=/usr/local/bin/{BIN_NAME}; exec $I --port {READY_PORT} --python {VENV}/bin/python --deno /usr/local/bin/deno >/tmp/cubicle-interpreter.log 2>&1"
     ));
     cfg.start_user = Some("root".into());
     cfg.late_env = true;
