@@ -1230,14 +1230,9 @@ pub async fn run(args: BenchArgs, envd: Option<&PathBuf>) -> anyhow::Result<i32>
                 let interp_pool = pool
                     .filter(|_| has("interp"))
                     .map(|_| args.interp_pool_size);
-                let (s, u, k) = Server::start(
-                    &args.server_state_dir,
-                    envd,
-                    &templates,
-                    pool,
-                    interp_pool,
-                )
-                .await?;
+                let (s, u, k) =
+                    Server::start(&args.server_state_dir, envd, &templates, pool, interp_pool)
+                        .await?;
                 if let Some(n) = pool {
                     // Let the pool fill (about 20-40 ms per sandbox on 2 cores).
                     let wait = Duration::from_millis((n * templates.len()) as u64 * 60 + 1000);
@@ -1414,7 +1409,10 @@ async fn run_measures(
         } else {
             cx.pool_size
         };
-        let icx = Ctx { pool_size, ..cx.clone() };
+        let icx = Ctx {
+            pool_size,
+            ..cx.clone()
+        };
         let b = before_row(&icx, &mut pc, interp::TEMPLATE).await;
         let r = interp::measure_first(&icx, pace).await;
         emit(&pool_counted(r, b, cx.api.pool_counts(&mut pc).await));

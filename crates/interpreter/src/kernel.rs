@@ -455,3 +455,61 @@ fn dispatch(key: &[u8], routes: &Routes, m: ZmqMessage) {
         Err(e) => tracing::warn!("dropping kernel message: {e}"),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn discovers_kernelspecs() {
+        let root = std::env::temp_dir().join(format!("cb-kspec-{}", std::process::id()));
+        let (venv, system) = (root.join("venv"), root.join("system"));
+        let write = |dir: &std::path::Path, name: &str, json: &str| {
+            std::fs::create_dir_all(dir.join(name)).unwrap();
+            std::fs::write(dir.join(name).join("kernel.json"), json).unwrap();
+        };
+        write(
+            &venv,
+            "python3",
+            r#"{"argv": ["/v/python", "-m", "ipykernel_launcher", "-f", "{connection_file}"], "language": "python"}"#,
+        );
+        write(
+            &venv,
+            "java",
+            r#"{"argv": ["java", "-jar", "{resource_dir}/l.jar", "{connection_file}"], "language": "java", "interrupt_mode": "message", "env": {"A": "1"}}"#,
+        );
+        write(
+            &system,
+            "ir",
+            r#"{"argv": ["R", "--slave", "-e", "IRkernel::main()", "--args", "{connection_file}"], "language": "R"}"#,
+        );
+        // A second Python spec later in the search path loses; a spec without a
+        // connection file placeholder is ignored.
+        write(
+            &system,
+            "python-other",
+            r#"{"argv": ["/other/python", "{connection_file}"], "language": "python"}"#,
+        );
+        write(
+            &system,
+            "broken",
+            r#"{"argv": ["x"], "language": "broken"}"#,
+        );
+        let l = Launcher::discover(&[venv.clone(), system], Some("/d/deno"), root.clone());
+        assert_eq!(
+            l.languages(),
+            ["java", "javascript", "python", "r", "typescript"]
+        );
+        assert_eq!(l.specs["python"].argv[0], "/v/python");
+        let java = &l.specs["java"];
+        assert_eq!(
+            java.argv[2],
+            format!("{}/l.jar", venv.join("java").display())
+        );
+        assert!(java.interrupt_message && !java.late_outputs);
+        assert_eq!(java.env["A"], "1");
+        assert!(!l.specs["r"].interrupt_message);
+        assert!(l.specs["javascript"].late_outputs && l.specs["typescript"].interrupt_message);
+        std::fs::remove_dir_all(&root).unwrap();
+    }
+}

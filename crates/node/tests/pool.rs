@@ -48,6 +48,10 @@ fn main() {
             "crash_leaves_no_pooled_sandbox",
             rt.block_on(crash_leaves_no_pooled_sandbox(&envd)),
         ),
+        (
+            "start_command_pooled",
+            rt.block_on(start_command_pooled(&envd)),
+        ),
     ] {
         match r {
             Ok(()) => println!("test {name} ... ok"),
@@ -59,7 +63,7 @@ fn main() {
     }
     println!(
         "pool: {} passed, {failed} failed ({:.1}s)",
-        2 - failed,
+        3 - failed,
         t.elapsed().as_secs_f64()
     );
     if failed > 0 {
@@ -292,5 +296,113 @@ async fn crash_leaves_no_pooled_sandbox(envd: &Path) -> anyhow::Result<()> {
     }
     .await;
     let _ = cubicle_node::fsutil::remove_tree(&state);
+    r
+}
+
+/// A template with a start command is pooled with the command running (as its start
+/// user, seeing the sandbox's own id); a create with env vars claims one only when the
+/// template has `late_env`, else it is created cold and its start command sees them.
+async fn start_command_pooled(envd: &Path) -> anyhow::Result<()> {
+    let state = PathBuf::from(format!("/tmp/cbpool-{}-s", std::process::id()));
+    let mut cfg = NodeConfig::new(&state, envd);
+    cfg.first_slot = FIRST_SLOT + 40;
+    cfg.max_sandboxes = 16;
+    cfg.pool.insert("tinystart".into(), 1);
+    let node = Node::open(cfg).await?;
+    let r = async {
+        let tiny = node.templates().ensure("tiny", false)?;
+        let dir = state.join("templates/tinystart");
+        std::fs::create_dir_all(&dir)?;
+        let st = std::process::Command::new("cp")
+            .arg("-a")
+            .arg(&tiny.rootfs)
+            .arg(dir.join("rootfs"))
+            .status()?;
+        anyhow::ensure!(st.success());
+        let mut tc = tiny.config.clone();
+        tc.name = "tinystart".into();
+        tc.start_command =
+            Some("echo \"$(id -u)|$E2B_SANDBOX_ID|$CB_S\" > /tmp/started; exec sleep 1000".into());
+        tc.start_user = Some("root".into());
+        cubicle_node::fsutil::write_json_atomic(&dir.join("template.json"), &tc)?;
+        let ready = |node: &Node| {
+            node.pool_stats()
+                .ready
+                .get("tinystart")
+                .copied()
+                .unwrap_or(0)
+        };
+        let wait = |node: Node| async move {
+            let t = Instant::now();
+            while ready(&node) < 1 {
+                anyhow::ensure!(
+                    t.elapsed() < Duration::from_secs(60),
+                    "pool: {:?}",
+                    node.pool_stats()
+                );
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            Ok(())
+        };
+        let create = |env: &[(&str, &str)]| CreateRequest {
+            template: "tinystart".into(),
+            internet: true,
+            env_vars: env
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect(),
+            ..Default::default()
+        };
+        let started = |id: String| {
+            let node = node.clone();
+            async move { sh(&node.envd(&id)?, "cat /tmp/started").await }
+        };
+
+        // No env vars: claimed; the start command ran as root and saw its sandbox's id.
+        wait(node.clone()).await?;
+        let s = node.create(create(&[])).await?;
+        anyhow::ensure!(node.pool_stats().claims == 1, "{:?}", node.pool_stats());
+        let out = started(s.id.clone()).await?;
+        anyhow::ensure!(
+            out.trim() == format!("0|{}|", s.id),
+            "start command saw {out:?}"
+        );
+        node.kill(&s.id).await?;
+
+        // Env vars, template without late_env: cold, and the start command sees them.
+        wait(node.clone()).await?;
+        let s = node.create(create(&[("CB_S", "cold")])).await?;
+        anyhow::ensure!(node.pool_stats().claims == 1, "{:?}", node.pool_stats());
+        let out = started(s.id.clone()).await?;
+        anyhow::ensure!(
+            out.trim() == format!("0|{}|cold", s.id),
+            "start command saw {out:?}"
+        );
+        node.kill(&s.id).await?;
+
+        // With late_env: claimed; envd has the env vars for what runs from now on.
+        tc.late_env = true;
+        cubicle_node::fsutil::write_json_atomic(&dir.join("template.json"), &tc)?;
+        let s = node.create(create(&[("CB_S", "late")])).await?;
+        anyhow::ensure!(node.pool_stats().claims == 2, "{:?}", node.pool_stats());
+        let out = sh(&node.envd(&s.id)?, "echo \"$CB_S|$E2B_SANDBOX_ID\"").await?;
+        anyhow::ensure!(out.trim() == format!("late|{}", s.id), "env: {out:?}");
+        node.kill(&s.id).await?;
+        Ok(())
+    }
+    .await;
+    node.close();
+    node.settle(Duration::from_secs(30)).await;
+    // A refill under way at close removes its sandbox once made (start command included).
+    let t = Instant::now();
+    while !sandbox_dirs(&state).is_empty() && t.elapsed() < Duration::from_secs(20) {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    anyhow::ensure!(
+        sandbox_dirs(&state).is_empty(),
+        "left: {:?}",
+        sandbox_dirs(&state)
+    );
+    let _ = std::fs::remove_dir_all(&state);
     r
 }

@@ -41,7 +41,9 @@ impl Api {
             b = b.header("x-access-token", t);
         }
         let mut c = Conn::new(&self.addr);
-        let (status, body) = c.call(b.body(Full::new(Bytes::from(body.to_string())))?).await?;
+        let (status, body) = c
+            .call(b.body(Full::new(Bytes::from(body.to_string())))?)
+            .await?;
         if status != 200 {
             bail!("/execute: {status} {}", String::from_utf8_lossy(&body));
         }
