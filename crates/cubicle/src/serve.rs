@@ -249,6 +249,7 @@ pub async fn run(env: crate::sandbox_cmd::NodeOpts, args: ServeArgs) -> anyhow::
     upkeep.abort();
     node.settle(Duration::from_secs(10)).await;
     node.close();
+    node.wait_refills(Duration::from_secs(60)).await;
     Ok(0)
 }
 

@@ -394,10 +394,7 @@ async fn start_command_pooled(envd: &Path) -> anyhow::Result<()> {
     node.close();
     node.settle(Duration::from_secs(30)).await;
     // A refill under way at close removes its sandbox once made (start command included).
-    let t = Instant::now();
-    while !sandbox_dirs(&state).is_empty() && t.elapsed() < Duration::from_secs(20) {
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    node.wait_refills(Duration::from_secs(60)).await;
     anyhow::ensure!(
         sandbox_dirs(&state).is_empty(),
         "left: {:?}",

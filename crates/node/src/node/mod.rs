@@ -374,6 +374,16 @@ impl Node {
         }
     }
 
+    /// After [`Node::close`]: waits (up to `limit`) until a pool refill under way has
+    /// removed the sandbox it was making (one of a template with a start command takes
+    /// seconds to make), so that a stopping server leaves nothing running.
+    pub async fn wait_refills(&self, limit: Duration) {
+        let t = Instant::now();
+        while !self.inner.pool.members().is_empty() && t.elapsed() < limit {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
     /// Host memory used by a sandbox's cgroup, in bytes.
     pub fn memory_usage(&self, id: &str) -> Option<u64> {
         self.inner.runtime.memory_usage(id)

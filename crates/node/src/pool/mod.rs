@@ -221,8 +221,9 @@ impl Inner {
         match started {
             Ok(record) if inner.closed.load(std::sync::atomic::Ordering::SeqCst) => {
                 let _ = record;
-                inner.pool.lock().members.remove(&id);
+                // A member until it is gone: `Node::wait_refills` waits for that.
                 inner.clone().finish(&id, DeathReason::Killed, true).await;
+                inner.pool.lock().members.remove(&id);
                 Ok(())
             }
             Ok(record) => {
