@@ -813,8 +813,8 @@ async fn memory_hog(ctx: Arc<Ctx>) -> TestResult {
             ..base()
         })
         .await?;
-    // Only checks that envd's score can be raised; it is raised for real below, once the
-    // hogs run: processes inherit the score of envd, which starts them.
+    // Only checks that envd's score can be raised (what envd starts gets a higher score
+    // than envd); it is raised for real below, once the hogs run.
     let o = bash(
         node,
         &c.id,

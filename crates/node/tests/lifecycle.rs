@@ -505,6 +505,17 @@ async fn limits_are_counted_and_name_the_death(envd: PathBuf) -> TestResult {
             ..tiny()
         })
         .await?;
+    // What envd (PID 1) starts is the OOM killer's likelier victim, not envd.
+    let (scores, _, _) = sh(
+        &node,
+        &m.id,
+        "cat /proc/1/oom_score_adj /proc/self/oom_score_adj",
+    )
+    .await?;
+    anyhow::ensure!(
+        scores.split_whitespace().collect::<Vec<_>>() == ["0", "500"],
+        "OOM scores of envd and of a command: {scores:?}"
+    );
     let (_, _, code) = sh(
         &node,
         &m.id,

@@ -167,6 +167,9 @@ impl Child {
     }
 }
 
+/// The OOM score adjustment of every process envd starts (envd keeps the default, 0).
+pub const CHILD_OOM_SCORE_ADJ: i32 = 500;
+
 /// The child's stack while it borrows envd's memory (it only makes system calls).
 const CHILD_STACK: usize = 64 << 10;
 
@@ -481,6 +484,16 @@ pub fn spawn(spec: &SpawnSpec) -> io::Result<Spawned> {
     }
     own.register(pid as u32);
     drop(own);
+    // When the OOM killer picks envd (PID 1), the whole sandbox dies; a memory hog should
+    // die instead. Lowering envd's own score needs CAP_SYS_RESOURCE on the host, which
+    // hosts may not grant, so what envd starts is made the likelier victim instead (a
+    // raise is always allowed; descendants inherit it). Only now, after the exec: before
+    // it, the child shares envd's memory, and the kernel gives a new score to every
+    // process sharing it.
+    let _ = std::fs::write(
+        format!("/proc/{pid}/oom_score_adj"),
+        CHILD_OOM_SCORE_ADJ.to_string(),
+    );
     // SAFETY: pidfd_open has no memory arguments; our unreaped child cannot be recycled.
     let pidfd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
     let exited = if pidfd < 0 {
