@@ -438,6 +438,7 @@ fn devices_and_ctl_bind(env: &Env) {
         source: extra,
         target: "/opt/extra".into(),
         readonly: true,
+        idmapped: false,
     });
     let (sb, log) = env.run(&spec);
     for want in [
