@@ -29,6 +29,7 @@ pub mod sandbox;
 pub mod slots;
 pub mod template;
 pub mod traces;
+pub mod volume;
 
 pub use config::{NodeConfig, default_state_dir};
 pub use envd_client::{EnvdClient, ProcessEnd, ProcessEvent, ProcessSpec};
@@ -36,7 +37,7 @@ pub use error::{Error, Result};
 pub use node::{Node, records_on_disk, sandboxes_using_template};
 pub use pool::{PoolStats, parse_pool_spec};
 pub use sandbox::{
-    CreateRequest, DeathReason, InitPidfd, SandboxInfo, SandboxRecord, SandboxState,
+    CreateRequest, DeathReason, InitPidfd, SandboxInfo, SandboxRecord, SandboxState, VolumeMount,
 };
 
 impl Node {

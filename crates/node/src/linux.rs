@@ -66,6 +66,15 @@ impl LinuxRuntime {
         self.sandboxes.lock().unwrap_or_else(|p| p.into_inner())
     }
 
+    /// The quota filesystem, which volumes need (without it there are none).
+    fn storage(&self) -> Result<&Storage> {
+        self.storage.as_ref().map_err(|e| {
+            Error::Runtime(format!(
+                "volumes need the quota filesystem, which is unavailable: {e}"
+            ))
+        })
+    }
+
     fn network(&self) -> Result<&Network> {
         // The runtime's error was logged when the node opened; its text is all that is kept.
         self.network
@@ -96,7 +105,16 @@ impl SandboxRuntime for LinuxRuntime {
                 source: source.clone(),
                 target: target.clone(),
                 readonly: *readonly,
+                idmapped: false,
             })
+            .chain(s.volumes.iter().map(|(source, target, readonly)| {
+                cubicle_runtime::BindMount {
+                    source: source.clone(),
+                    target: target.clone(),
+                    readonly: *readonly,
+                    idmapped: true,
+                }
+            }))
             .collect();
         if s.internet {
             // Fail before spawning if the network cannot work at all.
@@ -289,5 +307,61 @@ impl SandboxRuntime for LinuxRuntime {
             Ok(net) => net.max_slots(),
             Err(_) => 32768,
         }
+    }
+
+    fn volume_dir(&self, id: &str) -> Result<std::path::PathBuf> {
+        self.storage()?
+            .volume_dir(id)
+            .map_err(|e| rt_err("volume", e))
+    }
+
+    fn create_volume(&self, id: &str, size_mb: u64, uid: u32, gid: u32, mode: u32) -> Result<()> {
+        self.storage()?
+            .create_volume_dir(id, size_mb << 20, uid, gid, mode)
+            .map(drop)
+            .map_err(|e| rt_err(&format!("creating volume {id}"), e))
+    }
+
+    fn remove_volume(&self, id: &str) -> Result<()> {
+        self.storage()?
+            .remove_volume_dir(id)
+            .map_err(|e| rt_err(&format!("deleting volume {id}"), e))
+    }
+
+    fn volume_usage(&self, id: &str) -> Result<(u64, u64)> {
+        self.storage()?
+            .volume_usage(id)
+            .map(|u| (u.used_bytes, u.limit_bytes))
+            .map_err(|e| rt_err(&format!("usage of volume {id}"), e))
+    }
+
+    fn reconcile_volumes(&self) -> Result<Vec<String>> {
+        let Ok(st) = &self.storage else {
+            return Ok(Vec::new());
+        };
+        st.reconcile_volumes()
+            .and_then(|()| st.volume_ids())
+            .map_err(|e| rt_err("volume reconcile", e))
+    }
+
+    fn attach_volumes(
+        &self,
+        id: &str,
+        pidfd: std::os::fd::BorrowedFd<'_>,
+        pid: i32,
+        uid_base: u32,
+        volumes: &[(std::path::PathBuf, std::path::PathBuf, bool)],
+    ) -> Result<()> {
+        let binds: Vec<cubicle_runtime::BindMount> = volumes
+            .iter()
+            .map(|(source, target, readonly)| cubicle_runtime::BindMount {
+                source: source.clone(),
+                target: target.clone(),
+                readonly: *readonly,
+                idmapped: true,
+            })
+            .collect();
+        cubicle_runtime::attach_binds(pidfd, pid, uid_base, &binds)
+            .map_err(|e| rt_err(&format!("mounting volumes in {id}"), e))
     }
 }

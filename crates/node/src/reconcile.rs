@@ -44,8 +44,9 @@ pub(crate) async fn reconcile(inner: &Arc<Inner>) -> Result<ReconcileReport> {
     for e in std::fs::read_dir(&sdir).ctx("readdir", &sdir)?.flatten() {
         let name = e.file_name().to_string_lossy().into_owned();
         if !ids::is_valid_sandbox_id(&name) {
-            // Half-created quota directories are the storage's to remove (below).
-            if !name.starts_with(".creating-") {
+            // Half-created quota directories are the storage's to remove (below); the
+            // volumes' directory holds user data that outlives every sandbox.
+            if !name.starts_with(".creating-") && name != cubicle_runtime::storage::VOLUMES {
                 odd_entries.push(e.path());
             }
             continue;

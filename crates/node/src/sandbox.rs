@@ -31,6 +31,21 @@ pub struct CreateRequest {
     pub timeout: Option<Duration>,
     /// Opaque user metadata, stored and returned.
     pub metadata: BTreeMap<String, String>,
+    /// Volumes to mount (by volume id; the caller resolved names and checked ownership).
+    pub volumes: Vec<VolumeMount>,
+}
+
+/// A volume mounted into a sandbox: which one, where, how.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct VolumeMount {
+    /// The volume's id (its directory under the storage's `.volumes`).
+    pub volume_id: String,
+    /// Absolute mount point inside the sandbox.
+    pub path: String,
+    /// Mounted read-only.
+    #[serde(default)]
+    pub read_only: bool,
 }
 
 /// Why a sandbox stopped existing.
@@ -134,6 +149,9 @@ pub struct SandboxRecord {
     /// Whatever the runtime needs to find its objects again (addresses, veth names, …).
     #[serde(default)]
     pub runtime: serde_json::Value,
+    /// Volumes mounted in it (a volume a live sandbox mounts cannot be deleted).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub volumes: Vec<VolumeMount>,
 }
 
 /// A pidfd of a sandbox's init. It names that process and no other, even after the
@@ -203,6 +221,8 @@ pub struct SandboxInfo {
     /// sandbox that survived an OOM kill and was then killed by its user dies `killed`,
     /// and this count is how its OOM history stays visible.
     pub oom_kills: u64,
+    /// Volumes mounted in it.
+    pub volumes: Vec<VolumeMount>,
 }
 
 impl SandboxInfo {
@@ -227,6 +247,7 @@ impl SandboxInfo {
             envd_socket,
             ready_us,
             oom_kills: 0,
+            volumes: r.volumes.clone(),
         }
     }
 }

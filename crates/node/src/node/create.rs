@@ -76,6 +76,10 @@ impl Inner {
                 "disk_mb {disk_mb} must be between 16 and 16777216"
             )));
         }
+        crate::volume::check_mounts(&req.volumes)?;
+        // Every volume must exist now (a missing one is the caller's error, not a
+        // failed start).
+        inner.volume_binds(&req.volumes)?;
         let timeout = req.timeout.unwrap_or(inner.config.default_timeout);
         Ok(CreatePlan {
             template,
@@ -109,6 +113,7 @@ impl Inner {
             r.internet = req.internet;
             r.env_vars = env_vars;
             r.metadata = req.metadata.clone();
+            r.volumes = req.volumes.clone();
         })?;
 
         match self.bring_up(record, &template, t0).await {
@@ -190,6 +195,7 @@ impl Inner {
         binds.extend(crate::template::code_interpreter::bind_for(
             &template.config,
         ));
+        let volumes = inner.volume_binds(&record.volumes)?;
 
         let spec = StartSpec {
             id: id.clone(),
@@ -225,6 +231,7 @@ impl Inner {
             },
             env: birth_env(template, &record.access_token),
             binds,
+            volumes,
         };
         let t_prep = t0.elapsed();
         let rt = inner.runtime.clone();

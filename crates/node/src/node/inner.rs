@@ -52,6 +52,8 @@ pub(crate) struct Inner {
 pub(crate) struct State {
     pub(crate) live: HashMap<String, Live>,
     pub(crate) slots: UidSlots,
+    /// Volumes being deleted (`crate::volume`): no sandbox may mount them meanwhile.
+    pub(crate) deleting_volumes: std::collections::HashSet<String>,
 }
 
 /// A sandbox the node knows: its record, and what the node does about it.
@@ -152,8 +154,12 @@ impl Inner {
             default_workdir: c.default_workdir.clone(),
             death_reason: None,
             runtime: serde_json::Value::Null,
+            volumes: Vec::new(),
         };
         customize(&mut record);
+        // In the same critical section as the insert: a volume being deleted is never
+        // mounted (`Node::delete_volume` checks the live records under this lock).
+        st.check_volumes_usable(&record.volumes)?;
         st.live.insert(id.to_string(), Live::new(record.clone()));
         Ok(record)
     }
