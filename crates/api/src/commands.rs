@@ -102,7 +102,7 @@ struct NewSandboxBody {
     env_vars: Option<BTreeMap<String, String>>,
     mcp: Option<serde_json::Value>,
     iam: Option<serde_json::Value>,
-    volume_mounts: Option<Vec<serde_json::Value>>,
+    volume_mounts: Option<Vec<crate::volumes::VolumeMountRequest>>,
 }
 
 /// Create a sandbox.
@@ -120,6 +120,8 @@ pub struct CreateSandbox {
     pub metadata: BTreeMap<String, String>,
     /// Environment of every process.
     pub env_vars: BTreeMap<String, String>,
+    /// Volumes to mount, by name (resolved for the caller's team by the service).
+    pub volume_mounts: Vec<crate::volumes::VolumeMountRequest>,
 }
 
 /// Which create route.
@@ -166,9 +168,6 @@ impl CreateSandbox {
         }
         if b.iam.as_ref().is_some_and(|v| !v.is_null()) {
             return Err(not_supported("IAM tokens"));
-        }
-        if b.volume_mounts.as_ref().is_some_and(|v| !v.is_empty()) {
-            return Err(not_supported("Volume mounts"));
         }
         let net = b.network.unwrap_or_default();
         let deny_all = net
@@ -218,6 +217,7 @@ impl CreateSandbox {
             private_traffic: net.allow_public_traffic == Some(false),
             metadata: b.metadata.unwrap_or_default(),
             env_vars,
+            volume_mounts: b.volume_mounts.unwrap_or_default(),
         })
     }
 }

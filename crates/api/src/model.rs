@@ -74,6 +74,8 @@ pub struct SandboxDetail {
     pub metadata: BTreeMap<String, String>,
     pub network: Network,
     pub lifecycle: Lifecycle,
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub volume_mounts: Vec<crate::volumes::VolumeMountBody>,
 }
 
 /// `ListedSandbox` (list items).
@@ -98,6 +100,8 @@ pub struct ListedSandbox {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub alias: Option<String>,
     pub metadata: BTreeMap<String, String>,
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub volume_mounts: Vec<crate::volumes::VolumeMountBody>,
 }
 
 /// `SandboxMetric`.

@@ -39,6 +39,10 @@ pub struct ApiConfig {
     pub logs_dir: PathBuf,
     /// How long records and logs of ended sandboxes are kept.
     pub retention: Duration,
+    /// The server's key: seals secret values, derives volume tokens (`keyring.rs`).
+    pub keyring: Arc<crate::keyring::Keyring>,
+    /// Volume sizes and counts (`volumes.rs`).
+    pub volumes: crate::volumes::VolumeLimits,
 }
 
 impl ApiConfig {
@@ -52,6 +56,8 @@ impl ApiConfig {
             domain: None,
             logs_dir,
             retention: Duration::from_secs(24 * 3600),
+            keyring: Arc::new(crate::keyring::Keyring::ephemeral()),
+            volumes: crate::volumes::VolumeLimits::default(),
         }
     }
 }
@@ -128,6 +134,7 @@ impl ControlPlane {
                 }
             }
         }
+        cp.reconcile_volumes().await?;
         Ok(cp)
     }
 
@@ -268,6 +275,7 @@ impl ControlPlane {
 
     async fn create_claimed(&self, team: &Team, cmd: CreateSandbox) -> ApiResult<Sandbox> {
         let env_var_names: Vec<String> = cmd.env_vars.keys().cloned().collect();
+        let volumes = self.resolve_mounts(team, &cmd.volume_mounts)?;
         let info = self
             .backend
             .create(CreateRequest {
@@ -280,6 +288,7 @@ impl ControlPlane {
                 internet: cmd.internet,
                 timeout: Some(cmd.timeout),
                 metadata: cmd.metadata.clone(),
+                volumes,
             })
             .await?;
         let row = SandboxRow {
@@ -399,6 +408,7 @@ impl ControlPlane {
                 auto_resume: false,
                 on_timeout: "kill",
             },
+            volume_mounts: self.mount_bodies(&info.volumes),
         })
     }
 
@@ -534,6 +544,7 @@ impl ControlPlane {
                 envd_version: ENVD_VERSION,
                 alias: row.alias,
                 metadata: row.metadata,
+                volume_mounts: self.mount_bodies(&info.volumes),
             })
             .collect();
         Ok((items, next))

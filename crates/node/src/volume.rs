@@ -14,7 +14,9 @@
 
 use std::path::{Component, Path, PathBuf};
 
-use cubicle_runtime::storage::VolumeFs;
+pub use cubicle_runtime::storage::{
+    Attrs, EntryKind, MAX_VOLUME_ID, Timestamp, VolumeEntry, VolumeFs,
+};
 
 use crate::error::{Error, Result};
 use crate::node::Node;
