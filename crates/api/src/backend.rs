@@ -39,7 +39,11 @@ pub trait Backend: Send + Sync + 'static {
         serde_json::json!({})
     }
     /// Create volume `id` with a limit of `size_mb` MiB.
-    fn create_volume<'a>(&'a self, id: &'a str, size_mb: u64) -> BoxFuture<'a, cubicle_node::Result<()>> {
+    fn create_volume<'a>(
+        &'a self,
+        id: &'a str,
+        size_mb: u64,
+    ) -> BoxFuture<'a, cubicle_node::Result<()>> {
         let _ = size_mb;
         Box::pin(async move { Err(cubicle_node::Error::VolumeNotFound(id.to_string())) })
     }
@@ -99,7 +103,11 @@ impl Backend for Node {
         self.sandbox_dir(id).join("init.log")
     }
 
-    fn create_volume<'a>(&'a self, id: &'a str, size_mb: u64) -> BoxFuture<'a, cubicle_node::Result<()>> {
+    fn create_volume<'a>(
+        &'a self,
+        id: &'a str,
+        size_mb: u64,
+    ) -> BoxFuture<'a, cubicle_node::Result<()>> {
         Box::pin(Node::create_volume(self, id, size_mb))
     }
 

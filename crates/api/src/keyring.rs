@@ -265,9 +265,16 @@ mod tests {
         let meta = std::fs::metadata(&path).unwrap();
         assert_eq!(meta.permissions().mode() & 0o777, 0o600);
         let b = Keyring::load(&path, true).unwrap();
-        assert_eq!(a.volume_token("v"), b.volume_token("v"), "the same key again");
+        assert_eq!(
+            a.volume_token("v"),
+            b.volume_token("v"),
+            "the same key again"
+        );
         std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o644)).unwrap();
-        assert!(matches!(Keyring::load(&path, false), Err(KeyError::Invalid { .. })));
+        assert!(matches!(
+            Keyring::load(&path, false),
+            Err(KeyError::Invalid { .. })
+        ));
         std::fs::write(dir.join("bad.key"), "xyz").unwrap();
         std::fs::set_permissions(dir.join("bad.key"), std::fs::Permissions::from_mode(0o600))
             .unwrap();

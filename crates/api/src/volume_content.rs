@@ -83,10 +83,13 @@ fn io_error(path: &str, e: io::Error) -> ContentError {
     use io::ErrorKind as K;
     let status = match e.raw_os_error() {
         Some(libc::EDQUOT) | Some(libc::ENOSPC) => StatusCode::INSUFFICIENT_STORAGE,
-        Some(libc::ELOOP) | Some(libc::ENOTDIR) | Some(libc::EISDIR) | Some(libc::ENOTEMPTY)
-        | Some(libc::EXDEV) | Some(libc::ENAMETOOLONG) | Some(libc::ENXIO) => {
-            StatusCode::BAD_REQUEST
-        }
+        Some(libc::ELOOP)
+        | Some(libc::ENOTDIR)
+        | Some(libc::EISDIR)
+        | Some(libc::ENOTEMPTY)
+        | Some(libc::EXDEV)
+        | Some(libc::ENAMETOOLONG)
+        | Some(libc::ENXIO) => StatusCode::BAD_REQUEST,
         _ => match e.kind() {
             K::NotFound => StatusCode::NOT_FOUND,
             K::AlreadyExists => StatusCode::CONFLICT,
@@ -207,7 +210,12 @@ fn params(raw: Option<&str>) -> CResult<Params> {
     let path = q
         .get("path")
         .filter(|p| !p.is_empty())
-        .ok_or_else(|| ContentError::new(StatusCode::BAD_REQUEST, "the path query parameter is required"))?
+        .ok_or_else(|| {
+            ContentError::new(
+                StatusCode::BAD_REQUEST,
+                "the path query parameter is required",
+            )
+        })?
         .to_string();
     let int = |name: &str| -> CResult<Option<u32>> {
         Ok(q.int(name, 0..=i64::from(u32::MAX))?.map(|v| v as u32))
@@ -253,7 +261,12 @@ async fn with_fs<T: Send + 'static>(
         f(fs).map_err(|e| io_error(&p, e))
     })
     .await
-    .map_err(|e| ContentError::new(StatusCode::INTERNAL_SERVER_ERROR, format!("volume task: {e}")))?
+    .map_err(|e| {
+        ContentError::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            format!("volume task: {e}"),
+        )
+    })?
 }
 
 async fn list_dir(
@@ -280,7 +293,10 @@ async fn make_dir(
     authorize(&cp, &id, &headers)?;
     let p = params(q.as_deref())?;
     let (path, attrs, force) = (p.path.clone(), p.attrs, p.force);
-    let e = with_fs(&cp, &id, &p.path, move |fs| fs.make_dir(&path, attrs, force)).await?;
+    let e = with_fs(&cp, &id, &p.path, move |fs| {
+        fs.make_dir(&path, attrs, force)
+    })
+    .await?;
     Ok((StatusCode::CREATED, Json(entry_body(e))).into_response())
 }
 
@@ -318,7 +334,10 @@ async fn set_attrs(
         AttrsBody::default()
     } else {
         serde_json::from_slice(&raw).map_err(|e| {
-            ContentError::new(StatusCode::BAD_REQUEST, format!("invalid metadata body: {e}"))
+            ContentError::new(
+                StatusCode::BAD_REQUEST,
+                format!("invalid metadata body: {e}"),
+            )
         })?
     };
     let attrs = Attrs {
@@ -389,7 +408,10 @@ async fn write_file(
     authorize(&cp, &id, &headers)?;
     let p = params(q.as_deref())?;
     let (path, attrs, force) = (p.path.clone(), p.attrs, p.force);
-    let file = with_fs(&cp, &id, &p.path, move |fs| fs.open_write(&path, attrs, force)).await?;
+    let file = with_fs(&cp, &id, &p.path, move |fs| {
+        fs.open_write(&path, attrs, force)
+    })
+    .await?;
     let mut file = tokio::fs::File::from_std(file);
     let mut body = body;
     while let Some(frame) = body.frame().await {
@@ -397,7 +419,9 @@ async fn write_file(
             ContentError::new(StatusCode::BAD_REQUEST, format!("reading the upload: {e}"))
         })?;
         if let Ok(data) = frame.into_data() {
-            file.write_all(&data).await.map_err(|e| io_error(&p.path, e))?;
+            file.write_all(&data)
+                .await
+                .map_err(|e| io_error(&p.path, e))?;
         }
     }
     file.flush().await.map_err(|e| io_error(&p.path, e))?;
@@ -416,14 +440,26 @@ mod tests {
     #[test]
     fn errors_map_to_statuses() {
         let s = |e: io::Error| io_error("/p", e).status;
-        assert_eq!(s(io::Error::from_raw_os_error(libc::ENOENT)), StatusCode::NOT_FOUND);
-        assert_eq!(s(io::Error::from_raw_os_error(libc::EEXIST)), StatusCode::CONFLICT);
+        assert_eq!(
+            s(io::Error::from_raw_os_error(libc::ENOENT)),
+            StatusCode::NOT_FOUND
+        );
+        assert_eq!(
+            s(io::Error::from_raw_os_error(libc::EEXIST)),
+            StatusCode::CONFLICT
+        );
         assert_eq!(
             s(io::Error::from_raw_os_error(libc::EDQUOT)),
             StatusCode::INSUFFICIENT_STORAGE
         );
-        assert_eq!(s(io::Error::from_raw_os_error(libc::ELOOP)), StatusCode::BAD_REQUEST);
-        assert_eq!(s(io::Error::from_raw_os_error(libc::EIO)), StatusCode::INTERNAL_SERVER_ERROR);
+        assert_eq!(
+            s(io::Error::from_raw_os_error(libc::ELOOP)),
+            StatusCode::BAD_REQUEST
+        );
+        assert_eq!(
+            s(io::Error::from_raw_os_error(libc::EIO)),
+            StatusCode::INTERNAL_SERVER_ERROR
+        );
     }
 
     #[test]

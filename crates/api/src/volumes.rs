@@ -196,7 +196,11 @@ impl ControlPlane {
             )));
         }
         let team_id = team.id;
-        let count = self.store().call(move |s| s.volumes(Some(team_id))).await?.len();
+        let count = self
+            .store()
+            .call(move |s| s.volumes(Some(team_id)))
+            .await?
+            .len();
         if count >= limits.max_per_team {
             return Err(ApiError::BadRequest(format!(
                 "the team has {count} volumes, the most allowed; delete one first"

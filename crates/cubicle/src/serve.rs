@@ -104,10 +104,20 @@ pub struct ServeArgs {
     #[arg(long, env = "CUBICLE_SECRETS_KEY_FILE", value_name = "FILE")]
     pub secrets_key_file: Option<std::path::PathBuf>,
     /// Size of a volume whose create names none, in MiB.
-    #[arg(long, env = "CUBICLE_VOLUME_SIZE_MB", default_value_t = 10240, value_name = "MIB")]
+    #[arg(
+        long,
+        env = "CUBICLE_VOLUME_SIZE_MB",
+        default_value_t = 10240,
+        value_name = "MIB"
+    )]
     pub volume_size_mb: u64,
     /// Most volumes one team may have.
-    #[arg(long, env = "CUBICLE_MAX_VOLUMES_PER_TEAM", default_value_t = 100, value_name = "N")]
+    #[arg(
+        long,
+        env = "CUBICLE_MAX_VOLUMES_PER_TEAM",
+        default_value_t = 100,
+        value_name = "N"
+    )]
     pub max_volumes_per_team: usize,
     /// Host memory all pooled sandboxes together may use, in MiB.
     #[arg(

@@ -98,24 +98,24 @@ impl SandboxRuntime for LinuxRuntime {
         spec.env = s.env.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
         spec.envd_binary = Some(s.envd_binary.clone());
         spec.log_file = Some(s.sandbox_dir.join("init.log"));
-        spec.binds = s
-            .binds
-            .iter()
-            .map(|(source, target, readonly)| cubicle_runtime::BindMount {
-                source: source.clone(),
-                target: target.clone(),
-                readonly: *readonly,
-                idmapped: false,
-            })
-            .chain(s.volumes.iter().map(|(source, target, readonly)| {
-                cubicle_runtime::BindMount {
+        spec.binds =
+            s.binds
+                .iter()
+                .map(|(source, target, readonly)| cubicle_runtime::BindMount {
                     source: source.clone(),
                     target: target.clone(),
                     readonly: *readonly,
-                    idmapped: true,
-                }
-            }))
-            .collect();
+                    idmapped: false,
+                })
+                .chain(s.volumes.iter().map(|(source, target, readonly)| {
+                    cubicle_runtime::BindMount {
+                        source: source.clone(),
+                        target: target.clone(),
+                        readonly: *readonly,
+                        idmapped: true,
+                    }
+                }))
+                .collect();
         if s.internet {
             // Fail before spawning if the network cannot work at all.
             self.network()?;

@@ -27,6 +27,8 @@ use crate::sandbox::VolumeMount;
 pub const VOLUME_ROOT_OWNER: u32 = 1000;
 /// Most volumes one sandbox may mount.
 pub const MAX_VOLUME_MOUNTS: usize = 8;
+/// How long deleting a volume waits for sandboxes that mount it to finish dying.
+const DYING_WAIT: std::time::Duration = std::time::Duration::from_secs(30);
 /// Smallest and largest volume size, MiB.
 pub const VOLUME_SIZE_MB: std::ops::RangeInclusive<u64> = 16..=(1 << 24);
 
@@ -117,7 +119,9 @@ impl Node {
     /// Creates volume `id` with a limit of `size_mb` MiB.
     pub async fn create_volume(&self, id: &str, size_mb: u64) -> Result<()> {
         if !is_valid_volume_id(id) {
-            return Err(Error::InvalidRequest(format!("volume id '{id}' is malformed")));
+            return Err(Error::InvalidRequest(format!(
+                "volume id '{id}' is malformed"
+            )));
         }
         if !VOLUME_SIZE_MB.contains(&size_mb) {
             return Err(Error::InvalidRequest(format!(
@@ -140,21 +144,47 @@ impl Node {
         if !is_valid_volume_id(id) {
             return Err(Error::VolumeNotFound(id.to_string()));
         }
-        {
-            let mut st = self.inner.lock();
-            let users = st.volume_users(id);
-            if !users.is_empty() {
-                return Err(Error::VolumeInUse {
-                    volume: id.to_string(),
-                    sandboxes: users,
-                });
+        // Sandboxes killed a moment ago are still being torn down (a kill answers once
+        // they are dead; their mounts go with their teardown): wait for those, but not
+        // for a running one.
+        let deadline = std::time::Instant::now() + DYING_WAIT;
+        loop {
+            let wait = {
+                let mut st = self.inner.lock();
+                let users = st.volume_users(id);
+                let running: Vec<String> = users
+                    .iter()
+                    .filter(|u| {
+                        st.live
+                            .get(*u)
+                            .is_some_and(|l| l.record.state != crate::SandboxState::Dying)
+                    })
+                    .cloned()
+                    .collect();
+                if !running.is_empty()
+                    || (!users.is_empty() && std::time::Instant::now() >= deadline)
+                {
+                    return Err(Error::VolumeInUse {
+                        volume: id.to_string(),
+                        sandboxes: if running.is_empty() { users } else { running },
+                    });
+                }
+                if users.is_empty() {
+                    if !st.deleting_volumes.insert(id.to_string()) {
+                        return Err(Error::VolumeInUse {
+                            volume: id.to_string(),
+                            sandboxes: Vec::new(),
+                        });
+                    }
+                    false
+                } else {
+                    true
+                }
+            };
+            if !wait {
+                break;
             }
-            if !st.deleting_volumes.insert(id.to_string()) {
-                return Err(Error::VolumeInUse {
-                    volume: id.to_string(),
-                    sandboxes: Vec::new(),
-                });
-            }
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
         }
         let rt = self.inner.runtime.clone();
         let id2 = id.to_string();
@@ -211,7 +241,10 @@ impl crate::node::inner::Inner {
     }
 
     /// (host directory, mount point, read-only) of each mount, for the runtime.
-    pub(crate) fn volume_binds(&self, mounts: &[VolumeMount]) -> Result<Vec<(PathBuf, PathBuf, bool)>> {
+    pub(crate) fn volume_binds(
+        &self,
+        mounts: &[VolumeMount],
+    ) -> Result<Vec<(PathBuf, PathBuf, bool)>> {
         mounts
             .iter()
             .map(|m| {

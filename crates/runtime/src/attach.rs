@@ -26,15 +26,24 @@ use crate::sys;
 
 /// Attaches `binds` inside the running sandbox whose init is `pid` (`pidfd` pins it),
 /// whose root is host uid/gid `uid_base`.
-pub fn attach_binds(pidfd: BorrowedFd<'_>, pid: i32, uid_base: u32, binds: &[BindMount]) -> Result<()> {
+pub fn attach_binds(
+    pidfd: BorrowedFd<'_>,
+    pid: i32,
+    uid_base: u32,
+    binds: &[BindMount],
+) -> Result<()> {
     if binds.is_empty() {
         return Ok(());
     }
     for b in binds {
         check_target(&b.target)?;
     }
-    let userns = std::fs::File::open(format!("/proc/{pid}/ns/user"))
-        .map_err(|e| Error::io(format!("opening the user namespace of sandbox init {pid}"), e))?;
+    let userns = std::fs::File::open(format!("/proc/{pid}/ns/user")).map_err(|e| {
+        Error::io(
+            format!("opening the user namespace of sandbox init {pid}"),
+            e,
+        )
+    })?;
     // The namespace file was opened through a pid: make sure that pid still is the init
     // the pidfd names (signal 0 through the pidfd fails once it has exited).
     // SAFETY: plain syscall; a null siginfo is allowed.
@@ -99,18 +108,17 @@ fn check_target(target: &Path) -> Result<()> {
 }
 
 /// Runs on its own thread: enters the mount namespace and attaches every mount.
-fn attach_in_namespace(pidfd: RawFd, uid_base: u32, binds: &[BindMount], mounts: &[OwnedFd]) -> Result<()> {
+fn attach_in_namespace(
+    pidfd: RawFd,
+    uid_base: u32,
+    binds: &[BindMount],
+    mounts: &[OwnedFd],
+) -> Result<()> {
     sys::unshare(libc::CLONE_FS).map_err(|e| Error::io("unshare(CLONE_FS)", e))?;
     sys::setns(pidfd, libc::CLONE_NEWNS)
         .map_err(|e| Error::io("entering the sandbox's mount namespace", e))?;
-    let root = sys::openat2(
-        libc::AT_FDCWD,
-        c"/",
-        libc::O_PATH | libc::O_DIRECTORY,
-        0,
-        0,
-    )
-    .map_err(|e| Error::io("opening the sandbox's root", e))?;
+    let root = sys::openat2(libc::AT_FDCWD, c"/", libc::O_PATH | libc::O_DIRECTORY, 0, 0)
+        .map_err(|e| Error::io("opening the sandbox's root", e))?;
     // Directories are made as the sandbox's root (their owner then is root inside; a
     // host uid 0 would not even be representable in the sandbox's overlay); the
     // capabilities setfsuid drops are raised again so that any directory can be entered.

@@ -509,10 +509,24 @@ fn idmapped_binds_at_spawn_and_while_running(env: &Env) {
     };
     cubicle_runtime::attach_binds(sb.pidfd().as_fd(), sb.pid(), spec.uid_base, &[late_bind])
         .unwrap_or_else(|e| panic!("attach: {e}"));
-    assert!(sb.wait_timeout(Duration::from_secs(20)), "log: {}", env.log(&spec));
+    assert!(
+        sb.wait_timeout(Duration::from_secs(20)),
+        "log: {}",
+        env.log(&spec)
+    );
     let log = env.log(&spec);
-    for want in ["1000:1000", "root-wrote", "user-wrote", "late-marker", "late-ro", "end"] {
-        assert!(log.lines().any(|l| l == want), "{want:?} missing; log: {log}");
+    for want in [
+        "1000:1000",
+        "root-wrote",
+        "user-wrote",
+        "late-marker",
+        "late-ro",
+        "end",
+    ] {
+        assert!(
+            log.lines().any(|l| l == want),
+            "{want:?} missing; log: {log}"
+        );
     }
     // The late volume's root (uid 1000 on disk) is uid 1000 inside: idmapped too.
     assert!(log.lines().any(|l| l == "1000"), "log: {log}");

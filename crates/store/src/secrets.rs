@@ -55,7 +55,9 @@ impl Store {
     /// [`Error::Conflict`].
     pub fn insert_secret(&self, s: &SecretRow, sealed: &[u8]) -> Result<()> {
         let r = self.conn().execute(
-            &format!("INSERT INTO secrets ({COLUMNS}, sealed) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8)"),
+            &format!(
+                "INSERT INTO secrets ({COLUMNS}, sealed) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8)"
+            ),
             params![
                 s.id,
                 s.team_id,
@@ -96,7 +98,12 @@ impl Store {
     }
 
     /// A team's secrets ordered by name, `limit` of them after the name `after`.
-    pub fn secrets(&self, team_id: i64, after: Option<&str>, limit: usize) -> Result<Vec<SecretRow>> {
+    pub fn secrets(
+        &self,
+        team_id: i64,
+        after: Option<&str>,
+        limit: usize,
+    ) -> Result<Vec<SecretRow>> {
         let conn = self.conn();
         let mut st = conn.prepare(&format!(
             "SELECT {COLUMNS} FROM secrets WHERE team_id = ?1 AND (?2 IS NULL OR name > ?2) ORDER BY name LIMIT ?3"
@@ -132,7 +139,11 @@ impl Store {
 
     /// The id, version and sealed value of a team's secret by canonical name, for the
     /// one reader that unseals it (the egress layer's header injection).
-    pub fn sealed_secret(&self, team_id: i64, name: &str) -> Result<Option<(String, i64, Vec<u8>)>> {
+    pub fn sealed_secret(
+        &self,
+        team_id: i64,
+        name: &str,
+    ) -> Result<Option<(String, i64, Vec<u8>)>> {
         Ok(self
             .conn()
             .query_row(
@@ -156,7 +167,9 @@ impl Store {
     pub fn secret_id_taken(&self, id: &str) -> Result<bool> {
         Ok(self
             .conn()
-            .query_row("SELECT 1 FROM secrets WHERE id = ?1", params![id], |_| Ok(()))
+            .query_row("SELECT 1 FROM secrets WHERE id = ?1", params![id], |_| {
+                Ok(())
+            })
             .optional()?
             .is_some())
     }
@@ -179,7 +192,8 @@ mod tests {
             created_at: 1,
             updated_at: 1,
         };
-        s.insert_secret(&row("sec_a", "alpha"), b"sealed-1").unwrap();
+        s.insert_secret(&row("sec_a", "alpha"), b"sealed-1")
+            .unwrap();
         s.insert_secret(&row("sec_b", "beta"), b"sealed-2").unwrap();
         assert!(matches!(
             s.insert_secret(&row("sec_c", "alpha"), b"x"),
@@ -192,7 +206,10 @@ mod tests {
             .unwrap()
             .unwrap();
         assert_eq!((u.version, u.updated_at, u.metadata.len()), (2, 5, 0));
-        let u = s.update_secret(t.id, "sec_a", b"sealed-4", None, 6).unwrap().unwrap();
+        let u = s
+            .update_secret(t.id, "sec_a", b"sealed-4", None, 6)
+            .unwrap()
+            .unwrap();
         assert_eq!(u.version, 3);
         assert_eq!(
             s.sealed_secret(t.id, "alpha").unwrap().unwrap(),

@@ -227,7 +227,10 @@ impl ApiClient {
         Ok((status, headers, body))
     }
 
-    pub(super) fn json<T: serde::de::DeserializeOwned>(path: &str, body: &[u8]) -> Result<T, ClientError> {
+    pub(super) fn json<T: serde::de::DeserializeOwned>(
+        path: &str,
+        body: &[u8],
+    ) -> Result<T, ClientError> {
         serde_json::from_slice(body).map_err(|e| {
             ClientError::Protocol(format!(
                 "{path}: {e} in {}",

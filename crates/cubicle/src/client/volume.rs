@@ -11,10 +11,10 @@ use clap::{Args, Subcommand};
 use hyper::Method;
 use serde_json::Value;
 
+use super::ClientError;
 use super::args::settings_from;
 use super::http::BaseUrl;
 use super::rest::{ApiClient, QUERY_VALUE, enc, seg};
-use super::ClientError;
 
 /// File transfers may take long; everything else answers within a minute.
 const FILE_TIMEOUT: Duration = Duration::from_secs(3600);
@@ -27,7 +27,13 @@ pub struct VolumeArgs {
     #[arg(long, global = true, env = "E2B_API_URL", value_name = "URL")]
     pub api_url: Option<String>,
     /// API key (default: `<state-dir>/admin-api-key`, written by `cubicle serve`).
-    #[arg(long, global = true, env = "E2B_API_KEY", hide_env_values = true, value_name = "KEY")]
+    #[arg(
+        long,
+        global = true,
+        env = "E2B_API_KEY",
+        hide_env_values = true,
+        value_name = "KEY"
+    )]
     pub api_key: Option<String>,
     /// The volume content API (default: the API URL; `cubicle serve` serves both).
     #[arg(long, global = true, env = "E2B_VOLUME_API_URL", value_name = "URL")]
@@ -139,7 +145,12 @@ pub async fn run_volume(args: VolumeArgs, state_dir: &std::path::Path) -> anyhow
     // The same settings `cubicle sandbox` resolves (flags, env, the admin key file).
     let settings = settings_from(&args.api_url, &args.api_key, &None, state_dir)?;
     let api = ApiClient::new(settings.api.clone(), settings.api_key.clone());
-    let content_base = match args.volume_api_url.as_deref().map(str::trim).filter(|s| !s.is_empty()) {
+    let content_base = match args
+        .volume_api_url
+        .as_deref()
+        .map(str::trim)
+        .filter(|s| !s.is_empty())
+    {
         Some(u) => BaseUrl::parse(u)?,
         None => settings.api.clone(),
     };
@@ -150,7 +161,12 @@ pub async fn run_volume(args: VolumeArgs, state_dir: &std::path::Path) -> anyhow
                 body["sizeMB"] = mb.into();
             }
             let (_, _, b) = api
-                .call(Method::POST, "/volumes", Some(serde_json::to_vec(&body)?), CALL_TIMEOUT)
+                .call(
+                    Method::POST,
+                    "/volumes",
+                    Some(serde_json::to_vec(&body)?),
+                    CALL_TIMEOUT,
+                )
                 .await?;
             let v: Value = ApiClient::json("/volumes", &b)?;
             println!("{}", v["volumeID"].as_str().unwrap_or_default());
@@ -193,8 +209,13 @@ pub async fn run_volume(args: VolumeArgs, state_dir: &std::path::Path) -> anyhow
             for vol in volumes {
                 let r = async {
                     let id = resolve(&api, &vol).await?;
-                    api.call(Method::DELETE, &format!("/volumes/{}", seg(&id)), None, CALL_TIMEOUT)
-                        .await
+                    api.call(
+                        Method::DELETE,
+                        &format!("/volumes/{}", seg(&id)),
+                        None,
+                        CALL_TIMEOUT,
+                    )
+                    .await
                 }
                 .await;
                 match r {
@@ -215,7 +236,12 @@ pub async fn run_volume(args: VolumeArgs, state_dir: &std::path::Path) -> anyhow
             let c = content(&api, &content_base, &volume).await?;
             let (_, _, b) = c
                 .client
-                .call(Method::GET, &c.path("dir", &path, &format!("&depth={depth}")), None, CALL_TIMEOUT)
+                .call(
+                    Method::GET,
+                    &c.path("dir", &path, &format!("&depth={depth}")),
+                    None,
+                    CALL_TIMEOUT,
+                )
                 .await?;
             let entries: Vec<Value> = ApiClient::json("volume listing", &b)?;
             for e in entries {
@@ -225,7 +251,10 @@ pub async fn run_volume(args: VolumeArgs, state_dir: &std::path::Path) -> anyhow
                     Some("file") => '-',
                     _ => '?',
                 };
-                let target = e["target"].as_str().map(|t| format!(" -> {t}")).unwrap_or_default();
+                let target = e["target"]
+                    .as_str()
+                    .map(|t| format!(" -> {t}"))
+                    .unwrap_or_default();
                 println!(
                     "{kind}{:04o} {:>5} {:>5} {:>10} {}{target}",
                     e["mode"].as_u64().unwrap_or(0),
@@ -281,14 +310,24 @@ pub async fn run_volume(args: VolumeArgs, state_dir: &std::path::Path) -> anyhow
         VolumeCommand::Mkdir { volume, path } => {
             let c = content(&api, &content_base, &volume).await?;
             c.client
-                .call(Method::POST, &c.path("dir", &path, "&force=true"), None, CALL_TIMEOUT)
+                .call(
+                    Method::POST,
+                    &c.path("dir", &path, "&force=true"),
+                    None,
+                    CALL_TIMEOUT,
+                )
                 .await?;
             Ok(0)
         }
         VolumeCommand::Rm { volume, path } => {
             let c = content(&api, &content_base, &volume).await?;
             c.client
-                .call(Method::DELETE, &c.path("path", &path, ""), None, CALL_TIMEOUT)
+                .call(
+                    Method::DELETE,
+                    &c.path("path", &path, ""),
+                    None,
+                    CALL_TIMEOUT,
+                )
                 .await?;
             Ok(0)
         }
@@ -296,7 +335,9 @@ pub async fn run_volume(args: VolumeArgs, state_dir: &std::path::Path) -> anyhow
 }
 
 async fn list(api: &ApiClient) -> Result<Vec<Value>, ClientError> {
-    let (_, _, b) = api.call(Method::GET, "/volumes", None, CALL_TIMEOUT).await?;
+    let (_, _, b) = api
+        .call(Method::GET, "/volumes", None, CALL_TIMEOUT)
+        .await?;
     ApiClient::json("/volumes", &b)
 }
 

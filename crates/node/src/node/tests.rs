@@ -25,7 +25,9 @@ struct FakeRuntime {
 impl FakeRuntime {
     fn for_state(dir: &Path) -> Self {
         let rt = FakeRuntime::default();
-        *rt.volumes.lock().unwrap() = dir.join("sandboxes").join(cubicle_runtime::storage::VOLUMES);
+        *rt.volumes.lock().unwrap() = dir
+            .join("sandboxes")
+            .join(cubicle_runtime::storage::VOLUMES);
         rt
     }
 }
@@ -103,7 +105,14 @@ impl SandboxRuntime for FakeRuntime {
     fn volume_dir(&self, id: &str) -> Result<PathBuf> {
         Ok(self.volumes.lock().unwrap().join(id))
     }
-    fn create_volume(&self, id: &str, _size_mb: u64, _uid: u32, _gid: u32, _mode: u32) -> Result<()> {
+    fn create_volume(
+        &self,
+        id: &str,
+        _size_mb: u64,
+        _uid: u32,
+        _gid: u32,
+        _mode: u32,
+    ) -> Result<()> {
         let d = self.volume_dir(id)?;
         std::fs::create_dir_all(&d).map_err(|e| Error::io("mkdir", &d, e))
     }

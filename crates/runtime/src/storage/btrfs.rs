@@ -15,9 +15,13 @@ use crate::error::{Error, Result, io_err};
 
 impl Storage {
     /// Makes `parent/tmp_name` a subvolume whose qgroup is limited to `quota_bytes`.
-    pub(super) fn btrfs_create(&self, parent: &Path, tmp_name: &str, quota_bytes: u64) -> Result<()> {
-        let root =
-            File::open(parent).map_err(io_err(format!("opening {}", parent.display())))?;
+    pub(super) fn btrfs_create(
+        &self,
+        parent: &Path,
+        tmp_name: &str,
+        quota_bytes: u64,
+    ) -> Result<()> {
+        let root = File::open(parent).map_err(io_err(format!("opening {}", parent.display())))?;
         btrfs_subvol_create(&root, tmp_name)
             .map_err(io_err(format!("creating subvolume {tmp_name}")))?;
         let dir =
@@ -82,10 +86,14 @@ impl Storage {
 
     /// Removes directory `parent/name` (`meta`: its metadata): a subvolume with its
     /// qgroup, or a plain directory.
-    pub(super) fn btrfs_remove(&self, parent: &Path, name: &str, meta: &fs::Metadata) -> Result<()> {
+    pub(super) fn btrfs_remove(
+        &self,
+        parent: &Path,
+        name: &str,
+        meta: &fs::Metadata,
+    ) -> Result<()> {
         let path = parent.join(name);
-        let root =
-            File::open(parent).map_err(io_err(format!("opening {}", parent.display())))?;
+        let root = File::open(parent).map_err(io_err(format!("opening {}", parent.display())))?;
         if meta.ino() == 256 {
             // A subvolume: destroying it is O(1), the kernel cleans up in the background.
             let subvol = File::open(&path)

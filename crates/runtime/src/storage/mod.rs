@@ -54,8 +54,8 @@ mod volumes;
 mod xfs;
 
 pub use image::unmount_path;
-pub use volume_fs::{Attrs, EntryKind, MAX_VOLUME_ID, Timestamp, VolumeEntry, VolumeFs};
 use image::{create_image, detect, is_mount_point, mount_image, mount_source_is_loop_of};
+pub use volume_fs::{Attrs, EntryKind, MAX_VOLUME_ID, Timestamp, VolumeEntry, VolumeFs};
 
 /// Which kernel mechanism enforces the quotas.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -547,7 +547,11 @@ mod tests {
         let vol = storage
             .create_volume_dir("vol-1", quota, 1000, 1000, 0o755)
             .unwrap();
-        assert!(storage.create_volume_dir("vol-1", quota, 0, 0, 0o755).is_err());
+        assert!(
+            storage
+                .create_volume_dir("vol-1", quota, 0, 0, 0o755)
+                .is_err()
+        );
         {
             use std::os::unix::fs::MetadataExt;
             let m = fs::metadata(&vol).unwrap();
@@ -555,8 +559,13 @@ mod tests {
         }
         let sb = storage.create_sandbox_dir("sb-1", quota).unwrap();
         let (written, err) = fill(&vol.join("big"), 64 << 20);
-        let code = err.expect("writing 64 MiB into a 10 MiB volume must fail").raw_os_error();
-        assert!(code == Some(libc::ENOSPC) || code == Some(libc::EDQUOT), "{code:?}");
+        let code = err
+            .expect("writing 64 MiB into a 10 MiB volume must fail")
+            .raw_os_error();
+        assert!(
+            code == Some(libc::ENOSPC) || code == Some(libc::EDQUOT),
+            "{code:?}"
+        );
         assert!(written <= quota);
         // The sandbox's own quota is untouched by the volume's use.
         let (_, err) = fill(&sb.join("small"), 4 << 20);
@@ -572,8 +581,10 @@ mod tests {
         let u = storage.volume_usage("vol-1").unwrap();
         assert_eq!(u.limit_bytes, quota);
         assert!(u.used_bytes >= quota * 8 / 10, "{u:?}");
-        let more = File::create(vol.join("more"))
-            .and_then(|mut f| f.write_all(&vec![1u8; 32 << 20]).and_then(|()| f.sync_all()));
+        let more = File::create(vol.join("more")).and_then(|mut f| {
+            f.write_all(&vec![1u8; 32 << 20])
+                .and_then(|()| f.sync_all())
+        });
         assert!(more.is_err(), "the limit survives reconciliation");
         // Re-opened (a restart): still there, still limited.
         drop(storage);

@@ -239,7 +239,13 @@ impl VolumeFs {
         } else {
             parts.join("/")
         };
-        sys::openat2(self.root.as_raw_fd(), &cstr(rel.as_bytes())?, flags, mode, RESOLVE)
+        sys::openat2(
+            self.root.as_raw_fd(),
+            &cstr(rel.as_bytes())?,
+            flags,
+            mode,
+            RESOLVE,
+        )
     }
 
     /// The parent directory of `parts` (which must not be the root) and the last name.
@@ -271,7 +277,11 @@ impl VolumeFs {
     pub fn list(&self, path: &str, depth: u32) -> io::Result<Vec<VolumeEntry>> {
         let parts = components(path)?;
         let dir = self.open_at(&parts, libc::O_RDONLY | libc::O_DIRECTORY, 0)?;
-        let base = if parts.is_empty() { String::new() } else { join(&parts) };
+        let base = if parts.is_empty() {
+            String::new()
+        } else {
+            join(&parts)
+        };
         let mut out = Vec::new();
         let mut todo: Vec<(OwnedFd, String, u32)> = vec![(dir, base, 1)];
         while let Some((dir, prefix, level)) = todo.pop() {
@@ -348,7 +358,9 @@ impl VolumeFs {
                 return self
                     .open_at(parts, libc::O_PATH | libc::O_DIRECTORY, 0)
                     .map(drop)
-                    .map_err(|_| invalid(format!("{} exists and is not a directory", join(parts))));
+                    .map_err(|_| {
+                        invalid(format!("{} exists and is not a directory", join(parts)))
+                    });
             }
             return Err(e);
         }
@@ -363,7 +375,13 @@ impl VolumeFs {
     }
 
     /// fchown/fchmod of a new entry `fd`: the given owner, else `parent`'s.
-    fn set_owner_mode(&self, fd: RawFd, parent: RawFd, attrs: Attrs, mode: Option<u32>) -> io::Result<()> {
+    fn set_owner_mode(
+        &self,
+        fd: RawFd,
+        parent: RawFd,
+        attrs: Attrs,
+        mode: Option<u32>,
+    ) -> io::Result<()> {
         let pst = fstat(parent)?;
         let uid = attrs.uid.unwrap_or(pst.st_uid);
         let gid = attrs.gid.unwrap_or(pst.st_gid);
@@ -394,7 +412,10 @@ impl VolumeFs {
             return Err(invalid("the volume's root is a directory"));
         }
         if force {
-            let dir_attrs = Attrs { mode: None, ..attrs };
+            let dir_attrs = Attrs {
+                mode: None,
+                ..attrs
+            };
             for i in 1..parts.len() {
                 self.mkdir_one(&parts[..i], dir_attrs, true)?;
             }
@@ -407,7 +428,8 @@ impl VolumeFs {
                 Ok(File::from(fd))
             }
             Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {
-                let fd = self.open_at(&parts, libc::O_WRONLY | libc::O_TRUNC | libc::O_NONBLOCK, 0)?;
+                let fd =
+                    self.open_at(&parts, libc::O_WRONLY | libc::O_TRUNC | libc::O_NONBLOCK, 0)?;
                 let st = fstat(fd.as_raw_fd())?;
                 let file = regular_blocking(fd, path)?;
                 if attrs != Attrs::default() {
@@ -449,13 +471,21 @@ impl VolumeFs {
         let st = lstat_at(dir.as_raw_fd(), &c)?;
         if kind_of(st.st_mode) == EntryKind::Symlink {
             if attrs.mode.is_some() {
-                return Err(invalid(format!("{path} is a symlink: it has no mode of its own")));
+                return Err(invalid(format!(
+                    "{path} is a symlink: it has no mode of its own"
+                )));
             }
             let uid = attrs.uid.unwrap_or(st.st_uid);
             let gid = attrs.gid.unwrap_or(st.st_gid);
             // SAFETY: valid fd and name.
             check(unsafe {
-                libc::fchownat(dir.as_raw_fd(), c.as_ptr(), uid, gid, libc::AT_SYMLINK_NOFOLLOW)
+                libc::fchownat(
+                    dir.as_raw_fd(),
+                    c.as_ptr(),
+                    uid,
+                    gid,
+                    libc::AT_SYMLINK_NOFOLLOW,
+                )
             })?;
         } else {
             // O_PATH descriptors cannot be fchmod'ed: open the entry itself (never
@@ -619,19 +649,36 @@ mod tests {
         let d = tmp("ops");
         let v = VolumeFs::open(&d).unwrap();
         let e = v.make_dir("/a/b", Attrs::default(), true).unwrap();
-        assert_eq!((e.kind, e.path.as_str(), e.name.as_str()), (EntryKind::Directory, "/a/b", "b"));
+        assert_eq!(
+            (e.kind, e.path.as_str(), e.name.as_str()),
+            (EntryKind::Directory, "/a/b", "b")
+        );
         assert!(v.make_dir("/a/b", Attrs::default(), false).is_err());
         assert_eq!(
-            v.make_dir("/x/y", Attrs::default(), false).unwrap_err().kind(),
+            v.make_dir("/x/y", Attrs::default(), false)
+                .unwrap_err()
+                .kind(),
             io::ErrorKind::NotFound
         );
-        let mut f = v.open_write("/a/b/f.txt", Attrs { mode: Some(0o600), ..Default::default() }, false).unwrap();
+        let mut f = v
+            .open_write(
+                "/a/b/f.txt",
+                Attrs {
+                    mode: Some(0o600),
+                    ..Default::default()
+                },
+                false,
+            )
+            .unwrap();
         f.write_all(b"hello").unwrap();
         drop(f);
         let e = v.stat("/a/b/f.txt").unwrap();
         assert_eq!((e.kind, e.size, e.mode), (EntryKind::File, 5, 0o600));
         let mut s = String::new();
-        v.open_read("a/b/f.txt").unwrap().read_to_string(&mut s).unwrap();
+        v.open_read("a/b/f.txt")
+            .unwrap()
+            .read_to_string(&mut s)
+            .unwrap();
         assert_eq!(s, "hello");
         // overwrite keeps the mode, truncates
         let mut f = v.open_write("/a/b/f.txt", Attrs::default(), false).unwrap();
@@ -642,13 +689,31 @@ mod tests {
         // force makes parents
         assert!(v.open_write("/p/q/r", Attrs::default(), false).is_err());
         v.open_write("/p/q/r", Attrs::default(), true).unwrap();
-        let names: Vec<String> = v.list("/", 1).unwrap().into_iter().map(|e| e.path).collect();
+        let names: Vec<String> = v
+            .list("/", 1)
+            .unwrap()
+            .into_iter()
+            .map(|e| e.path)
+            .collect();
         assert_eq!(names, vec!["/a", "/p"]);
-        let deep: Vec<String> = v.list("/", 3).unwrap().into_iter().map(|e| e.path).collect();
+        let deep: Vec<String> = v
+            .list("/", 3)
+            .unwrap()
+            .into_iter()
+            .map(|e| e.path)
+            .collect();
         for p in ["/a", "/a/b", "/a/b/f.txt", "/p", "/p/q", "/p/q/r"] {
             assert!(deep.contains(&p.to_string()), "{p} in {deep:?}");
         }
-        let e = v.set_attrs("/a/b/f.txt", Attrs { mode: Some(0o640), ..Default::default() }).unwrap();
+        let e = v
+            .set_attrs(
+                "/a/b/f.txt",
+                Attrs {
+                    mode: Some(0o640),
+                    ..Default::default()
+                },
+            )
+            .unwrap();
         assert_eq!(e.mode, 0o640);
         v.remove("/a").unwrap();
         assert_eq!(v.stat("/a").unwrap_err().kind(), io::ErrorKind::NotFound);
@@ -675,17 +740,29 @@ mod tests {
         // Writing through a link creates the file inside the volume, never outside.
         let _ = v.open_write("/dir/secret", Attrs::default(), false);
         let _ = v.open_write("/abs", Attrs::default(), false);
-        assert_eq!(std::fs::read_to_string(outside.join("secret")).unwrap(), "host data");
+        assert_eq!(
+            std::fs::read_to_string(outside.join("secret")).unwrap(),
+            "host data"
+        );
         // Removing a link to a directory removes the link only.
         v.remove("/dir").unwrap();
         assert!(outside.join("secret").exists());
         // stat reports the link itself.
         let e = v.stat("/abs").unwrap();
         assert_eq!(e.kind, EntryKind::Symlink);
-        assert_eq!(e.target.as_deref(), Some(outside.join("secret").to_str().unwrap()));
+        assert_eq!(
+            e.target.as_deref(),
+            Some(outside.join("secret").to_str().unwrap())
+        );
         // metadata changes of a link never reach its target
         let before = std::fs::metadata(outside.join("secret")).unwrap();
-        let _ = v.set_attrs("/abs", Attrs { uid: Some(1234), ..Default::default() });
+        let _ = v.set_attrs(
+            "/abs",
+            Attrs {
+                uid: Some(1234),
+                ..Default::default()
+            },
+        );
         let after = std::fs::metadata(outside.join("secret")).unwrap();
         use std::os::unix::fs::MetadataExt;
         assert_eq!(before.uid(), after.uid());
@@ -697,10 +774,23 @@ mod tests {
     fn ids_out_of_range_are_refused() {
         let d = tmp("ids");
         let v = VolumeFs::open(&d).unwrap();
-        let bad = Attrs { uid: Some(70_000), ..Default::default() };
+        let bad = Attrs {
+            uid: Some(70_000),
+            ..Default::default()
+        };
         assert!(v.make_dir("/x", bad, false).is_err());
         assert!(v.open_write("/f", bad, false).is_err());
-        assert!(v.open_write("/f", Attrs { mode: Some(0o17777), ..Default::default() }, false).is_err());
+        assert!(
+            v.open_write(
+                "/f",
+                Attrs {
+                    mode: Some(0o17777),
+                    ..Default::default()
+                },
+                false
+            )
+            .is_err()
+        );
         std::fs::remove_dir_all(&d).unwrap();
     }
 }
