@@ -215,11 +215,14 @@ def test_size_limit_holds_against_the_tenant(volumes: Volumes, sandboxes: Tracke
     # First, on the empty volume: a subvolume (which btrfs would give a quota group of
     # its own, outside the volume's limit) or a snapshot cannot be made from inside.
     probe = r"""
-import fcntl, os
-args = bytearray(4096)
-args[8:8+6] = b"nested"
+import fcntl, os, struct
 fd = os.open("/mnt/q", os.O_RDONLY)
-for name, req in [("subvol", 0x5000940e), ("snapshot", 0x50009417)]:
+# struct btrfs_ioctl_vol_args {s64 fd; char name[4088]}: a new subvolume "nested", and
+# a snapshot "snap" of the volume itself (its root is a subvolume).
+for name, req, src in [("subvol", 0x5000940e, 0), ("snapshot", 0x50009401, fd)]:
+    args = bytearray(4096)
+    args[0:8] = struct.pack("q", src)
+    args[8:8 + len(name)] = name.encode()
     try:
         fcntl.ioctl(fd, req, args)
         print(name, "created")
