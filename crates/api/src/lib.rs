@@ -9,7 +9,8 @@
 //! - [`error`]: the one error type and the one mapping to `{"code","message"}` bodies;
 //! - [`resolver`]: the router's [`cubicle_router::SandboxResolver`] over the same state;
 //! - [`volumes`] (`/volumes`), [`volume_content`] (`/volumecontent`, its own auth and
-//!   error shape), [`keyring`] (the server's key: volume tokens, sealed secret values).
+//!   error shape), [`secrets`] (`/secrets`, write-only values), [`keyring`] (the server's
+//!   key: volume tokens, sealed secret values).
 //!
 //! ```no_run
 //! # async fn demo(node: cubicle_node::Node, store: cubicle_store::Store) {
@@ -31,6 +32,7 @@ pub mod model;
 pub mod query;
 pub mod resolver;
 pub mod routes;
+pub mod secrets;
 pub mod service;
 pub mod templates;
 pub mod volume_content;

@@ -51,6 +51,7 @@ pub fn router(cp: Arc<ControlPlane>) -> Router {
         // Cubicle's own: warm-pool counters for operators and `cubicle bench`.
         .route("/cubicle/pool", get(pool_stats))
         .merge(crate::volumes::routes())
+        .merge(crate::secrets::routes())
         .route_layer(middleware::from_fn_with_state(cp.clone(), auth));
     Router::new()
         .route("/health", get(|| async { StatusCode::OK }))
