@@ -1,10 +1,14 @@
 //! Sandbox networking: a veth pair with a private address and NAT for sandboxes with
-//! internet access, nftables egress rules, and TCP connections into a sandbox's
-//! network namespace.
+//! internet access, nftables egress rules and per-sandbox policy sets, conntrack cleanup,
+//! and TCP connections into a sandbox's network namespace.
 //!
 //! Layout:
-//! - `egress_rules.nft`: THE egress policy (what a sandbox may reach), one readable file.
-//! - `netlink.rs`: a minimal rtnetlink client (veth, addresses, routes) — no `ip` spawns.
+//! - `egress_rules.nft`: THE kernel-side egress policy (what a sandbox may reach), one
+//!   readable file; the node's DNS resolver and proxy (crate `cubicle-egress`) do the rest.
+//! - `netlink.rs`: the netlink message code every protocol here shares, and a minimal
+//!   rtnetlink client (veth, addresses, routes) — no `ip` spawns.
+//! - `nftables.rs`: policy set elements over netlink (no `nft` spawn per policy change).
+//! - `conntrack.rs`: forgetting a dead sandbox's connections.
 //! - `netns.rs`: namespace handles, `run_in_netns`, `connect_in_netns`.
 //!
 //! Addressing is deterministic from the sandbox's *slot* (a small integer the node
@@ -15,25 +19,26 @@
 //!
 //! Creating a sandbox with internet access changes no nftables state: the rules match
 //! every sandbox by interface-name wildcard. Only sandboxes with an E2B network policy
-//! (`allowOut`/`denyOut`, or internet off with an allow list) get an entry in the
-//! policy map, via [`Network::set_policy`]. Sandboxes without internet and without an
-//! allow list get no veth at all: call nothing here, they only have loopback.
+//! get elements in the policy sets, via [`Network::set_policy`] (one netlink batch).
+//! Sandboxes without internet and without an allow list get no veth at all: call nothing
+//! here, they only have loopback.
 //!
 //! Host prerequisites changed by [`Network::init`]: `net.ipv4.ip_forward=1` (like any
 //! container runtime) and the two nftables tables. If the host runs another firewall
 //! whose forward chain drops by default, sandbox egress needs an accept there too.
 
+mod conntrack;
 mod netlink;
 mod netns;
+mod nftables;
 
 #[cfg(test)]
 mod tests;
 
-use std::collections::HashSet;
+use std::collections::{BTreeSet, HashMap};
 use std::fmt;
 use std::io::{self, Write};
 use std::net::Ipv4Addr;
-use std::ops::Range;
 use std::process::{Command, Stdio};
 use std::str::FromStr;
 use std::sync::Mutex;
@@ -44,20 +49,22 @@ pub use netns::{
 };
 
 use netlink::RouteSocket;
+use nftables::{ElemChange, SetElem};
 
 use crate::error::{Error, Result};
 
-/// The default egress rules, with placeholders (see the file's header).
+/// The egress rules, with placeholders (see the file's header).
 const EGRESS_RULES: &str = include_str!("egress_rules.nft");
-/// The line splitting `EGRESS_RULES` into the static part (re-created by every `init`)
-/// and the policy table (created once, kept across restarts).
+/// The line splitting `EGRESS_RULES` into the main table and the policy table.
 const POLICY_MARKER: &str = "# ---- per-sandbox policy table";
+/// The policy table's sets, in the order they are carried over and applied.
+const POLICY_SETS: [&str; 5] = ["allow", "deny", "deny_all", "steer", "steer_all"];
 
 /// Name of the sandbox side of the veth pair.
 pub const SANDBOX_IFNAME: &str = "eth0";
 
 /// An IPv4 network, `a.b.c.d/len` (host bits cleared).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct Ipv4Cidr {
     addr: Ipv4Addr,
     prefix_len: u8,
@@ -69,15 +76,17 @@ impl Ipv4Cidr {
         if prefix_len > 32 {
             return Err(Error::InvalidCidr(format!("{addr}/{prefix_len}")));
         }
-        let mask = if prefix_len == 0 {
-            0
-        } else {
-            u32::MAX << (32 - prefix_len)
-        };
         Ok(Ipv4Cidr {
-            addr: Ipv4Addr::from(u32::from(addr) & mask),
+            addr: Ipv4Addr::from(u32::from(addr) & Self::mask(prefix_len)),
             prefix_len,
         })
+    }
+    fn mask(prefix_len: u8) -> u32 {
+        if prefix_len == 0 {
+            0
+        } else {
+            u32::MAX << (32 - prefix_len.min(32))
+        }
     }
     pub fn addr(&self) -> Ipv4Addr {
         self.addr
@@ -85,15 +94,21 @@ impl Ipv4Cidr {
     pub fn prefix_len(&self) -> u8 {
         self.prefix_len
     }
+    /// The last address of the network.
+    pub fn last(&self) -> Ipv4Addr {
+        Ipv4Addr::from(u32::from(self.addr) | !Self::mask(self.prefix_len))
+    }
     /// Number of addresses (saturating at u32::MAX for /0).
     pub fn size(&self) -> u32 {
         1u64.checked_shl(32 - self.prefix_len as u32)
             .map_or(u32::MAX, |n| n.min(u32::MAX as u64) as u32)
     }
     pub fn contains(&self, ip: Ipv4Addr) -> bool {
-        Ipv4Cidr::new(ip, self.prefix_len)
-            .map(|c| c.addr == self.addr)
-            .unwrap_or(false)
+        u32::from(ip) & Self::mask(self.prefix_len) == u32::from(self.addr)
+    }
+    /// True for `0.0.0.0/0` (E2B's "all traffic").
+    pub fn is_everything(&self) -> bool {
+        self.prefix_len == 0
     }
 }
 
@@ -116,6 +131,54 @@ impl FromStr for Ipv4Cidr {
     }
 }
 
+/// `cidrs` as sorted, merged, non-overlapping inclusive ranges (interval sets refuse
+/// overlapping elements).
+pub fn merged_ranges(cidrs: &[Ipv4Cidr]) -> Vec<(Ipv4Addr, Ipv4Addr)> {
+    let mut r: Vec<(u32, u32)> = cidrs
+        .iter()
+        .map(|c| (u32::from(c.addr()), u32::from(c.last())))
+        .collect();
+    r.sort_unstable();
+    let mut out: Vec<(u32, u32)> = Vec::with_capacity(r.len());
+    for (a, b) in r {
+        match out.last_mut() {
+            Some(last) if a <= last.1.saturating_add(1) => last.1 = last.1.max(b),
+            _ => out.push((a, b)),
+        }
+    }
+    out.into_iter()
+        .map(|(a, b)| (Ipv4Addr::from(a), Ipv4Addr::from(b)))
+        .collect()
+}
+
+/// Per-sandbox limits on what a sandbox sends, the same for every sandbox of a node.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SandboxLimits {
+    /// Connections (conntrack entries, any protocol) a sandbox may have open at once.
+    pub max_connections: u32,
+    /// New connections per second (sustained), and the burst allowed above it.
+    pub new_connections_per_sec: u32,
+    pub new_connections_burst: u32,
+    /// Outbound bytes per second (packets above it are dropped), and the burst.
+    pub bytes_per_sec: u64,
+    pub bytes_burst: u64,
+}
+
+impl Default for SandboxLimits {
+    /// 4096 connections, 200 new per second (burst 400), 125 MB/s (1 Gbit/s) outbound
+    /// with a 16 MiB burst: far above what a package install or an API client needs, low
+    /// enough that one sandbox cannot fill the host's conntrack table or uplink.
+    fn default() -> Self {
+        SandboxLimits {
+            max_connections: 4096,
+            new_connections_per_sec: 200,
+            new_connections_burst: 400,
+            bytes_per_sec: 125_000_000,
+            bytes_burst: 16 << 20,
+        }
+    }
+}
+
 /// Node-wide network configuration.
 #[derive(Debug, Clone)]
 pub struct NetworkConfig {
@@ -129,13 +192,20 @@ pub struct NetworkConfig {
     pub pool: Ipv4Cidr,
     /// Private ranges sandboxes may not reach (besides the always-denied ones).
     pub deny_private: Vec<Ipv4Cidr>,
+    /// Cloud control and metadata addresses outside link-local, always denied.
+    pub deny_control: Vec<Ipv4Cidr>,
+    /// Deny the subnets of the host's own interfaces (read at [`Network::init`]).
+    pub deny_host_subnets: bool,
     /// Operator exceptions: reachable by every sandbox even if in a denied range.
     pub node_allow: Vec<Ipv4Cidr>,
-    /// DNS resolvers sandboxes may query (port 53 only), even in a denied range. The
-    /// sandbox's /etc/resolv.conf should list these. Default: the IPv4 nameservers of
-    /// the host's /etc/resolv.conf, except loopback ones (a host-local resolver such as
-    /// 127.0.0.53 is unreachable from a sandbox; configure a real one).
-    pub dns_resolvers: Vec<Ipv4Addr>,
+    /// Port of the node's DNS resolver (UDP and TCP) that every sandbox query goes to.
+    pub dns_port: u16,
+    /// Port of the node's egress proxy (TCP) for sandboxes whose policy needs it.
+    pub proxy_port: u16,
+    /// Let sandboxes open outbound SMTP (TCP port 25) connections.
+    pub allow_smtp: bool,
+    /// Per-sandbox limits.
+    pub limits: SandboxLimits,
     /// MTU for both veth ends (None: kernel default 1500).
     pub mtu: Option<u32>,
 }
@@ -152,29 +222,37 @@ pub fn parse_resolv_conf(text: &str) -> Vec<Ipv4Addr> {
         .collect()
 }
 
+fn cidr(s: &str) -> Ipv4Cidr {
+    s.parse::<Ipv4Cidr>().unwrap_or(Ipv4Cidr {
+        addr: Ipv4Addr::UNSPECIFIED,
+        prefix_len: 32,
+    })
+}
+
 impl Default for NetworkConfig {
     fn default() -> Self {
-        let c = |s: &str| {
-            s.parse::<Ipv4Cidr>().unwrap_or(Ipv4Cidr {
-                addr: Ipv4Addr::UNSPECIFIED,
-                prefix_len: 32,
-            })
-        };
         NetworkConfig {
             table: "cubicle".into(),
             ifname_prefix: "cbs".into(),
-            pool: c("10.200.0.0/16"),
+            pool: cidr("10.200.0.0/16"),
             deny_private: vec![
-                c("10.0.0.0/8"),
-                c("172.16.0.0/12"),
-                c("192.168.0.0/16"),
-                c("100.64.0.0/10"), // carrier-grade NAT, also used by some cloud internals
-                c("198.18.0.0/15"), // benchmarking
+                cidr("10.0.0.0/8"),
+                cidr("172.16.0.0/12"),
+                cidr("192.168.0.0/16"),
+                cidr("100.64.0.0/10"), // carrier-grade NAT, also used by some cloud internals
+                cidr("198.18.0.0/15"), // benchmarking
             ],
+            deny_control: vec![
+                cidr("168.63.129.16/32"),   // Azure wireserver (DHCP, DNS, health, agent)
+                cidr("192.0.0.192/32"),     // Oracle Cloud metadata
+                cidr("100.100.100.200/32"), // Alibaba Cloud metadata
+            ],
+            deny_host_subnets: true,
             node_allow: Vec::new(),
-            dns_resolvers: std::fs::read_to_string("/etc/resolv.conf")
-                .map(|t| parse_resolv_conf(&t))
-                .unwrap_or_default(),
+            dns_port: 15353,
+            proxy_port: 15380,
+            allow_smtp: false,
+            limits: SandboxLimits::default(),
             mtu: None,
         }
     }
@@ -192,35 +270,130 @@ pub struct NetInfo {
     pub gateway: Ipv4Addr,
 }
 
-/// A per-sandbox egress policy (E2B `network.allowOut` / `network.denyOut` /
-/// `allow_internet_access`). Destinations are IPv4 addresses or CIDRs; domain names are
-/// not supported here. `allow_out` wins over `deny_out`. Neither can reach what the node
-/// always denies (host, other sandboxes, link-local, private ranges).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct EgressPolicy {
-    pub allow_internet: bool,
-    pub allow_out: Vec<Ipv4Cidr>,
-    pub deny_out: Vec<Ipv4Cidr>,
+/// Where a sandbox's TCP connections go before any address rule.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Steer {
+    /// Straight out, decided by the address rules alone.
+    #[default]
+    Direct,
+    /// To the node's proxy, unless the destination is in the allow list.
+    UnlessAllowed,
+    /// Every connection to the node's proxy (an egress proxy tunnels them all).
+    All,
 }
 
-impl Default for EgressPolicy {
-    fn default() -> Self {
-        EgressPolicy {
-            allow_internet: true,
-            allow_out: Vec::new(),
-            deny_out: Vec::new(),
+/// The kernel's share of a sandbox's egress policy: address rules and where its TCP
+/// goes. Neither list can reach what the node always denies (host, other sandboxes,
+/// link-local, private ranges). `allow` wins over `deny`.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct EgressPolicy {
+    /// Destinations always allowed (E2B `allowOut` addresses).
+    pub allow: Vec<Ipv4Cidr>,
+    /// Destinations denied (E2B `denyOut`, other than 0.0.0.0/0).
+    pub deny: Vec<Ipv4Cidr>,
+    /// Everything not allowed is denied (E2B `denyOut` with 0.0.0.0/0, internet off).
+    pub deny_all: bool,
+    /// Where TCP goes first.
+    pub steer: Steer,
+}
+
+impl EgressPolicy {
+    /// True when the policy equals the node default (no policy elements needed).
+    pub fn is_default(&self) -> bool {
+        self.allow.is_empty() && self.deny.is_empty() && !self.deny_all && self.steer == Steer::Direct
+    }
+
+    /// The policy-set elements of sandbox `ip` under this policy.
+    fn elements(&self, ip: Ipv4Addr) -> BTreeSet<(&'static str, SetElem)> {
+        let mut out = BTreeSet::new();
+        let me = ip.octets();
+        let pair = |a: Ipv4Addr, b: Ipv4Addr| SetElem {
+            key: [me, a.octets()].concat(),
+            key_end: Some([me, b.octets()].concat()),
+        };
+        let single = || SetElem {
+            key: me.to_vec(),
+            key_end: None,
+        };
+        let deny: Vec<Ipv4Cidr> = self.deny.iter().filter(|c| !c.is_everything()).copied().collect();
+        for (a, b) in merged_ranges(&self.allow) {
+            out.insert(("allow", pair(a, b)));
+        }
+        for (a, b) in merged_ranges(&deny) {
+            out.insert(("deny", pair(a, b)));
+        }
+        if self.deny_all || self.deny.iter().any(Ipv4Cidr::is_everything) {
+            out.insert(("deny_all", single()));
+        }
+        match self.steer {
+            Steer::Direct => {}
+            Steer::UnlessAllowed => {
+                out.insert(("steer", single()));
+            }
+            Steer::All => {
+                out.insert(("steer_all", single()));
+            }
+        }
+        out
+    }
+}
+
+/// Why the node denies a destination whatever the sandbox's policy says.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum NodeDenial {
+    /// Loopback, link-local, multicast, reserved, "this network", the sandbox pool, cloud
+    /// control addresses.
+    Reserved,
+    /// One of the host's own subnets.
+    HostSubnet,
+    /// A private range.
+    Private,
+    /// Outbound SMTP (port 25).
+    Smtp,
+}
+
+impl NodeDenial {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            NodeDenial::Reserved => "reserved, metadata or sandbox address",
+            NodeDenial::HostSubnet => "the host's own subnet",
+            NodeDenial::Private => "private range",
+            NodeDenial::Smtp => "outbound SMTP (port 25) is closed",
         }
     }
 }
 
-impl EgressPolicy {
-    /// True when the sandbox needs a veth at all (internet on, or an allow list).
-    pub fn needs_veth(&self) -> bool {
-        self.allow_internet || !self.allow_out.is_empty()
-    }
-    /// True when the policy equals the node default (no policy-map entry needed).
-    pub fn is_default(&self) -> bool {
-        self.allow_internet && self.allow_out.is_empty() && self.deny_out.is_empty()
+/// The node-wide destination rules of `egress_rules.nft`, for code that opens
+/// connections on a sandbox's behalf (the egress proxy and resolver): the same lists the
+/// rules file is rendered from, so both sides always agree.
+#[derive(Debug, Clone, Default)]
+pub struct AddressGuard {
+    node_allowed: Vec<Ipv4Cidr>,
+    reserved: Vec<Ipv4Cidr>,
+    host: Vec<Ipv4Cidr>,
+    private: Vec<Ipv4Cidr>,
+    smtp_closed: bool,
+}
+
+impl AddressGuard {
+    /// Why `ip` (port `port`, for TCP; `None` otherwise) is denied to every sandbox, if it is.
+    pub fn check(&self, ip: Ipv4Addr, port: Option<u16>) -> Result<(), NodeDenial> {
+        if self.smtp_closed && port == Some(25) {
+            return Err(NodeDenial::Smtp);
+        }
+        if self.node_allowed.iter().any(|c| c.contains(ip)) {
+            return Ok(());
+        }
+        if self.reserved.iter().any(|c| c.contains(ip)) {
+            return Err(NodeDenial::Reserved);
+        }
+        if self.host.iter().any(|c| c.contains(ip)) {
+            return Err(NodeDenial::HostSubnet);
+        }
+        if self.private.iter().any(|c| c.contains(ip)) {
+            return Err(NodeDenial::Private);
+        }
+        Ok(())
     }
 }
 
@@ -228,27 +401,101 @@ impl EgressPolicy {
 pub struct Network {
     config: NetworkConfig,
     max_slots: u32,
-    /// Slots that currently have a policy-map entry (so detach knows to remove it).
-    with_policy: Mutex<HashSet<u32>>,
+    /// The host's own subnets, read by `init` (empty for a handle made by `new`).
+    host_nets: Vec<Ipv4Cidr>,
+    /// The policy-set elements each slot has in the kernel (so changes are deltas).
+    applied: Mutex<HashMap<u32, BTreeSet<(&'static str, SetElem)>>>,
 }
 
 impl Network {
     /// Prepares the host once per node start (idempotent): enables IPv4 forwarding and
-    /// (re)creates the egress rules table; creates the policy table if it is missing
-    /// (existing per-sandbox policies are kept; call [`Network::reconcile`] next).
+    /// (re)creates both tables from the rules file, carrying the per-sandbox policy
+    /// elements over in the same transaction (so no sandbox is ever without its policy;
+    /// call [`Network::reconcile`] next to drop those of sandboxes that are gone).
     pub fn init(config: NetworkConfig) -> Result<Self> {
-        let net = Self::new(config)?;
+        let mut net = Self::new(config)?;
         enable_ip_forwarding()?;
+        enable_conntrack_accounting();
+        if net.config.deny_host_subnets {
+            net.host_nets = net.read_host_subnets()?;
+        }
         let (static_part, policy_part) = net.render_rules()?;
         let table = &net.config.table;
-        let mut script =
-            format!("table inet {table} {{}}\ndelete table inet {table}\n{static_part}\n");
-        if !nft_table_exists(&format!("{table}_policy"))? {
-            script.push_str(&policy_part);
+        let ptable = format!("{table}_policy");
+        let carried = if nft_table_exists(&ptable)? {
+            read_policy_elements(&ptable)
+        } else {
+            Vec::new()
+        };
+        let mut script = format!(
+            "table inet {table} {{}}\ndelete table inet {table}\n{static_part}\n\
+             table inet {ptable} {{}}\ndelete table inet {ptable}\n{policy_part}\n"
+        );
+        for (set, elem) in &carried {
+            script.push_str(&format!(
+                "add element inet {ptable} {set} {{ {} }}\n",
+                render_elem(elem)
+            ));
         }
         nft_apply(&script, "loading the egress rules")?;
-        net.load_policy_slots()?;
+        let mut applied: HashMap<u32, BTreeSet<(&'static str, SetElem)>> = HashMap::new();
+        for (set, elem) in carried {
+            if let Some(slot) = elem_slot(&elem).and_then(|ip| net.slot_of_ip(ip)) {
+                applied.entry(slot).or_default().insert((set, elem));
+            }
+        }
+        *net.lock_applied() = applied;
         Ok(net)
+    }
+
+    /// The node-wide destination rules, for code that connects on a sandbox's behalf.
+    pub fn address_guard(&self) -> AddressGuard {
+        let mut reserved: Vec<Ipv4Cidr> = [
+            "0.0.0.0/8",
+            "127.0.0.0/8",
+            "169.254.0.0/16",
+            "224.0.0.0/4",
+            "240.0.0.0/4",
+        ]
+        .iter()
+        .map(|s| cidr(s))
+        .collect();
+        reserved.push(self.config.pool);
+        reserved.extend(self.config.deny_control.iter().copied());
+        AddressGuard {
+            node_allowed: self.config.node_allow.clone(),
+            reserved,
+            host: self.host_nets.clone(),
+            private: self.config.deny_private.clone(),
+            smtp_closed: !self.config.allow_smtp,
+        }
+    }
+
+    /// The subnets of this namespace's interfaces, except sandbox veths and loopback.
+    fn read_host_subnets(&self) -> Result<Vec<Ipv4Cidr>> {
+        let mut rs =
+            RouteSocket::open().map_err(|e| Error::io("opening netlink socket", e))?;
+        let links = rs
+            .links()
+            .map_err(|e| Error::io("listing links", e))?;
+        let addrs = rs
+            .ipv4_addresses()
+            .map_err(|e| Error::io("listing addresses", e))?;
+        let mut out = Vec::new();
+        for a in addrs {
+            let sandbox_link = links
+                .iter()
+                .any(|l| l.index == a.index && l.name.starts_with(&self.config.ifname_prefix));
+            if sandbox_link || a.addr.is_loopback() || self.config.pool.contains(a.addr) {
+                continue;
+            }
+            if let Ok(c) = Ipv4Cidr::new(a.addr, a.prefix_len) {
+                out.push(c);
+            }
+        }
+        out.sort();
+        out.dedup();
+        Ok(out)
     }
 
     /// A handle without touching the host (for reconciliation tools and unit tests).
@@ -283,7 +530,8 @@ impl Network {
         Ok(Network {
             config,
             max_slots,
-            with_policy: Mutex::new(HashSet::new()),
+            host_nets: Vec::new(),
+            applied: Mutex::new(HashMap::new()),
         })
     }
 
@@ -333,7 +581,8 @@ impl Network {
     /// default route, for `slot`. A stale pair left on that slot (crash) is replaced.
     pub fn attach(&self, netns: &Netns, slot: u32) -> Result<NetInfo> {
         let info = self.slot_info(slot)?;
-        let mut host = RouteSocket::open().map_err(|e| Error::io("opening netlink socket", e))?;
+        let mut host =
+            RouteSocket::open().map_err(|e| Error::io("opening netlink socket", e))?;
         let create = |host: &mut RouteSocket| {
             host.create_veth(&info.host_ifname, SANDBOX_IFNAME, netns, self.config.mtu)
         };
@@ -353,7 +602,10 @@ impl Network {
                 })?;
             }
             Err(e) => {
-                return Err(Error::io(format!("creating veth {}", info.host_ifname), e));
+                return Err(Error::io(
+                    format!("creating veth {}", info.host_ifname),
+                    e,
+                ));
             }
         }
         let result = self.configure(&mut host, netns, &info);
@@ -363,7 +615,12 @@ impl Network {
         result.map(|()| info)
     }
 
-    fn configure(&self, host: &mut RouteSocket, netns: &Netns, info: &NetInfo) -> Result<()> {
+    fn configure(
+        &self,
+        host: &mut RouteSocket,
+        netns: &Netns,
+        info: &NetInfo,
+    ) -> Result<()> {
         let host_index = host
             .link_index(&info.host_ifname)
             .map_err(|e| Error::io(format!("looking up {}", info.host_ifname), e))?
@@ -404,7 +661,9 @@ impl Network {
             .map_err(|e| Error::io("setting sandbox eth0 up", e))?;
         inside
             .add_address(index, info.sandbox_ip, 31)
-            .map_err(|e| Error::io(format!("adding {}/31 to sandbox eth0", info.sandbox_ip), e))?;
+            .map_err(|e| {
+                Error::io(format!("adding {}/31 to sandbox eth0", info.sandbox_ip), e)
+            })?;
         inside.add_default_route(index, info.gateway).map_err(|e| {
             Error::io(
                 format!("adding default route via {} in sandbox", info.gateway),
@@ -414,79 +673,85 @@ impl Network {
         Ok(())
     }
 
-    /// Removes slot `slot`'s veth pair and policy (idempotent: missing pieces are fine).
+    /// Removes slot `slot`'s veth pair and policy and forgets its connections
+    /// (idempotent: missing pieces are fine).
     pub fn detach(&self, slot: u32) -> Result<()> {
         let info = self.slot_info(slot)?;
-        let mut host = RouteSocket::open().map_err(|e| Error::io("opening netlink socket", e))?;
+        let mut host =
+            RouteSocket::open().map_err(|e| Error::io("opening netlink socket", e))?;
         match host.delete_link(&info.host_ifname) {
             Ok(()) => {}
             Err(e) if e.raw_os_error() == Some(libc::ENODEV) => {}
             Err(e) => {
-                return Err(Error::io(format!("deleting {}", info.host_ifname), e));
+                return Err(Error::io(
+                    format!("deleting {}", info.host_ifname),
+                    e,
+                ));
             }
         }
-        let had_policy = self.lock_policy().contains(&slot);
-        if had_policy {
-            self.remove_policies(&[slot])?;
-        }
+        self.set_policy(slot, &EgressPolicy::default())?;
+        self.forget_connections(slot)?;
         Ok(())
     }
 
-    /// Sets (or, for the default policy, clears) slot `slot`'s egress policy. Costs one
-    /// `nft` run; sandboxes with the default policy never need it.
+    /// Deletes every conntrack entry slot `slot`'s address opened (after its death, so
+    /// that no stale entry matches the next sandbox on that address).
+    pub fn forget_connections(&self, slot: u32) -> Result<usize> {
+        let info = self.slot_info(slot)?;
+        match conntrack::flush_source(info.sandbox_ip) {
+            Ok(n) => Ok(n),
+            // No conntrack in this kernel/namespace: nothing to forget.
+            Err(e) if e.raw_os_error() == Some(libc::EPROTONOSUPPORT) => Ok(0),
+            Err(e) => Err(Error::io(
+                format!("flushing the conntrack entries of {}", info.sandbox_ip),
+                e,
+            )),
+        }
+    }
+
+    /// Replaces slot `slot`'s egress policy (the default policy clears it) in one atomic
+    /// netlink batch: the sandbox is never without a policy in between. Connections
+    /// already established are not touched.
     pub fn set_policy(&self, slot: u32, policy: &EgressPolicy) -> Result<()> {
         let info = self.slot_info(slot)?;
-        if policy.is_default() {
-            if self.lock_policy().contains(&slot) {
-                self.remove_policies(&[slot])?;
-            }
+        let want = policy.elements(info.sandbox_ip);
+        let mut applied = self.lock_applied();
+        let have = applied.get(&slot).cloned().unwrap_or_default();
+        if have == want {
             return Ok(());
         }
-        let t = format!("{}_policy", self.config.table);
-        let chain = format!("sb_{slot}");
-        let mut s = String::new();
-        s.push_str(&format!(
-            "add chain inet {t} {chain}\nflush chain inet {t} {chain}\n"
-        ));
-        let list = |v: &[Ipv4Cidr]| {
-            v.iter()
-                .map(|c| c.to_string())
-                .collect::<Vec<_>>()
-                .join(", ")
-        };
-        if !policy.allow_out.is_empty() {
-            s.push_str(&format!(
-                "add rule inet {t} {chain} ip daddr {{ {} }} accept\n",
-                list(&policy.allow_out)
-            ));
+        let mut changes = Vec::new();
+        for add in [false, true] {
+            for set in POLICY_SETS {
+                let elems: Vec<SetElem> = if add {
+                    want.difference(&have)
+                } else {
+                    have.difference(&want)
+                }
+                .filter(|(s, _)| *s == set)
+                .map(|(_, e)| e.clone())
+                .collect();
+                changes.push(ElemChange { add, set, elems });
+            }
         }
-        if !policy.deny_out.is_empty() {
-            s.push_str(&format!(
-                "add rule inet {t} {chain} ip daddr {{ {} }} goto deny\n",
-                list(&policy.deny_out)
-            ));
+        nftables::apply(&format!("{}_policy", self.config.table), &changes).map_err(|e| {
+            Error::io(format!("setting the egress policy of slot {slot}"), e)
+        })?;
+        if want.is_empty() {
+            applied.remove(&slot);
+        } else {
+            applied.insert(slot, want);
         }
-        if !policy.allow_internet {
-            s.push_str(&format!("add rule inet {t} {chain} goto deny\n"));
-        }
-        let had = self.lock_policy().contains(&slot);
-        if !had {
-            s.push_str(&format!(
-                "add element inet {t} sandbox_policy {{ {} : jump {chain} }}\n",
-                info.sandbox_ip
-            ));
-        }
-        nft_apply(&s, &format!("setting the egress policy of slot {slot}"))?;
-        self.lock_policy().insert(slot);
         Ok(())
     }
 
     /// After a crash: deletes every sandbox veth and policy of the slots in `owned` (the
     /// calling node's range; other nodes on the host own the others) that are not in
     /// `known`.
-    pub fn reconcile(&self, owned: Range<u32>, known: &[u32]) -> Result<()> {
-        let known: HashSet<u32> = known.iter().copied().collect();
-        let mut host = RouteSocket::open().map_err(|e| Error::io("opening netlink socket", e))?;
+    pub fn reconcile(&self, owned: std::ops::Range<u32>, known: &[u32]) -> Result<()> {
+        let known: std::collections::HashSet<u32> = known.iter().copied().collect();
+        let mut host =
+            RouteSocket::open().map_err(|e| Error::io("opening netlink socket", e))?;
         for link in self.sandbox_links(&mut host)? {
             let Some(slot) = self.slot_of_ifname(&link.name) else {
                 // A veth with our prefix but no slot number: not any node's; leave it.
@@ -500,15 +765,14 @@ impl Network {
                 }
             }
         }
-        self.load_policy_slots()?;
         let stale: Vec<u32> = self
-            .lock_policy()
-            .iter()
+            .lock_applied()
+            .keys()
             .copied()
             .filter(|s| owned.contains(s) && !known.contains(s))
             .collect();
-        if !stale.is_empty() {
-            self.remove_policies(&stale)?;
+        for slot in stale {
+            self.set_policy(slot, &EgressPolicy::default())?;
         }
         Ok(())
     }
@@ -516,7 +780,8 @@ impl Network {
     /// Removes everything this network created on the host: all `<prefix>*` links and
     /// both nftables tables. For tests and `cubicle` uninstall; not used in normal runs.
     pub fn teardown_all(&self) -> Result<()> {
-        let mut host = RouteSocket::open().map_err(|e| Error::io("opening netlink socket", e))?;
+        let mut host =
+            RouteSocket::open().map_err(|e| Error::io("opening netlink socket", e))?;
         for link in self.sandbox_links(&mut host)? {
             match host.delete_link(&link.name) {
                 Ok(()) => {}
@@ -529,14 +794,16 @@ impl Network {
             "table inet {t} {{}}\ndelete table inet {t}\ntable inet {t}_policy {{}}\ndelete table inet {t}_policy\n"
         );
         nft_apply(&script, "deleting the egress tables")?;
-        self.lock_policy().clear();
+        self.lock_applied().clear();
         Ok(())
     }
 
     /// Host links that belong to sandboxes (name `<prefix><digits>`, or any veth with
     /// the prefix).
     fn sandbox_links(&self, host: &mut RouteSocket) -> Result<Vec<netlink::Link>> {
-        let links = host.links().map_err(|e| Error::io("listing links", e))?;
+        let links = host
+            .links()
+            .map_err(|e| Error::io("listing links", e))?;
         Ok(links
             .into_iter()
             .filter(|l| {
@@ -547,109 +814,64 @@ impl Network {
             .collect())
     }
 
-    fn lock_policy(&self) -> std::sync::MutexGuard<'_, HashSet<u32>> {
-        self.with_policy.lock().unwrap_or_else(|p| p.into_inner())
+    fn lock_applied(
+        &self,
+    ) -> std::sync::MutexGuard<'_, HashMap<u32, BTreeSet<(&'static str, SetElem)>>> {
+        self.applied.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Reads which slots have a policy chain or map element from the kernel.
-    fn load_policy_slots(&self) -> Result<()> {
-        let t = format!("{}_policy", self.config.table);
-        let mut slots = HashSet::new();
-        if nft_table_exists(&t)? {
-            let v = nft_json(&["list", "table", "inet", &t])?;
-            for item in v["nftables"].as_array().into_iter().flatten() {
-                if let Some(name) = item["chain"]["name"].as_str()
-                    && let Some(slot) = name.strip_prefix("sb_").and_then(|d| d.parse::<u32>().ok())
-                {
-                    slots.insert(slot);
-                }
-                if item["map"]["name"].as_str() == Some("sandbox_policy") {
-                    for elem in item["map"]["elem"].as_array().into_iter().flatten() {
-                        if let Some(ip) = elem[0].as_str().and_then(|s| s.parse::<Ipv4Addr>().ok())
-                            && let Some(slot) = self.slot_of_ip(ip)
-                        {
-                            slots.insert(slot);
-                        }
-                    }
-                }
-            }
-        }
-        *self.lock_policy() = slots;
-        Ok(())
+    /// Slots that have policy elements in the kernel now.
+    pub fn slots_with_policy(&self) -> Vec<u32> {
+        let mut v: Vec<u32> = self.lock_applied().keys().copied().collect();
+        v.sort_unstable();
+        v
     }
 
-    /// Deletes the map elements and chains of `slots`, tolerating missing pieces.
-    fn remove_policies(&self, slots: &[u32]) -> Result<()> {
-        let t = format!("{}_policy", self.config.table);
-        let v = nft_json(&["list", "table", "inet", &t])?;
-        let mut chains = HashSet::new();
-        let mut elems = HashSet::new();
-        for item in v["nftables"].as_array().into_iter().flatten() {
-            if let Some(name) = item["chain"]["name"].as_str() {
-                chains.insert(name.to_string());
-            }
-            if item["map"]["name"].as_str() == Some("sandbox_policy") {
-                for elem in item["map"]["elem"].as_array().into_iter().flatten() {
-                    if let Some(ip) = elem[0].as_str() {
-                        elems.insert(ip.to_string());
-                    }
-                }
-            }
-        }
-        let mut s = String::new();
-        for &slot in slots {
-            let info = self.slot_info(slot)?;
-            let ip = info.sandbox_ip.to_string();
-            if elems.contains(&ip) {
-                s.push_str(&format!(
-                    "delete element inet {t} sandbox_policy {{ {ip} }}\n"
-                ));
-            }
-            let chain = format!("sb_{slot}");
-            if chains.contains(&chain) {
-                s.push_str(&format!(
-                    "flush chain inet {t} {chain}\ndelete chain inet {t} {chain}\n"
-                ));
-            }
-        }
-        if !s.is_empty() {
-            nft_apply(&s, "removing sandbox egress policies")?;
-        }
-        let mut set = self.lock_policy();
-        for slot in slots {
-            set.remove(slot);
-        }
-        Ok(())
-    }
-
-    /// Fills the placeholders of `egress_rules.nft`; returns (static part, policy table).
+    /// Fills the placeholders of `egress_rules.nft`; returns (main table, policy table).
     fn render_rules(&self) -> Result<(String, String)> {
+        let list = |v: &[Ipv4Cidr]| {
+            v.iter()
+                .map(|c| c.to_string())
+                .collect::<Vec<_>>()
+                .join(", ")
+        };
         let elements = |v: &[Ipv4Cidr]| {
             if v.is_empty() {
                 String::new()
             } else {
-                format!(
-                    "elements = {{ {} }}",
-                    v.iter()
-                        .map(|c| c.to_string())
-                        .collect::<Vec<_>>()
-                        .join(", ")
-                )
+                format!("elements = {{ {} }}", list(v))
             }
         };
-        let dns: Vec<Ipv4Cidr> = self
-            .config
-            .dns_resolvers
-            .iter()
-            .filter_map(|a| Ipv4Cidr::new(*a, 32).ok())
-            .collect();
+        let control = if self.config.deny_control.is_empty() {
+            String::new()
+        } else {
+            format!("{},", list(&self.config.deny_control))
+        };
+        let c = &self.config;
+        let l = &c.limits;
         let text = EGRESS_RULES
-            .replace("@TABLE@", &self.config.table)
-            .replace("@IFPREFIX@", &self.config.ifname_prefix)
-            .replace("@POOL@", &self.config.pool.to_string())
-            .replace("@PRIVATE@", &elements(&self.config.deny_private))
-            .replace("@NODE_ALLOW@", &elements(&self.config.node_allow))
-            .replace("@DNS@", &elements(&dns));
+            .replace("@TABLE@", &c.table)
+            .replace("@IFPREFIX@", &c.ifname_prefix)
+            .replace("@POOL@", &c.pool.to_string())
+            .replace("@CONTROL@", &control)
+            .replace("@HOST_NETS@", &elements(&self.host_nets))
+            .replace("@PRIVATE@", &elements(&c.deny_private))
+            .replace("@NODE_ALLOW@", &elements(&c.node_allow))
+            .replace("@DNS_PORT@", &c.dns_port.to_string())
+            .replace("@PROXY_PORT@", &c.proxy_port.to_string())
+            .replace(
+                "@SMTP@",
+                if c.allow_smtp {
+                    ""
+                } else {
+                    "tcp dport 25 goto deny"
+                },
+            )
+            .replace("@MAX_CONNS@", &l.max_connections.max(1).to_string())
+            .replace("@NEW_CONNS@", &l.new_connections_per_sec.max(1).to_string())
+            .replace("@NEW_BURST@", &l.new_connections_burst.max(1).to_string())
+            .replace("@BYTES_BURST@", &l.bytes_burst.max(1500).to_string())
+            .replace("@BYTES@", &l.bytes_per_sec.max(1).to_string());
         let pos = text.find(POLICY_MARKER).ok_or_else(|| {
             Error::NetworkConfig("egress_rules.nft lacks the policy marker".into())
         })?;
@@ -657,9 +879,48 @@ impl Network {
     }
 }
 
+/// The elements of the policy sets of `inet <ptable>` (sets that do not exist, e.g. in
+/// an older table layout, count as empty: the node re-applies every policy it knows).
+fn read_policy_elements(ptable: &str) -> Vec<(&'static str, SetElem)> {
+    let mut out = Vec::new();
+    for set in POLICY_SETS {
+        if let Ok(elems) = nftables::list(ptable, set) {
+            out.extend(elems.into_iter().map(|e| (set, e)));
+        }
+    }
+    out
+}
+
+/// The sandbox address an element belongs to (its first four key bytes).
+fn elem_slot(e: &SetElem) -> Option<Ipv4Addr> {
+    let b: [u8; 4] = e.key.get(..4)?.try_into().ok()?;
+    Some(Ipv4Addr::from(b))
+}
+
+/// An element in `nft` syntax: `a.b.c.d` or `a.b.c.d . e.f.g.h-i.j.k.l`.
+fn render_elem(e: &SetElem) -> String {
+    let ip = |b: &[u8]| -> String {
+        let a: [u8; 4] = b.try_into().unwrap_or([0; 4]);
+        Ipv4Addr::from(a).to_string()
+    };
+    match (&e.key_end, e.key.len()) {
+        (Some(end), 8) if end.len() == 8 => {
+            format!("{} . {}-{}", ip(&e.key[..4]), ip(&e.key[4..]), ip(&end[4..]))
+        }
+        _ => ip(e.key.get(..4).unwrap_or(&[0; 4])),
+    }
+}
+
+/// Byte counters on connections (`nf_conntrack_acct`), for the audit trail's byte counts.
+/// Best effort: without it the counts read zero.
+fn enable_conntrack_accounting() {
+    let _ = std::fs::write("/proc/sys/net/netfilter/nf_conntrack_acct", "1");
+}
+
 fn enable_ip_forwarding() -> Result<()> {
     let path = "/proc/sys/net/ipv4/ip_forward";
-    let cur = std::fs::read_to_string(path).map_err(|e| Error::io(format!("reading {path}"), e))?;
+    let cur = std::fs::read_to_string(path)
+        .map_err(|e| Error::io(format!("reading {path}"), e))?;
     if cur.trim() != "1" {
         std::fs::write(path, "1")
             .map_err(|e| Error::io(format!("writing {path} (are you root?)"), e))?;

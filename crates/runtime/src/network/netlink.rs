@@ -1,5 +1,7 @@
-//! A minimal rtnetlink client: just the link, address and route messages the sandbox
-//! network needs, over a raw `NETLINK_ROUTE` socket.
+//! Netlink, minimally: the message builder and parser every netlink protocol here shares
+//! ([`Msg`], [`attrs`], [`NetlinkSocket`]), and an rtnetlink client on top ([`RouteSocket`]:
+//! just the link, address and route messages the sandbox network needs). The nftables
+//! set-element and conntrack clients (`nftables.rs`, `conntrack.rs`) use the same socket.
 //!
 //! A netlink socket belongs to the network namespace it was created in, whatever thread
 //! later uses it; so a socket opened once on a thread that `setns`ed into a sandbox's
@@ -18,13 +20,16 @@ const RTM_NEWLINK: u16 = 16;
 const RTM_DELLINK: u16 = 17;
 const RTM_GETLINK: u16 = 18;
 const RTM_NEWADDR: u16 = 20;
+const RTM_GETADDR: u16 = 22;
 const RTM_NEWROUTE: u16 = 24;
 
-const NLM_F_REQUEST: u16 = 0x1;
-const NLM_F_ACK: u16 = 0x4;
-const NLM_F_DUMP: u16 = 0x300;
-const NLM_F_EXCL: u16 = 0x200;
-const NLM_F_CREATE: u16 = 0x400;
+pub(crate) const NLM_F_REQUEST: u16 = 0x1;
+pub(crate) const NLM_F_ACK: u16 = 0x4;
+pub(crate) const NLM_F_DUMP: u16 = 0x300;
+pub(crate) const NLM_F_EXCL: u16 = 0x200;
+pub(crate) const NLM_F_CREATE: u16 = 0x400;
+/// Attribute type flag of a nested attribute (NLA_F_NESTED).
+pub(crate) const NLA_F_NESTED: u16 = 0x8000;
 
 // Attributes.
 const IFLA_IFNAME: u16 = 3;
@@ -45,10 +50,10 @@ const RTPROT_BOOT: u8 = 3;
 const RTN_UNICAST: u8 = 1;
 const RTNH_F_ONLINK: u32 = 4;
 
-const NLMSG_HDRLEN: usize = 16;
+pub(crate) const NLMSG_HDRLEN: usize = 16;
 const IFINFOMSG_LEN: usize = 16;
 
-fn align4(n: usize) -> usize {
+pub(crate) fn align4(n: usize) -> usize {
     (n + 3) & !3
 }
 
@@ -62,13 +67,13 @@ fn ifinfomsg(index: i32, flags: u32, change: u32) -> [u8; IFINFOMSG_LEN] {
 }
 
 /// One netlink request being built.
-struct Msg {
+pub(crate) struct Msg {
     buf: Vec<u8>,
     nests: Vec<usize>,
 }
 
 impl Msg {
-    fn new(ty: u16, flags: u16) -> Self {
+    pub(crate) fn new(ty: u16, flags: u16) -> Self {
         let mut buf = vec![0u8; NLMSG_HDRLEN];
         buf[4..6].copy_from_slice(&ty.to_ne_bytes());
         buf[6..8].copy_from_slice(&flags.to_ne_bytes());
@@ -83,12 +88,12 @@ impl Msg {
         self.buf.resize(n, 0);
     }
 
-    fn header(&mut self, bytes: &[u8]) {
+    pub(crate) fn header(&mut self, bytes: &[u8]) {
         self.buf.extend_from_slice(bytes);
         self.pad();
     }
 
-    fn attr(&mut self, ty: u16, data: &[u8]) {
+    pub(crate) fn attr(&mut self, ty: u16, data: &[u8]) {
         let len = (4 + data.len()) as u16;
         self.buf.extend_from_slice(&len.to_ne_bytes());
         self.buf.extend_from_slice(&ty.to_ne_bytes());
@@ -96,33 +101,33 @@ impl Msg {
         self.pad();
     }
 
-    fn attr_str(&mut self, ty: u16, s: &str) {
+    pub(crate) fn attr_str(&mut self, ty: u16, s: &str) {
         let mut data = Vec::with_capacity(s.len() + 1);
         data.extend_from_slice(s.as_bytes());
         data.push(0);
         self.attr(ty, &data);
     }
 
-    fn attr_u32(&mut self, ty: u16, v: u32) {
+    pub(crate) fn attr_u32(&mut self, ty: u16, v: u32) {
         self.attr(ty, &v.to_ne_bytes());
     }
 
     /// Starts a nested attribute (closed by `end_nest`). Like iproute2, without
     /// NLA_F_NESTED: the veth peer payload is not a plain attribute list.
-    fn begin_nest(&mut self, ty: u16) {
+    pub(crate) fn begin_nest(&mut self, ty: u16) {
         self.nests.push(self.buf.len());
         self.buf.extend_from_slice(&0u16.to_ne_bytes());
         self.buf.extend_from_slice(&ty.to_ne_bytes());
     }
 
-    fn end_nest(&mut self) {
+    pub(crate) fn end_nest(&mut self) {
         if let Some(pos) = self.nests.pop() {
             let len = (self.buf.len() - pos) as u16;
             self.buf[pos..pos + 2].copy_from_slice(&len.to_ne_bytes());
         }
     }
 
-    fn finish(&mut self, seq: u32) -> &[u8] {
+    pub(crate) fn finish(&mut self, seq: u32) -> &[u8] {
         let len = self.buf.len() as u32;
         self.buf[0..4].copy_from_slice(&len.to_ne_bytes());
         self.buf[8..12].copy_from_slice(&seq.to_ne_bytes());
@@ -130,8 +135,9 @@ impl Msg {
     }
 }
 
-/// Iterates the `(type, payload)` attributes of a message body.
-fn attrs(mut data: &[u8]) -> impl Iterator<Item = (u16, &[u8])> {
+/// Iterates the `(type, payload)` attributes of a message body (type without the
+/// nested / byte-order flags).
+pub(crate) fn attrs(mut data: &[u8]) -> impl Iterator<Item = (u16, &[u8])> {
     std::iter::from_fn(move || {
         if data.len() < 4 {
             return None;
@@ -147,7 +153,7 @@ fn attrs(mut data: &[u8]) -> impl Iterator<Item = (u16, &[u8])> {
     })
 }
 
-fn cstr(data: &[u8]) -> String {
+pub(crate) fn cstr(data: &[u8]) -> String {
     let end = data.iter().position(|&b| b == 0).unwrap_or(data.len());
     String::from_utf8_lossy(&data[..end]).into_owned()
 }
@@ -187,22 +193,23 @@ fn parse_link(payload: &[u8]) -> Option<Link> {
     })
 }
 
-/// A `NETLINK_ROUTE` socket, bound to the network namespace it was created in.
-pub(crate) struct RouteSocket {
+/// A netlink socket of one protocol, bound to the network namespace it was created in.
+pub(crate) struct NetlinkSocket {
     fd: OwnedFd,
     seq: u32,
     buf: Vec<u8>,
 }
 
-impl RouteSocket {
-    /// Opens a socket in the calling thread's network namespace.
-    pub fn open() -> io::Result<Self> {
+impl NetlinkSocket {
+    /// Opens a `protocol` (e.g. `NETLINK_ROUTE`, `NETLINK_NETFILTER`) socket in the calling
+    /// thread's network namespace.
+    pub fn open(protocol: libc::c_int) -> io::Result<Self> {
         // SAFETY: plain syscalls on values we own; the fd is wrapped at once.
         let fd = unsafe {
             libc::socket(
                 libc::AF_NETLINK,
                 libc::SOCK_RAW | libc::SOCK_CLOEXEC,
-                libc::NETLINK_ROUTE,
+                protocol,
             )
         };
         if fd < 0 {
@@ -213,6 +220,7 @@ impl RouteSocket {
         // SAFETY: zeroed sockaddr_nl is valid; pid 0 lets the kernel choose.
         let mut addr: libc::sockaddr_nl = unsafe { std::mem::zeroed() };
         addr.nl_family = libc::AF_NETLINK as libc::sa_family_t;
+        // SAFETY: addr is a valid sockaddr_nl of the given length.
         let rc = unsafe {
             libc::bind(
                 fd.as_raw_fd(),
@@ -235,20 +243,33 @@ impl RouteSocket {
                 std::mem::size_of::<libc::c_int>() as libc::socklen_t,
             );
         }
-        Ok(RouteSocket {
+        Ok(NetlinkSocket {
             fd,
             seq: 0,
             buf: vec![0u8; 64 * 1024],
         })
     }
 
-    fn send(&mut self, msg: &mut Msg) -> io::Result<u32> {
+    /// The next sequence number (for callers that build batches themselves).
+    pub fn next_seq(&mut self) -> u32 {
         self.seq = self.seq.wrapping_add(1);
-        let seq = self.seq;
-        let bytes = msg.finish(seq);
+        self.seq
+    }
+
+    /// Sends `msg` with a fresh sequence number, which it returns.
+    pub fn send(&mut self, msg: &mut Msg) -> io::Result<u32> {
+        let seq = self.next_seq();
+        let bytes = msg.finish(seq).to_vec();
+        self.send_bytes(&bytes)?;
+        Ok(seq)
+    }
+
+    /// Sends already-finished message bytes (one message or a batch) to the kernel.
+    pub fn send_bytes(&mut self, bytes: &[u8]) -> io::Result<()> {
         // SAFETY: zeroed sockaddr_nl with pid 0 addresses the kernel.
         let mut dst: libc::sockaddr_nl = unsafe { std::mem::zeroed() };
         dst.nl_family = libc::AF_NETLINK as libc::sa_family_t;
+        // SAFETY: bytes and dst are valid for the lengths given.
         let n = unsafe {
             libc::sendto(
                 self.fd.as_raw_fd(),
@@ -262,12 +283,12 @@ impl RouteSocket {
         if n < 0 {
             return Err(io::Error::last_os_error());
         }
-        Ok(seq)
+        Ok(())
     }
 
     /// Receives replies to `seq` and hands each non-error message to `on_msg`, until an
     /// ACK / error (for requests) or NLMSG_DONE (for dumps).
-    fn recv_until_done(
+    pub fn recv_until_done(
         &mut self,
         seq: u32,
         mut on_msg: impl FnMut(u16, &[u8]) -> bool,
@@ -332,9 +353,93 @@ impl RouteSocket {
         }
     }
 
-    fn request_ack(&mut self, mut msg: Msg) -> io::Result<()> {
+    /// Sends `msg` (which must ask for an ACK) and waits for the kernel's answer.
+    pub fn request_ack(&mut self, mut msg: Msg) -> io::Result<()> {
         let seq = self.send(&mut msg)?;
         self.recv_until_done(seq, |_, _| false)
+    }
+
+    /// Sends a dump request and hands every answer message to `on_msg`.
+    pub fn dump(&mut self, mut msg: Msg, mut on_msg: impl FnMut(u16, &[u8])) -> io::Result<()> {
+        let seq = self.send(&mut msg)?;
+        self.recv_until_done(seq, |ty, payload| {
+            on_msg(ty, payload);
+            false
+        })
+    }
+}
+
+/// An IPv4 address of a host interface, as seen in an address dump.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct IfAddr {
+    pub index: i32,
+    pub addr: Ipv4Addr,
+    pub prefix_len: u8,
+}
+
+/// A `NETLINK_ROUTE` socket, bound to the network namespace it was created in.
+pub(crate) struct RouteSocket {
+    sock: NetlinkSocket,
+}
+
+impl RouteSocket {
+    /// Opens a socket in the calling thread's network namespace.
+    pub fn open() -> io::Result<Self> {
+        Ok(RouteSocket {
+            sock: NetlinkSocket::open(libc::NETLINK_ROUTE)?,
+        })
+    }
+
+    fn send(&mut self, msg: &mut Msg) -> io::Result<u32> {
+        self.sock.send(msg)
+    }
+
+    fn recv_until_done(
+        &mut self,
+        seq: u32,
+        on_msg: impl FnMut(u16, &[u8]) -> bool,
+    ) -> io::Result<()> {
+        self.sock.recv_until_done(seq, on_msg)
+    }
+
+    fn request_ack(&mut self, msg: Msg) -> io::Result<()> {
+        self.sock.request_ack(msg)
+    }
+
+    /// Every IPv4 address of this namespace's interfaces.
+    pub fn ipv4_addresses(&mut self) -> io::Result<Vec<IfAddr>> {
+        let mut m = Msg::new(RTM_GETADDR, NLM_F_REQUEST | NLM_F_DUMP);
+        let mut h = [0u8; 8];
+        h[0] = libc::AF_INET as u8;
+        m.header(&h);
+        let mut out = Vec::new();
+        self.sock.dump(m, |ty, payload| {
+            if ty != RTM_NEWADDR || payload.len() < 8 || payload[0] != libc::AF_INET as u8 {
+                return;
+            }
+            let prefix_len = payload[1];
+            let index = u32::from_ne_bytes([payload[4], payload[5], payload[6], payload[7]]) as i32;
+            let mut local = None;
+            let mut address = None;
+            for (ty, data) in attrs(&payload[8..]) {
+                if data.len() == 4 {
+                    let a = Ipv4Addr::new(data[0], data[1], data[2], data[3]);
+                    match ty {
+                        IFA_LOCAL => local = Some(a),
+                        IFA_ADDRESS => address = Some(a),
+                        _ => {}
+                    }
+                }
+            }
+            if let Some(addr) = local.or(address) {
+                out.push(IfAddr {
+                    index,
+                    addr,
+                    prefix_len,
+                });
+            }
+        })?;
+        Ok(out)
     }
 
     /// Creates a veth pair: `host_name` (up) in this socket's namespace and `peer_name`

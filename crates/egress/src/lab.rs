@@ -1,0 +1,382 @@
+//! A private network lab for the egress layer's tests and `cubicle bench egress`: three
+//! fresh network namespaces built on a dedicated thread, never touching the caller's.
+//!
+//! ```text
+//!  "sandbox" namespaces ── veth lbs<slot> ──  "host" namespace  ── veth lbinet0 ── "internet"
+//!   (10.203.0.x, like a     (Network::init with the real egress    198.51.100.2 (ok.test, DNS)
+//!    sandbox's eth0)          rules, the Egress resolver + proxy)   198.51.100.3 (evil.test)
+//! ```
+//!
+//! The "internet" namespace answers DNS for its names (its own tiny responder, which also
+//! records every question it gets), serves HTTP on port 80 (`200 <its address>`) and
+//! counts bytes on port 443 (replying with the count when the client half-closes).
+
+use std::collections::HashMap;
+use std::io::{Read, Write};
+use std::net::{Ipv4Addr, SocketAddr, TcpListener, TcpStream, UdpSocket};
+use std::process::Command;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use cubicle_runtime::network::{NetInfo, Netns, Network, NetworkConfig, run_in_netns};
+
+use crate::{Egress, EgressConfig, EgressError, NetworkPolicy};
+
+/// The lab's "internet" hosts.
+pub const OK_HOST: Ipv4Addr = Ipv4Addr::new(198, 51, 100, 2);
+pub const EVIL_HOST: Ipv4Addr = Ipv4Addr::new(198, 51, 100, 3);
+const HOST_SIDE: Ipv4Addr = Ipv4Addr::new(198, 51, 100, 1);
+const INET_IF: &str = "lbinet0";
+
+/// The lab, from inside its "host" namespace.
+pub struct Lab {
+    pub rt: tokio::runtime::Runtime,
+    pub net: Network,
+    pub egress: Egress,
+    pub inet: Netns,
+    /// DNS questions the "internet" DNS server received (name, in order).
+    pub upstream_questions: Arc<Mutex<Vec<String>>>,
+    sandboxes: HashMap<u32, (Netns, NetInfo)>,
+}
+
+fn lab_err(what: &str, e: impl std::fmt::Display) -> EgressError {
+    EgressError::io(what, std::io::Error::other(e.to_string()))
+}
+
+fn sh(args: &[&str]) -> Result<(), EgressError> {
+    let out = Command::new(args[0])
+        .args(&args[1..])
+        .output()
+        .map_err(|e| EgressError::io(format!("running {}", args[0]), e))?;
+    if !out.status.success() {
+        return Err(lab_err(
+            &args.join(" "),
+            String::from_utf8_lossy(&out.stderr).trim(),
+        ));
+    }
+    Ok(())
+}
+
+/// A fresh, empty network namespace (with `lo` up).
+fn new_netns() -> Result<Netns, EgressError> {
+    let ns = std::thread::spawn(|| -> Result<Netns, EgressError> {
+        // SAFETY: unshare affects only this short-lived thread.
+        if unsafe { libc::unshare(libc::CLONE_NEWNET) } != 0 {
+            return Err(EgressError::io(
+                "unshare(CLONE_NEWNET) (the lab needs root)",
+                std::io::Error::last_os_error(),
+            ));
+        }
+        Netns::current().map_err(|e| lab_err("opening the new namespace", e))
+    })
+    .join()
+    .map_err(|_| lab_err("lab thread", "panicked"))??;
+    cubicle_runtime::network::loopback_up(&ns).map_err(|e| lab_err("lo up", e))?;
+    Ok(ns)
+}
+
+impl Lab {
+    /// Builds the lab on a new thread whose namespace is the lab's "host", runs `f` there,
+    /// and tears everything down (the namespaces vanish with their last handle).
+    pub fn run<R: Send>(f: impl FnOnce(&mut Lab) -> R + Send) -> Result<R, EgressError> {
+        std::thread::scope(|s| {
+            s.spawn(move || {
+                // SAFETY: unshare affects only this thread (and threads it creates later).
+                if unsafe { libc::unshare(libc::CLONE_NEWNET) } != 0 {
+                    return Err(EgressError::io(
+                        "unshare(CLONE_NEWNET) (the lab needs root)",
+                        std::io::Error::last_os_error(),
+                    ));
+                }
+                let mut lab = Lab::build()?;
+                let r = f(&mut lab);
+                lab.egress.shutdown();
+                Ok(r)
+            })
+            .join()
+            .map_err(|_| lab_err("lab thread", "panicked"))?
+        })
+    }
+
+    fn build() -> Result<Lab, EgressError> {
+        let host = Netns::current().map_err(|e| lab_err("host namespace", e))?;
+        cubicle_runtime::network::loopback_up(&host).map_err(|e| lab_err("lo up", e))?;
+        let config = NetworkConfig {
+            table: "cubicle_lab".into(),
+            ifname_prefix: "lbs".into(),
+            pool: "10.203.0.0/24".parse().map_err(|e| lab_err("pool", e))?,
+            // The lab's internet sits on a subnet of its host.
+            deny_host_subnets: false,
+            ..NetworkConfig::default()
+        };
+        let (dns_port, proxy_port) = (config.dns_port, config.proxy_port);
+        let net = Network::init(config).map_err(|e| lab_err("network init", e))?;
+        // The "internet": a veth to a third namespace, which is also the default route.
+        let inet = new_netns()?;
+        // (`ip` does not inherit our descriptors: name the namespace through our /proc.)
+        let inet_path = format!(
+            "/proc/{}/fd/{}",
+            std::process::id(),
+            std::os::fd::AsRawFd::as_raw_fd(&inet)
+        );
+        sh(&["ip", "link", "add", INET_IF, "type", "veth", "peer", "name", "eth0", "netns", &inet_path])?;
+        sh(&["ip", "addr", "add", &format!("{HOST_SIDE}/24"), "dev", INET_IF])?;
+        sh(&["ip", "link", "set", INET_IF, "up"])?;
+        sh(&["ip", "route", "add", "default", "via", &OK_HOST.to_string(), "dev", INET_IF])?;
+        run_in_netns(&inet, || -> Result<(), EgressError> {
+            for a in [OK_HOST, EVIL_HOST] {
+                sh(&["ip", "addr", "add", &format!("{a}/24"), "dev", "eth0"])?;
+            }
+            sh(&["ip", "link", "set", "eth0", "up"])?;
+            sh(&["ip", "route", "add", "default", "via", &HOST_SIDE.to_string()])
+        })
+        .map_err(|e| lab_err("internet namespace", e))??;
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .map_err(|e| EgressError::io("lab runtime", e))?;
+        let mut ec = EgressConfig::new(dns_port, proxy_port, net.address_guard(), std::env::temp_dir().join(format!("cubicle-lab-{}", std::process::id())));
+        ec.upstream_dns = vec![OK_HOST];
+        let egress = Egress::start(ec, rt.handle())?;
+        let questions = Arc::new(Mutex::new(Vec::new()));
+        start_internet(&inet, questions.clone())?;
+        Ok(Lab {
+            rt,
+            net,
+            egress,
+            inet,
+            upstream_questions: questions,
+            sandboxes: HashMap::new(),
+        })
+    }
+
+    /// A new "sandbox" on `slot` with `policy` (kernel share and egress registration, as
+    /// the node does on create). Returns its address.
+    pub fn add_sandbox(&mut self, slot: u32, policy: &NetworkPolicy) -> Result<Ipv4Addr, EgressError> {
+        let ns = new_netns()?;
+        let info = self
+            .net
+            .attach(&ns, slot)
+            .map_err(|e| lab_err("attach", e))?;
+        let ip = info.sandbox_ip;
+        self.sandboxes.insert(slot, (ns, info));
+        self.set_policy(slot, policy)?;
+        Ok(ip)
+    }
+
+    /// Replaces the policy of the sandbox on `slot` (as `PUT /sandboxes/{id}/network`).
+    pub fn set_policy(&self, slot: u32, policy: &NetworkPolicy) -> Result<(), EgressError> {
+        let (_, info) = self
+            .sandboxes
+            .get(&slot)
+            .ok_or_else(|| lab_err("set_policy", format!("no sandbox on slot {slot}")))?;
+        self.net
+            .set_policy(slot, &policy.kernel())
+            .map_err(|e| lab_err("set_policy", e))?;
+        self.egress
+            .register(info.sandbox_ip, &format!("lab{slot}"), policy.clone());
+        Ok(())
+    }
+
+    /// Removes the sandbox on `slot` (as its death does).
+    pub fn remove_sandbox(&mut self, slot: u32) -> Result<(), EgressError> {
+        if let Some((_, info)) = self.sandboxes.remove(&slot) {
+            self.egress.unregister(info.sandbox_ip);
+            self.net.detach(slot).map_err(|e| lab_err("detach", e))?;
+        }
+        Ok(())
+    }
+
+    /// The audit trail id of the sandbox on `slot`.
+    pub fn id(slot: u32) -> String {
+        format!("lab{slot}")
+    }
+
+    /// Runs `f` inside the sandbox on `slot` (on a helper thread in its namespace).
+    pub fn in_sandbox<R: Send>(&self, slot: u32, f: impl FnOnce() -> R + Send) -> Result<R, EgressError> {
+        let (ns, _) = self
+            .sandboxes
+            .get(&slot)
+            .ok_or_else(|| lab_err("in_sandbox", format!("no sandbox on slot {slot}")))?;
+        run_in_netns(ns, f).map_err(|e| lab_err("in_sandbox", e))
+    }
+}
+
+impl Drop for Lab {
+    fn drop(&mut self) {
+        let _ = self.net.teardown_all();
+    }
+}
+
+/// A DNS query for `name` (A) sent to `server:53` from the calling thread's namespace;
+/// the answer's addresses, or the response code's name.
+pub fn query_a(server: Ipv4Addr, name: &str) -> Result<Vec<Ipv4Addr>, String> {
+    let sock = UdpSocket::bind((Ipv4Addr::UNSPECIFIED, 0)).map_err(|e| e.to_string())?;
+    sock.set_read_timeout(Some(Duration::from_secs(3)))
+        .map_err(|e| e.to_string())?;
+    sock.send_to(&crate::dns::build_query(7, name, crate::dns::TYPE_A), (server, 53))
+        .map_err(|e| e.to_string())?;
+    let mut buf = [0u8; 1500];
+    let n = sock.recv(&mut buf).map_err(|e| e.to_string())?;
+    let a = crate::dns::parse_answer(&buf[..n]).map_err(|e| e.0.to_string())?;
+    if a.rcode != 0 {
+        return Err(crate::dns::rcode_name(a.rcode).to_string());
+    }
+    Ok(a.ipv4.into_iter().map(|(ip, _)| ip).collect())
+}
+
+/// The "internet" servers, each on its own thread inside `inet`.
+fn start_internet(inet: &Netns, questions: Arc<Mutex<Vec<String>>>) -> Result<(), EgressError> {
+    let names: HashMap<&str, Ipv4Addr> = [
+        ("ok.test", OK_HOST),
+        ("www.ok.test", OK_HOST),
+        ("evil.test", EVIL_HOST),
+    ]
+    .into_iter()
+    .collect();
+    let dns = run_in_netns(inet, || UdpSocket::bind((OK_HOST, 53)))
+        .map_err(|e| lab_err("dns socket", e))?
+        .map_err(|e| EgressError::io("binding the lab DNS server", e))?;
+    std::thread::spawn(move || {
+        let mut buf = [0u8; 1500];
+        while let Ok((n, peer)) = dns.recv_from(&mut buf) {
+            let Ok(q) = crate::dns::parse_query(&buf[..n]) else {
+                continue;
+            };
+            questions
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .push(q.name.clone());
+            let reply = match names.get(q.name.as_str()) {
+                Some(ip) if q.qtype == crate::dns::TYPE_A => a_answer(&buf[..n], *ip),
+                _ => crate::dns::error_answer(&buf[..n], &q, crate::dns::RCODE_NXDOMAIN),
+            };
+            let _ = dns.send_to(&reply, peer);
+        }
+    });
+    for addr in [OK_HOST, EVIL_HOST] {
+        let http = run_in_netns(inet, move || TcpListener::bind((addr, 80)))
+            .map_err(|e| lab_err("http socket", e))?
+            .map_err(|e| EgressError::io("binding the lab HTTP server", e))?;
+        std::thread::spawn(move || {
+            for c in http.incoming() {
+                let Ok(mut c) = c else { break };
+                std::thread::spawn(move || {
+                    let mut buf = [0u8; 4096];
+                    let mut got = Vec::new();
+                    while !got.windows(4).any(|w| w == b"\r\n\r\n") {
+                        match c.read(&mut buf) {
+                            Ok(0) | Err(_) => return,
+                            Ok(n) => got.extend_from_slice(&buf[..n]),
+                        }
+                    }
+                    let body = addr.to_string();
+                    let _ = write!(
+                        c,
+                        "HTTP/1.1 200 OK\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+                        body.len()
+                    );
+                });
+            }
+        });
+        let sink = run_in_netns(inet, move || TcpListener::bind((addr, 443)))
+            .map_err(|e| lab_err("sink socket", e))?
+            .map_err(|e| EgressError::io("binding the lab sink", e))?;
+        std::thread::spawn(move || {
+            for c in sink.incoming() {
+                let Ok(mut c) = c else { break };
+                std::thread::spawn(move || {
+                    let mut buf = vec![0u8; 256 * 1024];
+                    let mut total = 0u64;
+                    loop {
+                        match c.read(&mut buf) {
+                            Ok(0) | Err(_) => break,
+                            Ok(n) => total += n as u64,
+                        }
+                    }
+                    let _ = c.write_all(format!("{total}").as_bytes());
+                });
+            }
+        });
+    }
+    Ok(())
+}
+
+/// An answer to `query` with one A record.
+fn a_answer(query: &[u8], ip: Ipv4Addr) -> Vec<u8> {
+    let Ok(q) = crate::dns::parse_query(query) else {
+        return Vec::new();
+    };
+    let mut m = crate::dns::error_answer(query, &q, crate::dns::RCODE_NOERROR);
+    m[6..8].copy_from_slice(&1u16.to_be_bytes());
+    m.extend_from_slice(&[0xc0, 12, 0, 1, 0, 1, 0, 0, 0, 60, 0, 4]);
+    m.extend_from_slice(&ip.octets());
+    m
+}
+
+/// Connects to `addr` (from the calling thread's namespace), sends an HTTP GET with
+/// `Host: host`, returns the body or the error.
+pub fn http_get(addr: SocketAddr, host: &str) -> Result<String, std::io::Error> {
+    let mut s = TcpStream::connect_timeout(&addr, Duration::from_secs(3))?;
+    s.set_read_timeout(Some(Duration::from_secs(3)))?;
+    write!(s, "GET / HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n")?;
+    let mut out = String::new();
+    s.read_to_string(&mut out)?;
+    match out.split_once("\r\n\r\n") {
+        Some((_, body)) => Ok(body.to_string()),
+        None => Err(std::io::Error::new(
+            std::io::ErrorKind::ConnectionReset,
+            format!("no HTTP answer (got {} bytes)", out.len()),
+        )),
+    }
+}
+
+/// A minimal TLS ClientHello record naming `sni` (enough for the proxy to read it).
+pub fn client_hello(sni: &str) -> Vec<u8> {
+    let mut body = vec![3, 3];
+    body.extend_from_slice(&[7; 32]);
+    body.push(0);
+    body.extend_from_slice(&[0, 2, 0x13, 0x01, 1, 0]);
+    let name = sni.as_bytes();
+    let list_len = 3 + name.len();
+    let mut ext = vec![0, 0];
+    ext.extend_from_slice(&((list_len + 2) as u16).to_be_bytes());
+    ext.extend_from_slice(&(list_len as u16).to_be_bytes());
+    ext.push(0);
+    ext.extend_from_slice(&(name.len() as u16).to_be_bytes());
+    ext.extend_from_slice(name);
+    body.extend_from_slice(&(ext.len() as u16).to_be_bytes());
+    body.extend_from_slice(&ext);
+    let mut hs = vec![1];
+    hs.extend_from_slice(&(body.len() as u32).to_be_bytes()[1..]);
+    hs.extend_from_slice(&body);
+    let mut rec = vec![0x16, 3, 1];
+    rec.extend_from_slice(&(hs.len() as u16).to_be_bytes());
+    rec.extend_from_slice(&hs);
+    rec
+}
+
+/// Sends a ClientHello naming `sni` to `addr:443`, then `bytes` more, half-closes and
+/// returns what the sink counted (its reply), or the error.
+pub fn tls_stream(addr: Ipv4Addr, sni: &str, bytes: u64) -> Result<u64, std::io::Error> {
+    let mut s = TcpStream::connect_timeout(&SocketAddr::from((addr, 443)), Duration::from_secs(3))?;
+    s.set_read_timeout(Some(Duration::from_secs(30)))?;
+    s.write_all(&client_hello(sni))?;
+    let chunk = vec![0x5au8; 256 * 1024];
+    let mut left = bytes;
+    while left > 0 {
+        let n = left.min(chunk.len() as u64) as usize;
+        s.write_all(&chunk[..n])?;
+        left -= n as u64;
+    }
+    s.shutdown(std::net::Shutdown::Write)?;
+    let mut out = String::new();
+    s.read_to_string(&mut out)?;
+    out.trim().parse().map_err(|_| {
+        std::io::Error::new(
+            std::io::ErrorKind::ConnectionReset,
+            format!("no count from the sink (got {out:?})"),
+        )
+    })
+}

@@ -1,0 +1,342 @@
+//! The node's egress layer: what a sandbox's DNS questions and TCP connections meet on
+//! the host, beyond the kernel's address rules (`cubicle_runtime::network`).
+//!
+//! - [`resolver`](crate::resolver): every DNS query of every sandbox (the kernel
+//!   redirects UDP/TCP port 53 here, whatever server it was sent to) is answered per the
+//!   sandbox's policy, forwarded to its upstream servers, and recorded; the addresses it
+//!   hands out are remembered per sandbox and name (`names.rs`).
+//! - [`proxy`](crate::proxy): TCP connections the kernel steers here (sandboxes whose
+//!   policy names domains, learn mode, an egress proxy) are matched by TLS SNI or HTTP
+//!   Host against the policy and against the addresses handed out for that name, then
+//!   relayed directly or through the user's SOCKS5 proxy (`socks5.rs`, optionally TLS).
+//! - [`audit`]: the per-sandbox trail of both, and the allow list learn mode prints.
+//! - [`policy`]: E2B's network options as a typed policy and the decisions made from it.
+//!
+//! Sandboxes are told apart by source address (a sandbox's address is its own: the
+//! kernel drops spoofed ones). A source the layer does not know gets nothing: no answer,
+//! no connection (fail closed).
+
+pub mod audit;
+pub mod dns;
+pub mod lab;
+mod names;
+pub mod policy;
+mod proxy;
+mod resolver;
+pub mod sniff;
+mod socks5;
+
+use std::collections::HashMap;
+use std::io;
+use std::net::{Ipv4Addr, SocketAddr};
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::{Duration, Instant};
+
+use cubicle_runtime::network::AddressGuard;
+
+pub use audit::{AuditLog, EventKind, NetEvent, allow_list};
+pub use socks5::check_ca_pem;
+pub use policy::{
+    Destination, DomainPattern, EgressProxy, Ipv4Cidr4, NetworkPolicy, ProxyTls, Rule,
+    Transform, Verdict,
+};
+
+use names::NameTable;
+
+/// Errors of the egress layer.
+#[derive(Debug, thiserror::Error)]
+pub enum EgressError {
+    /// A policy that cannot be applied (the API answers 400 with this text).
+    #[error("{0}")]
+    Policy(String),
+    #[error("{what}: {source}")]
+    Io {
+        what: String,
+        #[source]
+        source: io::Error,
+    },
+    /// A DNS exchange failed.
+    #[error("DNS: {0}")]
+    Dns(String),
+    /// The SOCKS5 proxy refused or failed.
+    #[error("SOCKS5 proxy: {0}")]
+    Socks(String),
+}
+
+impl EgressError {
+    pub(crate) fn io(what: impl Into<String>, source: io::Error) -> Self {
+        EgressError::Io {
+            what: what.into(),
+            source,
+        }
+    }
+}
+
+/// How the egress layer runs.
+#[derive(Debug, Clone)]
+pub struct EgressConfig {
+    /// Where the resolver listens (UDP and TCP); the kernel redirects port 53 here.
+    pub dns_listen: SocketAddr,
+    /// Where the proxy listens (TCP).
+    pub proxy_listen: SocketAddr,
+    /// Upstream DNS servers for sandboxes that name none (the operator's: exempt from
+    /// the address guard).
+    pub upstream_dns: Vec<Ipv4Addr>,
+    /// The node's destination rules (never relaxed by a policy).
+    pub guard: AddressGuard,
+    /// Where audit trails are written (`<id>.net.jsonl`).
+    pub log_dir: PathBuf,
+    /// Rotation size of one trail file.
+    pub log_max_bytes: u64,
+    /// DNS questions per second per sandbox (sustained) and burst; excess is refused.
+    pub dns_rate: (u32, u32),
+    /// How long the proxy waits for a client's first bytes on ports other than 80 and
+    /// 443 (server-first protocols send nothing) before deciding without a name.
+    pub first_bytes_wait: Duration,
+}
+
+impl EgressConfig {
+    /// Defaults around the given ports, guard and log directory: upstream DNS from the
+    /// host's `/etc/resolv.conf` (non-loopback; else 8.8.8.8 and 1.1.1.1), 4 MiB trails,
+    /// 200 DNS questions per second (burst 400), 300 ms first-bytes wait.
+    pub fn new(dns_port: u16, proxy_port: u16, guard: AddressGuard, log_dir: PathBuf) -> Self {
+        let mut upstream = std::fs::read_to_string("/etc/resolv.conf")
+            .map(|t| cubicle_runtime::network::parse_resolv_conf(&t))
+            .unwrap_or_default();
+        if upstream.is_empty() {
+            upstream = vec![Ipv4Addr::new(8, 8, 8, 8), Ipv4Addr::new(1, 1, 1, 1)];
+        }
+        EgressConfig {
+            dns_listen: SocketAddr::from((Ipv4Addr::UNSPECIFIED, dns_port)),
+            proxy_listen: SocketAddr::from((Ipv4Addr::UNSPECIFIED, proxy_port)),
+            upstream_dns: upstream,
+            guard,
+            log_dir,
+            log_max_bytes: 4 << 20,
+            dns_rate: (200, 400),
+            first_bytes_wait: Duration::from_millis(300),
+        }
+    }
+}
+
+/// A token bucket (per-sandbox DNS rate).
+#[derive(Debug)]
+pub(crate) struct Bucket {
+    tokens: f64,
+    last: Instant,
+}
+
+impl Bucket {
+    fn new(burst: u32) -> Self {
+        Bucket {
+            tokens: burst as f64,
+            last: Instant::now(),
+        }
+    }
+    pub(crate) fn take(&mut self, rate: u32, burst: u32) -> bool {
+        let now = Instant::now();
+        let dt = now.duration_since(self.last).as_secs_f64();
+        self.last = now;
+        self.tokens = (self.tokens + dt * rate as f64).min(burst as f64);
+        if self.tokens >= 1.0 {
+            self.tokens -= 1.0;
+            true
+        } else {
+            false
+        }
+    }
+}
+
+/// What the layer knows about one sandbox.
+pub(crate) struct SandboxState {
+    pub id: String,
+    policy: RwLock<Arc<NetworkPolicy>>,
+    pub names: Mutex<NameTable>,
+    pub dns_bucket: Mutex<Bucket>,
+}
+
+impl SandboxState {
+    pub(crate) fn policy(&self) -> Arc<NetworkPolicy> {
+        self.policy
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+}
+
+pub(crate) struct Shared {
+    pub config: EgressConfig,
+    sandboxes: RwLock<HashMap<Ipv4Addr, Arc<SandboxState>>>,
+    pub audit: AuditLog,
+    tasks: Mutex<Vec<tokio::task::JoinHandle<()>>>,
+    /// Where the resolver and proxy actually listen (ports resolved).
+    pub dns_addr: SocketAddr,
+    pub proxy_addr: SocketAddr,
+}
+
+impl Shared {
+    pub(crate) fn sandbox(&self, ip: Ipv4Addr) -> Option<Arc<SandboxState>> {
+        self.sandboxes
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(&ip)
+            .cloned()
+    }
+
+    /// Upstream servers for a sandbox's questions.
+    pub(crate) fn upstreams(&self, policy: &NetworkPolicy) -> Vec<Ipv4Addr> {
+        policy
+            .dns_servers
+            .clone()
+            .unwrap_or_else(|| self.config.upstream_dns.clone())
+    }
+}
+
+/// The running egress layer. Cheap to clone.
+#[derive(Clone)]
+pub struct Egress {
+    shared: Arc<Shared>,
+}
+
+fn bind_err(what: &str, addr: SocketAddr, e: io::Error) -> EgressError {
+    EgressError::io(
+        format!("binding the egress {what} on {addr} (is another node running here?)"),
+        e,
+    )
+}
+
+impl Egress {
+    /// Binds the resolver (UDP + TCP) and the proxy and starts serving them on `handle`.
+    pub fn start(config: EgressConfig, handle: &tokio::runtime::Handle) -> Result<Egress, EgressError> {
+        let udp = std::net::UdpSocket::bind(config.dns_listen)
+            .map_err(|e| bind_err("resolver (UDP)", config.dns_listen, e))?;
+        let dns_addr = udp
+            .local_addr()
+            .map_err(|e| EgressError::io("resolver address", e))?;
+        let dns_tcp = std::net::TcpListener::bind(dns_addr)
+            .map_err(|e| bind_err("resolver (TCP)", dns_addr, e))?;
+        let proxy = std::net::TcpListener::bind(config.proxy_listen)
+            .map_err(|e| bind_err("proxy", config.proxy_listen, e))?;
+        let proxy_addr = proxy
+            .local_addr()
+            .map_err(|e| EgressError::io("proxy address", e))?;
+        for r in [
+            udp.set_nonblocking(true),
+            dns_tcp.set_nonblocking(true),
+            proxy.set_nonblocking(true),
+        ] {
+            r.map_err(|e| EgressError::io("making the egress sockets non-blocking", e))?;
+        }
+        let audit = AuditLog::new(config.log_dir.clone(), config.log_max_bytes);
+        let shared = Arc::new(Shared {
+            config,
+            sandboxes: RwLock::new(HashMap::new()),
+            audit,
+            tasks: Mutex::new(Vec::new()),
+            dns_addr,
+            proxy_addr,
+        });
+        let _guard = handle.enter();
+        let udp = tokio::net::UdpSocket::from_std(udp)
+            .map_err(|e| EgressError::io("resolver socket", e))?;
+        let dns_tcp = tokio::net::TcpListener::from_std(dns_tcp)
+            .map_err(|e| EgressError::io("resolver socket", e))?;
+        let proxy = tokio::net::TcpListener::from_std(proxy)
+            .map_err(|e| EgressError::io("proxy socket", e))?;
+        let tasks = vec![
+            handle.spawn(resolver::serve_udp(shared.clone(), udp)),
+            handle.spawn(resolver::serve_tcp(shared.clone(), dns_tcp)),
+            handle.spawn(proxy::serve(shared.clone(), proxy)),
+        ];
+        *shared.tasks.lock().unwrap_or_else(|p| p.into_inner()) = tasks;
+        tracing::info!("egress: resolver on {dns_addr}, proxy on {proxy_addr}");
+        Ok(Egress { shared })
+    }
+
+    /// Where the resolver listens.
+    pub fn dns_addr(&self) -> SocketAddr {
+        self.shared.dns_addr
+    }
+
+    /// Where the proxy listens.
+    pub fn proxy_addr(&self) -> SocketAddr {
+        self.shared.proxy_addr
+    }
+
+    /// Sets (or replaces) the policy of sandbox `id` at address `ip`. Takes effect for
+    /// the next question or connection; connections already relayed go on.
+    pub fn register(&self, ip: Ipv4Addr, id: &str, policy: NetworkPolicy) {
+        let mut map = self
+            .shared
+            .sandboxes
+            .write()
+            .unwrap_or_else(|p| p.into_inner());
+        match map.get(&ip) {
+            Some(s) if s.id == id => {
+                *s.policy.write().unwrap_or_else(|p| p.into_inner()) = Arc::new(policy);
+            }
+            _ => {
+                map.insert(
+                    ip,
+                    Arc::new(SandboxState {
+                        id: id.to_string(),
+                        policy: RwLock::new(Arc::new(policy)),
+                        names: Mutex::new(NameTable::default()),
+                        dns_bucket: Mutex::new(Bucket::new(self.shared.config.dns_rate.1)),
+                    }),
+                );
+            }
+        }
+    }
+
+    /// Forgets the sandbox at `ip` (it died): its address gets nothing any more.
+    pub fn unregister(&self, ip: Ipv4Addr) {
+        let gone = self
+            .shared
+            .sandboxes
+            .write()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(&ip);
+        if let Some(s) = gone {
+            self.shared.audit.close(&s.id);
+        }
+    }
+
+    /// The policy the layer holds for `ip`.
+    pub fn policy_of(&self, ip: Ipv4Addr) -> Option<Arc<NetworkPolicy>> {
+        self.shared.sandbox(ip).map(|s| s.policy())
+    }
+
+    /// The audit trails.
+    pub fn audit(&self) -> &AuditLog {
+        &self.shared.audit
+    }
+
+    /// The node's destination rules.
+    pub fn guard(&self) -> &AddressGuard {
+        &self.shared.config.guard
+    }
+
+    /// Resolves `host` (a name or an IPv4 literal) to IPv4 addresses through the node's
+    /// upstream servers.
+    pub async fn resolve(&self, host: &str) -> Result<Vec<Ipv4Addr>, EgressError> {
+        if let Ok(ip) = host.parse::<Ipv4Addr>() {
+            return Ok(vec![ip]);
+        }
+        resolver::lookup_a(&self.shared.config.upstream_dns, host).await
+    }
+
+    /// Stops serving (tests; a node process simply exits).
+    pub fn shutdown(&self) {
+        for t in self
+            .shared
+            .tasks
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .drain(..)
+        {
+            t.abort();
+        }
+    }
+}

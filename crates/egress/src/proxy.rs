@@ -1,0 +1,335 @@
+//! The node's egress proxy. The kernel redirects here the TCP connections of sandboxes
+//! whose policy needs more than addresses (domain rules, learn mode, an egress proxy);
+//! the original destination comes from conntrack (`SO_ORIGINAL_DST`).
+//!
+//! For each connection: read the client's first bytes (a TLS ClientHello or an HTTP
+//! request head; on ports other than 80 and 443 a short wait, for protocols where the
+//! server speaks first), take the name it asks for (SNI or `Host`), and decide with the
+//! sandbox's policy ([`NetworkPolicy::decide`](crate::policy::NetworkPolicy::decide)):
+//! a name matching a domain rule passes only if the destination is one of that name's
+//! addresses (handed out by the resolver, or found by resolving the name now), so
+//! neither a hard-coded address nor a name that does not belong to the address gets
+//! through. Then connect (directly, or through the sandbox's SOCKS5 proxy: fail closed)
+//! and relay both ways, counting bytes. Denied connections are reset.
+
+use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4};
+use std::os::fd::AsRawFd;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
+
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
+use tokio::net::{TcpListener, TcpStream};
+
+use crate::audit::EventKind;
+use crate::policy::{Attempt, Verdict, normalize_name};
+use crate::sniff::{self, Sniffed};
+use crate::{EgressError, SandboxState, Shared, resolver, socks5};
+
+/// How long a client on port 80 or 443 (which must speak first) may take to send its
+/// first request bytes.
+const FIRST_BYTES_WEB: Duration = Duration::from_secs(5);
+/// How long connecting to the destination may take.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+/// Relay buffer size per direction.
+const RELAY_BUF: usize = 64 * 1024;
+
+/// A byte stream to the destination (plain TCP, or a SOCKS5 tunnel, maybe over TLS).
+pub(crate) trait Upstream: AsyncRead + AsyncWrite + Unpin + Send {}
+impl<T: AsyncRead + AsyncWrite + Unpin + Send> Upstream for T {}
+
+/// Accepts connections until the task is aborted.
+pub(crate) async fn serve(shared: Arc<Shared>, listener: TcpListener) {
+    loop {
+        let (conn, peer) = match listener.accept().await {
+            Ok(x) => x,
+            Err(e) => {
+                tracing::debug!("proxy: accept: {e}");
+                tokio::time::sleep(Duration::from_millis(10)).await;
+                continue;
+            }
+        };
+        let SocketAddr::V4(peer) = peer else {
+            continue;
+        };
+        let shared = shared.clone();
+        tokio::spawn(async move { handle(shared, conn, peer).await });
+    }
+}
+
+/// Closes `s` with a TCP reset (the client sees "connection reset", at once).
+fn reset(s: TcpStream) {
+    let linger = libc::linger {
+        l_onoff: 1,
+        l_linger: 0,
+    };
+    // SAFETY: valid socket fd and option struct of the given length.
+    unsafe {
+        libc::setsockopt(
+            s.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_LINGER,
+            (&linger as *const libc::linger).cast(),
+            std::mem::size_of::<libc::linger>() as libc::socklen_t,
+        );
+    }
+    drop(s);
+}
+
+/// The destination a redirected connection was addressed to.
+fn original_dst(s: &TcpStream) -> std::io::Result<SocketAddrV4> {
+    const SO_ORIGINAL_DST: libc::c_int = 80;
+    // SAFETY: zeroed sockaddr_in is valid; getsockopt writes at most `len` bytes.
+    let mut addr: libc::sockaddr_in = unsafe { std::mem::zeroed() };
+    let mut len = std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t;
+    // SAFETY: valid fd, pointer and length.
+    let rc = unsafe {
+        libc::getsockopt(
+            s.as_raw_fd(),
+            libc::SOL_IP,
+            SO_ORIGINAL_DST,
+            (&mut addr as *mut libc::sockaddr_in).cast(),
+            &mut len,
+        )
+    };
+    if rc != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(SocketAddrV4::new(
+        Ipv4Addr::from(u32::from_be(addr.sin_addr.s_addr)),
+        u16::from_be(addr.sin_port),
+    ))
+}
+
+/// Reads until the first bytes say what they are (or the client stops sending).
+async fn first_bytes(client: &mut TcpStream, port: u16, wait_other: Duration) -> (Vec<u8>, Sniffed) {
+    let wait_first = if port == 80 || port == 443 {
+        FIRST_BYTES_WEB
+    } else {
+        wait_other
+    };
+    let deadline = Instant::now() + FIRST_BYTES_WEB;
+    let mut buf = Vec::new();
+    let mut chunk = vec![0u8; sniff::MAX_SNIFF];
+    loop {
+        let wait = if buf.is_empty() {
+            wait_first
+        } else {
+            deadline.saturating_duration_since(Instant::now())
+        };
+        match tokio::time::timeout(wait, client.read(&mut chunk)).await {
+            Ok(Ok(n)) if n > 0 => {
+                buf.extend_from_slice(&chunk[..n]);
+                match sniff::sniff(&buf) {
+                    Sniffed::NeedMore => continue,
+                    s => return (buf, s),
+                }
+            }
+            _ => {
+                let s = if buf.is_empty() {
+                    Sniffed::Other
+                } else {
+                    match sniff::sniff(&buf) {
+                        Sniffed::NeedMore => Sniffed::Other,
+                        s => s,
+                    }
+                };
+                return (buf, s);
+            }
+        }
+    }
+}
+
+/// Whether `dst` is an address of `name`: handed out to this sandbox before, or found
+/// by asking the sandbox's (or else the node's) DNS servers now.
+async fn is_address_of(shared: &Shared, sandbox: &SandboxState, name: &str, dst: Ipv4Addr) -> bool {
+    if sandbox
+        .names
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .has(dst, name)
+    {
+        return true;
+    }
+    let policy = sandbox.policy();
+    let mut servers: Vec<Ipv4Addr> = policy
+        .dns_servers
+        .clone()
+        .unwrap_or_default()
+        .into_iter()
+        .filter(|s| shared.config.guard.check(*s, None).is_ok())
+        .collect();
+    if servers.is_empty() {
+        servers = shared.config.upstream_dns.clone();
+    }
+    match resolver::lookup_a_ttl(&servers, name).await {
+        Ok(answers) => {
+            sandbox
+                .names
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .record(name, &answers);
+            answers.iter().any(|(ip, _)| *ip == dst)
+        }
+        Err(_) => false,
+    }
+}
+
+async fn handle(shared: Arc<Shared>, mut client: TcpStream, peer: SocketAddrV4) {
+    let t0 = Instant::now();
+    let Some(sandbox) = shared.sandbox(*peer.ip()) else {
+        return reset(client);
+    };
+    let Ok(dst) = original_dst(&client) else {
+        return reset(client);
+    };
+    let _ = client.set_nodelay(true);
+    let (dst_ip, port) = (*dst.ip(), dst.port());
+    let (head, sniffed) = first_bytes(&mut client, port, shared.config.first_bytes_wait).await;
+    let seen = match &sniffed {
+        Sniffed::Tls { sni } => sni.clone(),
+        Sniffed::Http(h) => h.host(),
+        _ => None,
+    };
+    let name = seen.as_deref().and_then(normalize_name);
+    let policy = sandbox.policy();
+    let domain_named = name.as_deref().is_some_and(|n| policy.domain_rule(n).is_some());
+    let dst_is_names = match &name {
+        Some(n) if domain_named => is_address_of(&shared, &sandbox, n, dst_ip).await,
+        _ => false,
+    };
+    let resolved_as = sandbox
+        .names
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .names_of(dst_ip)
+        .into_iter()
+        .rev()
+        .find(|n| policy.domain_rule(n).is_some());
+    let d = policy.decide(
+        &shared.config.guard,
+        &Attempt {
+            dst: dst_ip,
+            port,
+            name: name.as_deref(),
+            dst_is_names,
+            resolved_as: resolved_as.as_deref(),
+        },
+    );
+    let via = match &policy.egress_proxy {
+        Some(p) => format!("socks5 {}", p.address),
+        None => "direct".to_string(),
+    };
+    shared.audit.record(
+        &sandbox.id,
+        EventKind::Connect {
+            proto: "tcp".into(),
+            dst: dst_ip,
+            port,
+            name: seen.clone(),
+            verdict: d.verdict,
+            reason: d.reason,
+            via,
+        },
+    );
+    if d.verdict == Verdict::Denied {
+        return reset(client);
+    }
+    let upstream: Result<Box<dyn Upstream>, EgressError> = match &policy.egress_proxy {
+        Some(p) => socks5::connect(&shared, p, dst).await,
+        None => match tokio::time::timeout(CONNECT_TIMEOUT, TcpStream::connect(dst)).await {
+            Ok(Ok(s)) => {
+                let _ = s.set_nodelay(true);
+                Ok(Box::new(s) as Box<dyn Upstream>)
+            }
+            Ok(Err(e)) => Err(EgressError::io(format!("connecting to {dst}"), e)),
+            Err(_) => Err(EgressError::Io {
+                what: format!("connecting to {dst}"),
+                source: std::io::ErrorKind::TimedOut.into(),
+            }),
+        },
+    };
+    let close = |out: u64, inn: u64, error: Option<String>| {
+        shared.audit.record(
+            &sandbox.id,
+            EventKind::Close {
+                proto: "tcp".into(),
+                dst: dst_ip,
+                port,
+                name: seen.clone(),
+                bytes_out: out,
+                bytes_in: inn,
+                duration_ms: t0.elapsed().as_millis() as u64,
+                error,
+            },
+        );
+    };
+    let mut upstream = match upstream {
+        Ok(u) => u,
+        Err(e) => {
+            close(0, 0, Some(e.to_string()));
+            return reset(client);
+        }
+    };
+    let (out, inn) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
+    let mut err = None;
+    if let Err(e) = upstream.write_all(&head).await {
+        err = Some(e.to_string());
+    } else {
+        out.fetch_add(head.len() as u64, Ordering::Relaxed);
+        let mut c = Counted {
+            inner: client,
+            n: out.clone(),
+        };
+        let mut u = Counted {
+            inner: upstream,
+            n: inn.clone(),
+        };
+        if let Err(e) =
+            tokio::io::copy_bidirectional_with_sizes(&mut c, &mut u, RELAY_BUF, RELAY_BUF).await
+        {
+            err = Some(e.to_string());
+        }
+    }
+    close(out.load(Ordering::Relaxed), inn.load(Ordering::Relaxed), err);
+}
+
+/// A stream that counts the bytes read from it.
+struct Counted<T> {
+    inner: T,
+    n: Arc<AtomicU64>,
+}
+
+impl<T: AsyncRead + Unpin> AsyncRead for Counted<T> {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<std::io::Result<()>> {
+        let before = buf.filled().len();
+        let r = Pin::new(&mut self.inner).poll_read(cx, buf);
+        let got = buf.filled().len() - before;
+        if got > 0 {
+            self.n.fetch_add(got as u64, Ordering::Relaxed);
+        }
+        r
+    }
+}
+
+impl<T: AsyncWrite + Unpin> AsyncWrite for Counted<T> {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<std::io::Result<usize>> {
+        Pin::new(&mut self.inner).poll_write(cx, buf)
+    }
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.inner).poll_flush(cx)
+    }
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.inner).poll_shutdown(cx)
+    }
+}

@@ -1,0 +1,107 @@
+//! Conntrack over netlink (`NETLINK_NETFILTER`, ctnetlink): forgetting every connection a
+//! dead sandbox opened. Without this its entries outlive it (an established TCP entry
+//! lives five days) and would be matched by the next sandbox given the same address.
+
+use std::io;
+use std::net::Ipv4Addr;
+
+use super::netlink::{Msg, NLA_F_NESTED, NLM_F_ACK, NLM_F_DUMP, NLM_F_REQUEST, NetlinkSocket, attrs};
+
+const NFNL_SUBSYS_CTNETLINK: u16 = 1;
+const IPCTNL_MSG_CT_NEW: u16 = 0;
+const IPCTNL_MSG_CT_GET: u16 = 1;
+const IPCTNL_MSG_CT_DELETE: u16 = 2;
+
+const CTA_TUPLE_ORIG: u16 = 1;
+const CTA_ZONE: u16 = 18;
+const CTA_TUPLE_IP: u16 = 1;
+const CTA_IP_V4_SRC: u16 = 1;
+
+fn nfgenmsg() -> [u8; 4] {
+    [libc::AF_INET as u8, 0, 0, 0]
+}
+
+fn msg_type(cmd: u16) -> u16 {
+    (NFNL_SUBSYS_CTNETLINK << 8) | cmd
+}
+
+/// One conntrack entry, as much as is needed to delete it.
+struct Entry {
+    orig_tuple: Vec<u8>,
+    zone: Option<Vec<u8>>,
+}
+
+fn orig_source(tuple: &[u8]) -> Option<Ipv4Addr> {
+    let (_, ip) = attrs(tuple).find(|(t, _)| *t == CTA_TUPLE_IP)?;
+    let (_, src) = attrs(ip).find(|(t, _)| *t == CTA_IP_V4_SRC)?;
+    let b: [u8; 4] = src.try_into().ok()?;
+    Some(Ipv4Addr::from(b))
+}
+
+/// Deletes every IPv4 conntrack entry (in the calling thread's network namespace) whose
+/// original direction starts at `source`. Returns how many were deleted. Entries that
+/// vanish meanwhile are fine.
+pub fn flush_source(source: Ipv4Addr) -> io::Result<usize> {
+    let mut sock = NetlinkSocket::open(libc::NETLINK_NETFILTER)?;
+    let mut m = Msg::new(msg_type(IPCTNL_MSG_CT_GET), NLM_F_REQUEST | NLM_F_DUMP);
+    m.header(&nfgenmsg());
+    let mut doomed = Vec::new();
+    sock.dump(m, |ty, payload| {
+        if ty != msg_type(IPCTNL_MSG_CT_NEW) || payload.len() < 4 {
+            return;
+        }
+        let mut tuple = None;
+        let mut zone = None;
+        for (t, data) in attrs(&payload[4..]) {
+            match t {
+                CTA_TUPLE_ORIG => tuple = Some(data),
+                CTA_ZONE => zone = Some(data.to_vec()),
+                _ => {}
+            }
+        }
+        if let Some(tuple) = tuple
+            && orig_source(tuple) == Some(source)
+        {
+            doomed.push(Entry {
+                orig_tuple: tuple.to_vec(),
+                zone,
+            });
+        }
+    })?;
+    let mut deleted = 0;
+    for e in doomed {
+        let mut m = Msg::new(msg_type(IPCTNL_MSG_CT_DELETE), NLM_F_REQUEST | NLM_F_ACK);
+        m.header(&nfgenmsg());
+        m.attr(CTA_TUPLE_ORIG | NLA_F_NESTED, &e.orig_tuple);
+        if let Some(z) = &e.zone {
+            m.attr(CTA_ZONE, z);
+        }
+        match sock.request_ack(m) {
+            Ok(()) => deleted += 1,
+            Err(e) if e.raw_os_error() == Some(libc::ENOENT) => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(deleted)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reads_the_original_source() {
+        // CTA_TUPLE_IP { CTA_IP_V4_SRC 10.200.0.1, CTA_IP_V4_DST 1.2.3.4 }
+        let mut m = Msg::new(0, 0);
+        m.begin_nest(CTA_TUPLE_IP | NLA_F_NESTED);
+        m.attr(CTA_IP_V4_SRC, &[10, 200, 0, 1]);
+        m.attr(2, &[1, 2, 3, 4]);
+        m.end_nest();
+        let bytes = m.finish(0).to_vec();
+        assert_eq!(
+            orig_source(&bytes[16..]),
+            Some(Ipv4Addr::new(10, 200, 0, 1))
+        );
+        assert_eq!(orig_source(&[]), None);
+    }
+}
