@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use cubicle_node::runtime::SandboxStats;
 use cubicle_node::volume::VolumeFs;
-use cubicle_node::{CreateRequest, Node, SandboxInfo};
+use cubicle_node::{CreateRequest, NetEvent, NetworkPolicy, Node, SandboxInfo};
 
 /// A boxed, sendable future.
 pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
@@ -63,9 +63,67 @@ pub trait Backend: Send + Sync + 'static {
     fn reconcile_volumes(&self) -> BoxFuture<'_, cubicle_node::Result<Vec<String>>> {
         Box::pin(async { Ok(Vec::new()) })
     }
+    /// Checks a policy's DNS servers and egress proxy against the node's rules.
+    fn check_network<'a>(
+        &'a self,
+        _policy: &'a NetworkPolicy,
+    ) -> BoxFuture<'a, cubicle_node::Result<()>> {
+        Box::pin(async { Ok(()) })
+    }
+    /// Replaces a running sandbox's egress policy.
+    fn update_network<'a>(
+        &'a self,
+        id: &'a str,
+        _policy: NetworkPolicy,
+    ) -> BoxFuture<'a, cubicle_node::Result<()>> {
+        Box::pin(async move {
+            Err(cubicle_node::Error::Runtime(format!(
+                "this backend cannot change the network of {id}"
+            )))
+        })
+    }
+    /// A sandbox's network audit trail after `after` (at most `limit` events).
+    fn network_log<'a>(
+        &'a self,
+        _id: &'a str,
+        _after: u64,
+        _limit: usize,
+    ) -> BoxFuture<'a, Vec<NetEvent>> {
+        Box::pin(async { Vec::new() })
+    }
+    /// Deletes a sandbox's network audit trail.
+    fn forget_network_log(&self, _id: &str) {}
 }
 
 impl Backend for Node {
+    fn check_network<'a>(
+        &'a self,
+        policy: &'a NetworkPolicy,
+    ) -> BoxFuture<'a, cubicle_node::Result<()>> {
+        Box::pin(Node::check_network(self, policy))
+    }
+
+    fn update_network<'a>(
+        &'a self,
+        id: &'a str,
+        policy: NetworkPolicy,
+    ) -> BoxFuture<'a, cubicle_node::Result<()>> {
+        Box::pin(Node::update_network(self, id, policy))
+    }
+
+    fn network_log<'a>(
+        &'a self,
+        id: &'a str,
+        after: u64,
+        limit: usize,
+    ) -> BoxFuture<'a, Vec<NetEvent>> {
+        Box::pin(Node::network_log(self, id, after, limit))
+    }
+
+    fn forget_network_log(&self, id: &str) {
+        Node::forget_network_log(self, id)
+    }
+
     fn pool_stats(&self) -> serde_json::Value {
         serde_json::to_value(Node::pool_stats(self)).unwrap_or_default()
     }

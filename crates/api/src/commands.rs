@@ -12,6 +12,9 @@ use serde::de::DeserializeOwned;
 
 use sha2::{Digest, Sha256};
 
+use cubicle_node::NetworkPolicy;
+use cubicle_node::network_policy::{DomainPattern, EgressProxy, ProxyTls, Rule};
+
 use crate::error::{ApiError, ApiResult};
 use crate::query::{Query, decode_cursor, metadata_filter, parse_time};
 use crate::templates::{self, TemplateRef};
@@ -73,13 +76,149 @@ struct AutoResumeBody {
 #[serde(rename_all = "camelCase")]
 struct NetworkBody {
     allow_public_traffic: Option<bool>,
+    #[serde(flatten)]
+    egress: EgressBody,
+    mask_request_host: Option<String>,
+    https_ports: Option<Vec<u16>>,
+}
+
+/// The egress part of `network` (create) and the whole `PUT /sandboxes/{id}/network`.
+#[derive(Deserialize, Default)]
+#[serde(rename_all = "camelCase")]
+struct EgressBody {
     allow_out: Option<Vec<String>>,
     deny_out: Option<Vec<String>>,
     dns_servers: Option<Vec<String>>,
-    egress_proxy: Option<serde_json::Value>,
-    mask_request_host: Option<String>,
-    https_ports: Option<Vec<u16>>,
-    rules: Option<serde_json::Value>,
+    egress_proxy: Option<EgressProxyBody>,
+    rules: Option<BTreeMap<String, Vec<RuleBody>>>,
+    /// Cubicle's extension: learn mode (record what the policy would deny, deny nothing).
+    learn: Option<bool>,
+}
+
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct EgressProxyBody {
+    address: String,
+    username: Option<String>,
+    password: Option<String>,
+    tls: Option<ProxyTlsBody>,
+}
+
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct ProxyTlsBody {
+    enabled: bool,
+    server_name: Option<String>,
+    ca_cert: Option<String>,
+}
+
+#[derive(Deserialize)]
+struct RuleBody {
+    transform: Option<TransformBody>,
+}
+
+#[derive(Deserialize)]
+struct TransformBody {
+    headers: Option<BTreeMap<String, String>>,
+}
+
+fn net_err(field: &str, msg: impl std::fmt::Display) -> ApiError {
+    ApiError::BadRequest(format!("network.{field}: {msg}"))
+}
+
+impl EgressBody {
+    /// The sandbox's egress policy. `allow_internet_access: false` replaces the deny
+    /// list with `0.0.0.0/0` (as upstream does) and keeps the allow list.
+    fn policy(self, allow_internet_access: Option<bool>) -> ApiResult<NetworkPolicy> {
+        let mut p = NetworkPolicy::default();
+        for s in self.allow_out.unwrap_or_default() {
+            p.allow_out
+                .push(s.parse().map_err(|e| net_err("allowOut", e))?);
+        }
+        for s in self.deny_out.unwrap_or_default() {
+            p.deny_out.push(s.parse().map_err(|e| net_err("denyOut", e))?);
+        }
+        if allow_internet_access == Some(false) {
+            p.deny_out = vec!["0.0.0.0/0".parse().map_err(|e| net_err("denyOut", e))?];
+        }
+        if let Some(servers) = self.dns_servers {
+            let mut v = Vec::with_capacity(servers.len());
+            for s in servers {
+                v.push(s.trim().parse().map_err(|_| {
+                    net_err("dnsServers", format!("'{s}' is not an IPv4 address"))
+                })?);
+            }
+            p.dns_servers = Some(v);
+        }
+        if let Some(ep) = self.egress_proxy {
+            let tls = match ep.tls {
+                Some(t) if t.enabled => Some(ProxyTls {
+                    server_name: t.server_name,
+                    ca_cert: t.ca_cert,
+                }),
+                _ => None,
+            };
+            if let Some(pem) = tls.as_ref().and_then(|t| t.ca_cert.as_deref()) {
+                cubicle_node::check_ca_pem(pem).map_err(|e| {
+                    ApiError::BadRequest(format!("Invalid egress proxy config: {e}"))
+                })?;
+            }
+            p.egress_proxy = Some(EgressProxy {
+                address: ep.address,
+                username: ep.username,
+                password: ep.password,
+                tls,
+            });
+        }
+        if let Some(rules) = self.rules {
+            if rules.len() > 10 {
+                return Err(net_err("rules", "at most 10 domains may have rules"));
+            }
+            for (host, list) in rules {
+                DomainPattern::parse(&host).map_err(|e| net_err("rules", e))?;
+                if list.len() > 1 {
+                    return Err(net_err(
+                        "rules",
+                        format!("at most one rule per domain ({host} has {})", list.len()),
+                    ));
+                }
+                if list
+                    .iter()
+                    .any(|r| r.transform.as_ref().is_some_and(|t| t.headers.as_ref().is_some_and(|h| !h.is_empty())))
+                {
+                    return Err(not_supported(
+                        "network.rules header transforms (secret injection)",
+                    ));
+                }
+                p.rules.insert(
+                    host.to_ascii_lowercase(),
+                    list.iter().map(|_| Rule::default()).collect(),
+                );
+            }
+        }
+        p.learn = self.learn.unwrap_or(false);
+        p.validate().map_err(|e| match &p.egress_proxy {
+            Some(_) if e.to_string().contains("proxy") => {
+                ApiError::BadRequest(format!("Invalid egress proxy config: {e}"))
+            }
+            _ => ApiError::BadRequest(format!("network: {e}")),
+        })?;
+        Ok(p)
+    }
+}
+
+/// A `Host` mask (`maskRequestHost`): an ASCII host, `${PORT}` allowed.
+fn mask_host(s: &str) -> ApiResult<String> {
+    let ok = !s.is_empty()
+        && s.len() <= 253
+        && s.bytes().all(|b| b.is_ascii_alphanumeric() || b"-._:${}".contains(&b));
+    if !ok {
+        return Err(net_err(
+            "maskRequestHost",
+            format!("'{s}' must be an ASCII host name (with ${{PORT}} for the port)"),
+        ));
+    }
+    Ok(s.to_string())
 }
 
 /// `NewSandboxV2` (and v1 `NewSandbox`, which adds `secure`).
@@ -112,8 +251,14 @@ pub struct CreateSandbox {
     pub template: TemplateRef,
     /// Lifetime.
     pub timeout: Duration,
-    /// Internet access.
+    /// A network interface at all (false: loopback only).
     pub internet: bool,
+    /// Egress policy.
+    pub network: NetworkPolicy,
+    /// `Host` for data-plane requests to the sandbox's ports.
+    pub mask_request_host: Option<String>,
+    /// What the request said about `allow_internet_access` (echoed by GET).
+    pub allow_internet_access: Option<bool>,
     /// Issue a traffic access token (`network.allowPublicTraffic == false`).
     pub private_traffic: bool,
     /// User metadata.
@@ -170,37 +315,12 @@ impl CreateSandbox {
             return Err(not_supported("IAM tokens"));
         }
         let net = b.network.unwrap_or_default();
-        let deny_all = net
-            .deny_out
-            .as_ref()
-            .is_some_and(|d| d.iter().any(|c| c == "0.0.0.0/0"));
-        if let Some(d) = net
-            .deny_out
-            .as_ref()
-            .filter(|d| d.iter().any(|c| c != "0.0.0.0/0"))
-        {
-            return Err(not_supported(&format!(
-                "network.denyOut entries other than 0.0.0.0/0 ({})",
-                d.join(", ")
-            )));
+        if net.https_ports.as_ref().is_some_and(|v| !v.is_empty()) {
+            return Err(not_supported("network.httpsPorts"));
         }
-        if net.allow_out.as_ref().is_some_and(|a| !a.is_empty()) {
-            return Err(not_supported("network.allowOut"));
-        }
-        if net.egress_proxy.as_ref().is_some_and(|v| !v.is_null())
-            || net
-                .rules
-                .as_ref()
-                .is_some_and(|v| !v.is_null() && v != &serde_json::json!({}))
-            || net.dns_servers.as_ref().is_some_and(|v| !v.is_empty())
-            || net.mask_request_host.is_some()
-            || net.https_ports.as_ref().is_some_and(|v| !v.is_empty())
-        {
-            return Err(not_supported(
-                "network.egressProxy/rules/dnsServers/maskRequestHost/httpsPorts",
-            ));
-        }
-        let internet = b.allow_internet_access != Some(false) && !deny_all;
+        let mask_request_host = net.mask_request_host.as_deref().map(mask_host).transpose()?;
+        let network = net.egress.policy(b.allow_internet_access)?;
+        let internet = network.needs_network();
         let env_vars = b.env_vars.unwrap_or_default();
         for (k, v) in &env_vars {
             if k.is_empty() || k.contains('=') || k.contains('\0') || v.contains('\0') {
@@ -214,10 +334,39 @@ impl CreateSandbox {
             template,
             timeout,
             internet,
+            network,
+            mask_request_host,
+            allow_internet_access: b.allow_internet_access,
             private_traffic: net.allow_public_traffic == Some(false),
             metadata: b.metadata.unwrap_or_default(),
             env_vars,
             volume_mounts: b.volume_mounts.unwrap_or_default(),
+        })
+    }
+}
+
+#[derive(Deserialize)]
+struct UpdateNetworkBody {
+    #[serde(flatten)]
+    egress: EgressBody,
+    #[serde(rename = "allow_internet_access")]
+    allow_internet_access: Option<bool>,
+}
+
+/// `PUT /sandboxes/{id}/network`: the sandbox's whole egress policy, replaced (fields
+/// left out are cleared, as upstream does).
+#[derive(Debug, Clone, PartialEq)]
+pub struct UpdateNetwork {
+    /// The new policy.
+    pub network: NetworkPolicy,
+}
+
+impl UpdateNetwork {
+    /// Parse a `SandboxNetworkUpdateConfig` body (an empty body clears the policy).
+    pub fn parse(body: &[u8]) -> ApiResult<Self> {
+        let b: UpdateNetworkBody = json(body, Some("{}"))?;
+        Ok(UpdateNetwork {
+            network: b.egress.policy(b.allow_internet_access)?,
         })
     }
 }
@@ -472,6 +621,41 @@ mod tests {
         )
         .unwrap();
         assert!(!deny.internet);
+        let full = CreateSandbox::parse(
+            br#"{"templateID":"base","network":{"allowOut":["1.2.3.4","*.x.com"],"denyOut":["0.0.0.0/0"],"dnsServers":["9.9.9.9"],"egressProxy":{"address":"p.example:1080","username":"u","password":"pw","tls":{"enabled":true,"serverName":"p"}},"maskRequestHost":"${PORT}-h.example","rules":{"API.x.com":[{}]},"learn":true}}"#,
+            CreateVersion::V2,
+            &limits(),
+        )
+        .unwrap();
+        assert!(full.internet);
+        assert_eq!(full.network.allow_out.len(), 2);
+        assert!(full.network.deny_all() && full.network.learn);
+        assert_eq!(full.network.dns_servers, Some(vec!["9.9.9.9".parse().unwrap()]));
+        let ep = full.network.egress_proxy.as_ref().unwrap();
+        assert_eq!((ep.address.as_str(), ep.tls.as_ref().unwrap().server_name.as_deref()), ("p.example:1080", Some("p")));
+        assert!(full.network.rules.contains_key("api.x.com"));
+        assert_eq!(full.mask_request_host.as_deref(), Some("${PORT}-h.example"));
+        // allow_internet_access=false with an allow list: a network, only to it.
+        let only = CreateSandbox::parse(
+            br#"{"templateID":"base","allow_internet_access":false,"network":{"allowOut":["1.2.3.4"],"denyOut":["5.0.0.0/8"]}}"#,
+            CreateVersion::V2,
+            &limits(),
+        )
+        .unwrap();
+        assert!(only.internet && only.network.deny_all());
+        assert_eq!(only.network.deny_out.len(), 1);
+    }
+
+    #[test]
+    fn update_network_replaces() {
+        let u = UpdateNetwork::parse(br#"{"allowOut":["1.1.1.1"],"allow_internet_access":true}"#).unwrap();
+        assert_eq!(u.network.allow_out.len(), 1);
+        assert!(!u.network.deny_all());
+        assert!(UpdateNetwork::parse(b"").unwrap().network.is_plain_default());
+        let off = UpdateNetwork::parse(br#"{"allow_internet_access":false}"#).unwrap();
+        assert!(off.network.deny_all() && !off.network.needs_network());
+        assert!(UpdateNetwork::parse(br#"{"allowOut":["x.com"]}"#).is_err());
+        assert!(UpdateNetwork::parse(br#"{"denyOut":"x"}"#).is_err());
     }
 
     #[test]
@@ -490,7 +674,19 @@ mod tests {
             (br#"{"templateID":"base","metadata":{"a":1}}"#, "invalid request body"),
             (br#"{"templateID":"base","autoPauseMemory":false}"#, "requires autoPause"),
             (br#"{"templateID":"base","autoPause":true}"#, "not supported"),
-            (br#"{"templateID":"base","network":{"allowOut":["x.com"],"denyOut":["0.0.0.0/0"]}}"#, "allowOut"),
+            (br#"{"templateID":"base","network":{"allowOut":["x.com"]}}"#, "ALL_TRAFFIC"),
+            (br#"{"templateID":"base","network":{"allowOut":["a b"]}}"#, "network.allowOut"),
+            (br#"{"templateID":"base","network":{"allowOut":["::1"]}}"#, "IPv6"),
+            (br#"{"templateID":"base","network":{"denyOut":["x.com"]}}"#, "invalid denied CIDR x.com"),
+            (br#"{"templateID":"base","network":{"dnsServers":["dns.google"]}}"#, "network.dnsServers"),
+            (br#"{"templateID":"base","network":{"egressProxy":{"address":"p"}}}"#, "Invalid egress proxy config"),
+            (br#"{"templateID":"base","network":{"egressProxy":{"address":"p:1","password":"x"}}}"#, "Invalid egress proxy config"),
+            (br#"{"templateID":"base","network":{"egressProxy":{"address":"p:1","tls":{"enabled":true,"caCert":"junk"}}}}"#, "Invalid egress proxy config"),
+            (br#"{"templateID":"base","network":{"httpsPorts":[3000]}}"#, "network.httpsPorts"),
+            (br#"{"templateID":"base","network":{"maskRequestHost":"a b"}}"#, "network.maskRequestHost"),
+            (br#"{"templateID":"base","network":{"rules":{"*":[{}]}}}"#, "network.rules"),
+            (br#"{"templateID":"base","network":{"rules":{"a.com":[{},{}]}}}"#, "network.rules"),
+            (br#"{"templateID":"base","network":{"rules":{"a.com":[{"transform":{"headers":{"A":"1"}}}]}}}"#, "network.rules header transforms"),
             (br#"{"templateID":"base","envVars":{"A=B":"1"}}"#, "environment variable"),
             (br#"{"templateID":""}"#, "empty"),
             (br#"{"templateID":"base","secure":"yes"}"#, "invalid request body"),

@@ -99,6 +99,7 @@ impl From<cubicle_node::Error> for ApiError {
             e @ N::VolumeInUse { .. } => ApiError::Conflict(e.to_string()),
             N::InvalidRequest(m) => ApiError::BadRequest(m),
             N::Capacity(m) => ApiError::Unavailable(m),
+            N::Conflict(m) => ApiError::Conflict(m),
             other => ApiError::Internal(other.to_string()),
         }
     }

@@ -27,6 +27,34 @@ pub struct LogLine {
     pub level: String,
     /// The text.
     pub line: String,
+    /// Structured fields (`logger`, and for network events their type and verdict).
+    pub fields: std::collections::BTreeMap<String, String>,
+}
+
+impl LogLine {
+    /// A network audit event as a log line (`logger: network`).
+    pub fn network(e: &cubicle_node::NetEvent) -> Self {
+        let v = serde_json::to_value(e).unwrap_or_default();
+        let mut fields = std::collections::BTreeMap::new();
+        fields.insert("logger".to_string(), "network".to_string());
+        for k in ["type", "verdict", "name", "dst", "port"] {
+            match &v[k] {
+                serde_json::Value::String(s) => {
+                    fields.insert(k.to_string(), s.clone());
+                }
+                serde_json::Value::Number(n) => {
+                    fields.insert(k.to_string(), n.to_string());
+                }
+                _ => {}
+            }
+        }
+        LogLine {
+            at_ms: e.at_ms,
+            level: e.level().to_string(),
+            line: format!("network: {}", e.summary()),
+            fields,
+        }
+    }
 }
 
 /// Remove ANSI escape sequences (`ESC [ … letter`) and other control characters.
@@ -184,6 +212,7 @@ impl LogMirror {
                     at_ms: t.parse().ok()?,
                     level: level.to_string(),
                     line: line.to_string(),
+                    fields: Default::default(),
                 })
             })
             .collect()

@@ -40,11 +40,65 @@ pub struct Lifecycle {
     pub on_timeout: &'static str,
 }
 
-/// `network` of a detail (only what Cubicle enforces).
+/// `network` of a detail (`SandboxNetworkConfig`): the policy as set, without the
+/// egress proxy's password and CA certificate (as upstream).
 #[derive(Debug, Clone, Serialize)]
 #[serde(rename_all = "camelCase")]
 pub struct Network {
     pub allow_public_traffic: bool,
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub allow_out: Vec<String>,
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub deny_out: Vec<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub dns_servers: Option<Vec<String>>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub egress_proxy: Option<serde_json::Value>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub mask_request_host: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub rules: Option<serde_json::Value>,
+    /// Cubicle's learn mode (only when on).
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub learn: bool,
+}
+
+impl Network {
+    /// The echo of a sandbox's policy.
+    pub fn of(
+        p: &cubicle_node::NetworkPolicy,
+        allow_public_traffic: bool,
+        mask_request_host: Option<String>,
+    ) -> Self {
+        let egress_proxy = p.egress_proxy.as_ref().map(|ep| {
+            let mut v = serde_json::json!({ "address": ep.address });
+            if let Some(u) = &ep.username {
+                v["username"] = u.clone().into();
+            }
+            if let Some(t) = &ep.tls {
+                let mut tls = serde_json::json!({ "enabled": true });
+                if let Some(n) = &t.server_name {
+                    tls["serverName"] = n.clone().into();
+                }
+                v["tls"] = tls;
+            }
+            v
+        });
+        Network {
+            allow_public_traffic,
+            allow_out: p.allow_out.iter().map(|d| d.to_string()).collect(),
+            deny_out: p.deny_out.iter().map(|d| d.to_string()).collect(),
+            dns_servers: p
+                .dns_servers
+                .as_ref()
+                .map(|v| v.iter().map(|a| a.to_string()).collect()),
+            egress_proxy,
+            mask_request_host,
+            rules: (!p.rules.is_empty())
+                .then(|| serde_json::to_value(&p.rules).unwrap_or_default()),
+            learn: p.learn,
+        }
+    }
 }
 
 /// `SandboxDetail` (`GET /sandboxes/{id}`).

@@ -32,6 +32,7 @@ impl ApiResolver {
             init_pidfd: info.init_pidfd.as_ref().map(|p| p.fd().clone()),
             envd_access_token: Some(info.access_token.clone()),
             traffic_access_token: traffic,
+            mask_request_host: info.mask_request_host.clone(),
         })
     }
 }

@@ -2,7 +2,6 @@
 //! Handlers only read the request (raw body with a size limit, raw query) and shape
 //! the response; every failure is an [`ApiError`].
 
-use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use axum::Router;
@@ -17,6 +16,7 @@ use cubicle_store::Team;
 
 use crate::commands::{
     Connect, CreateSandbox, CreateVersion, Idempotency, ListFilter, Refresh, SetTimeout,
+    UpdateNetwork,
 };
 use crate::error::{ApiError, ApiResult, json_errors, read_body, unknown_route};
 
@@ -46,6 +46,7 @@ pub fn router(cp: Arc<ControlPlane>) -> Router {
         .route("/sandboxes/{id}/pause", post(pause))
         .route("/sandboxes/{id}/resume", post(resume))
         .route("/sandboxes/{id}/network", put(network))
+        .route("/cubicle/sandboxes/{id}/netlog", get(netlog))
         .route("/sandboxes/{id}/snapshots", post(snapshot))
         .route("/sandboxes/{id}/fork", post(fork))
         // Cubicle's own: warm-pool counters for operators and `cubicle bench`.
@@ -257,7 +258,7 @@ async fn logs_v1(
                 timestamp: format_time(l.at_ms),
                 message: l.line.clone(),
                 level: level_name(&l.level),
-                fields: BTreeMap::new(),
+                fields: l.fields.clone(),
             })
             .collect(),
     })
@@ -326,7 +327,7 @@ async fn logs_v2(
             timestamp: format_time(l.at_ms),
             level: level_name(&l.level),
             message: l.line,
-            fields: BTreeMap::new(),
+            fields: l.fields,
         })
         .collect();
     Ok(Json(SandboxLogsV2 { logs }).into_response())
@@ -408,8 +409,41 @@ async fn network(
     State(cp): Cp,
     Extension(team): Extension<Team>,
     Path(id): Path<String>,
+    body: Body,
 ) -> ApiResult<StatusCode> {
-    not_yet(&cp, &team, &id, "Updating a sandbox's network").await
+    let body = read_body(body, MAX_BODY).await?;
+    let cmd = UpdateNetwork::parse(&body)?;
+    cp.update_network(&team, &id, cmd).await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+/// `GET /cubicle/sandboxes/{id}/netlog?after=N&limit=M[&allowlist=true]`: the network
+/// audit trail (Cubicle's own route, for `cubicle sandbox netlog`). With `allowlist`,
+/// also the `allowOut` list that would have permitted every connection in the whole
+/// trail (learn mode).
+async fn netlog(
+    State(cp): Cp,
+    Extension(team): Extension<Team>,
+    Path(id): Path<String>,
+    RawQuery(q): RawQuery,
+) -> ApiResult<Response> {
+    let q = Query::parse(q.as_deref())?;
+    let after = q.int("after", 0..=i64::MAX)?.unwrap_or(0) as u64;
+    let limit = q.int("limit", 1..=100_000)?.unwrap_or(1000) as usize;
+    let events = cp.network_log(&team, &id, after, limit).await?;
+    let mut body = serde_json::json!({ "events": events });
+    if q.get("allowlist") == Some("true") {
+        let all = cp.network_log(&team, &id, 0, usize::MAX).await?;
+        let allow = cubicle_node::allow_list(&all);
+        let needs_deny_all = allow.iter().any(|a| a.parse::<std::net::Ipv4Addr>().is_err());
+        body["allowOut"] = serde_json::json!(allow);
+        body["denyOut"] = serde_json::json!(if needs_deny_all || !allow.is_empty() {
+            vec!["0.0.0.0/0"]
+        } else {
+            Vec::<&str>::new()
+        });
+    }
+    Ok(Json(body).into_response())
 }
 
 async fn snapshot(

@@ -208,6 +208,7 @@ impl ControlPlane {
                 cmd.template.requested
             )));
         }
+        self.backend.check_network(&cmd.network).await?;
         let team_id = team.id;
         if let Some(idem) = &idem {
             let deadline = std::time::Instant::now() + Duration::from_secs(120);
@@ -286,6 +287,8 @@ impl ControlPlane {
                 cpus: None,
                 disk_mb: None,
                 internet: cmd.internet,
+                network: cmd.network,
+                mask_request_host: cmd.mask_request_host,
                 timeout: Some(cmd.timeout),
                 metadata: cmd.metadata.clone(),
                 volumes,
@@ -398,12 +401,14 @@ impl ControlPlane {
             state: "running",
             alias: row.alias.clone(),
             envd_access_token: info.access_token.clone(),
-            allow_internet_access: row.allow_internet,
+            allow_internet_access: !info.network.deny_all(),
             domain: self.config.domain.clone(),
             metadata: row.metadata.clone(),
-            network: Network {
-                allow_public_traffic: row.traffic_access_token.is_none(),
-            },
+            network: Network::of(
+                &info.network,
+                row.traffic_access_token.is_none(),
+                info.mask_request_host.clone(),
+            ),
             lifecycle: Lifecycle {
                 auto_resume: false,
                 on_timeout: "kill",
@@ -577,9 +582,49 @@ impl ControlPlane {
             self.sync_logs(id).await;
         }
         let (logs, id2) = (self.logs.clone(), id.to_string());
-        tokio::task::spawn_blocking(move || logs.read(&id2))
+        let mut lines = tokio::task::spawn_blocking(move || logs.read(&id2))
             .await
-            .map_err(|e| ApiError::Internal(format!("log read task: {e}")))
+            .map_err(|e| ApiError::Internal(format!("log read task: {e}")))?;
+        // The network audit trail, interleaved by time.
+        let net = self.backend.network_log(id, 0, usize::MAX).await;
+        if !net.is_empty() {
+            lines.extend(net.iter().map(LogLine::network));
+            lines.sort_by_key(|l| l.at_ms);
+        }
+        Ok(lines)
+    }
+
+    /// The network audit trail of a sandbox of `team` (running, or ended but retained):
+    /// events after `after`, at most `limit`.
+    pub async fn network_log(
+        &self,
+        team: &Team,
+        id: &str,
+        after: u64,
+        limit: usize,
+    ) -> ApiResult<Vec<cubicle_node::NetEvent>> {
+        if !plausible_id(id) {
+            return Err(ApiError::sandbox_not_found(id));
+        }
+        let id2 = id.to_string();
+        let row = self.store.call(move |s| s.sandbox(&id2)).await?;
+        if row.is_none_or(|r| r.team_id != team.id) {
+            return Err(ApiError::sandbox_not_found(id));
+        }
+        Ok(self.backend.network_log(id, after, limit).await)
+    }
+
+    /// `PUT /sandboxes/{id}/network`: replace a running sandbox's egress policy.
+    pub async fn update_network(
+        &self,
+        team: &Team,
+        id: &str,
+        cmd: crate::commands::UpdateNetwork,
+    ) -> ApiResult<()> {
+        self.owned(team, id).await?;
+        self.backend.check_network(&cmd.network).await?;
+        self.backend.update_network(id, cmd.network).await?;
+        Ok(())
     }
 
     // ---- metrics ----
@@ -675,6 +720,7 @@ impl ControlPlane {
                 Ok(ids) => {
                     for id in ids {
                         self.logs.remove(&id);
+                        self.backend.forget_network_log(&id);
                     }
                 }
                 Err(e) => tracing::warn!("purging old sandbox records: {e}"),

@@ -49,6 +49,22 @@ impl FakeNode {
 }
 
 impl Backend for FakeNode {
+    fn update_network<'a>(
+        &'a self,
+        id: &'a str,
+        policy: cubicle_node::NetworkPolicy,
+    ) -> BoxFuture<'a, cubicle_node::Result<()>> {
+        Box::pin(async move {
+            match self.live.lock().unwrap().get_mut(id) {
+                Some(i) => {
+                    i.network = policy;
+                    Ok(())
+                }
+                None => Err(cubicle_node::Error::SandboxNotFound(id.into())),
+            }
+        })
+    }
+
     fn pool_stats(&self) -> Value {
         serde_json::json!({"ready": {"tiny": 2}, "target": {"tiny": 4}, "claims": 3, "misses": 1, "refills": 5})
     }
@@ -74,6 +90,8 @@ impl Backend for FakeNode {
                 cpus: 2,
                 disk_mb: 5120,
                 internet: req.internet,
+                network: req.network,
+                mask_request_host: req.mask_request_host,
                 metadata: req.metadata,
                 access_token: cubicle_node::ids::new_access_token(),
                 uid_base: 200_000,
@@ -1061,7 +1079,6 @@ async fn unsupported_features_answer_clearly() {
     for (m, p) in [
         (Method::POST, format!("/sandboxes/{id}/pause")),
         (Method::POST, format!("/sandboxes/{id}/resume")),
-        (Method::PUT, format!("/sandboxes/{id}/network")),
         (Method::POST, format!("/sandboxes/{id}/snapshots")),
     ] {
         let r = h.a(m, &p, json!({})).await;
@@ -1074,6 +1091,59 @@ async fn unsupported_features_answer_clearly() {
         );
         assert_eq!(r.headers.get("should-retry").unwrap(), "false");
     }
+}
+
+#[tokio::test]
+async fn network_policy_is_echoed_and_replaced() {
+    let h = harness().await;
+    // A junk caCert is refused by name before anything is created.
+    let r = h
+        .a(
+            Method::POST,
+            "/v2/sandboxes",
+            json!({"templateID":"base","network":{"egressProxy":{"address":"p:1","tls":{"enabled":true,"caCert":"x"}}}}),
+        )
+        .await;
+    assert_eq!(r.status, StatusCode::BAD_REQUEST);
+    assert!(r.json["message"].as_str().unwrap().contains("Invalid egress proxy config"), "{}", r.json);
+    let id = h
+        .create_a(json!({"templateID":"base","network":{
+            "allowOut":["1.2.3.4","*.ok.test"],"denyOut":["0.0.0.0/0"],"dnsServers":["9.9.9.9"],
+            "egressProxy":{"address":"198.51.100.9:1080","username":"u","password":"secret","tls":{"enabled":true,"serverName":"p"}},
+            "maskRequestHost":"${PORT}-x.test","rules":{"api.ok.test":[{}]}}}))
+        .await;
+    let d = h.a(Method::GET, &format!("/sandboxes/{id}"), Value::Null).await;
+    let n = &d.json["network"];
+    assert_eq!(n["allowOut"], json!(["1.2.3.4", "*.ok.test"]), "{n}");
+    assert_eq!(n["denyOut"], json!(["0.0.0.0/0"]));
+    assert_eq!(n["dnsServers"], json!(["9.9.9.9"]));
+    assert_eq!(n["egressProxy"], json!({"address":"198.51.100.9:1080","username":"u","tls":{"enabled":true,"serverName":"p"}}));
+    assert_eq!(n["maskRequestHost"], "${PORT}-x.test");
+    assert_eq!(n["rules"], json!({"api.ok.test":[{}]}));
+    assert_eq!(d.json["allowInternetAccess"], false);
+    assert!(!d.json.to_string().contains("secret"), "the proxy password is never returned");
+    // Replace: fields left out are cleared.
+    let p = format!("/sandboxes/{id}/network");
+    let r = h.a(Method::PUT, &p, json!({"allowOut":["5.6.7.8"],"allow_internet_access":false})).await;
+    assert_eq!(r.status, StatusCode::NO_CONTENT, "{}", r.json);
+    let n = h.a(Method::GET, &format!("/sandboxes/{id}"), Value::Null).await.json["network"].clone();
+    assert_eq!(n["allowOut"], json!(["5.6.7.8"]));
+    assert_eq!(n["denyOut"], json!(["0.0.0.0/0"]));
+    assert!(n.get("dnsServers").is_none() && n.get("egressProxy").is_none());
+    // Bad updates name the option.
+    for (body, needle) in [
+        (json!({"allowOut":["x.test"]}), "ALL_TRAFFIC"),
+        (json!({"denyOut":["x.test"]}), "network.denyOut"),
+        (json!({"rules":{"a.test":[{"transform":{"headers":{"A":"${e2b.secrets.k}"}}}]}}), "network.rules"),
+    ] {
+        let r = h.a(Method::PUT, &p, body).await;
+        assert_eq!(r.status, StatusCode::BAD_REQUEST);
+        assert!(r.json["message"].as_str().unwrap().contains(needle), "{}", r.json);
+    }
+    // Another team cannot touch it.
+    let kb = h.key_b.clone();
+    let r = h.call(Method::PUT, &p, Some(&kb), Body::from("{}")).await;
+    assert_eq!(r.status, StatusCode::NOT_FOUND);
 }
 
 #[tokio::test]

@@ -127,6 +127,56 @@ pub struct ServeArgs {
         value_name = "MIB"
     )]
     pub pool_memory_mb: u64,
+    #[command(flatten)]
+    pub network: NetworkArgs,
+}
+
+/// Sandbox networking options of `cubicle serve` (see docs/network.md).
+#[derive(clap::Args, Debug)]
+pub struct NetworkArgs {
+    /// Upstream DNS servers for sandboxes whose policy names none (default: the host's
+    /// /etc/resolv.conf; comma-separated IPv4 addresses).
+    #[arg(long, env = "CUBICLE_DNS_UPSTREAM", value_delimiter = ',', value_name = "IP,…")]
+    pub dns_upstream: Vec<std::net::Ipv4Addr>,
+    /// Port of the node's DNS resolver for sandboxes (all their DNS goes there).
+    #[arg(long, env = "CUBICLE_EGRESS_DNS_PORT", default_value_t = 15353, value_name = "PORT")]
+    pub egress_dns_port: u16,
+    /// Port of the node's egress proxy (domain rules, learn mode, egress proxies).
+    #[arg(long, env = "CUBICLE_EGRESS_PROXY_PORT", default_value_t = 15380, value_name = "PORT")]
+    pub egress_proxy_port: u16,
+    /// Connections a sandbox may have open at once.
+    #[arg(long, env = "CUBICLE_SANDBOX_MAX_CONNECTIONS", default_value_t = 4096, value_name = "N")]
+    pub sandbox_max_connections: u32,
+    /// New connections per second a sandbox may open (bursts of twice that).
+    #[arg(long, env = "CUBICLE_SANDBOX_NEW_CONNECTIONS", default_value_t = 200, value_name = "N")]
+    pub sandbox_new_connections: u32,
+    /// Outbound bandwidth per sandbox, in Mbit/s.
+    #[arg(long, env = "CUBICLE_SANDBOX_BANDWIDTH_MBIT", default_value_t = 1000, value_name = "MBIT")]
+    pub sandbox_bandwidth_mbit: u64,
+    /// Let sandboxes send outbound SMTP (TCP port 25).
+    #[arg(long, env = "CUBICLE_ALLOW_SMTP")]
+    pub allow_smtp: bool,
+}
+
+impl NetworkArgs {
+    /// The node's network options.
+    pub fn options(&self) -> cubicle_node::NetworkOptions {
+        let mut o = cubicle_node::NetworkOptions {
+            dns_port: self.egress_dns_port,
+            proxy_port: self.egress_proxy_port,
+            upstream_dns: self.dns_upstream.clone(),
+            allow_smtp: self.allow_smtp,
+            ..Default::default()
+        };
+        o.limits.max_connections = self.sandbox_max_connections.max(1);
+        o.limits.new_connections_per_sec = self.sandbox_new_connections.max(1);
+        o.limits.new_connections_burst = self.sandbox_new_connections.max(1).saturating_mul(2);
+        let bytes = self.sandbox_bandwidth_mbit.max(1) * 125_000;
+        o.limits.bytes_per_sec = bytes;
+        // The kernel's bucket already holds one second at the rate; add little to it.
+        o.limits.bytes_burst = 64 << 10;
+        o
+    }
 }
 
 pub async fn run(env: crate::sandbox_cmd::NodeOpts, args: ServeArgs) -> anyhow::Result<i32> {
@@ -147,6 +197,7 @@ pub async fn run(env: crate::sandbox_cmd::NodeOpts, args: ServeArgs) -> anyhow::
     config.default_timeout = Duration::from_secs(args.default_timeout);
     config.pool = args.pool.clone();
     config.pool_memory_mb = args.pool_memory_mb;
+    config.network = args.network.options();
     // DELETE answers once the sandbox is dead; cgroups/veth/quota go in the background.
     config.async_teardown = true;
     let node = Node::open(config)

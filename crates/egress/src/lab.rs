@@ -79,6 +79,14 @@ impl Lab {
     /// Builds the lab on a new thread whose namespace is the lab's "host", runs `f` there,
     /// and tears everything down (the namespaces vanish with their last handle).
     pub fn run<R: Send>(f: impl FnOnce(&mut Lab) -> R + Send) -> Result<R, EgressError> {
+        Self::run_with(|_| {}, f)
+    }
+
+    /// [`Lab::run`] with the lab's network configuration adjusted by `tune` first.
+    pub fn run_with<R: Send>(
+        tune: impl FnOnce(&mut NetworkConfig) + Send,
+        f: impl FnOnce(&mut Lab) -> R + Send,
+    ) -> Result<R, EgressError> {
         std::thread::scope(|s| {
             s.spawn(move || {
                 // SAFETY: unshare affects only this thread (and threads it creates later).
@@ -88,7 +96,7 @@ impl Lab {
                         std::io::Error::last_os_error(),
                     ));
                 }
-                let mut lab = Lab::build()?;
+                let mut lab = Lab::build(tune)?;
                 let r = f(&mut lab);
                 lab.egress.shutdown();
                 Ok(r)
@@ -98,10 +106,10 @@ impl Lab {
         })
     }
 
-    fn build() -> Result<Lab, EgressError> {
+    fn build(tune: impl FnOnce(&mut NetworkConfig)) -> Result<Lab, EgressError> {
         let host = Netns::current().map_err(|e| lab_err("host namespace", e))?;
         cubicle_runtime::network::loopback_up(&host).map_err(|e| lab_err("lo up", e))?;
-        let config = NetworkConfig {
+        let mut config = NetworkConfig {
             table: "cubicle_lab".into(),
             ifname_prefix: "lbs".into(),
             pool: "10.203.0.0/24".parse().map_err(|e| lab_err("pool", e))?,
@@ -109,6 +117,7 @@ impl Lab {
             deny_host_subnets: false,
             ..NetworkConfig::default()
         };
+        tune(&mut config);
         let (dns_port, proxy_port) = (config.dns_port, config.proxy_port);
         let net = Network::init(config).map_err(|e| lab_err("network init", e))?;
         // The "internet": a veth to a third namespace, which is also the default route.
@@ -379,4 +388,133 @@ pub fn tls_stream(addr: Ipv4Addr, sni: &str, bytes: u64) -> Result<u64, std::io:
             format!("no count from the sink (got {out:?})"),
         )
     })
+}
+
+/// What `cubicle bench egress` measures.
+#[derive(Debug, Clone)]
+pub struct BenchReport {
+    /// Bytes streamed through one connection.
+    pub bytes: u64,
+    /// One connection through the proxy (TLS ClientHello, then raw bytes), Gbit/s.
+    pub proxied_gbit_s: f64,
+    /// The same, not steered (a sandbox without a policy), Gbit/s.
+    pub direct_gbit_s: f64,
+    /// New connection + HTTP request + answer, through the proxy: p50, p99 (µs).
+    pub proxied_request_us: (u64, u64),
+    /// The same, direct.
+    pub direct_request_us: (u64, u64),
+    /// Applying a domain policy to a fresh sandbox (what a create with a policy adds):
+    /// kernel set elements + proxy registration, p50, p99 (µs).
+    pub apply_policy_us: (u64, u64),
+    /// Removing it again (what a sandbox's death does), p50, p99 (µs).
+    pub clear_policy_us: (u64, u64),
+    /// Replacing a running sandbox's policy (a live update), p50, p99 (µs).
+    pub update_policy_us: (u64, u64),
+}
+
+fn percentiles(mut v: Vec<std::time::Duration>) -> (u64, u64) {
+    if v.is_empty() {
+        return (0, 0);
+    }
+    v.sort();
+    let at = |p: f64| v[((v.len() - 1) as f64 * p).round() as usize].as_micros() as u64;
+    (at(0.5), at(0.99))
+}
+
+/// Measures the proxy in the lab: one connection streaming `bytes`, `requests` new
+/// connections each way, and policy application. The lab's per-sandbox bandwidth limit
+/// is lifted so that the proxy itself is measured.
+pub fn bench(bytes: u64, requests: usize) -> Result<BenchReport, EgressError> {
+    use std::time::Instant;
+    Lab::run_with(
+        |c| {
+            c.limits.bytes_per_sec = 10_000_000_000;
+            c.limits.bytes_burst = 1 << 30;
+            c.limits.new_connections_per_sec = 100_000;
+            c.limits.new_connections_burst = 100_000;
+        },
+        |lab| -> Result<BenchReport, EgressError> {
+            let domain = NetworkPolicy {
+                allow_out: vec![
+                    "ok.test".parse()?,
+                    "*.ok.test".parse()?,
+                    "203.0.113.0/24".parse()?,
+                ],
+                deny_out: vec!["0.0.0.0/0".parse()?],
+                ..Default::default()
+            };
+            lab.add_sandbox(1, &domain)?;
+            lab.add_sandbox(2, &NetworkPolicy::default())?;
+            let resolved = lab.in_sandbox(1, || query_a(OK_HOST, "ok.test"))?;
+            if resolved != Ok(vec![OK_HOST]) {
+                return Err(lab_err("bench", format!("ok.test resolved to {resolved:?}")));
+            }
+            let stream = |slot: u32| -> Result<f64, EgressError> {
+                let r = lab.in_sandbox(slot, || {
+                    let t = Instant::now();
+                    tls_stream(OK_HOST, "ok.test", bytes).map(|n| (n, t.elapsed()))
+                })?;
+                let (n, took) = r.map_err(|e| EgressError::io("streaming through the lab", e))?;
+                Ok(n as f64 * 8.0 / took.as_secs_f64() / 1e9)
+            };
+            let proxied_gbit_s = stream(1)?;
+            let direct_gbit_s = stream(2)?;
+            let requests_from = |slot: u32| -> Result<(u64, u64), EgressError> {
+                let times = lab.in_sandbox(slot, || {
+                    let mut v = Vec::with_capacity(requests);
+                    for _ in 0..requests {
+                        let t = Instant::now();
+                        http_get(SocketAddr::from((OK_HOST, 80)), "ok.test")?;
+                        v.push(t.elapsed());
+                    }
+                    Ok::<_, std::io::Error>(v)
+                })?;
+                Ok(percentiles(
+                    times.map_err(|e| EgressError::io("requests through the lab", e))?,
+                ))
+            };
+            // Interleave a warm-up of each before measuring.
+            requests_from(1)?;
+            requests_from(2)?;
+            let proxied_request_us = requests_from(1)?;
+            let direct_request_us = requests_from(2)?;
+            // Policy application: a fresh sandbox on slot 3 (attached once), its policy
+            // added and cleared repeatedly; then updates between two policies.
+            lab.add_sandbox(3, &NetworkPolicy::default())?;
+            let (mut apply, mut clear) = (Vec::new(), Vec::new());
+            for _ in 0..200 {
+                let t = Instant::now();
+                lab.set_policy(3, &domain)?;
+                apply.push(t.elapsed());
+                let t = Instant::now();
+                lab.set_policy(3, &NetworkPolicy::default())?;
+                clear.push(t.elapsed());
+            }
+            let other = NetworkPolicy {
+                allow_out: vec!["evil.test".parse()?, "198.51.100.0/24".parse()?],
+                deny_out: vec!["0.0.0.0/0".parse()?],
+                ..Default::default()
+            };
+            let mut update = Vec::new();
+            for i in 0..200 {
+                let p = if i % 2 == 0 { &other } else { &domain };
+                let t = Instant::now();
+                lab.set_policy(3, p)?;
+                update.push(t.elapsed());
+            }
+            for slot in [1, 2, 3] {
+                lab.remove_sandbox(slot)?;
+            }
+            Ok(BenchReport {
+                bytes,
+                proxied_gbit_s,
+                direct_gbit_s,
+                proxied_request_us,
+                direct_request_us,
+                apply_policy_us: percentiles(apply),
+                clear_policy_us: percentiles(clear),
+                update_policy_us: percentiles(update),
+            })
+        },
+    )?
 }

@@ -360,6 +360,11 @@ impl NetworkPolicy {
         self.kernel().is_default()
     }
 
+    /// Whether no option at all is set.
+    pub fn is_plain_default(&self) -> bool {
+        *self == NetworkPolicy::default()
+    }
+
     /// Checks the combinations E2B refuses (the API turns these into 400s).
     pub fn validate(&self) -> Result<(), EgressError> {
         if self.allow_domains().next().is_some() && !self.deny_all() {

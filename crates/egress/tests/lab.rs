@@ -117,3 +117,51 @@ fn domains_dns_and_bypasses() {
     })
     .unwrap();
 }
+
+/// The bench runs (small sizes; `cubicle bench egress` prints the real figures).
+#[test]
+fn bench_runs() {
+    if !is_root() {
+        eprintln!("SKIPPED: needs root");
+        return;
+    }
+    let r = cubicle_egress::lab::bench(8 << 20, 20).unwrap();
+    assert!(r.proxied_gbit_s > 0.0 && r.direct_gbit_s > 0.0, "{r:?}");
+    assert!(r.proxied_request_us.0 > 0 && r.apply_policy_us.0 > 0, "{r:?}");
+    eprintln!("{r:?}");
+}
+
+
+/// The per-sandbox bandwidth limit holds (direct and proxied traffic).
+#[test]
+fn bandwidth_limit_holds() {
+    if !is_root() {
+        eprintln!("SKIPPED: needs root");
+        return;
+    }
+    let rate = 12_500_000u64; // 100 Mbit/s
+    Lab::run_with(
+        |c| {
+            c.limits.bytes_per_sec = rate;
+            c.limits.bytes_burst = 1 << 20;
+        },
+        |lab| {
+            lab.add_sandbox(1, &NetworkPolicy::default()).unwrap();
+            let bytes = 3 * rate;
+            let (n, took) = lab
+                .in_sandbox(1, || {
+                    let t = Instant::now();
+                    tls_stream(OK_HOST, "ok.test", bytes).map(|n| (n, t.elapsed()))
+                })
+                .unwrap()
+                .unwrap();
+            let got = n as f64 / took.as_secs_f64();
+            eprintln!("{:.1} MB/s with a limit of {:.1} MB/s", got / 1e6, rate as f64 / 1e6);
+            // The kernel's bucket holds one second at the rate plus the burst.
+            let most = rate as f64 * (took.as_secs_f64() + 1.0) + (1 << 20) as f64;
+            assert!((n as f64) < most * 1.05, "{n} bytes in {took:?} over a limit of {rate} B/s");
+            assert!(got > rate as f64 * 0.5, "{got} B/s: far below the limit");
+        },
+    )
+    .unwrap();
+}

@@ -50,6 +50,41 @@ pub struct NodeConfig {
     /// the teardown (cgroups, network, quota directory, slot) finishes in the background
     /// (the sandbox shows as `dying` meanwhile). Off: `kill` returns when all is gone.
     pub async_teardown: bool,
+    /// Sandbox networking: the egress layer's ports, upstream DNS, limits.
+    pub network: NetworkOptions,
+}
+
+/// How sandboxes reach the network (see `docs/network.md`).
+#[derive(Debug, Clone)]
+pub struct NetworkOptions {
+    /// Port of the node's DNS resolver (every sandbox query is redirected to it).
+    pub dns_port: u16,
+    /// Port of the node's egress proxy.
+    pub proxy_port: u16,
+    /// Upstream DNS servers for sandboxes that name none (empty: the host's
+    /// `/etc/resolv.conf`).
+    pub upstream_dns: Vec<std::net::Ipv4Addr>,
+    /// Per-sandbox connection, connection-rate and bandwidth limits.
+    pub limits: cubicle_runtime::network::SandboxLimits,
+    /// Let sandboxes open outbound SMTP (port 25).
+    pub allow_smtp: bool,
+    /// A slot (and so a sandbox address) freed less than this long ago is not handed
+    /// out again while another slot is free.
+    pub address_quarantine: Duration,
+}
+
+impl Default for NetworkOptions {
+    fn default() -> Self {
+        let n = cubicle_runtime::network::NetworkConfig::default();
+        NetworkOptions {
+            dns_port: n.dns_port,
+            proxy_port: n.proxy_port,
+            upstream_dns: Vec::new(),
+            limits: n.limits,
+            allow_smtp: n.allow_smtp,
+            address_quarantine: Duration::from_secs(60),
+        }
+    }
 }
 
 impl NodeConfig {
@@ -74,6 +109,7 @@ impl NodeConfig {
                 .unwrap_or(4)
                 .max(4),
             async_teardown: false,
+            network: NetworkOptions::default(),
         }
     }
 }

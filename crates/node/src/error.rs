@@ -46,6 +46,9 @@ pub enum Error {
     /// The request is invalid (bad id, bad limits, ...).
     #[error("invalid request: {0}")]
     InvalidRequest(String),
+    /// The sandbox is not in a state that allows the operation (e.g. not running).
+    #[error("{0}")]
+    Conflict(String),
     /// No free uid range / slot left.
     #[error("no capacity left: {0}")]
     Capacity(String),

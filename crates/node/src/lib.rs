@@ -31,7 +31,9 @@ pub mod template;
 pub mod traces;
 pub mod volume;
 
-pub use config::{NodeConfig, default_state_dir};
+pub use config::{NetworkOptions, NodeConfig, default_state_dir};
+pub use cubicle_egress::policy as network_policy;
+pub use cubicle_egress::{NetEvent, NetworkPolicy, allow_list, check_ca_pem};
 pub use envd_client::{EnvdClient, ProcessEnd, ProcessEvent, ProcessSpec};
 pub use error::{Error, Result};
 pub use node::{Node, records_on_disk, sandboxes_using_template};
@@ -50,8 +52,8 @@ impl Node {
     pub async fn open(mut config: NodeConfig) -> Result<Node> {
         // Lock first: runtime init mounts the state's storage.
         let lock = Node::lock_state_dir(&config.state_dir, config.wait_for_lock).await?;
-        let dir = config.state_dir.clone();
-        let runtime = tokio::task::spawn_blocking(move || linux::LinuxRuntime::init(&dir))
+        let c = config.clone();
+        let runtime = tokio::task::spawn_blocking(move || linux::LinuxRuntime::init(&c))
             .await
             .map_err(|e| Error::Runtime(format!("runtime init task: {e}")))??;
         let limit = runtime::SandboxRuntime::max_slots(&runtime);

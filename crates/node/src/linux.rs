@@ -13,13 +13,15 @@ use std::collections::HashMap;
 use std::path::Path;
 use std::sync::Mutex;
 
+use cubicle_egress::{Egress, EgressConfig, NetEvent};
 use cubicle_runtime::network::{Netns, Network, NetworkConfig};
 use cubicle_runtime::storage::Storage;
 use cubicle_runtime::{Cgroup, Limits, Sandbox, SandboxSpec};
 
+use crate::config::NodeConfig;
 use crate::error::{Error, Result};
 use crate::runtime::{SandboxRuntime, StartSpec, Started};
-use crate::sandbox::DeathReason;
+use crate::sandbox::{DeathReason, NetworkPolicy};
 
 /// The Linux isolation layer.
 pub struct LinuxRuntime {
@@ -27,6 +29,8 @@ pub struct LinuxRuntime {
     /// `None` when the host network could not be prepared (then only `internet: false`
     /// sandboxes can be created); the error says why.
     network: std::result::Result<Network, String>,
+    /// The egress layer (resolver, proxy, audit trails); present whenever `network` is.
+    egress: Option<Egress>,
     /// Disk quotas; `Err` (logged) when the host cannot provide them.
     storage: std::result::Result<Storage, String>,
 }
@@ -39,13 +43,44 @@ fn rt_err(what: &str, source: cubicle_runtime::Error) -> Error {
 }
 
 impl LinuxRuntime {
-    /// Prepare the host: the network's nftables tables and IPv4 forwarding. A network
-    /// failure is not fatal (sandboxes without internet still work); it is logged.
-    pub fn init(state_dir: &Path) -> Result<Self> {
-        let network = Network::init(NetworkConfig::default()).map_err(|e| {
+    /// Prepare the host: the network's nftables tables and IPv4 forwarding, and the
+    /// egress layer (resolver, proxy) on the current tokio runtime. A network failure is
+    /// not fatal (sandboxes without internet still work); it is logged.
+    pub fn init(config: &NodeConfig) -> Result<Self> {
+        let state_dir = config.state_dir.as_path();
+        let opts = &config.network;
+        let netcfg = NetworkConfig {
+            dns_port: opts.dns_port,
+            proxy_port: opts.proxy_port,
+            allow_smtp: opts.allow_smtp,
+            limits: opts.limits.clone(),
+            ..NetworkConfig::default()
+        };
+        let mut network = Network::init(netcfg).map_err(|e| e.to_string());
+        let mut egress = None;
+        if let Ok(net) = &network {
+            let started = tokio::runtime::Handle::try_current()
+                .map_err(|e| e.to_string())
+                .and_then(|handle| {
+                    let mut ec = EgressConfig::new(
+                        opts.dns_port,
+                        opts.proxy_port,
+                        net.address_guard(),
+                        state_dir.join("logs"),
+                    );
+                    if !opts.upstream_dns.is_empty() {
+                        ec.upstream_dns = opts.upstream_dns.clone();
+                    }
+                    Egress::start(ec, &handle).map_err(|e| e.to_string())
+                });
+            match started {
+                Ok(e) => egress = Some(e),
+                Err(e) => network = Err(format!("the egress layer did not start: {e}")),
+            }
+        }
+        if let Err(e) = &network {
             tracing::warn!("sandbox networking unavailable: {e}");
-            e.to_string()
-        });
+        }
         let storage = Storage::open(state_dir).map_err(|e| {
             tracing::warn!("disk quotas unavailable, sandboxes get unlimited disk: {e}");
             e.to_string()
@@ -53,8 +88,30 @@ impl LinuxRuntime {
         Ok(LinuxRuntime {
             sandboxes: Mutex::new(HashMap::new()),
             network,
+            egress,
             storage,
         })
+    }
+
+    /// The egress layer, when networking works.
+    pub fn egress(&self) -> Option<&Egress> {
+        self.egress.as_ref()
+    }
+
+    /// Sets the kernel's share of `policy` for `slot` and registers the sandbox with the
+    /// egress layer (which needs every sandbox that has a network interface).
+    fn apply_policy(&self, id: &str, slot: u32, policy: &NetworkPolicy) -> Result<()> {
+        let net = self.network()?;
+        net.set_policy(slot, &policy.kernel())
+            .map_err(|e| rt_err("network policy", e))?;
+        let ip = net
+            .slot_info(slot)
+            .map_err(|e| rt_err("network policy", e))?
+            .sandbox_ip;
+        if let Some(eg) = &self.egress {
+            eg.register(ip, id, policy.clone());
+        }
+        Ok(())
     }
 
     /// Which quota mechanism is in use, if any.
@@ -131,6 +188,9 @@ impl SandboxRuntime for LinuxRuntime {
                 net.attach(&ns, s.slot)
                     .map_err(|e| rt_err("network attach", e))
             });
+            let attach = attach.and_then(|info| {
+                self.apply_policy(&s.id, s.slot, &s.network).map(|()| info)
+            });
             match attach {
                 Ok(info) => {
                     state["hostIfname"] = info.host_ifname.clone().into();
@@ -171,6 +231,11 @@ impl SandboxRuntime for LinuxRuntime {
         };
         res.map_err(|e| rt_err(&format!("destroy {id}"), e))?;
         if let (Some(slot), Ok(net)) = (slot, &self.network) {
+            if let (Some(eg), Ok(info)) = (&self.egress, net.slot_info(slot))
+                && eg.policy_of(info.sandbox_ip).is_some()
+            {
+                eg.unregister(info.sandbox_ip);
+            }
             net.detach(slot)
                 .map_err(|e| rt_err(&format!("network detach of slot {slot}"), e))?;
         }
@@ -363,5 +428,53 @@ impl SandboxRuntime for LinuxRuntime {
             .collect();
         cubicle_runtime::attach_binds(pidfd, pid, uid_base, &binds)
             .map_err(|e| rt_err(&format!("mounting volumes in {id}"), e))
+    }
+
+    fn set_network(&self, id: &str, slot: u32, pid: i32, policy: &NetworkPolicy) -> Result<bool> {
+        let net = match &self.network {
+            Ok(net) => net,
+            // Without networking only "no network at all" can be honoured.
+            Err(_) if !policy.needs_network() => return Ok(false),
+            Err(e) => return Err(Error::Runtime(format!("sandbox networking unavailable: {e}"))),
+        };
+        let attached = net
+            .is_attached(slot)
+            .map_err(|e| rt_err("network state", e))?;
+        if !attached {
+            if !policy.needs_network() {
+                return Ok(false);
+            }
+            // Through the sandbox's pidfd when this process holds its handle (no reused
+            // pid can redirect it); by pid otherwise.
+            let pidfd = self
+                .handles()
+                .get(id)
+                .and_then(|sb| sb.pidfd().try_clone().ok());
+            let ns = match pidfd {
+                Some(fd) => Netns::from_fd(fd),
+                None => Netns::from_pid(pid).map_err(|e| rt_err("netns", e))?,
+            };
+            net.attach(&ns, slot)
+                .map_err(|e| rt_err("network attach", e))?;
+        }
+        self.apply_policy(id, slot, policy)?;
+        Ok(true)
+    }
+
+    fn network_log(&self, id: &str, after: u64, limit: usize) -> Vec<NetEvent> {
+        match &self.egress {
+            Some(eg) => eg.audit().read(id, after, limit),
+            None => Vec::new(),
+        }
+    }
+
+    fn forget_network_log(&self, id: &str) {
+        if let Some(eg) = &self.egress {
+            eg.audit().remove(id);
+        }
+    }
+
+    fn egress(&self) -> Option<Egress> {
+        self.egress.clone()
     }
 }

@@ -89,6 +89,15 @@ pub(crate) async fn reconcile(inner: &Arc<Inner>) -> Result<ReconcileReport> {
             continue;
         }
         let pid = r.pid.unwrap_or(0);
+        if r.internet || r.network.needs_network() {
+            // The egress layer starts empty: give it the sandbox's policy again (the
+            // kernel's share survived the restart; this re-applies it too).
+            let rt = inner.runtime.clone();
+            let (id, slot, policy) = (r.id.clone(), r.slot, r.network.clone());
+            if let Err(e) = blocking(move || rt.set_network(&id, slot, pid, &policy)).await {
+                tracing::warn!(sandbox = %r.id, "re-applying its network policy failed: {e}");
+            }
+        }
         let init = InitPidfd::open(pid, r.pid_start_time);
         let watcher = spawn_watcher(Arc::downgrade(inner), r.id.clone(), init.as_ref());
         tracing::info!(sandbox = %r.id, pid, "adopted");

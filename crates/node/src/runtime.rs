@@ -38,6 +38,8 @@ pub struct StartSpec {
     pub disk_mb: u64,
     /// veth + NAT (true) or loopback only.
     pub internet: bool,
+    /// Egress policy (applied right after the veth, before envd is asked anything).
+    pub network: crate::sandbox::NetworkPolicy,
     /// Hostname inside.
     pub hostname: String,
     /// Host path of the envd binary, bind-mounted read-only at `/run/cubicle/envd`.
@@ -132,6 +134,33 @@ pub trait SandboxRuntime: Send + Sync + 'static {
 
     /// Number of slots the runtime can address (network pool size etc.).
     fn max_slots(&self) -> u32;
+
+    /// Applies `policy` to running sandbox `id` (slot `slot`, init `pid`): gives it a
+    /// network interface if the policy needs one and it has none, replaces the kernel's
+    /// share of its policy and tells the egress layer (also after a node restart, for
+    /// an adopted sandbox). Returns whether the sandbox has a network interface now.
+    fn set_network(
+        &self,
+        _id: &str,
+        _slot: u32,
+        _pid: i32,
+        policy: &crate::sandbox::NetworkPolicy,
+    ) -> Result<bool> {
+        Ok(policy.needs_network())
+    }
+
+    /// Sandbox `id`'s network audit trail: events after `after`, at most `limit`.
+    fn network_log(&self, _id: &str, _after: u64, _limit: usize) -> Vec<cubicle_egress::NetEvent> {
+        Vec::new()
+    }
+
+    /// Deletes sandbox `id`'s network audit trail (its records are being purged).
+    fn forget_network_log(&self, _id: &str) {}
+
+    /// The egress layer, when this runtime has one.
+    fn egress(&self) -> Option<cubicle_egress::Egress> {
+        None
+    }
 
     /// Volumes (`crate::volume`): the host directory of volume `id` (whether or not it
     /// exists). Runtimes without volume support refuse.

@@ -10,6 +10,8 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
+pub use cubicle_egress::{NetEvent, NetworkPolicy};
+
 /// Ask the node for a sandbox. `None` fields take the template's (or node's) default.
 #[derive(Debug, Clone, Default)]
 pub struct CreateRequest {
@@ -27,6 +29,11 @@ pub struct CreateRequest {
     pub disk_mb: Option<u64>,
     /// Internet access (veth + NAT) or loopback only.
     pub internet: bool,
+    /// Egress policy (E2B `network` options; default: everything the node allows).
+    pub network: NetworkPolicy,
+    /// `Host` the data plane sends to the sandbox's ports (E2B `maskRequestHost`;
+    /// `${PORT}` is replaced by the port).
+    pub mask_request_host: Option<String>,
     /// Lifetime; the node kills the sandbox when it passes. `None`: node default (300 s).
     pub timeout: Option<Duration>,
     /// Opaque user metadata, stored and returned.
@@ -127,8 +134,14 @@ pub struct SandboxRecord {
     pub cpus: u32,
     /// Disk quota, MiB.
     pub disk_mb: u64,
-    /// Internet on/off.
+    /// Internet on/off (a veth or loopback only).
     pub internet: bool,
+    /// Egress policy.
+    #[serde(default, skip_serializing_if = "NetworkPolicy::is_plain_default")]
+    pub network: NetworkPolicy,
+    /// `Host` for data-plane requests to the sandbox's ports (`${PORT}` replaced).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mask_request_host: Option<String>,
     /// Env vars given to envd.
     #[serde(default)]
     pub env_vars: BTreeMap<String, String>,
@@ -200,6 +213,10 @@ pub struct SandboxInfo {
     pub disk_mb: u64,
     /// Internet on/off.
     pub internet: bool,
+    /// Egress policy.
+    pub network: NetworkPolicy,
+    /// `Host` for data-plane requests to the sandbox's ports.
+    pub mask_request_host: Option<String>,
     /// User metadata.
     pub metadata: BTreeMap<String, String>,
     /// envd access token (`envdAccessToken` of the E2B API).
@@ -239,6 +256,8 @@ impl SandboxInfo {
             cpus: r.cpus,
             disk_mb: r.disk_mb,
             internet: r.internet,
+            network: r.network.clone(),
+            mask_request_host: r.mask_request_host.clone(),
             metadata: r.metadata.clone(),
             access_token: r.access_token.clone(),
             uid_base: r.uid_base,

@@ -1,7 +1,12 @@
 //! Uid slots: every live sandbox owns a distinct range of 65536 host uids/gids,
 //! `base + slot * 65536`, and a slot is reused only after its sandbox is fully cleaned.
+//! A slot also fixes the sandbox's network address, so a freed slot rests for a while
+//! (the quarantine) before it is handed out again, as long as other slots are free: a
+//! remote peer's or an audit trail's idea of who had an address stays true a little
+//! longer than the sandbox.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeSet, HashMap};
+use std::time::{Duration, Instant};
 
 /// Ids per sandbox (a full 16-bit range, so uid 65534 `nobody` maps too).
 pub const IDS_PER_SANDBOX: u32 = 65536;
@@ -13,6 +18,9 @@ pub struct UidSlots {
     first: u32,
     end: u32,
     used: BTreeSet<u32>,
+    /// When recently freed slots were freed.
+    resting: HashMap<u32, Instant>,
+    quarantine: Duration,
 }
 
 impl UidSlots {
@@ -25,7 +33,15 @@ impl UidSlots {
             first,
             end: end.min(fit),
             used: BTreeSet::new(),
+            resting: HashMap::new(),
+            quarantine: Duration::ZERO,
         }
+    }
+
+    /// Sets how long a freed slot rests before it is preferred again.
+    pub fn with_quarantine(mut self, quarantine: Duration) -> Self {
+        self.quarantine = quarantine;
+        self
     }
 
     /// The first host id of `slot`.
@@ -33,9 +49,21 @@ impl UidSlots {
         self.base + slot * IDS_PER_SANDBOX
     }
 
-    /// The lowest free slot.
+    /// The lowest free slot that is not resting; else the one that has rested longest.
     pub fn allocate(&mut self) -> Option<u32> {
-        let slot = (self.first..self.end).find(|s| !self.used.contains(s))?;
+        let now = Instant::now();
+        let q = self.quarantine;
+        self.resting.retain(|_, at| now.duration_since(*at) < q);
+        let slot = (self.first..self.end)
+            .find(|s| !self.used.contains(s) && !self.resting.contains_key(s))
+            .or_else(|| {
+                self.resting
+                    .iter()
+                    .filter(|(s, _)| !self.used.contains(s))
+                    .min_by_key(|(_, at)| **at)
+                    .map(|(s, _)| *s)
+            })?;
+        self.resting.remove(&slot);
         self.used.insert(slot);
         Some(slot)
     }
@@ -47,7 +75,9 @@ impl UidSlots {
 
     /// Give `slot` back (only after the sandbox is cleaned).
     pub fn release(&mut self, slot: u32) {
-        self.used.remove(&slot);
+        if self.used.remove(&slot) && !self.quarantine.is_zero() {
+            self.resting.insert(slot, Instant::now());
+        }
     }
 
     /// The slots this allocator hands out.
@@ -79,5 +109,19 @@ mod tests {
         assert_eq!(s.allocate(), None);
         assert!(!s.reserve(3));
         assert!(!UidSlots::new(u32::MAX - 10, 0, 5).reserve(0));
+    }
+
+    #[test]
+    fn freed_slots_rest_while_others_are_free() {
+        let mut s = UidSlots::new(0, 0, 3).with_quarantine(Duration::from_secs(60));
+        let a = s.allocate().unwrap();
+        s.release(a);
+        let b = s.allocate().unwrap();
+        assert_ne!(a, b, "a freed slot is not handed out again at once");
+        let c = s.allocate().unwrap();
+        assert_ne!(c, a);
+        // Only the resting one is left: it is used rather than failing.
+        assert_eq!(s.allocate(), Some(a));
+        assert_eq!(s.allocate(), None);
     }
 }

@@ -123,10 +123,15 @@ impl DataPlane {
                         .into(),
                 ));
             }
+            self.send(req, &target.id, port, None).await
         } else {
             check_traffic_token(&target, req.headers())?;
+            let host = target
+                .mask_request_host
+                .as_deref()
+                .map(|m| m.replace("${PORT}", &port.to_string()));
+            self.send(req, &target.id, port, host).await
         }
-        self.send(req, &target.id, port).await
     }
 
     /// The one running sandbox whose envd token signed this `/files` URL.
@@ -164,7 +169,14 @@ impl DataPlane {
         }
     }
 
-    async fn send(&self, req: Request, id: &str, port: u16) -> Result<Response, RouterError> {
+    /// Streams `req` to `port` of sandbox `id`, with `Host: host` when given.
+    async fn send(
+        &self,
+        req: Request,
+        id: &str,
+        port: u16,
+        host: Option<String>,
+    ) -> Result<Response, RouterError> {
         let (mut parts, body) = req.into_parts();
         let upgrade = routing::is_upgrade(&parts.headers);
         let client_upgrade = if upgrade {
@@ -179,6 +191,9 @@ impl DataPlane {
             .map_err(|e| RouterError::BadRequest(format!("invalid request target: {e}")))?;
         let mut headers = std::mem::take(&mut parts.headers);
         routing::strip_hop_by_hop(&mut headers, upgrade);
+        if let Some(h) = host.and_then(|h| HeaderValue::from_str(&h).ok()) {
+            headers.insert(header::HOST, h);
+        }
         if !headers.contains_key(header::HOST) {
             headers.insert(header::HOST, HeaderValue::from_static("localhost"));
         }

@@ -23,6 +23,9 @@ pub struct SandboxTarget {
     pub envd_access_token: Option<String>,
     /// Required as `e2b-traffic-access-token` on non-envd ports when set.
     pub traffic_access_token: Option<String>,
+    /// `Host` sent to the sandbox's non-envd ports (E2B `maskRequestHost`; `${PORT}` is
+    /// replaced by the port). `None`: the client's `Host` goes through.
+    pub mask_request_host: Option<String>,
 }
 
 /// How the router finds sandboxes. Implemented by `cubicle serve` over the node and store.

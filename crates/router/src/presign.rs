@@ -122,6 +122,7 @@ mod tests {
             init_pidfd: None,
             envd_access_token: token.map(Into::into),
             traffic_access_token: None,
+            mask_request_host: None,
         }
     }
 

@@ -47,6 +47,12 @@
 #   CUBICLE_E2E_KEEP_LOG=1      keep the server log even on success
 #   CUBICLE_E2E_SERVE_ARGS      extra `cubicle serve` flags (default "--pool code-interpreter-v1=2";
 #                               "" for none)
+#   CUBICLE_DNS_UPSTREAM        the server's upstream DNS (default 203.0.113.53: the DNS
+#                               server of the network tests' private internet, netlab/)
+#   CUBICLE_SANDBOX_MAX_CONNECTIONS, CUBICLE_SANDBOX_NEW_CONNECTIONS,
+#   CUBICLE_SANDBOX_BANDWIDTH_MBIT
+#                               per-sandbox limits (defaults 100, 100/s, 400 Mbit/s: low
+#                               enough for the network tests to reach them)
 # Exit status: non-zero if a suite failed, the server did not start or something leaked.
 set -uo pipefail
 
@@ -86,6 +92,10 @@ CUBICLE_BIN=${CUBICLE_BIN:-$ROOT/target/debug/cubicle}
 CUBICLE_ENVD_BIN=${CUBICLE_ENVD_BIN:-$ROOT/target/x86_64-unknown-linux-gnu/debug/cubicle-envd}
 STATE=${CUBICLE_E2E_STATE_DIR:-/var/lib/cubicle-e2e}
 SLOT=${CUBICLE_E2E_FIRST_SLOT:-20000}
+export CUBICLE_DNS_UPSTREAM=${CUBICLE_DNS_UPSTREAM:-203.0.113.53}
+export CUBICLE_SANDBOX_MAX_CONNECTIONS=${CUBICLE_SANDBOX_MAX_CONNECTIONS:-100}
+export CUBICLE_SANDBOX_NEW_CONNECTIONS=${CUBICLE_SANDBOX_NEW_CONNECTIONS:-100}
+export CUBICLE_SANDBOX_BANDWIDTH_MBIT=${CUBICLE_SANDBOX_BANDWIDTH_MBIT:-400}
 READY_TIMEOUT=${CUBICLE_E2E_READY_TIMEOUT:-1800}
 SUITE_TIMEOUT=${CUBICLE_E2E_SUITE_TIMEOUT:-2400}
 DOMAIN_WANTED=${CUBICLE_E2E_DOMAIN:-}
@@ -321,6 +331,9 @@ run_env=(env -u E2B_DEBUG -u E2B_DOMAIN -u E2B_ACCESS_TOKEN
   E2B_VOLUME_API_URL="$E2B_VOLUME_API_URL"
   CUBICLE_E2E_KEY_B="$KEY_B" CUBICLE_E2E_DOMAIN="$DOMAIN" CUBICLE_E2E_IDS_FILE="$IDS"
   CUBICLE_E2E_STATE_DIR="$STATE" CUBICLE_BIN="$CUBICLE_BIN" CUBICLE_E2E_SERVER_PID="$SERVE_PID"
+  CUBICLE_E2E_MAX_CONNECTIONS="$CUBICLE_SANDBOX_MAX_CONNECTIONS"
+  CUBICLE_E2E_NEW_CONNECTIONS="$CUBICLE_SANDBOX_NEW_CONNECTIONS"
+  CUBICLE_E2E_BANDWIDTH_MBIT="$CUBICLE_SANDBOX_BANDWIDTH_MBIT"
   CUBICLE_E2E_SERVE_LOG="$LOG")
 
 run_python() {

@@ -7,6 +7,7 @@ use clap::{Args, Subcommand};
 
 use super::{ClientError, http::BaseUrl};
 
+
 /// Default address of `cubicle serve`.
 pub const DEFAULT_API_URL: &str = "http://127.0.0.1:3000";
 /// File (in the state directory) where `cubicle serve` leaves the admin team's key.
@@ -55,9 +56,35 @@ pub enum SandboxCommand {
         /// Mount a volume: `NAME:/path`, or `NAME:/path:ro` read-only (repeatable).
         #[arg(long = "volume", short = 'v', value_name = "NAME:PATH[:ro]", value_parser = parse_volume_mount)]
         volumes: Vec<serde_json::Value>,
+        #[command(flatten)]
+        network: NetworkFlags,
         /// Print the server's whole JSON answer instead of the id.
         #[arg(long)]
         json: bool,
+    },
+    /// Replace a running sandbox's egress policy (`PUT /sandboxes/{id}/network`: what
+    /// is not given is cleared).
+    Network {
+        /// Sandbox id.
+        id: String,
+        #[command(flatten)]
+        network: NetworkFlags,
+    },
+    /// Print a sandbox's network audit trail: DNS questions and answers, connection
+    /// attempts with their verdicts, bytes of closed connections.
+    Netlog {
+        /// Sandbox id.
+        id: String,
+        /// Keep printing new events until the sandbox goes away (or Ctrl-C).
+        #[arg(long, short)]
+        follow: bool,
+        /// Print events as JSON lines.
+        #[arg(long)]
+        json: bool,
+        /// Print the allow list that would have permitted everything in the trail
+        /// (after a run in learn mode), as the `network` options of a create.
+        #[arg(long)]
+        allowlist: bool,
     },
     /// List sandboxes (running and paused).
     #[command(alias = "ls")]
@@ -129,6 +156,68 @@ pub enum SandboxCommand {
         #[arg(long)]
         cwd: Option<String>,
     },
+}
+
+/// E2B `network` options on the command line.
+#[derive(Args, Debug, Default, Clone)]
+pub struct NetworkFlags {
+    /// Allow outbound traffic to an address, CIDR, domain or `*.domain` (repeatable;
+    /// wins over --deny-out).
+    #[arg(long = "allow-out", value_name = "DEST")]
+    pub allow_out: Vec<String>,
+    /// Deny outbound traffic to an address or CIDR (repeatable; `0.0.0.0/0`: all).
+    #[arg(long = "deny-out", value_name = "CIDR")]
+    pub deny_out: Vec<String>,
+    /// No internet, except what --allow-out names.
+    #[arg(long)]
+    pub no_internet: bool,
+    /// Upstream DNS server for the sandbox (repeatable).
+    #[arg(long = "dns", value_name = "IP")]
+    pub dns_servers: Vec<String>,
+    /// Tunnel outbound TCP through this SOCKS5 proxy (`host:port`).
+    #[arg(long, value_name = "HOST:PORT")]
+    pub egress_proxy: Option<String>,
+    /// Learn mode: deny nothing, record what the policy would deny (see `netlog
+    /// --allowlist`).
+    #[arg(long)]
+    pub learn: bool,
+}
+
+impl NetworkFlags {
+    /// Whether any option was given.
+    pub fn any(&self) -> bool {
+        !self.allow_out.is_empty()
+            || !self.deny_out.is_empty()
+            || self.no_internet
+            || !self.dns_servers.is_empty()
+            || self.egress_proxy.is_some()
+            || self.learn
+    }
+
+    /// The JSON the API takes (`network` of a create; the body of a network update).
+    pub fn body(&self) -> serde_json::Value {
+        let mut v = serde_json::json!({});
+        if !self.allow_out.is_empty() {
+            v["allowOut"] = serde_json::json!(self.allow_out);
+        }
+        let mut deny = self.deny_out.clone();
+        if self.no_internet && !deny.iter().any(|d| d == "0.0.0.0/0") {
+            deny.push("0.0.0.0/0".into());
+        }
+        if !deny.is_empty() {
+            v["denyOut"] = serde_json::json!(deny);
+        }
+        if !self.dns_servers.is_empty() {
+            v["dnsServers"] = serde_json::json!(self.dns_servers);
+        }
+        if let Some(p) = &self.egress_proxy {
+            v["egressProxy"] = serde_json::json!({ "address": p });
+        }
+        if self.learn {
+            v["learn"] = true.into();
+        }
+        v
+    }
 }
 
 /// Parses `KEY=VALUE` (the value may contain `=`; the key may not be empty).
@@ -276,12 +365,14 @@ mod tests {
                 metadata,
                 env,
                 volumes,
+                network,
                 json,
             } => {
                 assert_eq!(
                     volumes,
                     vec![serde_json::json!({"name": "data", "path": "/mnt/d", "readOnly": true})]
                 );
+                assert!(!network.any());
                 assert_eq!(template, "tiny");
                 assert_eq!(timeout, Some(60));
                 assert_eq!(

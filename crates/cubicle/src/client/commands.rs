@@ -6,22 +6,7 @@ use serde_json::Value;
 
 use super::rest::{ApiClient, ListFilter, NewSandbox};
 
-pub async fn create(
-    api: &ApiClient,
-    template: String,
-    timeout: Option<u64>,
-    metadata: Vec<(String, String)>,
-    env: Vec<(String, String)>,
-    volume_mounts: Vec<Value>,
-    json: bool,
-) -> anyhow::Result<i32> {
-    let req = NewSandbox {
-        template_id: template,
-        timeout,
-        metadata: metadata.into_iter().collect(),
-        env_vars: env.into_iter().collect(),
-        volume_mounts,
-    };
+pub async fn create(api: &ApiClient, req: NewSandbox, json: bool) -> anyhow::Result<i32> {
     let (sbx, raw) = api.create(&req).await?;
     if json {
         println!("{}", serde_json::to_string_pretty(&raw)?);

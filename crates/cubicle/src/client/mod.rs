@@ -6,7 +6,7 @@
 //!
 //! Layout: `args` (flags, settings), `http` (plain-HTTP/1.1 transport), `rest` (REST
 //! calls), `connect` (Connect envelopes and calls), `commands` (create/list/info/kill),
-//! `exec`, `shell` + `tty` (PTY session, raw mode), `logs`.
+//! `exec`, `shell` + `tty` (PTY session, raw mode), `logs`, `netlog`.
 
 mod args;
 mod commands;
@@ -15,6 +15,7 @@ mod error;
 mod exec;
 mod http;
 mod logs;
+mod netlog;
 mod rest;
 mod shell;
 #[cfg(test)]
@@ -29,7 +30,7 @@ pub use error::ClientError;
 pub use volume::{VolumeArgs, run_volume};
 
 use connect::EnvdClient;
-use rest::ApiClient;
+use rest::{ApiClient, NewSandbox};
 
 /// Runs one `cubicle sandbox …` command; returns the process exit code.
 pub async fn run(args: SandboxArgs, state_dir: &Path) -> anyhow::Result<i32> {
@@ -42,8 +43,29 @@ pub async fn run(args: SandboxArgs, state_dir: &Path) -> anyhow::Result<i32> {
             metadata,
             env,
             volumes,
+            network,
             json,
-        } => commands::create(&api, template, timeout, metadata, env, volumes, json).await,
+        } => {
+            let req = NewSandbox {
+                template_id: template,
+                timeout,
+                metadata: metadata.into_iter().collect(),
+                env_vars: env.into_iter().collect(),
+                volume_mounts: volumes,
+                network: network.any().then(|| network.body()),
+            };
+            commands::create(&api, req, json).await
+        }
+        SandboxCommand::Network { id, network } => {
+            api.update_network(&id, &network.body()).await?;
+            Ok(0)
+        }
+        SandboxCommand::Netlog {
+            id,
+            follow,
+            json,
+            allowlist,
+        } => netlog::run(&api, &id, follow, json, allowlist).await,
         SandboxCommand::List {
             json,
             metadata,

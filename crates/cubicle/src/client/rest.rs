@@ -31,6 +31,9 @@ pub struct NewSandbox {
     pub env_vars: std::collections::BTreeMap<String, String>,
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub volume_mounts: Vec<serde_json::Value>,
+    /// E2B `network` options (as `NetworkFlags::body` builds them).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub network: Option<Value>,
 }
 
 /// The `Sandbox` answer of create/connect (only what the client needs; the rest is kept
@@ -307,6 +310,30 @@ impl ApiClient {
                 CALL_TIMEOUT,
             )
             .await?;
+        Self::json(&path, &body)
+    }
+
+    /// `PUT /sandboxes/{id}/network` (replaces the sandbox's egress policy).
+    pub async fn update_network(&self, id: &str, body: &Value) -> Result<(), ClientError> {
+        let path = format!("/sandboxes/{}/network", seg(id));
+        self.call(
+            Method::PUT,
+            &path,
+            Some(body.to_string().into_bytes()),
+            CALL_TIMEOUT,
+        )
+        .await?;
+        Ok(())
+    }
+
+    /// `GET /cubicle/sandboxes/{id}/netlog`: audit events numbered above `after`, and
+    /// with `allowlist` the allow list learnt from the whole trail.
+    pub async fn netlog(&self, id: &str, after: u64, allowlist: bool) -> Result<Value, ClientError> {
+        let mut path = format!("/cubicle/sandboxes/{}/netlog?after={after}&limit=1000", seg(id));
+        if allowlist {
+            path.push_str("&allowlist=true");
+        }
+        let (_, _, body) = self.call(Method::GET, &path, None, CALL_TIMEOUT).await?;
         Self::json(&path, &body)
     }
 

@@ -111,6 +111,8 @@ impl Inner {
             r.end_at_ms = r.created_at_ms + timeout.as_millis() as u64;
             (r.memory_mb, r.cpus, r.disk_mb) = (memory_mb, cpus, disk_mb);
             r.internet = req.internet;
+            r.network = req.network.clone();
+            r.mask_request_host = req.mask_request_host.clone();
             r.env_vars = env_vars;
             r.metadata = req.metadata.clone();
             r.volumes = req.volumes.clone();
@@ -209,6 +211,7 @@ impl Inner {
             pids: inner.config.pids_limit,
             disk_mb: record.disk_mb,
             internet: record.internet,
+            network: record.network.clone(),
             hostname: id.clone(),
             envd_binary: inner.config.envd_binary.clone(),
             // envd answers the node on its Unix socket; on TCP only inside the sandbox

@@ -147,6 +147,8 @@ impl Inner {
             cpus: c.cpus,
             disk_mb: c.disk_mb,
             internet: true,
+            network: Default::default(),
+            mask_request_host: None,
             env_vars: Default::default(),
             metadata: Default::default(),
             access_token: ids::new_access_token(),

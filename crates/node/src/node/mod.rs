@@ -12,7 +12,8 @@
 //! 3. After a crash, [`Node::open`] reconciles (see `reconcile.rs`).
 //!
 //! This file is the node's public interface. The shared state every path works on is
-//! `inner.rs`, the create path `create.rs`, the death path `teardown.rs`; the pools
+//! `inner.rs`, the create path `create.rs`, the death path `teardown.rs`, a running
+//! sandbox's network policy and audit trail `network.rs`; the pools
 //! (`crate::pool`) use the create path and the shared state, never this file.
 
 use std::collections::{HashMap, VecDeque};
@@ -35,6 +36,7 @@ use crate::{fsutil, procfs};
 
 pub(crate) mod create;
 pub(crate) mod inner;
+mod network;
 pub(crate) mod teardown;
 
 use inner::{Inner, State, blocking, lock_node, now_ms};
@@ -100,7 +102,8 @@ impl Node {
             runtime,
             state: Mutex::new(State {
                 live: HashMap::new(),
-                slots: UidSlots::new(config.uid_base, config.first_slot, end),
+                slots: UidSlots::new(config.uid_base, config.first_slot, end)
+                    .with_quarantine(config.network.address_quarantine),
                 deleting_volumes: Default::default(),
             }),
             changed: Arc::new(Notify::new()),

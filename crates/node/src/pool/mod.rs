@@ -163,6 +163,8 @@ impl Inner {
             r.memory_mb = limits.0;
             r.cpus = limits.1;
             r.volumes = req.volumes.clone();
+            r.network = req.network.clone();
+            r.mask_request_host = req.mask_request_host.clone();
             break (live.record.clone(), birth_token, init);
         };
         inner.pool.wake.notify_one();
@@ -190,6 +192,14 @@ impl Inner {
                     .set_limits(&id, limits.0, limits.1, inner.config.pids_limit)?;
             }
             inner.runtime.renice(&id, 0);
+            if !record.network.is_plain_default() {
+                // Pooled sandboxes are made with the default policy: set the asked one
+                // before anyone can use the sandbox (a few set elements, no veth change).
+                let rt = inner.runtime.clone();
+                let (i2, slot, pid, p) =
+                    (id.clone(), record.slot, record.pid.unwrap_or(0), record.network.clone());
+                crate::node::inner::blocking(move || rt.set_network(&i2, slot, pid, &p)).await?;
+            }
             EnvdClient::new(inner.envd_socket(&id), Some(birth_token))
                 .init(&InitRequest::for_record(&record))
                 .await?;

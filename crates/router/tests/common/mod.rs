@@ -76,6 +76,7 @@ pub fn target(
         init_pidfd: pidfd(init_pid),
         envd_access_token: token.map(Into::into),
         traffic_access_token: traffic.map(Into::into),
+        mask_request_host: None,
     }
 }
 

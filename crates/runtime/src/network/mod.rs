@@ -159,22 +159,24 @@ pub struct SandboxLimits {
     /// New connections per second (sustained), and the burst allowed above it.
     pub new_connections_per_sec: u32,
     pub new_connections_burst: u32,
-    /// Outbound bytes per second (packets above it are dropped), and the burst.
+    /// Outbound bytes per second (packets above it are dropped), and the burst. The
+    /// kernel's token bucket holds one second at the rate plus the burst, so a sandbox
+    /// can send that much at once before it is held to the rate.
     pub bytes_per_sec: u64,
     pub bytes_burst: u64,
 }
 
 impl Default for SandboxLimits {
     /// 4096 connections, 200 new per second (burst 400), 125 MB/s (1 Gbit/s) outbound
-    /// with a 16 MiB burst: far above what a package install or an API client needs, low
-    /// enough that one sandbox cannot fill the host's conntrack table or uplink.
+    /// (plus 64 KiB of burst): far above what a package install or an API client needs,
+    /// low enough that one sandbox cannot fill the host's conntrack table or uplink.
     fn default() -> Self {
         SandboxLimits {
             max_connections: 4096,
             new_connections_per_sec: 200,
             new_connections_burst: 400,
             bytes_per_sec: 125_000_000,
-            bytes_burst: 16 << 20,
+            bytes_burst: 64 << 10,
         }
     }
 }
@@ -673,6 +675,16 @@ impl Network {
         Ok(())
     }
 
+    /// Whether slot `slot`'s host-side interface exists.
+    pub fn is_attached(&self, slot: u32) -> Result<bool> {
+        let info = self.slot_info(slot)?;
+        let mut host =
+            RouteSocket::open().map_err(|e| Error::io("opening netlink socket", e))?;
+        host.link_index(&info.host_ifname)
+            .map(|i| i.is_some())
+            .map_err(|e| Error::io(format!("looking up {}", info.host_ifname), e))
+    }
+
     /// Removes slot `slot`'s veth pair and policy and forgets its connections
     /// (idempotent: missing pieces are fine).
     pub fn detach(&self, slot: u32) -> Result<()> {
@@ -870,8 +882,9 @@ impl Network {
             .replace("@MAX_CONNS@", &l.max_connections.max(1).to_string())
             .replace("@NEW_CONNS@", &l.new_connections_per_sec.max(1).to_string())
             .replace("@NEW_BURST@", &l.new_connections_burst.max(1).to_string())
-            .replace("@BYTES_BURST@", &l.bytes_burst.max(1500).to_string())
-            .replace("@BYTES@", &l.bytes_per_sec.max(1).to_string());
+            // The kernel computes with ns × (rate + burst) in 64 bits: keep it in range.
+            .replace("@BYTES_BURST@", &l.bytes_burst.clamp(1500, 1 << 30).to_string())
+            .replace("@BYTES@", &l.bytes_per_sec.clamp(1, 16_000_000_000).to_string());
         let pos = text.find(POLICY_MARKER).ok_or_else(|| {
             Error::NetworkConfig("egress_rules.nft lacks the policy marker".into())
         })?;
