@@ -136,7 +136,8 @@ impl EgressBody {
                 .push(s.parse().map_err(|e| net_err("allowOut", e))?);
         }
         for s in self.deny_out.unwrap_or_default() {
-            p.deny_out.push(s.parse().map_err(|e| net_err("denyOut", e))?);
+            p.deny_out
+                .push(s.parse().map_err(|e| net_err("denyOut", e))?);
         }
         if allow_internet_access == Some(false) {
             p.deny_out = vec!["0.0.0.0/0".parse().map_err(|e| net_err("denyOut", e))?];
@@ -144,9 +145,11 @@ impl EgressBody {
         if let Some(servers) = self.dns_servers {
             let mut v = Vec::with_capacity(servers.len());
             for s in servers {
-                v.push(s.trim().parse().map_err(|_| {
-                    net_err("dnsServers", format!("'{s}' is not an IPv4 address"))
-                })?);
+                v.push(
+                    s.trim().parse().map_err(|_| {
+                        net_err("dnsServers", format!("'{s}' is not an IPv4 address"))
+                    })?,
+                );
             }
             p.dns_servers = Some(v);
         }
@@ -182,10 +185,11 @@ impl EgressBody {
                         format!("at most one rule per domain ({host} has {})", list.len()),
                     ));
                 }
-                if list
-                    .iter()
-                    .any(|r| r.transform.as_ref().is_some_and(|t| t.headers.as_ref().is_some_and(|h| !h.is_empty())))
-                {
+                if list.iter().any(|r| {
+                    r.transform
+                        .as_ref()
+                        .is_some_and(|t| t.headers.as_ref().is_some_and(|h| !h.is_empty()))
+                }) {
                     return Err(not_supported(
                         "network.rules header transforms (secret injection)",
                     ));
@@ -211,7 +215,8 @@ impl EgressBody {
 fn mask_host(s: &str) -> ApiResult<String> {
     let ok = !s.is_empty()
         && s.len() <= 253
-        && s.bytes().all(|b| b.is_ascii_alphanumeric() || b"-._:${}".contains(&b));
+        && s.bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"-._:${}".contains(&b));
     if !ok {
         return Err(net_err(
             "maskRequestHost",
@@ -318,7 +323,11 @@ impl CreateSandbox {
         if net.https_ports.as_ref().is_some_and(|v| !v.is_empty()) {
             return Err(not_supported("network.httpsPorts"));
         }
-        let mask_request_host = net.mask_request_host.as_deref().map(mask_host).transpose()?;
+        let mask_request_host = net
+            .mask_request_host
+            .as_deref()
+            .map(mask_host)
+            .transpose()?;
         let network = net.egress.policy(b.allow_internet_access)?;
         let internet = network.needs_network();
         let env_vars = b.env_vars.unwrap_or_default();
@@ -362,9 +371,9 @@ pub struct UpdateNetwork {
 }
 
 impl UpdateNetwork {
-    /// Parse a `SandboxNetworkUpdateConfig` body (an empty body clears the policy).
+    /// Parse a `SandboxNetworkUpdateConfig` body (`{}` clears the policy).
     pub fn parse(body: &[u8]) -> ApiResult<Self> {
-        let b: UpdateNetworkBody = json(body, Some("{}"))?;
+        let b: UpdateNetworkBody = json(body, None)?;
         Ok(UpdateNetwork {
             network: b.egress.policy(b.allow_internet_access)?,
         })
@@ -630,9 +639,18 @@ mod tests {
         assert!(full.internet);
         assert_eq!(full.network.allow_out.len(), 2);
         assert!(full.network.deny_all() && full.network.learn);
-        assert_eq!(full.network.dns_servers, Some(vec!["9.9.9.9".parse().unwrap()]));
+        assert_eq!(
+            full.network.dns_servers,
+            Some(vec!["9.9.9.9".parse().unwrap()])
+        );
         let ep = full.network.egress_proxy.as_ref().unwrap();
-        assert_eq!((ep.address.as_str(), ep.tls.as_ref().unwrap().server_name.as_deref()), ("p.example:1080", Some("p")));
+        assert_eq!(
+            (
+                ep.address.as_str(),
+                ep.tls.as_ref().unwrap().server_name.as_deref()
+            ),
+            ("p.example:1080", Some("p"))
+        );
         assert!(full.network.rules.contains_key("api.x.com"));
         assert_eq!(full.mask_request_host.as_deref(), Some("${PORT}-h.example"));
         // allow_internet_access=false with an allow list: a network, only to it.
@@ -648,10 +666,17 @@ mod tests {
 
     #[test]
     fn update_network_replaces() {
-        let u = UpdateNetwork::parse(br#"{"allowOut":["1.1.1.1"],"allow_internet_access":true}"#).unwrap();
+        let u = UpdateNetwork::parse(br#"{"allowOut":["1.1.1.1"],"allow_internet_access":true}"#)
+            .unwrap();
         assert_eq!(u.network.allow_out.len(), 1);
         assert!(!u.network.deny_all());
-        assert!(UpdateNetwork::parse(b"").unwrap().network.is_plain_default());
+        assert!(
+            UpdateNetwork::parse(b"{}")
+                .unwrap()
+                .network
+                .is_plain_default()
+        );
+        assert!(UpdateNetwork::parse(b"").is_err());
         let off = UpdateNetwork::parse(br#"{"allow_internet_access":false}"#).unwrap();
         assert!(off.network.deny_all() && !off.network.needs_network());
         assert!(UpdateNetwork::parse(br#"{"allowOut":["x.com"]}"#).is_err());

@@ -435,7 +435,9 @@ async fn netlog(
     if q.get("allowlist") == Some("true") {
         let all = cp.network_log(&team, &id, 0, usize::MAX).await?;
         let allow = cubicle_node::allow_list(&all);
-        let needs_deny_all = allow.iter().any(|a| a.parse::<std::net::Ipv4Addr>().is_err());
+        let needs_deny_all = allow
+            .iter()
+            .any(|a| a.parse::<std::net::Ipv4Addr>().is_err());
         body["allowOut"] = serde_json::json!(allow);
         body["denyOut"] = serde_json::json!(if needs_deny_all || !allow.is_empty() {
             vec!["0.0.0.0/0"]

@@ -1105,28 +1105,53 @@ async fn network_policy_is_echoed_and_replaced() {
         )
         .await;
     assert_eq!(r.status, StatusCode::BAD_REQUEST);
-    assert!(r.json["message"].as_str().unwrap().contains("Invalid egress proxy config"), "{}", r.json);
+    assert!(
+        r.json["message"]
+            .as_str()
+            .unwrap()
+            .contains("Invalid egress proxy config"),
+        "{}",
+        r.json
+    );
     let id = h
         .create_a(json!({"templateID":"base","network":{
             "allowOut":["1.2.3.4","*.ok.test"],"denyOut":["0.0.0.0/0"],"dnsServers":["9.9.9.9"],
             "egressProxy":{"address":"198.51.100.9:1080","username":"u","password":"secret","tls":{"enabled":true,"serverName":"p"}},
             "maskRequestHost":"${PORT}-x.test","rules":{"api.ok.test":[{}]}}}))
         .await;
-    let d = h.a(Method::GET, &format!("/sandboxes/{id}"), Value::Null).await;
+    let d = h
+        .a(Method::GET, &format!("/sandboxes/{id}"), Value::Null)
+        .await;
     let n = &d.json["network"];
     assert_eq!(n["allowOut"], json!(["1.2.3.4", "*.ok.test"]), "{n}");
     assert_eq!(n["denyOut"], json!(["0.0.0.0/0"]));
     assert_eq!(n["dnsServers"], json!(["9.9.9.9"]));
-    assert_eq!(n["egressProxy"], json!({"address":"198.51.100.9:1080","username":"u","tls":{"enabled":true,"serverName":"p"}}));
+    assert_eq!(
+        n["egressProxy"],
+        json!({"address":"198.51.100.9:1080","username":"u","tls":{"enabled":true,"serverName":"p"}})
+    );
     assert_eq!(n["maskRequestHost"], "${PORT}-x.test");
     assert_eq!(n["rules"], json!({"api.ok.test":[{}]}));
     assert_eq!(d.json["allowInternetAccess"], false);
-    assert!(!d.json.to_string().contains("secret"), "the proxy password is never returned");
+    assert!(
+        !d.json.to_string().contains("secret"),
+        "the proxy password is never returned"
+    );
     // Replace: fields left out are cleared.
     let p = format!("/sandboxes/{id}/network");
-    let r = h.a(Method::PUT, &p, json!({"allowOut":["5.6.7.8"],"allow_internet_access":false})).await;
+    let r = h
+        .a(
+            Method::PUT,
+            &p,
+            json!({"allowOut":["5.6.7.8"],"allow_internet_access":false}),
+        )
+        .await;
     assert_eq!(r.status, StatusCode::NO_CONTENT, "{}", r.json);
-    let n = h.a(Method::GET, &format!("/sandboxes/{id}"), Value::Null).await.json["network"].clone();
+    let n = h
+        .a(Method::GET, &format!("/sandboxes/{id}"), Value::Null)
+        .await
+        .json["network"]
+        .clone();
     assert_eq!(n["allowOut"], json!(["5.6.7.8"]));
     assert_eq!(n["denyOut"], json!(["0.0.0.0/0"]));
     assert!(n.get("dnsServers").is_none() && n.get("egressProxy").is_none());
@@ -1134,11 +1159,18 @@ async fn network_policy_is_echoed_and_replaced() {
     for (body, needle) in [
         (json!({"allowOut":["x.test"]}), "ALL_TRAFFIC"),
         (json!({"denyOut":["x.test"]}), "network.denyOut"),
-        (json!({"rules":{"a.test":[{"transform":{"headers":{"A":"${e2b.secrets.k}"}}}]}}), "network.rules"),
+        (
+            json!({"rules":{"a.test":[{"transform":{"headers":{"A":"${e2b.secrets.k}"}}}]}}),
+            "network.rules",
+        ),
     ] {
         let r = h.a(Method::PUT, &p, body).await;
         assert_eq!(r.status, StatusCode::BAD_REQUEST);
-        assert!(r.json["message"].as_str().unwrap().contains(needle), "{}", r.json);
+        assert!(
+            r.json["message"].as_str().unwrap().contains(needle),
+            "{}",
+            r.json
+        );
     }
     // Another team cannot touch it.
     let kb = h.key_b.clone();

@@ -136,22 +136,52 @@ pub struct ServeArgs {
 pub struct NetworkArgs {
     /// Upstream DNS servers for sandboxes whose policy names none (default: the host's
     /// /etc/resolv.conf; comma-separated IPv4 addresses).
-    #[arg(long, env = "CUBICLE_DNS_UPSTREAM", value_delimiter = ',', value_name = "IP,…")]
+    #[arg(
+        long,
+        env = "CUBICLE_DNS_UPSTREAM",
+        value_delimiter = ',',
+        value_name = "IP,…"
+    )]
     pub dns_upstream: Vec<std::net::Ipv4Addr>,
     /// Port of the node's DNS resolver for sandboxes (all their DNS goes there).
-    #[arg(long, env = "CUBICLE_EGRESS_DNS_PORT", default_value_t = 15353, value_name = "PORT")]
+    #[arg(
+        long,
+        env = "CUBICLE_EGRESS_DNS_PORT",
+        default_value_t = 15353,
+        value_name = "PORT"
+    )]
     pub egress_dns_port: u16,
     /// Port of the node's egress proxy (domain rules, learn mode, egress proxies).
-    #[arg(long, env = "CUBICLE_EGRESS_PROXY_PORT", default_value_t = 15380, value_name = "PORT")]
+    #[arg(
+        long,
+        env = "CUBICLE_EGRESS_PROXY_PORT",
+        default_value_t = 15380,
+        value_name = "PORT"
+    )]
     pub egress_proxy_port: u16,
     /// Connections a sandbox may have open at once.
-    #[arg(long, env = "CUBICLE_SANDBOX_MAX_CONNECTIONS", default_value_t = 4096, value_name = "N")]
+    #[arg(
+        long,
+        env = "CUBICLE_SANDBOX_MAX_CONNECTIONS",
+        default_value_t = 4096,
+        value_name = "N"
+    )]
     pub sandbox_max_connections: u32,
     /// New connections per second a sandbox may open (bursts of twice that).
-    #[arg(long, env = "CUBICLE_SANDBOX_NEW_CONNECTIONS", default_value_t = 200, value_name = "N")]
+    #[arg(
+        long,
+        env = "CUBICLE_SANDBOX_NEW_CONNECTIONS",
+        default_value_t = 200,
+        value_name = "N"
+    )]
     pub sandbox_new_connections: u32,
     /// Outbound bandwidth per sandbox, in Mbit/s.
-    #[arg(long, env = "CUBICLE_SANDBOX_BANDWIDTH_MBIT", default_value_t = 1000, value_name = "MBIT")]
+    #[arg(
+        long,
+        env = "CUBICLE_SANDBOX_BANDWIDTH_MBIT",
+        default_value_t = 1000,
+        value_name = "MBIT"
+    )]
     pub sandbox_bandwidth_mbit: u64,
     /// Let sandboxes send outbound SMTP (TCP port 25).
     #[arg(long, env = "CUBICLE_ALLOW_SMTP")]

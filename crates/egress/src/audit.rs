@@ -120,7 +120,10 @@ impl NetEvent {
                 reason,
                 via,
             } => {
-                let n = name.as_deref().map(|n| format!(" ({n})")).unwrap_or_default();
+                let n = name
+                    .as_deref()
+                    .map(|n| format!(" ({n})"))
+                    .unwrap_or_default();
                 format!(
                     "{proto} {dst}:{port}{n} {} via {via} [{reason}]",
                     verdict.as_str()
@@ -136,8 +139,14 @@ impl NetEvent {
                 duration_ms,
                 error,
             } => {
-                let n = name.as_deref().map(|n| format!(" ({n})")).unwrap_or_default();
-                let e = error.as_deref().map(|e| format!(" error: {e}")).unwrap_or_default();
+                let n = name
+                    .as_deref()
+                    .map(|n| format!(" ({n})"))
+                    .unwrap_or_default();
+                let e = error
+                    .as_deref()
+                    .map(|e| format!(" error: {e}"))
+                    .unwrap_or_default();
                 format!(
                     "{proto} {dst}:{port}{n} closed: {bytes_out} B out, {bytes_in} B in, {duration_ms} ms{e}"
                 )
@@ -229,7 +238,11 @@ impl AuditLog {
         let last = read_events(&cur)
             .last()
             .map(|e| e.seq)
-            .or_else(|| read_events(&Self::rotated(&self.dir, id)).last().map(|e| e.seq))
+            .or_else(|| {
+                read_events(&Self::rotated(&self.dir, id))
+                    .last()
+                    .map(|e| e.seq)
+            })
             .unwrap_or(0);
         let file = append(&cur)?;
         let bytes = file.metadata()?.len();
@@ -264,7 +277,10 @@ impl AuditLog {
 }
 
 fn append(p: &Path) -> std::io::Result<std::fs::File> {
-    std::fs::OpenOptions::new().create(true).append(true).open(p)
+    std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(p)
 }
 
 fn read_events(p: &Path) -> Vec<NetEvent> {
@@ -303,7 +319,10 @@ pub fn allow_list(events: &[NetEvent]) -> Vec<String> {
     let mut domains = BTreeSet::new();
     let mut addrs = BTreeSet::new();
     for e in events {
-        if let EventKind::Connect { dst, name, reason, .. } = &e.what {
+        if let EventKind::Connect {
+            dst, name, reason, ..
+        } = &e.what
+        {
             if reason.starts_with("node rule") {
                 continue; // nothing a policy could open
             }
@@ -351,7 +370,10 @@ mod tests {
             );
         }
         let all = log.read("sb1", 0, usize::MAX);
-        assert!(!all.is_empty() && all.len() < 100, "rotation keeps a bounded tail");
+        assert!(
+            !all.is_empty() && all.len() < 100,
+            "rotation keeps a bounded tail"
+        );
         assert_eq!(all.last().unwrap().seq, 100);
         assert!(all.windows(2).all(|w| w[0].seq + 1 == w[1].seq));
         assert_eq!(log.read("sb1", 99, 10).len(), 1);

@@ -64,7 +64,9 @@ fn read_name(m: &[u8], mut pos: usize) -> Result<(String, usize), WireError> {
             }
             l if l > 63 => return Err(WireError("bad label")),
             l => {
-                let label = m.get(pos + 1..pos + 1 + l).ok_or(WireError("truncated label"))?;
+                let label = m
+                    .get(pos + 1..pos + 1 + l)
+                    .ok_or(WireError("truncated label"))?;
                 if !name.is_empty() {
                     name.push('.');
                 }
@@ -183,7 +185,9 @@ pub fn parse_answer(m: &[u8]) -> Result<Answer, WireError> {
         let ttl = u32_at(m, p + 4)?;
         let len = u16_at(m, p + 8)? as usize;
         let data_at = p + 10;
-        let data = m.get(data_at..data_at + len).ok_or(WireError("truncated record"))?;
+        let data = m
+            .get(data_at..data_at + len)
+            .ok_or(WireError("truncated record"))?;
         match (ty, len) {
             (TYPE_A, 4) => a
                 .ipv4
@@ -192,9 +196,7 @@ pub fn parse_answer(m: &[u8]) -> Result<Answer, WireError> {
                 let b: [u8; 16] = data.try_into().map_err(|_| WireError("bad AAAA"))?;
                 a.other.push(format!("AAAA {}", Ipv6Addr::from(b)));
             }
-            (TYPE_CNAME, _) => a
-                .other
-                .push(format!("CNAME {}", read_name(m, data_at)?.0)),
+            (TYPE_CNAME, _) => a.other.push(format!("CNAME {}", read_name(m, data_at)?.0)),
             _ => {}
         }
         pos = data_at + len;
@@ -246,7 +248,9 @@ mod tests {
         m[3] = 0x80;
         m[6..8].copy_from_slice(&3u16.to_be_bytes());
         // CNAME: name = pointer to the question (offset 12), rdata = "cdn" + pointer
-        m.extend_from_slice(&[0xc0, 12, 0, 5, 0, 1, 0, 0, 0, 60, 0, 6, 3, b'c', b'd', b'n', 0xc0, 12]);
+        m.extend_from_slice(&[
+            0xc0, 12, 0, 5, 0, 1, 0, 0, 0, 60, 0, 6, 3, b'c', b'd', b'n', 0xc0, 12,
+        ]);
         let cname_at = parsed.end + 12;
         for ip in [[1, 2, 3, 4], [5, 6, 7, 8]] {
             m.extend_from_slice(&[0xc0, cname_at as u8, 0, 1, 0, 1, 0, 0, 1, 0, 0, 4]);
@@ -266,7 +270,10 @@ mod tests {
         assert_eq!(a.rcode, RCODE_NOERROR);
         assert_eq!(
             a.ipv4,
-            vec![("1.2.3.4".parse().unwrap(), 256), ("5.6.7.8".parse().unwrap(), 256)]
+            vec![
+                ("1.2.3.4".parse().unwrap(), 256),
+                ("5.6.7.8".parse().unwrap(), 256)
+            ]
         );
         assert_eq!(a.other, vec!["CNAME cdn.api.example.com".to_string()]);
         let refused = error_answer(&q, &parsed, RCODE_REFUSED);

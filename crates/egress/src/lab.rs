@@ -128,16 +128,42 @@ impl Lab {
             std::process::id(),
             std::os::fd::AsRawFd::as_raw_fd(&inet)
         );
-        sh(&["ip", "link", "add", INET_IF, "type", "veth", "peer", "name", "eth0", "netns", &inet_path])?;
-        sh(&["ip", "addr", "add", &format!("{HOST_SIDE}/24"), "dev", INET_IF])?;
+        sh(&[
+            "ip", "link", "add", INET_IF, "type", "veth", "peer", "name", "eth0", "netns",
+            &inet_path,
+        ])?;
+        sh(&[
+            "ip",
+            "addr",
+            "add",
+            &format!("{HOST_SIDE}/24"),
+            "dev",
+            INET_IF,
+        ])?;
         sh(&["ip", "link", "set", INET_IF, "up"])?;
-        sh(&["ip", "route", "add", "default", "via", &OK_HOST.to_string(), "dev", INET_IF])?;
+        sh(&[
+            "ip",
+            "route",
+            "add",
+            "default",
+            "via",
+            &OK_HOST.to_string(),
+            "dev",
+            INET_IF,
+        ])?;
         run_in_netns(&inet, || -> Result<(), EgressError> {
             for a in [OK_HOST, EVIL_HOST] {
                 sh(&["ip", "addr", "add", &format!("{a}/24"), "dev", "eth0"])?;
             }
             sh(&["ip", "link", "set", "eth0", "up"])?;
-            sh(&["ip", "route", "add", "default", "via", &HOST_SIDE.to_string()])
+            sh(&[
+                "ip",
+                "route",
+                "add",
+                "default",
+                "via",
+                &HOST_SIDE.to_string(),
+            ])
         })
         .map_err(|e| lab_err("internet namespace", e))??;
         let rt = tokio::runtime::Builder::new_multi_thread()
@@ -145,7 +171,12 @@ impl Lab {
             .enable_all()
             .build()
             .map_err(|e| EgressError::io("lab runtime", e))?;
-        let mut ec = EgressConfig::new(dns_port, proxy_port, net.address_guard(), std::env::temp_dir().join(format!("cubicle-lab-{}", std::process::id())));
+        let mut ec = EgressConfig::new(
+            dns_port,
+            proxy_port,
+            net.address_guard(),
+            std::env::temp_dir().join(format!("cubicle-lab-{}", std::process::id())),
+        );
         ec.upstream_dns = vec![OK_HOST];
         let egress = Egress::start(ec, rt.handle())?;
         let questions = Arc::new(Mutex::new(Vec::new()));
@@ -162,7 +193,11 @@ impl Lab {
 
     /// A new "sandbox" on `slot` with `policy` (kernel share and egress registration, as
     /// the node does on create). Returns its address.
-    pub fn add_sandbox(&mut self, slot: u32, policy: &NetworkPolicy) -> Result<Ipv4Addr, EgressError> {
+    pub fn add_sandbox(
+        &mut self,
+        slot: u32,
+        policy: &NetworkPolicy,
+    ) -> Result<Ipv4Addr, EgressError> {
         let ns = new_netns()?;
         let info = self
             .net
@@ -203,7 +238,11 @@ impl Lab {
     }
 
     /// Runs `f` inside the sandbox on `slot` (on a helper thread in its namespace).
-    pub fn in_sandbox<R: Send>(&self, slot: u32, f: impl FnOnce() -> R + Send) -> Result<R, EgressError> {
+    pub fn in_sandbox<R: Send>(
+        &self,
+        slot: u32,
+        f: impl FnOnce() -> R + Send,
+    ) -> Result<R, EgressError> {
         let (ns, _) = self
             .sandboxes
             .get(&slot)
@@ -224,8 +263,11 @@ pub fn query_a(server: Ipv4Addr, name: &str) -> Result<Vec<Ipv4Addr>, String> {
     let sock = UdpSocket::bind((Ipv4Addr::UNSPECIFIED, 0)).map_err(|e| e.to_string())?;
     sock.set_read_timeout(Some(Duration::from_secs(3)))
         .map_err(|e| e.to_string())?;
-    sock.send_to(&crate::dns::build_query(7, name, crate::dns::TYPE_A), (server, 53))
-        .map_err(|e| e.to_string())?;
+    sock.send_to(
+        &crate::dns::build_query(7, name, crate::dns::TYPE_A),
+        (server, 53),
+    )
+    .map_err(|e| e.to_string())?;
     let mut buf = [0u8; 1500];
     let n = sock.recv(&mut buf).map_err(|e| e.to_string())?;
     let a = crate::dns::parse_answer(&buf[..n]).map_err(|e| e.0.to_string())?;
@@ -329,7 +371,10 @@ fn a_answer(query: &[u8], ip: Ipv4Addr) -> Vec<u8> {
 pub fn http_get(addr: SocketAddr, host: &str) -> Result<String, std::io::Error> {
     let mut s = TcpStream::connect_timeout(&addr, Duration::from_secs(3))?;
     s.set_read_timeout(Some(Duration::from_secs(3)))?;
-    write!(s, "GET / HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n")?;
+    write!(
+        s,
+        "GET / HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n"
+    )?;
     let mut out = String::new();
     s.read_to_string(&mut out)?;
     match out.split_once("\r\n\r\n") {
@@ -447,7 +492,10 @@ pub fn bench(bytes: u64, requests: usize) -> Result<BenchReport, EgressError> {
             lab.add_sandbox(2, &NetworkPolicy::default())?;
             let resolved = lab.in_sandbox(1, || query_a(OK_HOST, "ok.test"))?;
             if resolved != Ok(vec![OK_HOST]) {
-                return Err(lab_err("bench", format!("ok.test resolved to {resolved:?}")));
+                return Err(lab_err(
+                    "bench",
+                    format!("ok.test resolved to {resolved:?}"),
+                ));
             }
             let stream = |slot: u32| -> Result<f64, EgressError> {
                 let r = lab.in_sandbox(slot, || {
@@ -469,9 +517,9 @@ pub fn bench(bytes: u64, requests: usize) -> Result<BenchReport, EgressError> {
                     }
                     Ok::<_, std::io::Error>(v)
                 })?;
-                Ok(percentiles(
-                    times.map_err(|e| EgressError::io("requests through the lab", e))?,
-                ))
+                Ok(percentiles(times.map_err(|e| {
+                    EgressError::io("requests through the lab", e)
+                })?))
             };
             // Interleave a warm-up of each before measuring.
             requests_from(1)?;

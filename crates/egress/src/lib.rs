@@ -36,11 +36,11 @@ use std::time::{Duration, Instant};
 use cubicle_runtime::network::AddressGuard;
 
 pub use audit::{AuditLog, EventKind, NetEvent, allow_list};
-pub use socks5::check_ca_pem;
 pub use policy::{
-    Destination, DomainPattern, EgressProxy, Ipv4Cidr4, NetworkPolicy, ProxyTls, Rule,
-    Transform, Verdict,
+    Destination, DomainPattern, EgressProxy, Ipv4Cidr4, NetworkPolicy, ProxyTls, Rule, Transform,
+    Verdict,
 };
+pub use socks5::check_ca_pem;
 
 use names::NameTable;
 
@@ -208,7 +208,10 @@ fn bind_err(what: &str, addr: SocketAddr, e: io::Error) -> EgressError {
 
 impl Egress {
     /// Binds the resolver (UDP + TCP) and the proxy and starts serving them on `handle`.
-    pub fn start(config: EgressConfig, handle: &tokio::runtime::Handle) -> Result<Egress, EgressError> {
+    pub fn start(
+        config: EgressConfig,
+        handle: &tokio::runtime::Handle,
+    ) -> Result<Egress, EgressError> {
         let udp = std::net::UdpSocket::bind(config.dns_listen)
             .map_err(|e| bind_err("resolver (UDP)", config.dns_listen, e))?;
         let dns_addr = udp

@@ -107,11 +107,12 @@ impl FromStr for Destination {
                 "'{s}': IPv6 destinations are not supported (sandboxes are IPv4-only)"
             )));
         }
-        if t.bytes().all(|b| b.is_ascii_digit() || b == b'.' || b == b'/') {
-            return t
-                .parse::<Ipv4Cidr>()
-                .map(Destination::Cidr)
-                .map_err(|_| EgressError::Policy(format!("'{s}' is not a valid IPv4 address or CIDR")));
+        if t.bytes()
+            .all(|b| b.is_ascii_digit() || b == b'.' || b == b'/')
+        {
+            return t.parse::<Ipv4Cidr>().map(Destination::Cidr).map_err(|_| {
+                EgressError::Policy(format!("'{s}' is not a valid IPv4 address or CIDR"))
+            });
         }
         DomainPattern::parse(t).map(Destination::Domain)
     }
@@ -537,13 +538,25 @@ mod tests {
         assert!(!p.matches("example.com") && !p.matches("badexample.com"));
         let e = DomainPattern::parse("api.example.com").unwrap();
         assert!(e.matches("API.example.com") && !e.matches("x.api.example.com"));
-        for bad in ["*", "*.com", "a..b", "-a.com", "a b.com", "*.*.a.com", "1.2.3.4", ""] {
+        for bad in [
+            "*",
+            "*.com",
+            "a..b",
+            "-a.com",
+            "a b.com",
+            "*.*.a.com",
+            "1.2.3.4",
+            "",
+        ] {
             assert!(DomainPattern::parse(bad).is_err(), "{bad}");
         }
         assert!(matches!("10.0.0.0/8".parse(), Ok(Destination::Cidr(_))));
         assert!("::1".parse::<Destination>().is_err());
         assert!("1.2.3.4/40".parse::<Destination>().is_err());
-        assert_eq!("1.2.3.4".parse::<Destination>().unwrap().to_string(), "1.2.3.4");
+        assert_eq!(
+            "1.2.3.4".parse::<Destination>().unwrap().to_string(),
+            "1.2.3.4"
+        );
         assert!("example.com".parse::<Ipv4Cidr4>().is_err());
     }
 
@@ -562,7 +575,10 @@ mod tests {
             r#"{"allowOut":["1.2.3.4","*.x.com"],"denyOut":["0.0.0.0/0"],"dnsServers":[],"learn":true}"#
         );
         assert_eq!(serde_json::from_str::<NetworkPolicy>(&j).unwrap(), p);
-        assert_eq!(serde_json::to_string(&NetworkPolicy::default()).unwrap(), "{}");
+        assert_eq!(
+            serde_json::to_string(&NetworkPolicy::default()).unwrap(),
+            "{}"
+        );
     }
 
     #[test]
@@ -600,12 +616,24 @@ mod tests {
         let g = AddressGuard::default();
         let p = policy(&["*.ok.test", "9.9.9.9"], &["0.0.0.0/0"]);
         let v = |a: Attempt<'_>| p.decide(&g, &a).verdict;
-        assert_eq!(v(at("1.1.1.1", 443, Some("a.ok.test"), true)), Verdict::Allowed);
+        assert_eq!(
+            v(at("1.1.1.1", 443, Some("a.ok.test"), true)),
+            Verdict::Allowed
+        );
         // The right name at an address that is not the name's: a bypass attempt.
-        assert_eq!(v(at("6.6.6.6", 443, Some("a.ok.test"), false)), Verdict::Denied);
+        assert_eq!(
+            v(at("6.6.6.6", 443, Some("a.ok.test"), false)),
+            Verdict::Denied
+        );
         // A name not allowed, at an allowed address: the address rule decides.
-        assert_eq!(v(at("9.9.9.9", 443, Some("evil.test"), false)), Verdict::Allowed);
-        assert_eq!(v(at("6.6.6.6", 443, Some("evil.test"), false)), Verdict::Denied);
+        assert_eq!(
+            v(at("9.9.9.9", 443, Some("evil.test"), false)),
+            Verdict::Allowed
+        );
+        assert_eq!(
+            v(at("6.6.6.6", 443, Some("evil.test"), false)),
+            Verdict::Denied
+        );
         assert_eq!(v(at("6.6.6.6", 22, None, false)), Verdict::Denied);
         let mut a = at("1.1.1.1", 22, None, false);
         a.resolved_as = Some("git.ok.test");
@@ -616,8 +644,14 @@ mod tests {
         // CIDR-only policies answer any name and deny by address.
         let c = policy(&[], &["6.0.0.0/8"]);
         assert_eq!(c.resolves("anything.test").verdict, Verdict::Allowed);
-        assert_eq!(c.decide(&g, &at("6.6.6.6", 80, None, false)).verdict, Verdict::Denied);
-        assert_eq!(c.decide(&g, &at("7.7.7.7", 80, None, false)).verdict, Verdict::Allowed);
+        assert_eq!(
+            c.decide(&g, &at("6.6.6.6", 80, None, false)).verdict,
+            Verdict::Denied
+        );
+        assert_eq!(
+            c.decide(&g, &at("7.7.7.7", 80, None, false)).verdict,
+            Verdict::Allowed
+        );
         // Learn mode lets through what would be denied, and says so.
         let mut l = p.clone();
         l.learn = true;

@@ -104,7 +104,11 @@ fn original_dst(s: &TcpStream) -> std::io::Result<SocketAddrV4> {
 }
 
 /// Reads until the first bytes say what they are (or the client stops sending).
-async fn first_bytes(client: &mut TcpStream, port: u16, wait_other: Duration) -> (Vec<u8>, Sniffed) {
+async fn first_bytes(
+    client: &mut TcpStream,
+    port: u16,
+    wait_other: Duration,
+) -> (Vec<u8>, Sniffed) {
     let wait_first = if port == 80 || port == 443 {
         FIRST_BYTES_WEB
     } else {
@@ -195,7 +199,9 @@ async fn handle(shared: Arc<Shared>, mut client: TcpStream, peer: SocketAddrV4) 
     };
     let name = seen.as_deref().and_then(normalize_name);
     let policy = sandbox.policy();
-    let domain_named = name.as_deref().is_some_and(|n| policy.domain_rule(n).is_some());
+    let domain_named = name
+        .as_deref()
+        .is_some_and(|n| policy.domain_rule(n).is_some());
     let dst_is_names = match &name {
         Some(n) if domain_named => is_address_of(&shared, &sandbox, n, dst_ip).await,
         _ => false,
@@ -293,7 +299,11 @@ async fn handle(shared: Arc<Shared>, mut client: TcpStream, peer: SocketAddrV4) 
             err = Some(e.to_string());
         }
     }
-    close(out.load(Ordering::Relaxed), inn.load(Ordering::Relaxed), err);
+    close(
+        out.load(Ordering::Relaxed),
+        inn.load(Ordering::Relaxed),
+        err,
+    );
 }
 
 /// A stream that counts the bytes read from it.

@@ -87,7 +87,11 @@ pub(crate) async fn serve_tcp(shared: Arc<Shared>, listener: TcpListener) {
     }
 }
 
-async fn serve_tcp_conn(shared: &Shared, src: Ipv4Addr, mut conn: TcpStream) -> std::io::Result<()> {
+async fn serve_tcp_conn(
+    shared: &Shared,
+    src: Ipv4Addr,
+    mut conn: TcpStream,
+) -> std::io::Result<()> {
     loop {
         let mut len = [0u8; 2];
         match tokio::time::timeout(TCP_IDLE, conn.read_exact(&mut len)).await {
@@ -178,7 +182,12 @@ async fn answer(shared: &Shared, src: Ipv4Addr, msg: &[u8], tcp: bool) -> Option
             Some(reply)
         }
         Err(e) => {
-            record(d.verdict, format!("{}; {e}", d.reason), dns::RCODE_SERVFAIL, Vec::new());
+            record(
+                d.verdict,
+                format!("{}; {e}", d.reason),
+                dns::RCODE_SERVFAIL,
+                Vec::new(),
+            );
             Some(dns::error_answer(msg, &q, dns::RCODE_SERVFAIL))
         }
     }
@@ -235,7 +244,9 @@ fn reply_question_matches(reply: &[u8], q: &Question) -> bool {
 
 async fn exchange_udp(server: Ipv4Addr, msg: &[u8]) -> Result<Vec<u8>, EgressError> {
     let err = |e: std::io::Error| EgressError::Dns(format!("{server}: {e}"));
-    let sock = UdpSocket::bind((Ipv4Addr::UNSPECIFIED, 0)).await.map_err(err)?;
+    let sock = UdpSocket::bind((Ipv4Addr::UNSPECIFIED, 0))
+        .await
+        .map_err(err)?;
     sock.connect((server, 53)).await.map_err(err)?;
     sock.send(msg).await.map_err(err)?;
     let mut buf = vec![0u8; 4096];

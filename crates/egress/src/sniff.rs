@@ -171,7 +171,8 @@ impl RequestHead {
         let mut lines = text.split("\r\n");
         let line = lines.next().ok_or(Incomplete::Bad)?;
         let mut parts = line.splitn(3, ' ');
-        let (Some(method), Some(target), Some(version)) = (parts.next(), parts.next(), parts.next())
+        let (Some(method), Some(target), Some(version)) =
+            (parts.next(), parts.next(), parts.next())
         else {
             return Err(Incomplete::Bad);
         };

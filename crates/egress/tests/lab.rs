@@ -23,7 +23,11 @@ fn policy(allow: &[&str], deny: &[&str]) -> NetworkPolicy {
 }
 
 /// A refusal by the rules: an error that arrives at once (not a timeout).
-fn assert_refused<T: std::fmt::Debug>(what: &str, t: Instant, r: Result<T, impl std::fmt::Display>) {
+fn assert_refused<T: std::fmt::Debug>(
+    what: &str,
+    t: Instant,
+    r: Result<T, impl std::fmt::Display>,
+) {
     match r {
         Ok(v) => panic!("{what}: expected a refusal, got {v:?}"),
         Err(e) => assert!(
@@ -48,7 +52,9 @@ fn domains_dns_and_bypasses() {
         let web = |ip| SocketAddr::from((ip, 80));
 
         // DNS: allowed names resolve through the sandbox's upstream, whatever server it asks.
-        let r = lab.in_sandbox(1, || query_a("9.9.9.9".parse().unwrap(), "ok.test")).unwrap();
+        let r = lab
+            .in_sandbox(1, || query_a("9.9.9.9".parse().unwrap(), "ok.test"))
+            .unwrap();
         assert_eq!(r, Ok(vec![OK_HOST]));
         // A name outside the policy is refused without being forwarded (no DNS tunnel).
         let r = lab
@@ -63,54 +69,105 @@ fn domains_dns_and_bypasses() {
         );
 
         // HTTP to an allowed name at its address: through.
-        let body = lab.in_sandbox(1, || http_get(web(OK_HOST), "ok.test")).unwrap();
+        let body = lab
+            .in_sandbox(1, || http_get(web(OK_HOST), "ok.test"))
+            .unwrap();
         assert_eq!(body.unwrap(), OK_HOST.to_string());
         // An allowed name at another address (hard-coded IP, mismatched Host): reset.
         let t = Instant::now();
-        let r = lab.in_sandbox(1, || http_get(web(EVIL_HOST), "ok.test")).unwrap();
+        let r = lab
+            .in_sandbox(1, || http_get(web(EVIL_HOST), "ok.test"))
+            .unwrap();
         assert_refused("Host ok.test at evil's address", t, r);
         // A denied name at the allowed address (domain fronting by Host): reset.
         let t = Instant::now();
-        let r = lab.in_sandbox(1, || http_get(web(OK_HOST), "evil.test")).unwrap();
+        let r = lab
+            .in_sandbox(1, || http_get(web(OK_HOST), "evil.test"))
+            .unwrap();
         assert_refused("Host evil.test at ok's address", t, r);
         // TLS: SNI checked the same way.
-        let n = lab.in_sandbox(1, || tls_stream(OK_HOST, "www.ok.test", 1000)).unwrap();
+        let n = lab
+            .in_sandbox(1, || tls_stream(OK_HOST, "www.ok.test", 1000))
+            .unwrap();
         assert!(n.unwrap() >= 1000);
         let t = Instant::now();
-        let r = lab.in_sandbox(1, || tls_stream(EVIL_HOST, "www.ok.test", 10)).unwrap();
+        let r = lab
+            .in_sandbox(1, || tls_stream(EVIL_HOST, "www.ok.test", 10))
+            .unwrap();
         assert_refused("SNI www.ok.test at evil's address", t, r);
         // Another port, no name at all, to a hard-coded address: denied by the kernel
         // (UDP) or reset by the proxy (TCP).
         let t = Instant::now();
         let r = lab
-            .in_sandbox(1, || std::net::TcpStream::connect_timeout(&SocketAddr::from((EVIL_HOST, 22)), Duration::from_secs(3)).and_then(|mut s| { use std::io::Read; let mut b = [0u8; 1]; s.set_read_timeout(Some(Duration::from_secs(3)))?; s.read(&mut b).map(|n| n as u64) }))
+            .in_sandbox(1, || {
+                std::net::TcpStream::connect_timeout(
+                    &SocketAddr::from((EVIL_HOST, 22)),
+                    Duration::from_secs(3),
+                )
+                .and_then(|mut s| {
+                    use std::io::Read;
+                    let mut b = [0u8; 1];
+                    s.set_read_timeout(Some(Duration::from_secs(3)))?;
+                    s.read(&mut b).map(|n| n as u64)
+                })
+            })
             .unwrap();
         match r {
-            Ok(0) | Err(_) => assert!(t.elapsed() < Duration::from_millis(1500), "took {:?}", t.elapsed()),
+            Ok(0) | Err(_) => assert!(
+                t.elapsed() < Duration::from_millis(1500),
+                "took {:?}",
+                t.elapsed()
+            ),
             Ok(n) => panic!("read {n} bytes from a denied destination"),
         }
 
         // The sandbox without a policy reaches everything public.
-        let body = lab.in_sandbox(2, || http_get(web(EVIL_HOST), "evil.test")).unwrap();
+        let body = lab
+            .in_sandbox(2, || http_get(web(EVIL_HOST), "evil.test"))
+            .unwrap();
         assert_eq!(body.unwrap(), EVIL_HOST.to_string());
 
         // The audit trail saw it all.
         let events = lab.egress.audit().read(&Lab::id(1), 0, 1000);
         let denied: Vec<String> = events
             .iter()
-            .filter(|e| matches!(e.what, EventKind::Connect { verdict: Verdict::Denied, .. } | EventKind::Dns { verdict: Verdict::Denied, .. }))
+            .filter(|e| {
+                matches!(
+                    e.what,
+                    EventKind::Connect {
+                        verdict: Verdict::Denied,
+                        ..
+                    } | EventKind::Dns {
+                        verdict: Verdict::Denied,
+                        ..
+                    }
+                )
+            })
             .map(|e| e.summary())
             .collect();
-        assert!(denied.iter().any(|s| s.contains("c2vjcmv0.evil.test")), "{denied:#?}");
-        assert!(denied.iter().any(|s| s.contains("198.51.100.3:80 (ok.test)")), "{denied:#?}");
         assert!(
-            events.iter().any(|e| matches!(&e.what, EventKind::Close { bytes_out, .. } if *bytes_out >= 1000)),
+            denied.iter().any(|s| s.contains("c2vjcmv0.evil.test")),
+            "{denied:#?}"
+        );
+        assert!(
+            denied
+                .iter()
+                .any(|s| s.contains("198.51.100.3:80 (ok.test)")),
+            "{denied:#?}"
+        );
+        assert!(
+            events.iter().any(
+                |e| matches!(&e.what, EventKind::Close { bytes_out, .. } if *bytes_out >= 1000)
+            ),
             "no close event with bytes"
         );
 
         // A live update: now evil.test too, without touching the first connection.
-        lab.set_policy(1, &policy(&["ok.test", "evil.test"], &["0.0.0.0/0"])).unwrap();
-        let body = lab.in_sandbox(1, || http_get(web(EVIL_HOST), "evil.test")).unwrap();
+        lab.set_policy(1, &policy(&["ok.test", "evil.test"], &["0.0.0.0/0"]))
+            .unwrap();
+        let body = lab
+            .in_sandbox(1, || http_get(web(EVIL_HOST), "evil.test"))
+            .unwrap();
         assert_eq!(body.unwrap(), EVIL_HOST.to_string());
         lab.remove_sandbox(1).unwrap();
         lab.remove_sandbox(2).unwrap();
@@ -127,10 +184,12 @@ fn bench_runs() {
     }
     let r = cubicle_egress::lab::bench(8 << 20, 20).unwrap();
     assert!(r.proxied_gbit_s > 0.0 && r.direct_gbit_s > 0.0, "{r:?}");
-    assert!(r.proxied_request_us.0 > 0 && r.apply_policy_us.0 > 0, "{r:?}");
+    assert!(
+        r.proxied_request_us.0 > 0 && r.apply_policy_us.0 > 0,
+        "{r:?}"
+    );
     eprintln!("{r:?}");
 }
-
 
 /// The per-sandbox bandwidth limit holds (direct and proxied traffic).
 #[test]
@@ -156,10 +215,17 @@ fn bandwidth_limit_holds() {
                 .unwrap()
                 .unwrap();
             let got = n as f64 / took.as_secs_f64();
-            eprintln!("{:.1} MB/s with a limit of {:.1} MB/s", got / 1e6, rate as f64 / 1e6);
+            eprintln!(
+                "{:.1} MB/s with a limit of {:.1} MB/s",
+                got / 1e6,
+                rate as f64 / 1e6
+            );
             // The kernel's bucket holds one second at the rate plus the burst.
             let most = rate as f64 * (took.as_secs_f64() + 1.0) + (1 << 20) as f64;
-            assert!((n as f64) < most * 1.05, "{n} bytes in {took:?} over a limit of {rate} B/s");
+            assert!(
+                (n as f64) < most * 1.05,
+                "{n} bytes in {took:?} over a limit of {rate} B/s"
+            );
             assert!(got > rate as f64 * 0.5, "{got} B/s: far below the limit");
         },
     )

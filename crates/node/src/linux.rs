@@ -188,9 +188,8 @@ impl SandboxRuntime for LinuxRuntime {
                 net.attach(&ns, s.slot)
                     .map_err(|e| rt_err("network attach", e))
             });
-            let attach = attach.and_then(|info| {
-                self.apply_policy(&s.id, s.slot, &s.network).map(|()| info)
-            });
+            let attach =
+                attach.and_then(|info| self.apply_policy(&s.id, s.slot, &s.network).map(|()| info));
             match attach {
                 Ok(info) => {
                     state["hostIfname"] = info.host_ifname.clone().into();
@@ -435,7 +434,11 @@ impl SandboxRuntime for LinuxRuntime {
             Ok(net) => net,
             // Without networking only "no network at all" can be honoured.
             Err(_) if !policy.needs_network() => return Ok(false),
-            Err(e) => return Err(Error::Runtime(format!("sandbox networking unavailable: {e}"))),
+            Err(e) => {
+                return Err(Error::Runtime(format!(
+                    "sandbox networking unavailable: {e}"
+                )));
+            }
         };
         let attached = net
             .is_attached(slot)

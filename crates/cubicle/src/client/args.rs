@@ -7,7 +7,6 @@ use clap::{Args, Subcommand};
 
 use super::{ClientError, http::BaseUrl};
 
-
 /// Default address of `cubicle serve`.
 pub const DEFAULT_API_URL: &str = "http://127.0.0.1:3000";
 /// File (in the state directory) where `cubicle serve` leaves the admin team's key.

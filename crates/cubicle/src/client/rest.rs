@@ -328,8 +328,16 @@ impl ApiClient {
 
     /// `GET /cubicle/sandboxes/{id}/netlog`: audit events numbered above `after`, and
     /// with `allowlist` the allow list learnt from the whole trail.
-    pub async fn netlog(&self, id: &str, after: u64, allowlist: bool) -> Result<Value, ClientError> {
-        let mut path = format!("/cubicle/sandboxes/{}/netlog?after={after}&limit=1000", seg(id));
+    pub async fn netlog(
+        &self,
+        id: &str,
+        after: u64,
+        allowlist: bool,
+    ) -> Result<Value, ClientError> {
+        let mut path = format!(
+            "/cubicle/sandboxes/{}/netlog?after={after}&limit=1000",
+            seg(id)
+        );
         if allowlist {
             path.push_str("&allowlist=true");
         }

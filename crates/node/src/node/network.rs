@@ -17,7 +17,9 @@ impl Node {
     pub async fn check_network(&self, policy: &NetworkPolicy) -> Result<()> {
         let Some(eg) = self.inner.runtime.egress() else {
             return if policy.needs_network() && !policy.is_default() {
-                Err(Error::Runtime("sandbox networking is unavailable on this node".into()))
+                Err(Error::Runtime(
+                    "sandbox networking is unavailable on this node".into(),
+                ))
             } else {
                 Ok(())
             };
@@ -31,7 +33,8 @@ impl Node {
             }
         }
         if let Some(p) = &policy.egress_proxy {
-            let bad = |m: String| Error::InvalidRequest(format!("Invalid egress proxy config: {m}"));
+            let bad =
+                |m: String| Error::InvalidRequest(format!("Invalid egress proxy config: {m}"));
             let (host, port) = p.host_port().map_err(|e| bad(e.to_string()))?;
             let addrs = eg
                 .resolve(&host)
@@ -40,7 +43,10 @@ impl Node {
             if addrs.is_empty() {
                 return Err(bad(format!("{host} has no IPv4 address")));
             }
-            if !addrs.iter().any(|a| eg.guard().check(*a, Some(port)).is_ok()) {
+            if !addrs
+                .iter()
+                .any(|a| eg.guard().check(*a, Some(port)).is_ok())
+            {
                 let list: Vec<String> = addrs.iter().map(|a| a.to_string()).collect();
                 return Err(bad(format!(
                     "{host} resolves to {}, which sandboxes may not reach (private, host or reserved)",

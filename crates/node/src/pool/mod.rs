@@ -196,8 +196,12 @@ impl Inner {
                 // Pooled sandboxes are made with the default policy: set the asked one
                 // before anyone can use the sandbox (a few set elements, no veth change).
                 let rt = inner.runtime.clone();
-                let (i2, slot, pid, p) =
-                    (id.clone(), record.slot, record.pid.unwrap_or(0), record.network.clone());
+                let (i2, slot, pid, p) = (
+                    id.clone(),
+                    record.slot,
+                    record.pid.unwrap_or(0),
+                    record.network.clone(),
+                );
                 crate::node::inner::blocking(move || rt.set_network(&i2, slot, pid, &p)).await?;
             }
             EnvdClient::new(inner.envd_socket(&id), Some(birth_token))

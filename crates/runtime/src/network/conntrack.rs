@@ -5,7 +5,9 @@
 use std::io;
 use std::net::Ipv4Addr;
 
-use super::netlink::{Msg, NLA_F_NESTED, NLM_F_ACK, NLM_F_DUMP, NLM_F_REQUEST, NetlinkSocket, attrs};
+use super::netlink::{
+    Msg, NLA_F_NESTED, NLM_F_ACK, NLM_F_DUMP, NLM_F_REQUEST, NetlinkSocket, attrs,
+};
 
 const NFNL_SUBSYS_CTNETLINK: u16 = 1;
 const IPCTNL_MSG_CT_NEW: u16 = 0;

@@ -302,7 +302,10 @@ pub struct EgressPolicy {
 impl EgressPolicy {
     /// True when the policy equals the node default (no policy elements needed).
     pub fn is_default(&self) -> bool {
-        self.allow.is_empty() && self.deny.is_empty() && !self.deny_all && self.steer == Steer::Direct
+        self.allow.is_empty()
+            && self.deny.is_empty()
+            && !self.deny_all
+            && self.steer == Steer::Direct
     }
 
     /// The policy-set elements of sandbox `ip` under this policy.
@@ -317,7 +320,12 @@ impl EgressPolicy {
             key: me.to_vec(),
             key_end: None,
         };
-        let deny: Vec<Ipv4Cidr> = self.deny.iter().filter(|c| !c.is_everything()).copied().collect();
+        let deny: Vec<Ipv4Cidr> = self
+            .deny
+            .iter()
+            .filter(|c| !c.is_everything())
+            .copied()
+            .collect();
         for (a, b) in merged_ranges(&self.allow) {
             out.insert(("allow", pair(a, b)));
         }
@@ -475,11 +483,8 @@ impl Network {
 
     /// The subnets of this namespace's interfaces, except sandbox veths and loopback.
     fn read_host_subnets(&self) -> Result<Vec<Ipv4Cidr>> {
-        let mut rs =
-            RouteSocket::open().map_err(|e| Error::io("opening netlink socket", e))?;
-        let links = rs
-            .links()
-            .map_err(|e| Error::io("listing links", e))?;
+        let mut rs = RouteSocket::open().map_err(|e| Error::io("opening netlink socket", e))?;
+        let links = rs.links().map_err(|e| Error::io("listing links", e))?;
         let addrs = rs
             .ipv4_addresses()
             .map_err(|e| Error::io("listing addresses", e))?;
@@ -583,8 +588,7 @@ impl Network {
     /// default route, for `slot`. A stale pair left on that slot (crash) is replaced.
     pub fn attach(&self, netns: &Netns, slot: u32) -> Result<NetInfo> {
         let info = self.slot_info(slot)?;
-        let mut host =
-            RouteSocket::open().map_err(|e| Error::io("opening netlink socket", e))?;
+        let mut host = RouteSocket::open().map_err(|e| Error::io("opening netlink socket", e))?;
         let create = |host: &mut RouteSocket| {
             host.create_veth(&info.host_ifname, SANDBOX_IFNAME, netns, self.config.mtu)
         };
@@ -604,10 +608,7 @@ impl Network {
                 })?;
             }
             Err(e) => {
-                return Err(Error::io(
-                    format!("creating veth {}", info.host_ifname),
-                    e,
-                ));
+                return Err(Error::io(format!("creating veth {}", info.host_ifname), e));
             }
         }
         let result = self.configure(&mut host, netns, &info);
@@ -617,12 +618,7 @@ impl Network {
         result.map(|()| info)
     }
 
-    fn configure(
-        &self,
-        host: &mut RouteSocket,
-        netns: &Netns,
-        info: &NetInfo,
-    ) -> Result<()> {
+    fn configure(&self, host: &mut RouteSocket, netns: &Netns, info: &NetInfo) -> Result<()> {
         let host_index = host
             .link_index(&info.host_ifname)
             .map_err(|e| Error::io(format!("looking up {}", info.host_ifname), e))?
@@ -663,9 +659,7 @@ impl Network {
             .map_err(|e| Error::io("setting sandbox eth0 up", e))?;
         inside
             .add_address(index, info.sandbox_ip, 31)
-            .map_err(|e| {
-                Error::io(format!("adding {}/31 to sandbox eth0", info.sandbox_ip), e)
-            })?;
+            .map_err(|e| Error::io(format!("adding {}/31 to sandbox eth0", info.sandbox_ip), e))?;
         inside.add_default_route(index, info.gateway).map_err(|e| {
             Error::io(
                 format!("adding default route via {} in sandbox", info.gateway),
@@ -678,8 +672,7 @@ impl Network {
     /// Whether slot `slot`'s host-side interface exists.
     pub fn is_attached(&self, slot: u32) -> Result<bool> {
         let info = self.slot_info(slot)?;
-        let mut host =
-            RouteSocket::open().map_err(|e| Error::io("opening netlink socket", e))?;
+        let mut host = RouteSocket::open().map_err(|e| Error::io("opening netlink socket", e))?;
         host.link_index(&info.host_ifname)
             .map(|i| i.is_some())
             .map_err(|e| Error::io(format!("looking up {}", info.host_ifname), e))
@@ -689,16 +682,12 @@ impl Network {
     /// (idempotent: missing pieces are fine).
     pub fn detach(&self, slot: u32) -> Result<()> {
         let info = self.slot_info(slot)?;
-        let mut host =
-            RouteSocket::open().map_err(|e| Error::io("opening netlink socket", e))?;
+        let mut host = RouteSocket::open().map_err(|e| Error::io("opening netlink socket", e))?;
         match host.delete_link(&info.host_ifname) {
             Ok(()) => {}
             Err(e) if e.raw_os_error() == Some(libc::ENODEV) => {}
             Err(e) => {
-                return Err(Error::io(
-                    format!("deleting {}", info.host_ifname),
-                    e,
-                ));
+                return Err(Error::io(format!("deleting {}", info.host_ifname), e));
             }
         }
         self.set_policy(slot, &EgressPolicy::default())?;
@@ -746,9 +735,8 @@ impl Network {
                 changes.push(ElemChange { add, set, elems });
             }
         }
-        nftables::apply(&format!("{}_policy", self.config.table), &changes).map_err(|e| {
-            Error::io(format!("setting the egress policy of slot {slot}"), e)
-        })?;
+        nftables::apply(&format!("{}_policy", self.config.table), &changes)
+            .map_err(|e| Error::io(format!("setting the egress policy of slot {slot}"), e))?;
         if want.is_empty() {
             applied.remove(&slot);
         } else {
@@ -762,8 +750,7 @@ impl Network {
     /// `known`.
     pub fn reconcile(&self, owned: std::ops::Range<u32>, known: &[u32]) -> Result<()> {
         let known: std::collections::HashSet<u32> = known.iter().copied().collect();
-        let mut host =
-            RouteSocket::open().map_err(|e| Error::io("opening netlink socket", e))?;
+        let mut host = RouteSocket::open().map_err(|e| Error::io("opening netlink socket", e))?;
         for link in self.sandbox_links(&mut host)? {
             let Some(slot) = self.slot_of_ifname(&link.name) else {
                 // A veth with our prefix but no slot number: not any node's; leave it.
@@ -792,8 +779,7 @@ impl Network {
     /// Removes everything this network created on the host: all `<prefix>*` links and
     /// both nftables tables. For tests and `cubicle` uninstall; not used in normal runs.
     pub fn teardown_all(&self) -> Result<()> {
-        let mut host =
-            RouteSocket::open().map_err(|e| Error::io("opening netlink socket", e))?;
+        let mut host = RouteSocket::open().map_err(|e| Error::io("opening netlink socket", e))?;
         for link in self.sandbox_links(&mut host)? {
             match host.delete_link(&link.name) {
                 Ok(()) => {}
@@ -813,9 +799,7 @@ impl Network {
     /// Host links that belong to sandboxes (name `<prefix><digits>`, or any veth with
     /// the prefix).
     fn sandbox_links(&self, host: &mut RouteSocket) -> Result<Vec<netlink::Link>> {
-        let links = host
-            .links()
-            .map_err(|e| Error::io("listing links", e))?;
+        let links = host.links().map_err(|e| Error::io("listing links", e))?;
         Ok(links
             .into_iter()
             .filter(|l| {
@@ -883,8 +867,14 @@ impl Network {
             .replace("@NEW_CONNS@", &l.new_connections_per_sec.max(1).to_string())
             .replace("@NEW_BURST@", &l.new_connections_burst.max(1).to_string())
             // The kernel computes with ns × (rate + burst) in 64 bits: keep it in range.
-            .replace("@BYTES_BURST@", &l.bytes_burst.clamp(1500, 1 << 30).to_string())
-            .replace("@BYTES@", &l.bytes_per_sec.clamp(1, 16_000_000_000).to_string());
+            .replace(
+                "@BYTES_BURST@",
+                &l.bytes_burst.clamp(1500, 1 << 30).to_string(),
+            )
+            .replace(
+                "@BYTES@",
+                &l.bytes_per_sec.clamp(1, 16_000_000_000).to_string(),
+            );
         let pos = text.find(POLICY_MARKER).ok_or_else(|| {
             Error::NetworkConfig("egress_rules.nft lacks the policy marker".into())
         })?;
@@ -918,7 +908,12 @@ fn render_elem(e: &SetElem) -> String {
     };
     match (&e.key_end, e.key.len()) {
         (Some(end), 8) if end.len() == 8 => {
-            format!("{} . {}-{}", ip(&e.key[..4]), ip(&e.key[4..]), ip(&end[4..]))
+            format!(
+                "{} . {}-{}",
+                ip(&e.key[..4]),
+                ip(&e.key[4..]),
+                ip(&end[4..])
+            )
         }
         _ => ip(e.key.get(..4).unwrap_or(&[0; 4])),
     }
@@ -932,8 +927,7 @@ fn enable_conntrack_accounting() {
 
 fn enable_ip_forwarding() -> Result<()> {
     let path = "/proc/sys/net/ipv4/ip_forward";
-    let cur = std::fs::read_to_string(path)
-        .map_err(|e| Error::io(format!("reading {path}"), e))?;
+    let cur = std::fs::read_to_string(path).map_err(|e| Error::io(format!("reading {path}"), e))?;
     if cur.trim() != "1" {
         std::fs::write(path, "1")
             .map_err(|e| Error::io(format!("writing {path} (are you root?)"), e))?;

@@ -269,10 +269,21 @@ impl World {
         // In a private namespace (`unshare --net`, as the test instructions ask) there is
         // no default route, and a packet to an unrouted address would fail for lack of a
         // route instead of by the rules: route everything to the test internet then.
-        if sh("ip", &["-4", "route", "show", "default"]).trim().is_empty() {
+        if sh("ip", &["-4", "route", "show", "default"])
+            .trim()
+            .is_empty()
+        {
             sh(
                 "ip",
-                &["route", "add", "default", "via", "198.51.100.2", "dev", INET_IF],
+                &[
+                    "route",
+                    "add",
+                    "default",
+                    "via",
+                    "198.51.100.2",
+                    "dev",
+                    INET_IF,
+                ],
             );
         }
         // Guard: a forwarded packet from a test sandbox may only leave towards the test

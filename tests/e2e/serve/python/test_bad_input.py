@@ -52,7 +52,7 @@ COLLECTION_ROUTES = [
     ("GET", "/sandboxes/metrics"),
 ]
 # Pause/resume may answer 501 "not supported yet" (issue #3) until their issue lands.
-NOT_YET = ("/pause", "/resume", "/network", "/snapshots", "/fork")
+NOT_YET = ("/pause", "/resume", "/snapshots", "/fork")
 
 
 def assert_refused(r, lo, hi, path, what):
@@ -337,6 +337,18 @@ def test_id_route_5mib_body(method, path, victim):
     body = json.dumps({"timeout": 300, "pad": "z" * (5 * MIB)}).encode()
     r = api(method, path.format(id=victim), content=body, headers={"Content-Type": "application/json"})
     assert_refused(r, 400, 413, path, f"5 MiB body to {path}")
+
+
+NETWORK_MUST_FAIL = [b"", b"{", b"[]", b"null", b'{"allowOut":"1.1.1.1"}', b'{"allowOut":["x.test"]}',
+                     b'{"denyOut":["x.test"]}', b'{"dnsServers":["nope"]}', b'{"dnsServers":["10.1.2.3"]}',
+                     b'{"egressProxy":{"address":"p"}}', b'{"egressProxy":{"address":"127.0.0.1:1080"}}',
+                     b'{"allow_internet_access":"no"}', b'{"rules":{"*":[{}]}}']
+
+
+@pytest.mark.parametrize("body", NETWORK_MUST_FAIL, ids=lambda x: x.decode()[:30])
+def test_network_update_bad_bodies(body, victim):
+    r = api("PUT", f"/sandboxes/{victim}/network", content=body, headers={"Content-Type": "application/json"})
+    assert_error_shape(r, 400, 422, f"PUT /network {body!r}")
 
 
 def test_id_routes_unknown_fields_never_5xx(victim):
