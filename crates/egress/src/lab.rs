@@ -179,6 +179,11 @@ impl Lab {
         );
         ec.upstream_dns = vec![OK_HOST];
         let egress = Egress::start(ec, rt.handle())?;
+        let eg = egress.clone();
+        let watch = net
+            .watch_events(move |ev| eg.record_kernel(ev))
+            .map_err(|e| lab_err("kernel events", e))?;
+        egress.keep_watch(watch);
         let questions = Arc::new(Mutex::new(Vec::new()));
         start_internet(&inet, questions.clone())?;
         Ok(Lab {

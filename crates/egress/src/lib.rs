@@ -34,6 +34,7 @@ use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
 use cubicle_runtime::network::AddressGuard;
+use cubicle_runtime::network::events::{KernelEvent, Watch};
 
 pub use audit::{AuditLog, EventKind, NetEvent, allow_list};
 pub use policy::{
@@ -170,6 +171,10 @@ pub(crate) struct Shared {
     sandboxes: RwLock<HashMap<Ipv4Addr, Arc<SandboxState>>>,
     pub audit: AuditLog,
     tasks: Mutex<Vec<tokio::task::JoinHandle<()>>>,
+    /// The kernel event threads, when watched.
+    watch: Mutex<Option<Watch>>,
+    /// When each direct connection (conntrack id) opened, for its duration.
+    opened: Mutex<HashMap<u32, Instant>>,
     /// Where the resolver and proxy actually listen (ports resolved).
     pub dns_addr: SocketAddr,
     pub proxy_addr: SocketAddr,
@@ -237,6 +242,8 @@ impl Egress {
             sandboxes: RwLock::new(HashMap::new()),
             audit,
             tasks: Mutex::new(Vec::new()),
+            watch: Mutex::new(None),
+            opened: Mutex::new(HashMap::new()),
             dns_addr,
             proxy_addr,
         });
@@ -330,8 +337,112 @@ impl Egress {
         resolver::lookup_a(&self.shared.config.upstream_dns, host).await
     }
 
+    /// Keeps `w` (the kernel event threads feeding [`Egress::record_kernel`]) running
+    /// until [`Egress::shutdown`].
+    pub fn keep_watch(&self, w: Watch) {
+        *self.shared.watch.lock().unwrap_or_else(|p| p.into_inner()) = Some(w);
+    }
+
+    /// Records a kernel event (a connection let through straight out, its end, or a
+    /// refused attempt) in the trail of the sandbox it belongs to.
+    pub fn record_kernel(&self, ev: KernelEvent) {
+        let flow = match &ev {
+            KernelEvent::Opened { flow, .. }
+            | KernelEvent::Closed { flow, .. }
+            | KernelEvent::Refused { flow, .. } => *flow,
+        };
+        let Some(sandbox) = self.shared.sandbox(flow.src) else {
+            return;
+        };
+        let port = (flow.proto == 6 || flow.proto == 17).then_some(flow.port);
+        let attempt = policy::Attempt {
+            dst: flow.dst,
+            port: port.unwrap_or(0),
+            name: None,
+            dst_is_names: false,
+            resolved_as: None,
+        };
+        let what = match ev {
+            KernelEvent::Opened { id, .. } => {
+                let mut opened = self.shared.opened.lock().unwrap_or_else(|p| p.into_inner());
+                if opened.len() > 100_000 {
+                    opened.clear();
+                }
+                opened.insert(id, Instant::now());
+                drop(opened);
+                let d = sandbox.policy().decide(&self.shared.config.guard, &attempt);
+                EventKind::Connect {
+                    proto: flow.proto_name(),
+                    dst: flow.dst,
+                    port: flow.port,
+                    name: None,
+                    verdict: Verdict::Allowed,
+                    reason: d.reason,
+                    via: "direct".into(),
+                }
+            }
+            KernelEvent::Closed {
+                id,
+                bytes_out,
+                bytes_in,
+                ..
+            } => {
+                let since = self
+                    .shared
+                    .opened
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .remove(&id);
+                EventKind::Close {
+                    proto: flow.proto_name(),
+                    dst: flow.dst,
+                    port: flow.port,
+                    name: None,
+                    bytes_out,
+                    bytes_in,
+                    duration_ms: since.map(|t| t.elapsed().as_millis() as u64).unwrap_or(0),
+                    error: None,
+                }
+            }
+            KernelEvent::Refused { chain, .. } => {
+                let reason = match chain.as_str() {
+                    "limit" => "limit: too many connections, or new connections per second".into(),
+                    "node" => match self.shared.config.guard.check(flow.dst, port) {
+                        Err(d) => format!("node rule: {}", d.as_str()),
+                        Ok(()) => "node rule".into(),
+                    },
+                    _ => {
+                        sandbox
+                            .policy()
+                            .decide(&self.shared.config.guard, &attempt)
+                            .reason
+                    }
+                };
+                EventKind::Connect {
+                    proto: flow.proto_name(),
+                    dst: flow.dst,
+                    port: flow.port,
+                    name: None,
+                    verdict: Verdict::Denied,
+                    reason,
+                    via: "direct".into(),
+                }
+            }
+        };
+        self.shared.audit.record(&sandbox.id, what);
+    }
+
     /// Stops serving (tests; a node process simply exits).
     pub fn shutdown(&self) {
+        if let Some(w) = self
+            .shared
+            .watch
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take()
+        {
+            w.stop();
+        }
         for t in self
             .shared
             .tasks

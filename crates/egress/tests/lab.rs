@@ -126,6 +126,54 @@ fn domains_dns_and_bypasses() {
             .in_sandbox(2, || http_get(web(EVIL_HOST), "evil.test"))
             .unwrap();
         assert_eq!(body.unwrap(), EVIL_HOST.to_string());
+        // ...but not a private range (refused by the kernel's node rules).
+        let t = Instant::now();
+        let r = lab
+            .in_sandbox(2, || {
+                std::net::TcpStream::connect_timeout(
+                    &SocketAddr::from(([10, 1, 2, 3], 80)),
+                    Duration::from_secs(3),
+                )
+            })
+            .unwrap();
+        assert_refused("a private address", t, r);
+        // UDP from the domain-policy sandbox to a hard-coded address: the kernel refuses.
+        let _ = lab.in_sandbox(1, || {
+            let s = std::net::UdpSocket::bind("0.0.0.0:0")?;
+            s.send_to(b"x", (EVIL_HOST, 443))
+        });
+        // Connections the kernel let through or refused are in the trail too.
+        let wait_for = |slot: u32, want: &dyn Fn(&cubicle_egress::NetEvent) -> bool| {
+            let deadline = Instant::now() + Duration::from_secs(5);
+            loop {
+                let events = lab.egress.audit().read(&Lab::id(slot), 0, 10_000);
+                if events.iter().any(want) || Instant::now() > deadline {
+                    return events.iter().map(|e| e.summary()).collect::<Vec<_>>();
+                }
+                std::thread::sleep(Duration::from_millis(50));
+            }
+        };
+        let s = wait_for(2, &|e| {
+            matches!(&e.what, EventKind::Close { dst, bytes_in, .. } if *dst == EVIL_HOST && *bytes_in > 0)
+        });
+        assert!(
+            s.iter()
+                .any(|l| l.contains("tcp 198.51.100.3:80 allowed via direct")),
+            "{s:#?}"
+        );
+        assert!(s.iter().any(|l| l.contains("198.51.100.3:80 closed")), "{s:#?}");
+        let s = wait_for(2, &|e| e.summary().contains("10.1.2.3:80"));
+        assert!(
+            s.iter()
+                .any(|l| l.contains("10.1.2.3:80 denied") && l.contains("private range")),
+            "{s:#?}"
+        );
+        let s = wait_for(1, &|e| e.summary().contains("udp 198.51.100.3:443"));
+        assert!(
+            s.iter().any(|l| l.contains("udp 198.51.100.3:443 denied")
+                && l.contains("denyOut 0.0.0.0/0")),
+            "{s:#?}"
+        );
 
         // The audit trail saw it all.
         let events = lab.egress.audit().read(&Lab::id(1), 0, 1000);

@@ -74,7 +74,16 @@ impl LinuxRuntime {
                     Egress::start(ec, &handle).map_err(|e| e.to_string())
                 });
             match started {
-                Ok(e) => egress = Some(e),
+                Ok(e) => {
+                    let eg = e.clone();
+                    match net.watch_events(move |ev| eg.record_kernel(ev)) {
+                        Ok(w) => e.keep_watch(w),
+                        Err(err) => tracing::warn!(
+                            "the audit trail will miss connections that do not pass the egress proxy: {err}"
+                        ),
+                    }
+                    egress = Some(e);
+                }
                 Err(e) => network = Err(format!("the egress layer did not start: {e}")),
             }
         }

@@ -9,6 +9,7 @@
 //!   rtnetlink client (veth, addresses, routes) — no `ip` spawns.
 //! - `nftables.rs`: policy set elements over netlink (no `nft` spawn per policy change).
 //! - `conntrack.rs`: forgetting a dead sandbox's connections.
+//! - `events.rs`: conntrack and NFLOG events about sandbox connections (audit trail).
 //! - `netns.rs`: namespace handles, `run_in_netns`, `connect_in_netns`.
 //!
 //! Addressing is deterministic from the sandbox's *slot* (a small integer the node
@@ -28,6 +29,7 @@
 //! whose forward chain drops by default, sandbox egress needs an accept there too.
 
 mod conntrack;
+pub mod events;
 mod netlink;
 mod netns;
 mod nftables;
@@ -208,6 +210,8 @@ pub struct NetworkConfig {
     pub allow_smtp: bool,
     /// Per-sandbox limits.
     pub limits: SandboxLimits,
+    /// NFLOG group refused attempts are reported to (one node per group and namespace).
+    pub log_group: u16,
     /// MTU for both veth ends (None: kernel default 1500).
     pub mtu: Option<u32>,
 }
@@ -255,6 +259,7 @@ impl Default for NetworkConfig {
             proxy_port: 15380,
             allow_smtp: false,
             limits: SandboxLimits::default(),
+            log_group: 7707,
             mtu: None,
         }
     }
@@ -669,6 +674,15 @@ impl Network {
         Ok(())
     }
 
+    /// Reports kernel events about sandbox connections (let through, ended, refused) to
+    /// `on_event` until the returned [`events::Watch`] is dropped.
+    pub fn watch_events(
+        &self,
+        on_event: impl Fn(events::KernelEvent) + Send + Sync + 'static,
+    ) -> Result<events::Watch> {
+        events::watch(self.config.pool, self.config.log_group, on_event)
+    }
+
     /// Whether slot `slot`'s host-side interface exists.
     pub fn is_attached(&self, slot: u32) -> Result<bool> {
         let info = self.slot_info(slot)?;
@@ -854,6 +868,7 @@ impl Network {
             .replace("@PRIVATE@", &elements(&c.deny_private))
             .replace("@NODE_ALLOW@", &elements(&c.node_allow))
             .replace("@DNS_PORT@", &c.dns_port.to_string())
+            .replace("@LOG_GROUP@", &c.log_group.to_string())
             .replace("@PROXY_PORT@", &c.proxy_port.to_string())
             .replace(
                 "@SMTP@",

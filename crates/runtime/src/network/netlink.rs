@@ -204,6 +204,11 @@ impl NetlinkSocket {
     /// Opens a `protocol` (e.g. `NETLINK_ROUTE`, `NETLINK_NETFILTER`) socket in the calling
     /// thread's network namespace.
     pub fn open(protocol: libc::c_int) -> io::Result<Self> {
+        Self::open_groups(protocol, 0)
+    }
+
+    /// Like [`NetlinkSocket::open`], subscribed to the multicast `groups` (a bit mask).
+    pub fn open_groups(protocol: libc::c_int, groups: u32) -> io::Result<Self> {
         // SAFETY: plain syscalls on values we own; the fd is wrapped at once.
         let fd = unsafe {
             libc::socket(
@@ -220,6 +225,7 @@ impl NetlinkSocket {
         // SAFETY: zeroed sockaddr_nl is valid; pid 0 lets the kernel choose.
         let mut addr: libc::sockaddr_nl = unsafe { std::mem::zeroed() };
         addr.nl_family = libc::AF_NETLINK as libc::sa_family_t;
+        addr.nl_groups = groups;
         // SAFETY: addr is a valid sockaddr_nl of the given length.
         let rc = unsafe {
             libc::bind(
@@ -357,6 +363,90 @@ impl NetlinkSocket {
     pub fn request_ack(&mut self, mut msg: Msg) -> io::Result<()> {
         let seq = self.send(&mut msg)?;
         self.recv_until_done(seq, |_, _| false)
+    }
+
+    /// Waits at most `timeout` for the next datagram (event subscriptions) and hands each
+    /// message in it to `on_msg(type, flags, payload)`. Returns false on timeout.
+    /// Overruns (`ENOBUFS`: the kernel dropped events) are reported as an error once and
+    /// reading goes on.
+    pub fn recv_events(
+        &mut self,
+        timeout: std::time::Duration,
+        mut on_msg: impl FnMut(u16, u16, &[u8]),
+    ) -> io::Result<bool> {
+        let mut pfd = libc::pollfd {
+            fd: self.fd.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // SAFETY: one valid pollfd.
+        let n = unsafe {
+            libc::poll(
+                &mut pfd,
+                1,
+                timeout.as_millis().min(i32::MAX as u128) as i32,
+            )
+        };
+        if n < 0 {
+            let e = io::Error::last_os_error();
+            return if e.kind() == io::ErrorKind::Interrupted {
+                Ok(false)
+            } else {
+                Err(e)
+            };
+        }
+        if n == 0 {
+            return Ok(false);
+        }
+        // SAFETY: buf is a valid writable buffer of its length.
+        let n = unsafe {
+            libc::recv(
+                self.fd.as_raw_fd(),
+                self.buf.as_mut_ptr() as *mut libc::c_void,
+                self.buf.len(),
+                libc::MSG_DONTWAIT,
+            )
+        };
+        if n < 0 {
+            let e = io::Error::last_os_error();
+            return match e.kind() {
+                io::ErrorKind::WouldBlock | io::ErrorKind::Interrupted => Ok(false),
+                _ => Err(e),
+            };
+        }
+        let mut data = &self.buf[..n as usize];
+        while data.len() >= NLMSG_HDRLEN {
+            let len = u32::from_ne_bytes([data[0], data[1], data[2], data[3]]) as usize;
+            let ty = u16::from_ne_bytes([data[4], data[5]]);
+            let flags = u16::from_ne_bytes([data[6], data[7]]);
+            if len < NLMSG_HDRLEN || len > data.len() {
+                break;
+            }
+            on_msg(ty, flags, &data[NLMSG_HDRLEN..len]);
+            data = &data[align4(len).min(data.len())..];
+        }
+        Ok(true)
+    }
+
+    /// Sets the socket's receive buffer (events arrive in bursts).
+    pub fn set_recv_buffer(&self, bytes: usize) {
+        let v = bytes.min(i32::MAX as usize) as libc::c_int;
+        // SAFETY: valid option pointer and length. SO_RCVBUFFORCE needs CAP_NET_ADMIN;
+        // SO_RCVBUF (capped by rmem_max) is the fallback.
+        unsafe {
+            for opt in [libc::SO_RCVBUFFORCE, libc::SO_RCVBUF] {
+                if libc::setsockopt(
+                    self.fd.as_raw_fd(),
+                    libc::SOL_SOCKET,
+                    opt,
+                    &v as *const libc::c_int as *const libc::c_void,
+                    std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+                ) == 0
+                {
+                    break;
+                }
+            }
+        }
     }
 
     /// Sends a dump request and hands every answer message to `on_msg`.

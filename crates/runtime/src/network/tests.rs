@@ -98,6 +98,7 @@ fn rules_render_without_placeholders() {
         "@NEW_BURST@",
         "@BYTES@",
         "@BYTES_BURST@",
+        "@LOG_GROUP@",
     ] {
         assert!(!a.contains(ph) && !b.contains(ph), "{ph} left in the rules");
     }
@@ -499,6 +500,45 @@ fn egress_isolation_end_to_end() {
     let mut got = String::new();
     s.read_to_string(&mut got).unwrap();
     assert!(got.starts_with("127.0.0.1:"));
+
+    // Outbound SMTP is closed (while another port of the same host works).
+    let (smtp_ok, _rx) = listen_in(&world.internet.ns, v4("198.51.100.2", 0));
+    assert!(try_connect(&a.ns, smtp_ok).is_ok());
+    let (_l, _rx) = {
+        let l = run_in_netns(&world.internet.ns, || TcpListener::bind("198.51.100.2:25"))
+            .unwrap()
+            .unwrap();
+        (l, ())
+    };
+    let t = Instant::now();
+    assert!(try_connect(&a.ns, v4("198.51.100.2", 25)).is_err());
+    assert!(
+        t.elapsed() < Duration::from_secs(1),
+        "port 25: {:?}",
+        t.elapsed()
+    );
+
+    // The host's own subnets: the test internet sits on one (cubinet0); a node that
+    // denies host subnets refuses it, at once.
+    let deny_host = Network::init(NetworkConfig {
+        deny_host_subnets: true,
+        ..test_config()
+    })
+    .unwrap();
+    let t = Instant::now();
+    assert!(
+        try_connect(&a.ns, inet_addr).is_err(),
+        "the host's own subnet must be denied"
+    );
+    assert!(t.elapsed() < Duration::from_secs(1));
+    assert_eq!(
+        deny_host
+            .address_guard()
+            .check("198.51.100.2".parse().unwrap(), Some(80)),
+        Err(NodeDenial::HostSubnet)
+    );
+    Network::init(test_config()).unwrap();
+    assert!(try_connect(&a.ns, inet_addr).is_ok());
 
     // Nothing tried to leave through an interface the test did not make.
     assert_eq!(guard_counters(), 0, "a sandbox packet reached the guard");

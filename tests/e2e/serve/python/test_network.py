@@ -430,6 +430,26 @@ def test_audit_trail_logs_api_and_cli(internet):
         assert "follow-me.allowed.test" in seen, seen[-500:]
     # After the sandbox is gone the trail is still readable.
     assert any(e["type"] == "dns" for e in netlog(sid))
+    # A sandbox without a policy: its direct connections are in the trail too (from
+    # conntrack), with their bytes, and so are the kernel's refusals, with the reason.
+    with Box(lab) as b:
+        reached(b.probe(f"get('{lab['other']}')"), lab["other"])
+        refused(b.probe(f"tcp('{lab['smtp']}', 25)"), "port 25")
+        sid = b.sbx.sandbox_id
+        deadline = time.time() + 10
+        while time.time() < deadline:
+            events = netlog(sid)
+            if any(e["type"] == "close" and e["dst"] == lab["other"] for e in events) and any(
+                e["type"] == "connect" and e["port"] == 25 for e in events
+            ):
+                break
+            time.sleep(0.2)
+        lines = [json.dumps(e) for e in events]
+        assert any(e["type"] == "connect" and e["dst"] == lab["other"] and e["verdict"] == "allowed"
+                   and e["via"] == "direct" for e in events), lines
+        assert any(e["type"] == "close" and e["dst"] == lab["other"] and e["bytesIn"] > 0 for e in events), lines
+        assert any(e["type"] == "connect" and e["port"] == 25 and e["verdict"] == "denied"
+                   and "SMTP" in e["reason"] for e in events), lines
 
 
 def test_learn_mode(internet):
