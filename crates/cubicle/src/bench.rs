@@ -44,7 +44,7 @@ pub const DEFAULT_BENCH_STATE_DIR: &str = "/var/lib/cubicle-bench";
 /// Slots of the bench's own server (disjoint from other nodes on a shared host).
 const BENCH_FIRST_SLOT: u32 = 8000;
 const ENVD_PORT: u16 = 49983;
-const ALL_MEASURES: &[&str] = &["create", "cycle", "exec", "density", "peer", "interp"];
+const ALL_MEASURES: &[&str] = &["create", "cycle", "exec", "density", "peer", "interp", "egress"];
 
 /// `cubicle bench` options.
 #[derive(clap::Args, Debug)]
@@ -80,6 +80,10 @@ pub struct BenchArgs {
     /// Sandboxes without internet (no veth / NAT).
     #[arg(long)]
     pub no_internet: bool,
+    /// E2B `network` options (JSON) for every sandbox the bench creates, e.g.
+    /// `{"allowOut":["pypi.org"],"denyOut":["0.0.0.0/0"]}` (what a policy costs a create).
+    #[arg(long, value_name = "JSON", value_parser = parse_network)]
+    pub network: Option<Value>,
     /// Rootfs for `peer` (default: the template's in the server state directory).
     #[arg(long)]
     pub rootfs: Option<PathBuf>,
@@ -265,6 +269,15 @@ impl Conn {
 struct Api {
     addr: String,
     key: String,
+    /// `network` of every create.
+    network: Option<Value>,
+}
+
+fn parse_network(s: &str) -> Result<Value, String> {
+    match serde_json::from_str::<Value>(s) {
+        Ok(v) if v.is_object() => Ok(v),
+        _ => Err(format!("--network {s:?}: expected a JSON object")),
+    }
 }
 
 #[derive(Clone)]
@@ -299,10 +312,13 @@ impl Api {
     }
 
     async fn create(&self, c: &mut Conn, template: &str, internet: bool) -> anyhow::Result<Sbx> {
-        let body = json!({
+        let mut body = json!({
             "templateID": template, "timeout": 600, "metadata": {"cubicle-bench": "1"},
             "envVars": {}, "allow_internet_access": internet,
         });
+        if let Some(n) = &self.network {
+            body["network"] = n.clone();
+        }
         let req = self
             .req(Method::POST, "/v2/sandboxes")
             .header("content-type", "application/json")
@@ -1168,6 +1184,12 @@ fn runc_spec(bundle: &Path, rootfs: &Path) -> anyhow::Result<Value> {
 // ---------------------------------------------------------------------------------------
 
 pub async fn run(args: BenchArgs, envd: Option<&PathBuf>) -> anyhow::Result<i32> {
+    if args.measures.iter().any(|m| m == "egress") {
+        egress(&args)?;
+        if args.measures.len() == 1 {
+            return Ok(0);
+        }
+    }
     let measures: Vec<String> = if args.measures.is_empty() {
         ["create", "cycle", "exec", "peer"]
             .map(String::from)
@@ -1175,6 +1197,7 @@ pub async fn run(args: BenchArgs, envd: Option<&PathBuf>) -> anyhow::Result<i32>
     } else {
         args.measures.clone()
     };
+    let measures: Vec<String> = measures.into_iter().filter(|m| m != "egress").collect();
     for m in &measures {
         if !ALL_MEASURES.contains(&m.as_str()) {
             bail!("unknown measure {m:?} (known: {})", ALL_MEASURES.join(", "));
@@ -1245,6 +1268,7 @@ pub async fn run(args: BenchArgs, envd: Option<&PathBuf>) -> anyhow::Result<i32>
             api: Api {
                 addr: authority(&url)?,
                 key,
+                network: args.network.clone(),
             },
             pool: mode.clone(),
             pool_size: args.pool_size,
@@ -1493,4 +1517,73 @@ mod tests {
         assert_eq!(v["root"]["readonly"], true);
         assert_eq!(v["process"]["args"][2], "true");
     }
+}
+
+/// `cubicle bench egress`: the egress layer in a private lab of network namespaces (no
+/// server; see `cubicle_egress::lab`): one connection's throughput through the proxy and
+/// direct, new connections with an HTTP request each way, policy application.
+fn egress(args: &BenchArgs) -> anyhow::Result<()> {
+    let bytes: u64 = 1 << 30;
+    let r = cubicle_egress::lab::bench(bytes, args.iterations.max(20))?;
+    let rows = [
+        (
+            "egress proxy, 1 connection (Gbit/s)",
+            format!("{:.2}", r.proxied_gbit_s),
+        ),
+        (
+            "direct, 1 connection (Gbit/s)",
+            format!("{:.2}", r.direct_gbit_s),
+        ),
+        (
+            "new connection + request via proxy p50/p99 (µs)",
+            format!("{} / {}", r.proxied_request_us.0, r.proxied_request_us.1),
+        ),
+        (
+            "new connection + request direct p50/p99 (µs)",
+            format!("{} / {}", r.direct_request_us.0, r.direct_request_us.1),
+        ),
+        (
+            "added per new connection p50 (µs)",
+            format!(
+                "{}",
+                r.proxied_request_us.0 as i64 - r.direct_request_us.0 as i64
+            ),
+        ),
+        (
+            "apply a policy to a new sandbox p50/p99 (µs)",
+            format!("{} / {}", r.apply_policy_us.0, r.apply_policy_us.1),
+        ),
+        (
+            "replace a running sandbox's policy p50/p99 (µs)",
+            format!("{} / {}", r.update_policy_us.0, r.update_policy_us.1),
+        ),
+        (
+            "remove a policy (sandbox death) p50/p99 (µs)",
+            format!("{} / {}", r.clear_policy_us.0, r.clear_policy_us.1),
+        ),
+    ];
+    if args.json {
+        println!(
+            "{}",
+            json!({
+                "measure": "egress", "bytes": r.bytes,
+                "proxiedGbitS": r.proxied_gbit_s, "directGbitS": r.direct_gbit_s,
+                "proxiedRequestUs": [r.proxied_request_us.0, r.proxied_request_us.1],
+                "directRequestUs": [r.direct_request_us.0, r.direct_request_us.1],
+                "applyPolicyUs": [r.apply_policy_us.0, r.apply_policy_us.1],
+                "updatePolicyUs": [r.update_policy_us.0, r.update_policy_us.1],
+                "clearPolicyUs": [r.clear_policy_us.0, r.clear_policy_us.1],
+            })
+        );
+    } else {
+        println!(
+            "egress (private lab, {} MiB streamed, {} requests each way)",
+            r.bytes >> 20,
+            args.iterations.max(20)
+        );
+        for (k, v) in rows {
+            println!("  {k:<52} {v}");
+        }
+    }
+    Ok(())
 }

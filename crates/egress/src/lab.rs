@@ -319,20 +319,32 @@ fn start_internet(inet: &Netns, questions: Arc<Mutex<Vec<String>>>) -> Result<()
             for c in http.incoming() {
                 let Ok(mut c) = c else { break };
                 std::thread::spawn(move || {
+                    // Requests without bodies, kept alive until the client closes or
+                    // asks for `Connection: close`.
                     let mut buf = [0u8; 4096];
                     let mut got = Vec::new();
-                    while !got.windows(4).any(|w| w == b"\r\n\r\n") {
-                        match c.read(&mut buf) {
-                            Ok(0) | Err(_) => return,
-                            Ok(n) => got.extend_from_slice(&buf[..n]),
+                    loop {
+                        let Some(end) = got.windows(4).position(|w| w == b"\r\n\r\n") else {
+                            match c.read(&mut buf) {
+                                Ok(0) | Err(_) => return,
+                                Ok(n) => got.extend_from_slice(&buf[..n]),
+                            }
+                            continue;
+                        };
+                        let head = String::from_utf8_lossy(&got[..end]).to_ascii_lowercase();
+                        got.drain(..end + 4);
+                        let body = addr.to_string();
+                        let close = head.contains("connection: close");
+                        let _ = write!(
+                            c,
+                            "HTTP/1.1 200 OK\r\nContent-Length: {}\r\n{}\r\n{body}",
+                            body.len(),
+                            if close { "Connection: close\r\n" } else { "" }
+                        );
+                        if close {
+                            return;
                         }
                     }
-                    let body = addr.to_string();
-                    let _ = write!(
-                        c,
-                        "HTTP/1.1 200 OK\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
-                        body.len()
-                    );
                 });
             }
         });
@@ -570,4 +582,41 @@ pub fn bench(bytes: u64, requests: usize) -> Result<BenchReport, EgressError> {
             })
         },
     )?
+}
+
+/// Sends `hosts.len()` requests on one kept-alive connection to `addr`, one per `Host`;
+/// returns the bodies that came back (fewer when the connection was cut).
+pub fn keep_alive(addr: SocketAddr, hosts: &[&str]) -> Result<Vec<String>, std::io::Error> {
+    let mut s = TcpStream::connect_timeout(&addr, Duration::from_secs(3))?;
+    s.set_read_timeout(Some(Duration::from_secs(3)))?;
+    let mut bodies = Vec::new();
+    for host in hosts {
+        if write!(s, "GET / HTTP/1.1\r\nHost: {host}\r\n\r\n").is_err() {
+            break;
+        }
+        let mut got = Vec::new();
+        let mut buf = [0u8; 4096];
+        let body = loop {
+            if let Some(end) = got.windows(4).position(|w| w == b"\r\n\r\n") {
+                let head = String::from_utf8_lossy(&got[..end]).to_ascii_lowercase();
+                let len: usize = head
+                    .lines()
+                    .find_map(|l| l.strip_prefix("content-length:"))
+                    .and_then(|v| v.trim().parse().ok())
+                    .unwrap_or(0);
+                if got.len() >= end + 4 + len {
+                    break Some(String::from_utf8_lossy(&got[end + 4..end + 4 + len]).to_string());
+                }
+            }
+            match s.read(&mut buf) {
+                Ok(0) | Err(_) => break None,
+                Ok(n) => got.extend_from_slice(&buf[..n]),
+            }
+        };
+        match body {
+            Some(b) => bodies.push(b),
+            None => break,
+        }
+    }
+    Ok(bodies)
 }

@@ -18,6 +18,7 @@
 
 pub mod audit;
 pub mod dns;
+mod http1;
 pub mod lab;
 mod names;
 pub mod policy;

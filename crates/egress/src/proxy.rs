@@ -281,7 +281,61 @@ async fn handle(shared: Arc<Shared>, mut client: TcpStream, peer: SocketAddrV4) 
     };
     let (out, inn) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
     let mut err = None;
-    if let Err(e) = upstream.write_all(&head).await {
+    if let Sniffed::Http(_) = &sniffed {
+        // Plain HTTP: every request of the connection is checked (and can be rewritten).
+        let recheck = |h: crate::sniff::RequestHead| {
+            let (shared, sandbox, policy, first) = (
+                shared.clone(),
+                sandbox.clone(),
+                policy.clone(),
+                name.clone(),
+            );
+            async move {
+                let host = h.host().as_deref().and_then(normalize_name);
+                if host == first {
+                    return (h, Ok(()));
+                }
+                let pinned = match &host {
+                    Some(n) if policy.domain_rule(n).is_some() => {
+                        is_address_of(&shared, &sandbox, n, dst_ip).await
+                    }
+                    _ => false,
+                };
+                let d = policy.decide(
+                    &shared.config.guard,
+                    &Attempt {
+                        dst: dst_ip,
+                        port,
+                        name: host.as_deref(),
+                        dst_is_names: pinned,
+                        resolved_as: None,
+                    },
+                );
+                if d.verdict != Verdict::Denied {
+                    return (h, Ok(()));
+                }
+                shared.audit.record(
+                    &sandbox.id,
+                    EventKind::Connect {
+                        proto: "tcp".into(),
+                        dst: dst_ip,
+                        port,
+                        name: h.host(),
+                        verdict: d.verdict,
+                        reason: format!("a later request on the connection: {}", d.reason),
+                        via: "direct".into(),
+                    },
+                );
+                (h, Err(d.reason))
+            }
+        };
+        if let Err((e, client)) = relay_http(client, upstream, head, recheck, &out, &inn).await {
+            err = Some(e);
+            if let Some(c) = client {
+                reset(c);
+            }
+        }
+    } else if let Err(e) = upstream.write_all(&head).await {
         err = Some(e.to_string());
     } else {
         out.fetch_add(head.len() as u64, Ordering::Relaxed);
@@ -342,4 +396,43 @@ impl<T: AsyncWrite + Unpin> AsyncWrite for Counted<T> {
     fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
         Pin::new(&mut self.inner).poll_shutdown(cx)
     }
+}
+
+/// Relays a plain-HTTP connection: the client's requests one by one through `check`
+/// (`http1.rs`), the server's answers as they come. On a refused request the relay stops
+/// and the client stream is handed back (to be reset).
+async fn relay_http<
+    F: std::future::Future<Output = (crate::sniff::RequestHead, crate::http1::Verdict)>,
+>(
+    client: TcpStream,
+    upstream: Box<dyn Upstream>,
+    head: Vec<u8>,
+    check: impl FnMut(crate::sniff::RequestHead) -> F,
+    out: &AtomicU64,
+    inn: &Arc<AtomicU64>,
+) -> Result<(), (String, Option<TcpStream>)> {
+    let (mut cr, mut cw) = client.into_split();
+    let (ur, mut uw) = tokio::io::split(upstream);
+    let mut ur = Counted {
+        inner: ur,
+        n: inn.clone(),
+    };
+    let result = {
+        let requests = crate::http1::relay_requests(&mut cr, &mut uw, head, check, out);
+        let answers = async {
+            let r = tokio::io::copy(&mut ur, &mut cw).await;
+            let _ = cw.shutdown().await;
+            r
+        };
+        tokio::pin!(requests, answers);
+        tokio::select! {
+            r = &mut requests => match r {
+                // The client is done sending: the answers finish on their own.
+                Ok(()) => answers.await.map(drop).map_err(|e| e.to_string()),
+                Err(e) => Err(e),
+            },
+            r = &mut answers => r.map(drop).map_err(|e| e.to_string()),
+        }
+    };
+    result.map_err(|e| (e, cr.reunite(cw).ok()))
 }

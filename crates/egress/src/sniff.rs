@@ -196,6 +196,11 @@ impl RequestHead {
         })
     }
 
+    /// Parses a complete head at the start of `buf` (for the request-by-request relay).
+    pub(crate) fn parse_complete(buf: &[u8]) -> Result<RequestHead, ()> {
+        Self::parse(buf).map_err(|_| ())
+    }
+
     /// The first value of header `name` (any case).
     pub fn header(&self, name: &str) -> Option<&str> {
         self.headers

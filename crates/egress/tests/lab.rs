@@ -6,7 +6,7 @@
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
-use cubicle_egress::lab::{EVIL_HOST, Lab, OK_HOST, http_get, query_a, tls_stream};
+use cubicle_egress::lab::{EVIL_HOST, Lab, OK_HOST, http_get, keep_alive, query_a, tls_stream};
 use cubicle_egress::{EventKind, NetworkPolicy, Verdict};
 
 fn is_root() -> bool {
@@ -85,6 +85,13 @@ fn domains_dns_and_bypasses() {
             .in_sandbox(1, || http_get(web(OK_HOST), "evil.test"))
             .unwrap();
         assert_refused("Host evil.test at ok's address", t, r);
+        // Every request of a kept-alive plain-HTTP connection is checked: a second
+        // request for another name on the allowed address cuts the connection.
+        let bodies = lab
+            .in_sandbox(1, || keep_alive(web(OK_HOST), &["ok.test", "www.ok.test", "evil.test", "ok.test"]))
+            .unwrap()
+            .unwrap();
+        assert_eq!(bodies, vec![OK_HOST.to_string(), OK_HOST.to_string()]);
         // TLS: SNI checked the same way.
         let n = lab
             .in_sandbox(1, || tls_stream(OK_HOST, "www.ok.test", 1000))
