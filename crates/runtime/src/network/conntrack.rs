@@ -16,6 +16,10 @@ const IPCTNL_MSG_CT_DELETE: u16 = 2;
 
 const CTA_TUPLE_ORIG: u16 = 1;
 const CTA_ZONE: u16 = 18;
+const CTA_FILTER: u16 = 25;
+const CTA_FILTER_ORIG_FLAGS: u16 = 1;
+const CTA_FILTER_REPLY_FLAGS: u16 = 2;
+const CTA_FILTER_FLAG_CTA_IP_SRC: u32 = 1 << 0;
 const CTA_TUPLE_IP: u16 = 1;
 const CTA_IP_V4_SRC: u16 = 1;
 
@@ -45,8 +49,48 @@ fn orig_source(tuple: &[u8]) -> Option<Ipv4Addr> {
 /// vanish meanwhile are fine.
 pub fn flush_source(source: Ipv4Addr) -> io::Result<usize> {
     let mut sock = NetlinkSocket::open(libc::NETLINK_NETFILTER)?;
+    // Kernel-side filtering (Linux 5.8+) keeps the dump small on a busy host; a kernel
+    // that refuses the filter gets a whole dump. The source is checked here either way.
+    let doomed = match dump_from(&mut sock, source, true) {
+        Ok(d) => d,
+        Err(_) => dump_from(&mut sock, source, false)?,
+    };
+    let mut deleted = 0;
+    for e in doomed {
+        let mut m = Msg::new(msg_type(IPCTNL_MSG_CT_DELETE), NLM_F_REQUEST | NLM_F_ACK);
+        m.header(&nfgenmsg());
+        m.attr(CTA_TUPLE_ORIG | NLA_F_NESTED, &e.orig_tuple);
+        if let Some(z) = &e.zone {
+            m.attr(CTA_ZONE, z);
+        }
+        match sock.request_ack(m) {
+            Ok(()) => deleted += 1,
+            Err(e) if e.raw_os_error() == Some(libc::ENOENT) => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(deleted)
+}
+
+/// The entries whose original direction starts at `source` (asking the kernel to
+/// filter when `filtered`).
+fn dump_from(sock: &mut NetlinkSocket, source: Ipv4Addr, filtered: bool) -> io::Result<Vec<Entry>> {
     let mut m = Msg::new(msg_type(IPCTNL_MSG_CT_GET), NLM_F_REQUEST | NLM_F_DUMP);
     m.header(&nfgenmsg());
+    if filtered {
+        m.begin_nest(CTA_TUPLE_ORIG | NLA_F_NESTED);
+        m.begin_nest(CTA_TUPLE_IP | NLA_F_NESTED);
+        m.attr(CTA_IP_V4_SRC, &source.octets());
+        m.end_nest();
+        m.end_nest();
+        m.begin_nest(CTA_FILTER | NLA_F_NESTED);
+        m.attr(
+            CTA_FILTER_ORIG_FLAGS,
+            &CTA_FILTER_FLAG_CTA_IP_SRC.to_ne_bytes(),
+        );
+        m.attr(CTA_FILTER_REPLY_FLAGS, &0u32.to_ne_bytes());
+        m.end_nest();
+    }
     let mut doomed = Vec::new();
     sock.dump(m, |ty, payload| {
         if ty != msg_type(IPCTNL_MSG_CT_NEW) || payload.len() < 4 {
@@ -70,21 +114,13 @@ pub fn flush_source(source: Ipv4Addr) -> io::Result<usize> {
             });
         }
     })?;
-    let mut deleted = 0;
-    for e in doomed {
-        let mut m = Msg::new(msg_type(IPCTNL_MSG_CT_DELETE), NLM_F_REQUEST | NLM_F_ACK);
-        m.header(&nfgenmsg());
-        m.attr(CTA_TUPLE_ORIG | NLA_F_NESTED, &e.orig_tuple);
-        if let Some(z) = &e.zone {
-            m.attr(CTA_ZONE, z);
-        }
-        match sock.request_ack(m) {
-            Ok(()) => deleted += 1,
-            Err(e) if e.raw_os_error() == Some(libc::ENOENT) => {}
-            Err(e) => return Err(e),
-        }
-    }
-    Ok(deleted)
+    Ok(doomed)
+}
+
+/// How many conntrack entries start at `source` (for tests and checks).
+pub fn count_source(source: Ipv4Addr) -> io::Result<usize> {
+    let mut sock = NetlinkSocket::open(libc::NETLINK_NETFILTER)?;
+    dump_from(&mut sock, source, false).map(|v| v.len())
 }
 
 #[cfg(test)]

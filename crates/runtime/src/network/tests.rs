@@ -543,8 +543,14 @@ fn egress_isolation_end_to_end() {
     // Nothing tried to leave through an interface the test did not make.
     assert_eq!(guard_counters(), 0, "a sandbox packet reached the guard");
 
-    // 6. Detach and teardown leave nothing behind.
+    // 6. Detach forgets the sandbox's connections (conntrack), then leaves nothing.
+    let (held, _rx) = listen_in(&world.internet.ns, v4("198.51.100.2", 0));
+    let _kept = run_in_netns(&a.ns, move || std::net::TcpStream::connect(held))
+        .unwrap()
+        .unwrap();
+    assert!(conntrack::count_source(ia.sandbox_ip).unwrap() > 0);
     world.net.detach(1).unwrap();
+    assert_eq!(conntrack::count_source(ia.sandbox_ip).unwrap(), 0);
     world.net.detach(1).unwrap(); // idempotent
     assert!(!sh("ip", &["-o", "link"]).contains(": cbt1@"));
     assert!(try_connect(&a.ns, inet_addr).is_err());
