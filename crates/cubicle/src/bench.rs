@@ -1447,6 +1447,75 @@ async fn run_measures(
     Ok(())
 }
 
+/// `cubicle bench egress`: the egress layer in a private lab of network namespaces (no
+/// server; see `cubicle_egress::lab`): one connection's throughput through the proxy and
+/// direct, new connections with an HTTP request each way, policy application.
+fn egress(args: &BenchArgs) -> anyhow::Result<()> {
+    let bytes: u64 = 1 << 30;
+    let r = cubicle_egress::lab::bench(bytes, args.iterations.max(20))?;
+    let rows = [
+        (
+            "egress proxy, 1 connection (Gbit/s)",
+            format!("{:.2}", r.proxied_gbit_s),
+        ),
+        (
+            "direct, 1 connection (Gbit/s)",
+            format!("{:.2}", r.direct_gbit_s),
+        ),
+        (
+            "new connection + request via proxy p50/p99 (µs)",
+            format!("{} / {}", r.proxied_request_us.0, r.proxied_request_us.1),
+        ),
+        (
+            "new connection + request direct p50/p99 (µs)",
+            format!("{} / {}", r.direct_request_us.0, r.direct_request_us.1),
+        ),
+        (
+            "added per new connection p50 (µs)",
+            format!(
+                "{}",
+                r.proxied_request_us.0 as i64 - r.direct_request_us.0 as i64
+            ),
+        ),
+        (
+            "apply a policy to a new sandbox p50/p99 (µs)",
+            format!("{} / {}", r.apply_policy_us.0, r.apply_policy_us.1),
+        ),
+        (
+            "replace a running sandbox's policy p50/p99 (µs)",
+            format!("{} / {}", r.update_policy_us.0, r.update_policy_us.1),
+        ),
+        (
+            "remove a policy (sandbox death) p50/p99 (µs)",
+            format!("{} / {}", r.clear_policy_us.0, r.clear_policy_us.1),
+        ),
+    ];
+    if args.json {
+        println!(
+            "{}",
+            json!({
+                "measure": "egress", "bytes": r.bytes,
+                "proxiedGbitS": r.proxied_gbit_s, "directGbitS": r.direct_gbit_s,
+                "proxiedRequestUs": [r.proxied_request_us.0, r.proxied_request_us.1],
+                "directRequestUs": [r.direct_request_us.0, r.direct_request_us.1],
+                "applyPolicyUs": [r.apply_policy_us.0, r.apply_policy_us.1],
+                "updatePolicyUs": [r.update_policy_us.0, r.update_policy_us.1],
+                "clearPolicyUs": [r.clear_policy_us.0, r.clear_policy_us.1],
+            })
+        );
+    } else {
+        println!(
+            "egress (private lab, {} MiB streamed, {} requests each way)",
+            r.bytes >> 20,
+            args.iterations.max(20)
+        );
+        for (k, v) in rows {
+            println!("  {k:<52} {v}");
+        }
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1517,73 +1586,4 @@ mod tests {
         assert_eq!(v["root"]["readonly"], true);
         assert_eq!(v["process"]["args"][2], "true");
     }
-}
-
-/// `cubicle bench egress`: the egress layer in a private lab of network namespaces (no
-/// server; see `cubicle_egress::lab`): one connection's throughput through the proxy and
-/// direct, new connections with an HTTP request each way, policy application.
-fn egress(args: &BenchArgs) -> anyhow::Result<()> {
-    let bytes: u64 = 1 << 30;
-    let r = cubicle_egress::lab::bench(bytes, args.iterations.max(20))?;
-    let rows = [
-        (
-            "egress proxy, 1 connection (Gbit/s)",
-            format!("{:.2}", r.proxied_gbit_s),
-        ),
-        (
-            "direct, 1 connection (Gbit/s)",
-            format!("{:.2}", r.direct_gbit_s),
-        ),
-        (
-            "new connection + request via proxy p50/p99 (µs)",
-            format!("{} / {}", r.proxied_request_us.0, r.proxied_request_us.1),
-        ),
-        (
-            "new connection + request direct p50/p99 (µs)",
-            format!("{} / {}", r.direct_request_us.0, r.direct_request_us.1),
-        ),
-        (
-            "added per new connection p50 (µs)",
-            format!(
-                "{}",
-                r.proxied_request_us.0 as i64 - r.direct_request_us.0 as i64
-            ),
-        ),
-        (
-            "apply a policy to a new sandbox p50/p99 (µs)",
-            format!("{} / {}", r.apply_policy_us.0, r.apply_policy_us.1),
-        ),
-        (
-            "replace a running sandbox's policy p50/p99 (µs)",
-            format!("{} / {}", r.update_policy_us.0, r.update_policy_us.1),
-        ),
-        (
-            "remove a policy (sandbox death) p50/p99 (µs)",
-            format!("{} / {}", r.clear_policy_us.0, r.clear_policy_us.1),
-        ),
-    ];
-    if args.json {
-        println!(
-            "{}",
-            json!({
-                "measure": "egress", "bytes": r.bytes,
-                "proxiedGbitS": r.proxied_gbit_s, "directGbitS": r.direct_gbit_s,
-                "proxiedRequestUs": [r.proxied_request_us.0, r.proxied_request_us.1],
-                "directRequestUs": [r.direct_request_us.0, r.direct_request_us.1],
-                "applyPolicyUs": [r.apply_policy_us.0, r.apply_policy_us.1],
-                "updatePolicyUs": [r.update_policy_us.0, r.update_policy_us.1],
-                "clearPolicyUs": [r.clear_policy_us.0, r.clear_policy_us.1],
-            })
-        );
-    } else {
-        println!(
-            "egress (private lab, {} MiB streamed, {} requests each way)",
-            r.bytes >> 20,
-            args.iterations.max(20)
-        );
-        for (k, v) in rows {
-            println!("  {k:<52} {v}");
-        }
-    }
-    Ok(())
 }

@@ -586,13 +586,15 @@ mod tests {
         assert!(policy(&["x.com"], &[]).validate().is_err());
         assert!(policy(&["x.com"], &["0.0.0.0/0"]).validate().is_ok());
         assert!(policy(&["1.2.3.4"], &[]).validate().is_ok());
-        let mut p = NetworkPolicy::default();
-        p.egress_proxy = Some(EgressProxy {
-            address: "proxy".into(),
-            username: None,
-            password: None,
-            tls: None,
-        });
+        let p = NetworkPolicy {
+            egress_proxy: Some(EgressProxy {
+                address: "proxy".into(),
+                username: None,
+                password: None,
+                tls: None,
+            }),
+            ..Default::default()
+        };
         assert!(p.validate().is_err());
     }
 

@@ -117,8 +117,9 @@ fn dump_from(sock: &mut NetlinkSocket, source: Ipv4Addr, filtered: bool) -> io::
     Ok(doomed)
 }
 
-/// How many conntrack entries start at `source` (for tests and checks).
-pub fn count_source(source: Ipv4Addr) -> io::Result<usize> {
+/// How many conntrack entries start at `source` (for tests).
+#[cfg(test)]
+pub(crate) fn count_source(source: Ipv4Addr) -> io::Result<usize> {
     let mut sock = NetlinkSocket::open(libc::NETLINK_NETFILTER)?;
     dump_from(&mut sock, source, false).map(|v| v.len())
 }

@@ -101,6 +101,9 @@ pub enum KernelEvent {
     Refused { flow: Flow, chain: String },
 }
 
+/// Turns one netlink message (type, flags, payload) into an event, if it is one.
+type Parser = Box<dyn FnMut(u16, u16, &[u8]) -> Option<KernelEvent> + Send>;
+
 /// Stops the event threads when dropped (or on [`Watch::stop`]).
 pub struct Watch {
     stop: Arc<AtomicBool>,
@@ -384,11 +387,7 @@ pub fn watch(
         query: NetlinkSocket::open(libc::NETLINK_NETFILTER).ok(),
         closed: Default::default(),
     };
-    let readers: [(
-        &'static str,
-        NetlinkSocket,
-        Box<dyn FnMut(u16, u16, &[u8]) -> Option<KernelEvent> + Send>,
-    ); 2] = [
+    let readers: [(&'static str, NetlinkSocket, Parser); 2] = [
         (
             "cubicle-conntrack",
             ct,
