@@ -143,19 +143,21 @@ pub struct NetworkArgs {
         value_name = "IP,…"
     )]
     pub dns_upstream: Vec<std::net::Ipv4Addr>,
-    /// Port of the node's DNS resolver for sandboxes (all their DNS goes there).
+    /// Port of the node's DNS resolver for sandboxes (all their DNS goes there; 0: any
+    /// free port).
     #[arg(
         long,
         env = "CUBICLE_EGRESS_DNS_PORT",
-        default_value_t = 15353,
+        default_value_t = 0,
         value_name = "PORT"
     )]
     pub egress_dns_port: u16,
-    /// Port of the node's egress proxy (domain rules, learn mode, egress proxies).
+    /// Port of the node's egress proxy (domain rules, learn mode, egress proxies; 0: any
+    /// free port).
     #[arg(
         long,
         env = "CUBICLE_EGRESS_PROXY_PORT",
-        default_value_t = 15380,
+        default_value_t = 0,
         value_name = "PORT"
     )]
     pub egress_proxy_port: u16,

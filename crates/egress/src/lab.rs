@@ -118,7 +118,6 @@ impl Lab {
             ..NetworkConfig::default()
         };
         tune(&mut config);
-        let (dns_port, proxy_port) = (config.dns_port, config.proxy_port);
         let net = Network::init(config).map_err(|e| lab_err("network init", e))?;
         // The "internet": a veth to a third namespace, which is also the default route.
         let inet = new_netns()?;
@@ -172,13 +171,19 @@ impl Lab {
             .build()
             .map_err(|e| EgressError::io("lab runtime", e))?;
         let mut ec = EgressConfig::new(
-            dns_port,
-            proxy_port,
+            0,
+            0,
             net.address_guard(),
             std::env::temp_dir().join(format!("cubicle-lab-{}", std::process::id())),
         );
         ec.upstream_dns = vec![OK_HOST];
         let egress = Egress::start(ec, rt.handle())?;
+        net.serve_slots(
+            0..net.max_slots(),
+            egress.dns_addr().port(),
+            egress.proxy_addr().port(),
+        )
+        .map_err(|e| lab_err("redirect table", e))?;
         let eg = egress.clone();
         let watch = net
             .watch_events(move |ev| eg.record_kernel(ev))

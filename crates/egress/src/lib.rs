@@ -205,6 +205,20 @@ pub struct Egress {
     shared: Arc<Shared>,
 }
 
+/// Binds, retrying for a second while the address is in use (a node that closed a
+/// moment ago in this process may still be releasing it).
+fn bind_retrying<T>(bind: impl Fn() -> io::Result<T>) -> io::Result<T> {
+    let deadline = Instant::now() + Duration::from_secs(1);
+    loop {
+        match bind() {
+            Err(e) if e.kind() == io::ErrorKind::AddrInUse && Instant::now() < deadline => {
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            r => return r,
+        }
+    }
+}
+
 fn bind_err(what: &str, addr: SocketAddr, e: io::Error) -> EgressError {
     EgressError::io(
         format!("binding the egress {what} on {addr} (is another node running here?)"),
@@ -218,14 +232,14 @@ impl Egress {
         config: EgressConfig,
         handle: &tokio::runtime::Handle,
     ) -> Result<Egress, EgressError> {
-        let udp = std::net::UdpSocket::bind(config.dns_listen)
+        let udp = bind_retrying(|| std::net::UdpSocket::bind(config.dns_listen))
             .map_err(|e| bind_err("resolver (UDP)", config.dns_listen, e))?;
         let dns_addr = udp
             .local_addr()
             .map_err(|e| EgressError::io("resolver address", e))?;
-        let dns_tcp = std::net::TcpListener::bind(dns_addr)
+        let dns_tcp = bind_retrying(|| std::net::TcpListener::bind(dns_addr))
             .map_err(|e| bind_err("resolver (TCP)", dns_addr, e))?;
-        let proxy = std::net::TcpListener::bind(config.proxy_listen)
+        let proxy = bind_retrying(|| std::net::TcpListener::bind(config.proxy_listen))
             .map_err(|e| bind_err("proxy", config.proxy_listen, e))?;
         let proxy_addr = proxy
             .local_addr()

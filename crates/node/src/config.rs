@@ -57,9 +57,10 @@ pub struct NodeConfig {
 /// How sandboxes reach the network (see `docs/network.md`).
 #[derive(Debug, Clone)]
 pub struct NetworkOptions {
-    /// Port of the node's DNS resolver (every sandbox query is redirected to it).
+    /// Port of the node's DNS resolver (every sandbox query is redirected to it); 0: any
+    /// free port.
     pub dns_port: u16,
-    /// Port of the node's egress proxy.
+    /// Port of the node's egress proxy; 0: any free port.
     pub proxy_port: u16,
     /// Upstream DNS servers for sandboxes that name none (empty: the host's
     /// `/etc/resolv.conf`).
@@ -77,8 +78,8 @@ impl Default for NetworkOptions {
     fn default() -> Self {
         let n = cubicle_runtime::network::NetworkConfig::default();
         NetworkOptions {
-            dns_port: n.dns_port,
-            proxy_port: n.proxy_port,
+            dns_port: 0,
+            proxy_port: 0,
             upstream_dns: Vec::new(),
             limits: n.limits,
             allow_smtp: n.allow_smtp,

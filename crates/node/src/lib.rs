@@ -82,6 +82,9 @@ impl Node {
             );
             config.first_slot = lease.range().start;
         }
+        if let Err(e) = runtime.serve_slots(lease.range()) {
+            tracing::warn!("sandboxes of this node will have no DNS and no domain rules: {e}");
+        }
         Node::open_locked(config, std::sync::Arc::new(runtime), lock, Some(lease)).await
     }
 }

@@ -50,8 +50,6 @@ impl LinuxRuntime {
         let state_dir = config.state_dir.as_path();
         let opts = &config.network;
         let netcfg = NetworkConfig {
-            dns_port: opts.dns_port,
-            proxy_port: opts.proxy_port,
             allow_smtp: opts.allow_smtp,
             limits: opts.limits.clone(),
             ..NetworkConfig::default()
@@ -107,6 +105,17 @@ impl LinuxRuntime {
         self.egress.as_ref()
     }
 
+    /// Makes this node's egress layer the one that answers the sandboxes on `slots` (the
+    /// node's lease): DNS and steered TCP from their addresses are redirected to its
+    /// resolver and proxy.
+    pub fn serve_slots(&self, slots: std::ops::Range<u32>) -> Result<()> {
+        let (Ok(net), Some(eg)) = (&self.network, &self.egress) else {
+            return Ok(());
+        };
+        net.serve_slots(slots, eg.dns_addr().port(), eg.proxy_addr().port())
+            .map_err(|e| rt_err("network redirect table", e))
+    }
+
     /// Sets the kernel's share of `policy` for `slot` and registers the sandbox with the
     /// egress layer (which needs every sandbox that has a network interface).
     fn apply_policy(&self, id: &str, slot: u32, policy: &NetworkPolicy) -> Result<()> {
@@ -146,6 +155,16 @@ impl LinuxRuntime {
         self.network
             .as_ref()
             .map_err(|e| Error::Runtime(format!("sandbox networking unavailable: {e}")))
+    }
+}
+
+impl Drop for LinuxRuntime {
+    fn drop(&mut self) {
+        // The egress tasks hold its sockets: stop them, so that a later node in this
+        // process can bind the same ports.
+        if let Some(eg) = &self.egress {
+            eg.shutdown();
+        }
     }
 }
 
@@ -488,5 +507,11 @@ impl SandboxRuntime for LinuxRuntime {
 
     fn egress(&self) -> Option<Egress> {
         self.egress.clone()
+    }
+
+    fn close(&self) {
+        if let Some(eg) = &self.egress {
+            eg.shutdown();
+        }
     }
 }

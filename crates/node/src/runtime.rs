@@ -157,6 +157,10 @@ pub trait SandboxRuntime: Send + Sync + 'static {
     /// Deletes sandbox `id`'s network audit trail (its records are being purged).
     fn forget_network_log(&self, _id: &str) {}
 
+    /// Stops the runtime's background services (the egress layer) when the node closes;
+    /// sandboxes keep running.
+    fn close(&self) {}
+
     /// The egress layer, when this runtime has one.
     fn egress(&self) -> Option<cubicle_egress::Egress> {
         None

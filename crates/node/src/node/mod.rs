@@ -146,6 +146,9 @@ impl Node {
         self.inner.pool.wake.notify_one();
         // Unclaimed pooled sandboxes have no user: remove them rather than leave them.
         self.inner.drain_pool_blocking();
+        // The egress layer (resolver, proxy) stops too; the next node re-registers the
+        // sandboxes it adopts.
+        self.inner.runtime.close();
     }
 
     /// What reconciliation adopted and removed when this node opened.

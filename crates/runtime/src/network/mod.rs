@@ -57,8 +57,10 @@ use crate::error::{Error, Result};
 
 /// The egress rules, with placeholders (see the file's header).
 const EGRESS_RULES: &str = include_str!("egress_rules.nft");
-/// The line splitting `EGRESS_RULES` into the main table and the policy table.
+/// The lines splitting `EGRESS_RULES` into the main table, the policy table and the
+/// per-node redirect table.
 const POLICY_MARKER: &str = "# ---- per-sandbox policy table";
+const NODE_MARKER: &str = "# ---- per-node redirect table";
 /// The policy table's sets, in the order they are carried over and applied.
 const POLICY_SETS: [&str; 5] = ["allow", "deny", "deny_all", "steer", "steer_all"];
 
@@ -202,10 +204,6 @@ pub struct NetworkConfig {
     pub deny_host_subnets: bool,
     /// Operator exceptions: reachable by every sandbox even if in a denied range.
     pub node_allow: Vec<Ipv4Cidr>,
-    /// Port of the node's DNS resolver (UDP and TCP) that every sandbox query goes to.
-    pub dns_port: u16,
-    /// Port of the node's egress proxy (TCP) for sandboxes whose policy needs it.
-    pub proxy_port: u16,
     /// Let sandboxes open outbound SMTP (TCP port 25) connections.
     pub allow_smtp: bool,
     /// Per-sandbox limits.
@@ -255,8 +253,6 @@ impl Default for NetworkConfig {
             ],
             deny_host_subnets: true,
             node_allow: Vec::new(),
-            dns_port: 15353,
-            proxy_port: 15380,
             allow_smtp: false,
             limits: SandboxLimits::default(),
             log_group: 7707,
@@ -434,7 +430,7 @@ impl Network {
         if net.config.deny_host_subnets {
             net.host_nets = net.read_host_subnets()?;
         }
-        let (static_part, policy_part) = net.render_rules()?;
+        let (static_part, policy_part, _) = net.render_rules()?;
         let table = &net.config.table;
         let ptable = format!("{table}_policy");
         let carried = if nft_table_exists(&ptable)? {
@@ -802,9 +798,20 @@ impl Network {
             }
         }
         let t = &self.config.table;
-        let script = format!(
+        let mut script = format!(
             "table inet {t} {{}}\ndelete table inet {t}\ntable inet {t}_policy {{}}\ndelete table inet {t}_policy\n"
         );
+        let prefix = format!("{t}_n");
+        let v = nft_json(&["list", "tables", "inet"])?;
+        for item in v["nftables"].as_array().into_iter().flatten() {
+            if let Some(name) = item["table"]["name"].as_str()
+                && name
+                    .strip_prefix(&prefix)
+                    .is_some_and(|d| !d.is_empty() && d.bytes().all(|b| b.is_ascii_digit()))
+            {
+                script.push_str(&format!("delete table inet {name}\n"));
+            }
+        }
         nft_apply(&script, "deleting the egress tables")?;
         self.lock_applied().clear();
         Ok(())
@@ -837,8 +844,10 @@ impl Network {
         v
     }
 
-    /// Fills the placeholders of `egress_rules.nft`; returns (main table, policy table).
-    fn render_rules(&self) -> Result<(String, String)> {
+    /// Fills the placeholders of `egress_rules.nft`; returns the main table, the policy
+    /// table and the per-node table (whose own placeholders [`Network::serve_slots`]
+    /// fills).
+    fn render_rules(&self) -> Result<(String, String, String)> {
         let list = |v: &[Ipv4Cidr]| {
             v.iter()
                 .map(|c| c.to_string())
@@ -867,9 +876,7 @@ impl Network {
             .replace("@HOST_NETS@", &elements(&self.host_nets))
             .replace("@PRIVATE@", &elements(&c.deny_private))
             .replace("@NODE_ALLOW@", &elements(&c.node_allow))
-            .replace("@DNS_PORT@", &c.dns_port.to_string())
             .replace("@LOG_GROUP@", &c.log_group.to_string())
-            .replace("@PROXY_PORT@", &c.proxy_port.to_string())
             .replace(
                 "@SMTP@",
                 if c.allow_smtp {
@@ -890,10 +897,60 @@ impl Network {
                 "@BYTES@",
                 &l.bytes_per_sec.clamp(1, 16_000_000_000).to_string(),
             );
-        let pos = text.find(POLICY_MARKER).ok_or_else(|| {
-            Error::NetworkConfig("egress_rules.nft lacks the policy marker".into())
-        })?;
-        Ok((text[..pos].to_string(), text[pos..].to_string()))
+        let bad = || Error::NetworkConfig("egress_rules.nft lacks its section markers".into());
+        let p = text.find(POLICY_MARKER).ok_or_else(bad)?;
+        let n = text.find(NODE_MARKER).ok_or_else(bad)?;
+        if n < p {
+            return Err(bad());
+        }
+        Ok((
+            text[..p].to_string(),
+            text[p..n].to_string(),
+            text[n..].to_string(),
+        ))
+    }
+
+    /// The name of the redirect table of the node whose slots start at `first`.
+    fn node_table(&self, first: u32) -> String {
+        format!("{}_n{first}", self.config.table)
+    }
+
+    /// Makes this node the one that answers the DNS and steered TCP of the sandboxes on
+    /// `slots`: its redirect table sends them to `dns_port` and `proxy_port` on the host
+    /// (replacing the table an earlier run of the node left).
+    pub fn serve_slots(
+        &self,
+        slots: std::ops::Range<u32>,
+        dns_port: u16,
+        proxy_port: u16,
+    ) -> Result<()> {
+        if slots.is_empty() {
+            return Ok(());
+        }
+        let first = self.slot_info(slots.start)?;
+        let last = self.slot_info(slots.end - 1)?;
+        let table = self.node_table(slots.start);
+        let (_, _, node_part) = self.render_rules()?;
+        let node_part = node_part
+            .replace("@NODE_TABLE@", &table)
+            .replace("@FIRST_SLOT@", &slots.start.to_string())
+            .replace("@RANGE@", &format!("{}-{}", first.gateway, last.sandbox_ip))
+            .replace("@DNS_PORT@", &dns_port.to_string())
+            .replace("@PROXY_PORT@", &proxy_port.to_string());
+        nft_apply(
+            &format!("table inet {table} {{}}\ndelete table inet {table}\n{node_part}\n"),
+            "loading the node's redirect table",
+        )
+    }
+
+    /// Removes the redirect table of the node whose slots start at `first` (the node
+    /// stops for good; tests).
+    pub fn stop_serving(&self, first: u32) -> Result<()> {
+        let t = self.node_table(first);
+        nft_apply(
+            &format!("table inet {t} {{}}\ndelete table inet {t}\n"),
+            "removing the node's redirect table",
+        )
     }
 }
 

@@ -81,7 +81,8 @@ fn rules_render_without_placeholders() {
         ..NetworkConfig::default()
     })
     .unwrap();
-    let (a, b) = net.render_rules().unwrap();
+    let (a, b, n) = net.render_rules().unwrap();
+    assert!(n.contains("@NODE_TABLE@") && n.contains("@DNS_PORT@"));
     for ph in [
         "@TABLE@",
         "@IFPREFIX@",
@@ -90,8 +91,6 @@ fn rules_render_without_placeholders() {
         "@HOST_NETS@",
         "@PRIVATE@",
         "@NODE_ALLOW@",
-        "@DNS_PORT@",
-        "@PROXY_PORT@",
         "@SMTP@",
         "@MAX_CONNS@",
         "@NEW_CONNS@",
@@ -500,6 +499,17 @@ fn egress_isolation_end_to_end() {
     let mut got = String::new();
     s.read_to_string(&mut got).unwrap();
     assert!(got.starts_with("127.0.0.1:"));
+
+    // DNS is for the node's resolver: with no node serving these slots (no redirect
+    // table), a query is refused, never let out to the server it named.
+    let (dns_addr, dns_rx) = listen_in(&world.internet.ns, v4("198.51.100.2", 53));
+    let t = Instant::now();
+    assert!(
+        try_connect(&a.ns, dns_addr).is_err(),
+        "DNS must not go out uninspected"
+    );
+    assert!(t.elapsed() < Duration::from_secs(1));
+    assert!(dns_rx.try_recv().is_err());
 
     // Outbound SMTP is closed (while another port of the same host works).
     let (smtp_ok, _rx) = listen_in(&world.internet.ns, v4("198.51.100.2", 0));
