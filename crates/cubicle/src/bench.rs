@@ -44,7 +44,9 @@ pub const DEFAULT_BENCH_STATE_DIR: &str = "/var/lib/cubicle-bench";
 /// Slots of the bench's own server (disjoint from other nodes on a shared host).
 const BENCH_FIRST_SLOT: u32 = 8000;
 const ENVD_PORT: u16 = 49983;
-const ALL_MEASURES: &[&str] = &["create", "cycle", "exec", "density", "peer", "interp", "egress"];
+const ALL_MEASURES: &[&str] = &[
+    "create", "cycle", "exec", "density", "peer", "interp", "egress",
+];
 
 /// `cubicle bench` options.
 #[derive(clap::Args, Debug)]
