@@ -7,7 +7,10 @@ use std::pin::Pin;
 use std::time::Duration;
 
 use cubicle_node::runtime::SandboxStats;
-use cubicle_node::{CreateRequest, Node, SandboxInfo};
+use cubicle_node::{
+    CreateRequest, Node, PauseReport, PauseRequest, ResumeOutcome, SandboxInfo, SnapshotRecord,
+    SnapshotReport, SnapshotRequest,
+};
 
 /// A boxed, sendable future.
 pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
@@ -37,6 +40,71 @@ pub trait Backend: Send + Sync + 'static {
     fn pool_stats(&self) -> serde_json::Value {
         serde_json::json!({})
     }
+    /// Pause a running sandbox.
+    fn pause<'a>(
+        &'a self,
+        id: &'a str,
+        req: PauseRequest,
+    ) -> BoxFuture<'a, cubicle_node::Result<PauseReport>> {
+        let _ = (id, req);
+        Box::pin(async { Err(unsupported()) })
+    }
+    /// Resume a paused sandbox (or extend a running one's end time).
+    fn resume<'a>(
+        &'a self,
+        id: &'a str,
+        timeout: Duration,
+        memory: bool,
+    ) -> BoxFuture<'a, cubicle_node::Result<ResumeOutcome>> {
+        let _ = (id, timeout, memory);
+        Box::pin(async { Err(unsupported()) })
+    }
+    /// Snapshot a running sandbox.
+    fn snapshot<'a>(
+        &'a self,
+        id: &'a str,
+        req: SnapshotRequest,
+    ) -> BoxFuture<'a, cubicle_node::Result<SnapshotReport>> {
+        let _ = (id, req);
+        Box::pin(async { Err(unsupported()) })
+    }
+    /// Fork a running sandbox `count` times.
+    fn fork<'a>(
+        &'a self,
+        id: &'a str,
+        count: usize,
+        timeout: Duration,
+    ) -> BoxFuture<'a, cubicle_node::Result<Vec<cubicle_node::Result<SandboxInfo>>>> {
+        let _ = (id, count, timeout);
+        Box::pin(async { Err(unsupported()) })
+    }
+    /// Roll a sandbox back to one of its snapshots.
+    fn rollback<'a>(
+        &'a self,
+        id: &'a str,
+        snapshot: &'a str,
+    ) -> BoxFuture<'a, cubicle_node::Result<Duration>> {
+        let _ = (id, snapshot);
+        Box::pin(async { Err(unsupported()) })
+    }
+    /// Every visible snapshot.
+    fn snapshots(&self) -> Vec<SnapshotRecord> {
+        Vec::new()
+    }
+    /// The snapshot `name` refers to.
+    fn find_snapshot(&self, name: &str) -> Option<SnapshotRecord> {
+        let _ = name;
+        None
+    }
+    /// Delete a snapshot.
+    fn delete_snapshot<'a>(&'a self, id: &'a str) -> BoxFuture<'a, cubicle_node::Result<()>> {
+        let _ = id;
+        Box::pin(async { Err(unsupported()) })
+    }
+}
+
+fn unsupported() -> cubicle_node::Error {
+    cubicle_node::Error::Unsupported("this node cannot pause or snapshot sandboxes".into())
 }
 
 impl Backend for Node {
@@ -75,5 +143,59 @@ impl Backend for Node {
 
     fn log_path(&self, id: &str) -> PathBuf {
         self.sandbox_dir(id).join("init.log")
+    }
+
+    fn pause<'a>(
+        &'a self,
+        id: &'a str,
+        req: PauseRequest,
+    ) -> BoxFuture<'a, cubicle_node::Result<PauseReport>> {
+        Box::pin(Node::pause(self, id, req))
+    }
+
+    fn resume<'a>(
+        &'a self,
+        id: &'a str,
+        timeout: Duration,
+        memory: bool,
+    ) -> BoxFuture<'a, cubicle_node::Result<ResumeOutcome>> {
+        Box::pin(Node::resume(self, id, timeout, memory))
+    }
+
+    fn snapshot<'a>(
+        &'a self,
+        id: &'a str,
+        req: SnapshotRequest,
+    ) -> BoxFuture<'a, cubicle_node::Result<SnapshotReport>> {
+        Box::pin(Node::snapshot(self, id, req))
+    }
+
+    fn fork<'a>(
+        &'a self,
+        id: &'a str,
+        count: usize,
+        timeout: Duration,
+    ) -> BoxFuture<'a, cubicle_node::Result<Vec<cubicle_node::Result<SandboxInfo>>>> {
+        Box::pin(Node::fork(self, id, count, timeout))
+    }
+
+    fn rollback<'a>(
+        &'a self,
+        id: &'a str,
+        snapshot: &'a str,
+    ) -> BoxFuture<'a, cubicle_node::Result<Duration>> {
+        Box::pin(Node::rollback(self, id, snapshot))
+    }
+
+    fn snapshots(&self) -> Vec<SnapshotRecord> {
+        Node::snapshots(self)
+    }
+
+    fn find_snapshot(&self, name: &str) -> Option<SnapshotRecord> {
+        Node::find_snapshot(self, name)
+    }
+
+    fn delete_snapshot<'a>(&'a self, id: &'a str) -> BoxFuture<'a, cubicle_node::Result<()>> {
+        Box::pin(Node::delete_snapshot(self, id))
     }
 }

@@ -16,7 +16,8 @@ use axum::{Extension, Json};
 use cubicle_store::Team;
 
 use crate::commands::{
-    Connect, CreateSandbox, CreateVersion, Idempotency, ListFilter, Refresh, SetTimeout,
+    Connect, CreateSandbox, CreateSnapshot, CreateVersion, Fork, Idempotency, ListFilter,
+    ListSnapshots, Pause, Refresh, Resume, Rollback, SetTimeout,
 };
 use crate::error::{ApiError, ApiResult, json_errors, read_body, unknown_route};
 
@@ -48,6 +49,9 @@ pub fn router(cp: Arc<ControlPlane>) -> Router {
         .route("/sandboxes/{id}/network", put(network))
         .route("/sandboxes/{id}/snapshots", post(snapshot))
         .route("/sandboxes/{id}/fork", post(fork))
+        .route("/sandboxes/{id}/rollback", post(rollback))
+        .route("/snapshots", get(list_snapshots))
+        .route("/templates/{id}", axum::routing::delete(delete_template))
         // Cubicle's own: warm-pool counters for operators and `cubicle bench`.
         .route("/cubicle/pool", get(pool_stats))
         .route_layer(middleware::from_fn_with_state(cp.clone(), auth));
@@ -199,11 +203,16 @@ async fn connect(
     version: CreateVersion,
 ) -> ApiResult<Response> {
     let body = read_body(body, MAX_BODY).await?;
-    cp.owned(&team, &id).await?;
+    cp.owned_live(&team, &id).await?;
     let cmd = Connect::parse(&body, version, &cp.config().limits)?;
-    let sandbox = cp.connect(&team, &id, cmd).await?;
-    // 200: it was running (201 would mean "resumed").
-    Ok((StatusCode::OK, Json(sandbox)).into_response())
+    let (sandbox, resumed) = cp.connect(&team, &id, cmd).await?;
+    // 200: it was running; 201: it was paused and is resumed.
+    let status = if resumed {
+        StatusCode::CREATED
+    } else {
+        StatusCode::OK
+    };
+    Ok((status, Json(sandbox)).into_response())
 }
 
 async fn connect_v2(
@@ -377,27 +386,30 @@ async fn metrics_many(
     Ok(Json(serde_json::json!({ "sandboxes": sandboxes })).into_response())
 }
 
-async fn not_yet(cp: &ControlPlane, team: &Team, id: &str, what: &str) -> ApiResult<StatusCode> {
-    cp.owned(team, id).await?;
-    Err(ApiError::NotImplemented(format!(
-        "{what} is not supported by Cubicle yet"
-    )))
-}
-
 async fn pause(
     State(cp): Cp,
     Extension(team): Extension<Team>,
     Path(id): Path<String>,
+    body: Body,
 ) -> ApiResult<StatusCode> {
-    not_yet(&cp, &team, &id, "Pausing a sandbox").await
+    let body = read_body(body, MAX_BODY).await?;
+    cp.owned_live(&team, &id).await?;
+    let cmd = Pause::parse(&body)?;
+    cp.pause(&team, &id, cmd).await?;
+    Ok(StatusCode::NO_CONTENT)
 }
 
 async fn resume(
     State(cp): Cp,
     Extension(team): Extension<Team>,
     Path(id): Path<String>,
-) -> ApiResult<StatusCode> {
-    not_yet(&cp, &team, &id, "Resuming a sandbox").await
+    body: Body,
+) -> ApiResult<Response> {
+    let body = read_body(body, MAX_BODY).await?;
+    cp.owned_live(&team, &id).await?;
+    let cmd = Resume::parse(&body, &cp.config().limits)?;
+    let sandbox = cp.resume(&team, &id, cmd).await?;
+    Ok((StatusCode::CREATED, Json(sandbox)).into_response())
 }
 
 async fn network(
@@ -408,18 +420,73 @@ async fn network(
     not_yet(&cp, &team, &id, "Updating a sandbox's network").await
 }
 
+async fn not_yet(cp: &ControlPlane, team: &Team, id: &str, what: &str) -> ApiResult<StatusCode> {
+    cp.owned(team, id).await?;
+    Err(ApiError::NotImplemented(format!(
+        "{what} is not supported by Cubicle yet"
+    )))
+}
+
 async fn snapshot(
     State(cp): Cp,
     Extension(team): Extension<Team>,
     Path(id): Path<String>,
+    body: Body,
+) -> ApiResult<Response> {
+    let body = read_body(body, MAX_BODY).await?;
+    cp.owned(&team, &id).await?;
+    let cmd = CreateSnapshot::parse(&body, &team.name)?;
+    let info = cp.snapshot(&team, &id, cmd).await?;
+    Ok((StatusCode::CREATED, Json(info)).into_response())
+}
+
+async fn list_snapshots(
+    State(cp): Cp,
+    Extension(team): Extension<Team>,
+    RawQuery(q): RawQuery,
+) -> ApiResult<Response> {
+    let q = ListSnapshots::parse(&Query::parse(q.as_deref())?)?;
+    let (items, next) = cp.list_snapshots(&team, &q)?;
+    let mut resp = (StatusCode::OK, Json(items)).into_response();
+    if let Some(next) = next
+        && let Ok(v) = HeaderValue::from_str(&next)
+    {
+        resp.headers_mut().insert("x-next-token", v);
+    }
+    Ok(resp)
+}
+
+async fn delete_template(
+    State(cp): Cp,
+    Extension(team): Extension<Team>,
+    Path(id): Path<String>,
 ) -> ApiResult<StatusCode> {
-    not_yet(&cp, &team, &id, "Snapshotting a sandbox").await
+    cp.delete_snapshot(&team, &id).await?;
+    Ok(StatusCode::NO_CONTENT)
 }
 
 async fn fork(
     State(cp): Cp,
     Extension(team): Extension<Team>,
     Path(id): Path<String>,
-) -> ApiResult<StatusCode> {
-    not_yet(&cp, &team, &id, "Forking a sandbox").await
+    body: Body,
+) -> ApiResult<Response> {
+    let body = read_body(body, MAX_BODY).await?;
+    cp.owned_live(&team, &id).await?;
+    let cmd = Fork::parse(&body, &cp.config().limits)?;
+    let results = cp.fork(&team, &id, cmd).await?;
+    Ok((StatusCode::CREATED, Json(results)).into_response())
+}
+
+async fn rollback(
+    State(cp): Cp,
+    Extension(team): Extension<Team>,
+    Path(id): Path<String>,
+    body: Body,
+) -> ApiResult<Response> {
+    let body = read_body(body, MAX_BODY).await?;
+    cp.owned_live(&team, &id).await?;
+    let cmd = Rollback::parse(&body)?;
+    let sandbox = cp.rollback(&team, &id, cmd).await?;
+    Ok((StatusCode::OK, Json(sandbox)).into_response())
 }

@@ -49,6 +49,9 @@ pub struct DumpReport {
     pub total: Duration,
     /// Bytes written (images and tmpfs contents).
     pub bytes: u64,
+    /// Time from the start to the end of each step (`frozen`, `tmpfs_saved`, `criu_done`,
+    /// `thawed`).
+    pub phases: Vec<(String, Duration)>,
 }
 
 /// Dumps the sandbox. On failure nothing is left in `dir` and the sandbox runs on.
@@ -77,9 +80,15 @@ fn dump_in(criu: &Criu, cg: &Cgroup, mut req: DumpRequest<'_>, t0: Instant) -> R
         .filter(|e| present.contains(&e.mountpoint))
         .collect();
     let stdio = stdio_of(req.init_pid).map_err(cleanup)?;
+    let outside = wait_outside_connections(cg, req.init_pid, OUTSIDE_WAIT);
+    if outside > 0 {
+        tracing::warn!(sandbox = %spec.id, outside, "connections from outside the sandbox are still open; dumping anyway");
+    }
 
+    let mut phases = Vec::new();
     cg.freeze(FREEZE_TIMEOUT).map_err(|e| cleanup(e.into()))?;
     let t_frozen = Instant::now();
+    phases.push(("frozen".to_string(), t0.elapsed()));
     let res = (|| -> Result<(u64, Option<Instant>)> {
         let root = PathBuf::from(format!("/proc/{}/root", req.init_pid));
         let sections: Vec<(PathBuf, String)> = externals
@@ -127,6 +136,7 @@ fn dump_in(criu: &Criu, cg: &Cgroup, mut req: DumpRequest<'_>, t0: Instant) -> R
             ..Default::default()
         };
         run_dump(criu, opts, &spec.id, dir)?;
+        phases.push(("criu_done".to_string(), t0.elapsed()));
         let thawed = if req.leave_running {
             if let Some(f) = req.while_frozen.as_mut() {
                 f()?;
@@ -166,10 +176,14 @@ fn dump_in(criu: &Criu, cg: &Cgroup, mut req: DumpRequest<'_>, t0: Instant) -> R
     meta.write(dir)
         .map_err(|e| cleanup(no_space(&spec.id, e)))?;
     let end = Instant::now();
+    if let Some(t) = thawed {
+        phases.push(("thawed".to_string(), t - t0));
+    }
     Ok(DumpReport {
         frozen: thawed.unwrap_or(end) - t_frozen,
         total: end - t0,
         bytes: image_bytes + tmpfs_bytes,
+        phases,
     })
 }
 
@@ -193,10 +207,7 @@ fn run_dump(criu: &Criu, opts: rpc::Opts, id: &str, dir: &Path) -> Result<()> {
     })?;
     if !resp.success {
         let errno = resp.cr_errno.unwrap_or(0);
-        let message = resp
-            .cr_errmsg
-            .clone()
-            .unwrap_or_else(|| format!("errno {errno}"));
+        let message = crate::restore::criu_message(resp.cr_errmsg.clone(), resp.cr_errno);
         let io = std::io::Error::from_raw_os_error(errno);
         if is_no_space_errno(&io) || log.contains("No space left") || log.contains("quota exceeded")
         {
@@ -223,6 +234,77 @@ fn no_space(id: &str, e: Error) -> Error {
     } else {
         e
     }
+}
+
+/// How long a dump waits for connections from outside to close.
+const OUTSIDE_WAIT: Duration = Duration::from_secs(2);
+
+/// Waits (up to `limit`) until no process of the sandbox holds a socket of another network
+/// namespace — the far end of a connection from the host (a Unix socket accepted from a
+/// client outside belongs to the client's namespace). CRIU cannot dump those; the caller
+/// closes its side first (the router drains the sandbox's connections) and the sandbox's
+/// side goes as soon as its owner reads the end. Returns how many are left.
+fn wait_outside_connections(cg: &Cgroup, init: i32, limit: Duration) -> usize {
+    let deadline = Instant::now() + limit;
+    loop {
+        let n = outside_sockets(cg, init);
+        if n == 0 || Instant::now() >= deadline {
+            return n;
+        }
+        std::thread::sleep(Duration::from_millis(2));
+    }
+}
+
+fn outside_sockets(cg: &Cgroup, init: i32) -> usize {
+    // (file, column of the inode) in /proc/<pid>/net: the sockets of the sandbox's netns.
+    const TABLES: &[(&str, usize)] = &[
+        ("unix", 6),
+        ("tcp", 9),
+        ("tcp6", 9),
+        ("udp", 9),
+        ("udp6", 9),
+        ("raw", 9),
+        ("raw6", 9),
+        ("udplite", 9),
+        ("udplite6", 9),
+        ("netlink", 9),
+        ("packet", 8),
+    ];
+    let mut inside = std::collections::HashSet::new();
+    for (name, col) in TABLES {
+        if let Ok(text) = fs::read_to_string(format!("/proc/{init}/net/{name}")) {
+            for line in text.lines().skip(1) {
+                if let Some(ino) = line
+                    .split_whitespace()
+                    .nth(*col)
+                    .and_then(|v| v.parse::<u64>().ok())
+                {
+                    inside.insert(ino);
+                }
+            }
+        }
+    }
+    let mut outside = 0;
+    for pid in cg.procs().unwrap_or_default() {
+        let Ok(fds) = fs::read_dir(format!("/proc/{pid}/fd")) else {
+            continue;
+        };
+        for fd in fds.flatten() {
+            let Ok(t) = fs::read_link(fd.path()) else {
+                continue;
+            };
+            let t = t.to_string_lossy();
+            if let Some(ino) = t
+                .strip_prefix("socket:[")
+                .and_then(|r| r.strip_suffix(']'))
+                .and_then(|v| v.parse::<u64>().ok())
+                && !inside.contains(&ino)
+            {
+                outside += 1;
+            }
+        }
+    }
+    outside
 }
 
 /// Mount points of the sandbox as its init sees them.

@@ -66,7 +66,8 @@ impl Meta {
         Ok(m)
     }
 
-    /// Writes it (synced, then renamed into place: a crash leaves the old one or none).
+    /// Writes it and renames it into place: a crash leaves the old one or none. (Not
+    /// synced: see `archive::save`.)
     pub fn write(&self, dir: &Path) -> Result<()> {
         use std::io::Write;
         let p = dir.join(META_FILE);
@@ -78,7 +79,6 @@ impl Meta {
         let mut f = std::fs::File::create(&tmp)
             .map_err(|e| Error::io(format!("create {}", tmp.display()), e))?;
         f.write_all(&body)
-            .and_then(|()| f.sync_all())
             .map_err(|e| Error::io(format!("write {}", tmp.display()), e))?;
         std::fs::rename(&tmp, &p).map_err(|e| Error::io(format!("rename {}", p.display()), e))
     }

@@ -38,34 +38,85 @@ struct UsernsEntry {
     gid_map: Vec<Extent>,
 }
 
+const UTSNS_MAGIC: u32 = 0x5447_3203;
+
+/// `utsns_entry` of CRIU's `utsns.proto`.
+#[derive(Clone, PartialEq, prost::Message)]
+struct UtsnsEntry {
+    #[prost(string, required, tag = "1")]
+    nodename: String,
+    #[prost(string, required, tag = "2")]
+    domainname: String,
+}
+
+/// Sets the host name in every `utsns-*.img` of `dir` (a sandbox's host name is its id:
+/// a copy under another id gets its own).
+pub fn rewrite_hostname(dir: &Path, hostname: &str) -> Result<usize> {
+    rewrite_images(dir, "utsns-", UTSNS_MAGIC, |body, bad| {
+        let mut e = UtsnsEntry::decode(body).map_err(|e| bad(format!("undecodable entry: {e}")))?;
+        e.nodename = hostname.to_string();
+        Ok(e.encode_to_vec())
+    })
+}
+
 /// Rewrites every `userns-*.img` in `dir` so that host ids `from..from+count` become
 /// `to..to+count`.
 pub fn rewrite_userns_images(dir: &Path, from: u32, to: u32, count: u32) -> Result<usize> {
+    rewrite_images(dir, "userns-", USERNS_MAGIC, |body, bad| {
+        let mut entry =
+            UsernsEntry::decode(body).map_err(|e| bad(format!("undecodable entry: {e}")))?;
+        for ext in entry.uid_map.iter_mut().chain(entry.gid_map.iter_mut()) {
+            if ext.lower_first >= from && ext.lower_first - from < count {
+                ext.lower_first = ext.lower_first - from + to;
+            } else {
+                return Err(bad(format!(
+                    "map extent {} {} {} is outside the range at {from}",
+                    ext.first, ext.lower_first, ext.count
+                )));
+            }
+        }
+        Ok(entry.encode_to_vec())
+    })
+}
+
+type Bad<'a> = &'a dyn Fn(String) -> Error;
+
+/// Rewrites each entry of every `<prefix>*.img` of type `magic` in `dir` with `edit`.
+fn rewrite_images(
+    dir: &Path,
+    prefix: &str,
+    magic: u32,
+    edit: impl Fn(&[u8], Bad<'_>) -> Result<Vec<u8>>,
+) -> Result<usize> {
     let mut n = 0;
     let rd = fs::read_dir(dir).map_err(|e| Error::io(format!("readdir {}", dir.display()), e))?;
     for e in rd {
         let e = e.map_err(|e| Error::io(format!("readdir {}", dir.display()), e))?;
         let name = e.file_name().to_string_lossy().into_owned();
-        if name.starts_with("userns-") && name.ends_with(".img") {
-            rewrite_one(&e.path(), from, to, count)?;
+        if name.starts_with(prefix) && name.ends_with(".img") {
+            rewrite_one(&e.path(), magic, &edit)?;
             n += 1;
         }
     }
     Ok(n)
 }
 
-fn rewrite_one(path: &Path, from: u32, to: u32, count: u32) -> Result<()> {
+fn rewrite_one(
+    path: &Path,
+    magic: u32,
+    edit: &dyn Fn(&[u8], Bad<'_>) -> Result<Vec<u8>>,
+) -> Result<()> {
     let bad = |m: String| Error::Image {
         dir: path.to_path_buf(),
         message: m,
     };
     let data = fs::read(path).map_err(|e| Error::io(format!("read {}", path.display()), e))?;
-    if data.len() < 12 {
-        return Err(bad("user namespace image too short".into()));
+    if data.len() < 8 {
+        return Err(bad("image too short".into()));
     }
     let word = |i: usize| u32::from_le_bytes([data[i], data[i + 1], data[i + 2], data[i + 3]]);
-    if word(0) != IMG_COMMON_MAGIC || word(4) != USERNS_MAGIC {
-        return Err(bad("not a CRIU user namespace image".into()));
+    if word(0) != IMG_COMMON_MAGIC || word(4) != magic {
+        return Err(bad(format!("not a CRIU image of type {magic:#x}")));
     }
     let mut out = data[..8].to_vec();
     let mut pos = 8;
@@ -79,19 +130,7 @@ fn rewrite_one(path: &Path, from: u32, to: u32, count: u32) -> Result<()> {
             .get(pos..pos + len)
             .ok_or_else(|| bad("truncated entry".into()))?;
         pos += len;
-        let mut entry =
-            UsernsEntry::decode(body).map_err(|e| bad(format!("undecodable entry: {e}")))?;
-        for ext in entry.uid_map.iter_mut().chain(entry.gid_map.iter_mut()) {
-            if ext.lower_first >= from && ext.lower_first - from < count {
-                ext.lower_first = ext.lower_first - from + to;
-            } else {
-                return Err(bad(format!(
-                    "map extent {} {} {} is outside the range at {from}",
-                    ext.first, ext.lower_first, ext.count
-                )));
-            }
-        }
-        let body = entry.encode_to_vec();
+        let body = edit(body, &bad)?;
         out.extend_from_slice(&(body.len() as u32).to_le_bytes());
         out.extend_from_slice(&body);
     }

@@ -85,6 +85,9 @@ pub fn restore(criu: &Criu, req: RestoreRequest<'_>) -> Result<Restored> {
     let t0 = Instant::now();
     let spec = req.spec;
     let meta = Meta::read(req.dir)?;
+    if meta.sandbox_id != spec.id {
+        crate::rebase::rewrite_hostname(req.dir, &spec.hostname)?;
+    }
     if meta.uid_base != spec.uid_base {
         crate::rebase::rewrite_userns_images(
             req.dir,
@@ -105,8 +108,11 @@ pub fn restore(criu: &Criu, req: RestoreRequest<'_>) -> Result<Restored> {
             spec.uid_count,
         )?;
         // What the restore reads from now on is on the new range.
+    }
+    if meta.uid_base != spec.uid_base || meta.sandbox_id != spec.id {
         let mut m = meta.clone();
         m.uid_base = spec.uid_base;
+        m.sandbox_id = spec.id.clone();
         m.write(req.dir)?;
     }
     // The restored sandbox's root task reads some images itself, through the directory's
@@ -206,8 +212,14 @@ fn restore_in(
             key: key.clone(),
             fd: FD_STDIO,
         }),
+        // An external file is named `file[mnt:ino]` in the images, and CRIU hands an
+        // inherited descriptor to a regular file whose *path* matches the key — a file's
+        // path being its name without the leading character (the `/`, for a real path;
+        // CRIU's `--inherit-fd fd[N]:path/to/file` form). Keyed by the `file[…]` form
+        // itself, CRIU would re-open the file through /proc as the restored task, which
+        // may not open the host's log.
         (Some(Stdio::File { key, .. }), Some(_)) => inherit_fd.push(rpc::InheritFd {
-            key: key.clone(),
+            key: key.get(1..).unwrap_or_default().to_string(),
             fd: FD_STDIO,
         }),
         _ => {}
@@ -272,9 +284,7 @@ fn restore_in(
     if !resp.success {
         return Err(Error::Criu {
             action: "restore",
-            message: resp
-                .cr_errmsg
-                .unwrap_or_else(|| format!("errno {}", resp.cr_errno.unwrap_or(0))),
+            message: criu_message(resp.cr_errmsg, resp.cr_errno),
             log,
         });
     }
@@ -363,4 +373,16 @@ fn helper_run() -> std::result::Result<Never, String> {
         .arg(FD_RPC.to_string())
         .exec();
     Err(format!("exec {} swrk: {err}", req.criu.display()))
+}
+
+/// CRIU's own message for a failure (it reports its first error, which can be a harmless
+/// one: then the errno and the log say more).
+pub(crate) fn criu_message(msg: Option<String>, errno: Option<i32>) -> String {
+    match msg {
+        Some(m) if !m.contains("RLIMIT_NOFILE") && !m.trim().is_empty() => m.trim().to_string(),
+        _ => match errno.filter(|e| *e != 0) {
+            Some(e) => format!("{} (errno {e})", std::io::Error::from_raw_os_error(e)),
+            None => "see its log".to_string(),
+        },
+    }
 }

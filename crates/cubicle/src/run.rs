@@ -82,6 +82,7 @@ pub async fn run(opts: &crate::sandbox_cmd::NodeOpts, args: RunArgs) -> anyhow::
         internet: !args.no_internet,
         timeout: Some(Duration::from_secs(args.timeout)),
         metadata: BTreeMap::new(),
+        lifecycle: Default::default(),
     };
     let info = node.create(req).await.context("creating the sandbox")?;
     if let Some(g) = &mut guard {

@@ -27,17 +27,23 @@ pub mod reconcile;
 pub mod runtime;
 pub mod sandbox;
 pub mod slots;
+pub mod snapshot;
 pub mod template;
 pub mod traces;
 
 pub use config::{NodeConfig, default_state_dir};
 pub use envd_client::{EnvdClient, ProcessEnd, ProcessEvent, ProcessSpec};
 pub use error::{Error, Result};
-pub use node::{Node, records_on_disk, sandboxes_using_template};
+pub use node::{
+    CHECKPOINT_DIR, Node, PauseReport, PauseRequest, ResumeOutcome, SnapshotReport,
+    SnapshotRequest, records_on_disk, sandboxes_using_template,
+};
 pub use pool::{PoolStats, parse_pool_spec};
 pub use sandbox::{
-    CreateRequest, DeathReason, InitPidfd, SandboxInfo, SandboxRecord, SandboxState,
+    CreateRequest, DeathReason, InitPidfd, Lifecycle, PauseMode, SandboxInfo, SandboxRecord,
+    SandboxState,
 };
+pub use snapshot::SnapshotRecord;
 
 impl Node {
     /// Open the node with the Linux runtime (`cubicle-runtime`): see

@@ -46,6 +46,10 @@ pub(crate) struct Inner {
     pub(super) _slot_lease: Option<crate::host_slots::SlotLease>,
     /// Warm pools and the cold-create semaphore (`pool/`).
     pub(crate) pool: Pool,
+    /// Snapshot records (`<state>/snapshots`).
+    pub(crate) snapshots: crate::snapshot::SnapshotStore,
+    /// Called before a sandbox is checkpointed or stopped (see `Node::on_checkpoint`).
+    pub(crate) on_checkpoint: std::sync::OnceLock<Box<dyn Fn(&str) + Send + Sync>>,
 }
 
 /// The live sandboxes and the uid slots, under one lock ([`Inner::lock`]).
@@ -65,6 +69,8 @@ pub(crate) struct Live {
     pub(crate) watcher: Option<tokio::task::AbortHandle>,
     /// A pidfd of the init, from the moment the sandbox is live (see [`InitPidfd`]).
     pub(crate) init: Option<InitPidfd>,
+    /// A pause, resume, snapshot or rollback is under way (`stateful.rs`).
+    pub(crate) busy: Option<super::stateful::Busy>,
 }
 
 impl Live {
@@ -77,6 +83,7 @@ impl Live {
             teardown_failed: false,
             watcher: None,
             init: None,
+            busy: None,
         }
     }
 
@@ -84,6 +91,7 @@ impl Live {
     pub(crate) fn info(&self, envd_socket: PathBuf) -> SandboxInfo {
         let mut info = SandboxInfo::from_record(&self.record, envd_socket, self.ready_us);
         info.init_pidfd = self.init.clone();
+        info.busy = self.busy.is_some();
         info
     }
 }
@@ -152,6 +160,12 @@ impl Inner {
             default_workdir: c.default_workdir.clone(),
             death_reason: None,
             runtime: serde_json::Value::Null,
+            lifecycle: Default::default(),
+            timeout_ms: 0,
+            pause_mode: None,
+            paused_at_ms: None,
+            envd_unresponsive_at_pause: false,
+            base_template: None,
         };
         customize(&mut record);
         st.live.insert(id.to_string(), Live::new(record.clone()));
