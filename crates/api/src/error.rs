@@ -120,6 +120,17 @@ impl From<cubicle_node::Error> for ApiError {
             N::Checkpoint { what, source } if source.is_no_space() => {
                 ApiError::InsufficientStorage(format!("{what}: {source}"))
             }
+            N::Io { op, path, source }
+                if matches!(
+                    source.kind(),
+                    std::io::ErrorKind::StorageFull | std::io::ErrorKind::QuotaExceeded
+                ) =>
+            {
+                ApiError::InsufficientStorage(format!(
+                    "{op} {}: {source} (the sandbox's disk is full)",
+                    path.display()
+                ))
+            }
             other => ApiError::Internal(other.to_string()),
         }
     }

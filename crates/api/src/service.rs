@@ -204,6 +204,15 @@ impl ControlPlane {
             });
         }
         let tref = cmd.template.clone().map_err(ApiError::from)?;
+        if let Some(snap) = self.backend.find_snapshot(&tref.name)
+            && snap.owner != team.id.to_string()
+        {
+            // Another team's snapshot is as unknown as a missing template.
+            return Err(ApiError::NotFound(format!(
+                "template '{}' not found",
+                tref.requested
+            )));
+        }
         // Inline: reads one small file (no hop to the blocking pool on every create).
         if self.backend.find_snapshot(&tref.name).is_none()
             && !self.backend.template_exists(&tref.name)?

@@ -137,16 +137,25 @@ fn dump_in(criu: &Criu, cg: &Cgroup, mut req: DumpRequest<'_>, t0: Instant) -> R
         };
         run_dump(criu, opts, &spec.id, dir)?;
         phases.push(("criu_done".to_string(), t0.elapsed()));
+        // The record completes the checkpoint: written before `while_frozen`, which may
+        // copy the directory.
+        let meta = Meta {
+            format: FORMAT,
+            sandbox_id: spec.id.clone(),
+            uid_base: spec.uid_base,
+            externals: externals.iter().map(|e| e.mountpoint.clone()).collect(),
+            stdio: stdio.clone(),
+            created_at_ms: now_ms(),
+            image_bytes: dir_size(dir),
+        };
+        meta.write(dir).map_err(|e| no_space(&spec.id, e))?;
+        if let Some(f) = req.while_frozen.as_mut() {
+            f()?;
+        }
         let thawed = if req.leave_running {
-            if let Some(f) = req.while_frozen.as_mut() {
-                f()?;
-            }
             cg.thaw()?;
             Some(Instant::now())
         } else {
-            if let Some(f) = req.while_frozen.as_mut() {
-                f()?;
-            }
             None
         };
         Ok((tmpfs_bytes, thawed))
@@ -164,17 +173,6 @@ fn dump_in(criu: &Criu, cg: &Cgroup, mut req: DumpRequest<'_>, t0: Instant) -> R
         }
     };
     let image_bytes = dir_size(dir);
-    let meta = Meta {
-        format: FORMAT,
-        sandbox_id: spec.id.clone(),
-        uid_base: spec.uid_base,
-        externals: externals.iter().map(|e| e.mountpoint.clone()).collect(),
-        stdio,
-        created_at_ms: now_ms(),
-        image_bytes,
-    };
-    meta.write(dir)
-        .map_err(|e| cleanup(no_space(&spec.id, e)))?;
     let end = Instant::now();
     if let Some(t) = thawed {
         phases.push(("thawed".to_string(), t - t0));

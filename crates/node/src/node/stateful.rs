@@ -151,9 +151,11 @@ impl Inner {
 
     /// Ends a busy period; with `record`, stores it (memory and disk).
     fn end(&self, id: &str, record: Option<&SandboxRecord>) -> Result<()> {
-        if let Some(r) = record {
-            fsutil::write_json_atomic(&self.sandbox_dir(id).join("sandbox.json"), r)?;
-        }
+        // The busy mark goes whatever happens to the write (e.g. a full disk).
+        let written = match record {
+            Some(r) => fsutil::write_json_atomic(&self.sandbox_dir(id).join("sandbox.json"), r),
+            None => Ok(()),
+        };
         let mut st = self.lock();
         if let Some(live) = st.live.get_mut(id) {
             live.busy = None;
@@ -165,7 +167,7 @@ impl Inner {
         }
         drop(st);
         self.changed.notify_one();
-        Ok(())
+        written
     }
 
     /// The template providing `record`'s root filesystem.
@@ -196,6 +198,7 @@ impl Inner {
             self.checkpoint_support()?;
         }
         let mut record = self.begin(id, Busy::Pausing, &[SandboxState::Running])?;
+        let running = record.clone();
         let res = self.pause_busy(&mut record, req, t0).await;
         match res {
             Ok(report) => {
@@ -207,7 +210,7 @@ impl Inner {
             }
             Err(e) => {
                 // Still running: as it was (the record on disk says so again).
-                let _ = self.end(id, Some(&record));
+                let _ = self.end(id, Some(&running));
                 tracing::warn!(sandbox = %id, "pause failed, the sandbox runs on: {e}");
                 Err(e)
             }
@@ -243,12 +246,16 @@ impl Inner {
         if dir.exists() {
             fsutil::remove_tree(&dir)?;
         }
+        // On disk first (a crash mid-pause is resolved from it); a full disk fails here,
+        // before anything happened to the sandbox.
+        let running = record.clone();
+        let mut pausing = record.clone();
+        pausing.state = SandboxState::Pausing;
+        fsutil::write_json_atomic(&self.sandbox_dir(&id).join("sandbox.json"), &pausing)?;
+        *record = pausing;
         // The exit watcher would take the end of the processes for a death.
         self.stop_watcher(&id);
         self.disconnect(&id);
-        let running = record.clone();
-        record.state = SandboxState::Pausing;
-        fsutil::write_json_atomic(&self.sandbox_dir(&id).join("sandbox.json"), &*record)?;
         let rt = self.runtime.clone();
         let res = if req.memory {
             blocking(move || {
