@@ -10,7 +10,7 @@ state and its own id and token, and the parent runs on."""
 
 from __future__ import annotations
 
-import asyncio
+import os
 import time
 
 import pytest
@@ -301,3 +301,31 @@ async def test_async_pause_resume_snapshot_fork(sandboxes: Tracker):
         sandboxes.track(f.sandbox_id)
         assert await f.files.read("/home/user/async.txt") == "async"
     assert await AsyncSandbox.delete_snapshot(snap.snapshot_id) is True
+
+
+@pytest.mark.skipif(os.environ.get("CUBICLE_E2E_SKIP_CI") == "1", reason="CUBICLE_E2E_SKIP_CI=1")
+def test_code_interpreter_kernel_survives_pause(sandboxes: Tracker):
+    """A live Jupyter kernel that imported numpy and pandas: after a pause and a resume the
+    first run_code sees the old variables (the kernel, its ZeroMQ connections to the
+    interpreter and their TCP state come back)."""
+    from e2b_code_interpreter import Sandbox as CodeSandbox
+
+    ci = CodeSandbox.create("code-interpreter-v1", request_timeout=1200, timeout=600)
+    sandboxes.track(ci.sandbox_id)
+    ex = ci.run_code(
+        "import numpy as np, pandas as pd\n"
+        "x = 41\n"
+        "df = pd.DataFrame({'a': np.arange(3)})\n"
+        "int(df['a'].sum())"
+    )
+    assert ex.error is None and ex.text == "3", ex
+    t0 = time.monotonic()
+    assert ci.pause() is True
+    paused_in = time.monotonic() - t0
+    t0 = time.monotonic()
+    again = CodeSandbox.connect(ci.sandbox_id)
+    resumed_in = time.monotonic() - t0
+    ex = again.run_code("x + 1, int(df['a'].sum()), np.__name__")
+    assert ex.error is None, ex.error
+    assert ex.text == "(42, 3, 'numpy')", ex.text
+    print(f"code-interpreter pause {paused_in * 1000:.0f} ms, resume {resumed_in * 1000:.0f} ms (SDK round trips)")
