@@ -386,17 +386,30 @@ async fn metrics_many(
     Ok(Json(serde_json::json!({ "sandboxes": sandboxes })).into_response())
 }
 
+/// Cubicle's own answer headers of a checkpoint (SDKs ignore them; `cubicle bench` reads
+/// them): how long the sandbox was stopped, and the checkpoint's size.
+fn checkpoint_headers(resp: &mut Response, frozen: std::time::Duration, bytes: u64) {
+    let h = resp.headers_mut();
+    h.insert(
+        "x-cubicle-frozen-us",
+        HeaderValue::from(frozen.as_micros() as u64),
+    );
+    h.insert("x-cubicle-bytes", HeaderValue::from(bytes));
+}
+
 async fn pause(
     State(cp): Cp,
     Extension(team): Extension<Team>,
     Path(id): Path<String>,
     body: Body,
-) -> ApiResult<StatusCode> {
+) -> ApiResult<Response> {
     let body = read_body(body, MAX_BODY).await?;
     cp.owned_live(&team, &id).await?;
     let cmd = Pause::parse(&body)?;
-    cp.pause(&team, &id, cmd).await?;
-    Ok(StatusCode::NO_CONTENT)
+    let (frozen, bytes) = cp.pause(&team, &id, cmd).await?;
+    let mut resp = StatusCode::NO_CONTENT.into_response();
+    checkpoint_headers(&mut resp, frozen, bytes);
+    Ok(resp)
 }
 
 async fn resume(
@@ -436,8 +449,10 @@ async fn snapshot(
     let body = read_body(body, MAX_BODY).await?;
     cp.owned(&team, &id).await?;
     let cmd = CreateSnapshot::parse(&body, &team.name)?;
-    let info = cp.snapshot(&team, &id, cmd).await?;
-    Ok((StatusCode::CREATED, Json(info)).into_response())
+    let (info, frozen, bytes) = cp.snapshot(&team, &id, cmd).await?;
+    let mut resp = (StatusCode::CREATED, Json(info)).into_response();
+    checkpoint_headers(&mut resp, frozen, bytes);
+    Ok(resp)
 }
 
 async fn list_snapshots(

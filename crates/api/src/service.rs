@@ -535,8 +535,9 @@ impl ControlPlane {
         Ok(self.sandbox_body(&row, &out.info))
     }
 
-    /// `POST /sandboxes/{id}/pause`.
-    pub async fn pause(&self, team: &Team, id: &str, cmd: Pause) -> ApiResult<()> {
+    /// `POST /sandboxes/{id}/pause`: how long the sandbox was stopped and the size of
+    /// its checkpoint.
+    pub async fn pause(&self, team: &Team, id: &str, cmd: Pause) -> ApiResult<(Duration, u64)> {
         let (_, info) = self.owned_live(team, id).await?;
         if is_paused(info.state) {
             return Err(ApiError::Conflict(format!(
@@ -549,7 +550,7 @@ impl ControlPlane {
         };
         self.sync_logs(id).await;
         match self.backend.pause(id, req).await {
-            Ok(_) => Ok(()),
+            Ok(r) => Ok((r.frozen, r.bytes)),
             Err(cubicle_node::Error::Envd(m)) => Err(ApiError::Unavailable(m)),
             Err(cubicle_node::Error::Conflict(m)) => {
                 Err(ApiError::Conflict(format!("Error pausing sandbox - {m}")))
@@ -558,13 +559,14 @@ impl ControlPlane {
         }
     }
 
-    /// `POST /sandboxes/{id}/snapshots`.
+    /// `POST /sandboxes/{id}/snapshots`: the snapshot, how long the source was stopped
+    /// and the checkpoint's size.
     pub async fn snapshot(
         &self,
         team: &Team,
         id: &str,
         cmd: CreateSnapshot,
-    ) -> ApiResult<SnapshotInfo> {
+    ) -> ApiResult<(SnapshotInfo, Duration, u64)> {
         self.owned(team, id).await?;
         let names: Vec<String> = cmd
             .name
@@ -582,7 +584,11 @@ impl ControlPlane {
                 },
             )
             .await?;
-        Ok(snapshot_info(&report.snapshot))
+        Ok((
+            snapshot_info(&report.snapshot),
+            report.frozen,
+            report.snapshot.bytes,
+        ))
     }
 
     /// `GET /snapshots`: one page of `team`'s snapshots (oldest first) and the next

@@ -129,6 +129,8 @@ fn dump_in(criu: &Criu, cg: &Cgroup, mut req: DumpRequest<'_>, t0: Instant) -> R
             empty_ns: Some(libc::CLONE_NEWNET as u32),
             freeze_cgroup: Some(cg.freezer_dir().display().to_string()),
             manage_cgroups_mode: Some(rpc::CgMode::Soft as i32),
+            // The sandbox's own controllers only (the others are the host's, inherited).
+            cgroup_dump_controller: cg.controllers().iter().map(|c| c.to_string()).collect(),
             // Frozen and about to be killed or left as is: nothing to lock (and this
             // host has no iptables).
             network_lock: Some(rpc::NetworkLock::Skip as i32),

@@ -253,6 +253,8 @@ fn restore_in(
         rst_sibling: Some(true),
         inherit_fd,
         manage_cgroups_mode: Some(rpc::CgMode::Soft as i32),
+        // The host's mounts, rather than CRIU mounting every hierarchy per restore.
+        cgroup_yard: cg.criu_yard().map(|p| p.display().to_string()),
         external,
         empty_ns: Some(libc::CLONE_NEWNET as u32),
         timeout: Some(RESTORE_TIMEOUT.as_secs() as u32),

@@ -98,6 +98,8 @@ pub struct Opts {
     pub external: Vec<String>,
     #[prost(uint32, optional, tag = "38")]
     pub empty_ns: Option<u32>,
+    #[prost(string, repeated, tag = "43")]
+    pub cgroup_dump_controller: Vec<String>,
     #[prost(string, optional, tag = "44")]
     pub freeze_cgroup: Option<String>,
     #[prost(uint32, optional, tag = "45")]

@@ -205,7 +205,7 @@ impl Inner {
                 self.end(id, Some(&record))?;
                 tracing::info!(sandbox = %id, mode = record.pause_mode.map(|m| m.as_str()).unwrap_or("?"),
                     frozen_us = report.frozen.as_micros() as u64, total_us = report.total.as_micros() as u64,
-                    bytes = report.bytes, "sandbox paused");
+                    bytes = report.bytes, phases = ?report.phases, "sandbox paused");
                 Ok(report)
             }
             Err(e) => {
@@ -387,7 +387,8 @@ impl Inner {
                 self.end(id, Some(&record))?;
                 self.watch(id);
                 let took = t0.elapsed();
-                tracing::info!(sandbox = %id, took_us = took.as_micros() as u64, "sandbox resumed");
+                tracing::info!(sandbox = %id, took_us = took.as_micros() as u64,
+                    steps = %record.runtime["timingsUs"], "sandbox resumed");
                 // The checkpoint is used up; removing it frees its disk.
                 let dir = self.sandbox_dir(id).join(CHECKPOINT_DIR);
                 tokio::task::spawn_blocking(move || {

@@ -291,6 +291,28 @@ impl Cgroup {
         }
     }
 
+    /// A directory holding one mount per controller of [`controllers`](Self::controllers),
+    /// named after it (`<dir>/memory`, …), as CRIU's `cgroup_yard` wants it — so that a
+    /// restore need not mount every hierarchy itself. v1 with the usual layout
+    /// (`/sys/fs/cgroup/<controller>`) only.
+    pub fn criu_yard(&self) -> Option<PathBuf> {
+        let Layout::V1(m) = &self.layout else {
+            return None;
+        };
+        let named = [
+            ("memory", &m.memory),
+            ("cpu", &m.cpu),
+            ("cpuacct", &m.cpuacct),
+            ("pids", &m.pids),
+            ("freezer", &m.freezer),
+        ];
+        let parent = m.memory.parent()?.to_path_buf();
+        named
+            .iter()
+            .all(|(n, p)| p.as_path() == parent.join(n))
+            .then_some(parent)
+    }
+
     /// Kills every process in the cgroup with SIGKILL and waits (up to 5 s) until it is
     /// empty. v2: `cgroup.kill`; v1: freeze, kill each pid, thaw, repeat until empty.
     pub fn kill_all(&self) -> Result<()> {
