@@ -138,6 +138,14 @@ pub(crate) async fn reconcile(inner: &Arc<Inner>) -> Result<ReconcileReport> {
         );
     }
     for r in paused {
+        // A crash in the middle of a resume leaves restored processes, their cgroup and
+        // veth behind while the record still says paused: stop them, the checkpoint is
+        // still there and the next resume starts from it again.
+        let rt = inner.runtime.clone();
+        let (id, slot) = (r.id.clone(), r.slot);
+        if let Err(e) = blocking(move || rt.stop(&id, slot)).await {
+            tracing::warn!(sandbox = %r.id, "clearing a half-resumed paused sandbox: {e}");
+        }
         if !inner.lock().slots.reserve(r.slot) {
             tracing::warn!(sandbox = %r.id, slot = r.slot, "paused sandbox's slot is taken, removing it");
             doomed.insert(r.id.clone(), Some(r.slot));

@@ -19,7 +19,8 @@ http.createServer((q, r) => r.end(\`\${++n} \${process.pid}\`)).listen(Number(pr
 
 async function startCounter(sbx, port) {
   await sbx.files.write('/tmp/counter.js', COUNTER)
-  await sbx.commands.run(`node /tmp/counter.js ${port}`, { background: true })
+  // timeoutMs 0: no deadline (envd kills a command at its deadline, 60 s by default).
+  await sbx.commands.run(`node /tmp/counter.js ${port}`, { background: true, timeoutMs: 0 })
   const up = await poll(async () => (await sbx.commands.run(`curl -sf localhost:${port} || true`)).stdout.trim(), 20000)
   assert.ok(up, 'the counter server did not start')
 }

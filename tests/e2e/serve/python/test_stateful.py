@@ -36,7 +36,8 @@ http.server.ThreadingHTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_foreve
 
 def start_counter(sbx, port: int = 8765) -> None:
     sbx.files.write("/tmp/counter.py", COUNTER_SERVER)
-    sbx.commands.run(f"python3 /tmp/counter.py {port}", background=True)
+    # timeout=0: no deadline (envd kills a command at its deadline, 60 s by default).
+    sbx.commands.run(f"python3 /tmp/counter.py {port}", background=True, timeout=0)
     poll(lambda: sbx.commands.run(f"curl -sf localhost:{port} || true").stdout.strip(), timeout=20)
 
 
