@@ -104,7 +104,7 @@ pub trait Backend: Send + Sync + 'static {
 }
 
 fn unsupported() -> cubicle_node::Error {
-    cubicle_node::Error::Unsupported("this node cannot pause or snapshot sandboxes".into())
+    cubicle_node::Error::Unsupported("pause, snapshots and fork are not supported by this node".into())
 }
 
 impl Backend for Node {

@@ -122,7 +122,7 @@ fn dump_in(criu: &Criu, cg: &Cgroup, mut req: DumpRequest<'_>, t0: Instant) -> R
             leave_running: Some(req.leave_running),
             tcp_established: Some(true),
             file_locks: Some(true),
-            log_level: Some(4),
+            log_level: Some(criu.log_level()),
             log_file: Some(DUMP_LOG.into()),
             external,
             // The network namespace is re-created empty and configured by Cubicle.

@@ -245,7 +245,7 @@ fn restore_in(
         images_dir: Some(dir.display().to_string()),
         tcp_established: Some(true),
         file_locks: Some(true),
-        log_level: Some(4),
+        log_level: Some(criu.log_level()),
         log_file: Some(RESTORE_LOG.into()),
         notify_scripts: Some(true),
         root: Some(root.display().to_string()),
