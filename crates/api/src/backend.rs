@@ -104,7 +104,9 @@ pub trait Backend: Send + Sync + 'static {
 }
 
 fn unsupported() -> cubicle_node::Error {
-    cubicle_node::Error::Unsupported("pause, snapshots and fork are not supported by this node".into())
+    cubicle_node::Error::Unsupported(
+        "pause, snapshots and fork are not supported by this node".into(),
+    )
 }
 
 impl Backend for Node {

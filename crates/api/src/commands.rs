@@ -778,9 +778,13 @@ mod tests {
         }
         // A templateID that is no template reference may still name a snapshot: the
         // parse keeps the error for the service, which answers it if no snapshot matches.
-        let c = CreateSandbox::parse(br#"{"templateID":""}"#, CreateVersion::V2, &limits()).unwrap();
+        let c =
+            CreateSandbox::parse(br#"{"templateID":""}"#, CreateVersion::V2, &limits()).unwrap();
         let e = ApiError::from(c.template.unwrap_err());
-        assert!(matches!(e, ApiError::BadRequest(_)) && e.to_string().contains("empty"), "{e}");
+        assert!(
+            matches!(e, ApiError::BadRequest(_)) && e.to_string().contains("empty"),
+            "{e}"
+        );
     }
 
     #[test]

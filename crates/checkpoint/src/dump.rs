@@ -137,20 +137,26 @@ fn dump_in(criu: &Criu, cg: &Cgroup, mut req: DumpRequest<'_>, t0: Instant) -> R
             orphan_pts_master: Some(true),
             ..Default::default()
         };
-        run_dump(criu, opts, &spec.id, dir)?;
-        phases.push(("criu_done".to_string(), t0.elapsed()));
-        // The record completes the checkpoint: written before `while_frozen`, which may
-        // copy the directory.
-        let meta = Meta {
+        // The record goes first: a pause's CRIU kills the sandbox when it is done (with
+        // its TCP sockets still in repair mode, so peers see nothing), and from then on
+        // nothing may fail for want of disk, nor may a crash of the node leave complete
+        // images without their record (reconciliation keeps a sandbox whose processes are
+        // gone as paused when this file is there). A failed dump removes it with the rest.
+        let mut meta = Meta {
             format: FORMAT,
             sandbox_id: spec.id.clone(),
             uid_base: spec.uid_base,
             externals: externals.iter().map(|e| e.mountpoint.clone()).collect(),
             stdio: stdio.clone(),
             created_at_ms: now_ms(),
-            image_bytes: dir_size(dir),
+            image_bytes: 0,
         };
         meta.write(dir).map_err(|e| no_space(&spec.id, e))?;
+        run_dump(criu, opts, &spec.id, dir)?;
+        phases.push(("criu_done".to_string(), t0.elapsed()));
+        // Informational; the record above is already complete.
+        meta.image_bytes = dir_size(dir);
+        let _ = meta.write(dir);
         if let Some(f) = req.while_frozen.as_mut() {
             f()?;
         }

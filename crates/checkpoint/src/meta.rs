@@ -41,7 +41,7 @@ pub struct Meta {
     pub stdio: Option<Stdio>,
     /// Unix ms when it was taken.
     pub created_at_ms: u64,
-    /// Bytes of CRIU images (memory and process state).
+    /// Bytes of CRIU images (memory and process state); 0 if not recorded.
     pub image_bytes: u64,
 }
 

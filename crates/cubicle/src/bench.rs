@@ -99,7 +99,11 @@ pub struct BenchArgs {
     #[arg(long, default_value_t = 50)]
     pub pace_ms: u64,
     /// Templates of the `pause` measure (pause/resume, snapshot, fork, rollback).
-    #[arg(long, value_delimiter = ',', default_value = "base,code-interpreter-v1")]
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "base,code-interpreter-v1"
+    )]
     pub pause_templates: Vec<String>,
     /// One JSON object per line per measure instead of a table.
     #[arg(long)]

@@ -58,6 +58,16 @@ pub(crate) async fn reconcile(inner: &Arc<Inner>) -> Result<ReconcileReport> {
             }
             continue;
         }
+        // Used-up checkpoints whose removal a crash cut short.
+        for old in std::fs::read_dir(e.path()).into_iter().flatten().flatten() {
+            if old
+                .file_name()
+                .to_string_lossy()
+                .starts_with(crate::node::DISCARDED_CHECKPOINT_PREFIX)
+            {
+                let _ = fsutil::remove_tree(&old.path());
+            }
+        }
         match fsutil::read_json::<SandboxRecord>(&e.path().join("sandbox.json")) {
             Ok(r)
                 if r.id == name

@@ -61,7 +61,9 @@ impl Api {
     }
 
     async fn delete(&self, c: &mut Conn, path: &str) -> anyhow::Result<u16> {
-        let req = self.req(Method::DELETE, path).body(Full::new(Bytes::new()))?;
+        let req = self
+            .req(Method::DELETE, path)
+            .body(Full::new(Bytes::new()))?;
         Ok(c.call(req).await?.0)
     }
 
@@ -176,7 +178,10 @@ pub(super) async fn measure(cx: &Ctx, template: &str, n: usize) -> anyhow::Resul
     if !ci {
         for _ in 0..k {
             let t = Instant::now();
-            let a = cx.api.post(&mut c, &pause_path, json!({"memory": false})).await?;
+            let a = cx
+                .api
+                .post(&mut c, &pause_path, json!({"memory": false}))
+                .await?;
             if expect(&a, 204, "pause_fs").is_err() {
                 pfs.errors += 1;
                 continue;
@@ -229,16 +234,22 @@ pub(super) async fn measure(cx: &Ctx, template: &str, n: usize) -> anyhow::Resul
         let path = format!("/sandboxes/{}/rollback", s.id);
         for _ in 0..k {
             let t = Instant::now();
-            let a = cx.api.post(&mut c, &path, json!({ "snapshotID": snapshot })).await?;
+            let a = cx
+                .api
+                .post(&mut c, &path, json!({ "snapshotID": snapshot }))
+                .await?;
             let d = t.elapsed();
-            if expect(&a, 200, "rollback").is_ok() && check(cx, &mut c, &s, template).await.is_ok() {
+            if expect(&a, 200, "rollback").is_ok() && check(cx, &mut c, &s, template).await.is_ok()
+            {
                 rb.samples.push(d);
             } else {
                 rb.errors += 1;
             }
         }
         rows.push(rb);
-        cx.api.delete(&mut c, &format!("/templates/{snapshot}")).await?;
+        cx.api
+            .delete(&mut c, &format!("/templates/{snapshot}"))
+            .await?;
     }
 
     // One request for ten forks, until all ten run.
@@ -246,7 +257,10 @@ pub(super) async fn measure(cx: &Ctx, template: &str, n: usize) -> anyhow::Resul
     let path = format!("/sandboxes/{}/fork", s.id);
     for _ in 0..(n / 10).clamp(2, 5) {
         let t = Instant::now();
-        let a = cx.api.post(&mut c, &path, json!({"count": 10, "timeout": 60})).await?;
+        let a = cx
+            .api
+            .post(&mut c, &path, json!({"count": 10, "timeout": 60}))
+            .await?;
         let d = t.elapsed();
         let v: Value = serde_json::from_slice(&a.body).unwrap_or(Value::Null);
         let made: Vec<String> = v

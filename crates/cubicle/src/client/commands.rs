@@ -200,7 +200,11 @@ pub async fn pause(api: &ApiClient, id: &str, memory: bool) -> anyhow::Result<i3
     let path = format!("/sandboxes/{}/pause", super::rest::seg(id));
     let t = std::time::Instant::now();
     match api
-        .post_json(&path, &serde_json::json!({ "memory": memory }), STATEFUL_TIMEOUT)
+        .post_json(
+            &path,
+            &serde_json::json!({ "memory": memory }),
+            STATEFUL_TIMEOUT,
+        )
         .await
     {
         Ok(_) => {
@@ -324,11 +328,17 @@ pub async fn fork(
         match (item.get("sandbox"), item.get("error")) {
             (Some(sbx), _) => println!("{}", s(sbx, "sandboxID")),
             (_, Some(err)) => {
-                eprintln!("cubicle: a fork failed: {} ({})", s(err, "message"), n(err, "code"));
+                eprintln!(
+                    "cubicle: a fork failed: {} ({})",
+                    s(err, "message"),
+                    n(err, "code")
+                );
                 code = 1;
             }
             _ => {
-                eprintln!("cubicle: the server answered a fork with neither a sandbox nor an error");
+                eprintln!(
+                    "cubicle: the server answered a fork with neither a sandbox nor an error"
+                );
                 code = 1;
             }
         }

@@ -48,9 +48,7 @@ pub async fn run(args: SandboxArgs, state_dir: &Path) -> anyhow::Result<i32> {
         } => commands::list(&api, json, metadata, states).await,
         SandboxCommand::Info { id, json } => commands::info(&api, &id, json).await,
         SandboxCommand::Kill { ids } => commands::kill(&api, &ids).await,
-        SandboxCommand::Pause { id, filesystem } => {
-            commands::pause(&api, &id, !filesystem).await
-        }
+        SandboxCommand::Pause { id, filesystem } => commands::pause(&api, &id, !filesystem).await,
         SandboxCommand::Resume {
             id,
             timeout,
@@ -72,9 +70,7 @@ pub async fn run(args: SandboxArgs, state_dir: &Path) -> anyhow::Result<i32> {
             timeout,
             json,
         } => commands::fork(&api, &id, count, timeout, json).await,
-        SandboxCommand::Rollback { id, snapshot } => {
-            commands::rollback(&api, &id, &snapshot).await
-        }
+        SandboxCommand::Rollback { id, snapshot } => commands::rollback(&api, &id, &snapshot).await,
         SandboxCommand::Logs {
             id,
             follow,

@@ -39,7 +39,8 @@ pub(crate) mod stateful;
 pub(crate) mod teardown;
 
 pub use stateful::{
-    CHECKPOINT_DIR, PauseReport, PauseRequest, ResumeOutcome, SnapshotReport, SnapshotRequest,
+    CHECKPOINT_DIR, DISCARDED_CHECKPOINT_PREFIX, PauseReport, PauseRequest, ResumeOutcome,
+    SnapshotReport, SnapshotRequest,
 };
 
 use inner::{Inner, State, blocking, lock_node, now_ms};

@@ -36,6 +36,32 @@ use crate::{fsutil, ids, procfs};
 /// sandbox's disk quota: a paused sandbox's memory lives on its disk).
 pub const CHECKPOINT_DIR: &str = "checkpoint";
 
+/// Prefix of used-up checkpoint directories being removed (`checkpoint.old-<random>`);
+/// reconciliation removes any a crash left.
+pub const DISCARDED_CHECKPOINT_PREFIX: &str = "checkpoint.old-";
+
+/// Removes a used-up checkpoint directory in the background, renaming it out of the way
+/// first: the next pause or snapshot of the sandbox, which may start at once, writes its
+/// checkpoint to the same place, and the removal must never touch that one.
+pub(crate) fn discard_checkpoint(dir: std::path::PathBuf) {
+    let trash = dir.with_file_name(format!(
+        "{DISCARDED_CHECKPOINT_PREFIX}{}",
+        ids::random_suffix(8)
+    ));
+    match std::fs::rename(&dir, &trash) {
+        Ok(()) => {
+            tokio::task::spawn_blocking(move || {
+                let _ = fsutil::remove_tree(&trash);
+            });
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => {
+            tracing::warn!("discarding {}: {e}; removing it in place", dir.display());
+            let _ = fsutil::remove_tree(&dir);
+        }
+    }
+}
+
 /// What a long operation on one sandbox is doing (others get a conflict).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Busy {
@@ -390,10 +416,7 @@ impl Inner {
                 tracing::info!(sandbox = %id, took_us = took.as_micros() as u64,
                     steps = %record.runtime["timingsUs"], "sandbox resumed");
                 // The checkpoint is used up; removing it frees its disk.
-                let dir = self.sandbox_dir(id).join(CHECKPOINT_DIR);
-                tokio::task::spawn_blocking(move || {
-                    let _ = fsutil::remove_tree(&dir);
-                });
+                discard_checkpoint(self.sandbox_dir(id).join(CHECKPOINT_DIR));
                 Ok(ResumeOutcome {
                     info: SandboxInfo::from_record(
                         &record,
@@ -546,10 +569,7 @@ impl Inner {
         })
         .await;
         // The running sandbox does not need its copy of the images.
-        let d = dir.clone();
-        tokio::task::spawn_blocking(move || {
-            let _ = fsutil::remove_tree(&d);
-        });
+        discard_checkpoint(dir.clone());
         let info = info?;
         let snap = SnapshotRecord {
             id: snap_id,
@@ -740,10 +760,7 @@ impl Inner {
             ));
         }
         self.changed.notify_one();
-        let ck = dir.join(CHECKPOINT_DIR);
-        tokio::task::spawn_blocking(move || {
-            let _ = fsutil::remove_tree(&ck);
-        });
+        discard_checkpoint(dir.join(CHECKPOINT_DIR));
         tracing::info!(sandbox = %id, snapshot = %snap.id, ready_us, "sandbox started from a snapshot");
         Ok(SandboxInfo::from_record(
             &record,
@@ -917,10 +934,7 @@ impl Inner {
         if record.end_at_ms <= now_ms() {
             record.end_at_ms = now_ms() + record.timeout_ms.max(60_000);
         }
-        let ck = dir.join(CHECKPOINT_DIR);
-        tokio::task::spawn_blocking(move || {
-            let _ = fsutil::remove_tree(&ck);
-        });
+        discard_checkpoint(dir.join(CHECKPOINT_DIR));
         Ok(started.pid)
     }
 }
