@@ -262,6 +262,11 @@ fn mount_staging_and_root(
     let staging = spec.mount_dir();
     let (parent_sock, child_sock) =
         crate::helper::socketpair().map_err(|e| Error::io("socketpair", e))?;
+    // The child (root of a user namespace, an unprivileged host uid) reaches the sandbox
+    // directory through its working directory, as a sandbox's child does: the state
+    // directory above is root's alone (0700).
+    std::env::set_current_dir(&spec.sandbox_dir)
+        .map_err(|e| Error::io(format!("chdir {}", spec.sandbox_dir.display()), e))?;
     let flags = libc::CLONE_NEWUSER | libc::CLONE_NEWNS;
     // SAFETY: the caller is single-threaded (documented contract of prepare_restore_root),
     // so a fork-like clone (no new stack) is as safe as fork(); the child only makes
@@ -330,6 +335,7 @@ fn mount_staging_and_root(
     let mut status = 0;
     // SAFETY: waitpid on our own child with a valid out pointer.
     unsafe { libc::waitpid(pid, &mut status, 0) };
+    let _ = std::env::set_current_dir("/");
     res
 }
 
@@ -347,6 +353,10 @@ fn root_child(
     }
     let lower_fd = fds.into_iter().next().ok_or("no template mount")?;
     crate::child::become_root()?;
+    // Paths relative to the sandbox directory, our working directory (see the caller).
+    let mut here = spec.clone();
+    here.sandbox_dir = PathBuf::from(".");
+    let spec = &here;
     let staging = spec.mount_dir();
     // NOSUID only (not NODEV as at spawn): this tmpfs reaches the sandbox through a mount
     // namespace copied into its user namespace, which locks every flag it has — a nodev

@@ -34,6 +34,17 @@ http.server.ThreadingHTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_foreve
 """
 
 
+@pytest.fixture(autouse=True)
+def snapshots_removed_afterwards():
+    """Whatever a test does (or fails to do), the snapshots it made go afterwards: they
+    outlive sandboxes by design, and the launcher's leak check counts them."""
+    before = {s.snapshot_id for s in Sandbox.list_snapshots().next_items()}
+    yield
+    for s in Sandbox.list_snapshots().next_items():
+        if s.snapshot_id not in before:
+            Sandbox.delete_snapshot(s.snapshot_id)
+
+
 def start_counter(sbx, port: int = 8765) -> None:
     sbx.files.write("/tmp/counter.py", COUNTER_SERVER)
     # timeout=0: no deadline (envd kills a command at its deadline, 60 s by default).
