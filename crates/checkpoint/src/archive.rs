@@ -268,9 +268,8 @@ pub fn restore(f: File, file: &Path, staging: &Path, uid_base: u32) -> Result<()
     };
     loop {
         let mut k = [0u8; 1];
-        match r.read(&mut k).map_err(rerr)? {
-            0 => break,
-            _ => {}
+        if r.read(&mut k).map_err(rerr)? == 0 {
+            break;
         }
         let kind = Kind::from_u8(k[0]).ok_or_else(|| bad(format!("bad entry kind {}", k[0])))?;
         let section = read_u16(&mut r).map_err(rerr)? as usize;

@@ -101,11 +101,10 @@ fn rewrite_images(
     Ok(n)
 }
 
-fn rewrite_one(
-    path: &Path,
-    magic: u32,
-    edit: &dyn Fn(&[u8], Bad<'_>) -> Result<Vec<u8>>,
-) -> Result<()> {
+/// Rewrites one protobuf entry of an image, given a way to report a bad one.
+type EntryEdit<'a> = dyn Fn(&[u8], Bad<'_>) -> Result<Vec<u8>> + 'a;
+
+fn rewrite_one(path: &Path, magic: u32, edit: &EntryEdit<'_>) -> Result<()> {
     let bad = |m: String| Error::Image {
         dir: path.to_path_buf(),
         message: m,

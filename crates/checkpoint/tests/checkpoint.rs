@@ -180,7 +180,7 @@ fn pause_and_resume_keeps_memory_and_files(env: &Env) {
         after > paused_count && after < paused_count + 100,
         "count after resume {after}, at pause {paused_count}"
     );
-    assert_eq!(read_count(r.pid, "/run/count") > paused_count, true);
+    assert!(read_count(r.pid, "/run/count") > paused_count);
     assert_eq!(
         fs::read_to_string(format!("/proc/{}/root/run/kept", r.pid)).unwrap(),
         "tmpfs-data\n"

@@ -145,7 +145,7 @@ impl SnapshotStore {
         match std::fs::remove_file(self.path(id)) {
             Ok(()) => Ok(()),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
-            Err(e) => Err(crate::error::Error::io("remove", &self.path(id), e)),
+            Err(e) => Err(crate::error::Error::io("remove", self.path(id), e)),
         }
     }
 }

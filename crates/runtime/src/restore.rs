@@ -107,7 +107,7 @@ pub(crate) fn external_mounts_for(spec: &SandboxSpec, cgroups: &InnerMounts) -> 
                 let src = if let Ok(rel) = source.strip_prefix(&staging) {
                     ExternalSource::Staging {
                         dir: rel.to_string_lossy().into_owned(),
-                        flags: remount as u64,
+                        flags: remount,
                     }
                 } else if source.starts_with("/dev") {
                     ExternalSource::Device(source)
@@ -129,7 +129,7 @@ pub(crate) fn external_mounts_for(spec: &SandboxSpec, cgroups: &InnerMounts) -> 
                     mp,
                     ExternalSource::Staging {
                         dir: rel.to_string_lossy().into_owned(),
-                        flags: flags as u64,
+                        flags,
                     },
                 )
             }
@@ -515,7 +515,7 @@ mod tests {
         );
         let staging = |dir: &str, flags: libc::c_ulong| ExternalSource::Staging {
             dir: dir.into(),
-            flags: flags as u64,
+            flags,
         };
         assert_eq!(
             find(&l, "/dev"),

@@ -218,11 +218,8 @@ pub(super) async fn measure(cx: &Ctx, template: &str, n: usize) -> anyhow::Resul
             .as_str()
             .ok_or_else(|| anyhow!("snapshot: no snapshotID"))?
             .to_string();
-        match kept.replace(id) {
-            Some(old) => {
-                cx.api.delete(&mut c, &format!("/templates/{old}")).await?;
-            }
-            None => {}
+        if let Some(old) = kept.replace(id) {
+            cx.api.delete(&mut c, &format!("/templates/{old}")).await?;
         }
     }
     frozen.sort_unstable();

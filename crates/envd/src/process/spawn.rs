@@ -249,13 +249,12 @@ extern "C" fn child_main(arg: *mut c_void) -> libc::c_int {
         if a.is_pty && libc::ioctl(0, libc::TIOCSCTTY, 0) < 0 {
             return fail(a);
         }
-        if a.switch_user {
-            if libc::syscall(libc::SYS_setgroups, a.ngroups, a.groups) < 0
+        if a.switch_user
+            && (libc::syscall(libc::SYS_setgroups, a.ngroups, a.groups) < 0
                 || libc::syscall(libc::SYS_setgid, a.gid) < 0
-                || libc::syscall(libc::SYS_setuid, a.uid) < 0
-            {
-                return fail(a);
-            }
+                || libc::syscall(libc::SYS_setuid, a.uid) < 0)
+        {
+            return fail(a);
         }
         // After dropping privileges, so a directory the user may not enter fails.
         if libc::chdir(a.cwd) < 0 {

@@ -49,8 +49,11 @@ pub(crate) struct Inner {
     /// Snapshot records (`<state>/snapshots`).
     pub(crate) snapshots: crate::snapshot::SnapshotStore,
     /// Called before a sandbox is checkpointed or stopped (see `Node::on_checkpoint`).
-    pub(crate) on_checkpoint: std::sync::OnceLock<Box<dyn Fn(&str) + Send + Sync>>,
+    pub(crate) on_checkpoint: std::sync::OnceLock<CheckpointHook>,
 }
+
+/// Called with a sandbox's id before it is checkpointed or stopped (`Node::on_checkpoint`).
+pub(crate) type CheckpointHook = Box<dyn Fn(&str) + Send + Sync>;
 
 /// The live sandboxes and the uid slots, under one lock ([`Inner::lock`]).
 pub(crate) struct State {
