@@ -18,13 +18,10 @@ use std::time::{Duration, Instant};
 use anyhow::{anyhow, bail};
 use bytes::Bytes;
 use http_body_util::Full;
-use hyper::{Method, Request};
+use hyper::Method;
 use serde_json::{Value, json};
 
 use super::{Api, Conn, Ctx, Row, Sbx, true_cmd};
-
-/// The interpreter's port (E2B's code-interpreter API).
-const INTERPRETER_PORT: u16 = 49999;
 
 struct Answer {
     status: u16,
@@ -66,28 +63,6 @@ impl Api {
             .body(Full::new(Bytes::new()))?;
         Ok(c.call(req).await?.0)
     }
-
-    /// `POST /execute` of the code interpreter through the router; the NDJSON answer.
-    async fn execute(&self, c: &mut Conn, s: &Sbx, code: &str) -> anyhow::Result<String> {
-        let mut b = Request::builder()
-            .method(Method::POST)
-            .uri("/execute")
-            .header("host", &self.addr)
-            .header("content-type", "application/json")
-            .header("e2b-sandbox-id", &s.id)
-            .header("e2b-sandbox-port", INTERPRETER_PORT.to_string());
-        if let Some(t) = &s.token {
-            b = b.header("x-access-token", t);
-        }
-        let (status, body) = c
-            .call(b.body(Full::new(Bytes::from(json!({ "code": code }).to_string())))?)
-            .await?;
-        let text = String::from_utf8_lossy(&body).into_owned();
-        if status != 200 || text.contains("\"type\":\"error\"") {
-            bail!("run_code: {status} {text}");
-        }
-        Ok(text)
-    }
 }
 
 fn expect(a: &Answer, want: u16, what: &str) -> anyhow::Result<()> {
@@ -100,9 +75,9 @@ fn expect(a: &Answer, want: u16, what: &str) -> anyhow::Result<()> {
 /// What proves a resumed sandbox works: a command, or the kernel still knowing `x`.
 async fn check(cx: &Ctx, c: &mut Conn, s: &Sbx, template: &str) -> anyhow::Result<()> {
     if template.starts_with("code-interpreter") {
-        let out = cx.api.execute(c, s, "x + 1").await?;
-        if !out.contains("42") {
-            bail!("the kernel lost its state: {out}");
+        let out = cx.api.run_code(c, s, "x + 1").await?;
+        if out.as_deref() != Some("42") {
+            bail!("the kernel lost its state: x + 1 gave {out:?}");
         }
         Ok(())
     } else {
@@ -122,7 +97,7 @@ pub(super) async fn measure(cx: &Ctx, template: &str, n: usize) -> anyhow::Resul
         loop {
             match cx
                 .api
-                .execute(&mut c, &s, "import numpy, pandas\nx = 41")
+                .run_code(&mut c, &s, "import numpy, pandas\nx = 41")
                 .await
             {
                 Ok(_) => break,
