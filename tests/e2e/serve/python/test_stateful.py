@@ -66,6 +66,9 @@ def test_pause_and_resume_keep_processes_memory_and_files(sandboxes: Tracker):
     sbx.files.write("/home/user/notes.txt", "before the pause\n")
     start_counter(sbx)
     n1, pid = read_counter(sbx)
+    oom_score_adj = f"cat /proc/{pid}/oom_score_adj"
+    # envd makes what it starts the OOM killer's likelier victim (500)...
+    assert sbx.commands.run(oom_score_adj).stdout.strip() == "500"
     assert sbx.pause() is True
     info = Sandbox.get_info(sbx.sandbox_id)
     assert info.state == SandboxState.PAUSED
@@ -83,6 +86,8 @@ def test_pause_and_resume_keep_processes_memory_and_files(sandboxes: Tracker):
     assert sbx.is_running() is True
     n2, pid2 = read_counter(sbx)
     assert (pid2, n2) == (pid, n1 + 1), "the counter process was restored with its memory"
+    # ...and CRIU restores that score (a raise: no CAP_SYS_RESOURCE needed).
+    assert sbx.commands.run(oom_score_adj).stdout.strip() == "500"
     assert sbx.files.read("/home/user/notes.txt") == "before the pause\n"
     assert sbx.commands.run("echo alive").stdout == "alive\n"
 
