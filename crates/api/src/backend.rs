@@ -7,6 +7,7 @@ use std::pin::Pin;
 use std::time::Duration;
 
 use cubicle_node::runtime::SandboxStats;
+use cubicle_node::volume::VolumeFs;
 use cubicle_node::{
     CreateRequest, Node, PauseReport, PauseRequest, ResumeOutcome, SandboxInfo, SnapshotRecord,
     SnapshotReport, SnapshotRequest,
@@ -39,6 +40,31 @@ pub trait Backend: Send + Sync + 'static {
     /// Warm-pool counters (ready, target, claims, misses, refills), as JSON.
     fn pool_stats(&self) -> serde_json::Value {
         serde_json::json!({})
+    }
+    /// Create volume `id` with a limit of `size_mb` MiB.
+    fn create_volume<'a>(
+        &'a self,
+        id: &'a str,
+        size_mb: u64,
+    ) -> BoxFuture<'a, cubicle_node::Result<()>> {
+        let _ = size_mb;
+        Box::pin(async move { Err(cubicle_node::Error::VolumeNotFound(id.to_string())) })
+    }
+    /// Delete volume `id` (refused while a sandbox mounts it).
+    fn delete_volume<'a>(&'a self, id: &'a str) -> BoxFuture<'a, cubicle_node::Result<()>> {
+        Box::pin(async move { Err(cubicle_node::Error::VolumeNotFound(id.to_string())) })
+    }
+    /// The files of volume `id`. Blocking.
+    fn volume_fs(&self, id: &str) -> cubicle_node::Result<VolumeFs> {
+        Err(cubicle_node::Error::VolumeNotFound(id.to_string()))
+    }
+    /// Bytes used and the limit of volume `id`. Blocking.
+    fn volume_usage(&self, id: &str) -> cubicle_node::Result<(u64, u64)> {
+        Err(cubicle_node::Error::VolumeNotFound(id.to_string()))
+    }
+    /// The volumes on disk (half-created ones removed).
+    fn reconcile_volumes(&self) -> BoxFuture<'_, cubicle_node::Result<Vec<String>>> {
+        Box::pin(async { Ok(Vec::new()) })
     }
     /// Pause a running sandbox.
     fn pause<'a>(
@@ -145,6 +171,30 @@ impl Backend for Node {
 
     fn log_path(&self, id: &str) -> PathBuf {
         self.sandbox_dir(id).join("init.log")
+    }
+
+    fn create_volume<'a>(
+        &'a self,
+        id: &'a str,
+        size_mb: u64,
+    ) -> BoxFuture<'a, cubicle_node::Result<()>> {
+        Box::pin(Node::create_volume(self, id, size_mb))
+    }
+
+    fn delete_volume<'a>(&'a self, id: &'a str) -> BoxFuture<'a, cubicle_node::Result<()>> {
+        Box::pin(Node::delete_volume(self, id))
+    }
+
+    fn volume_fs(&self, id: &str) -> cubicle_node::Result<VolumeFs> {
+        Node::volume_fs(self, id)
+    }
+
+    fn volume_usage(&self, id: &str) -> cubicle_node::Result<(u64, u64)> {
+        Node::volume_usage(self, id)
+    }
+
+    fn reconcile_volumes(&self) -> BoxFuture<'_, cubicle_node::Result<Vec<String>>> {
+        Box::pin(Node::reconcile_volumes(self))
     }
 
     fn pause<'a>(

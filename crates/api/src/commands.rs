@@ -102,7 +102,7 @@ struct NewSandboxBody {
     env_vars: Option<BTreeMap<String, String>>,
     mcp: Option<serde_json::Value>,
     iam: Option<serde_json::Value>,
-    volume_mounts: Option<Vec<serde_json::Value>>,
+    volume_mounts: Option<Vec<crate::volumes::VolumeMountRequest>>,
 }
 
 /// A `templateID` that is not a valid template reference (it may still name a snapshot).
@@ -144,6 +144,8 @@ pub struct CreateSandbox {
     pub env_vars: BTreeMap<String, String>,
     /// Pause instead of kill at the end time; resume on traffic.
     pub lifecycle: cubicle_node::Lifecycle,
+    /// Volumes to mount, by name (resolved for the caller's team by the service).
+    pub volume_mounts: Vec<crate::volumes::VolumeMountRequest>,
 }
 
 /// Which create route.
@@ -201,9 +203,6 @@ impl CreateSandbox {
         if b.iam.as_ref().is_some_and(|v| !v.is_null()) {
             return Err(not_supported("IAM tokens"));
         }
-        if b.volume_mounts.as_ref().is_some_and(|v| !v.is_empty()) {
-            return Err(not_supported("Volume mounts"));
-        }
         let net = b.network.unwrap_or_default();
         let deny_all = net
             .deny_out
@@ -254,6 +253,7 @@ impl CreateSandbox {
             metadata: b.metadata.unwrap_or_default(),
             env_vars,
             lifecycle,
+            volume_mounts: b.volume_mounts.unwrap_or_default(),
         })
     }
 }

@@ -112,6 +112,8 @@ impl From<cubicle_node::Error> for ApiError {
         match e {
             N::TemplateNotFound(name) => ApiError::NotFound(format!("template '{name}' not found")),
             N::SandboxNotFound(id) => ApiError::sandbox_not_found(&id),
+            N::VolumeNotFound(id) => ApiError::NotFound(format!("volume '{id}' not found")),
+            e @ N::VolumeInUse { .. } => ApiError::Conflict(e.to_string()),
             N::InvalidRequest(m) => ApiError::BadRequest(m),
             N::Capacity(m) => ApiError::Unavailable(m),
             N::Conflict(m) => ApiError::Conflict(m),

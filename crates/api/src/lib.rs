@@ -7,7 +7,10 @@
 //! - [`service`]: [`ControlPlane`], which executes them against the node
 //!   ([`backend::Backend`]) and the store, with team isolation;
 //! - [`error`]: the one error type and the one mapping to `{"code","message"}` bodies;
-//! - [`resolver`]: the router's [`cubicle_router::SandboxResolver`] over the same state.
+//! - [`resolver`]: the router's [`cubicle_router::SandboxResolver`] over the same state;
+//! - [`volumes`] (`/volumes`), [`volume_content`] (`/volumecontent`, its own auth and
+//!   error shape), [`secrets`] (`/secrets`, write-only values), [`keyring`] (the server's
+//!   key: volume tokens, sealed secret values).
 //!
 //! ```no_run
 //! # async fn demo(node: cubicle_node::Node, store: cubicle_store::Store) {
@@ -22,14 +25,18 @@
 pub mod backend;
 pub mod commands;
 pub mod error;
+pub mod keyring;
 pub mod logs;
 pub mod metrics;
 pub mod model;
 pub mod query;
 pub mod resolver;
 pub mod routes;
+pub mod secrets;
 pub mod service;
 pub mod templates;
+pub mod volume_content;
+pub mod volumes;
 
 pub use backend::Backend;
 pub use error::{ApiError, ApiResult};

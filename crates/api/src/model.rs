@@ -80,6 +80,8 @@ pub struct SandboxDetail {
     /// Sent only when true.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub envd_unresponsive_at_pause: Option<bool>,
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub volume_mounts: Vec<crate::volumes::VolumeMountBody>,
 }
 
 /// `ListedSandbox` (list items).
@@ -104,6 +106,8 @@ pub struct ListedSandbox {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub alias: Option<String>,
     pub metadata: BTreeMap<String, String>,
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub volume_mounts: Vec<crate::volumes::VolumeMountBody>,
     /// Sent only when true.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub envd_unresponsive_at_pause: Option<bool>,

@@ -54,10 +54,14 @@ pub fn router(cp: Arc<ControlPlane>) -> Router {
         .route("/templates/{id}", axum::routing::delete(delete_template))
         // Cubicle's own: warm-pool counters for operators and `cubicle bench`.
         .route("/cubicle/pool", get(pool_stats))
+        .merge(crate::volumes::routes())
+        .merge(crate::secrets::routes())
         .route_layer(middleware::from_fn_with_state(cp.clone(), auth));
     Router::new()
         .route("/health", get(|| async { StatusCode::OK }))
         .merge(authed)
+        // Authenticated by the volume's token, not an API key.
+        .merge(crate::volume_content::routes())
         .fallback(unknown_route)
         .layer(middleware::map_response(json_errors))
         .with_state(cp)

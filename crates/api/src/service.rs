@@ -40,6 +40,10 @@ pub struct ApiConfig {
     pub logs_dir: PathBuf,
     /// How long records and logs of ended sandboxes are kept.
     pub retention: Duration,
+    /// The server's key: seals secret values, derives volume tokens (`keyring.rs`).
+    pub keyring: Arc<crate::keyring::Keyring>,
+    /// Volume sizes and counts (`volumes.rs`).
+    pub volumes: crate::volumes::VolumeLimits,
 }
 
 impl ApiConfig {
@@ -53,6 +57,8 @@ impl ApiConfig {
             domain: None,
             logs_dir,
             retention: Duration::from_secs(24 * 3600),
+            keyring: Arc::new(crate::keyring::Keyring::ephemeral()),
+            volumes: crate::volumes::VolumeLimits::default(),
         }
     }
 }
@@ -129,6 +135,7 @@ impl ControlPlane {
                 }
             }
         }
+        cp.reconcile_volumes().await?;
         Ok(cp)
     }
 
@@ -294,6 +301,7 @@ impl ControlPlane {
         template: crate::templates::TemplateRef,
     ) -> ApiResult<Sandbox> {
         let env_var_names: Vec<String> = cmd.env_vars.keys().cloned().collect();
+        let volumes = self.resolve_mounts(team, &cmd.volume_mounts)?;
         let info = self
             .backend
             .create(CreateRequest {
@@ -307,6 +315,7 @@ impl ControlPlane {
                 timeout: Some(cmd.timeout),
                 metadata: cmd.metadata.clone(),
                 lifecycle: cmd.lifecycle,
+                volumes,
             })
             .await?;
         let row = SandboxRow {
@@ -439,6 +448,7 @@ impl ControlPlane {
                 .then(|| info.pause_mode.map(|m| m.as_str()))
                 .flatten(),
             envd_unresponsive_at_pause: info.envd_unresponsive_at_pause.then_some(true),
+            volume_mounts: self.mount_bodies(&info.volumes),
         })
     }
 
@@ -832,6 +842,7 @@ impl ControlPlane {
                 alias: row.alias,
                 metadata: row.metadata,
                 envd_unresponsive_at_pause: info.envd_unresponsive_at_pause.then_some(true),
+                volume_mounts: self.mount_bodies(&info.volumes),
             })
             .collect();
         Ok((items, next))

@@ -88,6 +88,7 @@ impl Backend for FakeNode {
                 envd_unresponsive_at_pause: false,
                 timeout_ms: req.timeout.unwrap_or(Duration::from_secs(300)).as_millis() as u64,
                 oom_kills: 0,
+                volumes: req.volumes,
             };
             std::fs::create_dir_all(self.dir.join(&id)).unwrap();
             std::fs::write(self.log_path(&id), "envd starting\nWARN something odd\n").unwrap();
@@ -143,6 +144,47 @@ impl Backend for FakeNode {
 
     fn log_path(&self, id: &str) -> PathBuf {
         self.dir.join(id).join("init.log")
+    }
+
+    fn create_volume<'a>(
+        &'a self,
+        id: &'a str,
+        _size_mb: u64,
+    ) -> BoxFuture<'a, cubicle_node::Result<()>> {
+        Box::pin(async move {
+            std::fs::create_dir_all(self.dir.join(".volumes").join(id)).unwrap();
+            Ok(())
+        })
+    }
+
+    fn delete_volume<'a>(&'a self, id: &'a str) -> BoxFuture<'a, cubicle_node::Result<()>> {
+        Box::pin(async move {
+            let users: Vec<String> = self
+                .live
+                .lock()
+                .unwrap()
+                .values()
+                .filter(|i| i.volumes.iter().any(|v| v.volume_id == id))
+                .map(|i| i.id.clone())
+                .collect();
+            if !users.is_empty() {
+                return Err(cubicle_node::Error::VolumeInUse {
+                    volume: id.into(),
+                    sandboxes: users,
+                });
+            }
+            let _ = std::fs::remove_dir_all(self.dir.join(".volumes").join(id));
+            Ok(())
+        })
+    }
+
+    fn volume_fs(&self, id: &str) -> cubicle_node::Result<cubicle_node::volume::VolumeFs> {
+        cubicle_node::volume::VolumeFs::open(&self.dir.join(".volumes").join(id))
+            .map_err(|_| cubicle_node::Error::VolumeNotFound(id.into()))
+    }
+
+    fn volume_usage(&self, _id: &str) -> cubicle_node::Result<(u64, u64)> {
+        Ok((4096, 1 << 30))
     }
 }
 
@@ -1156,4 +1198,432 @@ async fn reopening_adopts_live_and_records_lost_sandboxes() {
             .as_deref(),
         Some("lost")
     );
+}
+
+impl Harness {
+    /// A content-API request with a bearer token (`None`: no Authorization header).
+    async fn content(&self, method: Method, uri: &str, token: Option<&str>, body: Body) -> Reply {
+        let mut req = Request::builder().method(method).uri(uri);
+        if let Some(t) = token {
+            req = req.header("authorization", format!("Bearer {t}"));
+        }
+        let resp = self
+            .app
+            .clone()
+            .oneshot(req.body(body).unwrap())
+            .await
+            .unwrap();
+        let status = resp.status();
+        let headers = resp.headers().clone();
+        let bytes = axum::body::to_bytes(resp.into_body(), 1 << 24)
+            .await
+            .unwrap();
+        let json = serde_json::from_slice(&bytes)
+            .unwrap_or_else(|_| Value::String(String::from_utf8_lossy(&bytes).into_owned()));
+        if status.as_u16() >= 400 {
+            // The content API's error shape: `code` is a string.
+            assert_eq!(json["code"], status.as_u16().to_string(), "{uri}: {json}");
+            assert!(json["message"].is_string(), "{uri}: {json}");
+        }
+        Reply {
+            status,
+            headers,
+            json,
+        }
+    }
+}
+
+#[tokio::test]
+async fn volumes_control_routes() {
+    let h = harness().await;
+    let r = h.a(Method::POST, "/volumes", json!({"name": "data"})).await;
+    assert_eq!(r.status, StatusCode::CREATED, "{}", r.json);
+    let id = r.json["volumeID"].as_str().unwrap().to_string();
+    assert_eq!(r.json["name"], "data");
+    assert!(r.json["token"].as_str().unwrap().starts_with("cvt_"));
+    assert!(r.json["domain"].is_null());
+    // The same name again: 400 (upstream's answer); a bad name: 400.
+    let r = h.a(Method::POST, "/volumes", json!({"name": "data"})).await;
+    assert_eq!(r.status, StatusCode::BAD_REQUEST);
+    assert!(
+        r.json["message"]
+            .as_str()
+            .unwrap()
+            .contains("already exists")
+    );
+    for bad in [
+        json!({"name": "a b"}),
+        json!({"name": ""}),
+        json!({}),
+        json!({"name": "x", "sizeMB": 1}),
+    ] {
+        let r = h.a(Method::POST, "/volumes", bad.clone()).await;
+        assert_eq!(r.status, StatusCode::BAD_REQUEST, "{bad}");
+    }
+    let r = h.a(Method::GET, "/volumes", Value::Null).await;
+    assert_eq!(r.json, json!([{"volumeID": id, "name": "data"}]));
+    let r = h
+        .a(Method::GET, &format!("/volumes/{id}"), Value::Null)
+        .await;
+    assert_eq!(r.status, StatusCode::OK);
+    assert_eq!(r.json["token"], h.cp.config().keyring.volume_token(&id));
+    assert_eq!(r.json["usedBytes"], 4096);
+    // Another team sees nothing; a malformed id is a 400.
+    let kb = h.key_b.clone();
+    let r = h
+        .call(
+            Method::GET,
+            &format!("/volumes/{id}"),
+            Some(&kb),
+            Body::empty(),
+        )
+        .await;
+    assert_eq!(r.status, StatusCode::NOT_FOUND);
+    let r = h
+        .call(Method::GET, "/volumes", Some(&kb), Body::empty())
+        .await;
+    assert_eq!(r.json, json!([]));
+    let r = h
+        .call(
+            Method::DELETE,
+            &format!("/volumes/{id}"),
+            Some(&kb),
+            Body::empty(),
+        )
+        .await;
+    assert_eq!(r.status, StatusCode::NOT_FOUND);
+    let r = h.a(Method::GET, "/volumes/not-a-uuid", Value::Null).await;
+    assert_eq!(r.status, StatusCode::BAD_REQUEST);
+    // Team b may use the same name.
+    let r = h
+        .call(
+            Method::POST,
+            "/volumes",
+            Some(&kb),
+            Body::from(r#"{"name":"data"}"#),
+        )
+        .await;
+    assert_eq!(r.status, StatusCode::CREATED);
+
+    // Mounted by name; echoed; in use → 409; unknown name → 400; bad path → 400.
+    let sid = h
+        .create_a(
+            json!({"templateID": "base", "volumeMounts": [{"name": "data", "path": "/mnt/data"}]}),
+        )
+        .await;
+    let d = h
+        .a(Method::GET, &format!("/sandboxes/{sid}"), Value::Null)
+        .await;
+    assert_eq!(
+        d.json["volumeMounts"],
+        json!([{"name": "data", "path": "/mnt/data"}])
+    );
+    let l = h.a(Method::GET, "/v2/sandboxes", Value::Null).await;
+    assert_eq!(
+        l.json[0]["volumeMounts"],
+        json!([{"name": "data", "path": "/mnt/data"}])
+    );
+    for (mounts, needle) in [
+        (json!([{"name": "nope", "path": "/mnt/x"}]), "not found"),
+        (json!([{"name": "data", "path": "relative"}]), "absolute"),
+        (
+            json!([{"name": "data", "path": "/mnt/a"}, {"name": "data", "path": "/mnt/a"}]),
+            "twice",
+        ),
+        (json!([{"name": "data", "path": "/proc/x"}]), "/proc"),
+    ] {
+        let r = h
+            .a(
+                Method::POST,
+                "/v2/sandboxes",
+                json!({"templateID": "base", "volumeMounts": mounts}),
+            )
+            .await;
+        assert_eq!(r.status, StatusCode::BAD_REQUEST, "{mounts}: {}", r.json);
+        assert!(
+            r.json["message"].as_str().unwrap().contains(needle),
+            "{}",
+            r.json
+        );
+    }
+    let r = h
+        .a(Method::DELETE, &format!("/volumes/{id}"), Value::Null)
+        .await;
+    assert_eq!(r.status, StatusCode::CONFLICT, "{}", r.json);
+    assert!(r.json["message"].as_str().unwrap().contains(&sid));
+    let r = h
+        .a(Method::DELETE, &format!("/sandboxes/{sid}"), Value::Null)
+        .await;
+    assert_eq!(r.status, StatusCode::NO_CONTENT);
+    let r = h
+        .a(Method::DELETE, &format!("/volumes/{id}"), Value::Null)
+        .await;
+    assert_eq!(r.status, StatusCode::NO_CONTENT);
+    let r = h
+        .a(Method::DELETE, &format!("/volumes/{id}"), Value::Null)
+        .await;
+    assert_eq!(r.status, StatusCode::NOT_FOUND);
+}
+
+#[tokio::test]
+async fn volume_content_routes() {
+    let h = harness().await;
+    let r = h
+        .a(Method::POST, "/volumes", json!({"name": "files"}))
+        .await;
+    let id = r.json["volumeID"].as_str().unwrap().to_string();
+    let token = r.json["token"].as_str().unwrap().to_string();
+    let t = Some(token.as_str());
+    let base = format!("/volumecontent/{id}");
+    // Auth: none, wrong, another volume's.
+    let r = h
+        .content(
+            Method::GET,
+            &format!("{base}/dir?path=/"),
+            None,
+            Body::empty(),
+        )
+        .await;
+    assert_eq!(r.status, StatusCode::UNAUTHORIZED);
+    let r = h
+        .content(
+            Method::GET,
+            &format!("{base}/dir?path=/"),
+            Some("cvt_nope"),
+            Body::empty(),
+        )
+        .await;
+    assert_eq!(r.status, StatusCode::UNAUTHORIZED);
+    let other =
+        h.cp.config()
+            .keyring
+            .volume_token("0b5c9e1e-6a1c-4a7e-9d55-0a3f1c2b7e11");
+    let r = h
+        .content(
+            Method::GET,
+            &format!("{base}/dir?path=/"),
+            Some(&other),
+            Body::empty(),
+        )
+        .await;
+    assert_eq!(r.status, StatusCode::UNAUTHORIZED);
+    // An API key is not a volume token.
+    let ka = h.key_a.clone();
+    let r = h
+        .content(
+            Method::GET,
+            &format!("{base}/dir?path=/"),
+            Some(&ka),
+            Body::empty(),
+        )
+        .await;
+    assert_eq!(r.status, StatusCode::UNAUTHORIZED);
+
+    let r = h
+        .content(
+            Method::POST,
+            &format!("{base}/dir?path=%2Fd%2Fe&uid=1000&gid=1000&mode=493&force=true"),
+            t,
+            Body::empty(),
+        )
+        .await;
+    assert_eq!(r.status, StatusCode::CREATED, "{}", r.json);
+    assert_eq!(
+        (
+            r.json["type"].as_str(),
+            r.json["path"].as_str(),
+            r.json["mode"].as_u64()
+        ),
+        (Some("directory"), Some("/d/e"), Some(493))
+    );
+    assert_eq!(
+        (r.json["uid"].as_u64(), r.json["gid"].as_u64()),
+        (Some(1000), Some(1000))
+    );
+    assert!(r.json["mtime"].as_str().unwrap().ends_with('Z'));
+    let r = h
+        .content(
+            Method::POST,
+            &format!("{base}/dir?path=/x/y"),
+            t,
+            Body::empty(),
+        )
+        .await;
+    assert_eq!(r.status, StatusCode::NOT_FOUND);
+    let r = h
+        .content(
+            Method::POST,
+            &format!("{base}/dir?path=/d"),
+            t,
+            Body::empty(),
+        )
+        .await;
+    assert_eq!(r.status, StatusCode::CONFLICT);
+    let r = h
+        .content(
+            Method::PUT,
+            &format!("{base}/file?path=%2Fd%2Fe%2Ff.txt&mode=420"),
+            t,
+            Body::from("hello volume"),
+        )
+        .await;
+    assert_eq!(r.status, StatusCode::CREATED, "{}", r.json);
+    assert_eq!(
+        (
+            r.json["size"].as_u64(),
+            r.json["name"].as_str(),
+            r.json["uid"].as_u64()
+        ),
+        (Some(12), Some("f.txt"), Some(1000))
+    );
+    let r = h
+        .content(
+            Method::GET,
+            &format!("{base}/file?path=/d/e/f.txt"),
+            t,
+            Body::empty(),
+        )
+        .await;
+    assert_eq!(r.status, StatusCode::OK);
+    assert_eq!(r.json, Value::String("hello volume".into()));
+    assert_eq!(r.headers["content-length"], "12");
+    // overwrite; parents with force; missing parent without
+    let r = h
+        .content(
+            Method::PUT,
+            &format!("{base}/file?path=/d/e/f.txt"),
+            t,
+            Body::from("v2"),
+        )
+        .await;
+    assert_eq!(
+        (r.status, r.json["size"].as_u64()),
+        (StatusCode::CREATED, Some(2))
+    );
+    let r = h
+        .content(
+            Method::PUT,
+            &format!("{base}/file?path=/n/m/g"),
+            t,
+            Body::from("x"),
+        )
+        .await;
+    assert_eq!(r.status, StatusCode::NOT_FOUND);
+    let r = h
+        .content(
+            Method::PUT,
+            &format!("{base}/file?path=/n/m/g&force=true"),
+            t,
+            Body::from("x"),
+        )
+        .await;
+    assert_eq!(r.status, StatusCode::CREATED);
+    let r = h
+        .content(Method::GET, &format!("{base}/dir?path=/"), t, Body::empty())
+        .await;
+    let paths: Vec<&str> = r
+        .json
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| e["path"].as_str().unwrap())
+        .collect();
+    assert_eq!(paths, ["/d", "/n"]);
+    let r = h
+        .content(
+            Method::GET,
+            &format!("{base}/dir?path=/&depth=3"),
+            t,
+            Body::empty(),
+        )
+        .await;
+    assert_eq!(r.json.as_array().unwrap().len(), 6, "{}", r.json);
+    let r = h
+        .content(
+            Method::GET,
+            &format!("{base}/path?path=/d/e/f.txt"),
+            t,
+            Body::empty(),
+        )
+        .await;
+    assert_eq!(r.json["type"], "file");
+    let r = h
+        .content(
+            Method::PATCH,
+            &format!("{base}/path?path=/d/e/f.txt"),
+            t,
+            Body::from(r#"{"mode":384,"uid":0}"#),
+        )
+        .await;
+    assert_eq!(
+        (r.status, r.json["mode"].as_u64(), r.json["uid"].as_u64()),
+        (StatusCode::OK, Some(384), Some(0))
+    );
+    let r = h
+        .content(
+            Method::PATCH,
+            &format!("{base}/path?path=/d/e/f.txt"),
+            t,
+            Body::from(r#"{"uid":70000}"#),
+        )
+        .await;
+    assert_eq!(r.status, StatusCode::BAD_REQUEST);
+    let r = h
+        .content(
+            Method::GET,
+            &format!("{base}/path?path=/nope"),
+            t,
+            Body::empty(),
+        )
+        .await;
+    assert_eq!(r.status, StatusCode::NOT_FOUND);
+    let r = h
+        .content(Method::GET, &format!("{base}/path"), t, Body::empty())
+        .await;
+    assert_eq!(r.status, StatusCode::BAD_REQUEST);
+    let r = h
+        .content(
+            Method::GET,
+            &format!("{base}/file?path=/../../etc/passwd"),
+            t,
+            Body::empty(),
+        )
+        .await;
+    assert_eq!(r.status, StatusCode::BAD_REQUEST);
+    let r = h
+        .content(
+            Method::DELETE,
+            &format!("{base}/path?path=/d"),
+            t,
+            Body::empty(),
+        )
+        .await;
+    assert_eq!(r.status, StatusCode::NO_CONTENT);
+    let r = h
+        .content(
+            Method::DELETE,
+            &format!("{base}/path?path=/d"),
+            t,
+            Body::empty(),
+        )
+        .await;
+    assert_eq!(r.status, StatusCode::NOT_FOUND);
+    let r = h
+        .content(
+            Method::DELETE,
+            &format!("{base}/path?path=/"),
+            t,
+            Body::empty(),
+        )
+        .await;
+    assert_eq!(r.status, StatusCode::BAD_REQUEST);
+    // A deleted volume's token opens nothing.
+    let r = h
+        .a(Method::DELETE, &format!("/volumes/{id}"), Value::Null)
+        .await;
+    assert_eq!(r.status, StatusCode::NO_CONTENT);
+    let r = h
+        .content(Method::GET, &format!("{base}/dir?path=/"), t, Body::empty())
+        .await;
+    assert_eq!(r.status, StatusCode::NOT_FOUND);
 }

@@ -63,6 +63,8 @@ enum Command {
     },
     /// Sandboxes of a running `cubicle serve` (REST API + router, as an E2B SDK uses them).
     Sandbox(client::SandboxArgs),
+    /// Volumes of a running `cubicle serve`: create, list, delete, and their files.
+    Volume(client::VolumeArgs),
     /// List and kill sandboxes of this state directory directly (no server).
     Local {
         #[command(subcommand)]
@@ -136,6 +138,7 @@ async fn dispatch(cli: Cli) -> anyhow::Result<i32> {
         Command::RunGuard => run::guard(&opts).await,
         Command::Template { command } => template_cmd::run(&cli.state_dir, command).await,
         Command::Sandbox(args) => client::run(args, &cli.state_dir).await,
+        Command::Volume(args) => client::run_volume(args, &cli.state_dir).await,
         Command::Local { command } => sandbox_cmd::run(&opts, command).await,
         Command::Serve(args) => serve::run(opts, args).await,
         Command::Bench(args) => bench::run(args, cli.envd_binary.as_ref()).await,

@@ -83,6 +83,7 @@ pub async fn run(opts: &crate::sandbox_cmd::NodeOpts, args: RunArgs) -> anyhow::
         timeout: Some(Duration::from_secs(args.timeout)),
         metadata: BTreeMap::new(),
         lifecycle: Default::default(),
+        volumes: Vec::new(),
     };
     let info = node.create(req).await.context("creating the sandbox")?;
     if let Some(g) = &mut guard {

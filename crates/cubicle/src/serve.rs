@@ -11,6 +11,7 @@
 //! ```text
 //! export E2B_API_URL=http://HOST:PORT
 //! export E2B_SANDBOX_URL=http://HOST:PORT
+//! export E2B_VOLUME_API_URL=http://HOST:PORT
 //! export E2B_API_KEY=e2b_…
 //! cubicle: ready
 //! ```
@@ -45,6 +46,9 @@ use cubicle_store::Store;
 
 /// File (in the state directory) holding the admin API key's plaintext.
 pub const ADMIN_KEY_FILE: &str = "admin-api-key";
+/// File (in the state directory) holding the server's key when `--secrets-key-file`
+/// names none.
+pub const SECRETS_KEY_FILE: &str = "secrets.key";
 /// Team of the key created on first start.
 pub const ADMIN_TEAM: &str = "admin";
 /// Templates built before the server reports ready.
@@ -95,6 +99,26 @@ pub struct ServeArgs {
         value_name = "N"
     )]
     pub max_connections_per_client: usize,
+    /// The server's key (64 hex digits, mode 0600): seals secret values, derives volume
+    /// tokens. Default: `<state>/secrets.key`, made on first start.
+    #[arg(long, env = "CUBICLE_SECRETS_KEY_FILE", value_name = "FILE")]
+    pub secrets_key_file: Option<std::path::PathBuf>,
+    /// Size of a volume whose create names none, in MiB.
+    #[arg(
+        long,
+        env = "CUBICLE_VOLUME_SIZE_MB",
+        default_value_t = 10240,
+        value_name = "MIB"
+    )]
+    pub volume_size_mb: u64,
+    /// Most volumes one team may have.
+    #[arg(
+        long,
+        env = "CUBICLE_MAX_VOLUMES_PER_TEAM",
+        default_value_t = 100,
+        value_name = "N"
+    )]
+    pub max_volumes_per_team: usize,
     /// Host memory all pooled sandboxes together may use, in MiB.
     #[arg(
         long,
@@ -166,7 +190,19 @@ pub async fn run(env: crate::sandbox_cmd::NodeOpts, args: ServeArgs) -> anyhow::
     let addr = listener.local_addr()?;
     let domain = SandboxDomain::new(args.domain.as_deref(), addr.port())?;
 
+    let keyring = {
+        let (path, create) = match &args.secrets_key_file {
+            Some(p) => (p.clone(), false),
+            None => (state_dir.join(SECRETS_KEY_FILE), true),
+        };
+        tokio::task::spawn_blocking(move || cubicle_api::keyring::Keyring::load(&path, create))
+            .await
+            .context("key task")??
+    };
     let mut api_config = ApiConfig::new(state_dir.join("logs"));
+    api_config.keyring = Arc::new(keyring);
+    api_config.volumes.default_size_mb = args.volume_size_mb;
+    api_config.volumes.max_per_team = args.max_volumes_per_team;
     api_config.limits.default_timeout = Duration::from_secs(args.default_timeout);
     api_config.limits.max_timeout = Duration::from_secs(args.max_timeout);
     api_config.domain = Some(domain.advertised.clone());
@@ -222,6 +258,8 @@ pub async fn run(env: crate::sandbox_cmd::NodeOpts, args: ServeArgs) -> anyhow::
         let mut out = std::io::stdout().lock();
         writeln!(out, "export E2B_API_URL={url}")?;
         writeln!(out, "export E2B_SANDBOX_URL={url}")?;
+        // The volume content API is served on the same listener.
+        writeln!(out, "export E2B_VOLUME_API_URL={url}")?;
         writeln!(out, "export E2B_API_KEY={key}")?;
         writeln!(out, "cubicle: ready")?;
         out.flush()?;

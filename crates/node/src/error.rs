@@ -32,6 +32,17 @@ pub enum Error {
     /// A sandbox id that is not known to this node.
     #[error("sandbox '{0}' not found")]
     SandboxNotFound(String),
+    /// A volume id that is not on this node (or is being deleted).
+    #[error("volume '{0}' not found")]
+    VolumeNotFound(String),
+    /// A volume that live sandboxes mount (or that is being deleted) cannot be deleted.
+    #[error("volume '{volume}' is in use{}; kill them (or wait for the deletion under way) first", in_use_by(.sandboxes))]
+    VolumeInUse {
+        /// The volume.
+        volume: String,
+        /// The sandboxes that mount it (empty: another deletion of it is under way).
+        sandboxes: Vec<String>,
+    },
     /// The request is invalid (bad id, bad limits, ...).
     #[error("invalid request: {0}")]
     InvalidRequest(String),
@@ -89,6 +100,13 @@ pub enum Error {
         #[source]
         source: serde_json::Error,
     },
+}
+
+fn in_use_by(sandboxes: &[String]) -> String {
+    match sandboxes {
+        [] => " (being deleted)".into(),
+        s => format!(" by sandbox(es) {}", s.join(", ")),
+    }
 }
 
 /// Result alias for the node crate.

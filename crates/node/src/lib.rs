@@ -30,6 +30,7 @@ pub mod slots;
 pub mod snapshot;
 pub mod template;
 pub mod traces;
+pub mod volume;
 
 pub use config::{NodeConfig, default_state_dir};
 pub use envd_client::{EnvdClient, ProcessEnd, ProcessEvent, ProcessSpec};
@@ -41,7 +42,7 @@ pub use node::{
 pub use pool::{PoolStats, parse_pool_spec};
 pub use sandbox::{
     CreateRequest, DeathReason, InitPidfd, Lifecycle, PauseMode, SandboxInfo, SandboxRecord,
-    SandboxState,
+    SandboxState, VolumeMount,
 };
 pub use snapshot::SnapshotRecord;
 

@@ -102,7 +102,18 @@ fn sandbox_spec(s: &StartSpec) -> SandboxSpec {
             source: source.clone(),
             target: target.clone(),
             readonly: *readonly,
+            idmapped: false,
         })
+        .chain(
+            s.volumes
+                .iter()
+                .map(|(source, target, readonly)| cubicle_runtime::BindMount {
+                    source: source.clone(),
+                    target: target.clone(),
+                    readonly: *readonly,
+                    idmapped: true,
+                }),
+        )
         .collect();
     spec
 }
@@ -134,10 +145,12 @@ impl LinuxRuntime {
             .map_err(|e| Error::Unsupported(format!("this node cannot checkpoint sandboxes: {e}")))
     }
 
+    /// The quota filesystem, which volumes and snapshots need (without it there are
+    /// none).
     fn storage(&self) -> Result<&Storage> {
         self.storage.as_ref().map_err(|e| {
             Error::Unsupported(format!(
-                "snapshots need the quota filesystem, which is unavailable: {e}"
+                "volumes and snapshots need the quota filesystem, which is unavailable: {e}"
             ))
         })
     }
@@ -517,5 +530,61 @@ impl SandboxRuntime for LinuxRuntime {
             Ok(st) => st.snapshots().map_err(|e| rt_err("listing snapshots", e)),
             Err(_) => Ok(Vec::new()),
         }
+    }
+
+    fn volume_dir(&self, id: &str) -> Result<std::path::PathBuf> {
+        self.storage()?
+            .volume_dir(id)
+            .map_err(|e| rt_err("volume", e))
+    }
+
+    fn create_volume(&self, id: &str, size_mb: u64, uid: u32, gid: u32, mode: u32) -> Result<()> {
+        self.storage()?
+            .create_volume_dir(id, size_mb << 20, uid, gid, mode)
+            .map(drop)
+            .map_err(|e| rt_err(&format!("creating volume {id}"), e))
+    }
+
+    fn remove_volume(&self, id: &str) -> Result<()> {
+        self.storage()?
+            .remove_volume_dir(id)
+            .map_err(|e| rt_err(&format!("deleting volume {id}"), e))
+    }
+
+    fn volume_usage(&self, id: &str) -> Result<(u64, u64)> {
+        self.storage()?
+            .volume_usage(id)
+            .map(|u| (u.used_bytes, u.limit_bytes))
+            .map_err(|e| rt_err(&format!("usage of volume {id}"), e))
+    }
+
+    fn reconcile_volumes(&self) -> Result<Vec<String>> {
+        let Ok(st) = &self.storage else {
+            return Ok(Vec::new());
+        };
+        st.reconcile_volumes()
+            .and_then(|()| st.volume_ids())
+            .map_err(|e| rt_err("volume reconcile", e))
+    }
+
+    fn attach_volumes(
+        &self,
+        id: &str,
+        pidfd: std::os::fd::BorrowedFd<'_>,
+        pid: i32,
+        uid_base: u32,
+        volumes: &[(std::path::PathBuf, std::path::PathBuf, bool)],
+    ) -> Result<()> {
+        let binds: Vec<cubicle_runtime::BindMount> = volumes
+            .iter()
+            .map(|(source, target, readonly)| cubicle_runtime::BindMount {
+                source: source.clone(),
+                target: target.clone(),
+                readonly: *readonly,
+                idmapped: true,
+            })
+            .collect();
+        cubicle_runtime::attach_binds(pidfd, pid, uid_base, &binds)
+            .map_err(|e| rt_err(&format!("mounting volumes in {id}"), e))
     }
 }

@@ -49,10 +49,12 @@ pub(crate) async fn reconcile(inner: &Arc<Inner>) -> Result<ReconcileReport> {
     for e in std::fs::read_dir(&sdir).ctx("readdir", &sdir)?.flatten() {
         let name = e.file_name().to_string_lossy().into_owned();
         if !ids::is_valid_sandbox_id(&name) {
-            // Half-created quota directories are the storage's to remove (below), and
-            // snapshots are checked against their records (below).
+            // Half-created quota directories are the storage's to remove (below),
+            // snapshots are checked against their records (below), and the volumes'
+            // directory holds user data that outlives every sandbox.
             if !name.starts_with(".creating-")
                 && !name.starts_with(cubicle_runtime::storage::SNAPSHOT_PREFIX)
+                && name != cubicle_runtime::storage::VOLUMES
             {
                 odd_entries.push(e.path());
             }

@@ -48,6 +48,8 @@ pub struct StartSpec {
     pub env: BTreeMap<String, String>,
     /// Extra bind mounts: (host path, path inside, read-only).
     pub binds: Vec<(PathBuf, PathBuf, bool)>,
+    /// Volumes, mounted idmapped: (host path, path inside, read-only).
+    pub volumes: Vec<(PathBuf, PathBuf, bool)>,
 }
 
 /// What the runtime reports after a successful start.
@@ -232,4 +234,53 @@ pub trait SandboxRuntime: Send + Sync + 'static {
     fn snapshots(&self) -> Result<Vec<String>> {
         Ok(Vec::new())
     }
+
+    /// Volumes (`crate::volume`): the host directory of volume `id` (whether or not it
+    /// exists). Runtimes without volume support refuse.
+    fn volume_dir(&self, id: &str) -> Result<PathBuf> {
+        Err(no_volumes(id))
+    }
+
+    /// Creates volume `id` with a limit of `size_mb` on everything written in it; its
+    /// root belongs to `uid:gid` (as sandboxes see them) with `mode`.
+    fn create_volume(&self, id: &str, size_mb: u64, uid: u32, gid: u32, mode: u32) -> Result<()> {
+        let _ = (size_mb, uid, gid, mode);
+        Err(no_volumes(id))
+    }
+
+    /// Deletes volume `id` with its contents (idempotent). No sandbox may mount it.
+    fn remove_volume(&self, id: &str) -> Result<()> {
+        Err(no_volumes(id))
+    }
+
+    /// Bytes used and the limit of volume `id`.
+    fn volume_usage(&self, id: &str) -> Result<(u64, u64)> {
+        Err(no_volumes(id))
+    }
+
+    /// The volumes on disk; removes half-created ones.
+    fn reconcile_volumes(&self) -> Result<Vec<String>> {
+        Ok(Vec::new())
+    }
+
+    /// Mounts `volumes` ((host path, path inside, read-only), idmapped) into the running
+    /// sandbox `id`, whose init is `pid` (pinned by `pidfd`) and whose root is host
+    /// uid `uid_base` (a pooled sandbox being claimed).
+    fn attach_volumes(
+        &self,
+        id: &str,
+        pidfd: std::os::fd::BorrowedFd<'_>,
+        pid: i32,
+        uid_base: u32,
+        volumes: &[(PathBuf, PathBuf, bool)],
+    ) -> Result<()> {
+        let _ = (pidfd, pid, uid_base, volumes);
+        Err(no_volumes(id))
+    }
+}
+
+fn no_volumes(what: &str) -> crate::error::Error {
+    crate::error::Error::Runtime(format!(
+        "volumes are not supported by this runtime ({what})"
+    ))
 }

@@ -33,6 +33,21 @@ pub struct CreateRequest {
     pub metadata: BTreeMap<String, String>,
     /// What happens at the end time and to requests while paused.
     pub lifecycle: Lifecycle,
+    /// Volumes to mount (by volume id; the caller resolved names and checked ownership).
+    pub volumes: Vec<VolumeMount>,
+}
+
+/// A volume mounted into a sandbox: which one, where, how.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct VolumeMount {
+    /// The volume's id (its directory under the storage's `.volumes`).
+    pub volume_id: String,
+    /// Absolute mount point inside the sandbox.
+    pub path: String,
+    /// Mounted read-only.
+    #[serde(default)]
+    pub read_only: bool,
 }
 
 /// What happens to a sandbox at its end time and while it is paused (E2B's `autoPause`,
@@ -209,6 +224,9 @@ pub struct SandboxRecord {
     /// The template whose root filesystem it runs on, when `template` names a snapshot.
     #[serde(default)]
     pub base_template: Option<String>,
+    /// Volumes mounted in it (a volume a live sandbox mounts cannot be deleted).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub volumes: Vec<VolumeMount>,
 }
 
 impl SandboxRecord {
@@ -297,6 +315,8 @@ pub struct SandboxInfo {
     /// sandbox that survived an OOM kill and was then killed by its user dies `killed`,
     /// and this count is how its OOM history stays visible.
     pub oom_kills: u64,
+    /// Volumes mounted in it.
+    pub volumes: Vec<VolumeMount>,
 }
 
 impl SandboxInfo {
@@ -327,6 +347,7 @@ impl SandboxInfo {
             envd_unresponsive_at_pause: r.envd_unresponsive_at_pause,
             timeout_ms: r.timeout_ms,
             oom_kills: 0,
+            volumes: r.volumes.clone(),
         }
     }
 }

@@ -83,6 +83,8 @@ fn main() {
                 println!("test {name} ... FAILED: {e:#}");
             }
         }
+        // A failed test returns early, before its own cleanup: kill what it left.
+        rt.block_on(sweep(&envd));
     }
     println!("lifecycle: {} passed, {failed} failed", ran - failed);
     if failed > 0 {
@@ -109,11 +111,44 @@ fn static_envd() -> anyhow::Result<PathBuf> {
 /// another node or test on this host) and no reaping of foreign cgroups.
 async fn node(envd: &Path, name: &str, first_slot: u32) -> anyhow::Result<(Node, PathBuf)> {
     let state = PathBuf::from(format!("/tmp/cbnt-{}-{name}", std::process::id()));
-    let mut cfg = NodeConfig::new(&state, envd);
+    OPENED
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .push((state.clone(), first_slot));
+    Ok((
+        Node::open(node_config(envd, &state, first_slot)).await?,
+        state,
+    ))
+}
+
+fn node_config(envd: &Path, state: &Path, first_slot: u32) -> NodeConfig {
+    let mut cfg = NodeConfig::new(state, envd);
     cfg.first_slot = first_slot;
     cfg.max_sandboxes = 64;
     cfg.any_free_slots = true;
-    Ok((Node::open(cfg).await?, state))
+    cfg
+}
+
+/// The state dirs [`node`] opened (with their first slot), for [`sweep`].
+static OPENED: std::sync::Mutex<Vec<(PathBuf, u32)>> = std::sync::Mutex::new(Vec::new());
+
+/// Reopens every state dir a test left behind, kills its sandboxes and removes it
+/// (unmounting its quota filesystem), so a failing test leaks nothing either.
+async fn sweep(envd: &Path) {
+    let opened = std::mem::take(&mut *OPENED.lock().unwrap_or_else(|e| e.into_inner()));
+    for (state, first_slot) in opened {
+        if !state.exists() {
+            continue;
+        }
+        match Node::open(node_config(envd, &state, first_slot)).await {
+            Ok(node) => {
+                node.kill_all().await;
+                node.close();
+            }
+            Err(e) => eprintln!("  sweep: reopen {}: {e:#}", state.display()),
+        }
+        cleanup_state(&state);
+    }
 }
 
 fn cleanup_state(state: &Path) {

@@ -4,7 +4,9 @@
 //! (as root). Without ROOTFS, builds a busybox-static template in a temporary directory;
 //! with it (e.g. `/var/lib/cubicle/templates/base/rootfs`), uses that template with
 //! `/bin/sleep` as init. Runs `cubicle_runtime::bench::spawn_latency` and prints
-//! percentiles per setup step.
+//! percentiles per setup step. With `CUBICLE_BENCH_VOLUME=1`, also
+//! `cubicle_runtime::bench::volume_mount_cost` (spawns with and without a volume, and
+//! attaching one to a running sandbox).
 
 use std::fs;
 use std::os::unix::fs::{PermissionsExt, symlink};
@@ -64,8 +66,28 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .as_ref()
         .ok()
         .map(|_| cubicle_runtime::bench::idle_memory_per_sandbox(&base, 100, &sandboxes));
+    // CUBICLE_BENCH_VOLUME=1: also what a mounted volume costs (a directory owned by
+    // uid 1000, bound idmapped as volumes are).
+    let volume = std::env::var_os("CUBICLE_BENCH_VOLUME").map(|_| {
+        let v = root.join("volume");
+        fs::create_dir_all(&v)
+            .and_then(|()| std::os::unix::fs::chown(&v, Some(1000), Some(1000)))
+            .map(|()| v)
+    });
+    let volume_report = match volume {
+        Some(v) => {
+            base.id = format!("bench{}v", std::process::id() % 100_000);
+            Some(cubicle_runtime::bench::volume_mount_cost(
+                &base, iterations, &sandboxes, &v?,
+            ))
+        }
+        None => None,
+    };
     let _ = fs::remove_dir_all(&root);
     print!("{}", report?);
+    if let Some(r) = volume_report {
+        print!("volumes ({iterations} of each, interleaved)\n{}", r?);
+    }
     if let Some(idle) = idle {
         println!(
             "idle host memory per sandbox (100 running): {} KiB",

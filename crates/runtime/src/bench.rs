@@ -1,6 +1,7 @@
 //! The spawn benchmark behind `cubicle bench`: how long from `spawn()` to "the sandbox's
 //! init program is running", and how long `destroy()` takes, over many cold creates.
 
+use std::os::fd::AsFd;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
@@ -115,6 +116,115 @@ pub fn spawn_latency(base: &SandboxSpec, iterations: usize, dirs: &Path) -> Resu
         spawn: Percentiles::of(&spawn_t),
         destroy: Percentiles::of(&destroy_t),
         steps,
+    })
+}
+
+/// Result of [`volume_mount_cost`].
+#[derive(Clone, Debug, Default)]
+pub struct VolumeMountReport {
+    /// Spawns without a volume.
+    pub plain: Percentiles,
+    /// Spawns with one idmapped volume bind (the cold create path).
+    pub with_volume: Percentiles,
+    /// [`crate::attach_binds`] of one volume into a running sandbox (a pool claim).
+    pub attach: Percentiles,
+    /// Per sandbox, the steps a bind adds work to (the helper's `id_maps_written` →
+    /// `mounts_prepared`: clone and idmap the sources; the child's `pseudo_fs_mounted`
+    /// → `rootfs_ready`: pivot and attach), without and with the volume: less noisy
+    /// than whole spawns on a busy machine.
+    pub bind_steps_plain: Percentiles,
+    /// As `bind_steps_plain`, with the volume.
+    pub bind_steps_with_volume: Percentiles,
+}
+
+impl std::fmt::Display for VolumeMountReport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let ms = |d: Duration| d.as_secs_f64() * 1000.0;
+        writeln!(f, "  spawn, no volume      : {}", self.plain)?;
+        writeln!(f, "  spawn, one volume     : {}", self.with_volume)?;
+        writeln!(
+            f,
+            "  the volume adds (p50) : {:+.3} ms",
+            ms(self.with_volume.p50) - ms(self.plain.p50)
+        )?;
+        writeln!(f, "  bind steps, no volume : {}", self.bind_steps_plain)?;
+        writeln!(
+            f,
+            "  bind steps, one volume: {}",
+            self.bind_steps_with_volume
+        )?;
+        writeln!(
+            f,
+            "  the volume adds to them (p50): {:+.3} ms",
+            ms(self.bind_steps_with_volume.p50) - ms(self.bind_steps_plain.p50)
+        )?;
+        writeln!(f, "  attach to a running sandbox: {}", self.attach)
+    }
+}
+
+/// What mounting a volume costs: spawns from `base` without and with an idmapped bind of
+/// `volume` at `/mnt/volume`, interleaved (so drift hits both alike), and
+/// [`crate::attach_binds`] of it into running sandboxes.
+pub fn volume_mount_cost(
+    base: &SandboxSpec,
+    iterations: usize,
+    dirs: &Path,
+    volume: &Path,
+) -> Result<VolumeMountReport> {
+    let bind = crate::spec::BindMount {
+        source: volume.to_path_buf(),
+        target: "/mnt/volume".into(),
+        readonly: false,
+        idmapped: true,
+    };
+    let (mut plain, mut with, mut attach) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut steps_plain, mut steps_with) = (Vec::new(), Vec::new());
+    let interval = |sb: &crate::Sandbox, from: &str, to: &str| {
+        let at = |n: &str| sb.timings().iter().find(|(s, _)| s == n).map(|(_, d)| *d);
+        match (at(from), at(to)) {
+            (Some(a), Some(b)) => b.saturating_sub(a),
+            _ => Duration::ZERO,
+        }
+    };
+    for n in 0..iterations {
+        for mounted in [false, true] {
+            let mut spec = base.clone();
+            spec.id = format!("{}{n}{}", base.id, if mounted { "v" } else { "p" });
+            spec.sandbox_dir = dirs.join(&spec.id);
+            spec.uid_base = base.uid_base + (n as u32 % 64) * spec.uid_count;
+            if mounted {
+                spec.binds.push(bind.clone());
+            }
+            let t = Instant::now();
+            let sb = spawn(&spec)?;
+            let dt = t.elapsed();
+            let steps = interval(&sb, "id_maps_written", "mounts_prepared")
+                + interval(&sb, "pseudo_fs_mounted", "rootfs_ready");
+            if mounted {
+                with.push(dt);
+                steps_with.push(steps);
+            } else {
+                steps_plain.push(steps);
+                plain.push(dt);
+                let t = Instant::now();
+                crate::attach_binds(
+                    sb.pidfd().as_fd(),
+                    sb.pid(),
+                    spec.uid_base,
+                    std::slice::from_ref(&bind),
+                )?;
+                attach.push(t.elapsed());
+            }
+            sb.destroy()?;
+            let _ = std::fs::remove_dir_all(&spec.sandbox_dir);
+        }
+    }
+    Ok(VolumeMountReport {
+        plain: Percentiles::of(&plain),
+        with_volume: Percentiles::of(&with),
+        attach: Percentiles::of(&attach),
+        bind_steps_plain: Percentiles::of(&steps_plain),
+        bind_steps_with_volume: Percentiles::of(&steps_with),
     })
 }
 

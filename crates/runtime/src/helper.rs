@@ -196,7 +196,13 @@ fn release_child(spec: &SandboxSpec, pid: i32, sock: &OwnedFd, out: RawFd) -> Re
         if b.readonly {
             attrs |= sys::MOUNT_ATTR_RDONLY;
         }
-        sys::mount_setattr(&fd, attrs, None)
+        let userns_fd = if b.idmapped {
+            attrs |= sys::MOUNT_ATTR_IDMAP;
+            Some(userns.as_raw_fd())
+        } else {
+            None
+        };
+        sys::mount_setattr(&fd, attrs, userns_fd)
             .map_err(|e| format!("bind source {} attributes: {e}", b.source.display()))?;
         fds.push(fd);
     }

@@ -66,6 +66,7 @@
 //! The rest reads in the order things happen: `sandbox.rs` (caller side) → `helper.rs`
 //! (re-exec'd helper) → `child.rs` (the sandbox's PID 1 before exec) → `rootfs.rs`.
 
+mod attach;
 pub mod bench;
 pub mod capabilities;
 pub mod cgroup;
@@ -84,6 +85,7 @@ mod sys;
 pub mod network;
 pub mod storage;
 
+pub use attach::attach_binds;
 pub use cgroup::{Cgroup, CgroupStats, CgroupVersion};
 pub use ctl::{connect_ctl_socket, connect_ctl_socket_async, ctl_socket_parts, open_ctl_socket};
 pub use error::{Error, Result};

@@ -40,6 +40,14 @@ const CLONE_NEWUSER: u64 = 0x1000_0000;
 /// TIOCSTI / TIOCLINUX: inject input into a terminal.
 const TIOCSTI: u64 = 0x5412;
 const TIOCLINUX: u64 = 0x541C;
+/// The ioctl type of btrfs (`0x94`): subvolumes and snapshots, each its own quota group
+/// outside the limit of the sandbox or volume they are made in (the quota escape of
+/// issue 10), read-only subvolumes that block teardown, devices, balance, scrub.
+const BTRFS_IOCTL_TYPE: u64 = 0x94;
+/// The generic ioctls of that type that stay allowed: FICLONE, FICLONERANGE,
+/// FIDEDUPERANGE (reflink copies such as `cp --reflink`; shared extents count in full
+/// in every quota group).
+const BTRFS_IOCTLS_ALLOWED: [u64; 3] = [0x4004_9409, 0x4020_940d, 0xc018_9436];
 
 /// Syscalls denied outright with EPERM, with the reason.
 pub const DENIED: &[(&str, i64, &str)] = &[
@@ -178,10 +186,21 @@ fn deny_eperm_rules() -> Result<BTreeMap<i64, Vec<SeccompRule>>> {
     }
     rules.insert(libc::SYS_personality, vec![rule(persona)?]);
 
-    // ioctl(fd, TIOCSTI/TIOCLINUX): typing into a terminal someone else reads.
+    // ioctl(fd, TIOCSTI/TIOCLINUX): typing into a terminal someone else reads;
+    // ioctl(fd, btrfs type except reflinks): see BTRFS_IOCTL_TYPE.
+    let mut btrfs = vec![cond(
+        1,
+        SeccompCmpArgLen::Dword,
+        SeccompCmpOp::MaskedEq(0xff00),
+        BTRFS_IOCTL_TYPE << 8,
+    )?];
+    for allowed in BTRFS_IOCTLS_ALLOWED {
+        btrfs.push(cond(1, SeccompCmpArgLen::Dword, SeccompCmpOp::Ne, allowed)?);
+    }
     rules.insert(
         libc::SYS_ioctl,
         vec![
+            rule(btrfs)?,
             rule(vec![cond(
                 1,
                 SeccompCmpArgLen::Dword,

@@ -57,6 +57,12 @@ pub struct BindMount {
     pub target: PathBuf,
     /// Mount read-only (always also nosuid and nodev).
     pub readonly: bool,
+    /// Map the source's owners into the sandbox's user namespace (an idmapped mount, as
+    /// the template's lower layer): a file owned by uid N on disk is owned by uid N
+    /// inside, and what the sandbox's uid N creates is stored as N. Used for volumes,
+    /// whose files several sandboxes (each with its own host uid range) share.
+    #[serde(default)]
+    pub idmapped: bool,
 }
 
 /// Everything needed to start one sandbox. Build with [`SandboxSpec::new`] and adjust fields.
@@ -153,12 +159,14 @@ impl SandboxSpec {
                 source: envd.clone(),
                 target: PathBuf::from(ENVD_PATH),
                 readonly: true,
+                idmapped: false,
             });
         }
         binds.push(BindMount {
             source: self.ctl_dir(),
             target: PathBuf::from(CTL_DIR),
             readonly: false,
+            idmapped: false,
         });
         binds
     }
@@ -349,6 +357,7 @@ mod tests {
             source: "/x".into(),
             target: "/proc/x".into(),
             readonly: true,
+            idmapped: false,
         });
         assert!(s.validate().is_err());
         let mut s = spec();

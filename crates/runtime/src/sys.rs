@@ -19,10 +19,18 @@ pub const SYS_MOVE_MOUNT: libc::c_long = 429;
 pub const SYS_PIDFD_OPEN: libc::c_long = 434;
 pub const SYS_CLOSE_RANGE: libc::c_long = 436;
 pub const SYS_MOUNT_SETATTR: libc::c_long = 442;
+pub const SYS_OPENAT2: libc::c_long = 437;
 
 pub const OPEN_TREE_CLONE: libc::c_uint = 1;
 pub const OPEN_TREE_CLOEXEC: libc::c_uint = libc::O_CLOEXEC as libc::c_uint;
 pub const MOVE_MOUNT_F_EMPTY_PATH: libc::c_uint = 0x4;
+pub const MOVE_MOUNT_T_EMPTY_PATH: libc::c_uint = 0x40;
+/// `openat2` resolve flags.
+pub const RESOLVE_NO_XDEV: u64 = 0x01;
+pub const RESOLVE_NO_MAGICLINKS: u64 = 0x02;
+pub const RESOLVE_NO_SYMLINKS: u64 = 0x04;
+pub const RESOLVE_BENEATH: u64 = 0x08;
+pub const RESOLVE_IN_ROOT: u64 = 0x10;
 pub const MOUNT_ATTR_RDONLY: u64 = 0x1;
 pub const MOUNT_ATTR_NOSUID: u64 = 0x2;
 pub const MOUNT_ATTR_NODEV: u64 = 0x4;
@@ -130,6 +138,90 @@ pub fn move_mount_to(fd: RawFd, target: &Path) -> io::Result<()> {
         )
     })?;
     Ok(())
+}
+
+/// `move_mount(fd, "", target_dir, "", F_EMPTY_PATH | T_EMPTY_PATH)`: attach a detached
+/// mount on the directory `target_dir` refers to (an `O_PATH` descriptor, typically from
+/// [`openat2`], so that no path is resolved again).
+pub fn move_mount_onto(fd: RawFd, target_dir: RawFd) -> io::Result<()> {
+    // SAFETY: valid fds and empty NUL-terminated paths.
+    check(unsafe {
+        libc::syscall(
+            SYS_MOVE_MOUNT,
+            fd,
+            c"".as_ptr(),
+            target_dir,
+            c"".as_ptr(),
+            MOVE_MOUNT_F_EMPTY_PATH | MOVE_MOUNT_T_EMPTY_PATH,
+        )
+    })?;
+    Ok(())
+}
+
+/// `struct open_how` of `openat2(2)`.
+#[repr(C)]
+struct OpenHow {
+    flags: u64,
+    mode: u64,
+    resolve: u64,
+}
+
+/// `openat2(dirfd, path, {flags | O_CLOEXEC, mode, resolve})`.
+pub fn openat2(
+    dirfd: RawFd,
+    path: &CStr,
+    flags: libc::c_int,
+    mode: u32,
+    resolve: u64,
+) -> io::Result<OwnedFd> {
+    let how = OpenHow {
+        flags: (flags | libc::O_CLOEXEC) as u64,
+        mode: u64::from(mode),
+        resolve,
+    };
+    loop {
+        // SAFETY: valid fd, NUL-terminated path and an open_how of the size passed.
+        let rc = unsafe {
+            libc::syscall(
+                SYS_OPENAT2,
+                dirfd,
+                path.as_ptr(),
+                &how as *const OpenHow,
+                std::mem::size_of::<OpenHow>(),
+            )
+        };
+        match check(rc) {
+            // RESOLVE_IN_ROOT/BENEATH lookups may race with renames elsewhere: retry.
+            Err(e) if e.raw_os_error() == Some(libc::EAGAIN) => continue,
+            Err(e) => return Err(e),
+            // SAFETY: a fresh descriptor nobody else owns.
+            Ok(fd) => return Ok(unsafe { OwnedFd::from_raw_fd(fd as RawFd) }),
+        }
+    }
+}
+
+/// `setns(fd, nstype)` for the calling thread (`fd`: a namespace file or a pidfd).
+pub fn setns(fd: RawFd, nstype: libc::c_int) -> io::Result<()> {
+    // SAFETY: plain syscall with integer arguments.
+    check_int(unsafe { libc::setns(fd, nstype) })?;
+    Ok(())
+}
+
+/// `unshare(flags)` for the calling thread.
+pub fn unshare(flags: libc::c_int) -> io::Result<()> {
+    // SAFETY: plain syscall with an integer argument.
+    check_int(unsafe { libc::unshare(flags) })?;
+    Ok(())
+}
+
+/// `setfsuid` + `setfsgid` of the calling thread (the ids file operations act as).
+pub fn set_fs_ids(uid: u32, gid: u32) {
+    // SAFETY: plain syscalls with integer arguments; they cannot fail observably (they
+    // return the previous id), and only this thread's credentials change.
+    unsafe {
+        libc::syscall(libc::SYS_setfsgid, gid);
+        libc::syscall(libc::SYS_setfsuid, uid);
+    }
 }
 
 /// `mount(2)` with optional source/fstype/data.

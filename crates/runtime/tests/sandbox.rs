@@ -9,6 +9,7 @@
 //! `/bin/busybox sh -c SCRIPT` whose output goes to a log file the test reads.
 
 use std::fs;
+use std::os::fd::AsFd;
 use std::os::unix::fs::{MetadataExt, PermissionsExt, chown, symlink};
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -438,6 +439,7 @@ fn devices_and_ctl_bind(env: &Env) {
         source: extra,
         target: "/opt/extra".into(),
         readonly: true,
+        idmapped: false,
     });
     let (sb, log) = env.run(&spec);
     for want in [
@@ -467,6 +469,77 @@ fn devices_and_ctl_bind(env: &Env) {
     // ...the runtime's connect refuses it.
     let e = sb.connect_ctl("envd.sock").unwrap_err().to_string();
     assert!(e.contains("not a socket"), "{e}");
+    destroy_and_check(sb, &spec);
+}
+
+/// Volumes' mounts: idmapped at spawn (owners on disk are owners inside, what root and
+/// `user` create inside is stored as 0 and 1000), and attached later to a running
+/// sandbox (`attach_binds`, as for a pooled sandbox), read-only, below a directory only
+/// `user` may write.
+fn idmapped_binds_at_spawn_and_while_running(env: &Env) {
+    let vol = env.root.join("vol-early");
+    let late = env.root.join("vol-late");
+    for d in [&vol, &late] {
+        let _ = fs::remove_dir_all(d);
+        fs::create_dir_all(d).unwrap();
+        chown(d, Some(1000), Some(1000)).unwrap();
+    }
+    fs::write(vol.join("owned1000"), "x").unwrap();
+    chown(vol.join("owned1000"), Some(1000), Some(1000)).unwrap();
+    fs::write(late.join("marker"), "late-marker\n").unwrap();
+    let mut spec = env.spec(
+        "stat -c %u:%g /mnt/vol/owned1000; echo x > /mnt/vol/byroot && echo root-wrote; \
+         su user -c 'echo y > /mnt/vol/byuser' && echo user-wrote; \
+         i=0; while [ ! -e /home/user/late/marker ] && [ $i -lt 100 ]; do sleep 0.1; i=$((i+1)); done; \
+         cat /home/user/late/marker; stat -c %u /home/user/late; \
+         touch /home/user/late/new 2>/dev/null || echo late-ro; echo end",
+    );
+    spec.binds.push(BindMount {
+        source: vol.clone(),
+        target: "/mnt/vol".into(),
+        readonly: false,
+        idmapped: true,
+    });
+    let sb = spawn(&spec).unwrap_or_else(|e| panic!("spawn: {e}"));
+    let late_bind = BindMount {
+        source: late.clone(),
+        target: "/home/user/late".into(),
+        readonly: true,
+        idmapped: true,
+    };
+    cubicle_runtime::attach_binds(sb.pidfd().as_fd(), sb.pid(), spec.uid_base, &[late_bind])
+        .unwrap_or_else(|e| panic!("attach: {e}"));
+    assert!(
+        sb.wait_timeout(Duration::from_secs(20)),
+        "log: {}",
+        env.log(&spec)
+    );
+    let log = env.log(&spec);
+    for want in [
+        "1000:1000",
+        "root-wrote",
+        "user-wrote",
+        "late-marker",
+        "late-ro",
+        "end",
+    ] {
+        assert!(
+            log.lines().any(|l| l == want),
+            "{want:?} missing; log: {log}"
+        );
+    }
+    // The late volume's root (uid 1000 on disk) is uid 1000 inside: idmapped too.
+    assert!(log.lines().any(|l| l == "1000"), "log: {log}");
+    let owner = |p: PathBuf| {
+        let m = fs::metadata(p).unwrap();
+        (m.uid(), m.gid())
+    };
+    assert_eq!(owner(vol.join("byroot")), (0, 0));
+    assert_eq!(owner(vol.join("byuser")), (1000, 1000));
+    assert!(!late.join("new").exists());
+    // The mount point the attach made is the sandbox root's (host uid_base).
+    let mp = fs::metadata(spec.upper_dir().join("home/user/late")).unwrap();
+    assert_eq!(mp.uid(), spec.uid_base);
     destroy_and_check(sb, &spec);
 }
 
@@ -810,6 +883,10 @@ const TESTS: &[Test] = &[
         seccomp_denies_dangerous_syscalls,
     ),
     ("devices_and_ctl_bind", devices_and_ctl_bind),
+    (
+        "idmapped_binds_at_spawn_and_while_running",
+        idmapped_binds_at_spawn_and_while_running,
+    ),
     (
         "setuid_works_without_no_new_privs",
         setuid_works_without_no_new_privs,

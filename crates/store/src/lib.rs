@@ -3,7 +3,9 @@
 //!
 //! What it holds: teams, API keys (only their SHA-256; the plaintext is shown once),
 //! sandbox records (owner team, template, metadata, tokens needed to route, limits,
-//! timestamps, state and death reason) and create idempotency keys. Environment-variable
+//! timestamps, state and death reason), create idempotency keys, volume records (owner,
+//! name, size) and secrets (name, metadata, version, and the value sealed by the control
+//! plane: encrypted, never stored in clear). Environment-variable
 //! *values* are never stored (they may be secrets): only their names.
 //!
 //! Every method blocks (SQLite I/O). Async callers use [`Store::call`], which runs the
@@ -22,6 +24,8 @@ mod idempotency;
 mod keys;
 mod sandboxes;
 mod schema;
+mod secrets;
+mod volumes;
 
 use std::path::Path;
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -29,6 +33,8 @@ use std::sync::{Arc, Mutex, MutexGuard};
 pub use idempotency::{IDEMPOTENCY_TTL_MS, IdempotencyClaim};
 pub use keys::{ApiKey, ApiKeyInfo, FoundKey, KEY_PREFIX, Team, hash_key, is_well_formed_key};
 pub use sandboxes::{SandboxRow, SandboxRowState};
+pub use secrets::SecretRow;
+pub use volumes::VolumeRow;
 
 /// The store's single error type.
 #[derive(Debug, thiserror::Error)]

@@ -62,6 +62,29 @@ pub(crate) const MIGRATIONS: &[&str] = &[
     ALTER TABLE sandboxes DROP COLUMN envd_access_token;
     UPDATE sandboxes SET traffic_access_token = NULL WHERE state = 'ended';
     "#,
+    // 3: volumes (their files are the node's) and secrets (values sealed by the control
+    // plane with the server's key: never in clear here).
+    r#"
+    CREATE TABLE volumes (
+        id          TEXT PRIMARY KEY,                    -- uuid
+        team_id     INTEGER NOT NULL REFERENCES teams(id),
+        name        TEXT NOT NULL,
+        size_mb     INTEGER NOT NULL,
+        created_at  INTEGER NOT NULL,                    -- unix ms
+        UNIQUE (team_id, name)
+    );
+    CREATE TABLE secrets (
+        id          TEXT PRIMARY KEY,                    -- sec_…
+        team_id     INTEGER NOT NULL REFERENCES teams(id),
+        name        TEXT NOT NULL,                       -- canonical: lowercase
+        version     INTEGER NOT NULL,
+        sealed      BLOB NOT NULL,                       -- nonce || ciphertext || tag
+        metadata    TEXT NOT NULL,                       -- JSON object of strings
+        created_at  INTEGER NOT NULL,                    -- unix ms
+        updated_at  INTEGER NOT NULL,
+        UNIQUE (team_id, name)
+    );
+    "#,
 ];
 
 /// Newest schema version this binary knows.

@@ -212,7 +212,7 @@ sys.exit(bad)' || leaks=1
   fi
   # 6. sandbox directories
   local left
-  left=$(ls -A "$STATE/sandboxes" 2>/dev/null | grep -vE '^(lost\+found|\.quota.*|aquota.*)$' || true)
+  left=$(ls -A "$STATE/sandboxes" 2>/dev/null | grep -vE '^(lost\+found|\.quota.*|aquota.*|\.volumes)$' || true)
   if [[ -n "$left" ]]; then
     echo "LEAK sandbox dirs in $STATE/sandboxes: $(echo $left)"; leaks=1
   fi
@@ -294,6 +294,7 @@ value_of() { # NAME
 E2B_API_URL=$(value_of E2B_API_URL)
 E2B_SANDBOX_URL=$(value_of E2B_SANDBOX_URL)
 E2B_API_KEY=$(value_of E2B_API_KEY)
+E2B_VOLUME_API_URL=$(value_of E2B_VOLUME_API_URL)
 if [[ -z "$E2B_API_URL" || -z "$E2B_SANDBOX_URL" || -z "$E2B_API_KEY" ]]; then
   echo "serve-e2e: could not read the three export lines from the server's output:" >&2
   head -n 40 "$LOG" >&2
@@ -318,8 +319,10 @@ fi
 # What the suites see: the three variables a user sets, plus the test-only knobs.
 run_env=(env -u E2B_DEBUG -u E2B_DOMAIN -u E2B_ACCESS_TOKEN
   E2B_API_URL="$E2B_API_URL" E2B_SANDBOX_URL="$E2B_SANDBOX_URL" E2B_API_KEY="$E2B_API_KEY"
+  E2B_VOLUME_API_URL="$E2B_VOLUME_API_URL"
   CUBICLE_E2E_KEY_B="$KEY_B" CUBICLE_E2E_DOMAIN="$DOMAIN" CUBICLE_E2E_IDS_FILE="$IDS"
-  CUBICLE_E2E_STATE_DIR="$STATE" CUBICLE_BIN="$CUBICLE_BIN" CUBICLE_E2E_SERVER_PID="$SERVE_PID")
+  CUBICLE_E2E_STATE_DIR="$STATE" CUBICLE_BIN="$CUBICLE_BIN" CUBICLE_E2E_SERVER_PID="$SERVE_PID"
+  CUBICLE_E2E_SERVE_LOG="$LOG")
 
 run_python() {
   echo; echo "==== serve e2e: python (e2b $("$PY" -c 'import importlib.metadata as m; print(m.version("e2b"))'), sync+async) ===="
@@ -349,6 +352,9 @@ from e2b import Sandbox
 s = Sandbox.create("base", metadata={"e2e": "restart"}, timeout=300)
 with open(sys.argv[1], "a") as f: f.write(s.sandbox_id + "\n")
 s.files.write("/home/user/before-restart.txt", "still here")
+from e2b import Volume
+v = Volume.create("restart-" + s.sandbox_id)
+v.write_file("/kept.txt", "volume kept")
 s.commands.run("nohup sleep 1000 >/dev/null 2>&1 &")
 print(s.sandbox_id)' "$IDS") || { record "restart: create" 1; return; }
   echo "sandbox $sid created; restarting the server"
@@ -369,6 +375,10 @@ assert info.state == "running" and info.metadata == {"e2e": "restart"}, info
 s = Sandbox.connect(sid)
 assert s.files.read("/home/user/before-restart.txt") == "still here"
 assert "sleep 1000" in s.commands.run("ps -eo args").stdout, "processes did not survive the restart"
+from e2b import Volume
+v = next(v for v in Volume.list() if v.name == "restart-" + sid)
+assert Volume.connect(v.volume_id).read_file("/kept.txt") == "volume kept", "volume lost in the restart"
+assert Volume.destroy(v.volume_id) is True
 assert s.commands.run("echo after-restart").stdout == "after-restart\n"
 assert Sandbox.kill(sid) is True
 assert Sandbox.kill(sid) is False

@@ -52,6 +52,9 @@ pub enum SandboxCommand {
         /// Environment variable for every process in the sandbox, `KEY=VALUE` (repeatable).
         #[arg(long = "env", short = 'e', value_name = "KEY=VALUE", value_parser = parse_kv)]
         env: Vec<(String, String)>,
+        /// Mount a volume: `NAME:/path`, or `NAME:/path:ro` read-only (repeatable).
+        #[arg(long = "volume", short = 'v', value_name = "NAME:PATH[:ro]", value_parser = parse_volume_mount)]
+        volumes: Vec<serde_json::Value>,
         /// Print the server's whole JSON answer instead of the id.
         #[arg(long)]
         json: bool,
@@ -207,6 +210,27 @@ pub fn parse_kv(s: &str) -> Result<(String, String), String> {
     }
 }
 
+/// Parses `NAME:/path[:ro]` into a `volumeMounts` item.
+pub fn parse_volume_mount(s: &str) -> Result<serde_json::Value, String> {
+    let (name, rest) = s
+        .split_once(':')
+        .ok_or_else(|| format!("expected NAME:/path[:ro], got {s:?}"))?;
+    let (path, ro) = match rest.strip_suffix(":ro") {
+        Some(p) => (p, true),
+        None => (rest.strip_suffix(":rw").unwrap_or(rest), false),
+    };
+    if name.is_empty() || !path.starts_with('/') {
+        return Err(format!(
+            "expected NAME:/path[:ro] with an absolute path, got {s:?}"
+        ));
+    }
+    let mut v = serde_json::json!({"name": name, "path": path});
+    if ro {
+        v["readOnly"] = true.into();
+    }
+    Ok(v)
+}
+
 /// Resolved connection settings.
 #[derive(Debug, Clone)]
 pub struct Settings {
@@ -222,22 +246,32 @@ fn non_empty(s: &Option<String>) -> Option<&str> {
 impl SandboxArgs {
     /// Resolves URLs and the API key (flag/env, else `<state_dir>/admin-api-key`).
     pub fn settings(&self, state_dir: &Path) -> Result<Settings, ClientError> {
-        let api_url = non_empty(&self.api_url).unwrap_or(DEFAULT_API_URL);
-        let api = BaseUrl::parse(api_url)?;
-        let sandbox = match non_empty(&self.sandbox_url) {
-            Some(u) => BaseUrl::parse(u)?,
-            None => api.clone(),
-        };
-        let api_key = match non_empty(&self.api_key) {
-            Some(k) => k.to_string(),
-            None => read_admin_key(state_dir)?,
-        };
-        Ok(Settings {
-            api,
-            sandbox,
-            api_key,
-        })
+        settings_from(&self.api_url, &self.api_key, &self.sandbox_url, state_dir)
     }
+}
+
+/// Resolves URLs and the API key from flags/env values, else the defaults and
+/// `<state_dir>/admin-api-key` (for every client command group).
+pub fn settings_from(
+    api_url: &Option<String>,
+    api_key: &Option<String>,
+    sandbox_url: &Option<String>,
+    state_dir: &Path,
+) -> Result<Settings, ClientError> {
+    let api = BaseUrl::parse(non_empty(api_url).unwrap_or(DEFAULT_API_URL))?;
+    let sandbox = match non_empty(sandbox_url) {
+        Some(u) => BaseUrl::parse(u)?,
+        None => api.clone(),
+    };
+    let api_key = match non_empty(api_key) {
+        Some(k) => k.to_string(),
+        None => read_admin_key(state_dir)?,
+    };
+    Ok(Settings {
+        api,
+        sandbox,
+        api_key,
+    })
 }
 
 fn read_admin_key(state_dir: &Path) -> Result<String, ClientError> {
@@ -302,6 +336,8 @@ mod tests {
             "x=",
             "--env",
             "K=V",
+            "-v",
+            "data:/mnt/d:ro",
         ])
         .unwrap();
         match a.command {
@@ -310,8 +346,13 @@ mod tests {
                 timeout,
                 metadata,
                 env,
+                volumes,
                 json,
             } => {
+                assert_eq!(
+                    volumes,
+                    vec![serde_json::json!({"name": "data", "path": "/mnt/d", "readOnly": true})]
+                );
                 assert_eq!(template, "tiny");
                 assert_eq!(timeout, Some(60));
                 assert_eq!(

@@ -12,6 +12,7 @@ pub async fn create(
     timeout: Option<u64>,
     metadata: Vec<(String, String)>,
     env: Vec<(String, String)>,
+    volume_mounts: Vec<Value>,
     json: bool,
 ) -> anyhow::Result<i32> {
     let req = NewSandbox {
@@ -19,6 +20,7 @@ pub async fn create(
         timeout,
         metadata: metadata.into_iter().collect(),
         env_vars: env.into_iter().collect(),
+        volume_mounts,
     };
     let (sbx, raw) = api.create(&req).await?;
     if json {

@@ -20,11 +20,13 @@ mod shell;
 #[cfg(test)]
 mod testserver;
 mod tty;
+mod volume;
 
 use std::{collections::HashMap, path::Path, time::Duration};
 
 pub use args::{SandboxArgs, SandboxCommand};
 pub use error::ClientError;
+pub use volume::{VolumeArgs, run_volume};
 
 use connect::EnvdClient;
 use rest::ApiClient;
@@ -39,8 +41,9 @@ pub async fn run(args: SandboxArgs, state_dir: &Path) -> anyhow::Result<i32> {
             timeout,
             metadata,
             env,
+            volumes,
             json,
-        } => commands::create(&api, template, timeout, metadata, env, json).await,
+        } => commands::create(&api, template, timeout, metadata, env, volumes, json).await,
         SandboxCommand::List {
             json,
             metadata,

@@ -29,6 +29,8 @@ pub struct NewSandbox {
     pub timeout: Option<u64>,
     pub metadata: std::collections::BTreeMap<String, String>,
     pub env_vars: std::collections::BTreeMap<String, String>,
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub volume_mounts: Vec<serde_json::Value>,
 }
 
 /// The `Sandbox` answer of create/connect (only what the client needs; the rest is kept
@@ -83,7 +85,9 @@ pub struct ListFilter {
 #[derive(Clone)]
 pub struct ApiClient {
     base: BaseUrl,
+    /// The API key, or the bearer token when `bearer`.
     api_key: String,
+    bearer: bool,
 }
 
 /// `encodeURIComponent`: everything but `A-Za-z0-9-_.!~*'()` is escaped.
@@ -99,13 +103,13 @@ const COMPONENT: &percent_encoding::AsciiSet = &percent_encoding::NON_ALPHANUMER
     .remove(b')');
 
 /// Query-value encoding (form style, but spaces as `%20`).
-const QUERY_VALUE: &percent_encoding::AsciiSet = &percent_encoding::NON_ALPHANUMERIC
+pub(super) const QUERY_VALUE: &percent_encoding::AsciiSet = &percent_encoding::NON_ALPHANUMERIC
     .remove(b'-')
     .remove(b'_')
     .remove(b'.')
     .remove(b'~');
 
-fn enc(s: &str, set: &'static percent_encoding::AsciiSet) -> String {
+pub(super) fn enc(s: &str, set: &'static percent_encoding::AsciiSet) -> String {
     percent_encoding::utf8_percent_encode(s, set).to_string()
 }
 
@@ -145,30 +149,60 @@ pub fn list_query(filter: &ListFilter, next_token: Option<&str>, limit: u32) -> 
 
 impl ApiClient {
     pub fn new(base: BaseUrl, api_key: String) -> ApiClient {
-        ApiClient { base, api_key }
+        ApiClient {
+            base,
+            api_key,
+            bearer: false,
+        }
+    }
+
+    /// A client that authenticates with `Authorization: Bearer <token>` (the volume
+    /// content API) instead of an API key.
+    pub fn with_bearer(base: BaseUrl, token: String) -> ApiClient {
+        ApiClient {
+            base,
+            api_key: token,
+            bearer: true,
+        }
     }
 
     /// Sends a request; returns `(status, headers, body)`; error statuses become
     /// `ClientError::Status` unless listed in `ok_errors`.
-    async fn call(
+    pub(super) async fn call(
         &self,
         method: Method,
         path: &str,
         body: Option<Vec<u8>>,
         timeout: Duration,
     ) -> Result<(u16, header::HeaderMap, bytes::Bytes), ClientError> {
+        self.call_typed(method, path, body.map(|b| (b, "application/json")), timeout)
+            .await
+    }
+
+    /// [`ApiClient::call`] with a body of any content type.
+    pub(super) async fn call_typed(
+        &self,
+        method: Method,
+        path: &str,
+        body: Option<(Vec<u8>, &str)>,
+        timeout: Duration,
+    ) -> Result<(u16, header::HeaderMap, bytes::Bytes), ClientError> {
         let mut b = self
             .base
             .request(method.clone(), path)
-            .header("x-api-key", &self.api_key)
             .header(header::ACCEPT, "application/json")
             .header(
                 header::USER_AGENT,
                 concat!("cubicle-cli/", env!("CARGO_PKG_VERSION")),
             );
+        b = if self.bearer {
+            b.header(header::AUTHORIZATION, format!("Bearer {}", self.api_key))
+        } else {
+            b.header("x-api-key", &self.api_key)
+        };
         let body = match body {
-            Some(b0) => {
-                b = b.header(header::CONTENT_TYPE, "application/json");
+            Some((b0, ctype)) => {
+                b = b.header(header::CONTENT_TYPE, ctype);
                 http::full(b0)
             }
             None => http::full(bytes::Bytes::new()),
@@ -193,7 +227,10 @@ impl ApiClient {
         Ok((status, headers, body))
     }
 
-    fn json<T: serde::de::DeserializeOwned>(path: &str, body: &[u8]) -> Result<T, ClientError> {
+    pub(super) fn json<T: serde::de::DeserializeOwned>(
+        path: &str,
+        body: &[u8],
+    ) -> Result<T, ClientError> {
         serde_json::from_slice(body).map_err(|e| {
             ClientError::Protocol(format!(
                 "{path}: {e} in {}",

@@ -168,7 +168,15 @@ impl Child {
 }
 
 /// The OOM score adjustment of every process envd starts (envd keeps the default, 0).
-pub const CHILD_OOM_SCORE_ADJ: i32 = 500;
+///
+/// When the OOM killer picks envd (PID 1), the whole sandbox dies; a memory hog should die
+/// instead. Lowering envd's own score needs CAP_SYS_RESOURCE on the host, which hosts may
+/// not grant, so what envd starts is made the likelier victim instead: a raise is always
+/// allowed, and descendants inherit it. The child sets it on itself before its exec, so
+/// nothing it runs ever has the lower score; the kernel gives a vfork child its own score
+/// even though it shares envd's memory (see `__set_oom_adj`).
+pub const CHILD_OOM_SCORE_ADJ: &[u8] = b"500";
+const OOM_SCORE_ADJ_PATH: &[u8] = b"/proc/self/oom_score_adj\0";
 
 /// The child's stack while it borrows envd's memory (it only makes system calls).
 const CHILD_STACK: usize = 64 << 10;
@@ -245,6 +253,19 @@ extern "C" fn child_main(arg: *mut c_void) -> libc::c_int {
         }
         if libc::setsid() < 0 {
             return fail(a);
+        }
+        // Best effort (a /proc-less root has no such file); see CHILD_OOM_SCORE_ADJ.
+        let fd = libc::open(
+            OOM_SCORE_ADJ_PATH.as_ptr() as *const libc::c_char,
+            libc::O_WRONLY | libc::O_CLOEXEC,
+        );
+        if fd >= 0 {
+            libc::write(
+                fd,
+                CHILD_OOM_SCORE_ADJ.as_ptr() as *const c_void,
+                CHILD_OOM_SCORE_ADJ.len(),
+            );
+            libc::close(fd);
         }
         if a.is_pty && libc::ioctl(0, libc::TIOCSCTTY, 0) < 0 {
             return fail(a);
@@ -488,16 +509,6 @@ pub fn spawn(spec: &SpawnSpec) -> io::Result<Spawned> {
     }
     own.register(pid as u32);
     drop(own);
-    // When the OOM killer picks envd (PID 1), the whole sandbox dies; a memory hog should
-    // die instead. Lowering envd's own score needs CAP_SYS_RESOURCE on the host, which
-    // hosts may not grant, so what envd starts is made the likelier victim instead (a
-    // raise is always allowed; descendants inherit it). Only now, after the exec: before
-    // it, the child shares envd's memory, and the kernel gives a new score to every
-    // process sharing it.
-    let _ = std::fs::write(
-        format!("/proc/{pid}/oom_score_adj"),
-        CHILD_OOM_SCORE_ADJ.to_string(),
-    );
     // SAFETY: pidfd_open has no memory arguments; our unreaped child cannot be recycled.
     let pidfd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
     let exited = if pidfd < 0 {

@@ -76,6 +76,10 @@ impl Inner {
                 "disk_mb {disk_mb} must be between 16 and 16777216"
             )));
         }
+        crate::volume::check_mounts(&req.volumes)?;
+        // Every volume must exist now (a missing one is the caller's error, not a
+        // failed start).
+        inner.volume_binds(&req.volumes)?;
         let timeout = req.timeout.unwrap_or(inner.config.default_timeout);
         Ok(CreatePlan {
             template,
@@ -111,6 +115,7 @@ impl Inner {
             r.metadata = req.metadata.clone();
             r.lifecycle = req.lifecycle;
             r.timeout_ms = timeout.as_millis() as u64;
+            r.volumes = req.volumes.clone();
         })?;
 
         match self.bring_up(record, &template, t0).await {
@@ -353,7 +358,8 @@ impl Inner {
         binds.extend(crate::template::code_interpreter::bind_for(
             &template.config,
         ));
-        Ok(self.start_spec(record, template, binds))
+        let volumes = self.volume_binds(&record.volumes)?;
+        Ok(self.start_spec(record, template, binds, volumes))
     }
 
     /// What the runtime needs to start (or restore) sandbox `record` on `template`.
@@ -362,6 +368,7 @@ impl Inner {
         record: &SandboxRecord,
         template: &Template,
         binds: Vec<(PathBuf, PathBuf, bool)>,
+        volumes: Vec<(PathBuf, PathBuf, bool)>,
     ) -> StartSpec {
         let id = record.id.clone();
         StartSpec {
@@ -398,6 +405,7 @@ impl Inner {
             },
             env: birth_env(template, &record.access_token),
             binds,
+            volumes,
             id,
         }
     }

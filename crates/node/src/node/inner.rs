@@ -59,6 +59,8 @@ pub(crate) type CheckpointHook = Box<dyn Fn(&str) + Send + Sync>;
 pub(crate) struct State {
     pub(crate) live: HashMap<String, Live>,
     pub(crate) slots: UidSlots,
+    /// Volumes being deleted (`crate::volume`): no sandbox may mount them meanwhile.
+    pub(crate) deleting_volumes: std::collections::HashSet<String>,
 }
 
 /// A sandbox the node knows: its record, and what the node does about it.
@@ -169,8 +171,12 @@ impl Inner {
             paused_at_ms: None,
             envd_unresponsive_at_pause: false,
             base_template: None,
+            volumes: Vec::new(),
         };
         customize(&mut record);
+        // In the same critical section as the insert: a volume being deleted is never
+        // mounted (`Node::delete_volume` checks the live records under this lock).
+        st.check_volumes_usable(&record.volumes)?;
         st.live.insert(id.to_string(), Live::new(record.clone()));
         Ok(record)
     }

@@ -107,6 +107,7 @@ impl Node {
             state: Mutex::new(State {
                 live: HashMap::new(),
                 slots: UidSlots::new(config.uid_base, config.first_slot, end),
+                deleting_volumes: Default::default(),
             }),
             changed: Arc::new(Notify::new()),
             closed: std::sync::atomic::AtomicBool::new(false),

@@ -266,8 +266,14 @@ impl Inner {
                 "envd of sandbox {id} does not answer; not pausing (the sandbox keeps running)"
             )));
         }
+        refuse_volumes(record)?;
         let template = self.rootfs_template(record)?;
-        let spec = self.start_spec(record, &template, self.binds_of(record, &template));
+        let spec = self.start_spec(
+            record,
+            &template,
+            self.binds_of(record, &template),
+            Vec::new(),
+        );
         let dir = self.sandbox_dir(&id).join(CHECKPOINT_DIR);
         if dir.exists() {
             fsutil::remove_tree(&dir)?;
@@ -544,8 +550,14 @@ impl Inner {
             .pid
             .filter(|p| procfs::is_alive(*p, record.pid_start_time))
             .ok_or_else(|| Error::SandboxNotFound(id.clone()))?;
+        refuse_volumes(record)?;
         let template = self.rootfs_template(record)?;
-        let spec = self.start_spec(record, &template, self.binds_of(record, &template));
+        let spec = self.start_spec(
+            record,
+            &template,
+            self.binds_of(record, &template),
+            Vec::new(),
+        );
         let snap_id = ids::new_sandbox_id();
         let storage_name = crate::snapshot::storage_name(&snap_id);
         let dir = self.sandbox_dir(&id).join(CHECKPOINT_DIR);
@@ -627,6 +639,13 @@ impl Inner {
         id: String,
         timeout: Duration,
     ) -> Result<SandboxInfo> {
+        if !req.volumes.is_empty() {
+            return Err(Error::Unsupported(format!(
+                "volumeMounts on a sandbox made from snapshot '{}' are not supported yet \
+                 (create it from a template to mount volumes)",
+                snap.id
+            )));
+        }
         let t0 = Instant::now();
         let template = self
             .templates
@@ -784,6 +803,7 @@ impl Inner {
                 .map(|l| l.record.clone())
                 .ok_or_else(|| Error::SandboxNotFound(id.into()))?
         };
+        refuse_volumes(&source)?;
         if source.state == SandboxState::Paused {
             return Err(conflict(
                 id,
@@ -937,4 +957,18 @@ impl Inner {
         discard_checkpoint(dir.join(CHECKPOINT_DIR));
         Ok(started.pid)
     }
+}
+
+/// Volumes are idmapped bind mounts of host directories that outlive the sandbox; a
+/// checkpoint (pause, snapshot, fork, rollback) of a sandbox that mounts one is not
+/// supported yet: refused before anything is stopped.
+fn refuse_volumes(record: &SandboxRecord) -> Result<()> {
+    if record.volumes.is_empty() {
+        return Ok(());
+    }
+    Err(Error::Unsupported(format!(
+        "sandbox {} mounts volumes: pause, snapshots, fork and rollback of a sandbox with \
+         volumeMounts are not supported yet (kill it instead; the volumes keep their files)",
+        record.id
+    )))
 }

@@ -18,6 +18,18 @@ struct FakeRuntime {
     procs: Mutex<HashMap<String, std::process::Child>>,
     fail_start: AtomicBool,
     destroyed: Mutex<Vec<String>>,
+    /// Where volumes live (`<state>/sandboxes/.volumes`, as the real storage's).
+    volumes: Mutex<PathBuf>,
+}
+
+impl FakeRuntime {
+    fn for_state(dir: &Path) -> Self {
+        let rt = FakeRuntime::default();
+        *rt.volumes.lock().unwrap() = dir
+            .join("sandboxes")
+            .join(cubicle_runtime::storage::VOLUMES);
+        rt
+    }
 }
 
 fn serve_204(listener: UnixListener) {
@@ -90,6 +102,23 @@ impl SandboxRuntime for FakeRuntime {
     fn max_slots(&self) -> u32 {
         8
     }
+    fn volume_dir(&self, id: &str) -> Result<PathBuf> {
+        Ok(self.volumes.lock().unwrap().join(id))
+    }
+    fn create_volume(
+        &self,
+        id: &str,
+        _size_mb: u64,
+        _uid: u32,
+        _gid: u32,
+        _mode: u32,
+    ) -> Result<()> {
+        let d = self.volume_dir(id)?;
+        std::fs::create_dir_all(&d).map_err(|e| Error::io("mkdir", &d, e))
+    }
+    fn remove_volume(&self, id: &str) -> Result<()> {
+        fsutil::remove_tree(&self.volume_dir(id)?)
+    }
 }
 
 fn state(name: &str) -> PathBuf {
@@ -107,7 +136,7 @@ async fn open(name: &str) -> (Node, Arc<FakeRuntime>, PathBuf) {
         &crate::template::TemplateConfig::with_defaults("fake", "test"),
     )
     .unwrap();
-    let rt = Arc::new(FakeRuntime::default());
+    let rt = Arc::new(FakeRuntime::for_state(&dir));
     let mut cfg = NodeConfig::new(&dir, "/nonexistent/envd");
     cfg.max_sandboxes = 2;
     let node = Node::open_with_runtime(cfg, rt.clone()).await.unwrap();
@@ -245,6 +274,85 @@ async fn reopen_removes_unadoptable_records() {
             .unwrap()
             .contains(&"istale".to_string())
     );
+    node.close();
+    fsutil::remove_tree(&dir).unwrap();
+}
+
+/// A volume a live sandbox mounts cannot be deleted; a missing or deleted one cannot be
+/// mounted; volumes and their data survive a node restart (reconciliation leaves the
+/// volumes' directory alone).
+#[tokio::test]
+async fn volumes_in_use_stay_and_outlive_the_node() {
+    let (node, rt, dir) = open("volumes").await;
+    node.create_volume("vol-a", 64).await.unwrap();
+    let vdir = rt.volume_dir("vol-a").unwrap();
+    std::fs::write(vdir.join("data"), b"kept").unwrap();
+    let vm = crate::VolumeMount {
+        volume_id: "vol-a".into(),
+        path: "/mnt/a".into(),
+        read_only: true,
+    };
+    let a = node
+        .create(CreateRequest {
+            volumes: vec![vm.clone()],
+            ..req()
+        })
+        .await
+        .unwrap();
+    assert_eq!(a.volumes, vec![vm.clone()]);
+    let rec: SandboxRecord =
+        fsutil::read_json(&dir.join("sandboxes").join(&a.id).join("sandbox.json")).unwrap();
+    assert_eq!(rec.volumes, vec![vm.clone()]);
+    assert_eq!(node.volume_users("vol-a"), vec![a.id.clone()]);
+    match node.delete_volume("vol-a").await {
+        Err(Error::VolumeInUse { volume, sandboxes }) => {
+            assert_eq!((volume.as_str(), sandboxes), ("vol-a", vec![a.id.clone()]));
+        }
+        other => panic!("delete of a mounted volume: {other:?}"),
+    }
+    let missing = crate::VolumeMount {
+        volume_id: "nope".into(),
+        ..vm.clone()
+    };
+    assert!(matches!(
+        node.create(CreateRequest {
+            volumes: vec![missing],
+            ..req()
+        })
+        .await,
+        Err(Error::VolumeNotFound(_))
+    ));
+    let bad_path = crate::VolumeMount {
+        path: "/proc/x".into(),
+        ..vm.clone()
+    };
+    assert!(matches!(
+        node.create(CreateRequest {
+            volumes: vec![bad_path],
+            ..req()
+        })
+        .await,
+        Err(Error::InvalidRequest(_))
+    ));
+    node.kill(&a.id).await.unwrap();
+    assert!(node.volume_users("vol-a").is_empty());
+    node.close();
+    drop(node);
+    let rt2 = Arc::new(FakeRuntime::for_state(&dir));
+    let node = Node::open_with_runtime(NodeConfig::new(&dir, "/nonexistent/envd"), rt2.clone())
+        .await
+        .unwrap();
+    assert_eq!(std::fs::read(vdir.join("data")).unwrap(), b"kept");
+    node.delete_volume("vol-a").await.unwrap();
+    assert!(!vdir.exists());
+    assert!(matches!(
+        node.create(CreateRequest {
+            volumes: vec![vm],
+            ..req()
+        })
+        .await,
+        Err(Error::VolumeNotFound(_))
+    ));
     node.close();
     fsutil::remove_tree(&dir).unwrap();
 }

@@ -48,7 +48,7 @@ use std::time::{Duration, Instant};
 use crate::envd_client::{EnvdClient, InitRequest};
 use crate::error::{Error, Result};
 use crate::node::create::CreatePlan;
-use crate::node::inner::{Inner, now_ms, sandbox_env};
+use crate::node::inner::{Inner, blocking, now_ms, sandbox_env};
 use crate::node::teardown::spawn_watcher;
 use crate::sandbox::{CreateRequest, DeathReason, InitPidfd, SandboxInfo, SandboxState};
 use crate::template::Template;
@@ -109,7 +109,7 @@ impl Inner {
         }
         let t0 = Instant::now();
         // Take a ready one (skipping ids whose sandbox died meanwhile).
-        let (record, birth_token) = loop {
+        let (record, birth_token, init) = loop {
             let id = {
                 let mut ps = inner.pool.lock();
                 if !ps.target.contains_key(name) {
@@ -136,12 +136,21 @@ impl Inner {
             };
             let now = now_ms();
             let mut st = inner.lock();
+            if let Err(e) = st.check_volumes_usable(&req.volumes) {
+                // A volume is being deleted: the pooled sandbox goes back, unused.
+                drop(st);
+                let mut ps = inner.pool.lock();
+                ps.members.insert(id.clone());
+                ps.ready.entry(name.clone()).or_default().push_front(id);
+                return Some(Err(e));
+            }
             let Some(live) = st.live.get_mut(&id) else {
                 continue;
             };
             if live.record.state != SandboxState::Running {
                 continue;
             }
+            let init = live.init.clone();
             // The pooled sandbox's envd was born with this token (`birth_env`): the
             // claim's /init presents it to set the user's new one.
             let birth_token = std::mem::take(&mut live.record.access_token);
@@ -153,11 +162,28 @@ impl Inner {
             r.access_token = ids::new_access_token();
             r.memory_mb = limits.0;
             r.cpus = limits.1;
-            break (live.record.clone(), birth_token);
+            r.volumes = req.volumes.clone();
+            break (live.record.clone(), birth_token, init);
         };
         inner.pool.wake.notify_one();
         let id = record.id.clone();
         let result = async {
+            if !record.volumes.is_empty() {
+                // Its namespaces exist already: the volumes are mounted into them.
+                let binds = inner.volume_binds(&record.volumes)?;
+                let init = init.ok_or_else(|| Error::SandboxNotFound(id.clone()))?;
+                let (rt, id2, pid, uid_base) = (
+                    inner.runtime.clone(),
+                    id.clone(),
+                    record.pid.unwrap_or(0),
+                    record.uid_base,
+                );
+                blocking(move || {
+                    use std::os::fd::AsFd;
+                    rt.attach_volumes(&id2, init.fd().as_fd(), pid, uid_base, &binds)
+                })
+                .await?;
+            }
             if (limits.0, limits.1) != (defaults.0, defaults.1) {
                 inner
                     .runtime

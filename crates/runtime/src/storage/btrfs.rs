@@ -14,14 +14,18 @@ use super::{DiskUsage, Storage, ioctl};
 use crate::error::{Error, Result, io_err};
 
 impl Storage {
-    /// Makes `root/tmp_name` a subvolume whose qgroup is limited to `quota_bytes`.
-    pub(super) fn btrfs_create(&self, tmp_name: &str, quota_bytes: u64) -> Result<()> {
-        let root =
-            File::open(&self.root).map_err(io_err(format!("opening {}", self.root.display())))?;
+    /// Makes `parent/tmp_name` a subvolume whose qgroup is limited to `quota_bytes`.
+    pub(super) fn btrfs_create(
+        &self,
+        parent: &Path,
+        tmp_name: &str,
+        quota_bytes: u64,
+    ) -> Result<()> {
+        let root = File::open(parent).map_err(io_err(format!("opening {}", parent.display())))?;
         btrfs_subvol_create(&root, tmp_name)
             .map_err(io_err(format!("creating subvolume {tmp_name}")))?;
         let dir =
-            File::open(self.root.join(tmp_name)).map_err(io_err(format!("opening {tmp_name}")))?;
+            File::open(parent.join(tmp_name)).map_err(io_err(format!("opening {tmp_name}")))?;
         let id =
             btrfs_subvol_id(&dir).map_err(io_err(format!("looking up subvolume {tmp_name}")))?;
         btrfs_qgroup_limit(&root, id, quota_bytes)
@@ -72,8 +76,8 @@ impl Storage {
     /// Destroys the level-0 qgroups no subvolume uses.
     pub(super) fn btrfs_reconcile(&self) -> Result<()> {
         let mut live = HashSet::new();
-        for name in self.entries()? {
-            if let Ok(f) = File::open(self.root.join(&name))
+        for path in self.quota_dirs()? {
+            if let Ok(f) = File::open(path)
                 && let Ok(id) = btrfs_subvol_id(&f)
             {
                 live.insert(id);
@@ -99,12 +103,16 @@ impl Storage {
         Ok(())
     }
 
-    /// Removes directory `root/name` (`meta`: its metadata): a subvolume with its qgroup,
-    /// or a plain directory.
-    pub(super) fn btrfs_remove(&self, name: &str, meta: &fs::Metadata) -> Result<()> {
-        let path = self.root.join(name);
-        let root =
-            File::open(&self.root).map_err(io_err(format!("opening {}", self.root.display())))?;
+    /// Removes directory `parent/name` (`meta`: its metadata): a subvolume with its
+    /// qgroup, or a plain directory.
+    pub(super) fn btrfs_remove(
+        &self,
+        parent: &Path,
+        name: &str,
+        meta: &fs::Metadata,
+    ) -> Result<()> {
+        let path = parent.join(name);
+        let root = File::open(parent).map_err(io_err(format!("opening {}", parent.display())))?;
         if meta.ino() == 256 {
             // A subvolume: destroying it is O(1), the kernel cleans up in the background.
             let subvol = File::open(&path)

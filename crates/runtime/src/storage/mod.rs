@@ -34,7 +34,9 @@
 //! clears limits of quota ids no directory uses.
 //!
 //! Files: this one (the [`Storage`] API, which picks the backend), `image.rs` (the image,
-//! the mount table, [`unmount_path`]), `xfs.rs` and `btrfs.rs` (one backend each).
+//! the mount table, [`unmount_path`]), `xfs.rs` and `btrfs.rs` (one backend each),
+//! `volumes.rs` (volumes: quota directories that outlive sandboxes, under `.volumes`)
+//! and `volume_fs.rs` ([`VolumeFs`]: the host's safe file operations inside a volume).
 
 use std::collections::{HashMap, HashSet};
 use std::fs;
@@ -47,10 +49,13 @@ use crate::error::{Error, Result, io_err};
 
 mod btrfs;
 mod image;
+mod volume_fs;
+mod volumes;
 mod xfs;
 
 pub use image::unmount_path;
 use image::{create_image, detect, is_mount_point, mount_image, mount_source_is_loop_of};
+pub use volume_fs::{Attrs, EntryKind, MAX_VOLUME_ID, Timestamp, VolumeEntry, VolumeFs};
 
 /// Which kernel mechanism enforces the quotas.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -100,6 +105,9 @@ pub struct Storage {
 }
 
 const SANDBOXES: &str = "sandboxes";
+/// The directory (in the quota filesystem's root, next to the sandboxes' directories)
+/// that holds the volumes (`volumes.rs`). Node reconciliation must leave it alone.
+pub const VOLUMES: &str = ".volumes";
 const IMAGE: &str = "storage.img";
 const CREATING: &str = ".creating-";
 
@@ -180,7 +188,14 @@ impl Storage {
     /// Creates sandbox `id`'s directory with a hard limit of `quota_bytes` on everything
     /// written below it. Fails if it exists.
     pub fn create_sandbox_dir(&self, id: &str, quota_bytes: u64) -> Result<PathBuf> {
-        let dest = self.sandbox_dir(id)?;
+        check_id(id)?;
+        self.create_quota_dir(&self.root, id, quota_bytes)
+    }
+
+    /// Creates `parent/id` (`parent` on the quota filesystem) with a hard limit of
+    /// `quota_bytes` on everything written below it. Fails if it exists.
+    fn create_quota_dir(&self, parent: &Path, id: &str, quota_bytes: u64) -> Result<PathBuf> {
+        let dest = parent.join(id);
         if dest.exists() {
             return Err(Error::Io {
                 context: format!("creating {}", dest.display()),
@@ -188,14 +203,14 @@ impl Storage {
             });
         }
         let tmp_name = format!("{CREATING}{id}");
-        let tmp = self.root.join(&tmp_name);
-        let _ = self.remove_entry(&tmp_name);
+        let tmp = parent.join(&tmp_name);
+        let _ = self.remove_in(parent, &tmp_name);
         let result = match self.backend {
             QuotaBackend::XfsProject => self.xfs_create(&tmp, id, quota_bytes),
-            QuotaBackend::BtrfsQgroup => self.btrfs_create(&tmp_name, quota_bytes),
+            QuotaBackend::BtrfsQgroup => self.btrfs_create(parent, &tmp_name, quota_bytes),
         };
         if let Err(e) = result {
-            let _ = self.remove_entry(&tmp_name);
+            let _ = self.remove_in(parent, &tmp_name);
             return Err(e);
         }
         fs::rename(&tmp, &dest).map_err(io_err(format!(
@@ -295,7 +310,11 @@ impl Storage {
     pub fn reconcile(&self, known: &[&str]) -> Result<()> {
         let known: HashSet<&str> = known.iter().copied().collect();
         for name in self.entries()? {
-            if !known.contains(name.as_str()) && check_snapshot_name(&name).is_err() {
+            // Volumes outlive sandboxes: `reconcile_volumes` looks after them.
+            if name != VOLUMES
+                && !known.contains(name.as_str())
+                && check_snapshot_name(&name).is_err()
+            {
                 self.remove_entry(&name)?;
             }
         }
@@ -332,7 +351,12 @@ impl Storage {
 
     /// Removes `root/name` (a sandbox dir or a half-created one) and its quota.
     fn remove_entry(&self, name: &str) -> Result<()> {
-        let path = self.root.join(name);
+        self.remove_in(&self.root, name)
+    }
+
+    /// Removes `parent/name` (a quota directory or a half-created one) and its quota.
+    fn remove_in(&self, parent: &Path, name: &str) -> Result<()> {
+        let path = parent.join(name);
         let meta = match fs::symlink_metadata(&path) {
             Ok(m) => m,
             Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(()),
@@ -343,7 +367,7 @@ impl Storage {
         }
         match self.backend {
             QuotaBackend::XfsProject => self.xfs_remove(&path),
-            QuotaBackend::BtrfsQgroup => self.btrfs_remove(name, &meta),
+            QuotaBackend::BtrfsQgroup => self.btrfs_remove(parent, name, &meta),
         }
     }
 }
@@ -611,6 +635,90 @@ mod tests {
             "mount leaked"
         );
         assert!(!state.exists());
+    }
+
+    /// Volumes: their own limit, untouched by the sandboxes' reconciliation (which
+    /// also keeps their quota ids), owner and mode as asked, removal frees the space.
+    #[test]
+    fn volumes_have_their_own_quota_and_outlive_reconciliation() {
+        if !is_root() {
+            eprintln!("SKIPPED: needs root (loop-mounts a filesystem image, sets quotas)");
+            return;
+        }
+        let state =
+            std::env::temp_dir().join(format!("cubicle-test-volumes-{}", std::process::id()));
+        let _ = fs::remove_dir_all(&state);
+        let guard = Cleanup {
+            state: state.clone(),
+        };
+        let storage = match Storage::open_with(StorageConfig {
+            state_dir: state.clone(),
+            image_size: 2 << 30,
+        }) {
+            Ok(s) => s,
+            Err(e) if which("mkfs.btrfs").is_none() => {
+                eprintln!("SKIPPED: btrfs-progs missing: {e}");
+                return;
+            }
+            Err(e) => panic!("open: {e}"),
+        };
+        let quota = 10u64 << 20;
+        let vol = storage
+            .create_volume_dir("vol-1", quota, 1000, 1000, 0o755)
+            .unwrap();
+        assert!(
+            storage
+                .create_volume_dir("vol-1", quota, 0, 0, 0o755)
+                .is_err()
+        );
+        {
+            use std::os::unix::fs::MetadataExt;
+            let m = fs::metadata(&vol).unwrap();
+            assert_eq!((m.uid(), m.gid(), m.mode() & 0o7777), (1000, 1000, 0o755));
+        }
+        let sb = storage.create_sandbox_dir("sb-1", quota).unwrap();
+        let (written, err) = fill(&vol.join("big"), 64 << 20);
+        let code = err
+            .expect("writing 64 MiB into a 10 MiB volume must fail")
+            .raw_os_error();
+        assert!(
+            code == Some(libc::ENOSPC) || code == Some(libc::EDQUOT),
+            "{code:?}"
+        );
+        assert!(written <= quota);
+        // The sandbox's own quota is untouched by the volume's use.
+        let (_, err) = fill(&sb.join("small"), 4 << 20);
+        assert!(err.is_none(), "{err:?}");
+        // Reconciling the sandboxes (none known) keeps the volume and its limit; a
+        // half-made volume goes.
+        fs::create_dir(storage.root().join(VOLUMES).join(".creating-vol-2")).unwrap();
+        storage.reconcile(&[]).unwrap();
+        storage.reconcile_volumes().unwrap();
+        assert!(!sb.exists());
+        assert!(vol.join("big").exists());
+        assert_eq!(storage.volume_ids().unwrap(), vec!["vol-1".to_string()]);
+        let u = storage.volume_usage("vol-1").unwrap();
+        assert_eq!(u.limit_bytes, quota);
+        assert!(u.used_bytes >= quota * 8 / 10, "{u:?}");
+        let more = File::create(vol.join("more")).and_then(|mut f| {
+            f.write_all(&vec![1u8; 32 << 20])
+                .and_then(|()| f.sync_all())
+        });
+        assert!(more.is_err(), "the limit survives reconciliation");
+        // Re-opened (a restart): still there, still limited.
+        drop(storage);
+        let storage = Storage::open_with(StorageConfig {
+            state_dir: state.clone(),
+            image_size: 2 << 30,
+        })
+        .unwrap();
+        assert_eq!(storage.volume_usage("vol-1").unwrap().limit_bytes, quota);
+        storage.remove_volume_dir("vol-1").unwrap();
+        storage.remove_volume_dir("vol-1").unwrap();
+        assert!(!vol.exists());
+        storage.reconcile(&[]).unwrap();
+        storage.unmount().unwrap();
+        drop(guard);
     }
 
     /// `cargo test -p cubicle-runtime --lib storage::tests::create_remove_latency -- --ignored --nocapture`

@@ -20,12 +20,13 @@ impl Storage {
     /// Reads the project id of every directory.
     pub(super) fn load_projects(&self) -> Result<()> {
         let mut map = HashMap::new();
-        for name in self.entries()? {
-            if let Ok(f) = File::open(self.root.join(&name))
+        for path in self.quota_dirs()? {
+            if let Ok(f) = File::open(&path)
                 && let Ok(x) = fsxattr_get(&f)
                 && x.fsx_projid != 0
             {
-                map.insert(x.fsx_projid, name);
+                let name = path.file_name().unwrap_or_default();
+                map.insert(x.fsx_projid, name.to_string_lossy().into_owned());
             }
         }
         *self.lock_projects() = map;

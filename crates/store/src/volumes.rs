@@ -1,0 +1,130 @@
+//! Volume records: which team owns a volume, its name (unique per team) and size. The
+//! volume's files are the node's (`cubicle_node::volume`); its content-API token is
+//! derived from the id and the server's key, never stored.
+
+use rusqlite::{OptionalExtension, params};
+
+use crate::{Error, Result, Store};
+
+/// One volume as stored.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct VolumeRow {
+    /// Volume id (a UUID).
+    pub id: String,
+    /// Owner team.
+    pub team_id: i64,
+    /// Name, unique within the team (`^[a-zA-Z0-9_-]+$`).
+    pub name: String,
+    /// Size limit, MiB.
+    pub size_mb: u64,
+    /// Unix ms.
+    pub created_at: i64,
+}
+
+const COLUMNS: &str = "id, team_id, name, size_mb, created_at";
+
+fn row(r: &rusqlite::Row<'_>) -> rusqlite::Result<VolumeRow> {
+    Ok(VolumeRow {
+        id: r.get(0)?,
+        team_id: r.get(1)?,
+        name: r.get(2)?,
+        size_mb: r.get::<_, i64>(3)? as u64,
+        created_at: r.get(4)?,
+    })
+}
+
+impl Store {
+    /// Inserts a volume record; a name the team already uses is a [`Error::Conflict`].
+    pub fn insert_volume(&self, v: &VolumeRow) -> Result<()> {
+        let r = self.conn().execute(
+            &format!("INSERT INTO volumes ({COLUMNS}) VALUES (?1, ?2, ?3, ?4, ?5)"),
+            params![v.id, v.team_id, v.name, v.size_mb as i64, v.created_at],
+        );
+        match r {
+            Err(rusqlite::Error::SqliteFailure(e, _))
+                if e.code == rusqlite::ErrorCode::ConstraintViolation =>
+            {
+                Err(Error::Conflict(format!(
+                    "Volume with name '{}' already exists",
+                    v.name
+                )))
+            }
+            r => r.map(drop).map_err(Error::from),
+        }
+    }
+
+    /// A volume by id, whatever its team.
+    pub fn volume(&self, id: &str) -> Result<Option<VolumeRow>> {
+        Ok(self
+            .conn()
+            .query_row(
+                &format!("SELECT {COLUMNS} FROM volumes WHERE id = ?1"),
+                params![id],
+                row,
+            )
+            .optional()?)
+    }
+
+    /// A team's volume by name.
+    pub fn volume_by_name(&self, team_id: i64, name: &str) -> Result<Option<VolumeRow>> {
+        Ok(self
+            .conn()
+            .query_row(
+                &format!("SELECT {COLUMNS} FROM volumes WHERE team_id = ?1 AND name = ?2"),
+                params![team_id, name],
+                row,
+            )
+            .optional()?)
+    }
+
+    /// A team's volumes (every team's with `None`), oldest first.
+    pub fn volumes(&self, team_id: Option<i64>) -> Result<Vec<VolumeRow>> {
+        let conn = self.conn();
+        let mut st = conn.prepare(&format!(
+            "SELECT {COLUMNS} FROM volumes WHERE (?1 IS NULL OR team_id = ?1) ORDER BY created_at, id"
+        ))?;
+        let rows = st
+            .query_map(params![team_id], row)?
+            .collect::<rusqlite::Result<Vec<_>>>()?;
+        Ok(rows)
+    }
+
+    /// Deletes a volume record; returns whether it existed.
+    pub fn delete_volume(&self, id: &str) -> Result<bool> {
+        let n = self
+            .conn()
+            .execute("DELETE FROM volumes WHERE id = ?1", params![id])?;
+        Ok(n > 0)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_are_unique_per_team() {
+        let s = Store::open_in_memory().unwrap();
+        let a = s.ensure_team("a").unwrap();
+        let b = s.ensure_team("b").unwrap();
+        let v = |id: &str, team: i64, name: &str| VolumeRow {
+            id: id.into(),
+            team_id: team,
+            name: name.into(),
+            size_mb: 1024,
+            created_at: 1,
+        };
+        s.insert_volume(&v("1", a.id, "data")).unwrap();
+        assert!(matches!(
+            s.insert_volume(&v("2", a.id, "data")),
+            Err(Error::Conflict(m)) if m.contains("already exists")
+        ));
+        s.insert_volume(&v("3", b.id, "data")).unwrap();
+        assert_eq!(s.volume_by_name(a.id, "data").unwrap().unwrap().id, "1");
+        assert_eq!(s.volumes(Some(b.id)).unwrap().len(), 1);
+        assert_eq!(s.volumes(None).unwrap().len(), 2);
+        assert!(s.delete_volume("1").unwrap());
+        assert!(!s.delete_volume("1").unwrap());
+        assert!(s.volume("1").unwrap().is_none());
+    }
+}

@@ -1,0 +1,260 @@
+"""Volumes through the official Python SDK (issue 17): the control routes, the content
+API (found through E2B_VOLUME_API_URL, which `cubicle serve` prints: its own listener),
+mounts at create (by name), owners as sandboxes see them, several sandboxes at once,
+read-only mounts (Cubicle's `readOnly`), the size limit and what a tenant tries against
+it, team isolation, and that a mounted volume cannot be deleted.
+
+Every volume a test makes is deleted in `finally`; every sandbox is killed by the
+tracker.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Iterator, List
+
+import pytest
+
+from e2b import Sandbox, Volume
+from e2b.exceptions import (
+    AuthenticationException,
+    NotFoundException,
+    VolumeException,
+    VolumeNotFoundException,
+    VolumePathNotFoundException,
+)
+
+from conftest import API_KEY, KEY_B, Tracker, api, record_id, unique
+
+pytestmark = pytest.mark.skipif(
+    not os.environ.get("E2B_VOLUME_API_URL"),
+    reason="E2B_VOLUME_API_URL is not set (run through tests/e2e/serve/run.sh)",
+)
+
+
+class Volumes:
+    """Makes volumes and deletes every one at teardown."""
+
+    def __init__(self) -> None:
+        self.made: List[tuple] = []
+
+    def create(self, name: str | None = None, key: str = API_KEY) -> Volume:
+        vol = Volume.create(name or f"e2e-{unique()}", api_key=key)
+        self.made.append((vol.volume_id, key))
+        return vol
+
+    def create_sized(self, size_mb: int) -> Volume:
+        """Cubicle's own `sizeMB` (the SDK has no size option)."""
+        r = api("POST", "/volumes", json={"name": f"e2e-{unique()}", "sizeMB": size_mb})
+        assert r.status_code == 201, r.text
+        self.made.append((r.json()["volumeID"], API_KEY))
+        return Volume.connect(r.json()["volumeID"])
+
+    def cleanup(self) -> None:
+        for vid, key in self.made:
+            Volume.destroy(vid, api_key=key)
+
+
+@pytest.fixture
+def volumes() -> Iterator[Volumes]:
+    v = Volumes()
+    try:
+        yield v
+    finally:
+        v.cleanup()
+
+
+def test_volume_control_routes(volumes: Volumes):
+    name = f"e2e-{unique()}"
+    vol = volumes.create(name)
+    assert vol.name == name and vol.volume_id and vol.token
+    assert any(v.volume_id == vol.volume_id and v.name == name for v in Volume.list())
+    info = Volume.get_info(vol.volume_id)
+    assert (info.volume_id, info.name, info.token) == (vol.volume_id, name, vol.token)
+    assert info.domain is None
+    again = Volume.connect(vol.volume_id)
+    assert again.token == vol.token
+    with pytest.raises(VolumeException) as e:
+        Volume.create(name)
+    assert "already exists" in str(e.value)
+    with pytest.raises(VolumeException):
+        Volume.create("not a valid name")
+    # Another team sees nothing of it.
+    if KEY_B:
+        assert all(v.volume_id != vol.volume_id for v in Volume.list(api_key=KEY_B))
+        with pytest.raises(VolumeNotFoundException):
+            Volume.get_info(vol.volume_id, api_key=KEY_B)
+        assert Volume.destroy(vol.volume_id, api_key=KEY_B) is False
+    vid = vol.volume_id
+    volumes.made.clear()
+    assert Volume.destroy(vid) is True
+    assert Volume.destroy(vid) is False
+    with pytest.raises(VolumeNotFoundException):
+        Volume.get_info(vid)
+
+
+def test_volume_content_api(volumes: Volumes):
+    vol = volumes.create()
+    d = vol.make_dir("/d/e", uid=1000, gid=1000, mode=0o755, force=True)
+    assert (d.type.value, d.path, d.mode, d.uid, d.gid) == ("directory", "/d/e", 0o755, 1000, 1000)
+    assert d.mtime.tzinfo is not None
+    f = vol.write_file("/d/e/hello.txt", "hello volume")
+    assert (f.type.value, f.size, f.uid) == ("file", 12, 1000)
+    assert vol.read_file("/d/e/hello.txt") == "hello volume"
+    assert vol.read_file("/d/e/hello.txt", format="bytes") == b"hello volume"
+    assert b"".join(vol.read_file("/d/e/hello.txt", format="stream")) == b"hello volume"
+    big = os.urandom(3 << 20)
+    vol.write_file("/big.bin", big)
+    assert vol.read_file("/big.bin", format="bytes") == big
+    vol.write_file("/d/e/hello.txt", b"v2")
+    assert vol.read_file("/d/e/hello.txt") == "v2"
+    assert [e.path for e in vol.list("/")] == ["/big.bin", "/d"]
+    deep = {e.path for e in vol.list("/", depth=3)}
+    assert {"/d", "/d/e", "/d/e/hello.txt", "/big.bin"} <= deep
+    assert vol.exists("/d/e/hello.txt") and not vol.exists("/nope")
+    info = vol.get_info("/d/e/hello.txt")
+    assert info.name == "hello.txt"
+    upd = vol.update_metadata("/d/e/hello.txt", mode=0o600, uid=0, gid=0)
+    assert (upd.mode, upd.uid, upd.gid) == (0o600, 0, 0)
+    with pytest.raises(VolumePathNotFoundException):
+        vol.read_file("/missing")
+    with pytest.raises(VolumePathNotFoundException):
+        vol.make_dir("/x/y")
+    with pytest.raises(NotFoundException):
+        vol.list("/missing")
+    vol.remove("/d")
+    assert not vol.exists("/d/e/hello.txt")
+    with pytest.raises(VolumePathNotFoundException):
+        vol.remove("/d")
+    # Another volume's token opens nothing of this one.
+    other = volumes.create()
+    stranger = Volume(vol.volume_id, vol.name, token=other.token)
+    with pytest.raises(AuthenticationException):
+        stranger.list("/")
+
+
+def test_mounted_in_several_sandboxes_with_owners(volumes: Volumes, sandboxes: Tracker):
+    vol = volumes.create()
+    vol.write_file("/from-api.txt", "written through the content API")
+    a = sandboxes.create(volume_mounts={"/mnt/data": vol}, timeout=300)
+    b = sandboxes.create(volume_mounts={"/home/user/shared": vol.name}, timeout=300)
+    mounts = Sandbox.get_info(a.sandbox_id).volume_mounts
+    assert [(m["name"], m["path"]) for m in mounts] == [(vol.name, "/mnt/data")]
+    assert a.files.read("/mnt/data/from-api.txt") == "written through the content API"
+    # `user` (the default) and root write; the owners are theirs, inside and on disk.
+    a.commands.run("echo by-user > /mnt/data/user.txt")
+    a.commands.run("echo by-root > /mnt/data/root.txt", user="root")
+    owners = a.commands.run("stat -c '%U %u' /mnt/data/user.txt /mnt/data/root.txt").stdout.split("\n")
+    assert owners[:2] == ["user 1000", "root 0"], owners
+    assert (vol.get_info("/user.txt").uid, vol.get_info("/root.txt").uid) == (1000, 0)
+    # The other sandbox (another host uid range) sees the same files with the same owners.
+    out = b.commands.run("cat /home/user/shared/user.txt; stat -c '%u' /home/user/shared/user.txt").stdout
+    assert out.split() == ["by-user", "1000"]
+    b.commands.run("echo from-b > /home/user/shared/b.txt")
+    assert a.files.read("/mnt/data/b.txt") == "from-b\n"
+    assert vol.read_file("/b.txt") == "from-b\n"
+    # In use: cannot be deleted (409), and stays intact.
+    with pytest.raises(VolumeException) as e:
+        Volume.destroy(vol.volume_id)
+    assert "in use" in str(e.value)
+    assert vol.read_file("/b.txt") == "from-b\n"
+    a.kill()
+    b.kill()
+    vid = vol.volume_id
+    volumes.made.clear()
+    assert Volume.destroy(vid) is True
+
+
+def test_create_with_unknown_or_foreign_volume_fails(volumes: Volumes, sandboxes: Tracker):
+    with pytest.raises(Exception) as e:
+        sandboxes.create(volume_mounts={"/mnt/x": f"nope-{unique()}"})
+    assert "not found" in str(e.value)
+    if KEY_B:
+        vol = volumes.create()
+        with pytest.raises(Exception) as e:
+            sandboxes.create(key=KEY_B, volume_mounts={"/mnt/x": vol.name})
+        assert "not found" in str(e.value)
+    with pytest.raises(Exception):
+        sandboxes.create(volume_mounts={"/proc/x": volumes.create().name})
+
+
+def test_read_only_mount(volumes: Volumes, sandboxes: Tracker):
+    """`readOnly` is Cubicle's own (the SDKs have no option for it): a raw create."""
+    vol = volumes.create()
+    vol.write_file("/kept.txt", "kept")
+    r = api(
+        "POST",
+        "/v2/sandboxes",
+        json={
+            "templateID": "base",
+            "timeout": 300,
+            "volumeMounts": [{"name": vol.name, "path": "/mnt/ro", "readOnly": True}],
+        },
+    )
+    assert r.status_code == 201, r.text
+    sid = r.json()["sandboxID"]
+    sandboxes.track(sid)
+    sbx = Sandbox.connect(sid)
+    assert sbx.files.read("/mnt/ro/kept.txt") == "kept"
+    res = sbx.commands.run(
+        "echo x > /mnt/ro/new 2>&1; echo rc=$?; sudo sh -c 'echo x > /mnt/ro/new' 2>&1; "
+        "sudo mount -o remount,rw /mnt/ro 2>&1; echo mount=$?",
+    )
+    assert "Read-only file system" in res.stdout, res.stdout
+    assert "mount=0" not in res.stdout, res.stdout
+    assert not vol.exists("/new")
+
+
+def test_size_limit_holds_against_the_tenant(volumes: Volumes, sandboxes: Tracker):
+    """A 32 MiB volume: writing 64 MiB stops at the limit, for root too; a nested btrfs
+    subvolume (its own qgroup, outside the limit) cannot be made from inside; a reflink
+    of a big file costs its full size; the sandbox's own disk is not charged."""
+    vol = volumes.create_sized(32)
+    sbx = sandboxes.create(volume_mounts={"/mnt/q": vol}, timeout=300)
+    # First, on the empty volume: a subvolume (which btrfs would give a quota group of
+    # its own, outside the volume's limit) or a snapshot cannot be made from inside.
+    probe = r"""
+import fcntl, os, struct
+fd = os.open("/mnt/q", os.O_RDONLY)
+# struct btrfs_ioctl_vol_args {s64 fd; char name[4088]}: a new subvolume "nested", and
+# a snapshot "snap" of the volume itself (its root is a subvolume).
+for name, req, src in [("subvol", 0x5000940e, 0), ("snapshot", 0x50009401, fd)]:
+    args = bytearray(4096)
+    args[0:8] = struct.pack("q", src)
+    args[8:8 + len(name)] = name.encode()
+    try:
+        fcntl.ioctl(fd, req, args)
+        print(name, "created")
+    except OSError as e:
+        print(name, "refused", e.errno)
+"""
+    sbx.files.write("/tmp/probe.py", probe)
+    out = sbx.commands.run("sudo python3 /tmp/probe.py").stdout
+    assert "subvol refused" in out and "snapshot refused" in out, out
+    assert "122" not in out, f"refused for lack of space, not by policy: {out}"
+    res = sbx.commands.run(
+        "sudo dd if=/dev/zero of=/mnt/q/big bs=1M count=64 conv=fsync 2>&1; echo rc=$?",
+        timeout=120,
+    )
+    assert "rc=0" not in res.stdout and "quota" in res.stdout.lower(), res.stdout
+    used = api("GET", f"/volumes/{vol.volume_id}").json()["usedBytes"]
+    assert used <= 34 << 20, used
+    sbx.commands.run("sudo rm -f /mnt/q/big")
+    sbx.commands.run("dd if=/dev/urandom of=/mnt/q/a bs=1M count=20 2>/dev/null; sync")
+    res = sbx.commands.run("cp --reflink=always /mnt/q/a /mnt/q/b 2>&1; sync; echo rc=$?")
+    if "rc=0" in res.stdout:
+        # Shared extents count in full: 40 MiB referenced by a 32 MiB volume would be
+        # over its limit, so a later write must fail.
+        res = sbx.commands.run("dd if=/dev/zero of=/mnt/q/c bs=1M count=16 conv=fsync 2>&1; echo rc=$?")
+        assert "rc=0" not in res.stdout, res.stdout
+
+
+def test_volume_files_survive_the_sandbox(volumes: Volumes, sandboxes: Tracker):
+    vol = volumes.create()
+    sbx = sandboxes.create(volume_mounts={"/mnt/keep": vol}, timeout=300)
+    sbx.commands.run("mkdir -p /mnt/keep/dir && echo persisted > /mnt/keep/dir/f")
+    sbx.kill()
+    assert vol.read_file("/dir/f") == "persisted\n"
+    again = sandboxes.create(volume_mounts={"/data": vol}, timeout=300)
+    assert again.files.read("/data/dir/f") == "persisted\n"
