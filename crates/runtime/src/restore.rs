@@ -495,6 +495,7 @@ mod tests {
             source: "/data".into(),
             target: "/opt/data".into(),
             readonly: true,
+            idmapped: false,
         });
         s
     }
