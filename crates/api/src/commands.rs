@@ -249,11 +249,33 @@ struct NewSandboxBody {
     volume_mounts: Option<Vec<crate::volumes::VolumeMountRequest>>,
 }
 
+/// A `templateID` that is not a valid template reference (it may still name a snapshot).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TemplateError {
+    /// 404 (unknown tag) rather than 400 (malformed).
+    pub not_found: bool,
+    /// What is wrong.
+    pub message: String,
+}
+
+impl From<TemplateError> for ApiError {
+    fn from(e: TemplateError) -> Self {
+        if e.not_found {
+            ApiError::NotFound(e.message)
+        } else {
+            ApiError::BadRequest(e.message)
+        }
+    }
+}
+
 /// Create a sandbox.
 #[derive(Debug, Clone, PartialEq)]
 pub struct CreateSandbox {
-    /// Which template.
-    pub template: TemplateRef,
+    /// Which template (an error if `templateID` is no template reference: the service
+    /// first looks for a snapshot of that name).
+    pub template: Result<TemplateRef, TemplateError>,
+    /// `templateID` as sent (percent-decoded).
+    pub template_id: String,
     /// Lifetime.
     pub timeout: Duration,
     /// A network interface at all (false: loopback only).
@@ -270,6 +292,8 @@ pub struct CreateSandbox {
     pub metadata: BTreeMap<String, String>,
     /// Environment of every process.
     pub env_vars: BTreeMap<String, String>,
+    /// Pause instead of kill at the end time; resume on traffic.
+    pub lifecycle: cubicle_node::Lifecycle,
     /// Volumes to mount, by name (resolved for the caller's team by the service).
     pub volume_mounts: Vec<crate::volumes::VolumeMountRequest>,
 }
@@ -294,7 +318,14 @@ impl CreateSandbox {
     /// Parse and validate a create body.
     pub fn parse(body: &[u8], version: CreateVersion, limits: &Limits) -> ApiResult<Self> {
         let b: NewSandboxBody = json(body, None)?;
-        let template = templates::parse(&b.template_id)?;
+        let template = templates::parse(&b.template_id).map_err(|e| TemplateError {
+            not_found: matches!(e, ApiError::NotFound(_)),
+            message: e.to_string(),
+        });
+        let template_id = crate::query::unescape(&b.template_id, false)
+            .unwrap_or_else(|_| b.template_id.clone())
+            .trim()
+            .to_string();
         let timeout = match b.timeout {
             Some(t) => timeout_secs("timeout", t, limits, false)?,
             None if version == CreateVersion::V1 => V1_DEFAULT_TIMEOUT.min(limits.max_timeout),
@@ -305,14 +336,17 @@ impl CreateSandbox {
                 "autoPauseMemory=false requires autoPause=true".into(),
             ));
         }
-        if b.auto_pause == Some(true) {
-            return Err(not_supported(
-                "Pausing on timeout (on_timeout=\"pause\" / autoPause)",
+        let auto_resume = b.auto_resume.as_ref().is_some_and(|a| a.enabled);
+        if b.auto_pause_memory == Some(false) && auto_resume {
+            return Err(ApiError::BadRequest(
+                "autoResume cannot be enabled with autoPauseMemory=false (a filesystem-only pause is never resumed automatically)".into(),
             ));
         }
-        if b.auto_resume.is_some_and(|a| a.enabled) {
-            return Err(not_supported("Auto-resume"));
-        }
+        let lifecycle = cubicle_node::Lifecycle {
+            auto_pause: b.auto_pause == Some(true),
+            auto_pause_memory: b.auto_pause_memory != Some(false),
+            auto_resume,
+        };
         if b.mcp.as_ref().is_some_and(|v| !v.is_null()) {
             return Err(not_supported("The MCP gateway"));
         }
@@ -341,6 +375,7 @@ impl CreateSandbox {
         }
         Ok(CreateSandbox {
             template,
+            template_id,
             timeout,
             internet,
             network,
@@ -349,6 +384,7 @@ impl CreateSandbox {
             private_traffic: net.allow_public_traffic == Some(false),
             metadata: b.metadata.unwrap_or_default(),
             env_vars,
+            lifecycle,
             volume_mounts: b.volume_mounts.unwrap_or_default(),
         })
     }
@@ -405,16 +441,18 @@ impl SetTimeout {
 #[derive(Deserialize)]
 struct ConnectBody {
     timeout: Option<i64>,
-    /// Resume mode of a paused sandbox; type-checked, otherwise unused (no pause yet).
-    #[serde(rename = "memory")]
-    _memory: Option<bool>,
+    /// `false`: a paused sandbox boots from its disk (its memory is dropped).
+    memory: Option<bool>,
 }
 
-/// `POST /v2/sandboxes/{id}/connect` (and v1): end := max(end, now + timeout).
+/// `POST /v2/sandboxes/{id}/connect` (and v1): a running sandbox's end := max(end, now +
+/// timeout); a paused one is resumed with end := now + timeout.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Connect {
     /// Lifetime from now the sandbox is guaranteed at least.
     pub timeout: Duration,
+    /// Restore memory when resuming (default true).
+    pub memory: bool,
 }
 
 impl Connect {
@@ -429,7 +467,245 @@ impl Connect {
             }
             None => limits.default_timeout.min(limits.max_timeout),
         };
-        Ok(Connect { timeout })
+        Ok(Connect {
+            timeout,
+            memory: b.memory != Some(false),
+        })
+    }
+}
+
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct ResumeBody {
+    timeout: Option<i64>,
+    #[serde(rename = "autoPause")]
+    _auto_pause: Option<bool>,
+    memory: Option<bool>,
+}
+
+/// `POST /sandboxes/{id}/resume` (deprecated; no SDK method calls it): like connect, but
+/// a running sandbox is a conflict and the default timeout is 15 s.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Resume {
+    /// Lifetime after the resume.
+    pub timeout: Duration,
+    /// Restore memory (default true).
+    pub memory: bool,
+}
+
+impl Resume {
+    /// Parse `{timeout?: 15, autoPause?, memory?}` (body optional).
+    pub fn parse(body: &[u8], limits: &Limits) -> ApiResult<Self> {
+        let b: ResumeBody = json(body, Some("{}"))?;
+        let timeout = match b.timeout {
+            Some(t) => timeout_secs("timeout", t, limits, false)?,
+            None => V1_DEFAULT_TIMEOUT.min(limits.max_timeout),
+        };
+        Ok(Resume {
+            timeout,
+            memory: b.memory != Some(false),
+        })
+    }
+}
+
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct PauseBody {
+    memory: Option<bool>,
+    require_healthy_guest: Option<bool>,
+}
+
+/// `POST /sandboxes/{id}/pause`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Pause {
+    /// Keep memory (`full`, default) or only the disk (`filesystem`).
+    pub memory: bool,
+    /// Refuse when envd does not answer.
+    pub require_healthy_guest: bool,
+}
+
+impl Pause {
+    /// Parse `{memory?, requireHealthyGuest?}` (empty or missing body accepted).
+    pub fn parse(body: &[u8]) -> ApiResult<Self> {
+        let b: PauseBody = json(body, Some("{}"))?;
+        Ok(Pause {
+            memory: b.memory != Some(false),
+            require_healthy_guest: b.require_healthy_guest == Some(true),
+        })
+    }
+}
+
+#[derive(Deserialize)]
+struct SnapshotBody {
+    name: Option<String>,
+    memory: Option<bool>,
+}
+
+/// `POST /sandboxes/{id}/snapshots`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CreateSnapshot {
+    /// `name` or `name:tag` (a `namespace/` prefix must be the caller's team), if given.
+    pub name: Option<(String, String)>,
+    /// Include memory (default true).
+    pub memory: bool,
+}
+
+fn snapshot_name_ok(s: &str) -> bool {
+    !s.is_empty()
+        && s.len() <= 64
+        && s.bytes()
+            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || b"-_".contains(&c))
+}
+
+fn tag_ok(s: &str) -> bool {
+    !s.is_empty()
+        && s.len() <= 64
+        && s.bytes()
+            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || b"-_.".contains(&c))
+}
+
+impl CreateSnapshot {
+    /// Parse `{name?, memory?}`; `team` is the caller's team (its slug may prefix the
+    /// name).
+    pub fn parse(body: &[u8], team: &str) -> ApiResult<Self> {
+        let b: SnapshotBody = json(body, Some("{}"))?;
+        let name = match b
+            .name
+            .map(|n| n.trim().to_lowercase())
+            .filter(|n| !n.is_empty())
+        {
+            None => None,
+            Some(full) => {
+                let rest = match full.split_once('/') {
+                    Some((ns, rest)) if ns == team => rest.to_string(),
+                    Some((ns, _)) => {
+                        return Err(ApiError::BadRequest(format!(
+                            "snapshot name '{full}': namespace '{ns}' is not your team's ('{team}')"
+                        )));
+                    }
+                    None => full.clone(),
+                };
+                let (n, tag) = match rest.split_once(':') {
+                    Some((n, t)) => (n.to_string(), t.to_string()),
+                    None => (rest.clone(), "default".to_string()),
+                };
+                if !snapshot_name_ok(&n) || !tag_ok(&tag) {
+                    return Err(ApiError::BadRequest(format!(
+                        "invalid snapshot name '{full}': use [a-z0-9_-] for the name and [a-z0-9_.-] for the tag"
+                    )));
+                }
+                Some((n, tag))
+            }
+        };
+        Ok(CreateSnapshot {
+            name,
+            memory: b.memory != Some(false),
+        })
+    }
+}
+
+/// `GET /snapshots`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ListSnapshots {
+    /// Only snapshots of this sandbox.
+    pub sandbox_id: Option<String>,
+    /// Only this name (any tag) or `name:tag`, or this id.
+    pub name: Option<String>,
+    /// Page size (1–100).
+    pub limit: usize,
+    /// Continue after this snapshot (the previous page's `X-Next-Token`).
+    pub next_token: Option<String>,
+}
+
+impl ListSnapshots {
+    /// Parse `?sandboxID&name&limit&nextToken`.
+    pub fn parse(q: &Query) -> ApiResult<Self> {
+        let limit = match q.get("limit") {
+            None => 100,
+            Some(v) => match v.parse::<usize>() {
+                Ok(n) if (1..=100).contains(&n) => n,
+                _ => {
+                    return Err(ApiError::BadRequest(format!(
+                        "limit must be between 1 and 100, got '{v}'"
+                    )));
+                }
+            },
+        };
+        Ok(ListSnapshots {
+            sandbox_id: q.get("sandboxID").map(str::to_string),
+            name: q.get("name").map(str::to_string),
+            limit,
+            next_token: q
+                .get("nextToken")
+                .filter(|t| !t.is_empty())
+                .map(str::to_string),
+        })
+    }
+}
+
+#[derive(Deserialize)]
+struct ForkBody {
+    timeout: Option<i64>,
+    count: Option<i64>,
+}
+
+/// `POST /sandboxes/{id}/fork`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Fork {
+    /// Lifetime of each fork (default 15 s, as upstream).
+    pub timeout: Duration,
+    /// How many (1–100).
+    pub count: usize,
+}
+
+/// Most forks one request may ask for.
+pub const MAX_FORKS: usize = 100;
+
+impl Fork {
+    /// Parse `{timeout?, count?}`.
+    pub fn parse(body: &[u8], limits: &Limits) -> ApiResult<Self> {
+        let b: ForkBody = json(body, Some("{}"))?;
+        let timeout = match b.timeout {
+            Some(t) => timeout_secs("timeout", t, limits, false)?,
+            None => V1_DEFAULT_TIMEOUT.min(limits.max_timeout),
+        };
+        let count = match b.count {
+            None => 1,
+            Some(c) if (1..=MAX_FORKS as i64).contains(&c) => c as usize,
+            Some(c) => {
+                return Err(ApiError::BadRequest(format!(
+                    "count must be between 1 and {MAX_FORKS}, got {c}"
+                )));
+            }
+        };
+        Ok(Fork { timeout, count })
+    }
+}
+
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct RollbackBody {
+    #[serde(rename = "snapshotID")]
+    snapshot_id: String,
+}
+
+/// `POST /sandboxes/{id}/rollback` (Cubicle's own): back to one of its snapshots.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Rollback {
+    /// The snapshot (its id or one of its names).
+    pub snapshot_id: String,
+}
+
+impl Rollback {
+    /// Parse `{"snapshotID": "…"}`.
+    pub fn parse(body: &[u8]) -> ApiResult<Self> {
+        let b: RollbackBody = json(body, None)?;
+        if b.snapshot_id.trim().is_empty() {
+            return Err(ApiError::BadRequest("snapshotID must not be empty".into()));
+        }
+        Ok(Rollback {
+            snapshot_id: b.snapshot_id.trim().to_string(),
+        })
     }
 }
 
@@ -616,7 +892,7 @@ mod tests {
             &limits(),
         )
         .unwrap();
-        assert_eq!(c.template.name, "base");
+        assert_eq!(c.template.as_ref().unwrap().name, "base");
         assert_eq!(c.timeout, Duration::from_secs(120));
         assert!(!c.internet && c.private_traffic);
         assert_eq!(c.env_vars.get("A").map(String::as_str), Some("1"));
@@ -698,7 +974,6 @@ mod tests {
             (b"not json", "invalid request body"),
             (br#"{"templateID":"base","metadata":{"a":1}}"#, "invalid request body"),
             (br#"{"templateID":"base","autoPauseMemory":false}"#, "requires autoPause"),
-            (br#"{"templateID":"base","autoPause":true}"#, "not supported"),
             (br#"{"templateID":"base","network":{"allowOut":["x.com"]}}"#, "ALL_TRAFFIC"),
             (br#"{"templateID":"base","network":{"allowOut":["a b"]}}"#, "network.allowOut"),
             (br#"{"templateID":"base","network":{"allowOut":["::1"]}}"#, "IPv6"),
@@ -713,7 +988,6 @@ mod tests {
             (br#"{"templateID":"base","network":{"rules":{"a.com":[{},{}]}}}"#, "network.rules"),
             (br#"{"templateID":"base","network":{"rules":{"a.com":[{"transform":{"headers":{"A":"1"}}}]}}}"#, "network.rules header transforms"),
             (br#"{"templateID":"base","envVars":{"A=B":"1"}}"#, "environment variable"),
-            (br#"{"templateID":""}"#, "empty"),
             (br#"{"templateID":"base","secure":"yes"}"#, "invalid request body"),
         ] {
             let e = CreateSandbox::parse(body, CreateVersion::V2, &limits()).unwrap_err();
@@ -723,6 +997,15 @@ mod tests {
                 String::from_utf8_lossy(body)
             );
         }
+        // A templateID that is no template reference may still name a snapshot: the
+        // parse keeps the error for the service, which answers it if no snapshot matches.
+        let c =
+            CreateSandbox::parse(br#"{"templateID":""}"#, CreateVersion::V2, &limits()).unwrap();
+        let e = ApiError::from(c.template.unwrap_err());
+        assert!(
+            matches!(e, ApiError::BadRequest(_)) && e.to_string().contains("empty"),
+            "{e}"
+        );
     }
 
     #[test]

@@ -36,6 +36,13 @@ pub enum ApiError {
     /// Out of capacity: a retry later may succeed.
     #[error("{0}")]
     Unavailable(String),
+    /// The disk (quota) is full: e.g. a pause whose checkpoint does not fit.
+    #[error("{0}")]
+    InsufficientStorage(String),
+    /// A resume with memory of a sandbox paused while its envd did not answer (409 with
+    /// E2B's `error_code`).
+    #[error("{0}")]
+    GuestUnresponsive(String),
     /// Our fault.
     #[error("{0}")]
     Internal(String),
@@ -56,6 +63,8 @@ impl ApiError {
             ApiError::PayloadTooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
             ApiError::NotImplemented(_) => StatusCode::NOT_IMPLEMENTED,
             ApiError::Unavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
+            ApiError::InsufficientStorage(_) => StatusCode::INSUFFICIENT_STORAGE,
+            ApiError::GuestUnresponsive(_) => StatusCode::CONFLICT,
             ApiError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
         }
     }
@@ -85,6 +94,14 @@ impl IntoResponse for ApiError {
         if status.is_server_error() && status != StatusCode::NOT_IMPLEMENTED {
             tracing::error!("request failed: {self}");
         }
+        if let ApiError::GuestUnresponsive(m) = &self {
+            let body = serde_json::json!({
+                "code": status.as_u16(),
+                "message": m,
+                "error_code": "sandbox_snapshot_guest_agent_unresponsive",
+            });
+            return (status, axum::Json(body)).into_response();
+        }
         error_response(status, &self.to_string())
     }
 }
@@ -100,6 +117,22 @@ impl From<cubicle_node::Error> for ApiError {
             N::InvalidRequest(m) => ApiError::BadRequest(m),
             N::Capacity(m) => ApiError::Unavailable(m),
             N::Conflict(m) => ApiError::Conflict(m),
+            N::Unsupported(m) => ApiError::NotImplemented(m),
+            N::SnapshotNotFound(name) => ApiError::NotFound(format!("snapshot '{name}' not found")),
+            N::Checkpoint { what, source } if source.is_no_space() => {
+                ApiError::InsufficientStorage(format!("{what}: {source}"))
+            }
+            N::Io { op, path, source }
+                if matches!(
+                    source.kind(),
+                    std::io::ErrorKind::StorageFull | std::io::ErrorKind::QuotaExceeded
+                ) =>
+            {
+                ApiError::InsufficientStorage(format!(
+                    "{op} {}: {source} (the sandbox's disk is full)",
+                    path.display()
+                ))
+            }
             other => ApiError::Internal(other.to_string()),
         }
     }

@@ -128,6 +128,12 @@ pub struct SandboxDetail {
     pub metadata: BTreeMap<String, String>,
     pub network: Network,
     pub lifecycle: Lifecycle,
+    /// `full` / `filesystem` once paused (left out while running or pausing).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub pause_mode: Option<&'static str>,
+    /// Sent only when true.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub envd_unresponsive_at_pause: Option<bool>,
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub volume_mounts: Vec<crate::volumes::VolumeMountBody>,
 }
@@ -156,6 +162,33 @@ pub struct ListedSandbox {
     pub metadata: BTreeMap<String, String>,
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub volume_mounts: Vec<crate::volumes::VolumeMountBody>,
+    /// Sent only when true.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub envd_unresponsive_at_pause: Option<bool>,
+}
+
+/// `SnapshotInfo` (create and list).
+#[derive(Debug, Clone, Serialize)]
+pub struct SnapshotInfo {
+    #[serde(rename = "snapshotID")]
+    pub snapshot_id: String,
+    pub names: Vec<String>,
+}
+
+/// One entry of a fork's answer: exactly one of `sandbox` and `error`.
+#[derive(Debug, Clone, Serialize)]
+pub struct ForkResult {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub sandbox: Option<Sandbox>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub error: Option<ForkError>,
+}
+
+/// A fork that failed.
+#[derive(Debug, Clone, Serialize)]
+pub struct ForkError {
+    pub code: u16,
+    pub message: String,
 }
 
 /// `SandboxMetric`.

@@ -15,8 +15,8 @@ use axum::{Extension, Json};
 use cubicle_store::Team;
 
 use crate::commands::{
-    Connect, CreateSandbox, CreateVersion, Idempotency, ListFilter, Refresh, SetTimeout,
-    UpdateNetwork,
+    Connect, CreateSandbox, CreateSnapshot, CreateVersion, Fork, Idempotency, ListFilter,
+    ListSnapshots, Pause, Refresh, Resume, Rollback, SetTimeout, UpdateNetwork,
 };
 use crate::error::{ApiError, ApiResult, json_errors, read_body, unknown_route};
 
@@ -49,6 +49,9 @@ pub fn router(cp: Arc<ControlPlane>) -> Router {
         .route("/cubicle/sandboxes/{id}/netlog", get(netlog))
         .route("/sandboxes/{id}/snapshots", post(snapshot))
         .route("/sandboxes/{id}/fork", post(fork))
+        .route("/sandboxes/{id}/rollback", post(rollback))
+        .route("/snapshots", get(list_snapshots))
+        .route("/templates/{id}", axum::routing::delete(delete_template))
         // Cubicle's own: warm-pool counters for operators and `cubicle bench`.
         .route("/cubicle/pool", get(pool_stats))
         .merge(crate::volumes::routes())
@@ -204,11 +207,16 @@ async fn connect(
     version: CreateVersion,
 ) -> ApiResult<Response> {
     let body = read_body(body, MAX_BODY).await?;
-    cp.owned(&team, &id).await?;
+    cp.owned_live(&team, &id).await?;
     let cmd = Connect::parse(&body, version, &cp.config().limits)?;
-    let sandbox = cp.connect(&team, &id, cmd).await?;
-    // 200: it was running (201 would mean "resumed").
-    Ok((StatusCode::OK, Json(sandbox)).into_response())
+    let (sandbox, resumed) = cp.connect(&team, &id, cmd).await?;
+    // 200: it was running; 201: it was paused and is resumed.
+    let status = if resumed {
+        StatusCode::CREATED
+    } else {
+        StatusCode::OK
+    };
+    Ok((status, Json(sandbox)).into_response())
 }
 
 async fn connect_v2(
@@ -382,27 +390,43 @@ async fn metrics_many(
     Ok(Json(serde_json::json!({ "sandboxes": sandboxes })).into_response())
 }
 
-async fn not_yet(cp: &ControlPlane, team: &Team, id: &str, what: &str) -> ApiResult<StatusCode> {
-    cp.owned(team, id).await?;
-    Err(ApiError::NotImplemented(format!(
-        "{what} is not supported by Cubicle yet"
-    )))
+/// Cubicle's own answer headers of a checkpoint (SDKs ignore them; `cubicle bench` reads
+/// them): how long the sandbox was stopped, and the checkpoint's size.
+fn checkpoint_headers(resp: &mut Response, frozen: std::time::Duration, bytes: u64) {
+    let h = resp.headers_mut();
+    h.insert(
+        "x-cubicle-frozen-us",
+        HeaderValue::from(frozen.as_micros() as u64),
+    );
+    h.insert("x-cubicle-bytes", HeaderValue::from(bytes));
 }
 
 async fn pause(
     State(cp): Cp,
     Extension(team): Extension<Team>,
     Path(id): Path<String>,
-) -> ApiResult<StatusCode> {
-    not_yet(&cp, &team, &id, "Pausing a sandbox").await
+    body: Body,
+) -> ApiResult<Response> {
+    let body = read_body(body, MAX_BODY).await?;
+    cp.owned_live(&team, &id).await?;
+    let cmd = Pause::parse(&body)?;
+    let (frozen, bytes) = cp.pause(&team, &id, cmd).await?;
+    let mut resp = StatusCode::NO_CONTENT.into_response();
+    checkpoint_headers(&mut resp, frozen, bytes);
+    Ok(resp)
 }
 
 async fn resume(
     State(cp): Cp,
     Extension(team): Extension<Team>,
     Path(id): Path<String>,
-) -> ApiResult<StatusCode> {
-    not_yet(&cp, &team, &id, "Resuming a sandbox").await
+    body: Body,
+) -> ApiResult<Response> {
+    let body = read_body(body, MAX_BODY).await?;
+    cp.owned_live(&team, &id).await?;
+    let cmd = Resume::parse(&body, &cp.config().limits)?;
+    let sandbox = cp.resume(&team, &id, cmd).await?;
+    Ok((StatusCode::CREATED, Json(sandbox)).into_response())
 }
 
 async fn network(
@@ -452,14 +476,64 @@ async fn snapshot(
     State(cp): Cp,
     Extension(team): Extension<Team>,
     Path(id): Path<String>,
+    body: Body,
+) -> ApiResult<Response> {
+    let body = read_body(body, MAX_BODY).await?;
+    cp.owned(&team, &id).await?;
+    let cmd = CreateSnapshot::parse(&body, &team.name)?;
+    let (info, frozen, bytes) = cp.snapshot(&team, &id, cmd).await?;
+    let mut resp = (StatusCode::CREATED, Json(info)).into_response();
+    checkpoint_headers(&mut resp, frozen, bytes);
+    Ok(resp)
+}
+
+async fn list_snapshots(
+    State(cp): Cp,
+    Extension(team): Extension<Team>,
+    RawQuery(q): RawQuery,
+) -> ApiResult<Response> {
+    let q = ListSnapshots::parse(&Query::parse(q.as_deref())?)?;
+    let (items, next) = cp.list_snapshots(&team, &q)?;
+    let mut resp = (StatusCode::OK, Json(items)).into_response();
+    if let Some(next) = next
+        && let Ok(v) = HeaderValue::from_str(&next)
+    {
+        resp.headers_mut().insert("x-next-token", v);
+    }
+    Ok(resp)
+}
+
+async fn delete_template(
+    State(cp): Cp,
+    Extension(team): Extension<Team>,
+    Path(id): Path<String>,
 ) -> ApiResult<StatusCode> {
-    not_yet(&cp, &team, &id, "Snapshotting a sandbox").await
+    cp.delete_snapshot(&team, &id).await?;
+    Ok(StatusCode::NO_CONTENT)
 }
 
 async fn fork(
     State(cp): Cp,
     Extension(team): Extension<Team>,
     Path(id): Path<String>,
-) -> ApiResult<StatusCode> {
-    not_yet(&cp, &team, &id, "Forking a sandbox").await
+    body: Body,
+) -> ApiResult<Response> {
+    let body = read_body(body, MAX_BODY).await?;
+    cp.owned_live(&team, &id).await?;
+    let cmd = Fork::parse(&body, &cp.config().limits)?;
+    let results = cp.fork(&team, &id, cmd).await?;
+    Ok((StatusCode::CREATED, Json(results)).into_response())
+}
+
+async fn rollback(
+    State(cp): Cp,
+    Extension(team): Extension<Team>,
+    Path(id): Path<String>,
+    body: Body,
+) -> ApiResult<Response> {
+    let body = read_body(body, MAX_BODY).await?;
+    cp.owned_live(&team, &id).await?;
+    let cmd = Rollback::parse(&body)?;
+    let sandbox = cp.rollback(&team, &id, cmd).await?;
+    Ok((StatusCode::OK, Json(sandbox)).into_response())
 }

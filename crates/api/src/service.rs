@@ -14,14 +14,15 @@ use cubicle_store::{IdempotencyClaim, SandboxRow, SandboxRowState, Store, Team, 
 
 use crate::backend::Backend;
 use crate::commands::{
-    Connect, CreateSandbox, Idempotency, Limits, ListFilter, Refresh, SetTimeout,
+    Connect, CreateSandbox, CreateSnapshot, Fork, Idempotency, Limits, ListFilter, ListSnapshots,
+    Pause, Refresh, Resume, Rollback, SetTimeout,
 };
 use crate::error::{ApiError, ApiResult};
 use crate::logs::{LogLine, LogMirror};
 use crate::metrics::{MetricsHistory, Shape};
 use crate::model::{
-    CLIENT_ID, ENVD_VERSION, Lifecycle, ListedSandbox, Network, Sandbox, SandboxDetail,
-    SandboxMetric,
+    CLIENT_ID, ENVD_VERSION, ForkError, ForkResult, Lifecycle, ListedSandbox, Network, Sandbox,
+    SandboxDetail, SandboxMetric, SnapshotInfo,
 };
 use crate::query::{encode_cursor, format_time};
 
@@ -117,7 +118,7 @@ impl ControlPlane {
         let rows = cp.store.call(|s| s.running_sandboxes(None)).await?;
         for row in rows {
             match cp.backend.peek(&row.id) {
-                Ok(info) if info.state == SandboxState::Running => {
+                Ok(info) if is_live(info.state) => {
                     lock(&cp.routes).insert(row.id.clone(), row.traffic_access_token.clone());
                 }
                 other => {
@@ -201,11 +202,31 @@ impl ControlPlane {
         cmd: CreateSandbox,
         idem: Option<Idempotency>,
     ) -> ApiResult<Sandbox> {
+        let mut cmd = cmd;
+        if let Some(snap) = self.team_snapshot(team, &cmd.template_id) {
+            // A snapshot of this team: the node starts the sandbox from it.
+            cmd.template = Ok(crate::templates::TemplateRef {
+                name: snap.id.clone(),
+                requested: cmd.template_id.clone(),
+            });
+        }
+        let tref = cmd.template.clone().map_err(ApiError::from)?;
+        if let Some(snap) = self.backend.find_snapshot(&tref.name)
+            && snap.owner != team.id.to_string()
+        {
+            // Another team's snapshot is as unknown as a missing template.
+            return Err(ApiError::NotFound(format!(
+                "template '{}' not found",
+                tref.requested
+            )));
+        }
         // Inline: reads one small file (no hop to the blocking pool on every create).
-        if !self.backend.template_exists(&cmd.template.name)? {
+        if self.backend.find_snapshot(&tref.name).is_none()
+            && !self.backend.template_exists(&tref.name)?
+        {
             return Err(ApiError::NotFound(format!(
                 "template '{}' not found (built-in templates: base, tiny; build others with `cubicle template build`)",
-                cmd.template.requested
+                tref.requested
             )));
         }
         self.backend.check_network(&cmd.network).await?;
@@ -256,7 +277,7 @@ impl ControlPlane {
                 }
             }
         }
-        let result = self.create_claimed(team, cmd).await;
+        let result = self.create_claimed(team, cmd, tref).await;
         if let Some(idem) = idem {
             let key = idem.key.clone();
             let done = result.as_ref().ok().map(|s| s.sandbox_id.clone());
@@ -274,13 +295,18 @@ impl ControlPlane {
         result
     }
 
-    async fn create_claimed(&self, team: &Team, cmd: CreateSandbox) -> ApiResult<Sandbox> {
+    async fn create_claimed(
+        &self,
+        team: &Team,
+        cmd: CreateSandbox,
+        template: crate::templates::TemplateRef,
+    ) -> ApiResult<Sandbox> {
         let env_var_names: Vec<String> = cmd.env_vars.keys().cloned().collect();
         let volumes = self.resolve_mounts(team, &cmd.volume_mounts)?;
         let info = self
             .backend
             .create(CreateRequest {
-                template: cmd.template.name.clone(),
+                template: template.name.clone(),
                 id: None,
                 env_vars: cmd.env_vars,
                 memory_mb: None,
@@ -291,6 +317,7 @@ impl ControlPlane {
                 mask_request_host: cmd.mask_request_host,
                 timeout: Some(cmd.timeout),
                 metadata: cmd.metadata.clone(),
+                lifecycle: cmd.lifecycle,
                 volumes,
             })
             .await?;
@@ -364,8 +391,17 @@ impl ControlPlane {
         }
     }
 
-    /// A running sandbox of `team`, or 404.
+    /// A running sandbox of `team`, or 404 (a paused one too).
     pub async fn owned(&self, team: &Team, id: &str) -> ApiResult<(SandboxRow, SandboxInfo)> {
+        let (row, info) = self.owned_live(team, id).await?;
+        if is_paused(info.state) {
+            return Err(ApiError::sandbox_not_found(id));
+        }
+        Ok((row, info))
+    }
+
+    /// A running or paused sandbox of `team`, or 404.
+    pub async fn owned_live(&self, team: &Team, id: &str) -> ApiResult<(SandboxRow, SandboxInfo)> {
         if !plausible_id(id) {
             return Err(ApiError::sandbox_not_found(id));
         }
@@ -375,9 +411,7 @@ impl ControlPlane {
             return Err(ApiError::sandbox_not_found(id));
         };
         match self.backend.peek(id) {
-            Ok(info) if matches!(info.state, SandboxState::Running | SandboxState::Creating) => {
-                Ok((row, info))
-            }
+            Ok(info) if is_live(info.state) => Ok((row, info)),
             other => {
                 self.mark_dead(id, other.as_ref().ok()).await;
                 Err(ApiError::sandbox_not_found(id))
@@ -387,39 +421,45 @@ impl ControlPlane {
 
     /// `GET /sandboxes/{id}`.
     pub async fn detail(&self, team: &Team, id: &str) -> ApiResult<SandboxDetail> {
-        let (row, info) = self.owned(team, id).await?;
+        let (row, info) = self.owned_live(team, id).await?;
+        let paused = is_paused(info.state);
         Ok(SandboxDetail {
             template_id: row.template_id.clone(),
             sandbox_id: row.id.clone(),
             client_id: CLIENT_ID,
             started_at: format_time(row.started_at),
-            end_at: format_time(info.end_at_ms as i64),
+            end_at: format_time(end_at(&info)),
             envd_version: ENVD_VERSION,
             cpu_count: row.cpu_count,
             memory_mb: row.memory_mb,
             disk_size_mb: row.disk_mb,
-            state: "running",
+            state: state_word(info.state),
             alias: row.alias.clone(),
             envd_access_token: info.access_token.clone(),
             allow_internet_access: !info.network.deny_all(),
-            domain: self.config.domain.clone(),
+            domain: if paused {
+                None
+            } else {
+                self.config.domain.clone()
+            },
             metadata: row.metadata.clone(),
             network: Network::of(
                 &info.network,
                 row.traffic_access_token.is_none(),
                 info.mask_request_host.clone(),
             ),
-            lifecycle: Lifecycle {
-                auto_resume: false,
-                on_timeout: "kill",
-            },
+            lifecycle: lifecycle(&info),
+            pause_mode: (info.state == SandboxState::Paused)
+                .then(|| info.pause_mode.map(|m| m.as_str()))
+                .flatten(),
+            envd_unresponsive_at_pause: info.envd_unresponsive_at_pause.then_some(true),
             volume_mounts: self.mount_bodies(&info.volumes),
         })
     }
 
     /// `DELETE /sandboxes/{id}`.
     pub async fn kill(self: &Arc<Self>, team: &Team, id: &str) -> ApiResult<()> {
-        self.owned(team, id).await?;
+        self.owned_live(team, id).await?;
         // Keep the last lines: the node deletes the log with the sandbox.
         self.sync_logs(id).await;
         match self.backend.kill(id).await {
@@ -473,11 +513,269 @@ impl ControlPlane {
         self.apply_end(id, cmd.duration, true).await
     }
 
-    /// `POST /v2/sandboxes/{id}/connect` (and v1): running → extend, 200.
-    pub async fn connect(&self, team: &Team, id: &str, cmd: Connect) -> ApiResult<Sandbox> {
-        let (row, info) = self.owned(team, id).await?;
-        self.apply_end(id, cmd.timeout, true).await?;
+    /// `POST /v2/sandboxes/{id}/connect` (and v1): running → end extended, `false`;
+    /// paused → resumed, `true` (201).
+    pub async fn connect(&self, team: &Team, id: &str, cmd: Connect) -> ApiResult<(Sandbox, bool)> {
+        let (row, info) = self.owned_live(team, id).await?;
+        if !is_paused(info.state) && !info.busy {
+            self.apply_end(id, cmd.timeout, true).await?;
+            return Ok((self.sandbox_body(&row, &info), false));
+        }
+        if info.envd_unresponsive_at_pause && cmd.memory {
+            return Err(ApiError::GuestUnresponsive(format!(
+                "sandbox '{id}' was paused while its envd did not answer; connect with memory=false (on_resume=\"reboot\") to boot it from its disk"
+            )));
+        }
+        let out = self.backend.resume(id, cmd.timeout, cmd.memory).await?;
+        if out.resumed {
+            let end = out.info.end_at_ms as i64;
+            let id2 = id.to_string();
+            self.store.call(move |s| s.set_end_at(&id2, end)).await?;
+        }
+        Ok((self.sandbox_body(&row, &out.info), out.resumed))
+    }
+
+    /// `POST /sandboxes/{id}/resume` (deprecated): paused → resumed; running → 409.
+    pub async fn resume(&self, team: &Team, id: &str, cmd: Resume) -> ApiResult<Sandbox> {
+        let (row, info) = self.owned_live(team, id).await?;
+        if !is_paused(info.state) && !info.busy {
+            return Err(ApiError::Conflict(format!(
+                "Sandbox {id} is already running"
+            )));
+        }
+        let out = self.backend.resume(id, cmd.timeout, cmd.memory).await?;
+        let end = out.info.end_at_ms as i64;
+        let id2 = id.to_string();
+        self.store.call(move |s| s.set_end_at(&id2, end)).await?;
+        Ok(self.sandbox_body(&row, &out.info))
+    }
+
+    /// `POST /sandboxes/{id}/pause`: how long the sandbox was stopped and the size of
+    /// its checkpoint.
+    pub async fn pause(&self, team: &Team, id: &str, cmd: Pause) -> ApiResult<(Duration, u64)> {
+        let (_, info) = self.owned_live(team, id).await?;
+        if is_paused(info.state) {
+            return Err(ApiError::Conflict(format!(
+                "Error pausing sandbox - sandbox '{id}' is already paused"
+            )));
+        }
+        let req = cubicle_node::PauseRequest {
+            memory: cmd.memory,
+            require_healthy_guest: cmd.require_healthy_guest,
+        };
+        self.sync_logs(id).await;
+        match self.backend.pause(id, req).await {
+            Ok(r) => Ok((r.frozen, r.bytes)),
+            Err(cubicle_node::Error::Envd(m)) => Err(ApiError::Unavailable(m)),
+            Err(cubicle_node::Error::Conflict(m)) => {
+                Err(ApiError::Conflict(format!("Error pausing sandbox - {m}")))
+            }
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    /// `POST /sandboxes/{id}/snapshots`: the snapshot, how long the source was stopped
+    /// and the checkpoint's size.
+    pub async fn snapshot(
+        &self,
+        team: &Team,
+        id: &str,
+        cmd: CreateSnapshot,
+    ) -> ApiResult<(SnapshotInfo, Duration, u64)> {
+        self.owned(team, id).await?;
+        let names: Vec<String> = cmd
+            .name
+            .iter()
+            .map(|(n, tag)| format!("{}/{n}:{tag}", team.name))
+            .collect();
+        let report = self
+            .backend
+            .snapshot(
+                id,
+                cubicle_node::SnapshotRequest {
+                    names: names.clone(),
+                    owner: team.id.to_string(),
+                    memory: cmd.memory,
+                },
+            )
+            .await?;
+        Ok((
+            snapshot_info(&report.snapshot),
+            report.frozen,
+            report.snapshot.bytes,
+        ))
+    }
+
+    /// `GET /snapshots`: one page of `team`'s snapshots (oldest first) and the next
+    /// page's token.
+    pub fn list_snapshots(
+        &self,
+        team: &Team,
+        q: &ListSnapshots,
+    ) -> ApiResult<(Vec<SnapshotInfo>, Option<String>)> {
+        let owner = team.id.to_string();
+        let mut all: Vec<cubicle_node::SnapshotRecord> = self
+            .backend
+            .snapshots()
+            .into_iter()
+            .filter(|s| s.owner == owner)
+            .filter(|s| q.sandbox_id.as_ref().is_none_or(|id| &s.source == id))
+            .filter(|s| {
+                q.name
+                    .as_ref()
+                    .is_none_or(|n| snapshot_matches(s, n, &team.name))
+            })
+            .collect();
+        all.sort_by(|a, b| (a.created_at_ms, &a.id).cmp(&(b.created_at_ms, &b.id)));
+        if let Some(tok) = &q.next_token {
+            let (t, id) = crate::query::decode_cursor(tok)?;
+            all.retain(|s| (s.created_at_ms as i64, s.id.as_str()) > (t, id.as_str()));
+        }
+        let more = all.len() > q.limit;
+        all.truncate(q.limit);
+        let next = match (more, all.last()) {
+            (true, Some(s)) => Some(encode_cursor(s.created_at_ms as i64, &s.id)),
+            _ => None,
+        };
+        Ok((all.iter().map(snapshot_info).collect(), next))
+    }
+
+    /// The snapshot of `team` that `name` refers to.
+    fn team_snapshot(&self, team: &Team, name: &str) -> Option<cubicle_node::SnapshotRecord> {
+        let name = if name.contains('%') {
+            crate::query::unescape(name, false).ok()?
+        } else {
+            name.to_string()
+        };
+        let owner = team.id.to_string();
+        self.backend
+            .find_snapshot(&name)
+            .or_else(|| self.backend.find_snapshot(&format!("{}/{name}", team.name)))
+            .or_else(|| {
+                (!name.contains(':'))
+                    .then(|| {
+                        self.backend
+                            .find_snapshot(&format!("{}/{name}:default", team.name))
+                    })
+                    .flatten()
+            })
+            .filter(|s| s.owner == owner)
+    }
+
+    /// `DELETE /templates/{id}` of a snapshot: 204, or 404 when it is none of `team`'s.
+    pub async fn delete_snapshot(&self, team: &Team, name: &str) -> ApiResult<()> {
+        let snap = self
+            .team_snapshot(team, name)
+            .ok_or_else(|| ApiError::NotFound(format!("template '{name}' not found")))?;
+        self.backend.delete_snapshot(&snap.id).await?;
+        Ok(())
+    }
+
+    /// `POST /sandboxes/{id}/fork`: one entry per fork, in order.
+    pub async fn fork(&self, team: &Team, id: &str, cmd: Fork) -> ApiResult<Vec<ForkResult>> {
+        let (row, info) = self.owned_live(team, id).await?;
+        if is_paused(info.state) {
+            return Err(ApiError::Conflict(format!(
+                "sandbox '{id}' is paused and cannot be forked; resume it first"
+            )));
+        }
+        let results = self.backend.fork(id, cmd.count, cmd.timeout).await?;
+        let mut out = Vec::new();
+        for r in results {
+            out.push(match r {
+                Ok(child) => match self.register_child(team, &row, &child).await {
+                    Ok(body) => ForkResult {
+                        sandbox: Some(body),
+                        error: None,
+                    },
+                    Err(e) => fork_error(e),
+                },
+                Err(e) => fork_error(e.into()),
+            });
+        }
+        Ok(out)
+    }
+
+    /// Records a sandbox the node made from another (a fork) for `team`.
+    async fn register_child(
+        &self,
+        team: &Team,
+        parent: &SandboxRow,
+        info: &SandboxInfo,
+    ) -> ApiResult<Sandbox> {
+        let row = SandboxRow {
+            id: info.id.clone(),
+            team_id: team.id,
+            template_id: parent.template_id.clone(),
+            alias: parent.alias.clone(),
+            metadata: info.metadata.clone(),
+            env_var_names: parent.env_var_names.clone(),
+            traffic_access_token: parent
+                .traffic_access_token
+                .is_some()
+                .then(cubicle_node::ids::new_access_token),
+            allow_internet: info.internet,
+            cpu_count: info.cpus,
+            memory_mb: info.memory_mb,
+            disk_mb: info.disk_mb,
+            started_at: info.created_at_ms as i64,
+            end_at: info.end_at_ms as i64,
+            state: SandboxRowState::Running,
+            death_reason: None,
+            ended_at: None,
+        };
+        let r2 = row.clone();
+        if let Err(e) = self.store.call(move |s| s.insert_sandbox(&r2)).await {
+            let _ = self.backend.kill(&info.id).await;
+            return Err(e.into());
+        }
+        lock(&self.routes).insert(row.id.clone(), row.traffic_access_token.clone());
+        if let Some(hook) = self.on_created.get() {
+            hook(&row.id);
+        }
+        tracing::info!(sandbox = %row.id, parent = %parent.id, "sandbox forked");
+        Ok(self.sandbox_body(&row, info))
+    }
+
+    /// `POST /sandboxes/{id}/rollback` (Cubicle's own): back to one of its snapshots.
+    pub async fn rollback(&self, team: &Team, id: &str, cmd: Rollback) -> ApiResult<Sandbox> {
+        let (row, _) = self.owned_live(team, id).await?;
+        let snap = self.team_snapshot(team, &cmd.snapshot_id).ok_or_else(|| {
+            ApiError::NotFound(format!("snapshot '{}' not found", cmd.snapshot_id))
+        })?;
+        self.backend.rollback(id, &snap.id).await?;
+        let info = self.backend.peek(id)?;
+        let end = info.end_at_ms as i64;
+        let id2 = id.to_string();
+        self.store.call(move |s| s.set_end_at(&id2, end)).await?;
         Ok(self.sandbox_body(&row, &info))
+    }
+
+    /// Resumes a paused sandbox of the API with auto-resume on (the router asks), with
+    /// its create-time timeout. `None` if it is not one, or the resume failed.
+    pub async fn auto_resume(&self, id: &str) -> Option<SandboxInfo> {
+        let info = self.backend.peek(id).ok()?;
+        if !is_paused(info.state)
+            || !info.lifecycle.auto_resume
+            || !lock(&self.routes).contains_key(id)
+        {
+            return None;
+        }
+        let timeout = Duration::from_millis(info.timeout_ms.max(1000))
+            .clamp(Duration::from_secs(1), self.config.limits.max_timeout);
+        match self.backend.resume(id, timeout, true).await {
+            Ok(out) => {
+                let end = out.info.end_at_ms as i64;
+                let id2 = id.to_string();
+                let _ = self.store.call(move |s| s.set_end_at(&id2, end)).await;
+                tracing::info!(sandbox = %id, took_us = out.took.as_micros() as u64, "sandbox resumed by a request");
+                self.backend.peek(id).ok()
+            }
+            Err(e) => {
+                tracing::warn!(sandbox = %id, "auto-resume failed: {e}");
+                None
+            }
+        }
     }
 
     // ---- list ----
@@ -496,18 +794,17 @@ impl ControlPlane {
         let mut live = Vec::new();
         for row in rows {
             match self.backend.peek(&row.id) {
-                Ok(info)
-                    if matches!(info.state, SandboxState::Running | SandboxState::Creating) =>
-                {
-                    live.push((row, info))
-                }
+                Ok(info) if is_live(info.state) => live.push((row, info)),
                 other => self.mark_dead(&row.id, other.as_ref().ok()).await,
             }
         }
-        if !f.running {
-            // Only paused ones asked for: Cubicle cannot pause yet.
-            return Ok((Vec::new(), None));
-        }
+        live.retain(|(_, info)| {
+            if is_paused(info.state) {
+                f.paused
+            } else {
+                f.running
+            }
+        });
         live.retain(|(row, _)| {
             f.metadata
                 .iter()
@@ -541,14 +838,15 @@ impl ControlPlane {
                 sandbox_id: row.id.clone(),
                 client_id: CLIENT_ID,
                 started_at: format_time(row.started_at),
-                end_at: format_time(info.end_at_ms as i64),
+                end_at: format_time(end_at(&info)),
                 cpu_count: row.cpu_count,
                 memory_mb: row.memory_mb,
                 disk_size_mb: row.disk_mb,
-                state: "running",
+                state: state_word(info.state),
                 envd_version: ENVD_VERSION,
                 alias: row.alias,
                 metadata: row.metadata,
+                envd_unresponsive_at_pause: info.envd_unresponsive_at_pause.then_some(true),
                 volume_mounts: self.mount_bodies(&info.volumes),
             })
             .collect();
@@ -701,10 +999,10 @@ impl ControlPlane {
         let ids: Vec<String> = lock(&self.routes).keys().cloned().collect();
         for id in ids {
             match self.backend.peek(&id) {
-                Ok(info)
-                    if matches!(info.state, SandboxState::Running | SandboxState::Creating) =>
-                {
-                    self.sync_logs(&id).await;
+                Ok(info) if is_live(info.state) => {
+                    if info.state != SandboxState::Paused {
+                        self.sync_logs(&id).await;
+                    }
                 }
                 other => {
                     if let Ok(i) = &other {
@@ -741,5 +1039,90 @@ impl ControlPlane {
                 n += 1;
             }
         })
+    }
+}
+
+/// Alive as far as the API is concerned: running, being created, pausing or paused.
+fn is_live(state: SandboxState) -> bool {
+    matches!(
+        state,
+        SandboxState::Running
+            | SandboxState::Creating
+            | SandboxState::Pausing
+            | SandboxState::Paused
+    )
+}
+
+/// Paused, or on its way (E2B shows a pausing sandbox as paused).
+fn is_paused(state: SandboxState) -> bool {
+    matches!(state, SandboxState::Pausing | SandboxState::Paused)
+}
+
+/// `state` of a detail or list item: exactly `running` or `paused`.
+fn state_word(state: SandboxState) -> &'static str {
+    if is_paused(state) {
+        "paused"
+    } else {
+        "running"
+    }
+}
+
+/// `endAt`: the end time, or the time of the pause for a paused sandbox.
+fn end_at(info: &SandboxInfo) -> i64 {
+    match (is_paused(info.state), info.paused_at_ms) {
+        (true, Some(t)) => t as i64,
+        _ => info.end_at_ms as i64,
+    }
+}
+
+fn lifecycle(info: &SandboxInfo) -> Lifecycle {
+    Lifecycle {
+        auto_resume: info.lifecycle.auto_resume,
+        on_timeout: if info.lifecycle.auto_pause {
+            "pause"
+        } else {
+            "kill"
+        },
+    }
+}
+
+/// `SnapshotInfo` of a snapshot: named ones by their (first) name, others by
+/// `<id>:default`.
+fn snapshot_info(s: &cubicle_node::SnapshotRecord) -> SnapshotInfo {
+    SnapshotInfo {
+        snapshot_id: s
+            .names
+            .first()
+            .cloned()
+            .unwrap_or_else(|| format!("{}:default", s.id)),
+        names: s.names.clone(),
+    }
+}
+
+/// The `name` filter of `GET /snapshots`: an id, `name` (any tag) or `name:tag`, with or
+/// without the team's namespace.
+fn snapshot_matches(s: &cubicle_node::SnapshotRecord, name: &str, team: &str) -> bool {
+    if s.answers_to(name) {
+        return true;
+    }
+    let full = if name.contains('/') {
+        name.to_string()
+    } else {
+        format!("{team}/{name}")
+    };
+    s.names.iter().any(|n| {
+        n == &full
+            || (!full.contains(':')
+                && n.split_once(':').map(|(base, _)| base) == Some(full.as_str()))
+    })
+}
+
+fn fork_error(e: ApiError) -> ForkResult {
+    ForkResult {
+        sandbox: None,
+        error: Some(ForkError {
+            code: e.status().as_u16(),
+            message: e.to_string(),
+        }),
     }
 }

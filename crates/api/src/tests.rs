@@ -99,6 +99,12 @@ impl Backend for FakeNode {
                 init_pidfd: None,
                 envd_socket: self.dir.join(&id).join("ctl/envd.sock"),
                 ready_us: 1,
+                lifecycle: req.lifecycle,
+                busy: false,
+                pause_mode: None,
+                paused_at_ms: None,
+                envd_unresponsive_at_pause: false,
+                timeout_ms: req.timeout.unwrap_or(Duration::from_secs(300)).as_millis() as u64,
                 oom_kills: 0,
                 volumes: req.volumes,
             };
@@ -1076,19 +1082,18 @@ async fn metrics_shapes() {
 async fn unsupported_features_answer_clearly() {
     let h = harness().await;
     let id = h.create_a(json!({"templateID":"base"})).await;
+    // (The fake node has no checkpoints: pause, snapshots and fork say so, as a node
+    // without CRIU does.)
     for (m, p) in [
         (Method::POST, format!("/sandboxes/{id}/pause")),
         (Method::POST, format!("/sandboxes/{id}/resume")),
         (Method::POST, format!("/sandboxes/{id}/snapshots")),
+        (Method::POST, format!("/sandboxes/{id}/fork")),
     ] {
         let r = h.a(m, &p, json!({})).await;
         assert_eq!(r.status, StatusCode::NOT_IMPLEMENTED, "{p}");
-        assert!(
-            r.json["message"]
-                .as_str()
-                .unwrap()
-                .contains("not supported")
-        );
+        let message = r.json["message"].as_str().unwrap();
+        assert!(message.contains("not supported"), "{p}: {message}");
         assert_eq!(r.headers.get("should-retry").unwrap(), "false");
     }
 }

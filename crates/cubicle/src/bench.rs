@@ -19,8 +19,11 @@
 //!   `bwrap --unshare-all`, next to Cubicle's c=1 cycle of the same run, with ratios.
 //! - `interp`: the code interpreter (`code-interpreter-v1`): create + first `run_code`
 //!   result, and `run_code("1+1")` through the router (see [`interp`]).
+//! - `pause`: pause/resume (with memory and filesystem-only), snapshot, rollback and fork
+//!   per template (see [`pause`]).
 
 mod interp;
+mod pause;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -45,13 +48,13 @@ pub const DEFAULT_BENCH_STATE_DIR: &str = "/var/lib/cubicle-bench";
 const BENCH_FIRST_SLOT: u32 = 8000;
 const ENVD_PORT: u16 = 49983;
 const ALL_MEASURES: &[&str] = &[
-    "create", "cycle", "exec", "density", "peer", "interp", "egress",
+    "create", "cycle", "exec", "density", "peer", "interp", "egress", "pause",
 ];
 
 /// `cubicle bench` options.
 #[derive(clap::Args, Debug)]
 pub struct BenchArgs {
-    /// Measures to run: create, cycle, exec, density, peer, interp (default: create,
+    /// Measures to run: create, cycle, exec, density, peer, interp, pause (default: create,
     /// cycle, exec, peer).
     #[arg(value_name = "MEASURE")]
     pub measures: Vec<String>,
@@ -99,6 +102,13 @@ pub struct BenchArgs {
     /// Pool mode `on`, c=1: also a create row with this pause between iterations.
     #[arg(long, default_value_t = 50)]
     pub pace_ms: u64,
+    /// Templates of the `pause` measure (pause/resume, snapshot, fork, rollback).
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "base,code-interpreter-v1"
+    )]
+    pub pause_templates: Vec<String>,
     /// One JSON object per line per measure instead of a table.
     #[arg(long)]
     pub json: bool,
@@ -377,7 +387,7 @@ impl Api {
         let mut ids = Vec::new();
         let mut token: Option<String> = None;
         for _ in 0..1000 {
-            let mut path = "/v2/sandboxes?limit=100&state=running".to_string();
+            let mut path = "/v2/sandboxes?limit=100&state=running,paused".to_string();
             if let Some(t) = &token {
                 path.push_str(&format!("&nextToken={t}"));
             }
@@ -1444,6 +1454,13 @@ async fn run_measures(
         emit(&pool_counted(r, b, cx.api.pool_counts(&mut pc).await));
         if first_mode {
             emit(&interp::measure_run(cx).await?);
+        }
+    }
+    if has("pause") && first_mode {
+        for t in &args.pause_templates {
+            for r in pause::measure(cx, t, cx.iterations).await? {
+                emit(&r);
+            }
         }
     }
     Ok(())

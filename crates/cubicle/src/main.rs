@@ -86,9 +86,9 @@ enum Command {
 }
 
 fn main() {
-    // The runtime re-executes this binary as its sandbox helper: this must run before
-    // anything else (no threads, no tokio yet).
-    cubicle_runtime::maybe_run_helper();
+    // The runtime (sandbox helper) and the checkpoint crate (restore helper) re-execute
+    // this binary: this must run before anything else (no threads, no tokio yet).
+    cubicle_checkpoint::maybe_run_helper();
 
     let cli = Cli::parse();
     tracing_subscriber::fmt()

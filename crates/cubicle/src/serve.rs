@@ -308,6 +308,13 @@ pub async fn run(env: crate::sandbox_cmd::NodeOpts, args: ServeArgs) -> anyhow::
             let (dp, id) = (dp.clone(), id.to_string());
             tokio::spawn(async move { dp.prewarm(&id).await });
         }));
+        // A checkpoint (pause, snapshot, fork) cannot hold connections from outside the
+        // sandbox: the router closes its own before the sandbox is frozen.
+        let dp = data_plane.clone();
+        node.on_checkpoint(Box::new(move |id: &str| {
+            let n = dp.disconnect(id);
+            tracing::debug!(sandbox = %id, connections = n, "closed the router's connections");
+        }));
     }
     let app = cubicle_api::router(cp.clone()).layer(axum::middleware::from_fn(
         move |req: Request, next: Next| {

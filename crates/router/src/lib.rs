@@ -35,7 +35,24 @@ pub trait SandboxResolver: Send + Sync + 'static {
     /// All running sandboxes (to match presigned `/files` URLs opened without routing
     /// headers against each sandbox's token).
     fn running(&self) -> Vec<SandboxTarget>;
+    /// A paused sandbox that a request may resume (auto-resume on): its tokens, to check
+    /// the request against before anything is resumed (`init_pid` is 0). `None`
+    /// otherwise.
+    fn resumable(&self, id: &str) -> Option<SandboxTarget> {
+        let _ = id;
+        None
+    }
+    /// Resumes a [`resumable`](Self::resumable) sandbox; the running target, or `None`
+    /// when that failed (the request then finds no sandbox).
+    fn wake(&self, id: &str) -> WakeFuture {
+        let _ = id;
+        Box::pin(async { None })
+    }
 }
+
+/// What [`SandboxResolver::wake`] returns.
+pub type WakeFuture =
+    std::pin::Pin<Box<dyn std::future::Future<Output = Option<SandboxTarget>> + Send>>;
 
 /// Shared handle type.
 pub type Resolver = Arc<dyn SandboxResolver>;
@@ -45,6 +62,7 @@ pub type Resolver = Arc<dyn SandboxResolver>;
 
 mod connector;
 mod dataplane;
+mod drain;
 mod error;
 mod presign;
 mod routing;

@@ -75,6 +75,7 @@ mod ctl;
 mod error;
 mod helper;
 pub mod masked_paths;
+pub mod restore;
 mod rootfs;
 mod sandbox;
 pub mod seccomp;

@@ -84,6 +84,23 @@ pub fn open_tree_clone(path: &Path) -> io::Result<OwnedFd> {
     Ok(unsafe { OwnedFd::from_raw_fd(fd as RawFd) })
 }
 
+/// `open_tree(AT_FDCWD, path, OPEN_TREE_CLONE | AT_RECURSIVE | OPEN_TREE_CLOEXEC)`: a
+/// detached copy of the mount at `path` with every mount below it.
+pub fn open_tree_clone_recursive(path: &Path) -> io::Result<OwnedFd> {
+    let c = cpath(path)?;
+    // SAFETY: valid NUL-terminated path; the kernel returns a new fd we take ownership of.
+    let fd = check(unsafe {
+        libc::syscall(
+            SYS_OPEN_TREE,
+            libc::AT_FDCWD,
+            c.as_ptr(),
+            OPEN_TREE_CLONE | OPEN_TREE_CLOEXEC | libc::AT_RECURSIVE as libc::c_uint,
+        )
+    })?;
+    // SAFETY: fd is a fresh descriptor owned by nobody else.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd as RawFd) })
+}
+
 /// `mount_setattr(fd, "", AT_EMPTY_PATH, {attr_set, userns_fd})` on a detached mount.
 pub fn mount_setattr(fd: &OwnedFd, attr_set: u64, userns_fd: Option<RawFd>) -> io::Result<()> {
     let attr = MountAttr {

@@ -2,10 +2,11 @@
 # End-to-end tests of `cubicle serve` with the official E2B SDKs, as a user runs them.
 #
 #   tests/e2e/serve/run.sh                 run the Python (sync + async) and JS suites, then
-#                                          the restart check (sandbox adopted across a restart)
+#                                          the restart checks (sandbox adopted across a restart;
+#                                          paused sandbox and snapshot across restart and crash)
 #   tests/e2e/serve/run.sh python [ARGS]   only pytest (extra pytest ARGS, e.g. -k list -x)
 #   tests/e2e/serve/run.sh js              only the JS suite
-#   tests/e2e/serve/run.sh restart         only the restart check
+#   tests/e2e/serve/run.sh restart         only the restart checks
 #   tests/e2e/serve/run.sh -- CMD [ARGS]   any command against the server (e.g. the bench:
 #                                          tests/e2e/serve/run.sh -- tests/e2e/.venv/bin/python bench/sdk_serve.py)
 #
@@ -398,9 +399,30 @@ print("restart: sandbox adopted, reachable, killed")' "$sid" || rc=1
   record "serve e2e restart (adoption)" $rc
 }
 
+# Durability: a paused sandbox and a snapshot survive a clean restart and a crash
+# (SIGKILL) of the server; afterwards the sandbox resumes with its memory and the
+# snapshot still makes sandboxes.
+run_durability() {
+  echo; echo "==== serve e2e: durability (paused sandbox and snapshot across restart and crash) ===="
+  local rc=0 st="$WORK/durability.json" d="$HERE/durability.py"
+  "${run_env[@]}" "$PY" "$d" setup "$st" "$IDS" || { record "durability: setup" 1; return; }
+  stop_server
+  cat "$LOG" >>"$WORK/serve-before-restart.log"
+  if ! start_server "$WORK/serve-durability-1.log"; then record "durability: ready after restart" 1; return; fi
+  cat "$WORK/serve-durability-1.log" >>"$LOG"
+  "${run_env[@]}" "$PY" "$d" check "$st" || rc=1
+  echo "serve-e2e: crashing the server (SIGKILL)"
+  kill -KILL "$SERVE_PID"; wait "$SERVE_PID" 2>/dev/null; SERVE_PID=""
+  if ! start_server "$WORK/serve-durability-2.log"; then record "durability: ready after crash" 1; return; fi
+  cat "$WORK/serve-durability-2.log" >>"$LOG"
+  "${run_env[@]}" "$PY" "$d" check "$st" || rc=1
+  "${run_env[@]}" "$PY" "$d" finish "$st" || rc=1
+  record "serve e2e durability (restart and crash)" $rc
+}
+
 case "${1:-all}" in
-  all) run_python; run_js; run_restart ;;
-  restart) run_restart ;;
+  all) run_python; run_js; run_restart; run_durability ;;
+  restart) run_restart; run_durability ;;
   python) shift; run_python "$@" ;;
   js) run_js ;;
   --) shift; "${run_env[@]}" "$@"; record "$*" $? ;;

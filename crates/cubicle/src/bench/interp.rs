@@ -26,9 +26,15 @@ pub const TEMPLATE: &str = "code-interpreter-v1";
 const PORT: u16 = 49999;
 
 impl Api {
-    /// `POST /execute` of `code` through the router on a new connection; Ok once the
-    /// stream ended and its main result's text is `want`.
-    async fn execute(&self, s: &Sbx, code: &str, want: &str) -> anyhow::Result<()> {
+    /// `POST /execute` of `code` through the router on connection `c`, as the SDK's
+    /// `run_code`: the main result's text (`None`: no result) once the stream ended;
+    /// an error status or an error line in the stream is an error.
+    pub(super) async fn run_code(
+        &self,
+        c: &mut Conn,
+        s: &Sbx,
+        code: &str,
+    ) -> anyhow::Result<Option<String>> {
         let body = json!({"code": code, "context_id": null, "language": null, "env_vars": null});
         let mut b = Request::builder()
             .method(Method::POST)
@@ -40,7 +46,6 @@ impl Api {
         if let Some(t) = &s.token {
             b = b.header("x-access-token", t);
         }
-        let mut c = Conn::new(&self.addr);
         let (status, body) = c
             .call(b.body(Full::new(Bytes::from(body.to_string())))?)
             .await?;
@@ -60,8 +65,19 @@ impl Api {
                 _ => {}
             }
         }
-        if !ended || text.as_deref() != Some(want) {
-            bail!("/execute: no result {want:?} (got {text:?}, ended {ended})");
+        if !ended {
+            bail!("/execute: the stream ended without end_of_execution");
+        }
+        Ok(text)
+    }
+
+    /// [`Api::run_code`] on a new connection (the SDK opens one per `run_code`); Ok once
+    /// its main result's text is `want`.
+    async fn execute(&self, s: &Sbx, code: &str, want: &str) -> anyhow::Result<()> {
+        let mut c = Conn::new(&self.addr);
+        let text = self.run_code(&mut c, s, code).await?;
+        if text.as_deref() != Some(want) {
+            bail!("/execute: no result {want:?} (got {text:?})");
         }
         Ok(())
     }

@@ -112,6 +112,77 @@ pub enum SandboxCommand {
         #[arg(required = true)]
         ids: Vec<String>,
     },
+    /// Pause a sandbox: its processes and memory go to disk (no host memory, no CPU
+    /// while paused); `resume` brings them back.
+    Pause {
+        /// Sandbox id.
+        id: String,
+        /// Keep only the disk (a resume boots the template again over it).
+        #[arg(long)]
+        filesystem: bool,
+    },
+    /// Resume a paused sandbox (a running one only gets its end time extended).
+    Resume {
+        /// Sandbox id.
+        id: String,
+        /// Seconds until the resumed sandbox ends (server default: 300).
+        #[arg(long, value_name = "SECS")]
+        timeout: Option<u64>,
+        /// Boot from the disk instead of restoring memory.
+        #[arg(long)]
+        reboot: bool,
+    },
+    /// Snapshot a running sandbox (it runs on); prints the snapshot id, which works as a
+    /// template (`create -t ID`) and for `rollback`.
+    Snapshot {
+        /// Sandbox id.
+        id: String,
+        /// Name (`name` or `name:tag`).
+        #[arg(long)]
+        name: Option<String>,
+        /// Keep only the disk (sandboxes made from it boot).
+        #[arg(long)]
+        filesystem: bool,
+        /// Print the server's whole JSON answer.
+        #[arg(long)]
+        json: bool,
+    },
+    /// List snapshots (`--sandbox` of one sandbox only).
+    Snapshots {
+        /// Only this sandbox's.
+        #[arg(long)]
+        sandbox: Option<String>,
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Delete a snapshot.
+    DeleteSnapshot {
+        /// Snapshot id or name.
+        id: String,
+    },
+    /// Fork a running sandbox: COUNT new sandboxes with its memory and disk; prints their
+    /// ids.
+    Fork {
+        /// Sandbox id.
+        id: String,
+        /// How many (1-100).
+        #[arg(long, default_value_t = 1)]
+        count: u32,
+        /// Seconds until the forks end (server default: 15, as E2B).
+        #[arg(long, value_name = "SECS")]
+        timeout: Option<u64>,
+        /// Print the server's whole JSON answer.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Put a sandbox back to one of its snapshots, in place (same id and address).
+    Rollback {
+        /// Sandbox id.
+        id: String,
+        /// Snapshot id or name.
+        snapshot: String,
+    },
     /// Run a command in a sandbox (`/bin/bash -l -c CMD`), stream its output, exit with
     /// its exit code. Several words are joined with spaces, as ssh does.
     Exec {

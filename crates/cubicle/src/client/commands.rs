@@ -180,6 +180,176 @@ pub async fn kill(api: &ApiClient, ids: &[String]) -> anyhow::Result<i32> {
     Ok(code)
 }
 
+/// Pauses, resumes, snapshots and forks can take a while on a loaded host.
+const STATEFUL_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(300);
+
+pub async fn pause(api: &ApiClient, id: &str, memory: bool) -> anyhow::Result<i32> {
+    let path = format!("/sandboxes/{}/pause", super::rest::seg(id));
+    let t = std::time::Instant::now();
+    match api
+        .post_json(
+            &path,
+            &serde_json::json!({ "memory": memory }),
+            STATEFUL_TIMEOUT,
+        )
+        .await
+    {
+        Ok(_) => {
+            println!("paused {id} ({:.0} ms)", t.elapsed().as_secs_f64() * 1000.0);
+            Ok(0)
+        }
+        Err(e) if e.status() == Some(409) => {
+            eprintln!("cubicle: {id}: {e}");
+            Ok(1)
+        }
+        Err(e) => Err(anyhow::Error::new(e).context(format!("pausing {id}"))),
+    }
+}
+
+pub async fn resume(
+    api: &ApiClient,
+    id: &str,
+    timeout: Option<u64>,
+    memory: bool,
+) -> anyhow::Result<i32> {
+    let path = format!("/v2/sandboxes/{}/connect", super::rest::seg(id));
+    let mut body = serde_json::json!({});
+    if let Some(t) = timeout {
+        body["timeout"] = t.into();
+    }
+    if !memory {
+        body["memory"] = false.into();
+    }
+    let t = std::time::Instant::now();
+    let (status, _) = api
+        .post_json(&path, &body, STATEFUL_TIMEOUT)
+        .await
+        .map_err(|e| anyhow::Error::new(e).context(format!("resuming {id}")))?;
+    let took = t.elapsed().as_secs_f64() * 1000.0;
+    if status == 201 {
+        println!("resumed {id} ({took:.0} ms)");
+    } else {
+        println!("{id} was running; its end time is extended");
+    }
+    Ok(0)
+}
+
+pub async fn snapshot(
+    api: &ApiClient,
+    id: &str,
+    name: Option<String>,
+    memory: bool,
+    json: bool,
+) -> anyhow::Result<i32> {
+    let path = format!("/sandboxes/{}/snapshots", super::rest::seg(id));
+    let mut body = serde_json::json!({ "memory": memory });
+    if let Some(n) = name {
+        body["name"] = n.into();
+    }
+    let (_, v) = api
+        .post_json(&path, &body, STATEFUL_TIMEOUT)
+        .await
+        .map_err(|e| anyhow::Error::new(e).context(format!("snapshotting {id}")))?;
+    if json {
+        println!("{}", serde_json::to_string_pretty(&v)?);
+    } else {
+        println!("{}", s(&v, "snapshotID"));
+    }
+    Ok(0)
+}
+
+pub async fn snapshots(api: &ApiClient, sandbox: Option<&str>, json: bool) -> anyhow::Result<i32> {
+    let items = api.snapshots(sandbox).await?;
+    if json {
+        println!("{}", serde_json::to_string_pretty(&Value::Array(items))?);
+    } else {
+        println!("{:<40} NAMES", "SNAPSHOT ID");
+        for v in &items {
+            let names: Vec<&str> = v
+                .get("names")
+                .and_then(Value::as_array)
+                .map(|a| a.iter().filter_map(Value::as_str).collect())
+                .unwrap_or_default();
+            println!("{:<40} {}", s(v, "snapshotID"), names.join(", "));
+        }
+    }
+    Ok(0)
+}
+
+pub async fn delete_snapshot(api: &ApiClient, id: &str) -> anyhow::Result<i32> {
+    match api.delete_template(id).await {
+        Ok(()) => {
+            println!("deleted {id}");
+            Ok(0)
+        }
+        Err(e) if e.status() == Some(404) => {
+            eprintln!("cubicle: snapshot {id}: {e}");
+            Ok(1)
+        }
+        Err(e) => Err(anyhow::Error::new(e).context(format!("deleting snapshot {id}"))),
+    }
+}
+
+pub async fn fork(
+    api: &ApiClient,
+    id: &str,
+    count: u32,
+    timeout: Option<u64>,
+    json: bool,
+) -> anyhow::Result<i32> {
+    let path = format!("/sandboxes/{}/fork", super::rest::seg(id));
+    let mut body = serde_json::json!({ "count": count });
+    if let Some(t) = timeout {
+        body["timeout"] = t.into();
+    }
+    let (_, v) = api
+        .post_json(&path, &body, STATEFUL_TIMEOUT)
+        .await
+        .map_err(|e| anyhow::Error::new(e).context(format!("forking {id}")))?;
+    if json {
+        println!("{}", serde_json::to_string_pretty(&v)?);
+        return Ok(0);
+    }
+    let mut code = 0;
+    for item in v.as_array().into_iter().flatten() {
+        match (item.get("sandbox"), item.get("error")) {
+            (Some(sbx), _) => println!("{}", s(sbx, "sandboxID")),
+            (_, Some(err)) => {
+                eprintln!(
+                    "cubicle: a fork failed: {} ({})",
+                    s(err, "message"),
+                    n(err, "code")
+                );
+                code = 1;
+            }
+            _ => {
+                eprintln!(
+                    "cubicle: the server answered a fork with neither a sandbox nor an error"
+                );
+                code = 1;
+            }
+        }
+    }
+    Ok(code)
+}
+
+pub async fn rollback(api: &ApiClient, id: &str, snapshot: &str) -> anyhow::Result<i32> {
+    let path = format!("/sandboxes/{}/rollback", super::rest::seg(id));
+    let t = std::time::Instant::now();
+    api.post_json(
+        &path,
+        &serde_json::json!({ "snapshotID": snapshot }),
+        STATEFUL_TIMEOUT,
+    )
+    .await
+    .map_err(|e| anyhow::Error::new(e).context(format!("rolling {id} back to {snapshot}")))?;
+    println!(
+        "rolled {id} back to {snapshot} ({:.0} ms)",
+        t.elapsed().as_secs_f64() * 1000.0
+    );
+    Ok(0)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -73,6 +73,29 @@ pub async fn run(args: SandboxArgs, state_dir: &Path) -> anyhow::Result<i32> {
         } => commands::list(&api, json, metadata, states).await,
         SandboxCommand::Info { id, json } => commands::info(&api, &id, json).await,
         SandboxCommand::Kill { ids } => commands::kill(&api, &ids).await,
+        SandboxCommand::Pause { id, filesystem } => commands::pause(&api, &id, !filesystem).await,
+        SandboxCommand::Resume {
+            id,
+            timeout,
+            reboot,
+        } => commands::resume(&api, &id, timeout, !reboot).await,
+        SandboxCommand::Snapshot {
+            id,
+            name,
+            filesystem,
+            json,
+        } => commands::snapshot(&api, &id, name, !filesystem, json).await,
+        SandboxCommand::Snapshots { sandbox, json } => {
+            commands::snapshots(&api, sandbox.as_deref(), json).await
+        }
+        SandboxCommand::DeleteSnapshot { id } => commands::delete_snapshot(&api, &id).await,
+        SandboxCommand::Fork {
+            id,
+            count,
+            timeout,
+            json,
+        } => commands::fork(&api, &id, count, timeout, json).await,
+        SandboxCommand::Rollback { id, snapshot } => commands::rollback(&api, &id, &snapshot).await,
         SandboxCommand::Logs {
             id,
             follow,

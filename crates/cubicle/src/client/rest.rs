@@ -295,6 +295,65 @@ impl ApiClient {
         Ok(())
     }
 
+    /// `POST` of a JSON body to `path`; the status and the decoded answer (`Null` for
+    /// an empty one).
+    pub async fn post_json(
+        &self,
+        path: &str,
+        body: &Value,
+        timeout: Duration,
+    ) -> Result<(u16, Value), ClientError> {
+        let (status, _, resp) = self
+            .call(
+                Method::POST,
+                path,
+                Some(body.to_string().into_bytes()),
+                timeout,
+            )
+            .await?;
+        if resp.is_empty() {
+            return Ok((status, Value::Null));
+        }
+        Ok((status, Self::json(path, &resp)?))
+    }
+
+    /// `GET /snapshots` (all pages).
+    pub async fn snapshots(&self, sandbox: Option<&str>) -> Result<Vec<Value>, ClientError> {
+        let mut all = Vec::new();
+        let mut token: Option<String> = None;
+        for _ in 0..10_000 {
+            let mut q = vec!["limit=100".to_string()];
+            if let Some(s) = sandbox {
+                q.push(format!("sandboxID={}", enc(s, QUERY_VALUE)));
+            }
+            if let Some(t) = &token {
+                q.push(format!("nextToken={}", enc(t, QUERY_VALUE)));
+            }
+            let path = format!("/snapshots?{}", q.join("&"));
+            let (_, headers, body) = self.call(Method::GET, &path, None, CALL_TIMEOUT).await?;
+            let page: Vec<Value> = Self::json("/snapshots", &body)?;
+            all.extend(page);
+            token = headers
+                .get("x-next-token")
+                .and_then(|v| v.to_str().ok())
+                .filter(|t| !t.is_empty())
+                .map(str::to_string);
+            if token.is_none() {
+                return Ok(all);
+            }
+        }
+        Err(ClientError::Protocol(
+            "GET /snapshots: pagination never ended".into(),
+        ))
+    }
+
+    /// `DELETE /templates/{id}` (a snapshot).
+    pub async fn delete_template(&self, id: &str) -> Result<(), ClientError> {
+        let path = format!("/templates/{}", seg(id));
+        self.call(Method::DELETE, &path, None, CALL_TIMEOUT).await?;
+        Ok(())
+    }
+
     /// `POST /v2/sandboxes/{id}/connect` (how the SDK gets the envd access token).
     pub async fn connect(&self, id: &str, timeout: Option<u64>) -> Result<Sandbox, ClientError> {
         let path = format!("/v2/sandboxes/{}/connect", seg(id));

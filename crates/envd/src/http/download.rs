@@ -277,6 +277,8 @@ fn as_user<T: Send>(user: &User, f: impl FnOnce() -> io::Result<T> + Send) -> io
             .join()
             .map_err(|_| io::Error::other("credential thread panicked"))?
     })
+    .inspect(|_| crate::users::restore_dumpable())
+    .inspect_err(|_| crate::users::restore_dumpable())
 }
 
 fn read_retrying(file: &mut File, buf: &mut [u8]) -> io::Result<usize> {

@@ -492,6 +492,11 @@ pub fn spawn(spec: &SpawnSpec) -> io::Result<Spawned> {
     };
     drop(stack);
     drop(child_ends);
+    if switch_user {
+        // The child changed credentials while it still shared envd's memory (CLONE_VM),
+        // which made envd non-dumpable: see `users::restore_dumpable`.
+        crate::users::restore_dumpable();
+    }
     if pid < 0 {
         return Err(clone_err);
     }

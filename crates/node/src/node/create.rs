@@ -115,6 +115,8 @@ impl Inner {
             r.mask_request_host = req.mask_request_host.clone();
             r.env_vars = env_vars;
             r.metadata = req.metadata.clone();
+            r.lifecycle = req.lifecycle;
+            r.timeout_ms = timeout.as_millis() as u64;
             r.volumes = req.volumes.clone();
         })?;
 
@@ -185,57 +187,7 @@ impl Inner {
         let rt = inner.runtime.clone();
         let (i2, d2, disk_mb) = (id.clone(), dir.clone(), record.disk_mb);
         blocking(move || rt.create_dir(&i2, &d2, disk_mb)).await?;
-        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o711))
-            .ctx("chmod", &dir)?;
-        let ctl = dir.join("ctl");
-        std::fs::create_dir_all(&ctl).ctx("mkdir", &ctl)?;
-        give_to_sandbox_root(&ctl, record.uid_base)?;
-        std::fs::set_permissions(&ctl, std::fs::Permissions::from_mode(0o700))
-            .ctx("chmod", &ctl)?;
-        fsutil::write_json_atomic(&dir.join("sandbox.json"), &record)?;
-        let mut binds = write_etc_files(&dir, &id, record.uid_base)?;
-        binds.extend(crate::template::code_interpreter::bind_for(
-            &template.config,
-        ));
-        let volumes = inner.volume_binds(&record.volumes)?;
-
-        let spec = StartSpec {
-            id: id.clone(),
-            rootfs: template.rootfs.clone(),
-            sandbox_dir: dir.clone(),
-            slot: record.slot,
-            uid_base: record.uid_base,
-            uid_count: IDS_PER_SANDBOX,
-            memory_mb: record.memory_mb,
-            cpus: record.cpus,
-            pids: inner.config.pids_limit,
-            disk_mb: record.disk_mb,
-            internet: record.internet,
-            network: record.network.clone(),
-            hostname: id.clone(),
-            envd_binary: inner.config.envd_binary.clone(),
-            // envd answers the node on its Unix socket; on TCP only inside the sandbox
-            // (loopback), never on the sandbox's address, which the host can route to.
-            init: {
-                let mut argv = vec![
-                    ENVD_IN_SANDBOX.into(),
-                    "--init".into(),
-                    "--unix-socket".into(),
-                    ENVD_SOCKET_IN_SANDBOX.into(),
-                    "--listen".into(),
-                    "127.0.0.1".into(),
-                    "--default-user".into(),
-                    record.default_user.clone(),
-                ];
-                if let Some(w) = &record.default_workdir {
-                    argv.extend(["--default-workdir".into(), w.clone()]);
-                }
-                argv
-            },
-            env: birth_env(template, &record.access_token),
-            binds,
-            volumes,
-        };
+        let spec = self.prepare_sandbox_dir(&record, template)?;
         let t_prep = t0.elapsed();
         let rt = inner.runtime.clone();
         let started = blocking(move || rt.start(&spec)).await?;
@@ -382,7 +334,86 @@ impl Inner {
         Ok(())
     }
 
-    fn update_record(&self, record: &SandboxRecord) -> Result<()> {
+    /// Fills sandbox `record`'s (existing) directory for a start: mode, a fresh `ctl/`,
+    /// `sandbox.json`, `/etc/hosts` and `/etc/resolv.conf`; returns what the runtime
+    /// needs to start it (or to restore it there).
+    pub(crate) fn prepare_sandbox_dir(
+        &self,
+        record: &SandboxRecord,
+        template: &Template,
+    ) -> Result<StartSpec> {
+        let id = &record.id;
+        let dir = self.sandbox_dir(id);
+        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o711))
+            .ctx("chmod", &dir)?;
+        let ctl = dir.join("ctl");
+        if ctl.exists() {
+            // A copy of another sandbox's directory: its socket is stale.
+            fsutil::remove_tree(&ctl)?;
+        }
+        std::fs::create_dir_all(&ctl).ctx("mkdir", &ctl)?;
+        give_to_sandbox_root(&ctl, record.uid_base)?;
+        std::fs::set_permissions(&ctl, std::fs::Permissions::from_mode(0o700))
+            .ctx("chmod", &ctl)?;
+        fsutil::write_json_atomic(&dir.join("sandbox.json"), record)?;
+        let mut binds = write_etc_files(&dir, id, record.uid_base)?;
+        binds.extend(crate::template::code_interpreter::bind_for(
+            &template.config,
+        ));
+        let volumes = self.volume_binds(&record.volumes)?;
+        Ok(self.start_spec(record, template, binds, volumes))
+    }
+
+    /// What the runtime needs to start (or restore) sandbox `record` on `template`.
+    pub(crate) fn start_spec(
+        &self,
+        record: &SandboxRecord,
+        template: &Template,
+        binds: Vec<(PathBuf, PathBuf, bool)>,
+        volumes: Vec<(PathBuf, PathBuf, bool)>,
+    ) -> StartSpec {
+        let id = record.id.clone();
+        StartSpec {
+            rootfs: template.rootfs.clone(),
+            sandbox_dir: self.sandbox_dir(&id),
+            slot: record.slot,
+            uid_base: record.uid_base,
+            uid_count: IDS_PER_SANDBOX,
+            memory_mb: record.memory_mb,
+            cpus: record.cpus,
+            pids: self.config.pids_limit,
+            disk_mb: record.disk_mb,
+            internet: record.internet,
+            network: record.network.clone(),
+            hostname: id.clone(),
+            envd_binary: self.config.envd_binary.clone(),
+            init: {
+                let mut argv = vec![
+                    ENVD_IN_SANDBOX.into(),
+                    "--init".into(),
+                    "--unix-socket".into(),
+                    ENVD_SOCKET_IN_SANDBOX.into(),
+                    // envd answers the node on its Unix socket; on TCP only inside the
+                    // sandbox (loopback), never on the sandbox's address, which the host
+                    // can route to.
+                    "--listen".into(),
+                    "127.0.0.1".into(),
+                    "--default-user".into(),
+                    record.default_user.clone(),
+                ];
+                if let Some(w) = &record.default_workdir {
+                    argv.extend(["--default-workdir".into(), w.clone()]);
+                }
+                argv
+            },
+            env: birth_env(template, &record.access_token),
+            binds,
+            volumes,
+            id,
+        }
+    }
+
+    pub(crate) fn update_record(&self, record: &SandboxRecord) -> Result<()> {
         let mut st = self.lock();
         let live = st
             .live

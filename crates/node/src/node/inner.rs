@@ -46,7 +46,14 @@ pub(crate) struct Inner {
     pub(super) _slot_lease: Option<crate::host_slots::SlotLease>,
     /// Warm pools and the cold-create semaphore (`pool/`).
     pub(crate) pool: Pool,
+    /// Snapshot records (`<state>/snapshots`).
+    pub(crate) snapshots: crate::snapshot::SnapshotStore,
+    /// Called before a sandbox is checkpointed or stopped (see `Node::on_checkpoint`).
+    pub(crate) on_checkpoint: std::sync::OnceLock<CheckpointHook>,
 }
+
+/// Called with a sandbox's id before it is checkpointed or stopped (`Node::on_checkpoint`).
+pub(crate) type CheckpointHook = Box<dyn Fn(&str) + Send + Sync>;
 
 /// The live sandboxes and the uid slots, under one lock ([`Inner::lock`]).
 pub(crate) struct State {
@@ -67,6 +74,8 @@ pub(crate) struct Live {
     pub(crate) watcher: Option<tokio::task::AbortHandle>,
     /// A pidfd of the init, from the moment the sandbox is live (see [`InitPidfd`]).
     pub(crate) init: Option<InitPidfd>,
+    /// A pause, resume, snapshot or rollback is under way (`stateful.rs`).
+    pub(crate) busy: Option<super::stateful::Busy>,
 }
 
 impl Live {
@@ -79,6 +88,7 @@ impl Live {
             teardown_failed: false,
             watcher: None,
             init: None,
+            busy: None,
         }
     }
 
@@ -86,6 +96,7 @@ impl Live {
     pub(crate) fn info(&self, envd_socket: PathBuf) -> SandboxInfo {
         let mut info = SandboxInfo::from_record(&self.record, envd_socket, self.ready_us);
         info.init_pidfd = self.init.clone();
+        info.busy = self.busy.is_some();
         info
     }
 }
@@ -156,6 +167,12 @@ impl Inner {
             default_workdir: c.default_workdir.clone(),
             death_reason: None,
             runtime: serde_json::Value::Null,
+            lifecycle: Default::default(),
+            timeout_ms: 0,
+            pause_mode: None,
+            paused_at_ms: None,
+            envd_unresponsive_at_pause: false,
+            base_template: None,
             volumes: Vec::new(),
         };
         customize(&mut record);

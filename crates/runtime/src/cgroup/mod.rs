@@ -232,6 +232,87 @@ impl Cgroup {
         }
     }
 
+    /// The directory whose freezer state freezes the whole sandbox (v1: the freezer
+    /// hierarchy's; v2: the cgroup's own), as CRIU's `freeze_cgroup` wants it.
+    pub fn freezer_dir(&self) -> PathBuf {
+        match &self.layout {
+            Layout::V1(m) => m.freezer.join(PARENT).join(&self.id),
+            Layout::V2(root) => root.join(PARENT).join(&self.id),
+        }
+    }
+
+    /// Freezes every task of the sandbox and waits (up to `timeout`) until the kernel
+    /// reports the whole cgroup frozen. On timeout the cgroup is thawed again.
+    pub fn freeze(&self, timeout: Duration) -> Result<()> {
+        let deadline = Instant::now() + timeout;
+        let dir = self.freezer_dir();
+        let (file, set, frozen): (PathBuf, &str, fn(&str) -> bool) = match &self.layout {
+            Layout::V1(_) => (dir.join("freezer.state"), "FROZEN", |s| s == "FROZEN"),
+            Layout::V2(_) => (dir.join("cgroup.freeze"), "1", |_| false),
+        };
+        write_file(&file, set)?;
+        loop {
+            let done = match &self.layout {
+                Layout::V1(_) => frozen(read_file(&file)?.trim()),
+                Layout::V2(_) => {
+                    keyed_value(&read_file(&dir.join("cgroup.events"))?, "frozen") == Some(1)
+                }
+            };
+            if done {
+                return Ok(());
+            }
+            if Instant::now() > deadline {
+                let _ = self.thaw();
+                return Err(Error::Cgroup(format!(
+                    "cgroup {PARENT}/{} did not freeze within {timeout:?}",
+                    self.id
+                )));
+            }
+            std::thread::sleep(Duration::from_micros(500));
+        }
+    }
+
+    /// Lets the tasks of a frozen sandbox run again.
+    pub fn thaw(&self) -> Result<()> {
+        let dir = self.freezer_dir();
+        match &self.layout {
+            Layout::V1(_) => write_file(&dir.join("freezer.state"), "THAWED"),
+            Layout::V2(_) => write_file(&dir.join("cgroup.freeze"), "0"),
+        }
+    }
+
+    /// The controllers a sandbox's cgroup spans, as CRIU names them (for its per-controller
+    /// `cgroup_root`): v1 `memory`, `cpu`, `cpuacct`, `pids`, `freezer`; v2 none (the
+    /// unified hierarchy has one root).
+    pub fn controllers(&self) -> Vec<&'static str> {
+        match &self.layout {
+            Layout::V1(_) => vec!["memory", "cpu", "cpuacct", "pids", "freezer"],
+            Layout::V2(_) => Vec::new(),
+        }
+    }
+
+    /// A directory holding one mount per controller of [`controllers`](Self::controllers),
+    /// named after it (`<dir>/memory`, …), as CRIU's `cgroup_yard` wants it — so that a
+    /// restore need not mount every hierarchy itself. v1 with the usual layout
+    /// (`/sys/fs/cgroup/<controller>`) only.
+    pub fn criu_yard(&self) -> Option<PathBuf> {
+        let Layout::V1(m) = &self.layout else {
+            return None;
+        };
+        let named = [
+            ("memory", &m.memory),
+            ("cpu", &m.cpu),
+            ("cpuacct", &m.cpuacct),
+            ("pids", &m.pids),
+            ("freezer", &m.freezer),
+        ];
+        let parent = m.memory.parent()?.to_path_buf();
+        named
+            .iter()
+            .all(|(n, p)| p.as_path() == parent.join(n))
+            .then_some(parent)
+    }
+
     /// Kills every process in the cgroup with SIGKILL and waits (up to 5 s) until it is
     /// empty. v2: `cgroup.kill`; v1: freeze, kill each pid, thaw, repeat until empty.
     pub fn kill_all(&self) -> Result<()> {

@@ -221,6 +221,72 @@ impl Storage {
         Ok(dest)
     }
 
+    /// A read-only, copy-on-write copy of sandbox `id`'s whole directory named `name`
+    /// (which must start with [`SNAPSHOT_PREFIX`]), next to the sandbox directories:
+    /// a btrfs snapshot (O(1): it shares every block until either side writes), or on
+    /// XFS a reflinked copy. Its disk cost is what changes afterwards. Take it while the
+    /// sandbox is frozen to get one instant.
+    pub fn snapshot_sandbox_dir(&self, id: &str, name: &str) -> Result<PathBuf> {
+        check_id(id)?;
+        check_snapshot_name(name)?;
+        let src = self.root.join(id);
+        let dest = self.root.join(name);
+        match self.backend {
+            QuotaBackend::BtrfsQgroup => self.btrfs_snapshot(id, name, true)?,
+            QuotaBackend::XfsProject => reflink_copy(&src, &dest)?,
+        }
+        Ok(dest)
+    }
+
+    /// A new sandbox directory `id` (quota `quota_bytes`) that starts as a copy-on-write
+    /// copy of the snapshot `name`. Fails if `id` exists.
+    pub fn clone_snapshot(&self, name: &str, id: &str, quota_bytes: u64) -> Result<PathBuf> {
+        check_snapshot_name(name)?;
+        let dest = self.sandbox_dir(id)?;
+        if dest.exists() {
+            return Err(Error::Io {
+                context: format!("creating {}", dest.display()),
+                source: io::Error::from_raw_os_error(libc::EEXIST),
+            });
+        }
+        let tmp_name = format!("{CREATING}{id}");
+        let tmp = self.root.join(&tmp_name);
+        let _ = self.remove_entry(&tmp_name);
+        let result = match self.backend {
+            QuotaBackend::BtrfsQgroup => self
+                .btrfs_snapshot(name, &tmp_name, false)
+                .and_then(|()| self.btrfs_limit(&tmp_name, quota_bytes)),
+            QuotaBackend::XfsProject => self
+                .xfs_create(&tmp, id, quota_bytes)
+                .and_then(|()| reflink_copy_into(&self.root.join(name), &tmp)),
+        };
+        if let Err(e) = result {
+            let _ = self.remove_entry(&tmp_name);
+            return Err(e);
+        }
+        fs::rename(&tmp, &dest).map_err(io_err(format!(
+            "renaming {} to {}",
+            tmp.display(),
+            dest.display()
+        )))?;
+        Ok(dest)
+    }
+
+    /// Deletes the snapshot `name` (idempotent).
+    pub fn remove_snapshot(&self, name: &str) -> Result<()> {
+        check_snapshot_name(name)?;
+        self.remove_entry(name)
+    }
+
+    /// Names of the snapshots next to the sandbox directories.
+    pub fn snapshots(&self) -> Result<Vec<String>> {
+        Ok(self
+            .entries()?
+            .into_iter()
+            .filter(|n| check_snapshot_name(n).is_ok())
+            .collect())
+    }
+
     /// Deletes sandbox `id`'s directory and clears its quota (idempotent). Anything
     /// mounted below it must be unmounted first.
     pub fn remove_sandbox_dir(&self, id: &str) -> Result<()> {
@@ -239,12 +305,16 @@ impl Storage {
     }
 
     /// Removes every sandbox directory whose id is not in `known` (and half-created
-    /// ones), and clears quota limits no directory uses.
+    /// ones), and clears quota limits no directory uses. Snapshots are kept (their
+    /// owner removes them with [`Storage::remove_snapshot`]).
     pub fn reconcile(&self, known: &[&str]) -> Result<()> {
         let known: HashSet<&str> = known.iter().copied().collect();
         for name in self.entries()? {
             // Volumes outlive sandboxes: `reconcile_volumes` looks after them.
-            if name != VOLUMES && !known.contains(name.as_str()) {
+            if name != VOLUMES
+                && !known.contains(name.as_str())
+                && check_snapshot_name(&name).is_err()
+            {
                 self.remove_entry(&name)?;
             }
         }
@@ -299,6 +369,55 @@ impl Storage {
             QuotaBackend::XfsProject => self.xfs_remove(&path),
             QuotaBackend::BtrfsQgroup => self.btrfs_remove(parent, name, &meta),
         }
+    }
+}
+
+/// Names of snapshots start with this; the rest is an id. (The node's sandbox ids are
+/// `[a-z0-9]`, so a snapshot never takes a sandbox's name.)
+pub const SNAPSHOT_PREFIX: &str = "snapshot-";
+
+fn check_snapshot_name(name: &str) -> Result<()> {
+    match name.strip_prefix(SNAPSHOT_PREFIX) {
+        Some(rest) if !rest.is_empty() && check_id(rest).is_ok() => Ok(()),
+        _ => Err(Error::InvalidId(name.to_string())),
+    }
+}
+
+/// `cp -a --reflink=always src dest` (XFS: shares blocks, keeps owners, modes and the
+/// overlay's extended attributes).
+fn reflink_copy(src: &Path, dest: &Path) -> Result<()> {
+    run_cp(&[
+        "-a".as_ref(),
+        "--reflink=always".as_ref(),
+        src.as_os_str(),
+        dest.as_os_str(),
+    ])
+}
+
+/// Copies the contents of `src` into the existing directory `dest` with reflinks.
+fn reflink_copy_into(src: &Path, dest: &Path) -> Result<()> {
+    let from = src.join(".");
+    run_cp(&[
+        "-a".as_ref(),
+        "--reflink=always".as_ref(),
+        "-T".as_ref(),
+        from.as_os_str(),
+        dest.as_os_str(),
+    ])
+}
+
+fn run_cp(args: &[&std::ffi::OsStr]) -> Result<()> {
+    let out = std::process::Command::new("cp")
+        .args(args)
+        .output()
+        .map_err(io_err("running cp"))?;
+    if out.status.success() {
+        Ok(())
+    } else {
+        Err(Error::Command {
+            command: format!("cp {args:?}"),
+            stderr: String::from_utf8_lossy(&out.stderr).trim().to_string(),
+        })
     }
 }
 
