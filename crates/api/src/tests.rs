@@ -1086,7 +1086,6 @@ async fn unsupported_features_answer_clearly() {
     // without CRIU does.)
     for (m, p) in [
         (Method::POST, format!("/sandboxes/{id}/pause")),
-        (Method::POST, format!("/sandboxes/{id}/resume")),
         (Method::POST, format!("/sandboxes/{id}/snapshots")),
         (Method::POST, format!("/sandboxes/{id}/fork")),
     ] {
