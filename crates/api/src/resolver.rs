@@ -29,7 +29,7 @@ impl ApiResolver {
             return None;
         }
         Some(SandboxTarget {
-            id: info.id.clone(),
+            id: info.id.to_string(),
             envd_socket: info.envd_socket.clone(),
             init_pidfd: info.init_pidfd.as_ref().map(|p| p.fd().clone()),
             envd_access_token: Some(info.access_token.clone()),

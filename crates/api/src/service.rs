@@ -65,7 +65,7 @@ impl ApiConfig {
 
 /// A sandbox id can only be one of ours if it looks like one.
 fn plausible_id(id: &str) -> bool {
-    cubicle_node::ids::is_valid_sandbox_id(id)
+    cubicle_node::SandboxId::is_valid(id)
 }
 
 /// The control plane.
@@ -322,7 +322,7 @@ impl ControlPlane {
             })
             .await?;
         let row = SandboxRow {
-            id: info.id.clone(),
+            id: info.id.to_string(),
             team_id: team.id,
             template_id: info.template.clone(),
             alias: Some(info.template.clone()),

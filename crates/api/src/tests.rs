@@ -80,7 +80,7 @@ impl Backend for FakeNode {
             let now = cubicle_store::now_ms() as u64 + n; // distinct start times
             let id = format!("i{n:04}{}", cubicle_node::ids::random_suffix(8));
             let info = SandboxInfo {
-                id: id.clone(),
+                id: cubicle_node::SandboxId::parse(&id).expect("a valid id"),
                 template: req.template,
                 state: SandboxState::Running,
                 death_reason: None,

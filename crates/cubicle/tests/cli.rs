@@ -99,7 +99,7 @@ fn run_id_exit_code_keep_list_kill() {
         .unwrap();
     assert!(out.status.success());
     let id = String::from_utf8_lossy(&out.stdout).trim().to_string();
-    assert!(cubicle_node::ids::is_valid_sandbox_id(&id), "{id:?}");
+    assert!(cubicle_node::SandboxId::is_valid(&id), "{id:?}");
     let list = cubicle(&state, 3600)
         .args(["local", "list"])
         .output()
@@ -258,7 +258,7 @@ fn sigkill_of_run_kills_its_sandbox() {
             .map(|rd| {
                 rd.flatten()
                     .map(|e| e.file_name().to_string_lossy().into_owned())
-                    .filter(|n| cubicle_node::ids::is_valid_sandbox_id(n))
+                    .filter(|n| cubicle_node::SandboxId::is_valid(n))
                     .collect()
             })
             .unwrap_or_default();
@@ -289,7 +289,7 @@ fn sigkill_of_run_kills_its_sandbox() {
         // Then everything else goes, without anyone but the guardian doing anything.
         wait_for_guardians(&state);
         let mut ids = ids;
-        ids.extend(running.iter().map(|r| r.id.clone()));
+        ids.extend(running.iter().map(|r| r.id.to_string()));
         for id in &ids {
             let r = records.iter().find(|r| &r.id == id);
             loop {

@@ -16,7 +16,7 @@ use std::sync::Mutex;
 use cubicle_egress::{Egress, EgressConfig, NetEvent};
 use cubicle_runtime::network::{Netns, Network, NetworkConfig};
 use cubicle_runtime::storage::Storage;
-use cubicle_runtime::{Cgroup, Limits, Sandbox, SandboxSpec};
+use cubicle_runtime::{Cgroup, Limits, Sandbox, SandboxId, SandboxSpec};
 
 use crate::config::NodeConfig;
 use crate::error::{Error, Result};
@@ -298,7 +298,7 @@ impl SandboxRuntime for LinuxRuntime {
             }
         }
         let state = started_state(sb.timings(), net_info.as_ref());
-        self.handles().insert(s.id.clone(), sb);
+        self.handles().insert(s.id.to_string(), sb);
         Ok(Started { pid, state })
     }
 
@@ -313,7 +313,7 @@ impl SandboxRuntime for LinuxRuntime {
         let handle = self.handles().remove(id);
         let res = match handle {
             Some(sb) => sb.destroy(),
-            None if cubicle_runtime::valid_id(id) => {
+            None if SandboxId::is_valid(id) => {
                 match cubicle_runtime::remove_leftovers(id, Some(sandbox_dir)) {
                     Err(cubicle_runtime::Error::NotFound(_)) => Ok(()),
                     other => other,
@@ -333,12 +333,13 @@ impl SandboxRuntime for LinuxRuntime {
     fn create_dir(&self, id: &str, dir: &Path, disk_mb: u64) -> Result<()> {
         match &self.storage {
             Ok(st) => {
+                let id = SandboxId::parse(id).map_err(|e| rt_err("sandbox directory", e))?;
                 let made = st
-                    .create_sandbox_dir(id, disk_mb << 20)
+                    .create_sandbox_dir(&id, disk_mb << 20)
                     .map_err(|e| rt_err("sandbox directory", e))?;
                 if made != dir && std::fs::canonicalize(dir).ok().as_deref() != Some(made.as_path())
                 {
-                    let _ = st.remove_sandbox_dir(id);
+                    let _ = st.remove_sandbox_dir(&id);
                     return Err(Error::Runtime(format!(
                         "storage made {} but the node expects {}",
                         made.display(),
@@ -354,8 +355,8 @@ impl SandboxRuntime for LinuxRuntime {
     fn remove_dir(&self, id: &str, dir: &Path) -> Result<()> {
         crate::fsutil::unmount_all_under(dir);
         match &self.storage {
-            Ok(st) if cubicle_runtime::valid_id(id) => st
-                .remove_sandbox_dir(id)
+            Ok(st) if let Ok(id) = SandboxId::parse(id) => st
+                .remove_sandbox_dir(&id)
                 .map_err(|e| rt_err(&format!("removing {}", dir.display()), e)),
             _ => crate::fsutil::remove_tree(dir),
         }
@@ -390,7 +391,12 @@ impl SandboxRuntime for LinuxRuntime {
             return Some(DeathReason::Oom);
         }
         // Full (within 1 MiB of the limit) writable layer.
-        let usage = self.storage.as_ref().ok()?.usage(id).ok()?;
+        let usage = self
+            .storage
+            .as_ref()
+            .ok()?
+            .usage(&SandboxId::parse(id).ok()?)
+            .ok()?;
         (usage.limit_bytes > 0 && usage.used_bytes + (1 << 20) >= usage.limit_bytes)
             .then_some(DeathReason::DiskFull)
     }
@@ -441,7 +447,9 @@ impl SandboxRuntime for LinuxRuntime {
             return None;
         }
         let s = c.stats().ok()?;
-        let disk = self.storage.as_ref().ok().and_then(|st| st.usage(id).ok());
+        let disk = (self.storage.as_ref().ok())
+            .zip(SandboxId::parse(id).ok())
+            .and_then(|(st, id)| st.usage(&id).ok());
         Some(crate::runtime::SandboxStats {
             memory_bytes: s.memory_bytes,
             oom_kills: s.oom_kills,

@@ -19,12 +19,14 @@ use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::time::Duration;
 
+use cubicle_runtime::SandboxId;
+
 use crate::envd_client::EnvdClient;
 use crate::error::{IoContext, Result};
 use crate::node::inner::{Inner, Live, blocking};
 use crate::node::teardown::spawn_watcher;
 use crate::sandbox::{InitPidfd, SandboxRecord, SandboxState};
-use crate::{fsutil, ids, procfs};
+use crate::{fsutil, procfs};
 
 /// What reconciliation did.
 #[derive(Debug, Default, Clone)]
@@ -48,7 +50,7 @@ pub(crate) async fn reconcile(inner: &Arc<Inner>) -> Result<ReconcileReport> {
 
     for e in std::fs::read_dir(&sdir).ctx("readdir", &sdir)?.flatten() {
         let name = e.file_name().to_string_lossy().into_owned();
-        if !ids::is_valid_sandbox_id(&name) {
+        if !SandboxId::is_valid(&name) {
             // Half-created quota directories are the storage's to remove (below),
             // snapshots are checked against their records (below), and the volumes'
             // directory holds user data that outlives every sandbox.
@@ -132,7 +134,7 @@ pub(crate) async fn reconcile(inner: &Arc<Inner>) -> Result<ReconcileReport> {
             adopted_pid.is_some() && adopted_pid == r.pid && inner.lock().slots.reserve(r.slot);
         if !reserved {
             tracing::warn!(sandbox = %r.id, healthy, "not adoptable, removing");
-            doomed.insert(r.id.clone(), Some(r.slot));
+            doomed.insert(r.id.to_string(), Some(r.slot));
             continue;
         }
         let pid = r.pid.unwrap_or(0);
@@ -148,7 +150,7 @@ pub(crate) async fn reconcile(inner: &Arc<Inner>) -> Result<ReconcileReport> {
         let init = InitPidfd::open(pid, r.pid_start_time);
         let watcher = spawn_watcher(Arc::downgrade(inner), r.id.clone(), init.as_ref());
         tracing::info!(sandbox = %r.id, pid, "adopted");
-        report.adopted.push(r.id.clone());
+        report.adopted.push(r.id.to_string());
         inner.lock().live.insert(
             r.id.clone(),
             Live {

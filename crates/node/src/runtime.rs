@@ -10,6 +10,8 @@ use std::path::PathBuf;
 
 use serde::{Deserialize, Serialize};
 
+use cubicle_runtime::SandboxId;
+
 use crate::error::Result;
 use crate::sandbox::DeathReason;
 
@@ -17,7 +19,7 @@ use crate::sandbox::DeathReason;
 #[derive(Debug, Clone)]
 pub struct StartSpec {
     /// Sandbox id (`^[a-z0-9]{1,32}$`).
-    pub id: String,
+    pub id: SandboxId,
     /// Template rootfs (read-only lower layer, owned by host uid 0).
     pub rootfs: PathBuf,
     /// `<state>/sandboxes/<id>`: the sandbox's private host directory.

@@ -8,6 +8,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
+use cubicle_runtime::SandboxId;
 use serde::{Deserialize, Serialize};
 
 pub use cubicle_egress::{NetEvent, NetworkPolicy};
@@ -166,7 +167,7 @@ pub enum SandboxState {
 #[serde(rename_all = "camelCase")]
 pub struct SandboxRecord {
     /// Sandbox id.
-    pub id: String,
+    pub id: SandboxId,
     /// Template name.
     pub template: String,
     /// Lifecycle state.
@@ -276,7 +277,7 @@ impl InitPidfd {
 #[serde(rename_all = "camelCase")]
 pub struct SandboxInfo {
     /// Sandbox id.
-    pub id: String,
+    pub id: SandboxId,
     /// Template name.
     pub template: String,
     /// Lifecycle state.

@@ -227,7 +227,7 @@ async fn create_run_id_kill_leaves_nothing(envd: PathBuf) -> TestResult {
     anyhow::ensure!(code == 0, "exit {code}, stderr {err}");
     anyhow::ensure!(out.contains("uid=0(root)"), "id printed {out:?}");
     anyhow::ensure!(
-        out.contains(&a.id),
+        out.contains(a.id.as_str()),
         "hostname is not the sandbox id: {out:?}"
     );
     // A file root creates is owned on the host by the sandbox's unprivileged range.
@@ -488,12 +488,12 @@ async fn reopen_adopts_live_and_removes_dead(envd: PathBuf) -> TestResult {
     let node = Node::open(cfg).await?;
     let report = node.reconcile_report();
     anyhow::ensure!(
-        report.adopted == vec![live.id.clone()],
+        report.adopted == vec![live.id.to_string()],
         "adopted {:?}",
         report.adopted
     );
     anyhow::ensure!(
-        report.removed.contains(&doomed.id),
+        report.removed.contains(&doomed.id.to_string()),
         "removed {:?}",
         report.removed
     );

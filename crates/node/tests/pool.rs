@@ -180,7 +180,7 @@ async fn claim_refill_close(envd: &Path) -> anyhow::Result<()> {
         let st = node.pool_stats();
         anyhow::ensure!(st.claims == 1, "not claimed from the pool: {st:?}");
         anyhow::ensure!(
-            pooled.contains(&s.id),
+            pooled.contains(&s.id.to_string()),
             "claimed id {} is not a pooled one",
             s.id
         );
@@ -207,7 +207,7 @@ async fn claim_refill_close(envd: &Path) -> anyhow::Result<()> {
         // (a sandbox being made for the pool is never a user's).
         let t = Instant::now();
         while node.pool_stats().ready.get("tiny").copied().unwrap_or(0) < 2 {
-            let ids: Vec<String> = node.list().into_iter().map(|i| i.id).collect();
+            let ids: Vec<cubicle_node::SandboxId> = node.list().into_iter().map(|i| i.id).collect();
             anyhow::ensure!(ids == [s.id.clone()], "list during refill: {ids:?}");
             anyhow::ensure!(t.elapsed() < Duration::from_secs(30), "pool not refilled");
             tokio::time::sleep(Duration::from_micros(200)).await;

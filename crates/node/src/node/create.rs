@@ -9,6 +9,8 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use cubicle_runtime::SandboxId;
+
 use super::inner::{Inner, birth_env, blocking, sandbox_env};
 use super::teardown::spawn_watcher;
 use super::{ENVD_IN_SANDBOX, ENVD_SOCKET_IN_SANDBOX};
@@ -25,7 +27,7 @@ use crate::{fsutil, ids, procfs};
 /// A checked create request: what [`Inner::try_claim`] and [`Inner::create_cold`] get.
 pub(crate) struct CreatePlan {
     pub(crate) template: Template,
-    pub(crate) id: String,
+    pub(crate) id: SandboxId,
     /// Memory (MiB), CPUs, disk (MiB).
     pub(crate) limits: (u64, u32, u64),
     pub(crate) timeout: Duration,
@@ -50,7 +52,7 @@ impl Inner {
             }
         };
         let id = match &req.id {
-            Some(id) if ids::is_valid_sandbox_id(id) => id.clone(),
+            Some(id) if let Ok(id) = SandboxId::parse(id) => id,
             Some(id) => {
                 return Err(Error::InvalidRequest(format!(
                     "sandbox id '{id}' must match ^[a-z0-9]{{1,32}}$"
@@ -143,14 +145,12 @@ impl Inner {
         template: &Template,
         t0: Instant,
     ) -> Result<SandboxInfo> {
-        let inner = self;
-        let id = record.id.clone();
-        let dir = inner.sandbox_dir(&id);
+        let dir = self.sandbox_dir(&record.id);
         let (record, started, [t_prep, t_spawn, t_health]) =
             self.start_sandbox(record, template, t0).await?;
         let pid = started.pid;
         self.init_sandbox(
-            record, template, t0, started, pid, &id, &dir, t_prep, t_spawn, t_health,
+            record, template, t0, started, pid, &dir, t_prep, t_spawn, t_health,
         )
         .await
     }
@@ -218,14 +218,13 @@ impl Inner {
         t0: Instant,
         started: crate::runtime::Started,
         pid: i32,
-        id: &str,
         dir: &Path,
         t_prep: Duration,
         t_spawn: Duration,
         t_health: Duration,
     ) -> Result<SandboxInfo> {
         let inner = self;
-        let id = id.to_string();
+        let id = record.id.clone();
         // envd was born with this token (`birth_env`): /init needs it too.
         let client = EnvdClient::new(inner.envd_socket(&id), Some(record.access_token.clone()));
         client.init(&InitRequest::for_record(&record)).await?;
@@ -240,7 +239,7 @@ impl Inner {
             let live = st
                 .live
                 .get_mut(&id)
-                .ok_or_else(|| Error::SandboxNotFound(id.clone()))?;
+                .ok_or_else(|| Error::SandboxNotFound(id.to_string()))?;
             if let Some(reason) = live.kill_requested {
                 return Err(Error::Runtime(format!(
                     "sandbox {id} was killed during creation ({reason})"
@@ -418,7 +417,7 @@ impl Inner {
         let live = st
             .live
             .get_mut(&record.id)
-            .ok_or_else(|| Error::SandboxNotFound(record.id.clone()))?;
+            .ok_or_else(|| Error::SandboxNotFound(record.id.to_string()))?;
         if let Some(reason) = live.kill_requested {
             return Err(Error::Runtime(format!(
                 "sandbox {} was killed during creation ({reason})",

@@ -10,6 +10,8 @@ use std::time::Duration;
 
 use tokio::sync::Notify;
 
+use cubicle_runtime::SandboxId;
+
 use crate::config::NodeConfig;
 use crate::error::{Error, IoContext, Result};
 use crate::ids;
@@ -57,7 +59,7 @@ pub(crate) type CheckpointHook = Box<dyn Fn(&str) + Send + Sync>;
 
 /// The live sandboxes and the uid slots, under one lock ([`Inner::lock`]).
 pub(crate) struct State {
-    pub(crate) live: HashMap<String, Live>,
+    pub(crate) live: HashMap<SandboxId, Live>,
     pub(crate) slots: UidSlots,
     /// Volumes being deleted (`crate::volume`): no sandbox may mount them meanwhile.
     pub(crate) deleting_volumes: std::collections::HashSet<String>,
@@ -126,7 +128,7 @@ impl Inner {
     /// vars or metadata, ending now — then `customize` sets what differs.
     pub(crate) fn reserve(
         &self,
-        id: &str,
+        id: &SandboxId,
         template: &Template,
         customize: impl FnOnce(&mut SandboxRecord),
     ) -> Result<SandboxRecord> {
@@ -145,7 +147,7 @@ impl Inner {
         let now = now_ms();
         let c = &template.config;
         let mut record = SandboxRecord {
-            id: id.to_string(),
+            id: id.clone(),
             template: c.name.clone(),
             state: SandboxState::Creating,
             slot,
@@ -179,7 +181,7 @@ impl Inner {
         // In the same critical section as the insert: a volume being deleted is never
         // mounted (`Node::delete_volume` checks the live records under this lock).
         st.check_volumes_usable(&record.volumes)?;
-        st.live.insert(id.to_string(), Live::new(record.clone()));
+        st.live.insert(id.clone(), Live::new(record.clone()));
         Ok(record)
     }
 }

@@ -24,6 +24,8 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::Notify;
 
+use cubicle_runtime::SandboxId;
+
 use crate::config::NodeConfig;
 use crate::envd_client::EnvdClient;
 use crate::error::{Error, IoContext, Result};
@@ -453,7 +455,7 @@ impl Node {
 
     /// Kill every live sandbox (reason `killed`).
     pub async fn kill_all(&self) {
-        let ids: Vec<String> = self.inner.lock().live.keys().cloned().collect();
+        let ids: Vec<SandboxId> = self.inner.lock().live.keys().cloned().collect();
         for id in ids {
             let _ = self.kill(&id).await;
         }
@@ -537,7 +539,7 @@ pub fn sandboxes_using_template(state_dir: &Path, template: &str) -> Vec<String>
         if let Ok(r) = fsutil::read_json::<SandboxRecord>(&e.path().join("sandbox.json"))
             && r.rootfs_template() == template
         {
-            out.push(r.id);
+            out.push(r.id.into());
         }
     }
     out

@@ -6,6 +6,7 @@ use std::path::PathBuf;
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 
+use cubicle_runtime::SandboxId;
 use tokio::io::unix::AsyncFd;
 
 use super::inner::{DEAD_MEMORY, Inner, blocking};
@@ -102,7 +103,7 @@ impl Inner {
     }
 
     /// Called when a sandbox's init exited on its own.
-    pub(crate) async fn on_init_exit(self: Arc<Self>, id: String) {
+    pub(crate) async fn on_init_exit(self: Arc<Self>, id: SandboxId) {
         let dir = self.sandbox_dir(&id);
         let rt = self.runtime.clone();
         let (i2, d2) = (id.clone(), dir.clone());
@@ -119,7 +120,7 @@ impl Inner {
 /// tear the sandbox down.
 pub(crate) fn spawn_watcher(
     inner: Weak<Inner>,
-    id: String,
+    id: SandboxId,
     init: Option<&InitPidfd>,
 ) -> tokio::task::AbortHandle {
     let fd = init.and_then(|i| i.fd().try_clone().ok());

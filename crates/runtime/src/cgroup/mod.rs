@@ -17,8 +17,9 @@ use std::io;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
+use crate::SandboxId;
 use crate::error::{Error, Result, io_ctx};
-use crate::spec::{Limits, valid_id};
+use crate::spec::Limits;
 
 /// Parent cgroup of every sandbox cgroup, at the root of each hierarchy.
 pub const PARENT: &str = "cubicle";
@@ -147,7 +148,7 @@ impl Cgroup {
 
     /// A handle to `cubicle/<id>` whether or not it exists.
     pub fn handle(id: &str) -> Result<Cgroup> {
-        if !valid_id(id) {
+        if !SandboxId::is_valid(id) {
             return Err(Error::InvalidSpec(format!("sandbox id {id:?}")));
         }
         Ok(Cgroup {
@@ -396,7 +397,7 @@ pub fn list() -> Result<Vec<String>> {
                 continue;
             }
             if let Some(name) = entry.file_name().to_str()
-                && valid_id(name)
+                && SandboxId::is_valid(name)
                 && !ids.iter().any(|i| i == name)
             {
                 ids.push(name.to_string());

@@ -45,6 +45,7 @@ use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 
+use crate::SandboxId;
 use crate::error::{Error, Result, io_err};
 
 mod btrfs;
@@ -180,15 +181,13 @@ impl Storage {
     }
 
     /// The directory of sandbox `id` (whether or not it exists).
-    pub fn sandbox_dir(&self, id: &str) -> Result<PathBuf> {
-        check_id(id)?;
-        Ok(self.root.join(id))
+    pub fn sandbox_dir(&self, id: &SandboxId) -> PathBuf {
+        self.root.join(id.as_str())
     }
 
     /// Creates sandbox `id`'s directory with a hard limit of `quota_bytes` on everything
     /// written below it. Fails if it exists.
-    pub fn create_sandbox_dir(&self, id: &str, quota_bytes: u64) -> Result<PathBuf> {
-        check_id(id)?;
+    pub fn create_sandbox_dir(&self, id: &SandboxId, quota_bytes: u64) -> Result<PathBuf> {
         self.create_quota_dir(&self.root, id, quota_bytes)
     }
 
@@ -289,15 +288,14 @@ impl Storage {
 
     /// Deletes sandbox `id`'s directory and clears its quota (idempotent). Anything
     /// mounted below it must be unmounted first.
-    pub fn remove_sandbox_dir(&self, id: &str) -> Result<()> {
-        check_id(id)?;
+    pub fn remove_sandbox_dir(&self, id: &SandboxId) -> Result<()> {
         self.remove_entry(id)
     }
 
     /// Bytes used and the limit of sandbox `id`. On btrfs, `used` includes data
     /// reserved for writes not yet committed.
-    pub fn usage(&self, id: &str) -> Result<DiskUsage> {
-        let dir = self.sandbox_dir(id)?;
+    pub fn usage(&self, id: &SandboxId) -> Result<DiskUsage> {
+        let dir = self.sandbox_dir(id);
         match self.backend {
             QuotaBackend::XfsProject => self.xfs_usage(&dir),
             QuotaBackend::BtrfsQgroup => self.btrfs_usage(&dir),
@@ -421,6 +419,8 @@ fn run_cp(args: &[&std::ffi::OsStr]) -> Result<()> {
     }
 }
 
+/// A volume id, or the id in a snapshot's name, as a directory name (sandbox ids are
+/// [`SandboxId`]s).
 fn check_id(id: &str) -> Result<()> {
     let ok = !id.is_empty()
         && id.len() <= 64
@@ -451,8 +451,12 @@ mod tests {
     use std::fs::File;
     use std::io::Write;
 
+    fn id(s: &str) -> SandboxId {
+        SandboxId::parse(s).unwrap()
+    }
+
     #[test]
-    fn ids_are_validated() {
+    fn volume_ids_are_validated() {
         assert!(check_id("abc-123_X").is_ok());
         for bad in ["", ".", "..", "a/b", "a b", &"x".repeat(65), ".creating-x"] {
             assert!(check_id(bad).is_err(), "{bad:?}");
@@ -531,12 +535,12 @@ mod tests {
         };
 
         let quota = 10u64 << 20;
-        let dir = storage.create_sandbox_dir("sb-one", quota).unwrap();
+        let dir = storage.create_sandbox_dir(&id("sbone"), quota).unwrap();
         assert!(
-            storage.create_sandbox_dir("sb-one", quota).is_err(),
+            storage.create_sandbox_dir(&id("sbone"), quota).is_err(),
             "duplicate ids are refused"
         );
-        let other = storage.create_sandbox_dir("sb-two", quota).unwrap();
+        let other = storage.create_sandbox_dir(&id("sbtwo"), quota).unwrap();
         fs::create_dir_all(dir.join("upper/nested")).unwrap();
 
         // Writing past the quota fails: ENOSPC on XFS, EDQUOT on btrfs.
@@ -565,7 +569,7 @@ mod tests {
         let (_, err) = fill(&other.join("small"), 2 << 20);
         assert!(err.is_none(), "the neighbour's quota is its own: {err:?}");
 
-        let u = storage.usage("sb-one").unwrap();
+        let u = storage.usage(&id("sbone")).unwrap();
         eprintln!("usage: {u:?}");
         assert_eq!(u.limit_bytes, quota);
         assert!(
@@ -574,10 +578,10 @@ mod tests {
         );
 
         // Removal frees it; a new sandbox with the same id starts empty.
-        storage.remove_sandbox_dir("sb-one").unwrap();
-        storage.remove_sandbox_dir("sb-one").unwrap(); // idempotent
+        storage.remove_sandbox_dir(&id("sbone")).unwrap();
+        storage.remove_sandbox_dir(&id("sbone")).unwrap(); // idempotent
         assert!(!dir.exists());
-        let dir = storage.create_sandbox_dir("sb-one", quota).unwrap();
+        let dir = storage.create_sandbox_dir(&id("sbone"), quota).unwrap();
         let (_, err) = fill(&dir.join("again"), 5 << 20);
         assert!(
             err.is_none(),
@@ -586,21 +590,15 @@ mod tests {
 
         // Reconcile: a half-created entry and an unknown sandbox go; known ones stay.
         fs::create_dir(storage.root().join(".creating-zombie")).unwrap();
-        storage.reconcile(&["sb-one"]).unwrap();
+        storage.reconcile(&["sbone"]).unwrap();
         let mut left = storage.entries().unwrap();
         left.sort();
-        assert_eq!(left, vec!["sb-one".to_string()]);
+        assert_eq!(left, vec!["sbone".to_string()]);
 
         // Restart: open again finds the mounted fs; then unmount and re-open re-mounts.
         drop(storage);
         let storage = Storage::open_with(config.clone()).unwrap();
-        assert!(
-            storage
-                .sandbox_dir("sb-one")
-                .unwrap()
-                .join("again")
-                .exists()
-        );
+        assert!(storage.sandbox_dir(&id("sbone")).join("again").exists());
         storage.unmount().unwrap();
         assert!(
             loop_devices_backed_by(&image).is_empty(),
@@ -608,19 +606,15 @@ mod tests {
         );
         let storage = Storage::open_with(config.clone()).unwrap();
         assert!(
-            storage
-                .sandbox_dir("sb-one")
-                .unwrap()
-                .join("again")
-                .exists(),
+            storage.sandbox_dir(&id("sbone")).join("again").exists(),
             "data survives a re-mount"
         );
         assert_eq!(
-            storage.usage("sb-one").unwrap().limit_bytes,
+            storage.usage(&id("sbone")).unwrap().limit_bytes,
             quota,
             "quota survives a re-mount"
         );
-        storage.remove_sandbox_dir("sb-one").unwrap();
+        storage.remove_sandbox_dir(&id("sbone")).unwrap();
         storage.unmount().unwrap();
         drop(guard);
         assert!(
@@ -741,7 +735,7 @@ mod tests {
         .unwrap();
         let (mut c, mut r) = (Vec::new(), Vec::new());
         for i in 0..200 {
-            let id = format!("bench-{i}");
+            let id = id(&format!("bench{i}"));
             let t = std::time::Instant::now();
             let dir = storage.create_sandbox_dir(&id, 5 << 30).unwrap();
             c.push(t.elapsed());
