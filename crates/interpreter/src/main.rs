@@ -55,7 +55,7 @@ struct Args {
     #[arg(long, default_value = "/run/cubicle/ctl/envd.sock")]
     envd_socket: PathBuf,
     /// envd's TCP address, used when the socket is missing.
-    #[arg(long, default_value = "127.0.0.1:49983")]
+    #[arg(long, default_value_t = format!("127.0.0.1:{}", cubicle_proto::ENVD_PORT))]
     envd_addr: String,
     /// Let KSM merge identical pages of the interpreter and its kernels.
     #[arg(long)]

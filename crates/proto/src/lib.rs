@@ -4,6 +4,14 @@
 //! package, message and field numbers the E2B SDKs use). Every message implements
 //! `serde::Serialize`/`Deserialize` following the proto3 JSON mapping, which is the only
 //! codec the SDKs use over Connect.
+//!
+//! [`connect`] is the one implementation of Connect's framing (server half for envd,
+//! client half for everything that talks to envd), and [`ENVD_PORT`] is envd's port.
+
+pub mod connect;
+
+/// envd's port inside every sandbox (what the SDKs send as `E2b-Sandbox-Port`).
+pub const ENVD_PORT: u16 = 49983;
 
 #[allow(clippy::all, missing_docs)]
 pub mod process {

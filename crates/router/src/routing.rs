@@ -17,7 +17,7 @@ use cubicle_runtime::SandboxId;
 use crate::error::RouterError;
 
 /// envd's port: the SDKs' RPC and `/files` traffic. Reached over envd's Unix socket.
-pub const ENVD_PORT: u16 = 49983;
+pub use cubicle_proto::ENVD_PORT;
 
 /// Routing header: the sandbox id.
 pub const SANDBOX_ID_HEADER: &str = "e2b-sandbox-id";

@@ -317,9 +317,9 @@ mod tests {
         let cmds = Arc::new(Mutex::new(Vec::<String>::new()));
         let seen = cmds.clone();
         let server = FakeServer::start(move |req| {
-            let mut d = crate::client::connect::EnvelopeDecoder::default();
+            let mut d = cubicle_proto::connect::EnvelopeDecoder::new(1 << 20);
             d.push(&req.body);
-            let v: serde_json::Value = serde_json::from_slice(&d.next().unwrap().unwrap().payload).unwrap();
+            let v: serde_json::Value = serde_json::from_slice(&d.next_envelope().unwrap().unwrap().payload).unwrap();
             let cmd = v["process"]["cmd"].as_str().unwrap().to_string();
             seen.lock().unwrap().push(cmd.clone());
             if cmd == "/bin/bash" {

@@ -1,6 +1,6 @@
-//! Plain-HTTP/1.1 transport for the client commands: base-URL parsing and a hyper
-//! connection per request (or one kept open for a run of small requests, as the
-//! interactive shell does for keystrokes).
+//! Plain-HTTP/1.1 transport for the client commands and the bench: base-URL parsing and
+//! a hyper connection per request, or one kept open for a run of requests (the
+//! interactive shell's keystrokes; each bench worker, as an SDK's connection pool).
 //!
 //! Only `http://` is supported (no TLS stack, so nothing pulls OpenSSL): point the client
 //! at `cubicle serve` directly, or at a TLS-terminating proxy's plain-HTTP side.
@@ -97,15 +97,32 @@ impl std::fmt::Display for BaseUrl {
     }
 }
 
-/// One HTTP/1.1 connection; requests on it are sent one after another.
+/// One HTTP/1.1 connection; requests on it are sent one after another. Opened on first
+/// use (or at once by [`Connection::open`]) and opened again when the server closed it
+/// or a request on it failed.
 pub struct Connection {
-    sender: http1::SendRequest<Body>,
+    sender: Option<http1::SendRequest<Body>>,
     base: BaseUrl,
 }
 
 impl Connection {
-    /// Opens a connection to `base`.
+    /// A connection to `base` that connects when the first request is sent.
+    pub fn lazy(base: &BaseUrl) -> Connection {
+        Connection {
+            sender: None,
+            base: base.clone(),
+        }
+    }
+
+    /// Opens a connection to `base` now (so that an unreachable server shows at once).
     pub async fn open(base: &BaseUrl) -> Result<Connection, ClientError> {
+        let mut c = Connection::lazy(base);
+        c.sender = Some(c.handshake().await?);
+        Ok(c)
+    }
+
+    async fn handshake(&self) -> Result<http1::SendRequest<Body>, ClientError> {
+        let base = &self.base;
         let unreachable = |e: std::io::Error| ClientError::Unreachable {
             url: base.to_string(),
             detail: super::error::chain(&e),
@@ -133,15 +150,7 @@ impl Connection {
         tokio::spawn(async move {
             let _ = conn.await;
         });
-        Ok(Connection {
-            sender,
-            base: base.clone(),
-        })
-    }
-
-    /// Whether the connection can still carry a request.
-    pub fn is_open(&self) -> bool {
-        !self.sender.is_closed()
+        Ok(sender)
     }
 
     /// Sends one request and returns the response head (the body streams).
@@ -152,17 +161,19 @@ impl Connection {
                 .map(|p| p.as_str())
                 .unwrap_or("/"),
         );
-        self.sender.ready().await.map_err(|e| ClientError::Http {
+        let mut sender = match self.sender.take() {
+            Some(s) if !s.is_closed() => s,
+            _ => self.handshake().await?,
+        };
+        let http_err = |e: hyper::Error| ClientError::Http {
             url: url.clone(),
             detail: super::error::chain(&e),
-        })?;
-        self.sender
-            .send_request(req)
-            .await
-            .map_err(|e| ClientError::Http {
-                url,
-                detail: super::error::chain(&e),
-            })
+        };
+        sender.ready().await.map_err(http_err)?;
+        let resp = sender.send_request(req).await.map_err(http_err)?;
+        // Only a connection whose request went through is used again.
+        self.sender = Some(sender);
+        Ok(resp)
     }
 }
 

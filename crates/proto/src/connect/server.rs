@@ -1,15 +1,7 @@
-//! The Connect protocol (JSON codec only) as the E2B SDKs speak it.
-//!
-//! * Unary calls: the request body is one JSON message; the answer is `200
-//!   application/json` with a JSON message, or an error status with
-//!   `{"code":"<connect code>","message":"…"}`.
-//! * Streams (server- and client-streaming): bodies are sequences of envelopes — one flag
-//!   byte (`0x00` data, `0x02` end-of-stream), a big-endian `u32` length, the JSON payload.
-//!   Responses use `Content-Type: application/connect+json` with no parameters (the
-//!   Python SDK rejects any), are flushed per message, and always end with an
-//!   end-of-stream envelope (`{}` or `{"error":{…}}`) — the JS SDK fails without it.
-//!
-//! See `shared/spec/e2b-compat.md` §3.2–3.3.
+//! The server half of Connect (on axum), as envd serves it: unary answers, request
+//! envelopes, stream responses flushed per message and always closed by an end-of-stream
+//! envelope, client-stream answers, and the `Connect-Timeout-Ms` and
+//! `Keepalive-Ping-Interval` headers.
 
 use std::{convert::Infallible, time::Duration};
 
@@ -22,157 +14,23 @@ use futures_util::{Stream, StreamExt};
 use http_body_util::BodyExt;
 use serde::{Serialize, de::DeserializeOwned};
 
-/// Content type of every Connect stream response, exactly (no parameters).
-pub const STREAM_CONTENT_TYPE: &str = "application/connect+json";
-/// Largest unary request or single stream envelope we accept.
-pub const MAX_MESSAGE_BYTES: usize = 32 << 20;
-
-const FLAG_END_STREAM: u8 = 0x02;
-const FLAG_COMPRESSED: u8 = 0x01;
-
-/// Connect error codes (https://connectrpc.com/docs/protocol#error-codes).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Code {
-    Canceled,
-    Unknown,
-    InvalidArgument,
-    DeadlineExceeded,
-    NotFound,
-    AlreadyExists,
-    PermissionDenied,
-    ResourceExhausted,
-    FailedPrecondition,
-    Aborted,
-    OutOfRange,
-    Unimplemented,
-    Internal,
-    Unavailable,
-    DataLoss,
-    Unauthenticated,
-}
-
-impl Code {
-    /// The wire name of the code.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Code::Canceled => "canceled",
-            Code::Unknown => "unknown",
-            Code::InvalidArgument => "invalid_argument",
-            Code::DeadlineExceeded => "deadline_exceeded",
-            Code::NotFound => "not_found",
-            Code::AlreadyExists => "already_exists",
-            Code::PermissionDenied => "permission_denied",
-            Code::ResourceExhausted => "resource_exhausted",
-            Code::FailedPrecondition => "failed_precondition",
-            Code::Aborted => "aborted",
-            Code::OutOfRange => "out_of_range",
-            Code::Unimplemented => "unimplemented",
-            Code::Internal => "internal",
-            Code::Unavailable => "unavailable",
-            Code::DataLoss => "data_loss",
-            Code::Unauthenticated => "unauthenticated",
-        }
-    }
-
-    /// HTTP status used for this code on unary calls.
-    pub fn http_status(self) -> StatusCode {
-        match self {
-            Code::InvalidArgument | Code::FailedPrecondition | Code::OutOfRange => {
-                StatusCode::BAD_REQUEST
-            }
-            Code::Unauthenticated => StatusCode::UNAUTHORIZED,
-            Code::PermissionDenied => StatusCode::FORBIDDEN,
-            Code::NotFound => StatusCode::NOT_FOUND,
-            Code::AlreadyExists | Code::Aborted => StatusCode::CONFLICT,
-            Code::ResourceExhausted => StatusCode::TOO_MANY_REQUESTS,
-            Code::Canceled => StatusCode::from_u16(499).unwrap_or(StatusCode::BAD_REQUEST),
-            Code::Unimplemented => StatusCode::NOT_IMPLEMENTED,
-            Code::Unavailable => StatusCode::SERVICE_UNAVAILABLE,
-            Code::DeadlineExceeded => StatusCode::GATEWAY_TIMEOUT,
-            Code::Unknown | Code::Internal | Code::DataLoss => StatusCode::INTERNAL_SERVER_ERROR,
-        }
-    }
-}
-
-/// An error answered to a Connect client.
-#[derive(Debug, Clone, thiserror::Error)]
-#[error("{}: {message}", code.as_str())]
-pub struct ConnectError {
-    pub code: Code,
-    pub message: String,
-}
-
-impl ConnectError {
-    pub fn new(code: Code, message: impl Into<String>) -> Self {
-        Self {
-            code,
-            message: message.into(),
-        }
-    }
-    pub fn invalid_argument(message: impl Into<String>) -> Self {
-        Self::new(Code::InvalidArgument, message)
-    }
-    pub fn not_found(message: impl Into<String>) -> Self {
-        Self::new(Code::NotFound, message)
-    }
-    pub fn internal(message: impl Into<String>) -> Self {
-        Self::new(Code::Internal, message)
-    }
-    pub fn unauthenticated(message: impl Into<String>) -> Self {
-        Self::new(Code::Unauthenticated, message)
-    }
-    pub fn failed_precondition(message: impl Into<String>) -> Self {
-        Self::new(Code::FailedPrecondition, message)
-    }
-    pub fn already_exists(message: impl Into<String>) -> Self {
-        Self::new(Code::AlreadyExists, message)
-    }
-    pub fn unimplemented(message: impl Into<String>) -> Self {
-        Self::new(Code::Unimplemented, message)
-    }
-
-    /// Maps an I/O error on `path` to the code the SDKs expect.
-    pub fn from_io(err: &std::io::Error, what: &str) -> Self {
-        use std::io::ErrorKind as K;
-        let code = match err.kind() {
-            K::NotFound => Code::NotFound,
-            K::PermissionDenied => Code::PermissionDenied,
-            K::AlreadyExists => Code::AlreadyExists,
-            K::InvalidInput | K::NotADirectory | K::IsADirectory | K::InvalidFilename => {
-                Code::InvalidArgument
-            }
-            K::StorageFull | K::QuotaExceeded => Code::ResourceExhausted,
-            _ => Code::Internal,
-        };
-        Self::new(code, format!("{what}: {err}"))
-    }
-
-    fn json(&self) -> serde_json::Value {
-        serde_json::json!({ "code": self.code.as_str(), "message": self.message })
-    }
-}
+use super::{
+    Code, ConnectError, EnvelopeDecoder, KEEPALIVE_HEADER, MAX_MESSAGE_BYTES, STREAM_CONTENT_TYPE,
+    TIMEOUT_HEADER, UNARY_CONTENT_TYPE, decode_json, end_stream_envelope, envelope,
+};
 
 impl IntoResponse for ConnectError {
     /// The unary error form.
     fn into_response(self) -> Response {
-        let mut resp = (self.code.http_status(), self.json().to_string()).into_response();
+        let status = StatusCode::from_u16(self.code.http_status())
+            .unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+        let mut resp = (status, self.json().to_string()).into_response();
         resp.headers_mut().insert(
             header::CONTENT_TYPE,
-            HeaderValue::from_static("application/json"),
+            HeaderValue::from_static(UNARY_CONTENT_TYPE),
         );
         resp
     }
-}
-
-/// Parses a JSON message, mapping failures to `invalid_argument`.
-pub fn decode_json<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, ConnectError> {
-    if bytes.iter().all(u8::is_ascii_whitespace) {
-        // An empty body is the empty message.
-        return serde_json::from_slice(b"{}")
-            .map_err(|e| ConnectError::invalid_argument(format!("invalid request: {e}")));
-    }
-    serde_json::from_slice(bytes)
-        .map_err(|e| ConnectError::invalid_argument(format!("invalid request message: {e}")))
 }
 
 /// Reads a whole unary request body (bounded) and decodes it.
@@ -190,7 +48,7 @@ pub fn unary_ok<T: Serialize>(msg: &T) -> Response {
             let mut resp = (StatusCode::OK, body).into_response();
             resp.headers_mut().insert(
                 header::CONTENT_TYPE,
-                HeaderValue::from_static("application/json"),
+                HeaderValue::from_static(UNARY_CONTENT_TYPE),
             );
             resp
         }
@@ -206,31 +64,11 @@ pub fn unary<T: Serialize>(result: Result<T, ConnectError>) -> Response {
     }
 }
 
-/// Encodes one envelope.
-pub fn envelope(flags: u8, payload: &[u8]) -> Bytes {
-    let mut out = Vec::with_capacity(5 + payload.len());
-    out.push(flags);
-    out.extend_from_slice(&(payload.len() as u32).to_be_bytes());
-    out.extend_from_slice(payload);
-    Bytes::from(out)
-}
-
-/// The end-of-stream envelope for a stream that ended with `result`.
-pub fn end_stream_envelope(result: Result<(), &ConnectError>) -> Bytes {
-    let payload = match result {
-        Ok(()) => b"{}".to_vec(),
-        Err(e) => serde_json::json!({ "error": e.json() })
-            .to_string()
-            .into_bytes(),
-    };
-    envelope(FLAG_END_STREAM, &payload)
-}
-
 /// Incremental reader of request envelopes (client streams, and the single envelope of a
 /// server-stream request).
 pub struct EnvelopeReader {
     body: Body,
-    buf: Vec<u8>,
+    decoder: EnvelopeDecoder,
     done: bool,
 }
 
@@ -238,7 +76,7 @@ impl EnvelopeReader {
     pub fn new(body: Body) -> Self {
         Self {
             body,
-            buf: Vec::new(),
+            decoder: EnvelopeDecoder::new(MAX_MESSAGE_BYTES),
             done: false,
         }
     }
@@ -247,34 +85,15 @@ impl EnvelopeReader {
     /// envelope.
     pub async fn next<T: DeserializeOwned>(&mut self) -> Result<Option<T>, ConnectError> {
         loop {
-            if self.buf.len() >= 5 {
-                let flags = self.buf[0];
-                let len = u32::from_be_bytes([self.buf[1], self.buf[2], self.buf[3], self.buf[4]])
-                    as usize;
-                if len > MAX_MESSAGE_BYTES {
-                    return Err(ConnectError::new(
-                        Code::ResourceExhausted,
-                        format!(
-                            "message of {len} bytes exceeds the {MAX_MESSAGE_BYTES} byte limit"
-                        ),
-                    ));
+            if let Some(env) = self.decoder.next_envelope()? {
+                if env.is_end_of_stream() {
+                    self.done = true;
+                    return Ok(None);
                 }
-                if self.buf.len() >= 5 + len {
-                    let payload: Vec<u8> = self.buf.drain(..5 + len).skip(5).collect();
-                    if flags & FLAG_COMPRESSED != 0 {
-                        return Err(ConnectError::unimplemented(
-                            "compressed messages are not supported",
-                        ));
-                    }
-                    if flags & FLAG_END_STREAM != 0 {
-                        self.done = true;
-                        return Ok(None);
-                    }
-                    return decode_json(&payload).map(Some);
-                }
+                return decode_json(&env.payload).map(Some);
             }
             if self.done {
-                if self.buf.is_empty() {
+                if self.decoder.pending() == 0 {
                     return Ok(None);
                 }
                 return Err(ConnectError::invalid_argument(
@@ -284,7 +103,7 @@ impl EnvelopeReader {
             match self.body.frame().await {
                 Some(Ok(frame)) => {
                     if let Ok(data) = frame.into_data() {
-                        self.buf.extend_from_slice(&data);
+                        self.decoder.push(&data);
                     }
                 }
                 Some(Err(e)) => {
@@ -297,9 +116,7 @@ impl EnvelopeReader {
             }
         }
     }
-}
 
-impl EnvelopeReader {
     /// Reads and discards the rest of the body (at most [`MAX_MESSAGE_BYTES`]), so the
     /// connection can be reused.
     pub async fn drain(mut self) {
@@ -344,7 +161,7 @@ where
     T: Serialize + Send + 'static,
     S: Stream<Item = Result<T, ConnectError>> + Send + 'static,
 {
-    let body = async_stream_body(messages);
+    let body = stream_body(messages);
     let mut resp = Response::new(Body::from_stream(body));
     resp.headers_mut().insert(
         header::CONTENT_TYPE,
@@ -353,7 +170,7 @@ where
     resp
 }
 
-fn async_stream_body<T, S>(messages: S) -> impl Stream<Item = Result<Bytes, Infallible>> + Send
+fn stream_body<T, S>(messages: S) -> impl Stream<Item = Result<Bytes, Infallible>> + Send
 where
     T: Serialize + Send + 'static,
     S: Stream<Item = Result<T, ConnectError>> + Send + 'static,
@@ -405,7 +222,7 @@ pub fn client_stream_response<T: Serialize>(result: Result<T, ConnectError>) -> 
 /// `Connect-Timeout-Ms`, if present and valid.
 pub fn timeout(headers: &HeaderMap) -> Option<Duration> {
     headers
-        .get("connect-timeout-ms")
+        .get(TIMEOUT_HEADER)
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.trim().parse::<u64>().ok())
         .map(Duration::from_millis)
@@ -414,7 +231,7 @@ pub fn timeout(headers: &HeaderMap) -> Option<Duration> {
 /// `Keepalive-Ping-Interval` (seconds), default 90 s as upstream envd.
 pub fn keepalive_interval(headers: &HeaderMap) -> Duration {
     headers
-        .get("keepalive-ping-interval")
+        .get(KEEPALIVE_HEADER)
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.trim().parse::<u64>().ok())
         .filter(|s| *s > 0)
@@ -424,6 +241,7 @@ pub fn keepalive_interval(headers: &HeaderMap) -> Duration {
 
 #[cfg(test)]
 mod tests {
+    use super::super::FLAG_END_STREAM;
     use super::*;
 
     #[tokio::test]
@@ -482,12 +300,9 @@ mod tests {
     }
 
     #[test]
-    fn error_statuses() {
-        assert_eq!(Code::NotFound.http_status(), StatusCode::NOT_FOUND);
-        assert_eq!(
-            Code::Unauthenticated.http_status(),
-            StatusCode::UNAUTHORIZED
-        );
-        assert_eq!(Code::Canceled.http_status().as_u16(), 499);
+    fn unary_error_status() {
+        let resp = ConnectError::unauthenticated("no token").into_response();
+        assert_eq!(resp.status(), StatusCode::UNAUTHORIZED);
+        assert_eq!(resp.headers()[header::CONTENT_TYPE], UNARY_CONTENT_TYPE);
     }
 }
