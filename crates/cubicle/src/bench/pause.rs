@@ -17,11 +17,13 @@ use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, bail};
 use bytes::Bytes;
-use http_body_util::Full;
 use hyper::Method;
 use serde_json::{Value, json};
 
-use super::{Api, Conn, Ctx, Row, Sbx, true_cmd};
+use super::Ctx;
+use super::api::{Api, Sbx, true_cmd};
+use super::report::Row;
+use crate::client::{ClientError, Connection};
 
 struct Answer {
     status: u16,
@@ -31,37 +33,46 @@ struct Answer {
 }
 
 impl Api {
-    async fn post(&self, c: &mut Conn, path: &str, body: Value) -> anyhow::Result<Answer> {
-        let req = self
-            .req(Method::POST, path)
-            .header("content-type", "application/json")
-            .body(Full::new(Bytes::from(body.to_string())))?;
-        let sender = c.open().await?;
-        sender.ready().await?;
-        let resp = sender.send_request(req).await?;
-        let header = |k: &str| {
-            resp.headers()
-                .get(k)
-                .and_then(|v| v.to_str().ok())
-                .and_then(|v| v.parse().ok())
-        };
-        let (frozen_us, bytes) = (header("x-cubicle-frozen-us"), header("x-cubicle-bytes"));
-        let status = resp.status().as_u16();
-        use http_body_util::BodyExt;
-        let body = resp.into_body().collect().await?.to_bytes();
-        Ok(Answer {
-            status,
-            body,
-            frozen_us,
-            bytes,
-        })
+    /// `method path` with an optional JSON body on `c`; an error status is an answer
+    /// (its message as the body), not an error.
+    async fn call_raw(
+        &self,
+        c: &mut Connection,
+        method: Method,
+        path: &str,
+        body: Option<Value>,
+    ) -> anyhow::Result<Answer> {
+        match self.rest().json_call_on(c, method, path, body.as_ref()).await {
+            Ok((status, headers, body)) => {
+                let header = |k: &str| {
+                    headers
+                        .get(k)
+                        .and_then(|v| v.to_str().ok())
+                        .and_then(|v| v.parse().ok())
+                };
+                Ok(Answer {
+                    status,
+                    frozen_us: header("x-cubicle-frozen-us"),
+                    bytes: header("x-cubicle-bytes"),
+                    body,
+                })
+            }
+            Err(ClientError::Status { status, message }) => Ok(Answer {
+                status,
+                body: Bytes::from(message),
+                frozen_us: None,
+                bytes: None,
+            }),
+            Err(e) => Err(anyhow!("{path}: {e}")),
+        }
     }
 
-    async fn delete(&self, c: &mut Conn, path: &str) -> anyhow::Result<u16> {
-        let req = self
-            .req(Method::DELETE, path)
-            .body(Full::new(Bytes::new()))?;
-        Ok(c.call(req).await?.0)
+    async fn post(&self, c: &mut Connection, path: &str, body: Value) -> anyhow::Result<Answer> {
+        self.call_raw(c, Method::POST, path, Some(body)).await
+    }
+
+    async fn delete(&self, c: &mut Connection, path: &str) -> anyhow::Result<u16> {
+        Ok(self.call_raw(c, Method::DELETE, path, None).await?.status)
     }
 }
 
@@ -73,7 +84,7 @@ fn expect(a: &Answer, want: u16, what: &str) -> anyhow::Result<()> {
 }
 
 /// What proves a resumed sandbox works: a command, or the kernel still knowing `x`.
-async fn check(cx: &Ctx, c: &mut Conn, s: &Sbx, template: &str) -> anyhow::Result<()> {
+async fn check(cx: &Ctx, c: &mut Connection, s: &Sbx, template: &str) -> anyhow::Result<()> {
     if template.starts_with("code-interpreter") {
         let out = cx.api.run_code(c, s, "x + 1").await?;
         if out.as_deref() != Some("42") {
@@ -88,7 +99,7 @@ async fn check(cx: &Ctx, c: &mut Conn, s: &Sbx, template: &str) -> anyhow::Resul
 
 /// The rows for one template.
 pub(super) async fn measure(cx: &Ctx, template: &str, n: usize) -> anyhow::Result<Vec<Row>> {
-    let mut c = Conn::new(&cx.api.addr);
+    let mut c = cx.api.conn();
     let s = cx.api.create(&mut c, template, cx.internet).await?;
     let ci = template.starts_with("code-interpreter");
     if ci {

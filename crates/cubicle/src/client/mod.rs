@@ -29,8 +29,10 @@ pub use args::{SandboxArgs, SandboxCommand};
 pub use error::ClientError;
 pub use volume::{VolumeArgs, run_volume};
 
-use connect::EnvdClient;
-use rest::{ApiClient, NewSandbox};
+// For `cubicle bench`, which calls the server as this client does.
+pub(crate) use connect::EnvdClient;
+pub(crate) use http::{BaseUrl, Connection, full as full_body, read_body};
+pub(crate) use rest::{ApiClient, ListFilter, NewSandbox};
 
 /// Runs one `cubicle sandbox …` command; returns the process exit code.
 pub async fn run(args: SandboxArgs, state_dir: &Path) -> anyhow::Result<i32> {

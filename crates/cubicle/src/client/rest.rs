@@ -9,7 +9,7 @@ use serde_json::Value;
 
 use super::{
     ClientError,
-    http::{self, BaseUrl},
+    http::{self, BaseUrl, Connection},
 };
 
 /// Largest REST response we read.
@@ -34,6 +34,12 @@ pub struct NewSandbox {
     /// E2B `network` options (as `NetworkFlags::body` builds them).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub network: Option<Value>,
+    /// Unset: the server's default (internet on).
+    #[serde(
+        rename = "allow_internet_access",
+        skip_serializing_if = "Option::is_none"
+    )]
+    pub allow_internet_access: Option<bool>,
 }
 
 /// The `Sandbox` answer of create/connect (only what the client needs; the rest is kept
@@ -169,8 +175,8 @@ impl ApiClient {
         }
     }
 
-    /// Sends a request; returns `(status, headers, body)`; error statuses become
-    /// `ClientError::Status` unless listed in `ok_errors`.
+    /// Sends a request on a fresh connection; returns `(status, headers, body)`; error
+    /// statuses become `ClientError::Status`.
     pub(super) async fn call(
         &self,
         method: Method,
@@ -185,6 +191,19 @@ impl ApiClient {
     /// [`ApiClient::call`] with a body of any content type.
     pub(super) async fn call_typed(
         &self,
+        method: Method,
+        path: &str,
+        body: Option<(Vec<u8>, &str)>,
+        timeout: Duration,
+    ) -> Result<(u16, header::HeaderMap, bytes::Bytes), ClientError> {
+        self.call_on(None, method, path, body, timeout).await
+    }
+
+    /// Sends a request (on `conn`, else on a fresh connection); returns `(status,
+    /// headers, body)`; error statuses become `ClientError::Status`.
+    async fn call_on(
+        &self,
+        conn: Option<&mut Connection>,
         method: Method,
         path: &str,
         body: Option<(Vec<u8>, &str)>,
@@ -215,7 +234,10 @@ impl ApiClient {
             .map_err(|e| ClientError::Config(format!("bad request {path}: {e}")))?;
         let what = format!("{method} {}", self.base.url(path));
         let fut = async {
-            let resp = http::send(&self.base, req).await?;
+            let resp = match conn {
+                Some(c) => c.send(req).await?,
+                None => http::send(&self.base, req).await?,
+            };
             let status = resp.status().as_u16();
             let headers = resp.headers().clone();
             let body = http::read_body(resp.into_body(), MAX_BODY).await?;
@@ -228,6 +250,20 @@ impl ApiClient {
             return Err(ClientError::from_error_body(status, &body));
         }
         Ok((status, headers, body))
+    }
+
+    /// A call on `conn` with an optional JSON body (for the bench's stateful measures):
+    /// `(status, headers, body)`; error statuses become `ClientError::Status`.
+    pub async fn json_call_on(
+        &self,
+        conn: &mut Connection,
+        method: Method,
+        path: &str,
+        body: Option<&Value>,
+    ) -> Result<(u16, header::HeaderMap, bytes::Bytes), ClientError> {
+        let body = body.map(|b| (b.to_string().into_bytes(), "application/json"));
+        self.call_on(Some(conn), method, path, body, CREATE_TIMEOUT)
+            .await
     }
 
     pub(super) fn json<T: serde::de::DeserializeOwned>(
@@ -244,10 +280,33 @@ impl ApiClient {
 
     /// `POST /v2/sandboxes` → the new sandbox (raw JSON too).
     pub async fn create(&self, req: &NewSandbox) -> Result<(Sandbox, Value), ClientError> {
+        self.create_via(None, req).await
+    }
+
+    /// [`ApiClient::create`] on `conn`.
+    pub async fn create_on(
+        &self,
+        conn: &mut Connection,
+        req: &NewSandbox,
+    ) -> Result<(Sandbox, Value), ClientError> {
+        self.create_via(Some(conn), req).await
+    }
+
+    async fn create_via(
+        &self,
+        conn: Option<&mut Connection>,
+        req: &NewSandbox,
+    ) -> Result<(Sandbox, Value), ClientError> {
         let body = serde_json::to_vec(req)
             .map_err(|e| ClientError::Protocol(format!("encoding the request: {e}")))?;
         let (_, _, body) = self
-            .call(Method::POST, "/v2/sandboxes", Some(body), CREATE_TIMEOUT)
+            .call_on(
+                conn,
+                Method::POST,
+                "/v2/sandboxes",
+                Some((body, "application/json")),
+                CREATE_TIMEOUT,
+            )
             .await?;
         let raw: Value = Self::json("/v2/sandboxes", &body)?;
         let sbx: Sandbox = Self::json("/v2/sandboxes", &body)?;
@@ -256,6 +315,16 @@ impl ApiClient {
 
     /// `GET /v2/sandboxes`, following `X-Next-Token` to the last page.
     pub async fn list(&self, filter: &ListFilter) -> Result<Vec<Value>, ClientError> {
+        self.list_on(&mut Connection::lazy(&self.base), filter)
+            .await
+    }
+
+    /// [`ApiClient::list`] on `conn`.
+    pub async fn list_on(
+        &self,
+        conn: &mut Connection,
+        filter: &ListFilter,
+    ) -> Result<Vec<Value>, ClientError> {
         let mut all = Vec::new();
         let mut token: Option<String> = None;
         // A server that keeps returning tokens must not loop us forever.
@@ -264,7 +333,9 @@ impl ApiClient {
                 "/v2/sandboxes?{}",
                 list_query(filter, token.as_deref(), 100)
             );
-            let (_, headers, body) = self.call(Method::GET, &path, None, CALL_TIMEOUT).await?;
+            let (_, headers, body) = self
+                .call_on(Some(&mut *conn), Method::GET, &path, None, CALL_TIMEOUT)
+                .await?;
             let page: Vec<Value> = Self::json("/v2/sandboxes", &body)?;
             all.extend(page);
             token = headers
@@ -352,6 +423,29 @@ impl ApiClient {
         let path = format!("/templates/{}", seg(id));
         self.call(Method::DELETE, &path, None, CALL_TIMEOUT).await?;
         Ok(())
+    }
+
+    /// [`ApiClient::kill`] on `conn`.
+    pub async fn kill_on(&self, conn: &mut Connection, id: &str) -> Result<(), ClientError> {
+        let path = format!("/sandboxes/{}", seg(id));
+        self.call_on(Some(conn), Method::DELETE, &path, None, CALL_TIMEOUT)
+            .await?;
+        Ok(())
+    }
+
+    /// `GET /cubicle/pool` on `conn`: the server's warm-pool counters (a Cubicle route,
+    /// not E2B's).
+    pub async fn pool_stats_on(&self, conn: &mut Connection) -> Result<Value, ClientError> {
+        let path = "/cubicle/pool";
+        let (_, _, body) = self
+            .call_on(Some(conn), Method::GET, path, None, CALL_TIMEOUT)
+            .await?;
+        Self::json(path, &body)
+    }
+
+    /// The server's base URL.
+    pub fn base(&self) -> &BaseUrl {
+        &self.base
     }
 
     /// `POST /v2/sandboxes/{id}/connect` (how the SDK gets the envd access token).
