@@ -262,7 +262,7 @@ impl InitPidfd {
     /// `start_time` (checked after the pidfd pinned the process, so a pid reused in
     /// between is caught). `None`: that process is gone.
     pub fn open(pid: i32, start_time: Option<u64>) -> Option<InitPidfd> {
-        let fd = crate::procfs::pidfd_open(pid).ok()?;
+        let fd = cubicle_syscalls::pidfd::pidfd_open(pid).ok()?;
         crate::procfs::is_alive(pid, start_time).then(|| InitPidfd(Arc::new(fd)))
     }
 

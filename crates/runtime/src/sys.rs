@@ -1,5 +1,7 @@
 //! Thin, typed wrappers around the raw Linux system calls the runtime needs and that `libc`
-//! does not wrap (new mount API, pidfd, capset, seccomp, clone) or wraps awkwardly.
+//! does not wrap (new mount API, capset, seccomp, fd passing) or wraps awkwardly, and that
+//! only the sandbox setup makes. Calls other crates make too (pidfds, `statfs`, `flock`,
+//! unmounting, the mount table) are `cubicle-syscalls`'.
 //!
 //! Every wrapper returns `std::io::Result` with the errno of the failing call; callers add
 //! the context (which path, which step). Syscall numbers are x86_64's: the runtime only
@@ -16,7 +18,6 @@ compile_error!("cubicle-runtime supports x86_64 only (syscall numbers and seccom
 
 pub const SYS_OPEN_TREE: libc::c_long = 428;
 pub const SYS_MOVE_MOUNT: libc::c_long = 429;
-pub const SYS_PIDFD_OPEN: libc::c_long = 434;
 pub const SYS_CLOSE_RANGE: libc::c_long = 436;
 pub const SYS_MOUNT_SETATTR: libc::c_long = 442;
 pub const SYS_OPENAT2: libc::c_long = 437;
@@ -251,14 +252,6 @@ pub fn mount(
     Ok(())
 }
 
-/// `umount2(target, flags)`.
-pub fn umount2(target: &Path, flags: libc::c_int) -> io::Result<()> {
-    let t = cpath(target)?;
-    // SAFETY: valid C string.
-    check_int(unsafe { libc::umount2(t.as_ptr(), flags) })?;
-    Ok(())
-}
-
 /// `pivot_root(new_root, put_old)`.
 pub fn pivot_root(new_root: &Path, put_old: &Path) -> io::Result<()> {
     let n = cpath(new_root)?;
@@ -266,14 +259,6 @@ pub fn pivot_root(new_root: &Path, put_old: &Path) -> io::Result<()> {
     // SAFETY: valid C strings.
     check(unsafe { libc::syscall(libc::SYS_pivot_root, n.as_ptr(), o.as_ptr()) })?;
     Ok(())
-}
-
-/// `pidfd_open(pid, 0)`.
-pub fn pidfd_open(pid: i32) -> io::Result<OwnedFd> {
-    // SAFETY: plain syscall with integer arguments.
-    let fd = check(unsafe { libc::syscall(SYS_PIDFD_OPEN, pid, 0) })?;
-    // SAFETY: fresh descriptor.
-    Ok(unsafe { OwnedFd::from_raw_fd(fd as RawFd) })
 }
 
 /// `close_range(first, ~0, CLOSE_RANGE_CLOEXEC)`: mark every fd from `first` close-on-exec.

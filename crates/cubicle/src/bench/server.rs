@@ -99,10 +99,7 @@ impl Server {
 /// The servers the bench started left their quota filesystem mounted at `dir` (a node
 /// keeps it across restarts): unmount it, so that a bench run leaves no mount behind.
 pub(super) fn release_quota_mount(dir: &Path) {
-    let mounted = std::fs::read_to_string("/proc/self/mountinfo")
-        .unwrap_or_default()
-        .lines()
-        .any(|l| l.split(' ').nth(4) == Some(&*dir.to_string_lossy()));
+    let mounted = cubicle_syscalls::mountinfo::is_mount_point(dir).unwrap_or(false);
     if mounted && let Err(e) = cubicle_runtime::storage::unmount_path(dir) {
         eprintln!("cubicle bench: {e}");
     }

@@ -468,7 +468,7 @@ fn write_etc_files(dir: &Path, id: &str, uid_base: u32) -> Result<Vec<(PathBuf, 
 /// chown `path` to the sandbox's root (host uid/gid `uid_base`). Only root can; without
 /// root (unit tests with a fake runtime) the file stays ours.
 fn give_to_sandbox_root(path: &Path, uid_base: u32) -> Result<()> {
-    if !nix::unistd::geteuid().is_root() {
+    if !cubicle_syscalls::is_root() {
         return Ok(());
     }
     std::os::unix::fs::chown(path, Some(uid_base), Some(uid_base)).ctx("chown", path)

@@ -238,7 +238,6 @@ pub(crate) fn now_ms() -> u64 {
 /// that names the holder and says what to do instead.
 pub(super) fn lock_node(path: &Path, wait: bool) -> Result<std::fs::File> {
     use std::io::{Seek, Write};
-    use std::os::fd::AsRawFd;
     use std::os::unix::fs::OpenOptionsExt;
     let mut f = std::fs::OpenOptions::new()
         .create(true)
@@ -248,8 +247,7 @@ pub(super) fn lock_node(path: &Path, wait: bool) -> Result<std::fs::File> {
         .mode(0o600)
         .open(path)
         .ctx("open", path)?;
-    // SAFETY: valid fd owned by `f`.
-    let try_lock = || unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } == 0;
+    let try_lock = || cubicle_syscalls::fs::lock_exclusive(&f, false).is_ok();
     // A short-lived holder (`cubicle local list`, the guardian of a killed `cubicle run`
     // cleaning up) is waited for; a server is not.
     let grace = std::time::Instant::now() + LOCK_GRACE;
@@ -274,10 +272,7 @@ pub(super) fn lock_node(path: &Path, wait: bool) -> Result<std::fs::File> {
         }
         tracing::warn!("{dir} is in use by {holder}; waiting for it to exit");
         eprintln!("waiting for {holder}, which uses {dir}, to finish...");
-        // SAFETY: as above.
-        if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX) } != 0 {
-            return Err(Error::io("flock", path, std::io::Error::last_os_error()));
-        }
+        cubicle_syscalls::fs::lock_exclusive(&f, true).map_err(|e| Error::io("flock", path, e))?;
     }
     let cmdline = std::fs::read("/proc/self/cmdline")
         .map(|c| String::from_utf8_lossy(&c).replace('\0', " "))

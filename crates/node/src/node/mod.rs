@@ -411,20 +411,10 @@ impl Node {
             };
             // The pidfd pins the process: then check it is still the recorded one.
             if let Some(pid) = record.pid.filter(|p| *p > 1)
-                && let Ok(fd) = procfs::pidfd_open(pid)
+                && let Ok(fd) = cubicle_syscalls::pidfd::pidfd_open(pid)
                 && procfs::is_alive(pid, record.pid_start_time)
             {
-                use std::os::fd::AsRawFd;
-                // SAFETY: pidfd_send_signal on a pidfd we own; no pointers but NULL.
-                unsafe {
-                    libc::syscall(
-                        libc::SYS_pidfd_send_signal,
-                        fd.as_raw_fd(),
-                        libc::SIGKILL,
-                        std::ptr::null::<libc::siginfo_t>(),
-                        0,
-                    )
-                };
+                let _ = cubicle_syscalls::pidfd::pidfd_kill(&fd);
             }
             let (inner, id2) = (self.inner.clone(), id.to_string());
             use std::sync::atomic::Ordering::SeqCst;

@@ -11,7 +11,6 @@ use tokio::io::unix::AsyncFd;
 
 use super::inner::{DEAD_MEMORY, Inner, blocking};
 use crate::fsutil;
-use crate::procfs;
 use crate::sandbox::{DeathReason, InitPidfd, SandboxInfo, SandboxRecord, SandboxState};
 
 impl Inner {
@@ -136,7 +135,7 @@ pub(crate) fn spawn_watcher(
                 Err(e) => {
                     tracing::warn!(sandbox = %id, "cannot watch the init's pidfd: {e}; polling");
                     if let Ok(fd) = poll_fd {
-                        while !procfs::pidfd_exited(&fd) {
+                        while !cubicle_syscalls::pidfd::exited(&fd) {
                             tokio::time::sleep(Duration::from_millis(500)).await;
                         }
                     }

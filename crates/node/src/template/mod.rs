@@ -15,7 +15,6 @@ pub mod tiny;
 
 use std::collections::BTreeMap;
 use std::fs;
-use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::time::{SystemTime, UNIX_EPOCH};
 
@@ -329,11 +328,7 @@ impl TemplateStore {
             .write(true)
             .open(&path)
             .ctx("open", &path)?;
-        // SAFETY: valid fd for the lifetime of `f`.
-        let r = unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX) };
-        if r != 0 {
-            return Err(Error::io("flock", &path, std::io::Error::last_os_error()));
-        }
+        cubicle_syscalls::fs::lock_exclusive(&f, true).map_err(|e| Error::io("flock", &path, e))?;
         Ok(f)
     }
 }
@@ -420,7 +415,7 @@ mod tests {
             );
             return;
         }
-        if !nix::unistd::geteuid().is_root() {
+        if !cubicle_syscalls::is_root() {
             eprintln!("skipped: building a template chowns files and needs root");
             return;
         }

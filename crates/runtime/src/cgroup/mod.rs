@@ -85,24 +85,14 @@ impl Layout {
 
 fn parse_layout(mountinfo: &str) -> Result<Layout> {
     let mut v1 = v1::Mounts::default();
-    for line in mountinfo.lines() {
-        // <id> <parent> <maj:min> <root> <mountpoint> <opts> [optional...] - <fstype> <src> <superopts>
-        let Some((left, right)) = line.split_once(" - ") else {
-            continue;
-        };
-        let left: Vec<&str> = left.split(' ').collect();
-        let right: Vec<&str> = right.split(' ').collect();
-        if left.len() < 5 || right.len() < 3 {
-            continue;
-        }
-        let mount_point = PathBuf::from(left[4]);
-        match right[0] {
-            "cgroup2" if mount_point == Path::new("/sys/fs/cgroup") => {
-                return Ok(Layout::V2(mount_point));
+    for m in cubicle_syscalls::mountinfo::parse(mountinfo) {
+        match m.fstype.as_str() {
+            "cgroup2" if m.mount_point == Path::new("/sys/fs/cgroup") => {
+                return Ok(Layout::V2(m.mount_point));
             }
             "cgroup" => {
-                for opt in right[2].split(',') {
-                    v1.set(opt, &mount_point);
+                for opt in m.super_options.split(',') {
+                    v1.set(opt, &m.mount_point);
                 }
             }
             _ => {}

@@ -55,7 +55,7 @@ mod volumes;
 mod xfs;
 
 pub use image::unmount_path;
-use image::{create_image, detect, is_mount_point, mount_image, mount_source_is_loop_of};
+use image::{create_image, detect, mount_image, mount_source_is_loop_of};
 pub use volume_fs::{Attrs, EntryKind, MAX_VOLUME_ID, Timestamp, VolumeEntry, VolumeFs};
 
 /// Which kernel mechanism enforces the quotas.
@@ -132,7 +132,9 @@ impl Storage {
         let backend = match detect(&root)? {
             Some(b) => b,
             None => {
-                if is_mount_point(&root)? {
+                if cubicle_syscalls::mountinfo::is_mount_point(&root)
+                    .map_err(io_err("reading /proc/self/mountinfo"))?
+                {
                     return Err(Error::QuotaUnsupported(format!(
                         "{} is a mount without project quotas / qgroups; unmount it or mount with prjquota",
                         root.display()
@@ -446,8 +448,8 @@ pub(super) fn ioctl(f: &impl AsRawFd, req: u64, arg: *mut libc::c_void) -> io::R
 
 #[cfg(test)]
 mod tests {
-    use super::image::{cpath, mounts, unescape_mountinfo};
     use super::*;
+    use cubicle_syscalls::mountinfo::mounts;
     use std::fs::File;
     use std::io::Write;
 
@@ -461,12 +463,6 @@ mod tests {
         for bad in ["", ".", "..", "a/b", "a b", &"x".repeat(65), ".creating-x"] {
             assert!(check_id(bad).is_err(), "{bad:?}");
         }
-    }
-
-    #[test]
-    fn mountinfo_unescapes_octal() {
-        assert_eq!(unescape_mountinfo(r"/a\040b"), "/a b");
-        assert_eq!(unescape_mountinfo(r"/plain"), "/plain");
     }
 
     fn is_root() -> bool {
@@ -785,10 +781,7 @@ mod tests {
                     .rev()
                     .filter(|m| m.mount_point.starts_with(&self.state))
                 {
-                    if let Ok(c) = cpath(&m.mount_point) {
-                        // SAFETY: valid path.
-                        unsafe { libc::umount2(c.as_ptr(), libc::MNT_DETACH) };
-                    }
+                    let _ = cubicle_syscalls::fs::unmount_detach(&m.mount_point);
                 }
             }
             let _ = fs::remove_dir_all(&self.state);
