@@ -22,6 +22,8 @@
 //! # let _ = (app, resolver); }
 //! ```
 
+#![forbid(unsafe_code)]
+
 pub mod backend;
 pub mod commands;
 pub mod error;

@@ -128,6 +128,7 @@ pub fn current() -> User {
     by_uid(uid).unwrap_or_else(|| User {
         name: uid.to_string(),
         uid,
+        // SAFETY: as above.
         gid: unsafe { libc::getgid() },
         home: PathBuf::from("/"),
         shell: "/bin/sh".into(),

@@ -3,6 +3,9 @@
 //! client, in a temporary directory. envd's default user here is the user running the
 //! tests (development mode).
 
+// Tests: a failed unwrap or expect is a failed test (clippy.toml allows them only in #[test] fns).
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 use std::{
     net::SocketAddr,
     path::{Path, PathBuf},

@@ -18,6 +18,9 @@
 //! host_attacks [-- FILTER]` (inside `unshare --net` on a shared machine). `harness =
 //! false`: main() first hands over to the runtime's sandbox helper.
 
+// Tests: a failed unwrap or expect is a failed test (clippy.toml allows them only in #[test] fns).
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::process::Command;

@@ -8,6 +8,9 @@
 //! lifecycle [-- FILTER]`. `harness = false`: main() first hands over to the runtime's
 //! sandbox helper (spawn re-executes this binary).
 
+// Tests: a failed unwrap or expect is a failed test (clippy.toml allows them only in #[test] fns).
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 

@@ -7,6 +7,9 @@
 //! a static cubicle-envd. Run: `cargo test -p cubicle-node --test pool`. `harness =
 //! false`: main() first hands over to the runtime's sandbox helper.
 
+// Tests: a failed unwrap or expect is a failed test (clippy.toml allows them only in #[test] fns).
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};

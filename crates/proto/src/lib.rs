@@ -8,6 +8,8 @@
 //! [`connect`] is the one implementation of Connect's framing (server half for envd,
 //! client half for everything that talks to envd), and [`ENVD_PORT`] is envd's port.
 
+#![forbid(unsafe_code)]
+
 pub mod connect;
 
 /// envd's port inside every sandbox (what the SDKs send as `E2b-Sandbox-Port`).

@@ -4,6 +4,8 @@
 //! the listener `cubicle serve` runs both planes on, with per-client connection limits
 //! and a header-read timeout.
 
+#![forbid(unsafe_code)]
+
 use std::{os::fd::OwnedFd, path::PathBuf, sync::Arc};
 
 /// Where a sandbox can be reached, as the control plane knows it.

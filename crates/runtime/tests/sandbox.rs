@@ -8,6 +8,9 @@
 //! The template is a busybox-static rootfs built in a temporary directory. Init programs are
 //! `/bin/busybox sh -c SCRIPT` whose output goes to a log file the test reads.
 
+// Tests: a failed unwrap or expect is a failed test (clippy.toml allows them only in #[test] fns).
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 use std::fs;
 use std::os::fd::AsFd;
 use std::os::unix::fs::{MetadataExt, PermissionsExt, chown, symlink};

@@ -20,6 +20,8 @@
 //! # Ok(()) }
 //! ```
 
+#![forbid(unsafe_code)]
+
 mod idempotency;
 mod keys;
 mod sandboxes;

@@ -7,6 +7,8 @@
 //! `cubicle-runtime` (`sys.rs`: the new mount API, capabilities, seccomp, descriptor
 //! passing), envd's process start (`process/spawn.rs`: the `clone` child's raw calls).
 
+#![forbid(unsafe_code)]
+
 pub mod fs;
 pub mod mountinfo;
 pub mod pidfd;

@@ -226,7 +226,7 @@ impl NetlinkSocket {
         let mut addr: libc::sockaddr_nl = unsafe { std::mem::zeroed() };
         addr.nl_family = libc::AF_NETLINK as libc::sa_family_t;
         addr.nl_groups = groups;
-        // SAFETY: addr is a valid sockaddr_nl of the given length.
+        // SAFETY: a valid socket and a sockaddr_nl with its true length.
         let rc = unsafe {
             libc::bind(
                 fd.as_raw_fd(),
@@ -275,7 +275,7 @@ impl NetlinkSocket {
         // SAFETY: zeroed sockaddr_nl with pid 0 addresses the kernel.
         let mut dst: libc::sockaddr_nl = unsafe { std::mem::zeroed() };
         dst.nl_family = libc::AF_NETLINK as libc::sa_family_t;
-        // SAFETY: bytes and dst are valid for the lengths given.
+        // SAFETY: `bytes` and `dst` outlive the call; the lengths are theirs.
         let n = unsafe {
             libc::sendto(
                 self.fd.as_raw_fd(),
