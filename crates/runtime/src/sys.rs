@@ -53,6 +53,18 @@ pub fn cpath(path: &Path) -> io::Result<CString> {
         .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "path contains a NUL byte"))
 }
 
+/// `socket(domain, kind | SOCK_CLOEXEC, protocol)`.
+pub fn socket(
+    domain: libc::c_int,
+    kind: libc::c_int,
+    protocol: libc::c_int,
+) -> io::Result<OwnedFd> {
+    // SAFETY: no memory arguments.
+    let fd = check_int(unsafe { libc::socket(domain, kind | libc::SOCK_CLOEXEC, protocol) })?;
+    // SAFETY: a fresh descriptor nobody else owns.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
 fn check(rc: libc::c_long) -> io::Result<libc::c_long> {
     if rc < 0 {
         Err(io::Error::last_os_error())
@@ -362,19 +374,27 @@ pub fn monotonic_ns() -> u64 {
     (ts.tv_sec as u64) * 1_000_000_000 + ts.tv_nsec as u64
 }
 
+/// Runs `call` (a system call that returns a byte count, or -1 with errno) again for as
+/// long as a signal interrupts it (`EINTR`). Allocates nothing: fine in a cloned child.
+pub fn retry_eintr(mut call: impl FnMut() -> isize) -> io::Result<usize> {
+    loop {
+        let n = call();
+        if n >= 0 {
+            return Ok(n as usize);
+        }
+        let e = io::Error::last_os_error();
+        if e.kind() != io::ErrorKind::Interrupted {
+            return Err(e);
+        }
+    }
+}
+
 /// Writes all of `buf` to a raw fd (retrying on EINTR / short writes).
 pub fn write_all_fd(fd: RawFd, mut buf: &[u8]) -> io::Result<()> {
     while !buf.is_empty() {
         // SAFETY: buf is a valid slice.
-        let n = unsafe { libc::write(fd, buf.as_ptr().cast(), buf.len()) };
-        if n < 0 {
-            let e = io::Error::last_os_error();
-            if e.kind() == io::ErrorKind::Interrupted {
-                continue;
-            }
-            return Err(e);
-        }
-        buf = &buf[n as usize..];
+        let n = retry_eintr(|| unsafe { libc::write(fd, buf.as_ptr().cast(), buf.len()) })?;
+        buf = &buf[n..];
     }
     Ok(())
 }
@@ -436,18 +456,8 @@ pub fn recv_with_fds(sock: RawFd, max_fds: usize) -> io::Result<(Vec<u8>, Vec<Ow
     msg.msg_iovlen = 1;
     msg.msg_control = cbuf.as_mut_ptr().cast();
     msg.msg_controllen = space;
-    let n = loop {
-        // SAFETY: msg buffers are valid for the duration of the call.
-        let n = unsafe { libc::recvmsg(sock, &mut msg, libc::MSG_CMSG_CLOEXEC) };
-        if n < 0 {
-            let e = io::Error::last_os_error();
-            if e.kind() == io::ErrorKind::Interrupted {
-                continue;
-            }
-            return Err(e);
-        }
-        break n as usize;
-    };
+    // SAFETY: msg buffers are valid for the duration of the call.
+    let n = retry_eintr(|| unsafe { libc::recvmsg(sock, &mut msg, libc::MSG_CMSG_CLOEXEC) })?;
     data.truncate(n);
     let mut fds = Vec::new();
     // SAFETY: walking the control buffer the kernel filled, with the libc CMSG macros.
@@ -470,13 +480,7 @@ pub fn recv_with_fds(sock: RawFd, max_fds: usize) -> io::Result<(Vec<u8>, Vec<Ow
 
 /// Sets `IFF_UP` on a network interface of the caller's network namespace.
 pub fn interface_up(name: &str) -> io::Result<()> {
-    // SAFETY: plain socket creation.
-    let sock = unsafe { libc::socket(libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0) };
-    if sock < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    // SAFETY: fresh fd.
-    let sock = unsafe { OwnedFd::from_raw_fd(sock) };
+    let sock = socket(libc::AF_INET, libc::SOCK_DGRAM, 0)?;
     // SAFETY: zeroed ifreq is valid.
     let mut ifr: libc::ifreq = unsafe { std::mem::zeroed() };
     let bytes = name.as_bytes();

@@ -10,10 +10,10 @@ use std::marker::PhantomData;
 
 use bytes::Bytes;
 use http_body::Body;
-use http_body_util::BodyExt;
 use serde::de::DeserializeOwned;
 
-use super::{ConnectError, EnvelopeDecoder, parse_end_of_stream};
+use super::body::{EnvelopeBody, ReadError};
+use super::{ConnectError, parse_end_of_stream};
 
 /// Why a server stream could not be read to a good end.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -28,8 +28,7 @@ pub enum StreamError {
 
 /// The response messages of a server stream, read as they arrive.
 pub struct ServerStream<B, T> {
-    body: B,
-    decoder: EnvelopeDecoder,
+    body: EnvelopeBody<B>,
     finished: bool,
     _t: PhantomData<fn() -> T>,
 }
@@ -44,8 +43,7 @@ where
     /// larger than `max_envelope` bytes.
     pub fn new(body: B, max_envelope: usize) -> Self {
         ServerStream {
-            body,
-            decoder: EnvelopeDecoder::new(max_envelope),
+            body: EnvelopeBody::new(body, max_envelope),
             finished: false,
             _t: PhantomData,
         }
@@ -55,54 +53,41 @@ where
     /// ends without one, which the Python SDK tolerates too); `Err` for an error in the
     /// end-of-stream message, a broken body or an undecodable message.
     pub async fn next(&mut self) -> Result<Option<T>, StreamError> {
-        loop {
-            if self.finished {
+        if self.finished {
+            return Ok(None);
+        }
+        let env = match self.body.next().await {
+            Ok(Some(env)) => env,
+            Ok(None) => {
+                self.finished = true;
                 return Ok(None);
             }
-            let env = self.decoder.next_envelope().map_err(|e| {
+            Err(e) => {
                 self.finished = true;
-                StreamError::Protocol(format!("bad Connect envelope: {}", e.message))
-            })?;
-            if let Some(env) = env {
-                if env.is_end_of_stream() {
-                    self.finished = true;
-                    return match parse_end_of_stream(&env.payload) {
-                        Ok(()) => Ok(None),
-                        Err(Some(e)) => Err(StreamError::Rpc(e)),
-                        Err(None) => Err(StreamError::Protocol(format!(
-                            "undecodable end-of-stream message {}",
-                            String::from_utf8_lossy(&env.payload)
-                        ))),
-                    };
-                }
-                return serde_json::from_slice(&env.payload).map(Some).map_err(|e| {
-                    StreamError::Protocol(format!(
-                        "undecodable stream message {}: {e}",
-                        String::from_utf8_lossy(&env.payload)
-                    ))
-                });
+                return Err(StreamError::Protocol(match e {
+                    ReadError::Decode(e) => format!("bad Connect envelope: {}", e.message),
+                    ReadError::Body(e) => format!("the stream broke: {e}"),
+                    ReadError::Truncated => "the stream ended inside a message".into(),
+                }));
             }
-            match self.body.frame().await {
-                Some(Ok(frame)) => {
-                    if let Ok(data) = frame.into_data() {
-                        self.decoder.push(&data);
-                    }
-                }
-                Some(Err(e)) => {
-                    self.finished = true;
-                    return Err(StreamError::Protocol(format!("the stream broke: {e}")));
-                }
-                None => {
-                    self.finished = true;
-                    if self.decoder.pending() > 0 {
-                        return Err(StreamError::Protocol(
-                            "the stream ended inside a message".into(),
-                        ));
-                    }
-                    return Ok(None);
-                }
-            }
+        };
+        if env.is_end_of_stream() {
+            self.finished = true;
+            return match parse_end_of_stream(&env.payload) {
+                Ok(()) => Ok(None),
+                Err(Some(e)) => Err(StreamError::Rpc(e)),
+                Err(None) => Err(StreamError::Protocol(format!(
+                    "undecodable end-of-stream message {}",
+                    String::from_utf8_lossy(&env.payload)
+                ))),
+            };
         }
+        serde_json::from_slice(&env.payload).map(Some).map_err(|e| {
+            StreamError::Protocol(format!(
+                "undecodable stream message {}: {e}",
+                String::from_utf8_lossy(&env.payload)
+            ))
+        })
     }
 }
 

@@ -19,6 +19,8 @@
 use bytes::{Buf, Bytes, BytesMut};
 use serde::de::DeserializeOwned;
 
+#[cfg(any(feature = "client", feature = "server"))]
+mod body;
 #[cfg(feature = "client")]
 pub mod client;
 #[cfg(feature = "server")]

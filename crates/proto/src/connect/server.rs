@@ -14,9 +14,10 @@ use futures_util::{Stream, StreamExt};
 use http_body_util::BodyExt;
 use serde::{Serialize, de::DeserializeOwned};
 
+use super::body::{EnvelopeBody, ReadError};
 use super::{
-    Code, ConnectError, EnvelopeDecoder, KEEPALIVE_HEADER, MAX_MESSAGE_BYTES, STREAM_CONTENT_TYPE,
-    TIMEOUT_HEADER, UNARY_CONTENT_TYPE, decode_json, end_stream_envelope, envelope,
+    Code, ConnectError, KEEPALIVE_HEADER, MAX_MESSAGE_BYTES, STREAM_CONTENT_TYPE, TIMEOUT_HEADER,
+    UNARY_CONTENT_TYPE, decode_json, end_stream_envelope, envelope,
 };
 
 impl IntoResponse for ConnectError {
@@ -24,12 +25,10 @@ impl IntoResponse for ConnectError {
     fn into_response(self) -> Response {
         let status = StatusCode::from_u16(self.code.http_status())
             .unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
-        let mut resp = (status, self.json().to_string()).into_response();
-        resp.headers_mut().insert(
-            header::CONTENT_TYPE,
-            HeaderValue::from_static(UNARY_CONTENT_TYPE),
-        );
-        resp
+        typed(
+            (status, self.json().to_string()).into_response(),
+            UNARY_CONTENT_TYPE,
+        )
     }
 }
 
@@ -44,14 +43,7 @@ pub async fn read_unary<T: DeserializeOwned>(body: Body) -> Result<T, ConnectErr
 /// A successful unary answer.
 pub fn unary_ok<T: Serialize>(msg: &T) -> Response {
     match serde_json::to_vec(msg) {
-        Ok(body) => {
-            let mut resp = (StatusCode::OK, body).into_response();
-            resp.headers_mut().insert(
-                header::CONTENT_TYPE,
-                HeaderValue::from_static(UNARY_CONTENT_TYPE),
-            );
-            resp
-        }
+        Ok(body) => typed((StatusCode::OK, body).into_response(), UNARY_CONTENT_TYPE),
         Err(e) => ConnectError::internal(format!("encoding response: {e}")).into_response(),
     }
 }
@@ -67,16 +59,14 @@ pub fn unary<T: Serialize>(result: Result<T, ConnectError>) -> Response {
 /// Incremental reader of request envelopes (client streams, and the single envelope of a
 /// server-stream request).
 pub struct EnvelopeReader {
-    body: Body,
-    decoder: EnvelopeDecoder,
+    body: EnvelopeBody<Body>,
     done: bool,
 }
 
 impl EnvelopeReader {
     pub fn new(body: Body) -> Self {
         Self {
-            body,
-            decoder: EnvelopeDecoder::new(MAX_MESSAGE_BYTES),
+            body: EnvelopeBody::new(body, MAX_MESSAGE_BYTES),
             done: false,
         }
     }
@@ -84,54 +74,41 @@ impl EnvelopeReader {
     /// The next data message; `Ok(None)` at the end of the body or at an end-of-stream
     /// envelope.
     pub async fn next<T: DeserializeOwned>(&mut self) -> Result<Option<T>, ConnectError> {
-        loop {
-            if let Some(env) = self.decoder.next_envelope()? {
-                if env.is_end_of_stream() {
-                    self.done = true;
-                    return Ok(None);
-                }
-                return decode_json(&env.payload).map(Some);
+        if self.done {
+            return Ok(None);
+        }
+        match self.body.next().await {
+            Ok(Some(env)) if env.is_end_of_stream() => {
+                self.done = true;
+                Ok(None)
             }
-            if self.done {
-                if self.decoder.pending() == 0 {
-                    return Ok(None);
-                }
-                return Err(ConnectError::invalid_argument(
-                    "request body ended inside a message envelope",
-                ));
+            Ok(Some(env)) => decode_json(&env.payload).map(Some),
+            Ok(None) => {
+                self.done = true;
+                Ok(None)
             }
-            match self.body.frame().await {
-                Some(Ok(frame)) => {
-                    if let Ok(data) = frame.into_data() {
-                        self.decoder.push(&data);
-                    }
-                }
-                Some(Err(e)) => {
-                    return Err(ConnectError::new(
-                        Code::Canceled,
-                        format!("reading request stream: {e}"),
-                    ));
-                }
-                None => self.done = true,
-            }
+            Err(ReadError::Decode(e)) => Err(e),
+            Err(ReadError::Body(e)) => Err(ConnectError::new(
+                Code::Canceled,
+                format!("reading request stream: {e}"),
+            )),
+            Err(ReadError::Truncated) => Err(ConnectError::invalid_argument(
+                "request body ended inside a message envelope",
+            )),
         }
     }
 
     /// Reads and discards the rest of the body (at most [`MAX_MESSAGE_BYTES`]), so the
     /// connection can be reused.
-    pub async fn drain(mut self) {
+    pub async fn drain(self) {
+        let mut body = self.body.body;
         let mut left = MAX_MESSAGE_BYTES;
-        loop {
-            match self.body.frame().await {
-                Some(Ok(frame)) => {
-                    let n = frame.data_ref().map(|d| d.len()).unwrap_or(0);
-                    if n > left {
-                        return;
-                    }
-                    left -= n;
-                }
-                _ => return,
+        while let Some(Ok(frame)) = body.frame().await {
+            let n = frame.data_ref().map(|d| d.len()).unwrap_or(0);
+            if n > left {
+                return;
             }
+            left -= n;
         }
     }
 }
@@ -161,12 +138,16 @@ where
     T: Serialize + Send + 'static,
     S: Stream<Item = Result<T, ConnectError>> + Send + 'static,
 {
-    let body = stream_body(messages);
-    let mut resp = Response::new(Body::from_stream(body));
-    resp.headers_mut().insert(
-        header::CONTENT_TYPE,
-        HeaderValue::from_static(STREAM_CONTENT_TYPE),
-    );
+    typed(
+        Response::new(Body::from_stream(stream_body(messages))),
+        STREAM_CONTENT_TYPE,
+    )
+}
+
+/// `resp` with `Content-Type: content_type` (exactly: the Python SDK refuses parameters).
+fn typed(mut resp: Response, content_type: &'static str) -> Response {
+    resp.headers_mut()
+        .insert(header::CONTENT_TYPE, HeaderValue::from_static(content_type));
     resp
 }
 
@@ -211,12 +192,7 @@ pub fn client_stream_response<T: Serialize>(result: Result<T, ConnectError>) -> 
         }
         Err(e) => end_stream_envelope(Err(&e)).to_vec(),
     };
-    let mut resp = Response::new(Body::from(body));
-    resp.headers_mut().insert(
-        header::CONTENT_TYPE,
-        HeaderValue::from_static(STREAM_CONTENT_TYPE),
-    );
-    resp
+    typed(Response::new(Body::from(body)), STREAM_CONTENT_TYPE)
 }
 
 /// `Connect-Timeout-Ms`, if present and valid.
