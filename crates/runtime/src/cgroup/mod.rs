@@ -594,8 +594,7 @@ mod tests {
     #[test]
     fn v2_kill_and_remove_on_real_unified_hierarchy() {
         let unified = Path::new("/sys/fs/cgroup/unified");
-        // SAFETY: geteuid has no preconditions.
-        if unsafe { libc::geteuid() } != 0 || !unified.join("cgroup.kill").exists() {
+        if !cubicle_syscalls::is_root() || !unified.join("cgroup.kill").exists() {
             println!(
                 "skipped: needs root and a cgroup2 mount with cgroup.kill at {}",
                 unified.display()
