@@ -356,7 +356,7 @@ async fn start_command_pooled(envd: &Path) -> anyhow::Result<()> {
                 .collect(),
             ..Default::default()
         };
-        let started = |id: String| {
+        let started = |id: cubicle_node::SandboxId| {
             let node = node.clone();
             async move { sh(&node.envd(&id)?, "cat /tmp/started").await }
         };
