@@ -49,10 +49,10 @@ pub use stateful::{
 
 use inner::{Inner, State, blocking, lock_node, now_ms};
 
-/// Path of envd inside the sandbox.
-pub const ENVD_IN_SANDBOX: &str = "/run/cubicle/envd";
+/// Path of envd inside the sandbox (where the runtime mounts it).
+pub const ENVD_IN_SANDBOX: &str = cubicle_runtime::ENVD_PATH;
 /// envd's socket inside the sandbox (host side: `<sandbox dir>/ctl/envd.sock`).
-pub const ENVD_SOCKET_IN_SANDBOX: &str = "/run/cubicle/ctl/envd.sock";
+pub use cubicle_proto::ENVD_SOCKET_IN_SANDBOX;
 
 /// The sandboxes of one host. Cheap to clone.
 #[derive(Clone)]

@@ -361,4 +361,12 @@ async fn volumes_in_use_stay_and_outlive_the_node() {
     ));
     node.close();
     fsutil::remove_tree(&dir).unwrap();
+/// envd's socket path (defined in cubicle-proto, which the in-sandbox interpreter also
+/// reads) lies in the directory the runtime mounts `<sandbox dir>/ctl` on.
+#[test]
+fn envd_socket_is_in_the_ctl_dir() {
+    assert_eq!(
+        Path::new(ENVD_SOCKET_IN_SANDBOX).parent(),
+        Some(Path::new(cubicle_runtime::CTL_DIR))
+    );
 }
