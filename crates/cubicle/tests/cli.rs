@@ -143,9 +143,19 @@ fn sigkill_mid_create_then_reopen_leaves_nothing() {
     assert!(st.status.success());
     let rt = tokio::runtime::Runtime::new().unwrap();
     let (mut adopted, mut removed) = (0, 0);
-    for delay_ms in [
+    // Kills at fixed times after the start (some land before the create begins), then
+    // at times after the sandbox's directory appeared: how long `cubicle run` takes to
+    // get there depends on the host's load (over 400 ms on a busy 2-core machine), so
+    // only the second kind is sure to land inside the create.
+    let after_start = [
         0u64, 5, 15, 30, 40, 50, 60, 70, 80, 90, 100, 120, 150, 250, 400,
-    ] {
+    ];
+    let after_dir = [0u64, 0, 2, 5, 10, 20, 40, 80];
+    let delays = after_start
+        .iter()
+        .map(|d| (false, *d))
+        .chain(after_dir.iter().map(|d| (true, *d)));
+    for (from_dir, delay_ms) in delays {
         // --keep: no guardian (see `sigkill_of_run_kills_its_sandbox`): this is the
         // node's own crash recovery.
         let mut child = cubicle(&state, slot)
@@ -154,6 +164,16 @@ fn sigkill_mid_create_then_reopen_leaves_nothing() {
             .stderr(Stdio::null())
             .spawn()
             .unwrap();
+        if from_dir {
+            let t = std::time::Instant::now();
+            while t.elapsed() < Duration::from_secs(10)
+                && std::fs::read_dir(state.join("sandboxes"))
+                    .map(|mut rd| rd.next().is_none())
+                    .unwrap_or(true)
+            {
+                std::thread::sleep(Duration::from_micros(500));
+            }
+        }
         std::thread::sleep(Duration::from_millis(delay_ms));
         let _ = child.kill(); // SIGKILL
         let _ = child.wait();
