@@ -183,7 +183,7 @@ impl Backend for FakeNode {
                 .unwrap()
                 .values()
                 .filter(|i| i.volumes.iter().any(|v| v.volume_id == id))
-                .map(|i| i.id.clone())
+                .map(|i| i.id.to_string())
                 .collect();
             if !users.is_empty() {
                 return Err(cubicle_node::Error::VolumeInUse {

@@ -70,7 +70,7 @@ impl Api {
             env_vars: Default::default(),
             allow_internet_access: Some(internet),
             network: self.network.clone(),
-            ..Default::default()
+            volume_mounts: Vec::new(),
         };
         let (sbx, _) = self
             .rest

@@ -309,10 +309,13 @@ async fn volumes_in_use_stay_and_outlive_the_node() {
     let rec: SandboxRecord =
         fsutil::read_json(&dir.join("sandboxes").join(&a.id).join("sandbox.json")).unwrap();
     assert_eq!(rec.volumes, vec![vm.clone()]);
-    assert_eq!(node.volume_users("vol-a"), vec![a.id.clone()]);
+    assert_eq!(node.volume_users("vol-a"), vec![a.id.to_string()]);
     match node.delete_volume("vol-a").await {
         Err(Error::VolumeInUse { volume, sandboxes }) => {
-            assert_eq!((volume.as_str(), sandboxes), ("vol-a", vec![a.id.clone()]));
+            assert_eq!(
+                (volume.as_str(), sandboxes),
+                ("vol-a", vec![a.id.to_string()])
+            );
         }
         other => panic!("delete of a mounted volume: {other:?}"),
     }
@@ -361,6 +364,8 @@ async fn volumes_in_use_stay_and_outlive_the_node() {
     ));
     node.close();
     fsutil::remove_tree(&dir).unwrap();
+}
+
 /// envd's socket path (defined in cubicle-proto, which the in-sandbox interpreter also
 /// reads) lies in the directory the runtime mounts `<sandbox dir>/ctl` on.
 #[test]

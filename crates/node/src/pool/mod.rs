@@ -175,7 +175,7 @@ impl Inner {
             if !record.volumes.is_empty() {
                 // Its namespaces exist already: the volumes are mounted into them.
                 let binds = inner.volume_binds(&record.volumes)?;
-                let init = init.ok_or_else(|| Error::SandboxNotFound(id.clone()))?;
+                let init = init.ok_or_else(|| Error::SandboxNotFound(id.to_string()))?;
                 let (rt, id2, pid, uid_base) = (
                     inner.runtime.clone(),
                     id.clone(),

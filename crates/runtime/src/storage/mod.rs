@@ -666,7 +666,7 @@ mod tests {
             let m = fs::metadata(&vol).unwrap();
             assert_eq!((m.uid(), m.gid(), m.mode() & 0o7777), (1000, 1000, 0o755));
         }
-        let sb = storage.create_sandbox_dir("sb-1", quota).unwrap();
+        let sb = storage.create_sandbox_dir(&id("sb1"), quota).unwrap();
         let (written, err) = fill(&vol.join("big"), 64 << 20);
         let code = err
             .expect("writing 64 MiB into a 10 MiB volume must fail")
