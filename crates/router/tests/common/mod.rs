@@ -55,11 +55,9 @@ impl SandboxResolver for FakeResolver {
 
 /// A pidfd of `pid` (`None` when there is no such process), as the node hands them out.
 pub fn pidfd(pid: u32) -> Option<Arc<std::os::fd::OwnedFd>> {
-    use std::os::fd::FromRawFd;
-    // SAFETY: plain syscall; on success the fd is new and ours.
-    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid as libc::pid_t, 0) };
-    // SAFETY: a fresh descriptor.
-    (fd >= 0).then(|| Arc::new(unsafe { std::os::fd::OwnedFd::from_raw_fd(fd as i32) }))
+    cubicle_syscalls::pidfd::pidfd_open(pid as i32)
+        .ok()
+        .map(Arc::new)
 }
 
 /// A target whose init is process `init_pid` (reached through a pidfd opened now).
