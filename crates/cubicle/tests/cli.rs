@@ -168,7 +168,10 @@ fn sigkill_mid_create_then_reopen_leaves_nothing() {
             let t = std::time::Instant::now();
             while t.elapsed() < Duration::from_secs(10)
                 && std::fs::read_dir(state.join("sandboxes"))
-                    .map(|mut rd| rd.next().is_none())
+                    .map(|rd| {
+                        !rd.flatten()
+                            .any(|e| !e.file_name().to_string_lossy().starts_with(".creating-"))
+                    })
                     .unwrap_or(true)
             {
                 std::thread::sleep(Duration::from_micros(500));
@@ -182,8 +185,11 @@ fn sigkill_mid_create_then_reopen_leaves_nothing() {
         let records: Vec<SandboxRecord> = cubicle_node::records_on_disk(&state);
         let ids: Vec<String> = std::fs::read_dir(state.join("sandboxes"))
             .map(|rd| {
+                // A half-made quota directory (`.creating-<id>`) is the storage's to
+                // remove at reopen, not a sandbox: the emptiness check below covers it.
                 rd.flatten()
                     .map(|e| e.file_name().to_string_lossy().into_owned())
+                    .filter(|n| !n.starts_with(".creating-"))
                     .collect()
             })
             .unwrap_or_default();
