@@ -55,6 +55,7 @@ pub async fn run(args: SandboxArgs, state_dir: &Path) -> anyhow::Result<i32> {
                 env_vars: env.into_iter().collect(),
                 volume_mounts: volumes,
                 network: network.any().then(|| network.body()),
+                allow_internet_access: None,
             };
             commands::create(&api, req, json).await
         }
