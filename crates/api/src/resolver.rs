@@ -62,7 +62,7 @@ impl SandboxResolver for ApiResolver {
             return None;
         }
         Some(SandboxTarget {
-            id: info.id.clone(),
+            id: info.id.to_string(),
             envd_socket: info.envd_socket.clone(),
             init_pidfd: None,
             envd_access_token: Some(info.access_token.clone()),

@@ -704,7 +704,7 @@ impl ControlPlane {
         info: &SandboxInfo,
     ) -> ApiResult<Sandbox> {
         let row = SandboxRow {
-            id: info.id.clone(),
+            id: info.id.to_string(),
             team_id: team.id,
             template_id: parent.template_id.clone(),
             alias: parent.alias.clone(),

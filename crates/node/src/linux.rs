@@ -158,7 +158,13 @@ impl LinuxRuntime {
 
 /// The runtime's spec of the sandbox the node describes.
 fn sandbox_spec(s: &StartSpec) -> SandboxSpec {
-    let mut spec = SandboxSpec::new(&s.id, &s.rootfs, &s.sandbox_dir, s.uid_base, s.init.clone());
+    let mut spec = SandboxSpec::new(
+        s.id.as_str(),
+        &s.rootfs,
+        &s.sandbox_dir,
+        s.uid_base,
+        s.init.clone(),
+    );
     spec.uid_count = s.uid_count;
     spec.hostname = s.hostname.clone();
     spec.limits = Limits {
@@ -603,7 +609,7 @@ impl SandboxRuntime for LinuxRuntime {
             tracing::warn!(sandbox = %s.id, criu = restored.pid, found = sb.pid(), "restored init pid differs");
         }
         let pid = sb.pid();
-        self.handles().insert(s.id.clone(), sb);
+        self.handles().insert(s.id.to_string(), sb);
         Ok(Started {
             pid,
             state: started_state(&restored.timings, attached.as_ref()),
@@ -612,11 +618,12 @@ impl SandboxRuntime for LinuxRuntime {
 
     fn clone_snapshot(&self, snapshot: &str, id: &str, dir: &Path, disk_mb: u64) -> Result<()> {
         let st = self.storage()?;
+        let id = SandboxId::parse(id).map_err(|e| rt_err("sandbox directory", e))?;
         let made = st
-            .clone_snapshot(snapshot, id, disk_mb << 20)
+            .clone_snapshot(snapshot, &id, disk_mb << 20)
             .map_err(|e| rt_err(&format!("copy of snapshot {snapshot}"), e))?;
         if made != dir && std::fs::canonicalize(dir).ok().as_deref() != Some(made.as_path()) {
-            let _ = st.remove_sandbox_dir(id);
+            let _ = st.remove_sandbox_dir(&id);
             return Err(Error::Runtime(format!(
                 "storage made {} but the node expects {}",
                 made.display(),

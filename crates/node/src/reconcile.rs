@@ -171,11 +171,11 @@ pub(crate) async fn reconcile(inner: &Arc<Inner>) -> Result<ReconcileReport> {
         }
         if !inner.lock().slots.reserve(r.slot) {
             tracing::warn!(sandbox = %r.id, slot = r.slot, "paused sandbox's slot is taken, removing it");
-            doomed.insert(r.id.clone(), Some(r.slot));
+            doomed.insert(r.id.to_string(), Some(r.slot));
             continue;
         }
         tracing::info!(sandbox = %r.id, "kept paused");
-        report.paused.push(r.id.clone());
+        report.paused.push(r.id.to_string());
         inner.lock().live.insert(r.id.clone(), Live::new(r));
     }
     for (id, slot) in doomed {

@@ -113,7 +113,7 @@ impl SnapshotStore {
 
     /// The snapshot with this id, if any.
     pub fn get(&self, id: &str) -> Option<SnapshotRecord> {
-        if !crate::ids::is_valid_sandbox_id(id) {
+        if !cubicle_runtime::SandboxId::is_valid(id) {
             return None;
         }
         fsutil::read_json(&self.path(id)).ok()

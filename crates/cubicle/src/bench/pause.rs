@@ -42,7 +42,11 @@ impl Api {
         path: &str,
         body: Option<Value>,
     ) -> anyhow::Result<Answer> {
-        match self.rest().json_call_on(c, method, path, body.as_ref()).await {
+        match self
+            .rest()
+            .json_call_on(c, method, path, body.as_ref())
+            .await
+        {
             Ok((status, headers, body)) => {
                 let header = |k: &str| {
                     headers

@@ -384,7 +384,7 @@ impl Inner {
             disk_mb: record.disk_mb,
             internet: record.internet,
             network: record.network.clone(),
-            hostname: id.clone(),
+            hostname: id.to_string(),
             envd_binary: self.config.envd_binary.clone(),
             init: {
                 let mut argv = vec![

@@ -256,7 +256,7 @@ impl Node {
             let t0 = Instant::now();
             if let Some(snap) = inner.snapshots.find(&req.template).filter(|s| !s.hidden) {
                 let id = match &req.id {
-                    Some(id) if crate::ids::is_valid_sandbox_id(id) => id.clone(),
+                    Some(id) if let Ok(id) = SandboxId::parse(id) => id,
                     Some(id) => {
                         return Err(Error::InvalidRequest(format!(
                             "sandbox id '{id}' must match ^[a-z0-9]{{1,32}}$"
@@ -523,7 +523,7 @@ pub fn sandboxes_using_template(state_dir: &Path, template: &str) -> Vec<String>
     };
     for e in rd.flatten() {
         // Only sandbox directories (a snapshot holds a copy of its source's record).
-        if !crate::ids::is_valid_sandbox_id(&e.file_name().to_string_lossy()) {
+        if !SandboxId::is_valid(&e.file_name().to_string_lossy()) {
             continue;
         }
         if let Ok(r) = fsutil::read_json::<SandboxRecord>(&e.path().join("sandbox.json"))
@@ -542,7 +542,7 @@ pub fn records_on_disk(state_dir: &Path) -> Vec<SandboxRecord> {
         return out;
     };
     for e in rd.flatten() {
-        if !crate::ids::is_valid_sandbox_id(&e.file_name().to_string_lossy()) {
+        if !SandboxId::is_valid(&e.file_name().to_string_lossy()) {
             continue;
         }
         if let Ok(r) = fsutil::read_json::<SandboxRecord>(&e.path().join("sandbox.json")) {

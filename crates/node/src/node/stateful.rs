@@ -20,6 +20,8 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use cubicle_runtime::SandboxId;
+
 use super::inner::{Inner, blocking, now_ms, sandbox_env};
 use super::teardown::spawn_watcher;
 use crate::envd_client::{EnvdClient, InitRequest};
@@ -253,7 +255,7 @@ impl Inner {
         let pid = record
             .pid
             .filter(|p| procfs::is_alive(*p, record.pid_start_time))
-            .ok_or_else(|| Error::SandboxNotFound(id.clone()))?;
+            .ok_or_else(|| Error::SandboxNotFound(id.to_string()))?;
         let healthy = {
             let client = EnvdClient::new(self.envd_socket(&id), Some(record.access_token.clone()));
             matches!(
@@ -351,7 +353,7 @@ impl Inner {
         if let Some(live) = st.live.get_mut(id) {
             live.watcher = Some(spawn_watcher(
                 Arc::downgrade(self),
-                id.to_string(),
+                live.record.id.clone(),
                 live.init.as_ref(),
             ));
         }
@@ -549,7 +551,7 @@ impl Inner {
         let pid = record
             .pid
             .filter(|p| procfs::is_alive(*p, record.pid_start_time))
-            .ok_or_else(|| Error::SandboxNotFound(id.clone()))?;
+            .ok_or_else(|| Error::SandboxNotFound(id.to_string()))?;
         refuse_volumes(record)?;
         let template = self.rootfs_template(record)?;
         let spec = self.start_spec(
@@ -584,10 +586,10 @@ impl Inner {
         discard_checkpoint(dir.clone());
         let info = info?;
         let snap = SnapshotRecord {
-            id: snap_id,
+            id: snap_id.to_string(),
             names: req.names,
             owner: req.owner,
-            source: id.clone(),
+            source: id.to_string(),
             template: record.template.clone(),
             base_template: record.rootfs_template().to_string(),
             memory: req.memory,
@@ -636,7 +638,7 @@ impl Inner {
         self: &Arc<Self>,
         req: &CreateRequest,
         snap: &SnapshotRecord,
-        id: String,
+        id: SandboxId,
         timeout: Duration,
     ) -> Result<SandboxInfo> {
         if !req.volumes.is_empty() {
@@ -763,7 +765,7 @@ impl Inner {
             let live = st
                 .live
                 .get_mut(&id)
-                .ok_or_else(|| Error::SandboxNotFound(id.clone()))?;
+                .ok_or_else(|| Error::SandboxNotFound(id.to_string()))?;
             if let Some(reason) = live.kill_requested {
                 return Err(Error::Runtime(format!(
                     "sandbox {id} was killed during creation ({reason})"

@@ -227,10 +227,9 @@ impl Storage {
     /// a btrfs snapshot (O(1): it shares every block until either side writes), or on
     /// XFS a reflinked copy. Its disk cost is what changes afterwards. Take it while the
     /// sandbox is frozen to get one instant.
-    pub fn snapshot_sandbox_dir(&self, id: &str, name: &str) -> Result<PathBuf> {
-        check_id(id)?;
+    pub fn snapshot_sandbox_dir(&self, id: &SandboxId, name: &str) -> Result<PathBuf> {
         check_snapshot_name(name)?;
-        let src = self.root.join(id);
+        let src = self.sandbox_dir(id);
         let dest = self.root.join(name);
         match self.backend {
             QuotaBackend::BtrfsQgroup => self.btrfs_snapshot(id, name, true)?,
@@ -241,9 +240,9 @@ impl Storage {
 
     /// A new sandbox directory `id` (quota `quota_bytes`) that starts as a copy-on-write
     /// copy of the snapshot `name`. Fails if `id` exists.
-    pub fn clone_snapshot(&self, name: &str, id: &str, quota_bytes: u64) -> Result<PathBuf> {
+    pub fn clone_snapshot(&self, name: &str, id: &SandboxId, quota_bytes: u64) -> Result<PathBuf> {
         check_snapshot_name(name)?;
-        let dest = self.sandbox_dir(id)?;
+        let dest = self.sandbox_dir(id);
         if dest.exists() {
             return Err(Error::Io {
                 context: format!("creating {}", dest.display()),
