@@ -317,29 +317,10 @@ fn outside_sockets(cg: &Cgroup, init: i32) -> usize {
 fn mount_points(pid: i32) -> Result<Vec<PathBuf>> {
     let p = format!("/proc/{pid}/mountinfo");
     let text = fs::read_to_string(&p).map_err(|e| Error::io(format!("read {p}"), e))?;
-    Ok(text
-        .lines()
-        .filter_map(|l| l.split(' ').nth(4))
-        .map(|mp| PathBuf::from(unescape(mp)))
+    Ok(cubicle_syscalls::mountinfo::parse(&text)
+        .into_iter()
+        .map(|m| m.mount_point)
         .collect())
-}
-
-/// mountinfo escapes space, tab, newline and backslash as octal.
-fn unescape(s: &str) -> String {
-    let b = s.as_bytes();
-    let mut out = Vec::with_capacity(b.len());
-    let mut i = 0;
-    while i < b.len() {
-        if b[i] == b'\\' && i + 4 <= b.len() && b[i + 1..i + 4].iter().all(u8::is_ascii_digit) {
-            let v = (b[i + 1] - b'0') * 64 + (b[i + 2] - b'0') * 8 + (b[i + 3] - b'0');
-            out.push(v);
-            i += 4;
-        } else {
-            out.push(b[i]);
-            i += 1;
-        }
-    }
-    String::from_utf8_lossy(&out).into_owned()
 }
 
 /// How the init's stdout is connected: a pipe, or a host file outside the sandbox.
@@ -398,13 +379,6 @@ pub(crate) fn now_ms() -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn mountinfo_escapes() {
-        assert_eq!(unescape("/a\\040b"), "/a b");
-        assert_eq!(unescape("/plain"), "/plain");
-        assert_eq!(unescape("/x\\134y"), "/x\\y");
-    }
 
     #[test]
     fn own_stdio_is_described() {

@@ -8,6 +8,9 @@
 //! user would: processes and their memory carry on, files and tmpfs contents are back,
 //! a copy on another uid range runs as that range, nothing is left behind.
 
+// Tests: a failed unwrap or expect is a failed test (harness = false: no #[test] fns).
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 use std::fs;
 use std::os::unix::fs::{MetadataExt, PermissionsExt, symlink};
 use std::path::{Path, PathBuf};
