@@ -243,7 +243,7 @@ fn no_space(id: &str, e: Error) -> Error {
 }
 
 /// How long a dump waits for connections from outside to close.
-const OUTSIDE_WAIT: Duration = Duration::from_secs(2);
+const OUTSIDE_WAIT: Duration = Duration::from_secs(5);
 
 /// Waits (up to `limit`) until no process of the sandbox holds a socket of another network
 /// namespace — the far end of a connection from the host (a Unix socket accepted from a
