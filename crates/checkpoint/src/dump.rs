@@ -81,8 +81,8 @@ fn dump_in(criu: &Criu, cg: &Cgroup, mut req: DumpRequest<'_>, t0: Instant) -> R
         .collect();
     let stdio = stdio_of(req.init_pid).map_err(cleanup)?;
     let outside = wait_outside_connections(cg, req.init_pid, OUTSIDE_WAIT);
-    if outside > 0 {
-        tracing::warn!(sandbox = %spec.id, outside, "connections from outside the sandbox are still open; dumping anyway");
+    if !outside.is_empty() {
+        tracing::warn!(sandbox = %spec.id, ?outside, "connections from outside the sandbox are still open; dumping anyway");
     }
 
     let mut phases = Vec::new();
@@ -249,19 +249,20 @@ const OUTSIDE_WAIT: Duration = Duration::from_secs(5);
 /// namespace — the far end of a connection from the host (a Unix socket accepted from a
 /// client outside belongs to the client's namespace). CRIU cannot dump those; the caller
 /// closes its side first (the router drains the sandbox's connections) and the sandbox's
-/// side goes as soon as its owner reads the end. Returns how many are left.
-fn wait_outside_connections(cg: &Cgroup, init: i32, limit: Duration) -> usize {
+/// side goes as soon as its owner reads the end. Returns those left, as
+/// `<command>[<pid>] fd <n>`.
+fn wait_outside_connections(cg: &Cgroup, init: i32, limit: Duration) -> Vec<String> {
     let deadline = Instant::now() + limit;
     loop {
-        let n = outside_sockets(cg, init);
-        if n == 0 || Instant::now() >= deadline {
-            return n;
+        let left = outside_sockets(cg, init);
+        if left.is_empty() || Instant::now() >= deadline {
+            return left;
         }
         std::thread::sleep(Duration::from_millis(2));
     }
 }
 
-fn outside_sockets(cg: &Cgroup, init: i32) -> usize {
+fn outside_sockets(cg: &Cgroup, init: i32) -> Vec<String> {
     // (file, column of the inode) in /proc/<pid>/net: the sockets of the sandbox's netns.
     const TABLES: &[(&str, usize)] = &[
         ("unix", 6),
@@ -290,7 +291,7 @@ fn outside_sockets(cg: &Cgroup, init: i32) -> usize {
             }
         }
     }
-    let mut outside = 0;
+    let mut outside = Vec::new();
     for pid in cg.procs().unwrap_or_default() {
         let Ok(fds) = fs::read_dir(format!("/proc/{pid}/fd")) else {
             continue;
@@ -306,7 +307,12 @@ fn outside_sockets(cg: &Cgroup, init: i32) -> usize {
                 .and_then(|v| v.parse::<u64>().ok())
                 && !inside.contains(&ino)
             {
-                outside += 1;
+                let comm = fs::read_to_string(format!("/proc/{pid}/comm")).unwrap_or_default();
+                outside.push(format!(
+                    "{}[{pid}] fd {}",
+                    comm.trim(),
+                    fd.file_name().to_string_lossy()
+                ));
             }
         }
     }
