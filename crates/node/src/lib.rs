@@ -16,6 +16,7 @@ pub mod config;
 pub mod envd_client;
 pub mod error;
 pub mod fsutil;
+pub mod host;
 pub mod host_slots;
 pub mod ids;
 pub mod linux;

@@ -335,6 +335,8 @@ pub struct SandboxInfo {
     pub oom_kills: u64,
     /// Volumes mounted in it.
     pub volumes: Vec<VolumeMount>,
+    /// Whether this create was served from a warm pool (a claim) rather than cold.
+    pub claimed: bool,
 }
 
 impl SandboxInfo {
@@ -368,6 +370,7 @@ impl SandboxInfo {
             timeout_ms: r.timeout_ms,
             oom_kills: 0,
             volumes: r.volumes.clone(),
+            claimed: false,
         }
     }
 }

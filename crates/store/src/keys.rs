@@ -146,6 +146,24 @@ impl Store {
         )?)
     }
 
+    /// The team with id `id`.
+    pub fn team(&self, id: i64) -> Result<Option<Team>> {
+        Ok(self
+            .conn()
+            .query_row(
+                "SELECT id, name, created_at FROM teams WHERE id = ?1",
+                params![id],
+                |r| {
+                    Ok(Team {
+                        id: r.get(0)?,
+                        name: r.get(1)?,
+                        created_at: r.get(2)?,
+                    })
+                },
+            )
+            .optional()?)
+    }
+
     /// The team called `name`, if it exists.
     pub fn team_by_name(&self, name: &str) -> Result<Option<Team>> {
         Ok(self

@@ -233,6 +233,8 @@ impl Inner {
         };
         inner.changed.notify_one();
         tracing::info!(sandbox = %id, template = %name, ready_us, "sandbox claimed from the pool");
+        let mut info = info;
+        info.claimed = true;
         Some(Ok(info))
     }
 

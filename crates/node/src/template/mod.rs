@@ -34,6 +34,18 @@ fn is_current(t: &Template) -> bool {
     t.config.name != code_interpreter::NAME || t.config.builder == code_interpreter::BUILDER
 }
 
+/// Called after every template build with its name, whether it succeeded and how long it
+/// took (see [`observe_builds`]).
+pub type BuildObserver = Box<dyn Fn(&str, bool, std::time::Duration) + Send + Sync>;
+
+static BUILD_OBSERVER: std::sync::OnceLock<BuildObserver> = std::sync::OnceLock::new();
+
+/// Sets the function told about every template build of this process (`cubicle serve`
+/// counts them for its metrics). Only the first call takes effect.
+pub fn observe_builds(observer: BuildObserver) {
+    let _ = BUILD_OBSERVER.set(observer);
+}
+
 /// Mount point inside every rootfs where the runtime bind-mounts the envd binary.
 pub const ENVD_MOUNT_POINT: &str = "run/cubicle/envd";
 /// Directory inside every rootfs where the runtime bind-mounts the host-visible control dir.
@@ -256,6 +268,16 @@ impl TemplateStore {
         {
             return Ok(t);
         }
+        let t0 = std::time::Instant::now();
+        let built = self.build_locked(name, progress);
+        if let Some(observe) = BUILD_OBSERVER.get() {
+            observe(name, built.is_ok(), t0.elapsed());
+        }
+        built
+    }
+
+    /// The build itself (the caller holds the name's lock).
+    fn build_locked(&self, name: &str, progress: bool) -> Result<Template> {
         self.remove_stale_builds(name);
         let staging = self
             .root
