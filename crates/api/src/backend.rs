@@ -37,9 +37,17 @@ pub trait Backend: Send + Sync + 'static {
     fn stats(&self, id: &str) -> cubicle_node::Result<SandboxStats>;
     /// The sandbox's envd/init log file on the host.
     fn log_path(&self, id: &str) -> PathBuf;
-    /// Warm-pool counters (ready, target, claims, misses, refills), as JSON.
+    /// Warm-pool counters (ready, target, claims, misses, refills).
+    fn pool(&self) -> cubicle_node::PoolStats {
+        cubicle_node::PoolStats::default()
+    }
+    /// The same, as JSON (`GET /cubicle/pool`).
     fn pool_stats(&self) -> serde_json::Value {
-        serde_json::json!({})
+        serde_json::to_value(self.pool()).unwrap_or_default()
+    }
+    /// The host's CPU, memory and disk (reads a few `/proc` files and one `statvfs`).
+    fn host(&self) -> cubicle_node::host::HostStats {
+        cubicle_node::host::HostStats::default()
     }
     /// Create volume `id` with a limit of `size_mb` MiB.
     fn create_volume<'a>(
@@ -194,8 +202,12 @@ impl Backend for Node {
         Node::forget_network_log(self, id)
     }
 
-    fn pool_stats(&self) -> serde_json::Value {
-        serde_json::to_value(Node::pool_stats(self)).unwrap_or_default()
+    fn pool(&self) -> cubicle_node::PoolStats {
+        Node::pool_stats(self)
+    }
+
+    fn host(&self) -> cubicle_node::host::HostStats {
+        cubicle_node::host::stats(&self.config().state_dir)
     }
 
     fn template_exists(&self, name: &str) -> cubicle_node::Result<bool> {

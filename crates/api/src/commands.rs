@@ -66,36 +66,53 @@ fn timeout_secs(field: &str, secs: i64, limits: &Limits, allow_zero: bool) -> Ap
     Ok(d)
 }
 
-#[derive(Deserialize)]
-struct AutoResumeBody {
+// The request bodies below carry their OpenAPI schema (`ToSchema`): keep each field's
+// constraints equal to what `parse` accepts (see `crate::openapi`).
+
+/// `autoResume` of a create.
+#[derive(Deserialize, utoipa::ToSchema)]
+#[schema(as = AutoResume)]
+pub struct AutoResumeBody {
+    /// Resume a paused sandbox on its next request.
     #[serde(default)]
     enabled: bool,
 }
 
-#[derive(Deserialize, Default)]
+/// `network` of a create.
+#[derive(Deserialize, Default, utoipa::ToSchema)]
 #[serde(rename_all = "camelCase")]
-struct NetworkBody {
+#[schema(as = SandboxNetwork)]
+pub struct NetworkBody {
+    /// `false`: ports other than envd's need the returned `trafficAccessToken`.
     allow_public_traffic: Option<bool>,
     #[serde(flatten)]
     egress: EgressBody,
+    /// `Host` header sent to the sandbox's ports (`${PORT}` is replaced by the port).
     mask_request_host: Option<String>,
+    /// Ports served over HTTPS by the sandbox.
     https_ports: Option<Vec<u16>>,
 }
 
 /// The egress part of `network` (create) and the whole `PUT /sandboxes/{id}/network`.
-#[derive(Deserialize, Default)]
+#[derive(Deserialize, Default, utoipa::ToSchema)]
 #[serde(rename_all = "camelCase")]
 struct EgressBody {
+    /// Egress allow list: CIDRs, IPs or domain patterns (an allow entry beats a deny).
     allow_out: Option<Vec<String>>,
+    /// Egress deny list: CIDRs or IPs (`0.0.0.0/0`: no internet).
     deny_out: Option<Vec<String>>,
+    /// DNS servers (IPv4) the sandbox resolves through.
     dns_servers: Option<Vec<String>>,
+    /// An egress proxy every connection goes through.
     egress_proxy: Option<EgressProxyBody>,
+    /// Per-domain rules (at most 10 domains, one rule each; header transforms are not
+    /// supported).
     rules: Option<BTreeMap<String, Vec<RuleBody>>>,
     /// Cubicle's extension: learn mode (record what the policy would deny, deny nothing).
     learn: Option<bool>,
 }
 
-#[derive(Deserialize)]
+#[derive(Deserialize, utoipa::ToSchema)]
 #[serde(rename_all = "camelCase")]
 struct EgressProxyBody {
     address: String,
@@ -104,7 +121,7 @@ struct EgressProxyBody {
     tls: Option<ProxyTlsBody>,
 }
 
-#[derive(Deserialize)]
+#[derive(Deserialize, utoipa::ToSchema)]
 #[serde(rename_all = "camelCase")]
 struct ProxyTlsBody {
     enabled: bool,
@@ -112,12 +129,12 @@ struct ProxyTlsBody {
     ca_cert: Option<String>,
 }
 
-#[derive(Deserialize)]
+#[derive(Deserialize, utoipa::ToSchema)]
 struct RuleBody {
     transform: Option<TransformBody>,
 }
 
-#[derive(Deserialize)]
+#[derive(Deserialize, utoipa::ToSchema)]
 struct TransformBody {
     headers: Option<BTreeMap<String, String>>,
 }
@@ -227,25 +244,49 @@ fn mask_host(s: &str) -> ApiResult<String> {
 }
 
 /// `NewSandboxV2` (and v1 `NewSandbox`, which adds `secure`).
-#[derive(Deserialize)]
+#[derive(Deserialize, utoipa::ToSchema)]
 #[serde(rename_all = "camelCase")]
-struct NewSandboxBody {
+#[schema(as = NewSandbox)]
+pub struct NewSandboxBody {
+    /// Template: `NAME`, `NAME:default|latest` or `NAMESPACE/NAME[:TAG]`.
     #[serde(rename = "templateID")]
+    #[schema(
+        pattern = "^([A-Za-z0-9][A-Za-z0-9._-]*/)?[a-z0-9][a-z0-9._-]{0,63}(:[^/]*)?$",
+        example = "base"
+    )]
     template_id: String,
+    /// Lifetime in seconds (default 300; the legacy route: 15).
+    #[schema(minimum = 1, maximum = 86400)]
     timeout: Option<i64>,
+    /// Pause instead of kill at the end.
     auto_pause: Option<bool>,
+    /// Keep memory when auto-pausing. `false` (disk only) needs `autoPause` and no
+    /// `autoResume`; a schema cannot say that, so it is described as `true` only.
+    #[schema(schema_with = crate::openapi::true_only)]
     auto_pause_memory: Option<bool>,
+    /// Resume a paused sandbox on its next request.
     auto_resume: Option<AutoResumeBody>,
+    /// `false`: no internet.
     #[serde(rename = "allow_internet_access")]
     allow_internet_access: Option<bool>,
     /// v1 only; always secure here. Type-checked, otherwise ignored.
     #[serde(rename = "secure")]
     _secure: Option<bool>,
+    /// Network options.
     network: Option<NetworkBody>,
+    /// Your key/value pairs (filterable in the list).
     metadata: Option<BTreeMap<String, String>>,
+    /// Environment variables of every process.
+    #[schema(schema_with = crate::openapi::env_vars)]
     env_vars: Option<BTreeMap<String, String>>,
+    /// The MCP gateway (not supported yet).
+    #[schema(schema_with = crate::openapi::null_only)]
     mcp: Option<serde_json::Value>,
+    /// IAM tokens (not supported yet).
+    #[schema(schema_with = crate::openapi::null_only)]
     iam: Option<serde_json::Value>,
+    /// Volumes to mount (`name`, `path`).
+    #[schema(value_type = Option<Vec<Object>>)]
     volume_mounts: Option<Vec<crate::volumes::VolumeMountRequest>>,
 }
 
@@ -416,8 +457,11 @@ impl UpdateNetwork {
     }
 }
 
-#[derive(Deserialize)]
-struct TimeoutBody {
+/// `POST /sandboxes/{id}/timeout` body.
+#[derive(Deserialize, utoipa::ToSchema)]
+pub struct TimeoutBody {
+    /// Seconds from now (0 ends the sandbox now).
+    #[schema(minimum = 0, maximum = 86400)]
     timeout: i64,
 }
 
@@ -438,9 +482,22 @@ impl SetTimeout {
     }
 }
 
-#[derive(Deserialize)]
-struct ConnectBody {
+/// `POST /v2/sandboxes/{id}/connect` body.
+#[derive(Deserialize, utoipa::ToSchema)]
+pub struct ConnectBody {
+    /// Seconds from now the sandbox lives at least (default 300).
+    #[schema(minimum = 0, maximum = 86400)]
     timeout: Option<i64>,
+    /// `false`: a paused sandbox boots from its disk (its memory is dropped).
+    memory: Option<bool>,
+}
+
+/// `POST /sandboxes/{id}/connect` body (legacy: `timeout` required).
+#[derive(Deserialize, utoipa::ToSchema)]
+pub struct ConnectBodyV1 {
+    /// Seconds from now the sandbox lives at least.
+    #[schema(minimum = 0, maximum = 86400)]
+    timeout: i64,
     /// `false`: a paused sandbox boots from its disk (its memory is dropped).
     memory: Option<bool>,
 }
@@ -459,17 +516,23 @@ impl Connect {
     /// Parse `{timeout?, memory?}` (v2: empty body and missing timeout mean the default;
     /// v1: `timeout` is required).
     pub fn parse(body: &[u8], version: CreateVersion, limits: &Limits) -> ApiResult<Self> {
-        let b: ConnectBody = json(body, (version == CreateVersion::V2).then_some("{}"))?;
-        let timeout = match b.timeout {
-            Some(t) => timeout_secs("timeout", t, limits, true)?,
-            None if version == CreateVersion::V1 => {
-                return Err(ApiError::BadRequest("timeout is required".into()));
+        let (timeout, memory) = match version {
+            CreateVersion::V1 => {
+                let b: ConnectBodyV1 = json(body, None)?;
+                (timeout_secs("timeout", b.timeout, limits, true)?, b.memory)
             }
-            None => limits.default_timeout.min(limits.max_timeout),
+            CreateVersion::V2 => {
+                let b: ConnectBody = json(body, Some("{}"))?;
+                let t = match b.timeout {
+                    Some(t) => timeout_secs("timeout", t, limits, true)?,
+                    None => limits.default_timeout.min(limits.max_timeout),
+                };
+                (t, b.memory)
+            }
         };
         Ok(Connect {
             timeout,
-            memory: b.memory != Some(false),
+            memory: memory != Some(false),
         })
     }
 }
@@ -709,8 +772,11 @@ impl Rollback {
     }
 }
 
-#[derive(Deserialize)]
-struct RefreshBody {
+/// `POST /sandboxes/{id}/refreshes` body.
+#[derive(Deserialize, utoipa::ToSchema)]
+pub struct RefreshBody {
+    /// Seconds from now the sandbox lives at least (default 300).
+    #[schema(minimum = 0, maximum = 3600)]
     duration: Option<i64>,
 }
 

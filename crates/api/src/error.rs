@@ -18,6 +18,9 @@ pub enum ApiError {
     /// Missing or unknown API key.
     #[error("{0}")]
     Unauthorized(String),
+    /// A valid key that may not do this (e.g. a non-admin team reading `/metrics`).
+    #[error("{0}")]
+    Forbidden(String),
     /// Unknown (or other team's) sandbox, template or route.
     #[error("{0}")]
     NotFound(String),
@@ -57,6 +60,7 @@ impl ApiError {
         match self {
             ApiError::BadRequest(_) => StatusCode::BAD_REQUEST,
             ApiError::Unauthorized(_) => StatusCode::UNAUTHORIZED,
+            ApiError::Forbidden(_) => StatusCode::FORBIDDEN,
             ApiError::NotFound(_) => StatusCode::NOT_FOUND,
             ApiError::MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
             ApiError::Conflict(_) => StatusCode::CONFLICT,
@@ -75,9 +79,22 @@ impl ApiError {
     }
 }
 
-/// The E2B error body.
+/// The E2B error body (every error answer has it).
+#[derive(Debug, serde::Serialize, utoipa::ToSchema, utoipa::ToResponse)]
+#[response(description = "An error: the HTTP status and what went wrong")]
+pub struct ErrorBody {
+    /// The HTTP status.
+    pub code: u16,
+    /// What went wrong (and what to do).
+    pub message: String,
+}
+
+/// The E2B error body as a response.
 pub fn error_response(status: StatusCode, message: &str) -> Response {
-    let body = serde_json::json!({ "code": status.as_u16(), "message": message });
+    let body = ErrorBody {
+        code: status.as_u16(),
+        message: message.to_string(),
+    };
     let mut resp = (status, axum::Json(body)).into_response();
     // Python retries 502/503/504 unless told otherwise; only capacity errors (503) are
     // worth retrying here.
@@ -179,6 +196,8 @@ pub async fn json_errors(resp: Response) -> Response {
             out.headers_mut().insert(k.clone(), v.clone());
         }
     }
+    // The route label and the like travel on (the access log reads them).
+    *out.extensions_mut() = parts.extensions;
     out
 }
 

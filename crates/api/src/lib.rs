@@ -27,18 +27,27 @@
 pub mod backend;
 pub mod commands;
 pub mod error;
+pub mod events;
 pub mod keyring;
 pub mod logs;
 pub mod metrics;
 pub mod model;
+pub mod openapi;
 pub mod query;
 pub mod resolver;
 pub mod routes;
 pub mod secrets;
 pub mod service;
+pub mod telemetry;
 pub mod templates;
+pub mod tls;
 pub mod volume_content;
 pub mod volumes;
+pub mod webhooks;
+
+/// The operator's team: created by the first `cubicle serve` with the admin key; the only
+/// team that may read the node-wide metrics (`GET /metrics`).
+pub const ADMIN_TEAM: &str = "admin";
 
 pub use backend::Backend;
 pub use error::{ApiError, ApiResult};

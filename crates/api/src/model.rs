@@ -13,7 +13,7 @@ pub const ENVD_VERSION: &str = "0.6.13";
 pub const CLIENT_ID: &str = "6532622b";
 
 /// `Sandbox` (create / connect).
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, utoipa::ToSchema)]
 pub struct Sandbox {
     #[serde(rename = "templateID")]
     pub template_id: String,
@@ -33,7 +33,7 @@ pub struct Sandbox {
 }
 
 /// `lifecycle` of a detail.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, utoipa::ToSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct Lifecycle {
     pub auto_resume: bool,
@@ -42,7 +42,7 @@ pub struct Lifecycle {
 
 /// `network` of a detail (`SandboxNetworkConfig`): the policy as set, without the
 /// egress proxy's password and CA certificate (as upstream).
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, utoipa::ToSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct Network {
     pub allow_public_traffic: bool,
@@ -102,7 +102,7 @@ impl Network {
 }
 
 /// `SandboxDetail` (`GET /sandboxes/{id}`).
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, utoipa::ToSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct SandboxDetail {
     #[serde(rename = "templateID")]
@@ -139,7 +139,7 @@ pub struct SandboxDetail {
 }
 
 /// `ListedSandbox` (list items).
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, utoipa::ToSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct ListedSandbox {
     #[serde(rename = "templateID")]
@@ -192,7 +192,7 @@ pub struct ForkError {
 }
 
 /// `SandboxMetric`.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, utoipa::ToSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct SandboxMetric {
     pub timestamp: String,
@@ -207,14 +207,14 @@ pub struct SandboxMetric {
 }
 
 /// v1 log line.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, utoipa::ToSchema)]
 pub struct SandboxLog {
     pub timestamp: String,
     pub line: String,
 }
 
 /// Structured log entry (v1 `logEntries`, v2 `logs`).
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, utoipa::ToSchema)]
 pub struct SandboxLogEntry {
     pub timestamp: String,
     pub message: String,
@@ -223,7 +223,7 @@ pub struct SandboxLogEntry {
 }
 
 /// v1 `GET /sandboxes/{id}/logs`.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, utoipa::ToSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct SandboxLogs {
     pub logs: Vec<SandboxLog>,
@@ -231,7 +231,29 @@ pub struct SandboxLogs {
 }
 
 /// v2 `GET /v2/sandboxes/{id}/logs`.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, utoipa::ToSchema)]
 pub struct SandboxLogsV2 {
     pub logs: Vec<SandboxLogEntry>,
+}
+
+/// `GET /sandboxes/metrics`: each sandbox's latest sample.
+#[derive(Debug, Clone, Serialize, utoipa::ToSchema)]
+pub struct SandboxMetrics {
+    /// Sandbox id → its latest sample (sandboxes without one are left out).
+    pub sandboxes: BTreeMap<String, SandboxMetric>,
+}
+
+/// `GET /cubicle/pool`: the warm pools (Cubicle's own).
+#[derive(Debug, Clone, Serialize, utoipa::ToSchema)]
+pub struct PoolCounters {
+    /// Ready sandboxes per template.
+    pub ready: BTreeMap<String, u64>,
+    /// Pool size aimed at per template.
+    pub target: BTreeMap<String, u64>,
+    /// Creates served from a pool.
+    pub claims: u64,
+    /// Creates that found their pool empty.
+    pub misses: u64,
+    /// Sandboxes made for pools.
+    pub refills: u64,
 }

@@ -18,6 +18,7 @@ use crate::commands::{
     Pause, Refresh, Resume, Rollback, SetTimeout,
 };
 use crate::error::{ApiError, ApiResult};
+use crate::events::{EventKind, Events};
 use crate::logs::{LogLine, LogMirror};
 use crate::metrics::{MetricsHistory, Shape};
 use crate::model::{
@@ -25,6 +26,8 @@ use crate::model::{
     SandboxDetail, SandboxMetric, SnapshotInfo,
 };
 use crate::query::{encode_cursor, format_time};
+use crate::telemetry::{SandboxUsage, Snapshot, Telemetry};
+use crate::webhooks::{WebhookConfig, Webhooks};
 
 /// Log growth up to this many bytes is mirrored inline, more on the blocking pool.
 const INLINE_LOG_SYNC: u64 = 16 << 10;
@@ -44,6 +47,8 @@ pub struct ApiConfig {
     pub keyring: Arc<crate::keyring::Keyring>,
     /// Volume sizes and counts (`volumes.rs`).
     pub volumes: crate::volumes::VolumeLimits,
+    /// How webhook deliveries are attempted.
+    pub webhooks: WebhookConfig,
 }
 
 impl ApiConfig {
@@ -59,6 +64,7 @@ impl ApiConfig {
             retention: Duration::from_secs(24 * 3600),
             keyring: Arc::new(crate::keyring::Keyring::ephemeral()),
             volumes: crate::volumes::VolumeLimits::default(),
+            webhooks: WebhookConfig::default(),
         }
     }
 }
@@ -81,6 +87,12 @@ pub struct ControlPlane {
     logs: Arc<LogMirror>,
     /// Called with the id of every sandbox a create hands out (see [`ControlPlane::on_created`]).
     on_created: std::sync::OnceLock<CreatedHook>,
+    /// Metrics.
+    telemetry: Arc<Telemetry>,
+    /// Lifecycle events (stored, logged, delivered to webhooks).
+    events: Events,
+    /// The teams' webhooks.
+    webhooks: Arc<Webhooks>,
 }
 
 /// See [`ControlPlane::on_created`].
@@ -106,6 +118,10 @@ impl ControlPlane {
         store: Store,
         config: ApiConfig,
     ) -> ApiResult<Arc<Self>> {
+        let telemetry = Arc::new(Telemetry::new());
+        let webhooks =
+            Webhooks::open(store.clone(), config.webhooks.clone(), telemetry.clone()).await?;
+        let events = Events::start(store.clone(), telemetry.clone(), webhooks.clone());
         let cp = Arc::new(ControlPlane {
             logs: Arc::new(LogMirror::new(config.logs_dir.clone())),
             backend,
@@ -114,6 +130,9 @@ impl ControlPlane {
             routes: Mutex::new(HashMap::new()),
             metrics: MetricsHistory::default(),
             on_created: std::sync::OnceLock::new(),
+            telemetry,
+            events,
+            webhooks,
         });
         let rows = cp.store.call(|s| s.running_sandboxes(None)).await?;
         for row in rows {
@@ -129,6 +148,7 @@ impl ControlPlane {
                         .unwrap_or("lost");
                     let id = row.id.clone();
                     let reason = reason.to_string();
+                    cp.ended(&row, &reason);
                     cp.store
                         .call(move |s| s.mark_ended(&id, &reason, now_ms()))
                         .await?;
@@ -152,6 +172,93 @@ impl ControlPlane {
     /// The node.
     pub fn backend(&self) -> &Arc<dyn Backend> {
         &self.backend
+    }
+
+    /// The metrics (for the HTTP middleware and the template-build observer).
+    pub fn telemetry(&self) -> &Arc<Telemetry> {
+        &self.telemetry
+    }
+
+    /// The lifecycle events (events API).
+    pub fn events(&self) -> &Events {
+        &self.events
+    }
+
+    /// The teams' webhooks.
+    pub fn webhooks(&self) -> &Arc<Webhooks> {
+        &self.webhooks
+    }
+
+    /// Whether `team` is the operator's (the admin team `cubicle serve` creates): it may
+    /// read the node-wide metrics.
+    pub fn is_admin(&self, team: &Team) -> bool {
+        team.name == crate::ADMIN_TEAM
+    }
+
+    // ---- lifecycle ----
+
+    /// The lifecycle hook: every change of a sandbox's life goes through here (create,
+    /// end-time changes, kill and natural ends in this file; pause and resume from the
+    /// stateful-sandbox code). It logs the change at `info`, counts it, stores it for
+    /// the events API and delivers it to the team's webhooks (see [`crate::events`]).
+    /// `data` adds to the event's `eventData`.
+    pub fn lifecycle(
+        &self,
+        kind: EventKind,
+        row: &SandboxRow,
+        data: serde_json::Map<String, serde_json::Value>,
+    ) {
+        self.events.emit(kind, row, data);
+    }
+
+    /// A sandbox of `row` ended with `reason`: the `killed` event and the metrics.
+    fn ended(&self, row: &SandboxRow, reason: &str) {
+        self.telemetry.ended(&row.id, reason);
+        let mut data = serde_json::Map::new();
+        data.insert("death_reason".into(), reason.into());
+        self.lifecycle(EventKind::Killed, row, data);
+    }
+
+    /// What a metrics scrape reads now (memory and a few host files; no cgroup reads).
+    pub fn metrics_snapshot(&self) -> Snapshot {
+        let ids: Vec<String> = lock(&self.routes).keys().cloned().collect();
+        let mut snap = Snapshot {
+            pool: self.backend.pool(),
+            host: self.backend.host(),
+            ..Default::default()
+        };
+        let mut templates = HashMap::new();
+        for id in &ids {
+            if let Ok(info) = self.backend.peek(id) {
+                let state = serde_json::to_value(info.state)
+                    .ok()
+                    .and_then(|v| v.as_str().map(str::to_string))
+                    .unwrap_or_else(|| "unknown".into());
+                *snap
+                    .sandboxes
+                    .entry((state, info.template.clone()))
+                    .or_default() += 1;
+                templates.insert(id.clone(), info.template);
+            }
+        }
+        snap.usage = self
+            .metrics
+            .usage()
+            .into_iter()
+            .filter_map(|(id, cpu_ns, mem, disk)| {
+                Some(SandboxUsage {
+                    template: templates.get(&id)?.clone(),
+                    id,
+                    cpu_seconds: cpu_ns as f64 / 1e9,
+                    memory_bytes: mem,
+                    disk_bytes: disk,
+                })
+            })
+            .collect();
+        let hooks = self.webhooks.all();
+        let enabled = hooks.iter().filter(|w| w.enabled).count() as u64;
+        snap.webhooks = (enabled, hooks.len() as u64 - enabled);
+        snap
     }
 
     /// Ids of live API sandboxes with their traffic tokens.
@@ -303,6 +410,7 @@ impl ControlPlane {
     ) -> ApiResult<Sandbox> {
         let env_var_names: Vec<String> = cmd.env_vars.keys().cloned().collect();
         let volumes = self.resolve_mounts(team, &cmd.volume_mounts)?;
+        let t0 = std::time::Instant::now();
         let info = self
             .backend
             .create(CreateRequest {
@@ -351,7 +459,13 @@ impl ControlPlane {
         if let Some(hook) = self.on_created.get() {
             hook(&row.id);
         }
-        tracing::info!(sandbox = %row.id, team = %team.name, template = %row.template_id, "sandbox created");
+        self.telemetry.created(info.claimed, t0.elapsed());
+        let mut data = serde_json::Map::new();
+        data.insert(
+            "source".into(),
+            if info.claimed { "pool" } else { "cold" }.into(),
+        );
+        self.lifecycle(EventKind::Created, &row, data);
         Ok(self.sandbox_body(&row, &info))
     }
 
@@ -379,7 +493,12 @@ impl ControlPlane {
             .map(|r| r.as_str())
             .unwrap_or("lost")
             .to_string();
-        lock(&self.routes).remove(id);
+        // The first to notice records the end (kill() has done so already).
+        if lock(&self.routes).remove(id).is_some()
+            && let Ok(Some(row)) = self.store.read(|s| s.sandbox(id))
+        {
+            self.ended(&row, &reason);
+        }
         self.metrics.forget(id);
         let id2 = id.to_string();
         if let Err(e) = self
@@ -459,7 +578,7 @@ impl ControlPlane {
 
     /// `DELETE /sandboxes/{id}`.
     pub async fn kill(self: &Arc<Self>, team: &Team, id: &str) -> ApiResult<()> {
-        self.owned_live(team, id).await?;
+        let (row, _) = self.owned_live(team, id).await?;
         // Keep the last lines: the node deletes the log with the sandbox.
         self.sync_logs(id).await;
         match self.backend.kill(id).await {
@@ -468,7 +587,9 @@ impl ControlPlane {
                 // Gone for the router and the node now; the database row follows in the
                 // background (a request that reads it meanwhile still asks the node, and
                 // after a crash the startup check records the end).
-                lock(&self.routes).remove(id);
+                if lock(&self.routes).remove(id).is_some() {
+                    self.ended(&row, "killed");
+                }
                 let info = self.backend.peek(id).ok();
                 let (cp, id) = (self.clone(), id.to_string());
                 tokio::spawn(async move { cp.mark_dead(&id, info.as_ref()).await });
@@ -478,7 +599,13 @@ impl ControlPlane {
         }
     }
 
-    async fn apply_end(&self, id: &str, timeout: Duration, extend_only: bool) -> ApiResult<()> {
+    async fn apply_end(
+        &self,
+        row: &SandboxRow,
+        timeout: Duration,
+        extend_only: bool,
+    ) -> ApiResult<()> {
+        let id = row.id.as_str();
         let backend = self.backend.clone();
         let id2 = id.to_string();
         let end = tokio::task::spawn_blocking(move || -> cubicle_node::Result<Option<u64>> {
@@ -497,20 +624,23 @@ impl ControlPlane {
             self.store
                 .call(move |s| s.set_end_at(&id2, end as i64))
                 .await?;
+            let mut data = serde_json::Map::new();
+            data.insert("set_timeout".into(), format_time(end as i64).into());
+            self.lifecycle(EventKind::Updated, row, data);
         }
         Ok(())
     }
 
     /// `POST /sandboxes/{id}/timeout`.
     pub async fn set_timeout(&self, team: &Team, id: &str, cmd: SetTimeout) -> ApiResult<()> {
-        self.owned(team, id).await?;
-        self.apply_end(id, cmd.timeout, false).await
+        let (row, _) = self.owned(team, id).await?;
+        self.apply_end(&row, cmd.timeout, false).await
     }
 
     /// `POST /sandboxes/{id}/refreshes`.
     pub async fn refresh(&self, team: &Team, id: &str, cmd: Refresh) -> ApiResult<()> {
-        self.owned(team, id).await?;
-        self.apply_end(id, cmd.duration, true).await
+        let (row, _) = self.owned(team, id).await?;
+        self.apply_end(&row, cmd.duration, true).await
     }
 
     /// `POST /v2/sandboxes/{id}/connect` (and v1): running → end extended, `false`;
@@ -518,7 +648,7 @@ impl ControlPlane {
     pub async fn connect(&self, team: &Team, id: &str, cmd: Connect) -> ApiResult<(Sandbox, bool)> {
         let (row, info) = self.owned_live(team, id).await?;
         if !is_paused(info.state) && !info.busy {
-            self.apply_end(id, cmd.timeout, true).await?;
+            self.apply_end(&row, cmd.timeout, true).await?;
             return Ok((self.sandbox_body(&row, &info), false));
         }
         if info.envd_unresponsive_at_pause && cmd.memory {
@@ -531,6 +661,7 @@ impl ControlPlane {
             let end = out.info.end_at_ms as i64;
             let id2 = id.to_string();
             self.store.call(move |s| s.set_end_at(&id2, end)).await?;
+            self.lifecycle(EventKind::Resumed, &row, serde_json::Map::new());
         }
         Ok((self.sandbox_body(&row, &out.info), out.resumed))
     }
@@ -547,13 +678,16 @@ impl ControlPlane {
         let end = out.info.end_at_ms as i64;
         let id2 = id.to_string();
         self.store.call(move |s| s.set_end_at(&id2, end)).await?;
+        if out.resumed {
+            self.lifecycle(EventKind::Resumed, &row, serde_json::Map::new());
+        }
         Ok(self.sandbox_body(&row, &out.info))
     }
 
     /// `POST /sandboxes/{id}/pause`: how long the sandbox was stopped and the size of
     /// its checkpoint.
     pub async fn pause(&self, team: &Team, id: &str, cmd: Pause) -> ApiResult<(Duration, u64)> {
-        let (_, info) = self.owned_live(team, id).await?;
+        let (row, info) = self.owned_live(team, id).await?;
         if is_paused(info.state) {
             return Err(ApiError::Conflict(format!(
                 "Error pausing sandbox - sandbox '{id}' is already paused"
@@ -565,7 +699,10 @@ impl ControlPlane {
         };
         self.sync_logs(id).await;
         match self.backend.pause(id, req).await {
-            Ok(r) => Ok((r.frozen, r.bytes)),
+            Ok(r) => {
+                self.lifecycle(EventKind::Paused, &row, serde_json::Map::new());
+                Ok((r.frozen, r.bytes))
+            }
             Err(cubicle_node::Error::Envd(m)) => Err(ApiError::Unavailable(m)),
             Err(cubicle_node::Error::Conflict(m)) => {
                 Err(ApiError::Conflict(format!("Error pausing sandbox - {m}")))
@@ -733,7 +870,10 @@ impl ControlPlane {
         if let Some(hook) = self.on_created.get() {
             hook(&row.id);
         }
-        tracing::info!(sandbox = %row.id, parent = %parent.id, "sandbox forked");
+        let mut data = serde_json::Map::new();
+        data.insert("source".into(), "fork".into());
+        data.insert("parent".into(), parent.id.clone().into());
+        self.lifecycle(EventKind::Created, &row, data);
         Ok(self.sandbox_body(&row, info))
     }
 
@@ -1004,12 +1144,7 @@ impl ControlPlane {
                         self.sync_logs(&id).await;
                     }
                 }
-                other => {
-                    if let Ok(i) = &other {
-                        tracing::info!(sandbox = %id, reason = ?i.death_reason, "sandbox ended");
-                    }
-                    self.mark_dead(&id, other.as_ref().ok()).await
-                }
+                other => self.mark_dead(&id, other.as_ref().ok()).await,
             }
         }
         if purge {
@@ -1023,6 +1158,7 @@ impl ControlPlane {
                 }
                 Err(e) => tracing::warn!("purging old sandbox records: {e}"),
             }
+            self.events.purge().await;
         }
     }
 

@@ -66,7 +66,7 @@ pub struct VolumeMountRequest {
 }
 
 /// `volumeMounts` items of a sandbox detail or list item.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, utoipa::ToSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct VolumeMountBody {
     /// Volume name.

@@ -93,10 +93,7 @@ fn cpu_seconds(stat: &str) -> Vec<(&'static str, f64)> {
 fn disk_space(path: &Path) -> Option<(u64, u64)> {
     let v = nix::sys::statvfs::statvfs(path).ok()?;
     let frag = v.fragment_size() as u64;
-    Some((
-        v.blocks() as u64 * frag,
-        v.blocks_available() as u64 * frag,
-    ))
+    Some((v.blocks() as u64 * frag, v.blocks_available() as u64 * frag))
 }
 
 #[cfg(test)]
@@ -119,7 +116,10 @@ mod tests {
     #[test]
     fn reads_this_host() {
         let s = stats(Path::new("/"));
-        assert!(s.cpus >= 1 && s.memory_total > 0 && s.disk_total > 0, "{s:?}");
+        assert!(
+            s.cpus >= 1 && s.memory_total > 0 && s.disk_total > 0,
+            "{s:?}"
+        );
         assert!(s.memory_available <= s.memory_total);
         assert!(s.cpu_seconds.iter().any(|(m, v)| *m == "idle" && *v > 0.0));
     }

@@ -94,6 +94,15 @@ impl DataPlane {
         routing::wants(req, self.inner.domain.as_deref())
     }
 
+    /// The sandbox and port `req` names (routing headers or host), for observers such as
+    /// the access log and metrics; `None` for presigned `/files` URLs and bad requests.
+    pub fn target_of<B>(&self, req: &axum::http::Request<B>) -> Option<(String, u16)> {
+        match routing::route(req, self.inner.domain.as_deref()) {
+            Ok(Route::Port { id, port }) => Some((id, port)),
+            _ => None,
+        }
+    }
+
     /// Forwards `req` to its sandbox port; every failure is answered in E2B's shapes.
     pub async fn handle(&self, req: Request) -> Response {
         match self.forward(req).await {

@@ -141,12 +141,13 @@ mod tests {
                 .map(|e| e.at)
                 .collect::<Vec<_>>()
         };
-        assert_eq!(q(&|_| {}), vec![50, 30, 20, 10], "newest first, team a only");
-        assert_eq!(q(&|q| q.ascending = true), vec![10, 20, 30, 50]);
         assert_eq!(
-            q(&|q| q.sandbox_id = Some("s1".into())),
-            vec![50, 20, 10]
+            q(&|_| {}),
+            vec![50, 30, 20, 10],
+            "newest first, team a only"
         );
+        assert_eq!(q(&|q| q.ascending = true), vec![10, 20, 30, 50]);
+        assert_eq!(q(&|q| q.sandbox_id = Some("s1".into())), vec![50, 20, 10]);
         assert_eq!(
             q(&|q| q.kinds = vec!["sandbox.lifecycle.created".into()]),
             vec![30, 10]

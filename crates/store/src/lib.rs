@@ -35,9 +35,9 @@ mod webhooks;
 use std::path::Path;
 use std::sync::{Arc, Mutex, MutexGuard};
 
+pub use events::{EventQuery, EventRow};
 pub use idempotency::{IDEMPOTENCY_TTL_MS, IdempotencyClaim};
 pub use keys::{ApiKey, ApiKeyInfo, FoundKey, KEY_PREFIX, Team, hash_key, is_well_formed_key};
-pub use events::{EventQuery, EventRow};
 pub use sandboxes::{SandboxRow, SandboxRowState};
 pub use secrets::SecretRow;
 pub use volumes::VolumeRow;
