@@ -12,19 +12,33 @@
 mod apikey_cmd;
 mod bench;
 mod client;
+mod config;
 mod run;
 mod sandbox_cmd;
+mod sd_notify;
 mod serve;
+mod service_cmd;
 mod template_cmd;
 
 use std::path::PathBuf;
 
-use clap::{Parser, Subcommand};
+use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
 
 /// Cubicle: E2B-compatible sandboxes on your own machine.
 #[derive(Parser)]
 #[command(name = "cubicle", version, about)]
 struct Cli {
+    /// Config file (TOML; flags and environment override it). Default:
+    /// /etc/cubicle/config.toml when it exists.
+    #[arg(long, global = true, env = "CUBICLE_CONFIG", value_name = "PATH")]
+    config: Option<PathBuf>,
+    /// Log lines as `text` (for people) or `json` (one object per line, for collectors).
+    #[arg(long, global = true, env = "CUBICLE_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
+    log_format: LogFormat,
+    /// What to log (`info`, `warn`, `cubicle::access=warn,info`, …; tracing's filter
+    /// syntax). Default: `info` for `serve`, `warn` otherwise.
+    #[arg(long, global = true, env = "CUBICLE_LOG", value_name = "FILTER")]
+    log_level: Option<String>,
     /// State directory (templates, sandboxes).
     #[arg(long, global = true, env = "CUBICLE_STATE_DIR", default_value = cubicle_node::config::DEFAULT_STATE_DIR)]
     state_dir: PathBuf,
@@ -72,10 +86,16 @@ enum Command {
     },
     /// Run the E2B-compatible server: REST API and data plane on one listener.
     Serve(serve::ServeArgs),
-    /// Create, list and revoke API keys (in the state directory's database).
+    /// Print the admin API key (no subcommand); create, list and revoke keys (in the
+    /// state directory's database).
     Apikey {
         #[command(subcommand)]
-        command: apikey_cmd::ApikeyCommand,
+        command: Option<apikey_cmd::ApikeyCommand>,
+    },
+    /// Install `cubicle serve` as a systemd service (sandboxes survive its restarts).
+    Service {
+        #[command(subcommand)]
+        command: service_cmd::ServiceCommand,
     },
     /// Measure create/cycle/exec latency, density and peers (runc, bwrap) against a
     /// server it starts (or `--url`).
@@ -85,19 +105,64 @@ enum Command {
     RunGuard,
 }
 
+/// How log lines are written.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LogFormat {
+    /// `2026-01-01T00:00:00.000Z  INFO target: message key=value` (for people).
+    Text,
+    /// One JSON object per line: `timestamp`, `level`, `target`, `message` and the
+    /// event's fields (for journald/Loki/Elasticsearch).
+    Json,
+}
+
+/// Parses the command line merged with the config file (`config.rs`).
+fn parse_cli() -> Cli {
+    let argv: Vec<std::ffi::OsString> = std::env::args_os().collect();
+    let argv = match config::merge(Cli::command(), argv) {
+        Ok(a) => a,
+        Err(e) => {
+            eprintln!("cubicle: {e:#}");
+            std::process::exit(2);
+        }
+    };
+    let matches = Cli::command().get_matches_from(argv);
+    Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit())
+}
+
+fn init_logging(cli: &Cli) {
+    let default = if matches!(cli.command, Command::Serve(_)) {
+        "info"
+    } else {
+        "warn"
+    };
+    let filter = match &cli.log_level {
+        Some(f) => tracing_subscriber::EnvFilter::try_new(f).unwrap_or_else(|e| {
+            eprintln!("cubicle: --log-level/CUBICLE_LOG {f:?}: {e}; using {default}");
+            tracing_subscriber::EnvFilter::new(default)
+        }),
+        None => tracing_subscriber::EnvFilter::new(default),
+    };
+    let fmt = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    match cli.log_format {
+        LogFormat::Text => fmt.init(),
+        LogFormat::Json => fmt
+            .json()
+            .flatten_event(true)
+            .with_current_span(false)
+            .with_span_list(false)
+            .init(),
+    }
+}
+
 fn main() {
     // The runtime (sandbox helper) and the checkpoint crate (restore helper) re-execute
     // this binary: this must run before anything else (no threads, no tokio yet).
     cubicle_checkpoint::maybe_run_helper();
 
-    let cli = Cli::parse();
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_env("CUBICLE_LOG")
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
-        )
-        .with_writer(std::io::stderr)
-        .init();
+    let cli = parse_cli();
+    init_logging(&cli);
     let rt = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -140,7 +205,8 @@ async fn dispatch(cli: Cli) -> anyhow::Result<i32> {
         Command::Sandbox(args) => client::run(args, &cli.state_dir).await,
         Command::Volume(args) => client::run_volume(args, &cli.state_dir).await,
         Command::Local { command } => sandbox_cmd::run(&opts, command).await,
-        Command::Serve(args) => serve::run(opts, args).await,
+        Command::Serve(args) => serve::run(opts, args, cli.log_format).await,
+        Command::Service { command } => service_cmd::run(&cli.state_dir, command),
         Command::Bench(args) => bench::run(args, cli.envd_binary.as_ref()).await,
         Command::Apikey { command } => {
             let dir = cli.state_dir.clone();

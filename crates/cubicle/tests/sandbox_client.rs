@@ -440,7 +440,14 @@ impl Serve {
                 "ip link set lo up && exec \"$0\" \"$@\"",
             ])
             .arg(BIN)
-            .args(["serve", "--listen", "127.0.0.1:0", "--no-build-templates"])
+            .args([
+                "serve",
+                "--listen",
+                "127.0.0.1:0",
+                "--no-build-templates",
+                "--pool",
+                "",
+            ])
             .env("CUBICLE_STATE_DIR", &state)
             .env("CUBICLE_FIRST_SLOT", SERVE_FIRST_SLOT.to_string())
             .env("CUBICLE_MAX_SANDBOXES", "16")
@@ -480,6 +487,13 @@ impl Serve {
                     panic!("cubicle serve did not report ready: {:?}", child.wait());
                 }
             }
+        }
+        if key.is_empty() {
+            // The server prints the admin key only when it creates it.
+            key = std::fs::read_to_string(state.join("admin-api-key"))
+                .expect("the admin key file")
+                .trim()
+                .to_string();
         }
         assert!(
             api.starts_with("http://127.0.0.1:") && !key.is_empty(),

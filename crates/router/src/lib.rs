@@ -74,7 +74,7 @@ mod tunnel;
 pub use dataplane::DataPlane;
 pub use error::RouterError;
 pub use routing::ENVD_PORT;
-pub use server::ServerLimits;
+pub use server::{ClientAddr, ServerLimits};
 
 use std::time::Duration;
 

@@ -154,6 +154,11 @@ pub async fn observe(State(t): State<Arc<Telemetry>>, mut req: Request, next: Ne
         req.headers_mut().insert(REQUEST_ID.clone(), v.clone());
     }
     req.extensions_mut().insert(RequestId(id.clone()));
+    let client = req
+        .extensions()
+        .get::<cubicle_router::ClientAddr>()
+        .map(|c| c.0.to_string())
+        .unwrap_or_default();
     let method = req.method().clone();
     let path = req.uri().path().to_string();
     let mut resp = next.run(req).await;
@@ -185,6 +190,7 @@ pub async fn observe(State(t): State<Arc<Telemetry>>, mut req: Request, next: Ne
         status,
         duration_ms = (elapsed.as_secs_f64() * 1000.0 * 1000.0).round() / 1000.0,
         sandbox,
+        client = %client,
         "{method} {path} {status}"
     );
     resp

@@ -49,9 +49,9 @@ impl Server {
         if let Some(n) = interp_pool {
             spec.push(format!("{}={n}", super::interp::TEMPLATE));
         }
-        if !spec.is_empty() {
-            cmd.arg("--pool").arg(spec.join(","));
-        }
+        // Always explicit: an empty spec is no pool at all (serve's default would size
+        // one from host memory).
+        cmd.arg("--pool").arg(spec.join(","));
         cmd.stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
@@ -78,7 +78,11 @@ impl Server {
         // Keep draining stdout so the server never blocks on a full pipe.
         tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
         let url = url.ok_or_else(|| anyhow!("no E2B_API_URL line"))?;
-        let key = key.ok_or_else(|| anyhow!("no E2B_API_KEY line"))?;
+        // The server prints the key only when it creates it.
+        let key = match key {
+            Some(k) => k,
+            None => crate::serve::read_admin_key(state_dir)?,
+        };
         Ok((Server { child }, url, key))
     }
 

@@ -213,6 +213,7 @@ pub async fn start_router_with_limits(
         listener,
         app,
         limits,
+        None,
         std::future::pending(),
     ));
     addr

@@ -4,7 +4,10 @@
 //! - **v2** (production): `/sys/fs/cgroup` is cgroup2; the sandbox cgroup is
 //!   `/sys/fs/cgroup/cubicle/<id>` with memory, cpu and pids enabled in `cubicle/`.
 //! - **v1** (this development machine, "hybrid"): one directory per controller,
-//!   `<memory mount>/cubicle/<id>`, same for cpu, cpuacct, pids and freezer.
+//!   `<memory mount>/cubicle/<id>`, same for cpu, cpuacct, pids and freezer — and in
+//!   the hierarchies without controllers that systemd tracks services by
+//!   (`name=systemd`, the unified mount), so that a sandbox is outside the cgroup of
+//!   the service that started it everywhere (on v2 it is by construction).
 //!
 //! The sandbox helper joins the cgroup *before* it clones the sandbox's init, so the init
 //! and everything it starts are born in it (and the cgroup namespace is rooted there).
@@ -90,8 +93,14 @@ fn parse_layout(mountinfo: &str) -> Result<Layout> {
             "cgroup2" if m.mount_point == Path::new("/sys/fs/cgroup") => {
                 return Ok(Layout::V2(m.mount_point));
             }
+            // The unified hierarchy of a hybrid host (no controllers: tracking only).
+            "cgroup2" => v1.track(&m.mount_point),
             "cgroup" => {
-                for opt in m.super_options.split(',') {
+                let opts = m.super_options.split(',');
+                if opts.clone().any(|o| o == "name=systemd") {
+                    v1.track(&m.mount_point);
+                }
+                for opt in opts {
                     v1.set(opt, &m.mount_point);
                 }
             }
@@ -172,7 +181,7 @@ impl Cgroup {
     pub fn dirs(&self) -> Vec<PathBuf> {
         match &self.layout {
             Layout::V1(m) => m
-                .all()
+                .joined()
                 .iter()
                 .map(|p| p.join(PARENT).join(&self.id))
                 .collect(),
@@ -372,7 +381,7 @@ impl Cgroup {
 /// Ids of every existing `cubicle/<id>` cgroup (in any hierarchy), for reconciliation.
 pub fn list() -> Result<Vec<String>> {
     let parents: Vec<PathBuf> = match Layout::detect()? {
-        Layout::V1(m) => m.all().iter().map(|p| p.join(PARENT)).collect(),
+        Layout::V1(m) => m.joined().iter().map(|p| p.join(PARENT)).collect(),
         Layout::V2(root) => vec![root.join(PARENT)],
     };
     let mut ids = Vec::new();
@@ -470,6 +479,15 @@ mod tests {
         assert_eq!(m.memory, Path::new("/sys/fs/cgroup/memory"));
         // co-mounted cpu,cpuacct appears once
         assert_eq!(m.all().len(), 4);
+        // systemd's hierarchies are joined too (tracking only, never mounted inside)
+        assert_eq!(
+            m.tracking,
+            [
+                PathBuf::from("/sys/fs/cgroup/unified"),
+                PathBuf::from("/sys/fs/cgroup/systemd")
+            ]
+        );
+        assert_eq!(m.joined().len(), 6);
         assert_eq!(
             m.hierarchies(),
             ["memory", "cpu,cpuacct", "pids", "freezer"]
