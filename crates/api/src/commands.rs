@@ -28,8 +28,12 @@ pub struct Limits {
     pub max_timeout: Duration,
 }
 
+/// Parses a JSON body; an empty body (or `null`) is `empty_is` when the body is
+/// optional, else an error.
 fn json<T: DeserializeOwned>(body: &[u8], empty_is: Option<&str>) -> ApiResult<T> {
-    let body: &[u8] = if body.iter().all(u8::is_ascii_whitespace) {
+    let empty = body.iter().all(u8::is_ascii_whitespace)
+        || (empty_is.is_some() && body.trim_ascii() == b"null");
+    let body: &[u8] = if empty {
         match empty_is {
             Some(default) => default.as_bytes(),
             None => {
@@ -43,6 +47,26 @@ fn json<T: DeserializeOwned>(body: &[u8], empty_is: Option<&str>) -> ApiResult<T
     };
     serde_json::from_slice(body)
         .map_err(|e| ApiError::BadRequest(format!("invalid request body: {e}")))
+}
+
+/// A JSON integer, also written as a float with no fraction (`2.0` is an integer to
+/// JSON Schema, and so to the OpenAPI description): for `#[serde(deserialize_with)]`.
+fn int_like<'de, D: serde::Deserializer<'de>>(d: D) -> Result<i64, D::Error> {
+    let n = serde_json::Number::deserialize(d)?;
+    if let Some(i) = n.as_i64() {
+        return Ok(i);
+    }
+    match n.as_f64() {
+        Some(f) if f.fract() == 0.0 && f >= i64::MIN as f64 && f < i64::MAX as f64 => Ok(f as i64),
+        _ => Err(serde::de::Error::custom(format!("expected an integer, got {n}"))),
+    }
+}
+
+/// [`int_like`] for optional fields (absent or `null` → `None`).
+fn opt_int_like<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<i64>, D::Error> {
+    #[derive(Deserialize)]
+    struct Wrap(#[serde(deserialize_with = "int_like")] i64);
+    Ok(Option::<Wrap>::deserialize(d)?.map(|w| w.0))
 }
 
 fn timeout_secs(field: &str, secs: i64, limits: &Limits, allow_zero: bool) -> ApiResult<Duration> {
@@ -75,7 +99,7 @@ fn timeout_secs(field: &str, secs: i64, limits: &Limits, allow_zero: bool) -> Ap
 pub struct AutoResumeBody {
     /// Resume a paused sandbox on its next request.
     #[serde(default)]
-    enabled: bool,
+    enabled: Option<bool>,
 }
 
 /// `network` of a create.
@@ -257,6 +281,7 @@ pub struct NewSandboxBody {
     template_id: String,
     /// Lifetime in seconds (default 300; the legacy route: 15).
     #[schema(minimum = 1, maximum = 86400)]
+    #[serde(default, deserialize_with = "opt_int_like")]
     timeout: Option<i64>,
     /// Pause instead of kill at the end.
     auto_pause: Option<bool>,
@@ -377,7 +402,7 @@ impl CreateSandbox {
                 "autoPauseMemory=false requires autoPause=true".into(),
             ));
         }
-        let auto_resume = b.auto_resume.as_ref().is_some_and(|a| a.enabled);
+        let auto_resume = b.auto_resume.as_ref().is_some_and(|a| a.enabled == Some(true));
         if b.auto_pause_memory == Some(false) && auto_resume {
             return Err(ApiError::BadRequest(
                 "autoResume cannot be enabled with autoPauseMemory=false (a filesystem-only pause is never resumed automatically)".into(),
@@ -462,6 +487,7 @@ impl UpdateNetwork {
 pub struct TimeoutBody {
     /// Seconds from now (0 ends the sandbox now).
     #[schema(minimum = 0, maximum = 86400)]
+    #[serde(deserialize_with = "int_like")]
     timeout: i64,
 }
 
@@ -487,6 +513,7 @@ impl SetTimeout {
 pub struct ConnectBody {
     /// Seconds from now the sandbox lives at least (default 300).
     #[schema(minimum = 0, maximum = 86400)]
+    #[serde(default, deserialize_with = "opt_int_like")]
     timeout: Option<i64>,
     /// `false`: a paused sandbox boots from its disk (its memory is dropped).
     memory: Option<bool>,
@@ -497,6 +524,7 @@ pub struct ConnectBody {
 pub struct ConnectBodyV1 {
     /// Seconds from now the sandbox lives at least.
     #[schema(minimum = 0, maximum = 86400)]
+    #[serde(deserialize_with = "int_like")]
     timeout: i64,
     /// `false`: a paused sandbox boots from its disk (its memory is dropped).
     memory: Option<bool>,
@@ -777,6 +805,7 @@ impl Rollback {
 pub struct RefreshBody {
     /// Seconds from now the sandbox lives at least (default 300).
     #[schema(minimum = 0, maximum = 3600)]
+    #[serde(default, deserialize_with = "opt_int_like")]
     duration: Option<i64>,
 }
 
@@ -1033,6 +1062,7 @@ mod tests {
             (br#"{"templateID":"base","timeout":86401}"#, "cannot be greater than 24 hours"),
             (br#"{"templateID":"base","timeout":"10"}"#, "invalid request body"),
             (br#"{"templateID":"base","timeout":1e99}"#, "invalid request body"),
+            (br#"{"templateID":"base","timeout":2.5}"#, "invalid request body"),
             (br#"{"templateID":5}"#, "invalid request body"),
             (br#"{}"#, "templateID"),
             (br#"[]"#, "invalid request body"),

@@ -53,6 +53,14 @@ pub fn base() -> OpenApi {
         "BearerAuth",
         SecurityScheme::Http(HttpBuilder::new().scheme(HttpAuthScheme::Bearer).build()),
     );
+    // The error answer every operation refers to (utoipa-axum collects schemas of the
+    // routes' bodies, not reusable responses).
+    let (name, response) = <crate::error::ErrorBody as utoipa::ToResponse>::response();
+    components.responses.insert(name.to_string(), response);
+    components.schemas.insert(
+        "ErrorBody".to_string(),
+        <crate::error::ErrorBody as utoipa::PartialSchema>::schema(),
+    );
     api.security = Some(vec![utoipa::openapi::security::SecurityRequirement::new(
         "ApiKeyAuth",
         Vec::<String>::new(),
@@ -69,9 +77,27 @@ fn tag(name: &str, description: &str) -> Tag {
 /// Request bodies whose `timeout` is capped by the server's `--max-timeout`.
 const TIMEOUT_BODIES: &[&str] = &["NewSandbox", "TimeoutBody", "ConnectBody", "ConnectBodyV1"];
 
-/// The description as served: `api` with this server's limits.
+/// The description as served: `api` with this server's limits, and
+/// `allowEmptyValue` on every optional query parameter (the server reads `?name=` as
+/// if `name` were absent: `crate::query::Query::get`).
 pub fn finish(api: OpenApi, limits: &Limits) -> serde_json::Value {
     let mut v = serde_json::to_value(&api).unwrap_or_default();
+    if let Some(paths) = v.get_mut("paths").and_then(|p| p.as_object_mut()) {
+        for op in paths.values_mut().filter_map(|p| p.as_object_mut()) {
+            for params in op
+                .values_mut()
+                .filter_map(|o| o.get_mut("parameters"))
+                .filter_map(|p| p.as_array_mut())
+            {
+                for p in params.iter_mut().filter_map(|p| p.as_object_mut()) {
+                    let optional = p.get("required") != Some(&serde_json::Value::Bool(true));
+                    if optional && p.get("in").and_then(|i| i.as_str()) == Some("query") {
+                        p.insert("allowEmptyValue".into(), true.into());
+                    }
+                }
+            }
+        }
+    }
     let max = limits.max_timeout.as_secs();
     if let Some(schemas) = v
         .pointer_mut("/components/schemas")
@@ -168,6 +194,17 @@ pub fn deny_out() -> Schema {
                     .enum_values(Some(["0.0.0.0/0"])),
             )
             .description(Some("Only 0.0.0.0/0 (no internet) is supported yet"))
+            .build(),
+    )
+}
+
+/// An object that must be empty (or `null`): a feature Cubicle does not have yet.
+pub fn empty_object() -> Schema {
+    Schema::Object(
+        ObjectBuilder::new()
+            .schema_type(SchemaType::from_iter([Type::Object, Type::Null]))
+            .max_properties(Some(0))
+            .description(Some("not supported by Cubicle yet: anything but {} or null is refused (400)"))
             .build(),
     )
 }

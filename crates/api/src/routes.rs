@@ -219,7 +219,15 @@ async fn create(
 #[utoipa::path(post, path = "/v2/sandboxes", tag = "sandboxes",
     params(("Idempotency-Key" = Option<String>, Header, description = "Same key and body within 24 h: the same sandbox; another body: 409", pattern = "^[A-Za-z0-9._:-]{1,255}$")),
     request_body = NewSandbox,
-    responses((status = 201, body = Sandbox), (status = 400, response = ErrorBody), (status = 401, response = ErrorBody),
+    responses((status = 201, body = Sandbox, links(
+            ("GetSandbox" = (operation_id = "detail", parameters(("id" = "$response.body#/sandboxID")))),
+            ("SetTimeout" = (operation_id = "set_timeout", parameters(("id" = "$response.body#/sandboxID")))),
+            ("Refresh" = (operation_id = "refresh", parameters(("id" = "$response.body#/sandboxID")))),
+            ("Metrics" = (operation_id = "metrics", parameters(("id" = "$response.body#/sandboxID")))),
+            ("Connect" = (operation_id = "connect_v2", parameters(("id" = "$response.body#/sandboxID")))),
+            ("Logs" = (operation_id = "logs_v2", parameters(("id" = "$response.body#/sandboxID")))),
+            ("Events" = (operation_id = "events_sandbox", parameters(("id" = "$response.body#/sandboxID")))),
+            ("Kill" = (operation_id = "kill", parameters(("id" = "$response.body#/sandboxID")))))), (status = 400, response = ErrorBody), (status = 401, response = ErrorBody),
         (status = 404, response = ErrorBody), (status = 409, response = ErrorBody), (status = 413, response = ErrorBody),
         (status = 503, response = ErrorBody)))]
 async fn create_v2(
@@ -235,7 +243,15 @@ async fn create_v2(
 #[utoipa::path(post, path = "/sandboxes", tag = "sandboxes",
     params(("Idempotency-Key" = Option<String>, Header, description = "Same key and body within 24 h: the same sandbox; another body: 409", pattern = "^[A-Za-z0-9._:-]{1,255}$")),
     request_body = NewSandbox,
-    responses((status = 201, body = Sandbox), (status = 400, response = ErrorBody), (status = 401, response = ErrorBody),
+    responses((status = 201, body = Sandbox, links(
+            ("GetSandbox" = (operation_id = "detail", parameters(("id" = "$response.body#/sandboxID")))),
+            ("SetTimeout" = (operation_id = "set_timeout", parameters(("id" = "$response.body#/sandboxID")))),
+            ("Refresh" = (operation_id = "refresh", parameters(("id" = "$response.body#/sandboxID")))),
+            ("Metrics" = (operation_id = "metrics", parameters(("id" = "$response.body#/sandboxID")))),
+            ("Connect" = (operation_id = "connect_v2", parameters(("id" = "$response.body#/sandboxID")))),
+            ("Logs" = (operation_id = "logs_v2", parameters(("id" = "$response.body#/sandboxID")))),
+            ("Events" = (operation_id = "events_sandbox", parameters(("id" = "$response.body#/sandboxID")))),
+            ("Kill" = (operation_id = "kill", parameters(("id" = "$response.body#/sandboxID")))))), (status = 400, response = ErrorBody), (status = 401, response = ErrorBody),
         (status = 404, response = ErrorBody), (status = 409, response = ErrorBody), (status = 413, response = ErrorBody),
         (status = 503, response = ErrorBody)))]
 async fn create_v1(
@@ -250,7 +266,7 @@ async fn create_v1(
 /// The team's sandboxes, one page (`X-Next-Token` names the next).
 #[utoipa::path(get, path = "/v2/sandboxes", tag = "sandboxes",
     params(
-        ("state" = Option<String>, Query, description = "Comma-separated states: running, paused", pattern = "^(running|paused)(,(running|paused))*$"),
+        ("state" = Option<String>, Query, description = "Comma-separated states: running, paused", pattern = "^\\s*(running|paused)?\\s*(,\\s*(running|paused)?\\s*)*$"),
         ("metadata" = Option<String>, Query, description = "URL-encoded key=value pairs joined by & (each key and value URL-encoded again)", pattern = "^(?:[^&=%]*=[^&%]*|&)*$"),
         ("template" = Option<String>, Query, description = "Template id or alias"),
         ("startedAfter" = Option<String>, Query, format = DateTime, description = "RFC 3339 time"),
@@ -766,7 +782,10 @@ async fn events_sandbox(
 /// its URL, signed with its secret.
 #[utoipa::path(post, path = "/events/webhooks", tag = "events",
     request_body = WebhookCreate,
-    responses((status = 201, body = Webhook), (status = 400, response = ErrorBody), (status = 401, response = ErrorBody),
+    responses((status = 201, body = Webhook, links(
+            ("GetWebhook" = (operation_id = "webhook_get", parameters(("webhookID" = "$response.body#/id")))),
+            ("UpdateWebhook" = (operation_id = "webhook_update", parameters(("webhookID" = "$response.body#/id")))),
+            ("DeleteWebhook" = (operation_id = "webhook_delete", parameters(("webhookID" = "$response.body#/id")))))), (status = 400, response = ErrorBody), (status = 401, response = ErrorBody),
         (status = 409, response = ErrorBody), (status = 413, response = ErrorBody)))]
 async fn webhook_create(
     State(cp): Cp,

@@ -16,7 +16,7 @@ pub const ADMIN_KEY_FILE: &str = "admin-api-key";
 /// router, as an E2B SDK would use them.
 #[derive(Args, Debug)]
 pub struct SandboxArgs {
-    /// REST API of `cubicle serve` (plain http only).
+    /// REST API of `cubicle serve` (http:// or https://).
     #[arg(long, global = true, env = "E2B_API_URL", value_name = "URL")]
     pub api_url: Option<String>,
     /// API key (default: `<state-dir>/admin-api-key`, written by `cubicle serve`).
