@@ -58,7 +58,9 @@ fn int_like<'de, D: serde::Deserializer<'de>>(d: D) -> Result<i64, D::Error> {
     }
     match n.as_f64() {
         Some(f) if f.fract() == 0.0 && f >= i64::MIN as f64 && f < i64::MAX as f64 => Ok(f as i64),
-        _ => Err(serde::de::Error::custom(format!("expected an integer, got {n}"))),
+        _ => Err(serde::de::Error::custom(format!(
+            "expected an integer, got {n}"
+        ))),
     }
 }
 

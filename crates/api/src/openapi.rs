@@ -204,7 +204,9 @@ pub fn empty_object() -> Schema {
         ObjectBuilder::new()
             .schema_type(SchemaType::from_iter([Type::Object, Type::Null]))
             .max_properties(Some(0))
-            .description(Some("not supported by Cubicle yet: anything but {} or null is refused (400)"))
+            .description(Some(
+                "not supported by Cubicle yet: anything but {} or null is refused (400)",
+            ))
             .build(),
     )
 }

@@ -69,7 +69,11 @@ pub struct WebhookCreate {
     #[schema(min_length = 1, max_length = 256)]
     pub name: String,
     /// Where events are POSTed (`http://` or `https://`).
-    #[schema(min_length = 8, max_length = 2048, pattern = r"^https?://[A-Za-z0-9.\-]+(:[0-9]{1,5})?(/[A-Za-z0-9._~!$&'()*+,;=:@%/?\-]*)?$")]
+    #[schema(
+        min_length = 8,
+        max_length = 2048,
+        pattern = r"^https?://[A-Za-z0-9.\-]+(:[0-9]{1,5})?(/[A-Za-z0-9._~!$&'()*+,;=:@%/?\-]*)?$"
+    )]
     pub url: String,
     /// Whether events are delivered (default true).
     #[serde(default = "yes")]
@@ -95,7 +99,11 @@ pub struct WebhookUpdate {
     #[schema(min_length = 1, max_length = 256)]
     pub name: Option<String>,
     /// Where events are POSTed.
-    #[schema(min_length = 8, max_length = 2048, pattern = r"^https?://[A-Za-z0-9.\-]+(:[0-9]{1,5})?(/[A-Za-z0-9._~!$&'()*+,;=:@%/?\-]*)?$")]
+    #[schema(
+        min_length = 8,
+        max_length = 2048,
+        pattern = r"^https?://[A-Za-z0-9.\-]+(:[0-9]{1,5})?(/[A-Za-z0-9._~!$&'()*+,;=:@%/?\-]*)?$"
+    )]
     pub url: Option<String>,
     /// Whether events are delivered.
     pub enabled: Option<bool>,
@@ -208,7 +216,9 @@ fn check_url(url: &str) -> ApiResult<()> {
         .bytes()
         .all(|c| c.is_ascii_alphanumeric() || b"._~!$&'()*+,;=:@%/?-".contains(&c))
     {
-        return Err(bad("has characters a URL path cannot have (spaces, <, >, #, non-ASCII, …)"));
+        return Err(bad(
+            "has characters a URL path cannot have (spaces, <, >, #, non-ASCII, …)",
+        ));
     }
     url.parse::<hyper::Uri>()
         .map_err(|e| bad(&format!("is not a URL: {e}")))?;
