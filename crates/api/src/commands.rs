@@ -26,6 +26,45 @@ pub struct Limits {
     pub default_timeout: Duration,
     /// Longest timeout a request may ask for.
     pub max_timeout: Duration,
+    /// Most vCPUs a create may ask for (`cpuCount`): the node's CPUs.
+    pub max_cpus: u32,
+    /// Most memory a create may ask for (`memoryMB`): the node's memory.
+    pub max_memory_mb: u64,
+    /// Largest writable layer a create may ask for (`diskSizeMB`): the node's sandbox
+    /// filesystem.
+    pub max_disk_mb: u64,
+}
+
+/// Least memory a create may ask for (E2B's smallest sandbox).
+pub const MIN_MEMORY_MB: u64 = 128;
+/// Smallest writable layer a create may ask for.
+pub const MIN_DISK_MB: u64 = 64;
+
+impl Limits {
+    /// Timeouts as E2B's (300 s default, 24 h at most) and resources up to this host's
+    /// CPUs and memory (disk: up to 1 TiB; `cubicle serve` sets the real size).
+    pub fn for_host() -> Limits {
+        Limits {
+            default_timeout: Duration::from_secs(300),
+            max_timeout: Duration::from_secs(24 * 3600),
+            max_cpus: std::thread::available_parallelism()
+                .map(|n| n.get() as u32)
+                .unwrap_or(1),
+            max_memory_mb: (cubicle_node::host::memory_total() >> 20).max(MIN_MEMORY_MB),
+            max_disk_mb: 1 << 20,
+        }
+    }
+}
+
+/// A resource a create asks for, checked against `min..=max`.
+fn resource(field: &str, v: Option<i64>, min: u64, max: u64, unit: &str) -> ApiResult<Option<u64>> {
+    match v {
+        None => Ok(None),
+        Some(n) if n >= min as i64 && n as u64 <= max => Ok(Some(n as u64)),
+        Some(n) => Err(ApiError::BadRequest(format!(
+            "{field} must be between {min} and {max}{unit} on this node, got {n}"
+        ))),
+    }
 }
 
 /// Parses a JSON body; an empty body (or `null`) is `empty_is` when the body is
@@ -315,6 +354,18 @@ pub struct NewSandboxBody {
     /// Volumes to mount (`name`, `path`).
     #[schema(value_type = Option<Vec<Object>>)]
     volume_mounts: Option<Vec<crate::volumes::VolumeMountRequest>>,
+    /// Cubicle: vCPUs (CPU share) instead of the template's, up to the node's CPUs.
+    #[schema(minimum = 1)]
+    #[serde(default, deserialize_with = "opt_int_like")]
+    cpu_count: Option<i64>,
+    /// Cubicle: memory limit in MiB instead of the template's, up to the node's memory.
+    #[serde(rename = "memoryMB", default, deserialize_with = "opt_int_like")]
+    #[schema(minimum = 128)]
+    memory_mb: Option<i64>,
+    /// Cubicle: writable-layer quota in MiB instead of the template's.
+    #[serde(rename = "diskSizeMB", default, deserialize_with = "opt_int_like")]
+    #[schema(minimum = 64)]
+    disk_size_mb: Option<i64>,
 }
 
 /// A `templateID` that is not a valid template reference (it may still name a snapshot).
@@ -364,6 +415,12 @@ pub struct CreateSandbox {
     pub lifecycle: cubicle_node::Lifecycle,
     /// Volumes to mount, by name (resolved for the caller's team by the service).
     pub volume_mounts: Vec<crate::volumes::VolumeMountRequest>,
+    /// vCPUs, when not the template's.
+    pub cpus: Option<u32>,
+    /// Memory limit in MiB, when not the template's.
+    pub memory_mb: Option<u64>,
+    /// Writable-layer quota in MiB, when not the template's.
+    pub disk_mb: Option<u64>,
 }
 
 /// Which create route.
@@ -441,6 +498,21 @@ impl CreateSandbox {
                 )));
             }
         }
+        let cpus = resource("cpuCount", b.cpu_count, 1, limits.max_cpus.into(), "")?;
+        let memory_mb = resource(
+            "memoryMB",
+            b.memory_mb,
+            MIN_MEMORY_MB,
+            limits.max_memory_mb,
+            " MiB",
+        )?;
+        let disk_mb = resource(
+            "diskSizeMB",
+            b.disk_size_mb,
+            MIN_DISK_MB,
+            limits.max_disk_mb,
+            " MiB",
+        )?;
         Ok(CreateSandbox {
             template,
             template_id,
@@ -454,6 +526,9 @@ impl CreateSandbox {
             env_vars,
             lifecycle,
             volume_mounts: b.volume_mounts.unwrap_or_default(),
+            cpus: cpus.map(|c| c as u32),
+            memory_mb,
+            disk_mb,
         })
     }
 }
@@ -970,6 +1045,45 @@ mod tests {
         Limits {
             default_timeout: Duration::from_secs(300),
             max_timeout: Duration::from_secs(24 * 3600),
+            max_cpus: 4,
+            max_memory_mb: 8192,
+            max_disk_mb: 10240,
+        }
+    }
+
+    #[test]
+    fn create_resources_within_the_node_or_400() {
+        let parse =
+            |body: &str| CreateSandbox::parse(body.as_bytes(), CreateVersion::V2, &limits());
+        let c = parse(r#"{"templateID":"base"}"#).unwrap();
+        assert_eq!((c.cpus, c.memory_mb, c.disk_mb), (None, None, None));
+        let c = parse(r#"{"templateID":"base","cpuCount":2,"memoryMB":1024.0,"diskSizeMB":2048}"#)
+            .unwrap();
+        assert_eq!(
+            (c.cpus, c.memory_mb, c.disk_mb),
+            (Some(2), Some(1024), Some(2048))
+        );
+        for (body, field) in [
+            (
+                r#"{"templateID":"base","cpuCount":5}"#,
+                "cpuCount must be between 1 and 4 on this node, got 5",
+            ),
+            (r#"{"templateID":"base","cpuCount":0}"#, "cpuCount"),
+            (
+                r#"{"templateID":"base","memoryMB":8193}"#,
+                "memoryMB must be between 128 and 8192 MiB on this node",
+            ),
+            (r#"{"templateID":"base","memoryMB":64}"#, "memoryMB"),
+            (r#"{"templateID":"base","diskSizeMB":-1}"#, "diskSizeMB"),
+            (r#"{"templateID":"base","diskSizeMB":20000}"#, "diskSizeMB"),
+            (
+                r#"{"templateID":"base","cpuCount":"x"}"#,
+                "invalid request body",
+            ),
+        ] {
+            let e = parse(body).unwrap_err();
+            assert!(matches!(e, ApiError::BadRequest(_)), "{body}: {e}");
+            assert!(e.to_string().contains(field), "{body}: {e}");
         }
     }
 

@@ -3,7 +3,7 @@
 //! the request and response types' `ToSchema` derives, which sit on the very types the
 //! handlers parse and return (`commands.rs`, `model.rs`). What is written here is only
 //! the frame — title, security schemes, tags — and [`finish`], which puts this server's
-//! configured limits (the longest timeout) into the schemas.
+//! configured limits (the longest timeout, the node's CPUs, memory and disk) into the schemas.
 //!
 //! The description covers E2B's routes Cubicle implements (same paths, bodies and
 //! answers as E2B's API) and Cubicle's own (`/cubicle/pool`, `/metrics`, `/health`,
@@ -110,6 +110,20 @@ pub fn finish(api: OpenApi, limits: &Limits) -> serde_json::Value {
                 .and_then(|t| t.as_object_mut())
             {
                 t.insert("maximum".into(), max.into());
+            }
+        }
+        let resources = [
+            ("cpuCount", serde_json::Value::from(limits.max_cpus)),
+            ("memoryMB", limits.max_memory_mb.into()),
+            ("diskSizeMB", limits.max_disk_mb.into()),
+        ];
+        for (field, max) in resources {
+            if let Some(t) = schemas
+                .get_mut("NewSandbox")
+                .and_then(|s| s.pointer_mut(&format!("/properties/{field}")))
+                .and_then(|t| t.as_object_mut())
+            {
+                t.insert("maximum".into(), max);
             }
         }
     }

@@ -62,6 +62,7 @@ fn documented(cp: &Arc<ControlPlane>) -> OpenApiRouter<Arc<ControlPlane>> {
         .routes(routes!(webhook_get, webhook_update, webhook_delete))
         // Cubicle's own: warm-pool counters for operators and `cubicle bench`.
         .routes(routes!(pool_stats))
+        .merge(crate::operator::routes())
         .route_layer(middleware::from_fn_with_state(cp.clone(), auth));
     OpenApiRouter::with_openapi(crate::openapi::base())
         .routes(routes!(health))
@@ -106,6 +107,7 @@ pub fn router(cp: Arc<ControlPlane>) -> Router {
     let spec = Arc::new(crate::openapi::finish(api, &cp.config().limits));
     documented
         .merge(stubs(&cp))
+        .merge(crate::dashboard::routes())
         .route_layer(middleware::from_fn(crate::telemetry::http::tag_route))
         .layer(Extension(OpenApiDoc(spec)))
         .fallback(unknown_route)

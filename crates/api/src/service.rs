@@ -52,13 +52,10 @@ pub struct ApiConfig {
 }
 
 impl ApiConfig {
-    /// Defaults: 300 s default timeout, 24 h max, logs in `logs_dir`, 24 h retention.
+    /// Defaults: 300 s default timeout, 24 h max, resources up to the host's, logs in `logs_dir`, 24 h retention.
     pub fn new(logs_dir: PathBuf) -> Self {
         ApiConfig {
-            limits: Limits {
-                default_timeout: Duration::from_secs(300),
-                max_timeout: Duration::from_secs(24 * 3600),
-            },
+            limits: Limits::for_host(),
             domain: None,
             logs_dir,
             retention: Duration::from_secs(24 * 3600),
@@ -417,9 +414,9 @@ impl ControlPlane {
                 template: template.name.clone(),
                 id: None,
                 env_vars: cmd.env_vars,
-                memory_mb: None,
-                cpus: None,
-                disk_mb: None,
+                memory_mb: cmd.memory_mb,
+                cpus: cmd.cpus,
+                disk_mb: cmd.disk_mb,
                 internet: cmd.internet,
                 network: cmd.network,
                 mask_request_host: cmd.mask_request_host,

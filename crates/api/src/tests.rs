@@ -92,9 +92,9 @@ impl Backend for FakeNode {
                 death_reason: None,
                 created_at_ms: now,
                 end_at_ms: now + req.timeout.unwrap_or(Duration::from_secs(300)).as_millis() as u64,
-                memory_mb: 512,
-                cpus: 2,
-                disk_mb: 5120,
+                memory_mb: req.memory_mb.unwrap_or(512),
+                cpus: req.cpus.unwrap_or(2),
+                disk_mb: req.disk_mb.unwrap_or(5120),
                 internet: req.internet,
                 network: req.network,
                 mask_request_host: req.mask_request_host,
@@ -2182,4 +2182,313 @@ async fn deaths_become_killed_events_with_their_reason() {
             })
             .unwrap();
     assert_eq!(all.len(), 2, "created + killed");
+}
+
+#[tokio::test]
+async fn create_honours_resources_within_the_node_limits() {
+    let h = harness_with(|c| {
+        c.limits.max_cpus = 4;
+        c.limits.max_memory_mb = 4096;
+        c.limits.max_disk_mb = 8192;
+    })
+    .await;
+    let id = h
+        .create_a(json!({"templateID":"base","cpuCount":3,"memoryMB":1024,"diskSizeMB":2048}))
+        .await;
+    let d = h
+        .a(Method::GET, &format!("/sandboxes/{id}"), Value::Null)
+        .await;
+    assert_eq!(
+        (
+            &d.json["cpuCount"],
+            &d.json["memoryMB"],
+            &d.json["diskSizeMB"]
+        ),
+        (&json!(3), &json!(1024), &json!(2048)),
+        "{}",
+        d.json
+    );
+    let listed = h.a(Method::GET, "/v2/sandboxes", Value::Null).await;
+    assert_eq!(listed.json[0]["memoryMB"], 1024);
+    // Beyond the node: a 400 that says the limit, never a silent default.
+    for body in [
+        json!({"templateID":"base","cpuCount":5}),
+        json!({"templateID":"base","memoryMB":4097}),
+        json!({"templateID":"base","diskSizeMB":9000}),
+        json!({"templateID":"base","memoryMB":1}),
+    ] {
+        let r = h.a(Method::POST, "/v2/sandboxes", body.clone()).await;
+        assert_eq!(r.status, StatusCode::BAD_REQUEST, "{body}: {}", r.json);
+        assert!(
+            r.json["message"].as_str().unwrap().contains("on this node"),
+            "{}",
+            r.json
+        );
+    }
+    // The description states the same limits.
+    let spec = h
+        .call(Method::GET, "/openapi.json", None, Body::empty())
+        .await
+        .json;
+    let props = &spec["components"]["schemas"]["NewSandbox"]["properties"];
+    assert_eq!(props["cpuCount"]["maximum"], 4, "{props}");
+    assert_eq!(props["memoryMB"]["maximum"], 4096);
+    assert_eq!(props["diskSizeMB"]["maximum"], 8192);
+}
+
+#[tokio::test]
+async fn operator_sees_and_kills_across_teams() {
+    let h = harness().await;
+    let admin = h.cp.store().ensure_team(crate::ADMIN_TEAM).unwrap();
+    let admin_key = h.cp.store().create_api_key(admin.id).unwrap().plaintext;
+    let a = h
+        .create_a(json!({"templateID":"base","metadata":{"who":"a"}}))
+        .await;
+    let r = h
+        .call(
+            Method::POST,
+            "/v2/sandboxes",
+            Some(&h.key_b.clone()),
+            Body::from(json!({"templateID":"tiny"}).to_string()),
+        )
+        .await;
+    let b = r.json["sandboxID"].as_str().unwrap().to_string();
+
+    // whoami
+    let me = h
+        .call(
+            Method::GET,
+            "/cubicle/whoami",
+            Some(&admin_key),
+            Body::empty(),
+        )
+        .await;
+    assert_eq!(
+        (&me.json["team"], &me.json["admin"]),
+        (&json!("admin"), &json!(true))
+    );
+    assert!(
+        me.json["limits"]["maxCpus"].as_u64().unwrap() >= 1,
+        "{}",
+        me.json
+    );
+    let me = h.a(Method::GET, "/cubicle/whoami", Value::Null).await;
+    assert_eq!(
+        (&me.json["team"], &me.json["admin"]),
+        (&json!("a"), &json!(false))
+    );
+
+    // The view across teams is the operator's only.
+    let r = h.a(Method::GET, "/cubicle/sandboxes", Value::Null).await;
+    assert_eq!(r.status, StatusCode::FORBIDDEN);
+    let r = h
+        .a(
+            Method::DELETE,
+            &format!("/cubicle/sandboxes/{b}"),
+            Value::Null,
+        )
+        .await;
+    assert_eq!(r.status, StatusCode::FORBIDDEN);
+    let all = h
+        .call(
+            Method::GET,
+            "/cubicle/sandboxes",
+            Some(&admin_key),
+            Body::empty(),
+        )
+        .await;
+    assert_eq!(all.status, StatusCode::OK);
+    let teams: HashMap<String, String> = all
+        .json
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| {
+            (
+                s["sandboxID"].as_str().unwrap().into(),
+                s["team"].as_str().unwrap().into(),
+            )
+        })
+        .collect();
+    assert_eq!(teams.get(&a).map(String::as_str), Some("a"));
+    assert_eq!(teams.get(&b).map(String::as_str), Some("b"));
+    // ...while the operator's own E2B list stays its team's (none).
+    let own = h
+        .call(
+            Method::GET,
+            "/v2/sandboxes",
+            Some(&admin_key),
+            Body::empty(),
+        )
+        .await;
+    assert_eq!(own.json, json!([]));
+
+    let r = h
+        .call(
+            Method::DELETE,
+            &format!("/cubicle/sandboxes/{b}"),
+            Some(&admin_key),
+            Body::empty(),
+        )
+        .await;
+    assert_eq!(r.status, StatusCode::NO_CONTENT);
+    let r = h
+        .call(
+            Method::GET,
+            &format!("/sandboxes/{b}"),
+            Some(&h.key_b.clone()),
+            Body::empty(),
+        )
+        .await;
+    assert_eq!(r.status, StatusCode::NOT_FOUND, "team b's sandbox is gone");
+    let r = h
+        .call(
+            Method::DELETE,
+            "/cubicle/sandboxes/nosuch1",
+            Some(&admin_key),
+            Body::empty(),
+        )
+        .await;
+    assert_eq!(r.status, StatusCode::NOT_FOUND);
+    let d = h
+        .a(Method::GET, &format!("/sandboxes/{a}"), Value::Null)
+        .await;
+    assert_eq!(d.status, StatusCode::OK, "team a's sandbox lives on");
+}
+
+#[tokio::test]
+async fn api_keys_per_team_and_for_the_operator() {
+    let h = harness().await;
+    let admin = h.cp.store().ensure_team(crate::ADMIN_TEAM).unwrap();
+    let admin_key = h.cp.store().create_api_key(admin.id).unwrap().plaintext;
+    let mine = h.a(Method::GET, "/cubicle/api-keys", Value::Null).await;
+    let prefixes: Vec<&str> = mine
+        .json
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|k| k["prefix"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        prefixes,
+        [&h.key_a[..12]],
+        "team a sees only its key: {}",
+        mine.json
+    );
+    assert!(mine.json[0].get("key").is_none(), "never the key itself");
+
+    // A team makes keys for itself only.
+    let r = h
+        .a(Method::POST, "/cubicle/api-keys", json!({"team":"b"}))
+        .await;
+    assert_eq!(r.status, StatusCode::FORBIDDEN);
+    let r = h.a(Method::POST, "/cubicle/api-keys", Value::Null).await;
+    assert_eq!(r.status, StatusCode::CREATED, "{}", r.json);
+    let new_key = r.json["key"].as_str().unwrap().to_string();
+    assert_eq!(r.json["team"], "a");
+    let who = h
+        .call(
+            Method::GET,
+            "/cubicle/whoami",
+            Some(&new_key),
+            Body::empty(),
+        )
+        .await;
+    assert_eq!(who.json["team"], "a");
+    // ...and revokes only its own.
+    let r = h
+        .a(
+            Method::DELETE,
+            &format!("/cubicle/api-keys/{}", &h.key_b[..12]),
+            Value::Null,
+        )
+        .await;
+    assert_eq!(r.status, StatusCode::NOT_FOUND);
+    let r = h
+        .a(
+            Method::DELETE,
+            &format!("/cubicle/api-keys/{}", &new_key[..12]),
+            Value::Null,
+        )
+        .await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.json);
+    assert!(r.json["revokedAt"].is_string());
+    let who = h
+        .call(
+            Method::GET,
+            "/cubicle/whoami",
+            Some(&new_key),
+            Body::empty(),
+        )
+        .await;
+    assert_eq!(who.status, StatusCode::UNAUTHORIZED);
+
+    // The operator sees every team's keys, makes keys for new teams and revokes any.
+    let all = h
+        .call(
+            Method::GET,
+            "/cubicle/api-keys",
+            Some(&admin_key),
+            Body::empty(),
+        )
+        .await;
+    let teams: Vec<&str> = all
+        .json
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|k| k["team"].as_str().unwrap())
+        .collect();
+    assert!(
+        teams.contains(&"a") && teams.contains(&"b") && teams.contains(&"admin"),
+        "{teams:?}"
+    );
+    let body = Body::from(json!({"team":"newteam"}).to_string());
+    let r = h
+        .call(Method::POST, "/cubicle/api-keys", Some(&admin_key), body)
+        .await;
+    assert_eq!(
+        (r.status, &r.json["team"]),
+        (StatusCode::CREATED, &json!("newteam"))
+    );
+    let r = h
+        .call(
+            Method::DELETE,
+            &format!("/cubicle/api-keys/{}", &h.key_b[..12]),
+            Some(&admin_key),
+            Body::empty(),
+        )
+        .await;
+    assert_eq!(r.status, StatusCode::OK);
+    let body = Body::from("{\"team\": \"bad name\"}");
+    let r = h
+        .call(Method::POST, "/cubicle/api-keys", Some(&admin_key), body)
+        .await;
+    assert_eq!(r.status, StatusCode::BAD_REQUEST);
+}
+
+#[tokio::test]
+async fn dashboard_is_served_without_a_key() {
+    let h = harness().await;
+    for (uri, status) in [
+        ("/", 303),
+        ("/dashboard", 303),
+        ("/dashboard/", 200),
+        ("/dashboard/app.js", 200),
+    ] {
+        let resp = h
+            .app
+            .clone()
+            .oneshot(Request::builder().uri(uri).body(Body::empty()).unwrap())
+            .await
+            .unwrap();
+        assert_eq!(resp.status().as_u16(), status, "{uri}");
+        if status == 303 {
+            assert_eq!(resp.headers()["location"], "/dashboard/");
+        }
+    }
+    let r = h
+        .call(Method::GET, "/dashboard/nope.js", None, Body::empty())
+        .await;
+    assert_eq!(r.status, StatusCode::NOT_FOUND);
 }

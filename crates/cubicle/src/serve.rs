@@ -420,6 +420,11 @@ pub async fn run(
     api_config.volumes.max_per_team = args.max_volumes_per_team;
     api_config.limits.default_timeout = Duration::from_secs(args.default_timeout);
     api_config.limits.max_timeout = Duration::from_secs(args.max_timeout);
+    // A create's `diskSizeMB` is capped by the filesystem the writable layers live on.
+    let disk = cubicle_node::host::stats(&state_dir.join("sandboxes")).disk_total >> 20;
+    if disk > 0 {
+        api_config.limits.max_disk_mb = disk;
+    }
     api_config.domain = Some(domain.advertised.clone());
     api_config.webhooks = webhooks;
     let cp = ControlPlane::open(Arc::new(node.clone()), store, api_config)
