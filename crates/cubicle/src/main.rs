@@ -13,6 +13,8 @@ mod apikey_cmd;
 mod bench;
 mod client;
 mod config;
+mod exit;
+mod output;
 mod run;
 mod sandbox_cmd;
 mod sd_notify;
@@ -103,6 +105,43 @@ enum Command {
     /// The guardian of a `cubicle run`'s sandbox (started by `run` itself).
     #[command(name = "__run-guard", hide = true)]
     RunGuard,
+    /// Print a shell completion script: `source <(cubicle completion bash)`, or save it
+    /// (bash: /etc/bash_completion.d/cubicle; zsh: a `_cubicle` file on $fpath; fish:
+    /// ~/.config/fish/completions/cubicle.fish).
+    Completion {
+        /// The shell.
+        shell: clap_complete::Shell,
+    },
+}
+
+impl Command {
+    /// Whether it passes on another program's exit code (so its own failures are 125).
+    fn passes_on_exit_codes(&self) -> bool {
+        match self {
+            Command::Run(_) => true,
+            Command::Sandbox(a) => matches!(
+                a.command,
+                client::SandboxCommand::Exec { .. } | client::SandboxCommand::Shell { .. }
+            ),
+            _ => false,
+        }
+    }
+
+    /// Whether it works on the state directory itself (root's) rather than through a
+    /// server.
+    fn needs_root(&self) -> bool {
+        match self {
+            Command::Run(_)
+            | Command::RunGuard
+            | Command::Local { .. }
+            | Command::Serve(_)
+            | Command::Service { .. } => true,
+            Command::Template { command } => {
+                !matches!(command, template_cmd::TemplateCommand::List)
+            }
+            _ => false,
+        }
+    }
 }
 
 /// How log lines are written.
@@ -125,8 +164,24 @@ fn parse_cli() -> Cli {
             std::process::exit(2);
         }
     };
-    let matches = Cli::command().get_matches_from(argv);
-    Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit())
+    // Bad arguments to a command that passes on exit codes are Cubicle's failure (125),
+    // not a code the command could have returned (clap's is 2).
+    let passes_on = argv
+        .iter()
+        .skip(1)
+        .take_while(|a| *a != "--")
+        .any(|a| a == "run" || a == "exec" || a == "shell");
+    let parsed = Cli::command()
+        .try_get_matches_from(argv)
+        .and_then(|m| Cli::from_arg_matches(&m));
+    match parsed {
+        Ok(cli) => cli,
+        Err(e) if e.use_stderr() && passes_on => {
+            let _ = e.print();
+            std::process::exit(exit::FAILED);
+        }
+        Err(e) => e.exit(),
+    }
 }
 
 fn init_logging(cli: &Cli) {
@@ -173,17 +228,46 @@ fn main() {
             std::process::exit(1);
         }
     };
+    let passes_on = cli.command.passes_on_exit_codes();
+    let needs_root = cli.command.needs_root();
+    let state_dir = cli.state_dir.clone();
     let code = rt.block_on(async {
         match dispatch(cli).await {
             Ok(code) => code,
             Err(e) => {
-                eprintln!("cubicle: {e:#}");
-                1
+                eprintln!("cubicle: {}", exit::one_line(&e));
+                if exit::is_permission_denied(&e) && !nix_is_root() {
+                    eprintln!("{}", root_hint(needs_root, &state_dir));
+                }
+                exit::code_for(&e, passes_on)
             }
         }
     });
     rt.shutdown_timeout(std::time::Duration::from_secs(1));
     std::process::exit(code);
+}
+
+fn nix_is_root() -> bool {
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    unsafe { libc::geteuid() == 0 }
+}
+
+/// What to do about a "permission denied" as another user than root.
+fn root_hint(needs_root: bool, state_dir: &std::path::Path) -> String {
+    let cmd: Vec<String> = std::env::args().skip(1).collect();
+    if needs_root {
+        format!(
+            "cubicle: this needs root (sandboxes use namespaces and cgroups, and {} is root's): run it as root: sudo cubicle {}",
+            state_dir.display(),
+            cmd.join(" ")
+        )
+    } else {
+        format!(
+            "cubicle: {} is root's: run as root (sudo cubicle {}), or give the server's API key in E2B_API_KEY",
+            state_dir.display(),
+            cmd.join(" ")
+        )
+    }
 }
 
 fn node_opts(cli: &Cli) -> sandbox_cmd::NodeOpts {
@@ -198,7 +282,24 @@ fn node_opts(cli: &Cli) -> sandbox_cmd::NodeOpts {
 
 async fn dispatch(cli: Cli) -> anyhow::Result<i32> {
     let opts = node_opts(&cli);
+    if cli.command.needs_root() && !nix_is_root() {
+        anyhow::bail!(
+            "{}",
+            root_hint(true, &cli.state_dir).trim_start_matches("cubicle: ")
+        );
+    }
     match cli.command {
+        Command::Completion { shell } => {
+            // Into a buffer first: clap_complete panics on a write error (`| head`).
+            let mut script = Vec::new();
+            clap_complete::generate(shell, &mut Cli::command(), "cubicle", &mut script);
+            match std::io::Write::write_all(&mut std::io::stdout(), &script) {
+                Err(e) if e.kind() != std::io::ErrorKind::BrokenPipe => {
+                    Err(anyhow::anyhow!("writing the completion script: {e}"))
+                }
+                _ => Ok(0),
+            }
+        }
         Command::Run(args) => run::run(&opts, args).await,
         Command::RunGuard => run::guard(&opts).await,
         Command::Template { command } => template_cmd::run(&cli.state_dir, command).await,

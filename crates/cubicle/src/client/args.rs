@@ -6,6 +6,7 @@ use std::path::Path;
 use clap::{Args, Subcommand};
 
 use super::{ClientError, http::BaseUrl};
+use crate::output::FormatArg;
 
 /// Default address of `cubicle serve`.
 pub const DEFAULT_API_URL: &str = "http://127.0.0.1:3000";
@@ -57,6 +58,15 @@ pub enum SandboxCommand {
         volumes: Vec<serde_json::Value>,
         #[command(flatten)]
         network: NetworkFlags,
+        /// vCPUs (CPU share) instead of the template's; up to the server's CPUs.
+        #[arg(long, value_name = "N")]
+        cpus: Option<u32>,
+        /// Memory limit in MiB instead of the template's; up to the server's memory.
+        #[arg(long, value_name = "MIB")]
+        memory_mb: Option<u64>,
+        /// Writable-layer quota in MiB instead of the template's.
+        #[arg(long, value_name = "MIB")]
+        disk_mb: Option<u64>,
         /// Print the server's whole JSON answer instead of the id.
         #[arg(long)]
         json: bool,
@@ -88,15 +98,13 @@ pub enum SandboxCommand {
     /// List sandboxes (running and paused).
     #[command(alias = "ls")]
     List {
-        /// Print JSON instead of a table.
+        #[command(flatten)]
+        filter: Filter,
+        /// Every team's sandboxes on the host, with their team (the operator's key only).
         #[arg(long)]
-        json: bool,
-        /// Only sandboxes with this metadata `KEY=VALUE` (repeatable; all must match).
-        #[arg(long = "metadata", short = 'm', value_name = "KEY=VALUE", value_parser = parse_kv)]
-        metadata: Vec<(String, String)>,
-        /// Only sandboxes in this state (`running`, `paused`; repeatable).
-        #[arg(long = "state", value_name = "STATE")]
-        states: Vec<String>,
+        all_teams: bool,
+        #[command(flatten)]
+        format: FormatArg,
     },
     /// Show one sandbox.
     Info {
@@ -106,11 +114,20 @@ pub enum SandboxCommand {
         #[arg(long)]
         json: bool,
     },
-    /// Kill sandboxes.
+    /// Kill sandboxes: the ones named, or with --all every one the filters select.
+    #[command(alias = "rm")]
     Kill {
         /// Sandbox ids.
-        #[arg(required = true)]
+        #[arg(required_unless_present = "all", conflicts_with = "all")]
         ids: Vec<String>,
+        /// Kill every sandbox that --state/--metadata/--template select (all by default).
+        #[arg(long, short)]
+        all: bool,
+        #[command(flatten)]
+        filter: Filter,
+        /// With --all: every team's sandboxes on the host (the operator's key only).
+        #[arg(long, requires = "all")]
+        all_teams: bool,
     },
     /// Pause a sandbox: its processes and memory go to disk (no host memory, no CPU
     /// while paused); `resume` brings them back.
@@ -184,15 +201,22 @@ pub enum SandboxCommand {
         snapshot: String,
     },
     /// Run a command in a sandbox (`/bin/bash -l -c CMD`), stream its output, exit with
-    /// its exit code. Several words are joined with spaces, as ssh does.
+    /// its exit code. Several words are joined with spaces, as ssh does; `--` before
+    /// CMD is optional. Exit codes of Cubicle's own: 125 (Cubicle failed: server,
+    /// sandbox, connection), 126 (the command could not be started, e.g. no such
+    /// --cwd or --user), 127 (command not found).
     Exec {
         /// Sandbox id.
         id: String,
+        /// Stream this terminal's stdin to the command (closed at end of input). Without
+        /// it the command's stdin is empty.
+        #[arg(long, short)]
+        interactive: bool,
         /// Run as this user (default: the sandbox's default user).
         #[arg(long, short)]
         user: Option<String>,
         /// Working directory.
-        #[arg(long)]
+        #[arg(long, short = 'w')]
         cwd: Option<String>,
         /// Environment variable for this command, `KEY=VALUE` (repeatable).
         #[arg(long = "env", short = 'e', value_name = "KEY=VALUE", value_parser = parse_kv)]
@@ -201,8 +225,43 @@ pub enum SandboxCommand {
         #[arg(long, value_name = "SECS", default_value_t = 0)]
         timeout: u64,
         /// The command.
-        #[arg(last = true, required = true, value_name = "CMD")]
+        #[arg(
+            required = true,
+            value_name = "CMD",
+            trailing_var_arg = true,
+            allow_hyphen_values = true
+        )]
         cmd: Vec<String>,
+    },
+    /// Copy files or directories into or out of a sandbox: `cp PATH ID:DEST` or
+    /// `cp ID:PATH DEST` (`-` is stdin or stdout, for one file).
+    Cp {
+        /// Source: a local path, `-`, or `ID:PATH`.
+        src: String,
+        /// Destination: a local path, `-`, or `ID:PATH`.
+        dst: String,
+        /// Act in the sandbox as this user (owner of what is written; `~` and relative
+        /// paths are its home).
+        #[arg(long, short)]
+        user: Option<String>,
+    },
+    /// A sandbox's CPU, memory and disk use (samples every 5 s).
+    Metrics {
+        /// Sandbox id.
+        id: String,
+        /// Keep printing new samples until the sandbox goes away (or Ctrl-C).
+        #[arg(long, short)]
+        follow: bool,
+        #[command(flatten)]
+        format: FormatArg,
+    },
+    /// Set when a sandbox ends: SECS from now (0 ends it now).
+    #[command(alias = "timeout")]
+    SetTimeout {
+        /// Sandbox id.
+        id: String,
+        /// Seconds from now.
+        secs: u64,
     },
     /// Print a sandbox's logs (envd and start-command output).
     Logs {
@@ -288,6 +347,20 @@ impl NetworkFlags {
         }
         v
     }
+}
+
+/// Which sandboxes a list or `kill --all` selects.
+#[derive(Args, Debug, Clone, Default)]
+pub struct Filter {
+    /// Only sandboxes with this metadata `KEY=VALUE` (repeatable; all must match).
+    #[arg(long = "metadata", short = 'm', value_name = "KEY=VALUE", value_parser = parse_kv)]
+    pub metadata: Vec<(String, String)>,
+    /// Only sandboxes in this state (`running`, `paused`; repeatable).
+    #[arg(long = "state", value_name = "STATE")]
+    pub states: Vec<String>,
+    /// Only sandboxes of this template (id or alias).
+    #[arg(long, value_name = "TEMPLATE")]
+    pub template: Option<String>,
 }
 
 /// Parses `KEY=VALUE` (the value may contain `=`; the key may not be empty).

@@ -66,11 +66,17 @@ impl EnvdClient {
     }
 
     fn request(&self, path: &str, content_type: &str) -> hyper::http::request::Builder {
-        let mut b = self
-            .base
-            .request(Method::POST, path)
+        self.http_request(Method::POST, path)
             .header(CONTENT_TYPE, content_type)
             .header(PROTOCOL_VERSION_HEADER, "1")
+    }
+
+    /// A request to envd's HTTP API (`/files…`) through the router, with the routing,
+    /// token and user headers (`cubicle sandbox cp`).
+    pub fn http_request(&self, method: Method, path: &str) -> hyper::http::request::Builder {
+        let mut b = self
+            .base
+            .request(method, path)
             .header("e2b-sandbox-id", &self.sandbox_id)
             .header("e2b-sandbox-port", ENVD_PORT.to_string())
             .header(
@@ -85,6 +91,16 @@ impl EnvdClient {
             b = b.header(hyper::header::AUTHORIZATION, format!("Basic {cred}"));
         }
         b
+    }
+
+    /// The user calls act as (`None`: the sandbox's default user).
+    pub fn user(&self) -> Option<&str> {
+        self.user.as_deref()
+    }
+
+    /// The data-plane URL calls go to.
+    pub fn base(&self) -> &BaseUrl {
+        &self.base
     }
 
     /// Opens a connection for a run of unary calls (`unary_on`).

@@ -40,6 +40,15 @@ pub struct NewSandbox {
         skip_serializing_if = "Option::is_none"
     )]
     pub allow_internet_access: Option<bool>,
+    /// vCPUs instead of the template's (a Cubicle field).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub cpu_count: Option<u32>,
+    /// Memory limit in MiB instead of the template's (a Cubicle field).
+    #[serde(rename = "memoryMB", skip_serializing_if = "Option::is_none")]
+    pub memory_mb: Option<u64>,
+    /// Writable-layer quota in MiB instead of the template's (a Cubicle field).
+    #[serde(rename = "diskSizeMB", skip_serializing_if = "Option::is_none")]
+    pub disk_mb: Option<u64>,
 }
 
 /// The `Sandbox` answer of create/connect (only what the client needs; the rest is kept
@@ -88,6 +97,8 @@ pub struct ListFilter {
     pub metadata: Vec<(String, String)>,
     /// `running`, `paused` (comma-joined on the wire); empty = server default (both).
     pub states: Vec<String>,
+    /// Template id or alias (a Cubicle filter); `None`: any.
+    pub template: Option<String>,
 }
 
 /// Client of the REST API.
@@ -149,6 +160,9 @@ pub fn list_query(filter: &ListFilter, next_token: Option<&str>, limit: u32) -> 
             "state={}",
             enc(&filter.states.join(","), COMPONENT).replace("%2C", ",")
         ));
+    }
+    if let Some(t) = &filter.template {
+        q.push(format!("template={}", enc(t, QUERY_VALUE)));
     }
     if let Some(t) = next_token {
         q.push(format!("nextToken={}", enc(t, QUERY_VALUE)));
@@ -534,6 +548,41 @@ impl ApiClient {
             }
         }
         self.logs_v1(id, cursor_ms).await
+    }
+
+    /// `POST /sandboxes/{id}/timeout`: the sandbox ends `secs` from now.
+    pub async fn set_timeout(&self, id: &str, secs: u64) -> Result<(), ClientError> {
+        let path = format!("/sandboxes/{}/timeout", seg(id));
+        let body = serde_json::json!({ "timeout": secs })
+            .to_string()
+            .into_bytes();
+        self.call(Method::POST, &path, Some(body), CALL_TIMEOUT)
+            .await?;
+        Ok(())
+    }
+
+    /// `GET /sandboxes/{id}/metrics` (samples since `start`, unix seconds, when given).
+    pub async fn metrics(&self, id: &str, start: Option<i64>) -> Result<Vec<Value>, ClientError> {
+        let mut path = format!("/sandboxes/{}/metrics", seg(id));
+        if let Some(s) = start {
+            path.push_str(&format!("?start={s}"));
+        }
+        let (_, _, body) = self.call(Method::GET, &path, None, CALL_TIMEOUT).await?;
+        Self::json(&path, &body)
+    }
+
+    /// `GET /cubicle/sandboxes`: every team's live sandboxes (the operator's key only).
+    pub async fn list_all_teams(&self) -> Result<Vec<Value>, ClientError> {
+        let path = "/cubicle/sandboxes";
+        let (_, _, body) = self.call(Method::GET, path, None, CALL_TIMEOUT).await?;
+        Self::json(path, &body)
+    }
+
+    /// `DELETE /cubicle/sandboxes/{id}`: kills any team's sandbox (the operator's key).
+    pub async fn kill_any_team(&self, id: &str) -> Result<(), ClientError> {
+        let path = format!("/cubicle/sandboxes/{}", seg(id));
+        self.call(Method::DELETE, &path, None, CALL_TIMEOUT).await?;
+        Ok(())
     }
 
     async fn logs_v1(&self, id: &str, start_ms: Option<i64>) -> Result<Vec<LogEntry>, ClientError> {
