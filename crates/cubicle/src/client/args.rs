@@ -499,6 +499,11 @@ mod tests {
             "K=V",
             "-v",
             "data:/mnt/d:ro",
+            "--cpus",
+            "2",
+            "--memory-mb",
+            "1024",
+            "--no-internet",
         ])
         .unwrap();
         match a.command {
@@ -508,6 +513,9 @@ mod tests {
                 metadata,
                 env,
                 volumes,
+                cpus,
+                memory_mb,
+                disk_mb,
                 network,
                 json,
             } => {
@@ -515,7 +523,6 @@ mod tests {
                     volumes,
                     vec![serde_json::json!({"name": "data", "path": "/mnt/d", "readOnly": true})]
                 );
-                assert!(!network.any());
                 assert_eq!(template, "tiny");
                 assert_eq!(timeout, Some(60));
                 assert_eq!(
@@ -523,6 +530,8 @@ mod tests {
                     vec![("a".into(), "b=c".into()), ("x".into(), String::new())]
                 );
                 assert_eq!(env, vec![("K".into(), "V".into())]);
+                assert_eq!((cpus, memory_mb, disk_mb), (Some(2), Some(1024), None));
+                assert!(network.no_internet && network.any());
                 assert!(!json);
             }
             other => panic!("{other:?}"),
@@ -574,15 +583,33 @@ mod tests {
         assert!(parse(&["exec", "abc"]).is_err(), "a command is required");
         let a = parse(&["--api-key", "k", "kill", "a", "b"]).unwrap();
         assert_eq!(a.api_key.as_deref(), Some("k"));
-        assert!(matches!(a.command, SandboxCommand::Kill { ref ids } if ids == &["a", "b"]));
-        assert!(parse(&["kill"]).is_err());
+        assert!(
+            matches!(a.command, SandboxCommand::Kill { ref ids, all: false, .. } if ids == &["a", "b"])
+        );
+        assert!(parse(&["kill"]).is_err(), "ids or --all");
+        assert!(parse(&["kill", "--all", "a"]).is_err(), "not both");
+        assert!(matches!(
+            parse(&["kill", "--all", "--template", "base", "-m", "k=v"]).unwrap().command,
+            SandboxCommand::Kill { all: true, ref filter, .. }
+                if filter.template.as_deref() == Some("base") && filter.metadata.len() == 1
+        ));
         assert!(matches!(
             parse(&["logs", "-f", "abc"]).unwrap().command,
             SandboxCommand::Logs { follow: true, .. }
         ));
         assert!(matches!(
             parse(&["ls", "--json", "--state", "running"]).unwrap().command,
-            SandboxCommand::List { json: true, ref states, .. } if states == &["running"]
+            SandboxCommand::List { ref format, ref filter, .. }
+                if format.is_json() && filter.states == ["running"]
+        ));
+        assert!(matches!(
+            parse(&["ls", "--format", "json"]).unwrap().command,
+            SandboxCommand::List { ref format, .. } if format.is_json()
+        ));
+        // No `--` needed before the command, and `-i` streams stdin.
+        assert!(matches!(
+            parse(&["exec", "-i", "abc", "cat", "-n"]).unwrap().command,
+            SandboxCommand::Exec { interactive: true, ref cmd, .. } if cmd == &["cat", "-n"]
         ));
         assert!(matches!(
             parse(&["shell", "abc", "--user", "root"]).unwrap().command,
@@ -599,9 +626,9 @@ mod tests {
             api_key: None,
             sandbox_url: None,
             command: SandboxCommand::List {
-                json: false,
-                metadata: vec![],
-                states: vec![],
+                filter: Filter::default(),
+                all_teams: false,
+                format: FormatArg::default(),
             },
         };
         let e = a.settings(&dir).unwrap_err().to_string();

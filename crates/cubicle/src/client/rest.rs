@@ -606,6 +606,7 @@ mod tests {
         let f = ListFilter {
             metadata: vec![("a b".into(), "c&d".into())],
             states: vec!["running".into(), "paused".into()],
+            template: None,
         };
         let q = list_query(&f, Some("tok=="), 100);
         // `a b` → `a%20b` → `a%2520b` → (whole string query-encoded) `a%252520b`; after
