@@ -403,8 +403,9 @@ fn against_a_stand_in_server() {
     let o = run(&api, KEY, &["info", ID]);
     assert_eq!(o.status.code(), Some(1));
     assert!(stderr(&o).contains("404: sandbox"), "{}", stderr(&o));
+    // exec passes on its command's exit code, so its own failures are 125 (as Docker's).
     let o = run(&api, KEY, &["exec", ID, "--", "true"]);
-    assert_eq!(o.status.code(), Some(1));
+    assert_eq!(o.status.code(), Some(125));
     assert!(
         stderr(&o).contains("connecting to sandbox"),
         "{}",
@@ -707,6 +708,60 @@ fn against_cubicle_serve() {
     // Running commands did not stretch the sandbox's life.
     assert_eq!(end_at(&serve), end_before);
 
+    // Issue 16, CLI parity: `exec` without `--`, `exec -i` with stdin streamed, Cubicle's
+    // own failures as 125, `cp` both ways, `set-timeout`, `--format json`.
+    assert_eq!(ok(&["exec", &id, "echo", "no-dashes"]), "no-dashes\n");
+    let piped = |args: &[&str], input: &[u8]| {
+        use std::io::Write;
+        let mut c = serve
+            .cmd(args)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        c.stdin.take().unwrap().write_all(input).unwrap();
+        c.wait_with_output().unwrap()
+    };
+    let o = piped(&["exec", "-i", &id, "wc -c; echo done"], b"twelve bytes");
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    assert_eq!(
+        stdout(&o).split_whitespace().collect::<Vec<_>>(),
+        ["12", "done"]
+    );
+    let o = piped(&["exec", &id, "wc -c"], b"dropped without -i");
+    assert_eq!(stdout(&o).trim(), "0", "{}", stderr(&o));
+    let o = serve.run(&["exec", "nosuchsandbox00000000", "true"]);
+    assert_eq!(o.status.code(), Some(125), "{}", stderr(&o));
+    let o = serve.run(&["exec", &id, "--cwd", "/no/such/dir", "true"]);
+    assert_eq!(o.status.code(), Some(126), "{}", stderr(&o));
+
+    let local = serve.state.join("cp-in.txt");
+    std::fs::write(&local, "copied in\n").unwrap();
+    ok(&["cp", local.to_str().unwrap(), &format!("{id}:/tmp/")]);
+    assert_eq!(ok(&["exec", &id, "cat /tmp/cp-in.txt"]), "copied in\n");
+    ok(&["exec", &id, "echo from the sandbox > /tmp/out.txt"]);
+    assert_eq!(
+        ok(&["cp", &format!("{id}:/tmp/out.txt"), "-"]),
+        "from the sandbox\n"
+    );
+    let back = serve.state.join("cp-out.txt");
+    ok(&["cp", &format!("{id}:/tmp/out.txt"), back.to_str().unwrap()]);
+    assert_eq!(
+        std::fs::read_to_string(&back).unwrap(),
+        "from the sandbox\n"
+    );
+
+    ok(&["set-timeout", &id, "600"]);
+    assert_ne!(end_at(&serve), end_before, "set-timeout moves the end");
+    let listed: Value = serde_json::from_str(&ok(&["list", "--format", "json"])).unwrap();
+    assert!(
+        listed
+            .as_array()
+            .is_some_and(|a| a.iter().any(|s| s["sandboxID"] == id.as_str())),
+        "{listed}"
+    );
+
     // shell on a PTY
     let api = serve.api.clone();
     let r = {
@@ -757,6 +812,23 @@ fn against_cubicle_serve() {
     // logs
     let logs = serve.run(&["logs", &id]);
     assert!(logs.status.success(), "{}", stderr(&logs));
+
+    // kill --all with a filter kills only what it selects.
+    let doomed = ok(&["create", "--template", "tiny", "-m", "purpose=kill-all"]);
+    let doomed = doomed.trim();
+    let o = ok(&["kill", "--all", "-m", "purpose=kill-all"]);
+    assert!(o.contains(doomed) && !o.contains(&id), "{o}");
+    let left: Value = serde_json::from_str(&ok(&["list", "--json"])).unwrap();
+    let left: Vec<&str> = left
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|s| s["sandboxID"].as_str())
+        .collect();
+    assert!(
+        left.contains(&id.as_str()) && !left.contains(&doomed),
+        "{left:?}"
+    );
 
     // kill
     assert_eq!(ok(&["kill", &id]), format!("killed {id}\n"));
