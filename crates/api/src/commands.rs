@@ -84,6 +84,12 @@ fn json<T: DeserializeOwned>(body: &[u8], empty_is: Option<&str>) -> ApiResult<T
     } else {
         body
     };
+    // serde would also fill a struct from an array (`[]` with every field defaulted).
+    if body.trim_ascii_start().first() != Some(&b'{') {
+        return Err(ApiError::BadRequest(
+            "request body must be a JSON object".into(),
+        ));
+    }
     serde_json::from_slice(body)
         .map_err(|e| ApiError::BadRequest(format!("invalid request body: {e}")))
 }
@@ -1255,5 +1261,10 @@ mod tests {
             Duration::from_secs(300)
         );
         assert!(Refresh::parse(br#"{"duration":3601}"#, &limits()).is_err());
+        assert!(
+            Refresh::parse(b"[]", &limits()).is_err(),
+            "an array is no body"
+        );
+        assert!(Refresh::parse(b"[60]", &limits()).is_err());
     }
 }

@@ -204,7 +204,7 @@ async fn api_key_create(
 
 /// Revoke the key starting with `prefix` (the team's own; the operator: any).
 #[utoipa::path(delete, path = "/cubicle/api-keys/{prefix}", tag = "cubicle",
-    params(("prefix" = String, Path, description = "The key's first characters (at least `e2b_` + 4)")),
+    params(("prefix" = String, Path, description = "The key's first characters (at least `e2b_` + 4)", pattern = "^e2b_[^/]{4,}$")),
     responses((status = 200, body = ApiKeyListed), (status = 400, response = ErrorBody),
         (status = 401, response = ErrorBody), (status = 404, response = ErrorBody), (status = 409, response = ErrorBody)))]
 async fn api_key_revoke(

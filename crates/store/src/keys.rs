@@ -290,7 +290,11 @@ impl Store {
     }
 
     fn revoke_matching(&self, prefix: &str, team_id: Option<i64>) -> Result<ApiKeyInfo> {
-        if prefix.len() < KEY_PREFIX.len() + 4 || !prefix.starts_with(KEY_PREFIX) {
+        // Keys are ASCII (so the byte slice below is on a char boundary).
+        if prefix.len() < KEY_PREFIX.len() + 4
+            || !prefix.starts_with(KEY_PREFIX)
+            || !prefix.is_ascii()
+        {
             return Err(Error::Invalid(format!(
                 "give at least the first 8 characters of the key (e.g. e2b_1a2b), not '{prefix}'"
             )));
@@ -375,6 +379,10 @@ mod tests {
         let t = s.ensure_team("admin").unwrap();
         let k = s.create_api_key(t.id).unwrap();
         assert!(matches!(s.revoke_api_key("e2b_"), Err(Error::Invalid(_))));
+        assert!(matches!(
+            s.revoke_api_key("e2b_0\u{1b}×íZ\u{87078}v»Ä"),
+            Err(Error::Invalid(_))
+        ));
         assert!(matches!(
             s.revoke_api_key("e2b_zzzzzzzz"),
             Err(Error::NotFound(_))
