@@ -290,13 +290,16 @@ impl Store {
     }
 
     fn revoke_matching(&self, prefix: &str, team_id: Option<i64>) -> Result<ApiKeyInfo> {
-        // Keys are ASCII (so the byte slice below is on a char boundary).
-        if prefix.len() < KEY_PREFIX.len() + 4
-            || !prefix.starts_with(KEY_PREFIX)
-            || !prefix.is_ascii()
-        {
+        if prefix.len() < KEY_PREFIX.len() + 4 || !prefix.starts_with(KEY_PREFIX) {
             return Err(Error::Invalid(format!(
                 "give at least the first 8 characters of the key (e.g. e2b_1a2b), not '{prefix}'"
+            )));
+        }
+        // Keys are ASCII: anything else starts none of them (and the byte slice below
+        // needs a char boundary).
+        if !prefix.is_ascii() {
+            return Err(Error::NotFound(format!(
+                "no active API key starts with {prefix:?}"
             )));
         }
         // The display prefix is 12 chars; a longer argument (the whole key) also works.
@@ -381,7 +384,7 @@ mod tests {
         assert!(matches!(s.revoke_api_key("e2b_"), Err(Error::Invalid(_))));
         assert!(matches!(
             s.revoke_api_key("e2b_0\u{1b}×íZ\u{87078}v»Ä"),
-            Err(Error::Invalid(_))
+            Err(Error::NotFound(_))
         ));
         assert!(matches!(
             s.revoke_api_key("e2b_zzzzzzzz"),
