@@ -467,7 +467,10 @@ impl CreateSandbox {
                 "autoPauseMemory=false requires autoPause=true".into(),
             ));
         }
-        let auto_resume = b.auto_resume.as_ref().is_some_and(|a| a.enabled == Some(true));
+        let auto_resume = b
+            .auto_resume
+            .as_ref()
+            .is_some_and(|a| a.enabled == Some(true));
         if b.auto_pause_memory == Some(false) && auto_resume {
             return Err(ApiError::BadRequest(
                 "autoResume cannot be enabled with autoPauseMemory=false (a filesystem-only pause is never resumed automatically)".into(),
