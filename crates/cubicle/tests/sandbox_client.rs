@@ -809,6 +809,25 @@ fn against_cubicle_serve() {
     assert!(o.status.success(), "{:?} {}", o.status, stderr(&o));
     assert!(stdout(&o).contains("42\r\n"), "{:?}", stdout(&o));
 
+    // ... also when the last command outlasts the first ten seconds of Ctrl-Ds (those
+    // typed while it runs reach the shell as literal characters): EOF still ends it.
+    let mut child = serve
+        .cmd(&["shell", &id])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    std::io::Write::write_all(
+        child.stdin.as_mut().unwrap(),
+        b"sleep 11; echo after-$((6*7))\n",
+    )
+    .unwrap();
+    drop(child.stdin.take());
+    let o = child.wait_with_output().unwrap();
+    assert!(o.status.success(), "{:?} {}", o.status, stderr(&o));
+    assert!(stdout(&o).contains("after-42\r\n"), "{:?}", stdout(&o));
+
     // logs
     let logs = serve.run(&["logs", &id]);
     assert!(logs.status.success(), "{}", stderr(&logs));
