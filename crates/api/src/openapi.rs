@@ -147,17 +147,12 @@ fn boolean(only: bool, why: &str) -> Schema {
     )
 }
 
-/// A boolean that may only be `false` (or absent): `true` asks for something Cubicle
-/// does not do yet (400).
-pub fn false_only() -> Schema {
-    boolean(false, "true is not supported by Cubicle yet (400)")
-}
-
-/// `autoPauseMemory`: `false` needs `autoPause`, which Cubicle does not have yet.
+/// `autoPauseMemory`: `false` (a disk-only pause) needs `autoPause` and no `autoResume`,
+/// which a schema of one field cannot say; described as `true` only.
 pub fn true_only() -> Schema {
     boolean(
         true,
-        "false requires autoPause, which Cubicle does not support yet (400)",
+        "false (pause without memory) requires autoPause and no autoResume (else 400)",
     )
 }
 
@@ -192,34 +187,6 @@ pub fn env_vars() -> Schema {
             )))
             .description(Some(
                 "Environment variables of every process in the sandbox",
-            ))
-            .build(),
-    )
-}
-
-/// `network.denyOut`: only `0.0.0.0/0` (no internet) is supported.
-pub fn deny_out() -> Schema {
-    Schema::Array(
-        utoipa::openapi::schema::ArrayBuilder::new()
-            .schema_type(SchemaType::from_iter([Type::Array, Type::Null]))
-            .items(
-                ObjectBuilder::new()
-                    .schema_type(SchemaType::Type(Type::String))
-                    .enum_values(Some(["0.0.0.0/0"])),
-            )
-            .description(Some("Only 0.0.0.0/0 (no internet) is supported yet"))
-            .build(),
-    )
-}
-
-/// An object that must be empty (or `null`): a feature Cubicle does not have yet.
-pub fn empty_object() -> Schema {
-    Schema::Object(
-        ObjectBuilder::new()
-            .schema_type(SchemaType::from_iter([Type::Object, Type::Null]))
-            .max_properties(Some(0))
-            .description(Some(
-                "not supported by Cubicle yet: anything but {} or null is refused (400)",
             ))
             .build(),
     )

@@ -906,6 +906,11 @@ impl ControlPlane {
                 let id2 = id.to_string();
                 let _ = self.store.call(move |s| s.set_end_at(&id2, end)).await;
                 tracing::info!(sandbox = %id, took_us = out.took.as_micros() as u64, "sandbox resumed by a request");
+                if out.resumed
+                    && let Ok(Some(row)) = self.store.read(|s| s.sandbox(id))
+                {
+                    self.lifecycle(EventKind::Resumed, &row, serde_json::Map::new());
+                }
                 self.backend.peek(id).ok()
             }
             Err(e) => {
