@@ -326,7 +326,7 @@ async fn any_sandbox_kill(
     Path(id): Path<String>,
 ) -> ApiResult<StatusCode> {
     operator_only(&cp, &team)?;
-    if !cubicle_node::ids::is_valid_sandbox_id(&id) {
+    if !cubicle_node::SandboxId::is_valid(&id) {
         return Err(ApiError::sandbox_not_found(&id));
     }
     let id2 = id.clone();

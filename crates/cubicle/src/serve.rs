@@ -632,6 +632,7 @@ async fn dataplane(
     let route = dataplane_route(target.as_ref().map(|(_, p)| *p), req.uri().path());
     let mut resp = dp.handle(req).await;
     if let Some((id, _)) = target {
+        let id = id.to_string();
         if route == "sandbox:envd/process.Process/Start" && resp.status().is_success() {
             t.command_started(&id, t0.elapsed());
         }

@@ -91,9 +91,7 @@ fn cpu_seconds(stat: &str) -> Vec<(&'static str, f64)> {
 
 /// (total, available) bytes of the filesystem holding `path`.
 fn disk_space(path: &Path) -> Option<(u64, u64)> {
-    let v = nix::sys::statvfs::statvfs(path).ok()?;
-    let frag = v.fragment_size() as u64;
-    Some((v.blocks() as u64 * frag, v.blocks_available() as u64 * frag))
+    cubicle_syscalls::fs::disk_space(path).ok()
 }
 
 #[cfg(test)]

@@ -96,7 +96,10 @@ impl DataPlane {
 
     /// The sandbox and port `req` names (routing headers or host), for observers such as
     /// the access log and metrics; `None` for presigned `/files` URLs and bad requests.
-    pub fn target_of<B>(&self, req: &axum::http::Request<B>) -> Option<(String, u16)> {
+    pub fn target_of<B>(
+        &self,
+        req: &axum::http::Request<B>,
+    ) -> Option<(cubicle_runtime::SandboxId, u16)> {
         match routing::route(req, self.inner.domain.as_deref()) {
             Ok(Route::Port { id, port }) => Some((id, port)),
             _ => None,

@@ -1,4 +1,5 @@
-//! Filesystem calls: which filesystem a path is on, whole-file locks, unmounting.
+//! Filesystem calls: which filesystem a path is on and its space, whole-file locks,
+//! unmounting.
 
 use std::io;
 use std::os::fd::AsFd;
@@ -19,6 +20,14 @@ pub fn fs_type(path: &Path) -> io::Result<i64> {
     // f_type is a 32-bit magic in a signed field; keep its bits.
     #[allow(clippy::unnecessary_cast)]
     Ok((st.f_type as i64) & 0xFFFF_FFFF)
+}
+
+/// (total, available to unprivileged users) bytes of the filesystem holding `path`
+/// (`statvfs(2)`).
+pub fn disk_space(path: &Path) -> io::Result<(u64, u64)> {
+    let st = rustix::fs::statvfs(path)?;
+    let frag = st.f_frsize;
+    Ok((st.f_blocks * frag, st.f_bavail * frag))
 }
 
 /// Takes an exclusive `flock(2)` lock on `file`, waiting for it when `wait`; without

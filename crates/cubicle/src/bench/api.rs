@@ -71,6 +71,9 @@ impl Api {
             allow_internet_access: Some(internet),
             network: self.network.clone(),
             volume_mounts: Vec::new(),
+            cpu_count: None,
+            memory_mb: None,
+            disk_mb: None,
         };
         let (sbx, _) = self
             .rest
@@ -108,6 +111,7 @@ impl Api {
         let filter = ListFilter {
             metadata: vec![("cubicle-bench".into(), "1".into())],
             states: vec!["running".into(), "paused".into()],
+            template: None,
         };
         let all = self.rest.list_on(c, &filter).await?;
         Ok(all
