@@ -159,8 +159,10 @@ pub struct NetworkBody {
     #[serde(flatten)]
     egress: EgressBody,
     /// `Host` header sent to the sandbox's ports (`${PORT}` is replaced by the port).
+    #[schema(schema_with = crate::openapi::mask_request_host)]
     mask_request_host: Option<String>,
-    /// Ports served over HTTPS by the sandbox.
+    /// Ports served over HTTPS by the sandbox (not supported yet: only empty).
+    #[schema(schema_with = crate::openapi::https_ports)]
     https_ports: Option<Vec<u16>>,
 }
 
@@ -169,15 +171,20 @@ pub struct NetworkBody {
 #[serde(rename_all = "camelCase")]
 struct EgressBody {
     /// Egress allow list: CIDRs, IPs or domain patterns (an allow entry beats a deny).
+    #[schema(schema_with = crate::openapi::allow_out)]
     allow_out: Option<Vec<String>>,
     /// Egress deny list: CIDRs or IPs (`0.0.0.0/0`: no internet).
+    #[schema(schema_with = crate::openapi::deny_out)]
     deny_out: Option<Vec<String>>,
     /// DNS servers (IPv4) the sandbox resolves through.
+    #[schema(schema_with = crate::openapi::dns_servers)]
     dns_servers: Option<Vec<String>>,
     /// An egress proxy every connection goes through.
+    #[schema(schema_with = crate::openapi::egress_proxy)]
     egress_proxy: Option<EgressProxyBody>,
     /// Per-domain rules (at most 10 domains, one rule each; header transforms are not
     /// supported).
+    #[schema(schema_with = crate::openapi::rules)]
     rules: Option<BTreeMap<String, Vec<RuleBody>>>,
     /// Cubicle's extension: learn mode (record what the policy would deny, deny nothing).
     learn: Option<bool>,
@@ -322,7 +329,7 @@ pub struct NewSandboxBody {
     /// Template: `NAME`, `NAME:default|latest` or `NAMESPACE/NAME[:TAG]`.
     #[serde(rename = "templateID")]
     #[schema(
-        pattern = "^([A-Za-z0-9][A-Za-z0-9._-]*/)?[a-z0-9][a-z0-9._-]{0,63}(:[^/]*)?$",
+        pattern = "^([A-Za-z0-9][A-Za-z0-9._-]*/)?[a-z0-9][a-z0-9._-]{0,63}(:[^/%]*)?$",
         example = "base"
     )]
     template_id: String,
@@ -358,7 +365,7 @@ pub struct NewSandboxBody {
     #[schema(schema_with = crate::openapi::null_only)]
     iam: Option<serde_json::Value>,
     /// Volumes to mount (`name`, `path`).
-    #[schema(value_type = Option<Vec<Object>>)]
+    #[schema(schema_with = crate::openapi::volume_mounts)]
     volume_mounts: Option<Vec<crate::volumes::VolumeMountRequest>>,
     /// Cubicle: vCPUs (CPU share) instead of the template's, up to the node's CPUs.
     #[schema(minimum = 1)]

@@ -191,3 +191,130 @@ pub fn env_vars() -> Schema {
             .build(),
     )
 }
+
+/// A schema written as JSON (for what the builders make long-winded); the schemas below
+/// are constants, checked by `described_bodies_carry_the_servers_rules` in `tests.rs`.
+fn json_schema(v: serde_json::Value) -> Schema {
+    serde_json::from_value(v).unwrap_or_else(|_| Schema::Object(Default::default()))
+}
+
+/// An IPv4 address or CIDR (`Ipv4Cidr`'s parser: dotted quad, prefix 0–32).
+const IPV4_CIDR: &str = "^(25[0-5]|2[0-4][0-9]|1[0-9]{2}|[1-9]?[0-9])(\\.(25[0-5]|2[0-4][0-9]|1[0-9]{2}|[1-9]?[0-9])){3}(/(3[0-2]|[12]?[0-9]))?$";
+
+/// `network.allowOut`.
+pub fn allow_out() -> Schema {
+    json_schema(serde_json::json!({
+        "type": ["array", "null"],
+        "items": {"type": "string", "pattern": IPV4_CIDR},
+        "description": "Egress allow list: IPv4 addresses or CIDRs (an allow entry beats a deny). \
+            Domain names and `*.` patterns are allowed too, but only with `0.0.0.0/0` in \
+            denyOut (a rule across fields: else 400), so this schema names addresses only.",
+    }))
+}
+
+/// `network.denyOut`.
+pub fn deny_out() -> Schema {
+    json_schema(serde_json::json!({
+        "type": ["array", "null"],
+        "items": {"type": "string", "pattern": IPV4_CIDR},
+        "description": "Egress deny list: IPv4 addresses or CIDRs (`0.0.0.0/0`: no internet).",
+    }))
+}
+
+/// A public IPv4 address, as a subset a regular expression can say: first octet 1–99
+/// other than 10 (so none of the private, loopback, link-local/metadata, shared,
+/// documentation, multicast or reserved ranges the node's guard refuses).
+const IPV4_PUBLIC: &str =
+    "^([1-9]|1[1-9]|[2-9][0-9])(\\.(25[0-5]|2[0-4][0-9]|1[0-9]{2}|[1-9]?[0-9])){3}$";
+
+/// `network.dnsServers`: the node refuses addresses sandboxes may not reach.
+pub fn dns_servers() -> Schema {
+    json_schema(serde_json::json!({
+        "type": ["array", "null"],
+        "items": {"type": "string", "pattern": IPV4_PUBLIC},
+        "maxItems": 10,
+        "description": "DNS servers (at most 10) the sandbox resolves through: IPv4 addresses \
+            sandboxes may reach (not private, host, metadata, sandbox or reserved: else 400); \
+            described as public addresses with a first octet 1-99 other than 10.",
+    }))
+}
+
+/// `network.maskRequestHost` (`commands::mask_host`).
+pub fn mask_request_host() -> Schema {
+    json_schema(serde_json::json!({
+        "type": ["string", "null"],
+        "pattern": "^[-A-Za-z0-9._:${}]{1,253}$",
+        "description": "`Host` header sent to the sandbox's ports: an ASCII host name, \
+            `${PORT}` is replaced by the port.",
+    }))
+}
+
+/// `network.egressProxy`: its rules span fields (a password needs a username, the
+/// address must resolve to host:port, a CA certificate must be PEM), so the schema
+/// names only its absence; see docs/network.md.
+pub fn egress_proxy() -> Schema {
+    json_schema(serde_json::json!({
+        "type": "null",
+        "description": "An egress proxy every connection goes through: {address: \"host:port\", \
+            username, password (needs username), tls: {enabled, serverName, caCert (PEM)}}; \
+            its rules span fields, see docs/network.md. Not described further here.",
+    }))
+}
+
+/// `network.rules`: at most 10 domains, one rule each, no header transforms.
+pub fn rules() -> Schema {
+    json_schema(serde_json::json!({
+        "type": ["object", "null"],
+        "maxProperties": 10,
+        "propertyNames": {
+            "type": "string",
+            "pattern": "^(\\*\\.)?[a-z][a-z0-9]{0,20}(\\.[a-z][a-z0-9]{0,20}){0,3}\\.[a-z]{2,10}$",
+        },
+        "additionalProperties": {
+            "type": "array",
+            "maxItems": 1,
+            "items": {
+                "type": "object",
+                "properties": {"transform": {"type": "null"}},
+            },
+        },
+        "description": "Per-domain rules (at most 10 domain names or `*.` patterns, one rule \
+            each; header transforms are not supported: 400).",
+    }))
+}
+
+/// `volumeMounts`: the team's volumes by name, at absolute clean paths outside the
+/// sandbox's own mounts (`cubicle_node::volume::check_mounts`). A name that is not a
+/// volume of the team is a 404.
+pub fn volume_mounts() -> Schema {
+    json_schema(serde_json::json!({
+        "type": ["array", "null"],
+        "maxItems": cubicle_node::volume::MAX_VOLUME_MOUNTS,
+        "items": {
+            "type": "object",
+            "required": ["name", "path"],
+            "properties": {
+                "name": {"type": "string", "pattern": "^[A-Za-z0-9_-]{1,128}$",
+                    "description": "A volume of the team (else 404)"},
+                "path": {"type": "string",
+                    "pattern": "^/(mnt|home|data|workspace|srv|opt)(/[A-Za-z0-9_-][A-Za-z0-9._-]{0,63}){0,8}$",
+                    "description": "Mount point: absolute, without `.`/`..`, not `/` nor under \
+                        /proc, /sys, /dev, /run/cubicle, each used once (described here as \
+                        under /mnt, /home, /data, /workspace, /srv or /opt)"},
+                "readOnly": {"type": "boolean", "description": "Cubicle's own: mount read-only"},
+            },
+        },
+        "description": "Volumes to mount (at most 8).",
+    }))
+}
+
+/// `network.httpsPorts`: not supported yet, so only an empty list (or none).
+pub fn https_ports() -> Schema {
+    json_schema(serde_json::json!({
+        "type": ["array", "null"],
+        "items": {"type": "integer", "minimum": 0, "maximum": 65535},
+        "maxItems": 0,
+        "description": "Ports served over HTTPS by the sandbox: not supported by Cubicle yet \
+            (a non-empty list is refused, 400).",
+    }))
+}

@@ -202,7 +202,9 @@ async fn api_key_create(
     Ok((StatusCode::CREATED, Json(created)).into_response())
 }
 
-/// Revoke the key starting with `prefix` (the team's own; the operator: any).
+/// Revoke the key starting with `prefix` (the team's own; the operator: any). The key
+/// the request itself is made with cannot be revoked through the API (409): a client
+/// would lock itself out mid-way (`cubicle apikey revoke` on the host can).
 #[utoipa::path(delete, path = "/cubicle/api-keys/{prefix}", tag = "cubicle",
     params(("prefix" = String, Path, description = "The key's first characters (at least `e2b_` + 4)", pattern = "^e2b_[^/]{4,}$")),
     responses((status = 200, body = ApiKeyListed), (status = 400, response = ErrorBody),
@@ -210,8 +212,15 @@ async fn api_key_create(
 async fn api_key_revoke(
     State(cp): Cp,
     Extension(team): Extension<Team>,
+    headers: axum::http::HeaderMap,
     Path(prefix): Path<String>,
 ) -> ApiResult<Json<ApiKeyListed>> {
+    if crate::routes::request_key(&headers).is_some_and(|k| k.starts_with(&prefix)) {
+        return Err(ApiError::Conflict(format!(
+            "'{prefix}' is the key this request is made with: revoke it with another key \
+             (or `cubicle apikey revoke` on the host)"
+        )));
+    }
     let all = cp.is_admin(&team);
     let by = team.name.clone();
     let k = cp

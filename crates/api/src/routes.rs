@@ -142,7 +142,7 @@ async fn pool_stats(State(cp): Cp) -> Json<serde_json::Value> {
 
 /// The API key of a request: `X-API-KEY`, or `Authorization: Bearer KEY` (what
 /// Prometheus sends for `/metrics`).
-fn request_key(headers: &HeaderMap) -> Option<String> {
+pub(crate) fn request_key(headers: &HeaderMap) -> Option<String> {
     if let Some(k) = headers.get("x-api-key").and_then(|v| v.to_str().ok()) {
         return Some(k.trim().to_string());
     }

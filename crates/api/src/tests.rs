@@ -1420,7 +1420,7 @@ async fn volumes_control_routes() {
         .await;
     assert_eq!(r.status, StatusCode::CREATED);
 
-    // Mounted by name; echoed; in use → 409; unknown name → 400; bad path → 400.
+    // Mounted by name; echoed; in use → 409; unknown name → 404; bad path → 400.
     let sid = h
         .create_a(
             json!({"templateID": "base", "volumeMounts": [{"name": "data", "path": "/mnt/data"}]}),
@@ -1438,14 +1438,27 @@ async fn volumes_control_routes() {
         l.json[0]["volumeMounts"],
         json!([{"name": "data", "path": "/mnt/data"}])
     );
-    for (mounts, needle) in [
-        (json!([{"name": "nope", "path": "/mnt/x"}]), "not found"),
-        (json!([{"name": "data", "path": "relative"}]), "absolute"),
+    for (mounts, status, needle) in [
+        (
+            json!([{"name": "nope", "path": "/mnt/x"}]),
+            StatusCode::NOT_FOUND,
+            "not found",
+        ),
+        (
+            json!([{"name": "data", "path": "relative"}]),
+            StatusCode::BAD_REQUEST,
+            "absolute",
+        ),
         (
             json!([{"name": "data", "path": "/mnt/a"}, {"name": "data", "path": "/mnt/a"}]),
+            StatusCode::BAD_REQUEST,
             "twice",
         ),
-        (json!([{"name": "data", "path": "/proc/x"}]), "/proc"),
+        (
+            json!([{"name": "data", "path": "/proc/x"}]),
+            StatusCode::BAD_REQUEST,
+            "/proc",
+        ),
     ] {
         let r = h
             .a(
@@ -1454,7 +1467,7 @@ async fn volumes_control_routes() {
                 json!({"templateID": "base", "volumeMounts": mounts}),
             )
             .await;
-        assert_eq!(r.status, StatusCode::BAD_REQUEST, "{mounts}: {}", r.json);
+        assert_eq!(r.status, status, "{mounts}: {}", r.json);
         assert!(
             r.json["message"].as_str().unwrap().contains(needle),
             "{}",
@@ -1779,6 +1792,34 @@ async fn openapi_describes_what_is_served() {
         spec["components"]["schemas"]["NewSandbox"]["properties"]["timeout"]["maximum"], 3600,
         "the server's --max-timeout"
     );
+    // Bodies the server validates are described with its rules, not as free strings.
+    let schemas = &spec["components"]["schemas"];
+    let mounts = &schemas["NewSandbox"]["properties"]["volumeMounts"];
+    assert_eq!(
+        mounts["items"]["required"],
+        json!(["name", "path"]),
+        "{mounts}"
+    );
+    assert_eq!(mounts["maxItems"], 8, "{mounts}");
+    // `network` (SandboxNetwork) flattens the egress fields (EgressBody, also the body
+    // of PUT /sandboxes/{id}/network).
+    let net = &schemas["SandboxNetwork"];
+    let egress = &schemas["EgressBody"]["properties"];
+    for field in ["allowOut", "denyOut", "dnsServers"] {
+        assert!(
+            egress[field]["items"]["pattern"].is_string(),
+            "{field}: {}",
+            egress[field]
+        );
+    }
+    assert_eq!(egress["rules"]["maxProperties"], 10);
+    assert_eq!(egress["egressProxy"]["type"], "null");
+    let own = net["allOf"]
+        .as_array()
+        .and_then(|all| all.iter().find(|s| s["properties"].is_object()))
+        .map_or(&net["properties"], |s| &s["properties"]);
+    assert!(own["maskRequestHost"]["pattern"].is_string(), "{net}");
+    assert_eq!(own["httpsPorts"]["maxItems"], 0, "{net}");
     let mut n = 0;
     for (path, ops) in paths {
         for (method, op) in ops.as_object().unwrap() {
@@ -2404,6 +2445,16 @@ async fn api_keys_per_team_and_for_the_operator() {
         )
         .await;
     assert_eq!(r.status, StatusCode::NOT_FOUND);
+    // Not the key the request is made with (a client would lock itself out).
+    let r = h
+        .call(
+            Method::DELETE,
+            &format!("/cubicle/api-keys/{}", &new_key[..12]),
+            Some(&new_key),
+            Body::empty(),
+        )
+        .await;
+    assert_eq!(r.status, StatusCode::CONFLICT, "{}", r.json);
     let r = h
         .a(
             Method::DELETE,
