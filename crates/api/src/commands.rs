@@ -549,8 +549,10 @@ impl CreateSandbox {
     }
 }
 
-#[derive(Deserialize)]
-struct UpdateNetworkBody {
+/// `PUT /sandboxes/{id}/network` body (E2B's `SandboxNetworkUpdateConfig`).
+#[derive(Deserialize, utoipa::ToSchema)]
+#[schema(as = SandboxNetworkUpdate)]
+pub struct UpdateNetworkBody {
     #[serde(flatten)]
     egress: EgressBody,
     #[serde(rename = "allow_internet_access")]

@@ -16,7 +16,7 @@ use axum::extract::{Path, RawQuery, Request, State};
 use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
-use axum::routing::{get, post, put};
+use axum::routing::post;
 use axum::{Extension, Json};
 use cubicle_store::Team;
 use utoipa_axum::router::OpenApiRouter;
@@ -62,6 +62,10 @@ fn documented(cp: &Arc<ControlPlane>) -> OpenApiRouter<Arc<ControlPlane>> {
         .routes(routes!(webhook_get, webhook_update, webhook_delete))
         // Cubicle's own: warm-pool counters for operators and `cubicle bench`.
         .routes(routes!(pool_stats))
+        .routes(routes!(network))
+        .routes(routes!(netlog))
+        .routes(routes!(list_snapshots))
+        .routes(routes!(delete_template))
         .merge(crate::operator::routes())
         .route_layer(middleware::from_fn_with_state(cp.clone(), auth));
     OpenApiRouter::with_openapi(crate::openapi::base())
@@ -71,20 +75,16 @@ fn documented(cp: &Arc<ControlPlane>) -> OpenApiRouter<Arc<ControlPlane>> {
         .merge(authed)
 }
 
-/// Routes not in the description (yet): stateful sandboxes (pause, resume, snapshots,
-/// fork, rollback), the egress policy (`PUT /sandboxes/{id}/network`, the netlog), and
-/// E2B's volume, volume-content and secret routes. They are served all the same.
+/// Routes not in the description (yet): stateful sandboxes (pause, resume, taking a
+/// snapshot, fork, rollback) and E2B's volume, volume-content and secret routes. They
+/// are served all the same.
 fn stubs(cp: &Arc<ControlPlane>) -> Router<Arc<ControlPlane>> {
     Router::new()
         .route("/sandboxes/{id}/pause", post(pause))
         .route("/sandboxes/{id}/resume", post(resume))
-        .route("/sandboxes/{id}/network", put(network))
-        .route("/cubicle/sandboxes/{id}/netlog", get(netlog))
         .route("/sandboxes/{id}/snapshots", post(snapshot))
         .route("/sandboxes/{id}/fork", post(fork))
         .route("/sandboxes/{id}/rollback", post(rollback))
-        .route("/snapshots", get(list_snapshots))
-        .route("/templates/{id}", axum::routing::delete(delete_template))
         .merge(crate::volumes::routes())
         .merge(crate::secrets::routes())
         .route_layer(middleware::from_fn_with_state(cp.clone(), auth))
@@ -634,6 +634,14 @@ async fn resume(
     Ok((StatusCode::CREATED, Json(sandbox)).into_response())
 }
 
+/// Replace the sandbox's whole egress policy (fields left out are cleared; `{}` clears
+/// the policy).
+#[utoipa::path(put, path = "/sandboxes/{id}/network", tag = "sandboxes",
+    params(("id" = String, Path, description = "Sandbox id")),
+    request_body = crate::commands::UpdateNetworkBody,
+    responses((status = 204, description = "Replaced"), (status = 400, response = ErrorBody),
+        (status = 401, response = ErrorBody), (status = 404, response = ErrorBody),
+        (status = 409, response = ErrorBody)))]
 async fn network(
     State(cp): Cp,
     Extension(team): Extension<Team>,
@@ -650,6 +658,13 @@ async fn network(
 /// audit trail (Cubicle's own route, for `cubicle sandbox netlog`). With `allowlist`,
 /// also the `allowOut` list that would have permitted every connection in the whole
 /// trail (learn mode).
+#[utoipa::path(get, path = "/cubicle/sandboxes/{id}/netlog", tag = "cubicle",
+    params(("id" = String, Path, description = "Sandbox id"),
+        ("after" = Option<i64>, Query, minimum = 0, description = "Events after this sequence number"),
+        ("limit" = Option<i64>, Query, minimum = 1, maximum = 100000, description = "Events to return (default 1000)"),
+        ("allowlist" = Option<bool>, Query, description = "Also the allowOut/denyOut that would have let the whole trail through")),
+    responses((status = 200, description = "`{events: [...]}` (with `allowlist`: also `allowOut`, `denyOut`)", body = Object),
+        (status = 400, response = ErrorBody), (status = 401, response = ErrorBody), (status = 404, response = ErrorBody)))]
 async fn netlog(
     State(cp): Cp,
     Extension(team): Extension<Team>,
@@ -661,7 +676,7 @@ async fn netlog(
     let limit = q.int("limit", 1..=100_000)?.unwrap_or(1000) as usize;
     let events = cp.network_log(&team, &id, after, limit).await?;
     let mut body = serde_json::json!({ "events": events });
-    if q.get("allowlist") == Some("true") {
+    if q.bool("allowlist")? == Some(true) {
         let all = cp.network_log(&team, &id, 0, usize::MAX).await?;
         let allow = cubicle_node::allow_list(&all);
         let needs_deny_all = allow
@@ -692,6 +707,14 @@ async fn snapshot(
     Ok(resp)
 }
 
+/// The team's snapshots, newest first; a further page's cursor is the `X-Next-Token`
+/// answer header (sent back as `?nextToken=`, not described here: only the server's own
+/// cursors are valid).
+#[utoipa::path(get, path = "/snapshots", tag = "sandboxes",
+    params(("sandboxID" = Option<String>, Query, description = "Only snapshots of this sandbox"),
+        ("name" = Option<String>, Query, description = "Only snapshots with this name"),
+        ("limit" = Option<i64>, Query, minimum = 1, maximum = 100, description = "Snapshots per page (default 100)")),
+    responses((status = 200, body = Vec<Object>), (status = 400, response = ErrorBody), (status = 401, response = ErrorBody)))]
 async fn list_snapshots(
     State(cp): Cp,
     Extension(team): Extension<Team>,
@@ -708,6 +731,12 @@ async fn list_snapshots(
     Ok(resp)
 }
 
+/// Delete a snapshot of the team (snapshots are usable as templates).
+#[utoipa::path(delete, path = "/templates/{id}", tag = "sandboxes",
+    params(("id" = String, Path, description = "Snapshot id or name")),
+    responses((status = 204, description = "Deleted"), (status = 400, response = ErrorBody),
+        (status = 401, response = ErrorBody), (status = 404, response = ErrorBody),
+        (status = 409, response = ErrorBody)))]
 async fn delete_template(
     State(cp): Cp,
     Extension(team): Extension<Team>,

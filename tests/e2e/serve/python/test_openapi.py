@@ -37,7 +37,8 @@ def test_the_description_is_served_and_names_the_routes():
     for p in ("/v2/sandboxes", "/sandboxes/{id}", "/sandboxes/{id}/timeout", "/v2/sandboxes/{id}/connect",
               "/sandboxes/{id}/logs", "/v2/sandboxes/{id}/logs", "/sandboxes/{id}/metrics",
               "/events/sandboxes", "/events/webhooks", "/events/webhooks/{webhookID}", "/metrics",
-              "/cubicle/pool", "/health"):
+              "/cubicle/pool", "/health", "/sandboxes/{id}/network", "/cubicle/sandboxes/{id}/netlog",
+              "/snapshots", "/templates/{id}"):
         assert p in paths, p
     assert spec["components"]["securitySchemes"]["ApiKeyAuth"] == {
         "type": "apiKey", "in": "header", "name": "X-API-KEY"}
