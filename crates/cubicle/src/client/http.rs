@@ -182,16 +182,32 @@ impl Connection {
                 .map(|p| p.as_str())
                 .unwrap_or("/"),
         );
-        let mut sender = match self.sender.take() {
-            Some(s) if !s.is_closed() => s,
-            _ => self.handshake().await?,
+        let (mut sender, reused) = match self.sender.take() {
+            Some(s) if !s.is_closed() => (s, true),
+            _ => (self.handshake().await?, false),
         };
         let http_err = |e: hyper::Error| ClientError::Http {
             url: url.clone(),
             detail: super::error::chain(&e),
         };
+        // A server may close a kept-alive connection at any moment (after a streamed
+        // answer, an idle timeout): a request that was not sent on it goes on a new one.
+        // One that was sent is never repeated (it may not be idempotent).
+        if sender.ready().await.is_err() && reused {
+            sender = self.handshake().await?;
+        }
         sender.ready().await.map_err(http_err)?;
-        let resp = sender.send_request(req).await.map_err(http_err)?;
+        let resp = match sender.try_send_request(req).await {
+            Ok(resp) => resp,
+            Err(mut e) => match e.take_message() {
+                Some(req) if reused => {
+                    sender = self.handshake().await?;
+                    sender.ready().await.map_err(http_err)?;
+                    sender.send_request(req).await.map_err(http_err)?
+                }
+                _ => return Err(http_err(e.into_error())),
+            },
+        };
         // Only a connection whose request went through is used again.
         self.sender = Some(sender);
         Ok(resp)
