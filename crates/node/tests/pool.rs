@@ -398,11 +398,9 @@ async fn start_command_pooled(envd: &Path) -> anyhow::Result<()> {
     node.settle(Duration::from_secs(30)).await;
     // A refill under way at close removes its sandbox once made (start command included).
     node.wait_refills(Duration::from_secs(60)).await;
-    anyhow::ensure!(
-        sandbox_dirs(&state).is_empty(),
-        "left: {:?}",
-        sandbox_dirs(&state)
-    );
-    let _ = std::fs::remove_dir_all(&state);
+    let left = sandbox_dirs(&state);
+    // remove_tree unmounts the quota filesystem first (remove_dir_all cannot).
+    let _ = cubicle_node::fsutil::remove_tree(&state);
+    anyhow::ensure!(left.is_empty(), "left: {left:?}");
     r
 }
