@@ -28,14 +28,22 @@ impl ApiResolver {
         if info.state != SandboxState::Running || info.busy {
             return None;
         }
-        Some(SandboxTarget {
-            id: info.id.to_string(),
-            envd_socket: info.envd_socket.clone(),
-            init_pidfd: info.init_pidfd.as_ref().map(|p| p.fd().clone()),
-            envd_access_token: Some(info.access_token.clone()),
-            traffic_access_token: traffic,
-            mask_request_host: info.mask_request_host.clone(),
-        })
+        let mut t = target_of(&info, traffic);
+        t.init_pidfd = info.init_pidfd.as_ref().map(|p| p.fd().clone());
+        Some(t)
+    }
+}
+
+/// The data plane's view of a sandbox (without its init's pidfd: a paused sandbox has
+/// no init).
+fn target_of(info: &cubicle_node::SandboxInfo, traffic: Option<String>) -> SandboxTarget {
+    SandboxTarget {
+        id: info.id.to_string(),
+        envd_socket: info.envd_socket.clone(),
+        init_pidfd: None,
+        envd_access_token: Some(info.access_token.clone()),
+        traffic_access_token: traffic,
+        mask_request_host: info.mask_request_host.clone(),
     }
 }
 
@@ -61,14 +69,7 @@ impl SandboxResolver for ApiResolver {
         if !paused || !info.lifecycle.auto_resume {
             return None;
         }
-        Some(SandboxTarget {
-            id: info.id.to_string(),
-            envd_socket: info.envd_socket.clone(),
-            init_pidfd: None,
-            envd_access_token: Some(info.access_token.clone()),
-            traffic_access_token: traffic,
-            mask_request_host: info.mask_request_host.clone(),
-        })
+        Some(target_of(&info, traffic))
     }
 
     fn wake(&self, id: &str) -> WakeFuture {
