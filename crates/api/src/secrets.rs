@@ -227,7 +227,7 @@ impl ControlPlane {
 }
 
 /// Create a secret of the team.
-#[utoipa::path(post, path = "/secrets", tag = "secrets",
+#[utoipa::path(post, operation_id = "secret_create", path = "/secrets", tag = "secrets",
     request_body = NewSecretBody,
     responses((status = 201, body = SecretBody), (status = 400, response = ErrorBody),
         (status = 401, response = ErrorBody), (status = 409, response = ErrorBody),
@@ -268,7 +268,7 @@ async fn create(
 }
 
 /// The team's secrets by name, one page (`X-Next-Token` names the next).
-#[utoipa::path(get, path = "/secrets", tag = "secrets",
+#[utoipa::path(get, operation_id = "secret_list", path = "/secrets", tag = "secrets",
     params(("limit" = Option<i64>, Query, minimum = 1, maximum = 100, description = "Page size (default 100)")),
     responses((status = 200, body = Vec<SecretBody>, headers(("x-next-token" = String, description = "The next page's token, when there is one"))),
         (status = 400, response = ErrorBody), (status = 401, response = ErrorBody)))]
@@ -311,7 +311,7 @@ async fn list(
 }
 
 /// One secret of the team (without its value).
-#[utoipa::path(get, path = "/secrets/{s}", tag = "secrets",
+#[utoipa::path(get, operation_id = "secret_detail", path = "/secrets/{s}", tag = "secrets",
     params(("s" = String, Path, description = "Secret id (`sec_…`) or name")),
     responses((status = 200, body = SecretBody), (status = 401, response = ErrorBody), (status = 404, response = ErrorBody)))]
 async fn detail(
@@ -323,7 +323,7 @@ async fn detail(
 }
 
 /// A new value (and metadata) for a secret of the team.
-#[utoipa::path(post, path = "/secrets/{s}", tag = "secrets",
+#[utoipa::path(post, operation_id = "secret_update", path = "/secrets/{s}", tag = "secrets",
     params(("s" = String, Path, description = "Secret id (`sec_…`) or name")),
     request_body = SecretUpdateBody,
     responses((status = 200, body = SecretBody), (status = 400, response = ErrorBody),
@@ -354,7 +354,7 @@ async fn update(
 }
 
 /// Delete a secret of the team.
-#[utoipa::path(delete, path = "/secrets/{s}", tag = "secrets",
+#[utoipa::path(delete, operation_id = "secret_destroy", path = "/secrets/{s}", tag = "secrets",
     params(("s" = String, Path, description = "Secret id (`sec_…`) or name")),
     responses((status = 204, description = "Deleted"), (status = 401, response = ErrorBody), (status = 404, response = ErrorBody)))]
 async fn destroy(

@@ -1886,6 +1886,18 @@ async fn openapi_describes_what_is_served() {
         }
     }
     assert!(n >= 20, "{n} operations");
+    // Operation ids are unique (links name operations by id: a second `detail` made
+    // schemathesis follow the create's GetSandbox link to a volume).
+    let mut ids = std::collections::BTreeSet::new();
+    for op in paths
+        .values()
+        .flat_map(|ops| ops.as_object().unwrap().values())
+    {
+        if let Some(id) = op["operationId"].as_str() {
+            assert!(ids.insert(id.to_string()), "operationId {id} twice");
+        }
+    }
+    assert!(ids.len() >= n, "{} ids for {n} operations", ids.len());
 }
 
 /// Every route the server serves is in the description, so that it cannot drift again:

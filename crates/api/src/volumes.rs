@@ -344,7 +344,7 @@ impl ControlPlane {
 }
 
 /// Create a volume of the team.
-#[utoipa::path(post, path = "/volumes", tag = "volumes",
+#[utoipa::path(post, operation_id = "volume_create", path = "/volumes", tag = "volumes",
     request_body = NewVolumeBody,
     responses((status = 201, body = VolumeAndToken), (status = 400, response = ErrorBody),
         (status = 401, response = ErrorBody), (status = 413, response = ErrorBody),
@@ -369,7 +369,7 @@ async fn create(
 }
 
 /// The team's volumes.
-#[utoipa::path(get, path = "/volumes", tag = "volumes",
+#[utoipa::path(get, operation_id = "volume_list", path = "/volumes", tag = "volumes",
     responses((status = 200, body = Vec<ListedVolume>), (status = 401, response = ErrorBody)))]
 async fn list(State(cp): Cp, Extension(team): Extension<Team>) -> ApiResult<Response> {
     let team_id = team.id;
@@ -385,7 +385,7 @@ async fn list(State(cp): Cp, Extension(team): Extension<Team>) -> ApiResult<Resp
 }
 
 /// One volume of the team, with its content token and its use.
-#[utoipa::path(get, path = "/volumes/{volumeID}", tag = "volumes",
+#[utoipa::path(get, operation_id = "volume_detail", path = "/volumes/{volumeID}", tag = "volumes",
     params(("volumeID" = String, Path, description = "Volume id (a UUID)", pattern = "^[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}$")),
     responses((status = 200, body = VolumeAndToken), (status = 400, response = ErrorBody),
         (status = 401, response = ErrorBody), (status = 404, response = ErrorBody)))]
@@ -403,7 +403,7 @@ async fn detail(
 }
 
 /// Delete a volume of the team and its files.
-#[utoipa::path(delete, path = "/volumes/{volumeID}", tag = "volumes",
+#[utoipa::path(delete, operation_id = "volume_destroy", path = "/volumes/{volumeID}", tag = "volumes",
     params(("volumeID" = String, Path, description = "Volume id (a UUID)", pattern = "^[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}$")),
     responses((status = 204, description = "Deleted"), (status = 400, response = ErrorBody),
         (status = 401, response = ErrorBody), (status = 404, response = ErrorBody),

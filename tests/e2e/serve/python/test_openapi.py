@@ -16,6 +16,7 @@ import json
 import os
 import subprocess
 from pathlib import Path
+from urllib.parse import quote
 
 import pytest
 
@@ -107,7 +108,8 @@ def _clean_up_team(team: str, key: str) -> None:
         if r.status_code != 200 or not r.json():
             break
         for snap in r.json():
-            d = api("DELETE", f"/templates/{snap['snapshotID']}", key=key)
+            # A named snapshot's id is its name, `team/name:tag`: one path segment.
+            d = api("DELETE", f"/templates/{quote(snap['snapshotID'], safe='')}", key=key)
             assert d.status_code in (204, 404), f"deleting snapshot {snap}: {d.status_code} {d.text}"
     r = api("GET", "/volumes", key=key)
     if r.status_code == 200:
