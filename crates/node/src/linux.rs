@@ -239,6 +239,7 @@ impl LinuxRuntime {
     /// Kills what is left of the sandbox (after a checkpoint that ended it: nothing but
     /// the init to reap), removes its cgroup and network objects; its directory stays.
     fn release(&self, id: &str, slot: u32) -> Result<()> {
+        let never_sent = self.never_sent(slot);
         if let Some(sb) = self.handles().remove(id) {
             // This reaps the init (our child) and waits for the cgroup to empty.
             sb.kill().map_err(|e| rt_err(&format!("stop {id}"), e))?;
@@ -246,11 +247,18 @@ impl LinuxRuntime {
         let cg = Cgroup::handle(id).map_err(|e| rt_err("cgroup", e))?;
         cg.kill_all().map_err(|e| rt_err("cgroup", e))?;
         cg.remove().map_err(|e| rt_err("cgroup", e))?;
-        self.detach_network(slot)
+        self.detach_network(slot, never_sent)
     }
 
-    /// Forgets `slot`'s egress policy and removes its network objects.
-    fn detach_network(&self, slot: u32) -> Result<()> {
+    /// Whether `slot`'s sandbox never sent a packet (read before killing it; see
+    /// `Network::never_sent`).
+    fn never_sent(&self, slot: u32) -> bool {
+        self.network.as_ref().is_ok_and(|net| net.never_sent(slot))
+    }
+
+    /// Forgets `slot`'s egress policy and removes its network objects (its connections
+    /// too, unless the sandbox `never_sent` a packet).
+    fn detach_network(&self, slot: u32, never_sent: bool) -> Result<()> {
         let Ok(net) = &self.network else {
             return Ok(());
         };
@@ -259,7 +267,7 @@ impl LinuxRuntime {
         {
             eg.unregister(info.sandbox_ip);
         }
-        net.detach(slot)
+        net.detach_with(slot, never_sent)
             .map_err(|e| rt_err(&format!("network detach of slot {slot}"), e))
     }
 }
@@ -316,6 +324,7 @@ impl SandboxRuntime for LinuxRuntime {
     }
 
     fn destroy(&self, id: &str, slot: Option<u32>, sandbox_dir: &Path) -> Result<()> {
+        let never_sent = slot.is_some_and(|slot| self.never_sent(slot));
         let handle = self.handles().remove(id);
         let res = match handle {
             Some(sb) => sb.destroy(),
@@ -329,7 +338,7 @@ impl SandboxRuntime for LinuxRuntime {
         };
         res.map_err(|e| rt_err(&format!("destroy {id}"), e))?;
         if let Some(slot) = slot {
-            self.detach_network(slot)?;
+            self.detach_network(slot, never_sent)?;
         }
         // Nothing of the sandbox should be mounted on the host; be sure anyway.
         crate::fsutil::unmount_all_under(sandbox_dir);
@@ -602,7 +611,7 @@ impl SandboxRuntime for LinuxRuntime {
             && let Err(e) = self.apply_policy(&s.id, s.slot, &s.network)
         {
             let _ = sb.destroy();
-            let _ = self.detach_network(s.slot);
+            let _ = self.detach_network(s.slot, false);
             return Err(e);
         }
         if sb.pid() != restored.pid {

@@ -35,6 +35,7 @@ pub(crate) const NLA_F_NESTED: u16 = 0x8000;
 const IFLA_IFNAME: u16 = 3;
 const IFLA_MTU: u16 = 4;
 const IFLA_LINKINFO: u16 = 18;
+const IFLA_STATS64: u16 = 23;
 const IFLA_NET_NS_FD: u16 = 28;
 const IFLA_INFO_KIND: u16 = 1;
 const IFLA_INFO_DATA: u16 = 2;
@@ -164,6 +165,8 @@ pub(crate) struct Link {
     pub index: i32,
     pub name: String,
     pub kind: Option<String>,
+    /// Packets the link received (`rtnl_link_stats64.rx_packets`), when reported.
+    pub rx_packets: Option<u64>,
 }
 
 fn parse_link(payload: &[u8]) -> Option<Link> {
@@ -173,9 +176,17 @@ fn parse_link(payload: &[u8]) -> Option<Link> {
     let index = i32::from_ne_bytes([payload[4], payload[5], payload[6], payload[7]]);
     let mut name = None;
     let mut kind = None;
+    let mut rx_packets = None;
     for (ty, data) in attrs(&payload[IFINFOMSG_LEN..]) {
         match ty {
             IFLA_IFNAME => name = Some(cstr(data)),
+            // struct rtnl_link_stats64 starts with rx_packets (u64).
+            IFLA_STATS64 => {
+                rx_packets = data
+                    .get(..8)
+                    .and_then(|b| b.try_into().ok())
+                    .map(u64::from_ne_bytes)
+            }
             IFLA_LINKINFO => {
                 for (t, d) in attrs(data) {
                     if t == IFLA_INFO_KIND {
@@ -190,6 +201,7 @@ fn parse_link(payload: &[u8]) -> Option<Link> {
         index,
         name: name?,
         kind,
+        rx_packets,
     })
 }
 
@@ -562,6 +574,11 @@ impl RouteSocket {
 
     /// The index of the link called `name`, if any.
     pub fn link_index(&mut self, name: &str) -> io::Result<Option<i32>> {
+        Ok(self.link(name)?.map(|l| l.index))
+    }
+
+    /// The link called `name` (with its counters), if any.
+    pub fn link(&mut self, name: &str) -> io::Result<Option<Link>> {
         let mut m = Msg::new(RTM_GETLINK, NLM_F_REQUEST);
         m.header(&ifinfomsg(0, 0, 0));
         m.attr_str(IFLA_IFNAME, name);
@@ -569,7 +586,7 @@ impl RouteSocket {
         let mut found = None;
         let r = self.recv_until_done(seq, |ty, payload| {
             if ty == RTM_NEWLINK {
-                found = parse_link(payload).map(|l| l.index);
+                found = parse_link(payload);
                 true
             } else {
                 false
