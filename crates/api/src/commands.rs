@@ -1239,7 +1239,9 @@ mod tests {
             (br#"{"templateID":"base","network":{"maskRequestHost":"a b"}}"#, "network.maskRequestHost"),
             (br#"{"templateID":"base","network":{"rules":{"*":[{}]}}}"#, "network.rules"),
             (br#"{"templateID":"base","network":{"rules":{"a.com":[{},{}]}}}"#, "network.rules"),
-            (br#"{"templateID":"base","network":{"rules":{"a.com":[{"transform":{"headers":{"A":"1"}}}]}}}"#, "network.rules header transforms"),
+            (br#"{"templateID":"base","network":{"rules":{"a.com":[{"transform":{"headers":{"A":"${e2b.secrets.k"}}}]}}}"#, "Network transform header contains a malformed E2B placeholder."),
+            (br#"{"templateID":"base","network":{"rules":{"a.com":[{"transform":{"headers":{"A":"${e2b.identity.tokens.aws}"}}}]}}}"#, "identity tokens"),
+            (br#"{"templateID":"base","network":{"rules":{"a.com":[{"transform":{"headers":{"Host":"x"}}}]}}}"#, "network.rules"),
             (br#"{"templateID":"base","envVars":{"A=B":"1"}}"#, "environment variable"),
             (br#"{"templateID":"base","secure":"yes"}"#, "invalid request body"),
         ] {

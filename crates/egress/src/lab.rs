@@ -322,6 +322,7 @@ fn start_internet(
     std::thread::spawn(move || {
         for c in https.incoming() {
             let Ok(c) = c else { break };
+            let _ = c.set_nodelay(true);
             let tls = tls.clone();
             std::thread::spawn(move || {
                 if let Ok(conn) = rustls::ServerConnection::new(tls) {
@@ -364,6 +365,7 @@ fn start_internet(
         std::thread::spawn(move || {
             for c in http.incoming() {
                 let Ok(c) = c else { break };
+                let _ = c.set_nodelay(true);
                 std::thread::spawn(move || serve_http(c, addr));
             }
         });
@@ -683,6 +685,7 @@ pub fn keep_alive_paths(
 ) -> Result<Vec<String>, std::io::Error> {
     let s = TcpStream::connect_timeout(&addr, Duration::from_secs(3))?;
     s.set_read_timeout(Some(Duration::from_secs(3)))?;
+    s.set_nodelay(true)?;
     Ok(exchange(s, reqs))
 }
 
@@ -713,6 +716,7 @@ pub fn https_keep_alive(
     let conn = rustls::ClientConnection::new(Arc::new(config), name).map_err(|e| other(&e))?;
     let s = TcpStream::connect_timeout(&addr, Duration::from_secs(3))?;
     s.set_read_timeout(Some(Duration::from_secs(3)))?;
+    s.set_nodelay(true)?;
     let mut tls = rustls::StreamOwned::new(conn, s);
     // Complete the handshake here so that a certificate error is this call's error.
     while tls.conn.is_handshaking() {

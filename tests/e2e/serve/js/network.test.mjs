@@ -138,7 +138,7 @@ test('options Cubicle cannot honour are refused by name', async () => {
       network: {
         allowOut: ['x.test'],
         denyOut: ['0.0.0.0/0'],
-        rules: { 'x.test': [{ transform: { headers: { Authorization: 'Bearer x' } } }] },
+        rules: { 'x.test': [{ transform: { headers: { Host: 'y.test' } } }] },
       },
     }),
     /network\.rules/,
