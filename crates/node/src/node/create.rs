@@ -408,18 +408,7 @@ impl Inner {
                 }
                 argv
             },
-            env: {
-                let mut env = birth_env(template, &record.access_token);
-                if binds.iter().any(|b| b.1 == Path::new(CA_BUNDLE_TARGET)) {
-                    // Clients with a bundle of their own (Python requests/certifi, Node)
-                    // are pointed at the system one, which trusts the node's egress CA.
-                    for k in ["REQUESTS_CA_BUNDLE", "NODE_EXTRA_CA_CERTS"] {
-                        env.entry(k.into())
-                            .or_insert_with(|| CA_BUNDLE_TARGET.into());
-                    }
-                }
-                env
-            },
+            env: birth_env(template, &record.access_token),
             binds,
             volumes,
             id,

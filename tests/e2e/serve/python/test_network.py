@@ -667,6 +667,21 @@ def test_header_rules_inject_secrets_the_sandbox_never_sees(internet):
             assert value not in out, f"the secret's value is inside the sandbox: {out!r}"
             assert out.split() == ["0", "0"], out
             sbx_id = b.sbx.sandbox_id
+        # A code-interpreter sandbox (claimed from the warm pool in run.sh's default
+        # run): its bundle trusts the node's CA too, and clients with bundles of their
+        # own (requests/certifi, Node) are pointed at it.
+        ci = Sandbox.create("code-interpreter-v1", timeout=120, network={"rules": rules})
+        record_id(ci.sandbox_id)
+        try:
+            r = ci.commands.run(
+                "python3 -c \"import urllib.request; print(urllib.request.urlopen('https://allowed.test/echo', timeout=10).read().decode())\"",
+                timeout=60,
+            )
+            assert json.loads(r.stdout)["authorization_sha256"] == want, r.stdout
+            r = ci.commands.run("echo $REQUESTS_CA_BUNDLE $NODE_EXTRA_CA_CERTS")
+            assert r.stdout.split() == ["/etc/ssl/certs/ca-certificates.crt"] * 2, r.stdout
+        finally:
+            ci.kill()
         # Nor in Cubicle's log, database or the sandbox's logs.
         state = os.environ.get("CUBICLE_E2E_STATE_DIR", "")
         paths = [os.environ.get("CUBICLE_E2E_SERVE_LOG", "")]
