@@ -13,7 +13,7 @@ use serde::de::DeserializeOwned;
 use sha2::{Digest, Sha256};
 
 use cubicle_node::NetworkPolicy;
-use cubicle_node::network_policy::{DomainPattern, EgressProxy, ProxyTls, Rule};
+use cubicle_node::network_policy::{EgressProxy, ProxyTls, Rule, Transform};
 
 use crate::error::{ApiError, ApiResult};
 use crate::query::{Query, decode_cursor, metadata_filter, parse_time};
@@ -184,8 +184,8 @@ struct EgressBody {
     /// An egress proxy every connection goes through.
     #[schema(schema_with = crate::openapi::egress_proxy)]
     egress_proxy: Option<EgressProxyBody>,
-    /// Per-domain rules (at most 10 domains, one rule each; header transforms are not
-    /// supported).
+    /// Per-domain rules (at most 10 domains, one rule each): headers the egress proxy
+    /// sets on HTTP(S) requests to the domain, `${e2b.secrets.NAME}` replaced.
     #[schema(schema_with = crate::openapi::rules)]
     rules: Option<BTreeMap<String, Vec<RuleBody>>>,
     /// Cubicle's extension: learn mode (record what the policy would deny, deny nothing).
@@ -271,31 +271,26 @@ impl EgressBody {
             });
         }
         if let Some(rules) = self.rules {
-            if rules.len() > 10 {
-                return Err(net_err("rules", "at most 10 domains may have rules"));
-            }
             for (host, list) in rules {
-                DomainPattern::parse(&host).map_err(|e| net_err("rules", e))?;
-                if list.len() > 1 {
-                    return Err(net_err(
-                        "rules",
-                        format!("at most one rule per domain ({host} has {})", list.len()),
-                    ));
-                }
-                if list.iter().any(|r| {
-                    r.transform
-                        .as_ref()
-                        .is_some_and(|t| t.headers.as_ref().is_some_and(|h| !h.is_empty()))
-                }) {
-                    return Err(not_supported(
-                        "network.rules header transforms (secret injection)",
-                    ));
-                }
                 p.rules.insert(
                     host.to_ascii_lowercase(),
-                    list.iter().map(|_| Rule::default()).collect(),
+                    list.into_iter()
+                        .map(|r| Rule {
+                            transform: r.transform.map(|t| Transform {
+                                headers: t.headers.unwrap_or_default(),
+                            }),
+                        })
+                        .collect(),
                 );
             }
+            cubicle_node::network_policy::check_rules(&p.rules).map_err(|e| {
+                let m = e.to_string();
+                if m.starts_with("Network transform") {
+                    ApiError::BadRequest(m)
+                } else {
+                    net_err("rules", m)
+                }
+            })?;
         }
         p.learn = self.learn.unwrap_or(false);
         p.validate().map_err(|e| match &p.egress_proxy {
@@ -1244,7 +1239,9 @@ mod tests {
             (br#"{"templateID":"base","network":{"maskRequestHost":"a b"}}"#, "network.maskRequestHost"),
             (br#"{"templateID":"base","network":{"rules":{"*":[{}]}}}"#, "network.rules"),
             (br#"{"templateID":"base","network":{"rules":{"a.com":[{},{}]}}}"#, "network.rules"),
-            (br#"{"templateID":"base","network":{"rules":{"a.com":[{"transform":{"headers":{"A":"1"}}}]}}}"#, "network.rules header transforms"),
+            (br#"{"templateID":"base","network":{"rules":{"a.com":[{"transform":{"headers":{"A":"${e2b.secrets.k"}}}]}}}"#, "Network transform header contains a malformed E2B placeholder."),
+            (br#"{"templateID":"base","network":{"rules":{"a.com":[{"transform":{"headers":{"A":"${e2b.identity.tokens.aws}"}}}]}}}"#, "identity tokens"),
+            (br#"{"templateID":"base","network":{"rules":{"a.com":[{"transform":{"headers":{"Host":"x"}}}]}}}"#, "network.rules"),
             (br#"{"templateID":"base","envVars":{"A=B":"1"}}"#, "environment variable"),
             (br#"{"templateID":"base","secure":"yes"}"#, "invalid request body"),
         ] {

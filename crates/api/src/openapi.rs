@@ -285,7 +285,9 @@ pub fn egress_proxy() -> Schema {
     }))
 }
 
-/// `network.rules`: at most 10 domains, one rule each, no header transforms.
+/// `network.rules`: at most 10 domains, one rule each. Header transforms have rules
+/// that span fields (placeholders must name existing secrets, some headers are
+/// reserved), so the schema names only their absence; see docs/network.md.
 pub fn rules() -> Schema {
     json_schema(serde_json::json!({
         "type": ["object", "null"],
@@ -303,7 +305,9 @@ pub fn rules() -> Schema {
             },
         },
         "description": "Per-domain rules (at most 10 domain names or `*.` patterns, one rule \
-            each; header transforms are not supported: 400).",
+            each). A rule's `transform: {headers: {name: value}}` sets those headers on \
+            HTTP(S) requests to the domain, `${e2b.secrets.NAME}` replaced by the secret; \
+            its rules span fields, see docs/network.md. Not described further here.",
     }))
 }
 

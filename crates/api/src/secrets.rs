@@ -226,6 +226,44 @@ impl ControlPlane {
     }
 }
 
+impl ControlPlane {
+    /// Every `${e2b.secrets.NAME}` the policy's header rules use names one of the team's
+    /// secrets (400 naming the first that does not). A secret deleted later fails the
+    /// requests that need it in the egress proxy instead (docs/network.md).
+    pub(crate) fn check_rule_secrets(
+        &self,
+        team: &Team,
+        policy: &cubicle_node::NetworkPolicy,
+    ) -> ApiResult<()> {
+        for name in cubicle_node::network_policy::secret_names(&policy.rules) {
+            if self.store().read(|s| s.secret(team.id, &name))?.is_none() {
+                return Err(ApiError::BadRequest(format!(
+                    "network.rules: secret '{name}' does not exist (create it with POST /secrets first)"
+                )));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The egress proxy's source of secret values: the team that owns the sandbox (from the
+/// store) and its sealed secret, opened with the server's key. Holds the control plane
+/// weakly (the node outlives nothing it points to).
+pub struct StoreSecrets(pub std::sync::Weak<ControlPlane>);
+
+impl cubicle_node::SecretSource for StoreSecrets {
+    fn secret(&self, sandbox_id: &str, name: &str) -> Option<Zeroizing<Vec<u8>>> {
+        let cp = self.0.upgrade()?;
+        let team_id = cp
+            .store()
+            .read(|s| s.sandbox(sandbox_id))
+            .ok()
+            .flatten()?
+            .team_id;
+        cp.secret_value(team_id, name)
+    }
+}
+
 /// Create a secret of the team.
 #[utoipa::path(post, operation_id = "secret_create", path = "/secrets", tag = "secrets",
     request_body = NewSecretBody,

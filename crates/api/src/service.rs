@@ -334,6 +334,7 @@ impl ControlPlane {
             )));
         }
         self.backend.check_network(&cmd.network).await?;
+        self.check_rule_secrets(team, &cmd.network)?;
         let team_id = team.id;
         if let Some(idem) = &idem {
             let deadline = std::time::Instant::now() + Duration::from_secs(120);
@@ -1063,6 +1064,7 @@ impl ControlPlane {
     ) -> ApiResult<()> {
         self.owned(team, id).await?;
         self.backend.check_network(&cmd.network).await?;
+        self.check_rule_secrets(team, &cmd.network)?;
         self.backend.update_network(id, cmd.network).await?;
         Ok(())
     }

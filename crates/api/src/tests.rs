@@ -1189,6 +1189,25 @@ async fn network_policy_is_echoed_and_replaced() {
             r.json
         );
     }
+    // Header rules naming an existing secret are accepted and echoed as given (the
+    // placeholder, never the value); another team's secret of that name does not count.
+    let r = h
+        .a(
+            Method::POST,
+            "/secrets",
+            json!({"name":"K","value":"s3cr3t-in-store"}),
+        )
+        .await;
+    assert_eq!(r.status, StatusCode::CREATED, "{}", r.json);
+    let rules =
+        json!({"a.test":[{"transform":{"headers":{"Authorization":"Bearer ${e2b.secrets.k}"}}}]});
+    let r = h.a(Method::PUT, &p, json!({"rules": rules})).await;
+    assert_eq!(r.status, StatusCode::NO_CONTENT, "{}", r.json);
+    let d = h
+        .a(Method::GET, &format!("/sandboxes/{id}"), Value::Null)
+        .await;
+    assert_eq!(d.json["network"]["rules"], rules);
+    assert!(!d.json.to_string().contains("s3cr3t-in-store"));
     // Another team cannot touch it.
     let kb = h.key_b.clone();
     let r = h.call(Method::PUT, &p, Some(&kb), Body::from("{}")).await;

@@ -35,7 +35,7 @@ pub mod volume;
 
 pub use config::{NetworkOptions, NodeConfig, default_state_dir};
 pub use cubicle_egress::policy as network_policy;
-pub use cubicle_egress::{NetEvent, NetworkPolicy, allow_list, check_ca_pem};
+pub use cubicle_egress::{NetEvent, NetworkPolicy, SecretSource, allow_list, check_ca_pem};
 pub use cubicle_runtime::SandboxId;
 pub use envd_client::{EnvdClient, ProcessEnd, ProcessEvent, ProcessSpec};
 pub use error::{Error, Result};

@@ -71,6 +71,8 @@ impl LinuxRuntime {
                     if !opts.upstream_dns.is_empty() {
                         ec.upstream_dns = opts.upstream_dns.clone();
                     }
+                    ec.ca_dir = Some(state_dir.to_path_buf());
+                    ec.upstream_ca = opts.upstream_ca.clone();
                     Egress::start(ec, &handle).map_err(|e| e.to_string())
                 });
             match started {

@@ -356,6 +356,9 @@ impl Inner {
             .ctx("chmod", &ctl)?;
         fsutil::write_json_atomic(&dir.join("sandbox.json"), record)?;
         let mut binds = write_etc_files(&dir, id, record.uid_base)?;
+        if let Some(ca) = self.runtime.egress().and_then(|e| e.ca_pem()) {
+            binds.extend(write_ca_bundle(&dir, &template.rootfs, &ca)?);
+        }
         binds.extend(crate::template::code_interpreter::bind_for(
             &template.config,
         ));
@@ -463,6 +466,34 @@ fn write_etc_files(dir: &Path, id: &str, uid_base: u32) -> Result<Vec<(PathBuf, 
         out.push((p, PathBuf::from(target), false));
     }
     Ok(out)
+}
+
+/// The sandbox's system CA bundle (Debian's path), and the file in the sandbox's
+/// directory bound over it.
+pub(crate) const CA_BUNDLE_TARGET: &str = "/etc/ssl/certs/ca-certificates.crt";
+pub(crate) const CA_BUNDLE_FILE: &str = "ca-certificates.crt";
+
+/// The template's CA bundle plus the node's egress CA (`ca_pem`), so that the sandbox
+/// trusts the certificates the egress proxy presents for domains with header rules
+/// (docs/network.md). Nothing when the template has no bundle at that path.
+fn write_ca_bundle(
+    dir: &Path,
+    rootfs: &Path,
+    ca_pem: &str,
+) -> Result<Vec<(PathBuf, PathBuf, bool)>> {
+    let template_bundle = rootfs.join(CA_BUNDLE_TARGET.trim_start_matches('/'));
+    let Ok(mut bundle) = std::fs::read_to_string(&template_bundle) else {
+        return Ok(Vec::new());
+    };
+    if !bundle.ends_with('\n') {
+        bundle.push('\n');
+    }
+    bundle.push_str("# Cubicle node egress CA (header rules)\n");
+    bundle.push_str(ca_pem);
+    let p = dir.join(CA_BUNDLE_FILE);
+    std::fs::write(&p, bundle).ctx("write", &p)?;
+    std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o644)).ctx("chmod", &p)?;
+    Ok(vec![(p, PathBuf::from(CA_BUNDLE_TARGET), false)])
 }
 
 /// chown `path` to the sandbox's root (host uid/gid `uid_base`). Only root can; without

@@ -198,6 +198,18 @@ pub(crate) fn sandbox_env(
     env.insert("E2B_SANDBOX".into(), "true".into());
     env.insert("E2B_SANDBOX_ID".into(), id.into());
     env.insert("E2B_TEMPLATE_ID".into(), template.config.name.clone());
+    if template
+        .rootfs
+        .join(super::create::CA_BUNDLE_TARGET.trim_start_matches('/'))
+        .is_file()
+    {
+        // Clients with a CA bundle of their own (Python requests/certifi, Node) use the
+        // system one, which trusts the node's egress CA (header rules, docs/network.md).
+        for k in ["REQUESTS_CA_BUNDLE", "NODE_EXTRA_CA_CERTS"] {
+            env.entry(k.into())
+                .or_insert_with(|| super::create::CA_BUNDLE_TARGET.into());
+        }
+    }
     env
 }
 
