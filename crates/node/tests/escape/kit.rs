@@ -67,13 +67,16 @@ pub const RUN_LIMIT: Duration = Duration::from_secs(60);
 impl Ctx {
     /// A fresh `base` sandbox (internet off unless `internet`).
     pub async fn sandbox(self: &Arc<Self>, internet: bool) -> anyhow::Result<Sandbox> {
-        let info = self
-            .node
-            .create(CreateRequest {
-                internet,
-                ..common::base()
-            })
-            .await?;
+        self.sandbox_with(CreateRequest {
+            internet,
+            ..common::base()
+        })
+        .await
+    }
+
+    /// A fresh sandbox as `req` says (start from [`common::base`]).
+    pub async fn sandbox_with(self: &Arc<Self>, req: CreateRequest) -> anyhow::Result<Sandbox> {
+        let info = self.node.create(req).await?;
         Ok(Sandbox {
             ctx: self.clone(),
             info,

@@ -14,7 +14,7 @@
 //! this host (see `../common/mod.rs`), slots 4700..4716 (no other test uses them). One
 //! run per host at a time (an abstract-socket lock).
 //!
-//! Needs root. Run: `cargo test -p cubicle-node --test escape [-- FILTER]`; on a shared
+//! Needs root. Run: `cargo test -p cubicle-node --test escape [-- FILTER…]`; on a shared
 //! machine inside a private network namespace:
 //! `unshare --net bash -c 'ip link set lo up; cargo test -p cubicle-node --test escape'`.
 //! `harness = false`: main() first hands over to the runtime's sandbox helper.
@@ -40,17 +40,20 @@ const MAX_SANDBOXES: u32 = 16;
 
 fn main() {
     cubicle_runtime::maybe_run_helper();
-    let filter: Option<String> = std::env::args().skip(1).find(|a| !a.starts_with('-'));
+    let filters: Vec<String> = std::env::args()
+        .skip(1)
+        .filter(|a| !a.starts_with('-'))
+        .collect();
     if !nix::unistd::geteuid().is_root() {
         println!("escape: SKIPPED — needs root (user namespaces, cgroups, mounts, netns)");
         return;
     }
     let selected: Vec<&kit::Attack> = attacks::ALL
         .iter()
-        .filter(|a| filter.as_deref().is_none_or(|f| a.name.contains(f)))
+        .filter(|a| filters.is_empty() || filters.iter().any(|f| a.name.contains(f.as_str())))
         .collect();
     if selected.is_empty() {
-        println!("escape: 0 attacks match {filter:?}");
+        println!("escape: 0 attacks match {filters:?}");
         return;
     }
     let envd = match common::static_envd() {

@@ -16,6 +16,7 @@ use crate::kit::Attack;
 mod bpf;
 mod cgroup_release_agent;
 mod device_nodes;
+mod fs_ioctls;
 mod io_uring;
 mod kernel_modules;
 mod keyrings;
@@ -24,6 +25,7 @@ mod open_by_handle_at;
 mod perf_event_open;
 mod proc_sys_writes;
 mod runc_proc_self_exe;
+mod seccomp_default_deny;
 mod sys_writes;
 mod user_namespaces;
 
@@ -42,4 +44,6 @@ pub const ALL: &[Attack] = &[
     proc_sys_writes::ATTACK,
     sys_writes::ATTACK,
     device_nodes::ATTACK,
+    seccomp_default_deny::ATTACK,
+    fs_ioctls::ATTACK,
 ];
