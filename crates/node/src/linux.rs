@@ -182,6 +182,7 @@ impl SandboxRuntime for LinuxRuntime {
         spec.internet = s.internet;
         spec.env = s.env.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
         spec.envd_binary = Some(s.envd_binary.clone());
+        spec.ctl_socket = Some(s.ctl_socket.clone());
         spec.log_file = Some(s.sandbox_dir.join("init.log"));
         spec.binds =
             s.binds

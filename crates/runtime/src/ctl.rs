@@ -1,11 +1,17 @@
-//! Reaching the agent's Unix socket in `<sandbox_dir>/ctl` from the host, safely.
+//! The agent's Unix socket in `<sandbox_dir>/ctl`: created for the sandbox
+//! ([`listen_ctl_socket`]) and reached from the host, safely ([`connect_ctl_socket`]).
 //!
-//! The ctl directory is writable by the sandbox's root. A sandbox can therefore replace
-//! `envd.sock` with a symlink to any Unix socket of the host (another sandbox's agent, a
-//! system daemon), and a plain `connect("<dir>/ctl/envd.sock")` by the (root) host process
-//! would follow it. [`connect_ctl_socket`] opens the name without following symlinks,
-//! checks that it is a socket, and connects through `/proc/self/fd/N`, which refers to
-//! exactly that inode — no race between the check and the connect.
+//! The sandbox never writes its ctl directory: the runtime creates the listening socket
+//! before the sandbox's init runs and hands it over as fd [`crate::LISTEN_FD`], and the
+//! directory is bind-mounted read-only at [`crate::CTL_DIR`]. (A writable one let a
+//! sandbox create btrfs subvolumes outside its quota, and plant symlinks.) The host side
+//! still distrusts the directory's content — it belongs to the sandbox's root, and a
+//! sandbox adopted from an older version may have written it: a plain
+//! `connect("<dir>/ctl/envd.sock")` by the (root) host process would follow a symlink to
+//! any Unix socket of the host (another sandbox's agent, a system daemon).
+//! [`connect_ctl_socket`] opens the name without following symlinks, checks that it is a
+//! socket, and connects through `/proc/self/fd/N`, which refers to exactly that inode — no
+//! race between the check and the connect.
 
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::os::unix::net::UnixStream;
@@ -36,15 +42,80 @@ fn open_nofollow(
     Ok(unsafe { OwnedFd::from_raw_fd(fd) })
 }
 
-/// Opens (`O_PATH`) the Unix socket `name` (a plain file name, e.g. `envd.sock`) in the
-/// host directory `ctl_dir`, refusing symlinks and anything that is not a socket. Connect
-/// through `/proc/self/fd/N` of the result.
-pub fn open_ctl_socket(ctl_dir: &Path, name: &str) -> Result<OwnedFd> {
+/// `name` must be a plain file name.
+fn check_name(name: &str) -> Result<()> {
     if name.is_empty() || name.contains('/') || name == "." || name == ".." {
         return Err(Error::InvalidSpec(format!(
             "ctl socket name {name:?} must be a plain file name"
         )));
     }
+    Ok(())
+}
+
+/// Creates the listening Unix socket `name` in the host directory `ctl_dir` (replacing
+/// whatever has that name) and returns it, close-on-exec. Called by the sandbox child
+/// before `pivot_root`, so that the socket belongs to the sandbox's network namespace
+/// and its file to the sandbox's root, while the directory is still writable in the
+/// child's mount namespace (the sandbox's own view of it is read-only).
+pub(crate) fn listen_ctl_socket(ctl_dir: &Path, name: &str) -> Result<OwnedFd> {
+    check_name(name)?;
+    let ctx = |what: &str| {
+        let what = format!("{what} {}/{name}", ctl_dir.display());
+        io_ctx(move || what)
+    };
+    let dir = open_nofollow(None, ctl_dir, libc::O_DIRECTORY).map_err(io_ctx(|| {
+        format!("open ctl directory {}", ctl_dir.display())
+    }))?;
+    let cname = cpath(Path::new(name)).map_err(ctx("name"))?;
+    // SAFETY: valid dirfd and C string.
+    if unsafe { libc::unlinkat(dir.as_raw_fd(), cname.as_ptr(), 0) } < 0 {
+        let e = std::io::Error::last_os_error();
+        if e.raw_os_error() != Some(libc::ENOENT) {
+            return Err(ctx("remove stale")(e));
+        }
+    }
+    // SAFETY: plain socket(2).
+    let fd = unsafe { libc::socket(libc::AF_UNIX, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0) };
+    if fd < 0 {
+        return Err(ctx("socket for")(std::io::Error::last_os_error()));
+    }
+    // SAFETY: fresh descriptor.
+    let sock = unsafe { OwnedFd::from_raw_fd(fd) };
+    // Bound through the directory's descriptor: no path component is looked up again.
+    let path = format!("/proc/self/fd/{}/{name}", dir.as_raw_fd());
+    // SAFETY: an all-zero sockaddr_un is a valid value.
+    let mut addr: libc::sockaddr_un = unsafe { std::mem::zeroed() };
+    addr.sun_family = libc::AF_UNIX as libc::sa_family_t;
+    if path.len() >= addr.sun_path.len() {
+        return Err(Error::InvalidSpec(format!("socket path {path} too long")));
+    }
+    for (d, s) in addr.sun_path.iter_mut().zip(path.bytes()) {
+        *d = s as libc::c_char;
+    }
+    let len = (std::mem::size_of::<libc::sa_family_t>() + path.len() + 1) as libc::socklen_t;
+    // SAFETY: addr is a valid sockaddr_un of `len` bytes; listen on the bound socket.
+    let rc = unsafe {
+        libc::bind(
+            sock.as_raw_fd(),
+            (&addr as *const libc::sockaddr_un).cast(),
+            len,
+        )
+    };
+    if rc < 0 {
+        return Err(ctx("bind")(std::io::Error::last_os_error()));
+    }
+    // SAFETY: listen on our bound socket.
+    if unsafe { libc::listen(sock.as_raw_fd(), 4096) } < 0 {
+        return Err(ctx("listen on")(std::io::Error::last_os_error()));
+    }
+    Ok(sock)
+}
+
+/// Opens (`O_PATH`) the Unix socket `name` (a plain file name, e.g. `envd.sock`) in the
+/// host directory `ctl_dir`, refusing symlinks and anything that is not a socket. Connect
+/// through `/proc/self/fd/N` of the result.
+pub fn open_ctl_socket(ctl_dir: &Path, name: &str) -> Result<OwnedFd> {
+    check_name(name)?;
     let dir = open_nofollow(None, ctl_dir, libc::O_DIRECTORY).map_err(io_ctx(|| {
         format!("open ctl directory {}", ctl_dir.display())
     }))?;
@@ -123,6 +194,22 @@ mod tests {
         assert!(connect_ctl_socket(&dir.join("ctl"), "file").is_err());
         assert!(connect_ctl_socket(&dir.join("ctl"), "../host.sock").is_err());
         assert!(connect_ctl_socket(&dir.join("ctl"), "missing.sock").is_err());
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn listens_and_replaces_stale_entries() {
+        let dir = std::env::temp_dir().join(format!("cubicle-ctl-listen-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        std::os::unix::fs::symlink("/etc/hostname", dir.join("envd.sock")).unwrap();
+        let l = listen_ctl_socket(&dir, "envd.sock").unwrap();
+        connect_ctl_socket(&dir, "envd.sock").unwrap();
+        // SAFETY: borrowing our own descriptor for a moment.
+        let listener = unsafe { std::os::unix::net::UnixListener::from_raw_fd(l.as_raw_fd()) };
+        assert!(listener.accept().is_ok());
+        std::mem::forget(listener); // `l` owns the descriptor
+        assert!(listen_ctl_socket(&dir, "../x.sock").is_err());
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }

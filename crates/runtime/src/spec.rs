@@ -12,9 +12,15 @@ use crate::error::{Error, Result};
 
 /// Where the agent binary is bind-mounted (read-only) inside every sandbox.
 pub const ENVD_PATH: &str = "/run/cubicle/envd";
-/// Where `<sandbox_dir>/ctl` is bind-mounted (read-write) inside every sandbox; the agent
-/// listens on a Unix socket there and the host reaches it through `<sandbox_dir>/ctl`.
+/// Where `<sandbox_dir>/ctl` is bind-mounted (read-only) inside every sandbox. The agent's
+/// Unix socket ([`SandboxSpec::ctl_socket`]) is there; the host reaches it through
+/// `<sandbox_dir>/ctl`. Read-only so that nothing a sandbox writes lives outside its
+/// overlay (on btrfs, a writable directory of the quota filesystem let it create
+/// subvolumes, each with its own unlimited quota).
 pub const CTL_DIR: &str = "/run/cubicle/ctl";
+/// The descriptor the init program finds [`SandboxSpec::ctl_socket`]'s listening socket
+/// on (systemd's `SD_LISTEN_FDS_START`).
+pub const LISTEN_FD: i32 = 3;
 /// Size of every sandbox's uid/gid range (root inside = `uid_base`, 65535 = `uid_base+65535`).
 pub const DEFAULT_UID_COUNT: u32 = 65536;
 /// Lowest acceptable `uid_base`: host uids below this belong to host users and services.
@@ -98,9 +104,13 @@ pub struct SandboxSpec {
     pub env: Vec<(String, String)>,
     /// The agent binary bind-mounted read-only at [`ENVD_PATH`], if any.
     pub envd_binary: Option<PathBuf>,
-    /// Extra bind mounts (at most [`MAX_BINDS`]). `<sandbox_dir>/ctl` → [`CTL_DIR`] is
-    /// always added and need not be listed.
+    /// Extra bind mounts (at most [`MAX_BINDS`]). `<sandbox_dir>/ctl` → [`CTL_DIR`]
+    /// (read-only) is always added and need not be listed.
     pub binds: Vec<BindMount>,
+    /// A Unix socket the init program serves on: created (listening) as
+    /// `<sandbox_dir>/ctl/<name>` in the sandbox's network namespace before the init
+    /// runs, and passed to it as descriptor [`LISTEN_FD`]. `None`: no socket.
+    pub ctl_socket: Option<String>,
     /// Host file receiving the init program's stdout and stderr (appended). `None`: /dev/null.
     pub log_file: Option<PathBuf>,
 }
@@ -129,6 +139,7 @@ impl SandboxSpec {
             env: Vec::new(),
             envd_binary: None,
             binds: Vec::new(),
+            ctl_socket: None,
             log_file: None,
         }
     }
@@ -165,7 +176,7 @@ impl SandboxSpec {
         binds.push(BindMount {
             source: self.ctl_dir(),
             target: PathBuf::from(CTL_DIR),
-            readonly: false,
+            readonly: true,
             idmapped: false,
         });
         binds
@@ -276,6 +287,11 @@ impl SandboxSpec {
                 return bad(format!("bind target {} is reserved", b.target.display()));
             }
         }
+        if let Some(name) = &self.ctl_socket
+            && (name.is_empty() || name.contains(['/', '\0']) || name == "." || name == "..")
+        {
+            return bad(format!("ctl_socket {name:?} must be a plain file name"));
+        }
         if let Some(log) = &self.log_file
             && !log.is_absolute()
         {
@@ -378,7 +394,7 @@ mod tests {
                 .any(|b| b.target == Path::new(ENVD_PATH) && b.readonly)
         );
         assert!(b.iter().any(|b| b.target == Path::new(CTL_DIR)
-            && !b.readonly
+            && b.readonly
             && b.source == Path::new("/s/abc123/ctl")));
     }
 

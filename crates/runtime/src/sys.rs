@@ -7,7 +7,7 @@
 
 use std::ffi::{CStr, CString};
 use std::io;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsRawFd, FromRawFd, IntoRawFd, OwnedFd, RawFd};
 use std::os::unix::ffi::OsStrExt;
 use std::path::Path;
 
@@ -264,6 +264,23 @@ pub fn cloexec_from(first: u32) -> io::Result<()> {
     // SAFETY: plain syscall with integer arguments.
     check(unsafe { libc::syscall(SYS_CLOSE_RANGE, first, u32::MAX, CLOSE_RANGE_CLOEXEC) })?;
     Ok(())
+}
+
+/// Makes `fd` descriptor number `target`, inherited across `execve` (not close-on-exec),
+/// and closes the original (unless it already was `target`).
+pub fn move_fd_to(fd: OwnedFd, target: RawFd) -> io::Result<()> {
+    let raw = fd.into_raw_fd();
+    if raw == target {
+        // SAFETY: fcntl with integer arguments on our descriptor.
+        check_int(unsafe { libc::fcntl(raw, libc::F_SETFD, 0) })?;
+        return Ok(());
+    }
+    // SAFETY: dup2 with two descriptor numbers; dup2 clears FD_CLOEXEC on the copy. The
+    // original is ours to close.
+    let rc = unsafe { libc::dup2(raw, target) };
+    // SAFETY: as above.
+    unsafe { libc::close(raw) };
+    check_int(rc).map(drop)
 }
 
 /// Linux capability sets, version 3 (two 32-bit words per set).

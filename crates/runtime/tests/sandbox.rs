@@ -421,27 +421,34 @@ fn devices_and_ctl_bind(env: &Env) {
     let extra = env.root.join("extra-ro");
     fs::create_dir_all(&extra).unwrap();
     fs::write(extra.join("file"), "extra\n").unwrap();
-    // A host socket the sandbox will try to redirect the node to.
-    let host_sock = env.root.join("host-only.sock");
-    let _listener = std::os::unix::net::UnixListener::bind(&host_sock).unwrap();
-    let mut spec = env.spec(&format!(
-        "ln -s {} /run/cubicle/ctl/envd.sock; \
-         head -c 16 /dev/urandom | wc -c; echo x > /dev/null && echo null-ok; \
-         exec 3<>/dev/ptmx && echo ptmx-ok; ls /dev/pts; \
+    let mut spec = env.spec(
+        "head -c 16 /dev/urandom | wc -c; echo x > /dev/null && echo null-ok; \
+         exec 4<>/dev/ptmx && echo ptmx-ok; ls /dev/pts; \
          cat /run/cubicle/envd | head -1; echo x > /run/cubicle/envd || echo envd-ro; \
-         echo from-inside > /run/cubicle/ctl/hello && echo ctl-ok; \
+         echo from-inside > /run/cubicle/ctl/hello || echo ctl-ro; \
+         ln -s /tmp /run/cubicle/ctl/link || echo ctl-ro-link; \
+         test -S /run/cubicle/ctl/envd.sock && echo sock-visible; \
+         readlink /proc/$$/fd/3 | cut -c1-7; \
          cat /opt/extra/file; touch /opt/extra/new || echo extra-ro; \
-         touch /sys/x 2>/dev/null || echo sys-ro; echo end",
-        host_sock.display()
-    ));
+         touch /sys/x 2>/dev/null || echo sys-ro; sleep 2; echo end",
+    );
     spec.envd_binary = Some(envd);
+    spec.ctl_socket = Some("envd.sock".into());
     spec.binds.push(BindMount {
         source: extra,
         target: "/opt/extra".into(),
         readonly: true,
         idmapped: false,
     });
-    let (sb, log) = env.run(&spec);
+    let sb = spawn(&spec).unwrap_or_else(|e| panic!("spawn {}: {e}", spec.id));
+    // The init's listening socket answers from the host while it runs (nobody accepts:
+    // the backlog takes the connection).
+    assert!(sb.connect_ctl("envd.sock").is_ok());
+    assert!(
+        sb.wait_timeout(Duration::from_secs(10)),
+        "init did not exit"
+    );
+    let log = env.log(&spec);
     for want in [
         "16",
         "null-ok",
@@ -449,7 +456,10 @@ fn devices_and_ctl_bind(env: &Env) {
         "ptmx",
         "#!/bin/sh",
         "envd-ro",
-        "ctl-ok",
+        "ctl-ro",
+        "ctl-ro-link",
+        "sock-visible",
+        "socket:",
         "extra",
         "extra-ro",
         "sys-ro",
@@ -460,13 +470,14 @@ fn devices_and_ctl_bind(env: &Env) {
             "missing {want:?}: {log}"
         );
     }
-    assert_eq!(
-        fs::read_to_string(spec.ctl_dir().join("hello")).unwrap(),
-        "from-inside\n"
-    );
-    // The planted symlink would take a naive host connect to the host's socket...
+    assert!(!spec.ctl_dir().join("hello").exists());
+    // A symlink in the ctl directory (written by whoever could) would take a naive host
+    // connect to the host's socket; the runtime's connect refuses it.
+    let host_sock = env.root.join("host-only.sock");
+    let _listener = std::os::unix::net::UnixListener::bind(&host_sock).unwrap();
+    fs::remove_file(spec.ctl_dir().join("envd.sock")).unwrap();
+    symlink(&host_sock, spec.ctl_dir().join("envd.sock")).unwrap();
     assert!(std::os::unix::net::UnixStream::connect(spec.ctl_dir().join("envd.sock")).is_ok());
-    // ...the runtime's connect refuses it.
     let e = sb.connect_ctl("envd.sock").unwrap_err().to_string();
     assert!(e.contains("not a socket"), "{e}");
     destroy_and_check(sb, &spec);

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use super::inner::{Inner, birth_env, blocking, sandbox_env};
 use super::teardown::spawn_watcher;
-use super::{ENVD_IN_SANDBOX, ENVD_SOCKET_IN_SANDBOX};
+use super::{ENVD_IN_SANDBOX, ENVD_SOCKET};
 use crate::envd_client::{EnvdClient, InitRequest};
 use crate::error::{Error, IoContext, Result};
 use crate::runtime::StartSpec;
@@ -220,8 +220,8 @@ impl Inner {
                 let mut argv = vec![
                     ENVD_IN_SANDBOX.into(),
                     "--init".into(),
-                    "--unix-socket".into(),
-                    ENVD_SOCKET_IN_SANDBOX.into(),
+                    "--unix-socket-fd".into(),
+                    cubicle_runtime::LISTEN_FD.to_string(),
                     "--listen".into(),
                     "127.0.0.1".into(),
                     "--default-user".into(),
@@ -235,6 +235,7 @@ impl Inner {
             env: birth_env(template, &record.access_token),
             binds,
             volumes,
+            ctl_socket: ENVD_SOCKET.into(),
         };
         let t_prep = t0.elapsed();
         let rt = inner.runtime.clone();

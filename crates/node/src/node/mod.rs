@@ -43,8 +43,10 @@ use inner::{Inner, State, blocking, lock_node, now_ms};
 
 /// Path of envd inside the sandbox.
 pub const ENVD_IN_SANDBOX: &str = "/run/cubicle/envd";
-/// envd's socket inside the sandbox (host side: `<sandbox dir>/ctl/envd.sock`).
-pub const ENVD_SOCKET_IN_SANDBOX: &str = "/run/cubicle/ctl/envd.sock";
+/// envd's Unix socket: its file name in `<sandbox dir>/ctl` (read-only inside the sandbox,
+/// at `/run/cubicle/ctl`). The runtime creates it and passes it to envd as descriptor
+/// `cubicle_runtime::LISTEN_FD`.
+pub const ENVD_SOCKET: &str = "envd.sock";
 
 /// The sandboxes of one host. Cheap to clone.
 #[derive(Clone)]

@@ -14,6 +14,7 @@
 use crate::kit::Attack;
 
 mod bpf;
+mod btrfs_subvolume;
 mod cgroup_release_agent;
 mod device_nodes;
 mod fs_ioctls;
@@ -31,6 +32,7 @@ mod user_namespaces;
 
 /// All attacks, in the order they run.
 pub const ALL: &[Attack] = &[
+    btrfs_subvolume::ATTACK,
     kernel_modules::ATTACK,
     bpf::ATTACK,
     perf_event_open::ATTACK,
