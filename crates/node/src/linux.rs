@@ -247,10 +247,14 @@ impl SandboxRuntime for LinuxRuntime {
 
     fn destroy(&self, id: &str, slot: Option<u32>, sandbox_dir: &Path) -> Result<()> {
         let handle = self.handles().remove(id);
+        // With quotas, `remove_dir` removes the whole directory at once (a btrfs
+        // subvolume in O(1)): no need to walk the layers first.
+        let layers = self.storage.is_err().then_some(sandbox_dir);
         let res = match handle {
-            Some(sb) => sb.destroy(),
+            Some(sb) if layers.is_some() => sb.destroy(),
+            Some(sb) => sb.stop(),
             None if cubicle_runtime::valid_id(id) => {
-                match cubicle_runtime::remove_leftovers(id, Some(sandbox_dir)) {
+                match cubicle_runtime::remove_leftovers(id, layers) {
                     Err(cubicle_runtime::Error::NotFound(_)) => Ok(()),
                     other => other,
                 }

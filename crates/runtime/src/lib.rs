@@ -77,6 +77,7 @@ mod ctl;
 mod error;
 mod helper;
 pub mod masked_paths;
+mod remove_tree;
 mod rootfs;
 mod sandbox;
 pub mod seccomp;
@@ -90,6 +91,7 @@ pub use attach::attach_binds;
 pub use cgroup::{Cgroup, CgroupStats, CgroupVersion};
 pub use ctl::{connect_ctl_socket, connect_ctl_socket_async, ctl_socket_parts, open_ctl_socket};
 pub use error::{Error, Result};
+pub use remove_tree::remove_tree;
 pub use sandbox::{Sandbox, list_sandboxes, reap_orphans, remove_leftovers, spawn};
 pub use spec::{
     BindMount, CTL_DIR, DEFAULT_UID_COUNT, ENVD_PATH, LISTEN_FD, Limits, MAX_BINDS, MIN_UID_BASE,

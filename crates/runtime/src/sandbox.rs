@@ -151,15 +151,13 @@ fn prepare_dirs_into(spec: &SandboxSpec, created: &mut Vec<PathBuf>) -> Result<(
 }
 
 /// Removes what `spawn` created inside the sandbox directory (not the directory itself,
-/// which belongs to the caller and may hold logs).
+/// which belongs to the caller and may hold logs), whatever the sandbox left in it
+/// ([`crate::remove_tree`]).
 fn remove_layers(dir: &Path) -> Result<()> {
     for sub in ["upper", "work", "ctl", "rootfs"] {
         let p = dir.join(sub);
-        match fs::remove_dir_all(&p) {
-            Ok(()) => {}
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-            Err(e) => return Err(io_ctx(|| format!("remove {}", p.display()))(e)),
-        }
+        crate::remove_tree::remove_tree(&p)
+            .map_err(io_ctx(|| format!("remove {}", p.display())))?;
     }
     Ok(())
 }
@@ -446,9 +444,17 @@ impl Sandbox {
     /// directories. Its mounts lived only in its own mount namespace, which is gone once
     /// its last process exited.
     pub fn destroy(self) -> Result<()> {
+        let dir = self.sandbox_dir.clone();
+        self.stop()?;
+        remove_layers(&dir)
+    }
+
+    /// [`destroy`](Self::destroy) without removing the directories: for a caller that
+    /// removes the whole sandbox directory itself (a btrfs subvolume goes in O(1),
+    /// however many files the sandbox wrote).
+    pub fn stop(self) -> Result<()> {
         self.kill()?;
-        self.cgroup.remove()?;
-        remove_layers(&self.sandbox_dir)
+        self.cgroup.remove()
     }
 
     /// Re-attaches to a sandbox left running by an earlier process (e.g. after a node

@@ -84,7 +84,8 @@ pub fn open_tree_clone(path: &Path) -> io::Result<OwnedFd> {
     Ok(unsafe { OwnedFd::from_raw_fd(fd as RawFd) })
 }
 
-/// `mount_setattr(fd, "", AT_EMPTY_PATH, {attr_set, userns_fd})` on a detached mount.
+/// `mount_setattr(fd, "", AT_EMPTY_PATH, {attr_set, userns_fd})` on the mount `fd` is
+/// the root of (a detached one, or an attached one opened at its mount point).
 pub fn mount_setattr(fd: &OwnedFd, attr_set: u64, userns_fd: Option<RawFd>) -> io::Result<()> {
     let attr = MountAttr {
         attr_set,

@@ -128,6 +128,41 @@ pub(super) fn mount_source_is_loop_of(root: &Path, image: &Path) -> bool {
     Path::new(backing.trim()) == image
 }
 
+/// Makes the mount at `root` `nosuid,nodev`, first bind-mounting `root` onto itself when
+/// it is not a mount point (a state dir on a host filesystem with project quotas): a
+/// file a sandbox wrote must never be a setuid program or a device node for the host.
+/// Sandboxes see their files through their own mounts (the overlay), which this does not
+/// change. Also applies to images mounted by an older version without these options.
+pub(super) fn harden_mount(root: &Path) -> Result<()> {
+    let c = cpath(root)?;
+    // SAFETY: zeroed statvfs is a valid out buffer; c is a valid path.
+    let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
+    // SAFETY: as above.
+    if unsafe { libc::statvfs(c.as_ptr(), &mut st) } != 0 {
+        return Err(io_err(format!("statvfs {}", root.display()))(
+            io::Error::last_os_error(),
+        ));
+    }
+    let want = libc::ST_NOSUID | libc::ST_NODEV;
+    if st.f_flag & want == want {
+        return Ok(());
+    }
+    if !is_mount_point(root)? {
+        let fd = crate::sys::open_tree_clone(root)
+            .map_err(io_err(format!("cloning the mount of {}", root.display())))?;
+        crate::sys::move_mount_to(std::os::fd::AsRawFd::as_raw_fd(&fd), root).map_err(io_err(
+            format!("bind-mounting {} onto itself", root.display()),
+        ))?;
+    }
+    let dir = File::open(root).map_err(io_err(format!("opening {}", root.display())))?;
+    crate::sys::mount_setattr(
+        &std::os::fd::OwnedFd::from(dir),
+        crate::sys::MOUNT_ATTR_NOSUID | crate::sys::MOUNT_ATTR_NODEV,
+        None,
+    )
+    .map_err(io_err(format!("making {} nosuid,nodev", root.display())))
+}
+
 /// The quota mechanism usable at `root`, if any.
 pub(super) fn detect(root: &Path) -> Result<Option<QuotaBackend>> {
     let c = cpath(root)?;
@@ -152,7 +187,7 @@ pub(super) fn detect(root: &Path) -> Result<Option<QuotaBackend>> {
     }
 }
 
-fn run(cmd: &str, args: &[&str]) -> Result<()> {
+pub(super) fn run(cmd: &str, args: &[&str]) -> Result<()> {
     let out = Command::new(cmd)
         .args(args)
         .output()
@@ -168,7 +203,7 @@ fn run(cmd: &str, args: &[&str]) -> Result<()> {
     Ok(())
 }
 
-fn path_str(p: &Path) -> Result<&str> {
+pub(super) fn path_str(p: &Path) -> Result<&str> {
     p.to_str().ok_or_else(|| Error::Io {
         context: format!("non-UTF-8 path {}", p.display()),
         source: io::Error::from(io::ErrorKind::InvalidInput),
@@ -199,10 +234,20 @@ pub(super) fn mount_image(image: &Path, root: &Path) -> Result<()> {
     match image_fstype(image)? {
         Some("xfs") => run(
             "mount",
-            &["-t", "xfs", "-o", "loop,prjquota,noatime", img, dir],
+            &[
+                "-t",
+                "xfs",
+                "-o",
+                "loop,prjquota,noatime,nosuid,nodev",
+                img,
+                dir,
+            ],
         ),
         Some("btrfs") => {
-            run("mount", &["-t", "btrfs", "-o", "loop,noatime", img, dir])?;
+            run(
+                "mount",
+                &["-t", "btrfs", "-o", "loop,noatime,nosuid,nodev", img, dir],
+            )?;
             if !btrfs_qgroups_dir(root).is_ok_and(|d| d.exists()) {
                 run("btrfs", &["quota", "enable", dir])?;
             }
@@ -235,7 +280,14 @@ pub(super) fn create_image(image: &Path, root: &Path, size: u64) -> Result<()> {
     run("mkfs.xfs", &["-q", "-f", "-m", "reflink=1", &t])?;
     let xfs_ok = run(
         "mount",
-        &["-t", "xfs", "-o", "loop,prjquota,noatime", &t, &dir],
+        &[
+            "-t",
+            "xfs",
+            "-o",
+            "loop,prjquota,noatime,nosuid,nodev",
+            &t,
+            &dir,
+        ],
     )
     .is_ok();
     if !xfs_ok {
@@ -243,7 +295,10 @@ pub(super) fn create_image(image: &Path, root: &Path, size: u64) -> Result<()> {
         fs::remove_file(&tmp).map_err(io_err(format!("removing {}", tmp.display())))?;
         make(size)?;
         run("mkfs.btrfs", &["-q", "-f", &t])?;
-        run("mount", &["-t", "btrfs", "-o", "loop,noatime", &t, &dir])?;
+        run(
+            "mount",
+            &["-t", "btrfs", "-o", "loop,noatime,nosuid,nodev", &t, &dir],
+        )?;
         if let Err(e) = run("btrfs", &["quota", "enable", &dir]) {
             let _ = run("umount", &[&dir]);
             return Err(e);

@@ -25,9 +25,11 @@ mod mount_api;
 mod open_by_handle_at;
 mod perf_event_open;
 mod proc_sys_writes;
+mod quota_fs_nosuid;
 mod runc_proc_self_exe;
 mod seccomp_default_deny;
 mod sys_writes;
+mod teardown_leftovers;
 mod user_namespaces;
 
 /// All attacks, in the order they run.
@@ -48,4 +50,6 @@ pub const ALL: &[Attack] = &[
     device_nodes::ATTACK,
     seccomp_default_deny::ATTACK,
     fs_ioctls::ATTACK,
+    quota_fs_nosuid::ATTACK,
+    teardown_leftovers::ATTACK,
 ];
