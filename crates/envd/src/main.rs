@@ -55,8 +55,12 @@ fn main() -> anyhow::Result<()> {
                 .unwrap_or_else(|_| "info".into()),
         )
         .with_writer(std::io::stderr)
-        // In a sandbox stderr is a log file the API serves: no colour codes there.
+        // In a sandbox stderr is a pipe the node drains into the log the API serves: no
+        // colour codes there.
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        // That pipe is non-blocking and throttled by the node: a write it refuses loses
+        // the line (reporting that on stderr would fail again, and panic).
+        .log_internal_errors(false)
         .init();
     // Taken before anything else can open descriptors (and close-on-exec from here on,
     // so the processes envd starts do not inherit it).

@@ -18,6 +18,7 @@ pub mod error;
 pub mod fsutil;
 pub mod host_slots;
 pub mod ids;
+pub mod init_log;
 pub mod linux;
 mod node;
 mod pool;

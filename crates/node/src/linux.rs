@@ -20,6 +20,7 @@ use cubicle_runtime::{Cgroup, Limits, Sandbox, SandboxSpec};
 
 use crate::config::NodeConfig;
 use crate::error::{Error, Result};
+use crate::init_log::{INIT_PIPE, InitLogs};
 use crate::runtime::{SandboxRuntime, StartSpec, Started};
 use crate::sandbox::{DeathReason, NetworkPolicy};
 
@@ -33,6 +34,8 @@ pub struct LinuxRuntime {
     egress: Option<Egress>,
     /// Disk quotas; `Err` (logged) when the host cannot provide them.
     storage: std::result::Result<Storage, String>,
+    /// Drains every sandbox's PID 1 output into its `init.log`.
+    logs: InitLogs,
 }
 
 fn rt_err(what: &str, source: cubicle_runtime::Error) -> Error {
@@ -92,11 +95,14 @@ impl LinuxRuntime {
             tracing::warn!("disk quotas unavailable, sandboxes get unlimited disk: {e}");
             e.to_string()
         });
+        let logs = InitLogs::start()
+            .map_err(|e| Error::Runtime(format!("starting the init log drainer: {e}")))?;
         Ok(LinuxRuntime {
             sandboxes: Mutex::new(HashMap::new()),
             network,
             egress,
             storage,
+            logs,
         })
     }
 
@@ -183,7 +189,7 @@ impl SandboxRuntime for LinuxRuntime {
         spec.env = s.env.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
         spec.envd_binary = Some(s.envd_binary.clone());
         spec.ctl_socket = Some(s.ctl_socket.clone());
-        spec.log_file = Some(s.sandbox_dir.join("init.log"));
+        spec.init_log = Some(s.sandbox_dir.join(INIT_PIPE));
         spec.binds =
             s.binds
                 .iter()
@@ -207,6 +213,10 @@ impl SandboxRuntime for LinuxRuntime {
             self.network()?;
         }
         let sb = cubicle_runtime::spawn(&spec).map_err(|e| rt_err("spawn", e))?;
+        if let Some(fifo) = sb.take_init_log() {
+            self.logs
+                .add(&s.id, fifo, s.sandbox_dir.join(crate::init_log::INIT_LOG));
+        }
         let pid = sb.pid();
         let mut state = serde_json::json!({ "timingsUs": sb.timings().iter()
             .map(|(k, d)| (k.clone(), serde_json::Value::from(d.as_micros() as u64)))
@@ -240,6 +250,14 @@ impl SandboxRuntime for LinuxRuntime {
 
     fn adopt(&self, id: &str, sandbox_dir: &Path) -> Result<i32> {
         let sb = Sandbox::adopt(id, sandbox_dir).map_err(|e| rt_err("adopt", e))?;
+        // Its init log FIFO, opened again (a sandbox started before init logs were FIFOs
+        // has none: its PID 1 still writes init.log itself).
+        match cubicle_runtime::open_init_log(&sandbox_dir.join(INIT_PIPE)) {
+            Ok(fifo) => self
+                .logs
+                .add(id, fifo, sandbox_dir.join(crate::init_log::INIT_LOG)),
+            Err(e) => tracing::debug!(sandbox = %id, "no init log FIFO to reopen: {e}"),
+        }
         let pid = sb.pid();
         self.handles().insert(id.to_string(), sb);
         Ok(pid)
@@ -262,6 +280,8 @@ impl SandboxRuntime for LinuxRuntime {
             None => Ok(()),
         };
         res.map_err(|e| rt_err(&format!("destroy {id}"), e))?;
+        // Its processes are gone: what its FIFO still holds is its last output.
+        self.logs.remove(id);
         if let (Some(slot), Ok(net)) = (slot, &self.network) {
             if let (Some(eg), Ok(info)) = (&self.egress, net.slot_info(slot))
                 && eg.policy_of(info.sandbox_ip).is_some()

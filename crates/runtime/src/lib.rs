@@ -54,7 +54,10 @@
 //!   the socket of [`SandboxSpec::ctl_socket`] in it).
 //! - [`spawn`]`(&spec) -> Sandbox`: blocking, returns once the init program was exec'd.
 //! - [`Sandbox`]: `pid()`, `pidfd()`, `netns_path()`, `is_alive()`, `exit_status()`,
-//!   `wait_timeout()`, `stats()`, `oom_killed()`, `kill()`, `destroy()`, `timings()`.
+//!   `wait_timeout()`, `stats()`, `oom_killed()`, `kill()`, `destroy()`, `stop()`,
+//!   `timings()`, `take_init_log()`/`read_init_log()` (PID 1's output: a FIFO, never a
+//!   host file; [`open_init_log`] reopens it after a restart).
+//! - [`remove_tree`]: removes a directory tree whatever a sandbox left in it.
 //! - [`connect_ctl_socket`]`(ctl_dir, "envd.sock")`: connect to the agent's socket
 //!   WITHOUT following symlinks (a plain `connect("<dir>/ctl/envd.sock")` from the host
 //!   could be redirected to any host socket by whoever wrote the ctl directory).
@@ -76,6 +79,7 @@ mod child;
 mod ctl;
 mod error;
 mod helper;
+mod init_log;
 pub mod masked_paths;
 mod remove_tree;
 mod rootfs;
@@ -91,6 +95,7 @@ pub use attach::attach_binds;
 pub use cgroup::{Cgroup, CgroupStats, CgroupVersion};
 pub use ctl::{connect_ctl_socket, connect_ctl_socket_async, ctl_socket_parts, open_ctl_socket};
 pub use error::{Error, Result};
+pub use init_log::open_init_log;
 pub use remove_tree::remove_tree;
 pub use sandbox::{Sandbox, list_sandboxes, reap_orphans, remove_leftovers, spawn};
 pub use spec::{

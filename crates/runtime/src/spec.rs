@@ -111,13 +111,17 @@ pub struct SandboxSpec {
     /// `<sandbox_dir>/ctl/<name>` in the sandbox's network namespace before the init
     /// runs, and passed to it as descriptor [`LISTEN_FD`]. `None`: no socket.
     pub ctl_socket: Option<String>,
-    /// Host file receiving the init program's stdout and stderr (appended). `None`: /dev/null.
-    pub log_file: Option<PathBuf>,
+    /// Host path of a FIFO that receives the init program's stdout and stderr (see
+    /// `init_log.rs`): created (mode 0600) if missing; [`crate::spawn`] returns its read
+    /// end in the [`crate::Sandbox`] ([`crate::Sandbox::take_init_log`]), and
+    /// [`crate::open_init_log`] opens it again later. Never a plain file: the sandbox's
+    /// root can take PID 1's descriptors. `None`: /dev/null.
+    pub init_log: Option<PathBuf>,
 }
 
 impl SandboxSpec {
     /// A spec with default limits (512 MiB, 2 CPUs, 1024 pids), `uid_count` 65536, the id
-    /// as hostname, internet off, no extra mounts and no log file.
+    /// as hostname, internet off, no extra mounts and no init log.
     pub fn new(
         id: impl Into<String>,
         rootfs: impl Into<PathBuf>,
@@ -140,7 +144,7 @@ impl SandboxSpec {
             envd_binary: None,
             binds: Vec::new(),
             ctl_socket: None,
-            log_file: None,
+            init_log: None,
         }
     }
 
@@ -292,10 +296,10 @@ impl SandboxSpec {
         {
             return bad(format!("ctl_socket {name:?} must be a plain file name"));
         }
-        if let Some(log) = &self.log_file
+        if let Some(log) = &self.init_log
             && !log.is_absolute()
         {
-            return bad(format!("log_file {} must be absolute", log.display()));
+            return bad(format!("init_log {} must be absolute", log.display()));
         }
         Ok(())
     }

@@ -6,7 +6,7 @@
 //! (`cargo test -p cubicle-runtime --test sandbox -- oom`).
 //!
 //! The template is a busybox-static rootfs built in a temporary directory. Init programs are
-//! `/bin/busybox sh -c SCRIPT` whose output goes to a log file the test reads.
+//! `/bin/busybox sh -c SCRIPT` whose output the test reads from the init log FIFO.
 
 use std::fs;
 use std::os::fd::AsFd;
@@ -25,6 +25,8 @@ struct Env {
     counter: AtomicU32,
     has_suid_probe: bool,
     has_syscall_probe: bool,
+    /// What each sandbox's PID 1 wrote, by id (read from its init log FIFO).
+    logs: std::sync::Mutex<std::collections::HashMap<String, Vec<u8>>>,
 }
 
 impl Env {
@@ -46,6 +48,7 @@ impl Env {
             counter: AtomicU32::new(0),
             has_suid_probe,
             has_syscall_probe,
+            logs: Default::default(),
         }
     }
 
@@ -66,13 +69,25 @@ impl Env {
                 script.into(),
             ],
         );
-        spec.log_file = Some(self.root.join(format!("{id}.log")));
+        spec.init_log = Some(self.root.join(format!("{id}.pipe")));
         spec.limits.memory_bytes = 128 << 20;
         spec
     }
 
-    fn log(&self, spec: &SandboxSpec) -> String {
-        fs::read_to_string(spec.log_file.as_ref().unwrap()).unwrap_or_default()
+    /// Everything PID 1 wrote so far (its init log FIFO, drained here); once the sandbox
+    /// has ended, waits (up to 5 s) for the last writer to go.
+    fn log(&self, sb: &Sandbox) -> String {
+        let deadline = Instant::now() + Duration::from_secs(5);
+        let mut logs = self.logs.lock().unwrap();
+        let buf = logs.entry(sb.id().to_string()).or_default();
+        loop {
+            let eof = sb.read_init_log(buf).unwrap();
+            if eof || sb.is_alive() || Instant::now() > deadline {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        String::from_utf8_lossy(buf).into_owned()
     }
 
     /// Spawns, waits for init to exit (10 s max), returns the sandbox and its output.
@@ -81,9 +96,9 @@ impl Env {
         assert!(
             sb.wait_timeout(Duration::from_secs(10)),
             "init did not exit; log: {}",
-            self.log(spec)
+            self.log(&sb)
         );
-        let log = self.log(spec);
+        let log = self.log(&sb);
         (sb, log)
     }
 }
@@ -448,7 +463,7 @@ fn devices_and_ctl_bind(env: &Env) {
         sb.wait_timeout(Duration::from_secs(10)),
         "init did not exit"
     );
-    let log = env.log(&spec);
+    let log = env.log(&sb);
     for want in [
         "16",
         "null-ok",
@@ -849,12 +864,8 @@ fn base_template_sudo(env: &Env) {
     let t = Instant::now();
     let sb = spawn(&spec).unwrap();
     let spawned = t.elapsed();
-    assert!(
-        sb.wait_timeout(Duration::from_secs(20)),
-        "{}",
-        env.log(&spec)
-    );
-    let log = env.log(&spec);
+    assert!(sb.wait_timeout(Duration::from_secs(20)), "{}", env.log(&sb));
+    let log = env.log(&sb);
     println!("    base template: spawn {spawned:?}");
     for want in ["user", "0", "sudo-ok", "42", "end"] {
         assert!(

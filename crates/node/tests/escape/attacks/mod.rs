@@ -18,9 +18,11 @@ mod btrfs_subvolume;
 mod cgroup_release_agent;
 mod device_nodes;
 mod fs_ioctls;
+mod init_log_pipe;
 mod io_uring;
 mod kernel_modules;
 mod keyrings;
+mod leaked_fds;
 mod mount_api;
 mod open_by_handle_at;
 mod perf_event_open;
@@ -52,4 +54,6 @@ pub const ALL: &[Attack] = &[
     fs_ioctls::ATTACK,
     quota_fs_nosuid::ATTACK,
     teardown_leftovers::ATTACK,
+    init_log_pipe::ATTACK,
+    leaked_fds::ATTACK,
 ];
