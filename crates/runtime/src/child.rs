@@ -6,7 +6,8 @@
 //! 1. wait for the helper's "go" (uid/gid maps written) and receive the prepared mount fds;
 //! 2. become root of its user namespace (`setresgid/setgroups/setresuid` to 0);
 //! 3. new session (detached from the caller's terminal), stdout → the log (stderr);
-//! 4. create the init's listening socket in the ctl directory (`ctl.rs`), then build the
+//! 4. allow ICMP echo sockets for the sandbox's groups (`ping` without CAP_NET_RAW),
+//!    create the init's listening socket in the ctl directory (`ctl.rs`), then build the
 //!    root filesystem and `pivot_root` into it (`rootfs.rs`), with paths relative to the
 //!    sandbox directory (the working directory the helper gave it);
 //! 5. hostname, loopback up, stdin ← /dev/null;
@@ -90,6 +91,16 @@ fn run(
     // (root's, 0700).
     let mut here = spec.clone();
     here.sandbox_dir = std::path::PathBuf::from(".");
+    // ICMP echo ("ping") sockets for every group of the sandbox, in its own network
+    // namespace: `ping` works without CAP_NET_RAW, which a sandbox does not get.
+    // Through the host's /proc, before the sandbox's own /proc/sys is read-only.
+    step(
+        "ping_group_range",
+        std::fs::write(
+            "/proc/sys/net/ipv4/ping_group_range",
+            format!("0 {}\n", spec.uid_count.saturating_sub(1)),
+        ),
+    )?;
     // Before pivot_root, through the host's directory: inside the sandbox it is read-only.
     let listener = match &spec.ctl_socket {
         Some(name) => Some(

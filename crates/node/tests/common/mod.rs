@@ -113,7 +113,13 @@ fn share_template(cache: &Path, dest: &Path) -> anyhow::Result<&'static str> {
     let rootfs = dest.join("rootfs");
     std::fs::create_dir_all(&rootfs)?;
     std::fs::copy(cache.join("template.json"), dest.join("template.json"))?;
-    if bind_read_only(&cache.join("rootfs"), &rootfs).is_ok() {
+    // A template built before file capabilities were fitted to what a sandbox can hold
+    // needs its own writable copy: the node fits it on first use.
+    let fitted = std::fs::read(cache.join("template.json"))
+        .ok()
+        .and_then(|b| serde_json::from_slice::<serde_json::Value>(&b).ok())
+        .is_some_and(|v| v["fileCapsFitted"] == serde_json::Value::Bool(true));
+    if fitted && bind_read_only(&cache.join("rootfs"), &rootfs).is_ok() {
         return Ok("bind-mounted read-only");
     }
     std::fs::remove_dir(&rootfs)?;

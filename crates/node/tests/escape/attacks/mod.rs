@@ -24,6 +24,7 @@ mod kernel_modules;
 mod keyrings;
 mod leaked_fds;
 mod mount_api;
+mod net_raw;
 mod open_by_handle_at;
 mod perf_event_open;
 mod proc_sys_writes;
@@ -56,4 +57,5 @@ pub const ALL: &[Attack] = &[
     teardown_leftovers::ATTACK,
     init_log_pipe::ATTACK,
     leaked_fds::ATTACK,
+    net_raw::ATTACK,
 ];
