@@ -131,12 +131,17 @@ impl Sandbox {
 
     /// `bash -c script`.
     pub async fn sh(&self, who: As, script: &str) -> anyhow::Result<Out> {
+        self.sh_within(who, script, RUN_LIMIT).await
+    }
+
+    /// `bash -c script`, allowed to run for `limit`.
+    pub async fn sh_within(&self, who: As, script: &str, limit: Duration) -> anyhow::Result<Out> {
         let o = common::bash(
             &self.ctx.node,
             &self.info.id,
             Some(who.name()),
             script,
-            RUN_LIMIT,
+            limit,
         )
         .await?;
         Ok(Out::from(o))

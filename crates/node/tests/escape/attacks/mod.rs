@@ -17,6 +17,7 @@ mod bpf;
 mod btrfs_subvolume;
 mod cgroup_release_agent;
 mod device_nodes;
+mod everyday_tools;
 mod fs_ioctls;
 mod init_log_pipe;
 mod io_uring;
@@ -58,4 +59,5 @@ pub const ALL: &[Attack] = &[
     init_log_pipe::ATTACK,
     leaked_fds::ATTACK,
     net_raw::ATTACK,
+    everyday_tools::ATTACK,
 ];
