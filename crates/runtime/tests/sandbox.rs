@@ -538,9 +538,9 @@ fn idmapped_binds_at_spawn_and_while_running(env: &Env) {
     assert!(
         sb.wait_timeout(Duration::from_secs(20)),
         "log: {}",
-        env.log(&spec)
+        env.log(&sb)
     );
-    let log = env.log(&spec);
+    let log = env.log(&sb);
     for want in [
         "1000:1000",
         "root-wrote",
