@@ -16,6 +16,7 @@ pub mod config;
 pub mod envd_client;
 pub mod error;
 pub mod fsutil;
+pub mod host;
 pub mod host_slots;
 pub mod ids;
 pub mod init_log;
@@ -28,6 +29,7 @@ pub mod reconcile;
 pub mod runtime;
 pub mod sandbox;
 pub mod slots;
+pub mod snapshot;
 pub mod template;
 pub mod traces;
 pub mod volume;
@@ -35,13 +37,19 @@ pub mod volume;
 pub use config::{NetworkOptions, NodeConfig, default_state_dir};
 pub use cubicle_egress::policy as network_policy;
 pub use cubicle_egress::{NetEvent, NetworkPolicy, allow_list, check_ca_pem};
+pub use cubicle_runtime::SandboxId;
 pub use envd_client::{EnvdClient, ProcessEnd, ProcessEvent, ProcessSpec};
 pub use error::{Error, Result};
-pub use node::{Node, records_on_disk, sandboxes_using_template};
+pub use node::{
+    CHECKPOINT_DIR, Node, PauseReport, PauseRequest, ResumeOutcome, SnapshotReport,
+    SnapshotRequest, records_on_disk, sandboxes_using_template,
+};
 pub use pool::{PoolStats, parse_pool_spec};
 pub use sandbox::{
-    CreateRequest, DeathReason, InitPidfd, SandboxInfo, SandboxRecord, SandboxState, VolumeMount,
+    CreateRequest, DeathReason, InitPidfd, Lifecycle, PauseMode, SandboxInfo, SandboxRecord,
+    SandboxState, VolumeMount,
 };
+pub use snapshot::SnapshotRecord;
 
 impl Node {
     /// Open the node with the Linux runtime (`cubicle-runtime`): see

@@ -104,7 +104,7 @@ fn run(
     // Before pivot_root, through the host's directory: inside the sandbox it is read-only.
     let listener = match &spec.ctl_socket {
         Some(name) => Some(
-            ctl::listen_ctl_socket(&here.ctl_dir(), name)
+            ctl::listen_ctl_socket(&here.ctl_dir(), name, None)
                 .map_err(|e| format!("ctl socket: {e}"))?,
         ),
         None => None,
@@ -164,7 +164,7 @@ fn run(
 }
 
 /// Switches to uid/gid 0 of the new user namespace (host `uid_base`), no supplementary groups.
-fn become_root() -> Result<(), String> {
+pub(crate) fn become_root() -> Result<(), String> {
     // SAFETY: plain id-setting syscalls.
     unsafe {
         if libc::setresgid(0, 0, 0) < 0 {

@@ -18,6 +18,7 @@ use std::os::unix::net::UnixStream;
 use std::path::Path;
 
 use crate::error::{Error, Result, io_ctx};
+use crate::spec::SandboxSpec;
 use crate::sys::cpath;
 
 fn open_nofollow(
@@ -53,11 +54,19 @@ fn check_name(name: &str) -> Result<()> {
 }
 
 /// Creates the listening Unix socket `name` in the host directory `ctl_dir` (replacing
-/// whatever has that name) and returns it, close-on-exec. Called by the sandbox child
+/// whatever has that name) and returns it, close-on-exec and non-blocking (the init
+/// serves it with an event loop; a restored one is handed it as is, see
+/// [`listen_ctl_socket_for_restore`]). Called by the sandbox child
 /// before `pivot_root`, so that the socket belongs to the sandbox's network namespace
 /// and its file to the sandbox's root, while the directory is still writable in the
 /// child's mount namespace (the sandbox's own view of it is read-only).
-pub(crate) fn listen_ctl_socket(ctl_dir: &Path, name: &str) -> Result<OwnedFd> {
+/// `owner`: the uid (and gid) to give the socket's file, when the caller is not the
+/// sandbox's root already.
+pub(crate) fn listen_ctl_socket(
+    ctl_dir: &Path,
+    name: &str,
+    owner: Option<u32>,
+) -> Result<OwnedFd> {
     check_name(name)?;
     let ctx = |what: &str| {
         let what = format!("{what} {}/{name}", ctl_dir.display());
@@ -75,7 +84,13 @@ pub(crate) fn listen_ctl_socket(ctl_dir: &Path, name: &str) -> Result<OwnedFd> {
         }
     }
     // SAFETY: plain socket(2).
-    let fd = unsafe { libc::socket(libc::AF_UNIX, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0) };
+    let fd = unsafe {
+        libc::socket(
+            libc::AF_UNIX,
+            libc::SOCK_STREAM | libc::SOCK_CLOEXEC | libc::SOCK_NONBLOCK,
+            0,
+        )
+    };
     if fd < 0 {
         return Err(ctx("socket for")(std::io::Error::last_os_error()));
     }
@@ -108,7 +123,33 @@ pub(crate) fn listen_ctl_socket(ctl_dir: &Path, name: &str) -> Result<OwnedFd> {
     if unsafe { libc::listen(sock.as_raw_fd(), 4096) } < 0 {
         return Err(ctx("listen on")(std::io::Error::last_os_error()));
     }
+    if let Some(uid) = owner {
+        // SAFETY: valid dirfd and C string; no symlink is followed.
+        let rc = unsafe {
+            libc::fchownat(
+                dir.as_raw_fd(),
+                cname.as_ptr(),
+                uid,
+                uid,
+                libc::AT_SYMLINK_NOFOLLOW,
+            )
+        };
+        if rc < 0 {
+            return Err(ctx("chown")(std::io::Error::last_os_error()));
+        }
+    }
     Ok(sock)
+}
+
+/// A new listening socket at the ctl socket of `spec` (`None` when it has none), owned
+/// by the sandbox's root like the one the sandbox child made: for a restore, which hands
+/// it to the restored init in place of the one it had. The original's file is on the
+/// host, outside every mount of the sandbox, so CRIU cannot bind it again itself.
+pub fn listen_ctl_socket_for_restore(spec: &SandboxSpec) -> Result<Option<OwnedFd>> {
+    match &spec.ctl_socket {
+        Some(name) => listen_ctl_socket(&spec.ctl_dir(), name, Some(spec.uid_base)).map(Some),
+        None => Ok(None),
+    }
 }
 
 /// Opens (`O_PATH`) the Unix socket `name` (a plain file name, e.g. `envd.sock`) in the
@@ -203,13 +244,13 @@ mod tests {
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).unwrap();
         std::os::unix::fs::symlink("/etc/hostname", dir.join("envd.sock")).unwrap();
-        let l = listen_ctl_socket(&dir, "envd.sock").unwrap();
+        let l = listen_ctl_socket(&dir, "envd.sock", None).unwrap();
         connect_ctl_socket(&dir, "envd.sock").unwrap();
         // SAFETY: borrowing our own descriptor for a moment.
         let listener = unsafe { std::os::unix::net::UnixListener::from_raw_fd(l.as_raw_fd()) };
         assert!(listener.accept().is_ok());
         std::mem::forget(listener); // `l` owns the descriptor
-        assert!(listen_ctl_socket(&dir, "../x.sock").is_err());
+        assert!(listen_ctl_socket(&dir, "../x.sock", None).is_err());
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }

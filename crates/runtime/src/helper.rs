@@ -186,19 +186,7 @@ fn release_child(spec: &SandboxSpec, pid: i32, sock: &OwnedFd, out: RawFd) -> Re
 
     let userns = std::fs::File::open(format!("/proc/{pid}/ns/user"))
         .map_err(|e| format!("open child user namespace: {e}"))?;
-    let lower = sys::open_tree_clone(&spec.rootfs)
-        .map_err(|e| format!("open_tree {}: {e}", spec.rootfs.display()))?;
-    sys::mount_setattr(
-        &lower,
-        sys::MOUNT_ATTR_IDMAP | sys::MOUNT_ATTR_RDONLY | sys::MOUNT_ATTR_NODEV,
-        Some(userns.as_raw_fd()),
-    )
-    .map_err(|e| {
-        format!(
-            "idmap {} into the sandbox's user namespace: {e}",
-            spec.rootfs.display()
-        )
-    })?;
+    let lower = idmapped_template(&spec.rootfs, userns.as_raw_fd())?;
 
     let mut fds = vec![lower];
     for b in spec.all_binds() {
@@ -224,7 +212,30 @@ fn release_child(spec: &SandboxSpec, pid: i32, sock: &OwnedFd, out: RawFd) -> Re
     Ok(())
 }
 
-fn socketpair() -> std::io::Result<(OwnedFd, OwnedFd)> {
+/// The template rootfs as a detached, read-only, nodev mount whose ids are mapped through
+/// the user namespace `userns` (host uid 0 appears as the sandbox's root).
+pub(crate) fn idmapped_template(
+    rootfs: &std::path::Path,
+    userns: RawFd,
+) -> Result<OwnedFd, String> {
+    let lower =
+        sys::open_tree_clone(rootfs).map_err(|e| format!("open_tree {}: {e}", rootfs.display()))?;
+    sys::mount_setattr(
+        &lower,
+        sys::MOUNT_ATTR_IDMAP | sys::MOUNT_ATTR_RDONLY | sys::MOUNT_ATTR_NODEV,
+        Some(userns),
+    )
+    .map_err(|e| {
+        format!(
+            "idmap {} into the sandbox's user namespace: {e}",
+            rootfs.display()
+        )
+    })?;
+    Ok(lower)
+}
+
+/// A close-on-exec `SOCK_SEQPACKET` Unix socket pair.
+pub(crate) fn socketpair() -> std::io::Result<(OwnedFd, OwnedFd)> {
     let mut fds = [0 as RawFd; 2];
     // SAFETY: fds is a valid 2-element array.
     let rc = unsafe {

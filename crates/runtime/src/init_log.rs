@@ -23,7 +23,7 @@ use std::path::Path;
 /// Creates the FIFO at `path` (mode 0600) if it does not exist (an existing FIFO is
 /// reused; anything else there is an error), and opens both ends, non-blocking and
 /// close-on-exec: (read end, write end).
-pub(crate) fn create(path: &Path) -> io::Result<(OwnedFd, OwnedFd)> {
+pub fn create_init_log(path: &Path) -> io::Result<(OwnedFd, OwnedFd)> {
     let c = CString::new(path.as_os_str().as_bytes())
         .map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
     // SAFETY: valid C string.
@@ -106,7 +106,7 @@ mod tests {
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).unwrap();
         let path = dir.join("init.pipe");
-        let (reader, writer) = create(&path).unwrap();
+        let (reader, writer) = create_init_log(&path).unwrap();
         let mut w = File::from(writer);
         w.write_all(b"one\n").unwrap();
         let mut got = Vec::new();

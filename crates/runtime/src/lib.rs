@@ -79,9 +79,11 @@ mod child;
 mod ctl;
 mod error;
 mod helper;
+mod id;
 mod init_log;
 pub mod masked_paths;
 mod remove_tree;
+pub mod restore;
 mod rootfs;
 mod sandbox;
 pub mod seccomp;
@@ -93,14 +95,18 @@ pub mod storage;
 
 pub use attach::attach_binds;
 pub use cgroup::{Cgroup, CgroupStats, CgroupVersion};
-pub use ctl::{connect_ctl_socket, connect_ctl_socket_async, ctl_socket_parts, open_ctl_socket};
+pub use ctl::{
+    connect_ctl_socket, connect_ctl_socket_async, ctl_socket_parts, listen_ctl_socket_for_restore,
+    open_ctl_socket,
+};
 pub use error::{Error, Result};
-pub use init_log::open_init_log;
+pub use id::SandboxId;
+pub use init_log::{create_init_log, open_init_log};
 pub use remove_tree::remove_tree;
 pub use sandbox::{Sandbox, list_sandboxes, reap_orphans, remove_leftovers, spawn};
 pub use spec::{
     BindMount, CTL_DIR, DEFAULT_UID_COUNT, ENVD_PATH, LISTEN_FD, Limits, MAX_BINDS, MIN_UID_BASE,
-    SandboxSpec, valid_id,
+    SandboxSpec,
 };
 
 /// If this process was started as the sandbox helper (`argv[1]` is the hidden marker),

@@ -547,7 +547,7 @@ fn pivot(root: &Path) -> Result<(), String> {
     std::env::set_current_dir(root).map_err(|e| err("chdir new root", e))?;
     let dot = Path::new(".");
     sys::pivot_root(dot, dot).map_err(|e| err("pivot_root", e))?;
-    sys::umount2(dot, libc::MNT_DETACH).map_err(|e| err("detach old root", e))?;
+    cubicle_syscalls::fs::unmount_detach(dot).map_err(|e| err("detach old root", e))?;
     std::env::set_current_dir("/").map_err(|e| err("chdir /", e))
 }
 
