@@ -31,11 +31,9 @@ pub const DEFAULT_CRIU: &str = "/usr/local/lib/cubicle/criu/criu";
 const DEFAULT_LOG_LEVEL: i32 = 2;
 
 /// The fd numbers a `criu swrk` child gets: its RPC socket and (restore) the descriptor
-/// envd's output goes to and its new listening socket.
+/// envd's output goes to.
 pub(crate) const FD_RPC: RawFd = 3;
 pub(crate) const FD_STDIO: RawFd = 4;
-/// (Restore) the listening socket that stands in for the init's ctl socket.
-pub(crate) const FD_LISTEN: RawFd = 5;
 
 /// A CRIU installation and its kernel-feature cache.
 #[derive(Clone, Debug)]

@@ -80,7 +80,6 @@ fn dump_in(criu: &Criu, cg: &Cgroup, mut req: DumpRequest<'_>, t0: Instant) -> R
         .filter(|e| present.contains(&e.mountpoint))
         .collect();
     let stdio = stdio_of(req.init_pid).map_err(cleanup)?;
-    let listen = listen_socket_of(req.init_pid, spec);
     let outside = wait_outside_connections(cg, req.init_pid, OUTSIDE_WAIT);
     if !outside.is_empty() {
         tracing::warn!(sandbox = %spec.id, ?outside, "connections from outside the sandbox are still open; dumping anyway");
@@ -90,7 +89,12 @@ fn dump_in(criu: &Criu, cg: &Cgroup, mut req: DumpRequest<'_>, t0: Instant) -> R
     cg.freeze(FREEZE_TIMEOUT).map_err(|e| cleanup(e.into()))?;
     let t_frozen = Instant::now();
     phases.push(("frozen".to_string(), t0.elapsed()));
+    let writable_ctl = std::cell::Cell::new(false);
     let res = (|| -> Result<(u64, Option<Instant>)> {
+        // Recorded writable, so that a restore can bind envd's socket in it again (the
+        // restore seals it before anything runs); nothing runs while it is.
+        cubicle_runtime::set_ctl_dir_readonly(req.init_pid, false)?;
+        writable_ctl.set(true);
         let root = PathBuf::from(format!("/proc/{}/root", req.init_pid));
         let sections: Vec<(PathBuf, String)> = externals
             .iter()
@@ -149,7 +153,6 @@ fn dump_in(criu: &Criu, cg: &Cgroup, mut req: DumpRequest<'_>, t0: Instant) -> R
             uid_base: spec.uid_base,
             externals: externals.iter().map(|e| e.mountpoint.clone()).collect(),
             stdio: stdio.clone(),
-            listen: listen.clone(),
             created_at_ms: now_ms(),
             image_bytes: 0,
         };
@@ -163,6 +166,7 @@ fn dump_in(criu: &Criu, cg: &Cgroup, mut req: DumpRequest<'_>, t0: Instant) -> R
             f()?;
         }
         let thawed = if req.leave_running {
+            cubicle_runtime::set_ctl_dir_readonly(req.init_pid, true)?;
             cg.thaw()?;
             Some(Instant::now())
         } else {
@@ -173,7 +177,16 @@ fn dump_in(criu: &Criu, cg: &Cgroup, mut req: DumpRequest<'_>, t0: Instant) -> R
     let (tmpfs_bytes, thawed) = match res {
         Ok(v) => v,
         Err(e) => {
-            let _ = cg.thaw();
+            // Never thawed with a writable ctl directory: left frozen if that fails.
+            match writable_ctl.get() {
+                true => match cubicle_runtime::set_ctl_dir_readonly(req.init_pid, true) {
+                    Ok(()) => drop(cg.thaw()),
+                    Err(e) => {
+                        tracing::error!(sandbox = %spec.id, "left frozen: its ctl directory stays writable: {e}")
+                    }
+                },
+                false => drop(cg.thaw()),
+            }
             // Keep CRIU's log for the operator next to the failed checkpoint's name.
             let log = dir.join(DUMP_LOG);
             if log.exists() {
@@ -329,15 +342,6 @@ fn mount_points(pid: i32) -> Result<Vec<PathBuf>> {
         .into_iter()
         .map(|m| m.mount_point)
         .collect())
-}
-
-/// The listening socket the runtime handed the init, as CRIU names it (see
-/// [`Meta::listen`]); `None` when the sandbox has none.
-fn listen_socket_of(pid: i32, spec: &SandboxSpec) -> Option<String> {
-    spec.ctl_socket.as_ref()?;
-    let t = fs::read_link(format!("/proc/{pid}/fd/{}", cubicle_runtime::LISTEN_FD)).ok()?;
-    let t = t.to_str()?;
-    t.starts_with("socket:[").then(|| t.to_string())
 }
 
 /// How the init's stdout is connected: a pipe, or a host file outside the sandbox.

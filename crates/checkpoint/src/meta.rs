@@ -39,11 +39,6 @@ pub struct Meta {
     pub externals: Vec<PathBuf>,
     /// envd's output.
     pub stdio: Option<Stdio>,
-    /// The listening socket the runtime handed the init (`cubicle_runtime::LISTEN_FD`),
-    /// as CRIU names it (`socket:[inode]`): its file is on the host, outside the
-    /// sandbox's mounts, so a restore hands CRIU a new one in its place.
-    #[serde(default)]
-    pub listen: Option<String>,
     /// Unix ms when it was taken.
     pub created_at_ms: u64,
     /// Bytes of CRIU images (memory and process state); 0 if not recorded.

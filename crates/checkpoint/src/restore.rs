@@ -12,7 +12,10 @@
 //!
 //! The caller then sends the restore request and answers CRIU's notifications: at
 //! `setup-namespaces` (the sandbox's namespaces exist, nothing is restored in them yet)
-//! it connects the new network namespace ([`RestoreRequest::on_namespaces`]). CRIU
+//! it connects the new network namespace ([`RestoreRequest::on_namespaces`]); at
+//! `pre-resume` (everything restored, nothing running yet) it makes the ctl directory
+//! read-only again (`cubicle_runtime::set_ctl_dir_readonly`: CRIU needs it writable to bind the
+//! init's socket there again). CRIU
 //! restores the init as a sibling of itself (`rst_sibling`), i.e. as a child of the
 //! caller, like `spawn` does; the helper's mount namespace goes away with CRIU.
 
@@ -27,7 +30,7 @@ use std::time::{Duration, Instant};
 use cubicle_runtime::{Cgroup, SandboxSpec};
 use serde::{Deserialize, Serialize};
 
-use crate::criu::{self, Criu, FD_LISTEN, FD_RPC, FD_STDIO};
+use crate::criu::{self, Criu, FD_RPC, FD_STDIO};
 use crate::error::{Error, Result};
 use crate::meta::{Meta, Stdio, TMPFS_FILE};
 use crate::rpc;
@@ -54,9 +57,6 @@ pub struct RestoreRequest<'a> {
     pub dir: &'a Path,
     /// Where envd's stdout and stderr go (its log).
     pub stdio: Option<OwnedFd>,
-    /// A new listening socket at the ctl socket's path, standing in for the one the
-    /// runtime handed the init (see [`crate::Meta::listen`]).
-    pub listen: Option<OwnedFd>,
     /// Called with the init's host pid once its namespaces exist and before anything is
     /// restored in them: connect the network namespace (loopback up, veth).
     pub on_namespaces: &'a mut dyn FnMut(i32) -> Result<()>,
@@ -163,9 +163,6 @@ fn restore_in(
     if let Some(s) = &req.stdio {
         fds.push((s.as_raw_fd(), FD_STDIO));
     }
-    if let Some(l) = &req.listen {
-        fds.push((l.as_raw_fd(), FD_LISTEN));
-    }
     // SAFETY: place_fds only makes system calls (async-signal-safe).
     unsafe { cmd.pre_exec(move || criu::place_fds(&fds)) };
     let mut child = cmd
@@ -230,12 +227,6 @@ fn restore_in(
         }),
         _ => {}
     }
-    if let (Some(key), Some(_)) = (&meta.listen, &req.listen) {
-        inherit_fd.push(rpc::InheritFd {
-            key: key.clone(),
-            fd: FD_LISTEN,
-        });
-    }
     let root = spec.mount_dir().join("root");
     let mut cg_root: Vec<rpc::CgroupRoot> = cg
         .controllers()
@@ -279,12 +270,19 @@ fn restore_in(
         notify_success: None,
     };
     let on_ns = req.on_namespaces;
-    let res = criu::converse(&ours, &rq, &mut |script, pid| {
-        if script == "setup-namespaces" {
+    let mut init_pid = None;
+    let res = criu::converse(&ours, &rq, &mut |script, pid| match script {
+        "setup-namespaces" => {
+            init_pid = Some(pid);
             on_ns(pid)
-        } else {
-            Ok(())
         }
+        // CRIU re-bound the init's socket in the ctl directory, which it was given
+        // writable: read-only again before anything of the sandbox runs.
+        "pre-resume" => match init_pid {
+            Some(pid) => cubicle_runtime::set_ctl_dir_readonly(pid, true).map_err(Error::from),
+            None => Ok(()),
+        },
+        _ => Ok(()),
     });
     drop(ours);
     let t_criu = t0.elapsed();

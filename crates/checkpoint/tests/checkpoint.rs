@@ -169,7 +169,6 @@ fn pause_and_resume_keeps_memory_and_files(env: &Env) {
             spec: &spec,
             dir: &dir,
             stdio: None,
-            listen: None,
             on_namespaces: &mut net,
         },
     )
@@ -253,7 +252,6 @@ fn fork_to_another_uid_range(env: &Env) {
             spec: &child,
             dir: &fork_dir,
             stdio: None,
-            listen: None,
             on_namespaces: &mut net,
         },
     )

@@ -585,10 +585,6 @@ impl SandboxRuntime for LinuxRuntime {
         } else {
             None
         };
-        // envd's listening socket was bound on the host, outside the sandbox's mounts, so
-        // CRIU cannot bind it again: a new one at the same path takes its place.
-        let listen = cubicle_runtime::listen_ctl_socket_for_restore(&spec)
-            .map_err(|e| rt_err("envd's socket", e))?;
         // PID 1's output goes to its FIFO again, drained by the node (as after a spawn).
         let pipe = s.sandbox_dir.join(INIT_PIPE);
         let (log_reader, log) =
@@ -608,7 +604,6 @@ impl SandboxRuntime for LinuxRuntime {
                 spec: &spec,
                 dir: checkpoint_dir,
                 stdio: Some(log),
-                listen,
                 on_namespaces: &mut on_ns,
             },
         );

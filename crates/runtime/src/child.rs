@@ -6,10 +6,10 @@
 //! 1. wait for the helper's "go" (uid/gid maps written) and receive the prepared mount fds;
 //! 2. become root of its user namespace (`setresgid/setgroups/setresuid` to 0);
 //! 3. new session (detached from the caller's terminal), stdout → the log (stderr);
-//! 4. allow ICMP echo sockets for the sandbox's groups (`ping` without CAP_NET_RAW),
-//!    create the init's listening socket in the ctl directory (`ctl.rs`), then build the
-//!    root filesystem and `pivot_root` into it (`rootfs.rs`), with paths relative to the
-//!    sandbox directory (the working directory the helper gave it);
+//! 4. allow ICMP echo sockets for the sandbox's groups (`ping` without CAP_NET_RAW), then
+//!    build the root filesystem and `pivot_root` into it (`rootfs.rs`), with paths
+//!    relative to the sandbox directory (the working directory the helper gave it); create
+//!    the init's listening socket in the ctl directory and make that read-only (`ctl.rs`);
 //! 5. hostname, loopback up, stdin ← /dev/null;
 //! 6. reset signal dispositions, mask and umask; drop capabilities from the bounding set (`capabilities.rs`), install the seccomp
 //!    filter (`seccomp.rs`), put the listening socket on fd 3 ([`crate::LISTEN_FD`]) and
@@ -101,16 +101,16 @@ fn run(
             format!("0 {}\n", spec.uid_count.saturating_sub(1)),
         ),
     )?;
-    // Before pivot_root, through the host's directory: inside the sandbox it is read-only.
-    let listener = match &spec.ctl_socket {
-        Some(name) => Some(
-            ctl::listen_ctl_socket(&here.ctl_dir(), name, None)
-                .map_err(|e| format!("ctl socket: {e}"))?,
-        ),
-        None => None,
-    };
     rootfs::execute(&rootfs::plan(&here, cgroup), &fds, &sources, status)?;
     drop(fds);
+    // Inside the new root, at the path the sandbox sees, then the ctl mount goes read-only.
+    let listener = match &spec.ctl_socket {
+        Some(name) => {
+            Some(ctl::listen_in_sandbox(name).map_err(|e| format!("ctl socket: {e}"))?)
+        }
+        None => None,
+    };
+    ctl::seal_in_sandbox().map_err(|e| format!("ctl directory: {e}"))?;
     mark(status, "rootfs_ready");
 
     step("sethostname", {

@@ -1,9 +1,10 @@
 //! The agent's Unix socket in `<sandbox_dir>/ctl`: created for the sandbox
-//! ([`listen_ctl_socket`]) and reached from the host, safely ([`connect_ctl_socket`]).
+//! ([`listen_in_sandbox`]) and reached from the host, safely ([`connect_ctl_socket`]).
 //!
 //! The sandbox never writes its ctl directory: the runtime creates the listening socket
 //! before the sandbox's init runs and hands it over as fd [`crate::LISTEN_FD`], and the
-//! directory is bind-mounted read-only at [`crate::CTL_DIR`]. (A writable one let a
+//! directory, bind-mounted at [`crate::CTL_DIR`], is read-only from then on (after a
+//! restore too: [`set_ctl_dir_readonly`]). (A writable one let a
 //! sandbox create btrfs subvolumes outside its quota, and plant symlinks.) The host side
 //! still distrusts the directory's content — it belongs to the sandbox's root, and a
 //! sandbox adopted from an older version may have written it: a plain
@@ -14,11 +15,11 @@
 //! race between the check and the connect.
 
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
-use std::os::unix::net::UnixStream;
+use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::Path;
 
 use crate::error::{Error, Result, io_ctx};
-use crate::spec::SandboxSpec;
+use crate::spec::CTL_DIR;
 use crate::sys::cpath;
 
 fn open_nofollow(
@@ -53,29 +54,24 @@ fn check_name(name: &str) -> Result<()> {
     Ok(())
 }
 
-/// Creates the listening Unix socket `name` in the host directory `ctl_dir` (replacing
-/// whatever has that name) and returns it, close-on-exec and non-blocking (the init
-/// serves it with an event loop; a restored one is handed it as is, see
-/// [`listen_ctl_socket_for_restore`]). Called by the sandbox child
-/// before `pivot_root`, so that the socket belongs to the sandbox's network namespace
-/// and its file to the sandbox's root, while the directory is still writable in the
-/// child's mount namespace (the sandbox's own view of it is read-only).
-/// `owner`: the uid (and gid) to give the socket's file, when the caller is not the
-/// sandbox's root already.
-pub(crate) fn listen_ctl_socket(
-    ctl_dir: &Path,
-    name: &str,
-    owner: Option<u32>,
-) -> Result<OwnedFd> {
+/// Creates the init's listening Unix socket `name` in [`CTL_DIR`] (the caller then makes
+/// that mount read-only: `seal_in_sandbox`); returns the socket, close-on-exec and non-blocking (the init serves it with
+/// an event loop). Called by the sandbox child after `pivot_root`, while the ctl bind is
+/// still writable and before anything of the tenant runs: the socket belongs to the
+/// sandbox's network namespace, its file to the sandbox's root, and its name is the path
+/// inside the sandbox — so CRIU finds it on the ctl mount at a dump and binds it there
+/// again at a restore (see [`set_ctl_dir_readonly`]).
+pub(crate) fn listen_in_sandbox(name: &str) -> Result<OwnedFd> {
     check_name(name)?;
+    let path = format!("{CTL_DIR}/{name}");
     let ctx = |what: &str| {
-        let what = format!("{what} {}/{name}", ctl_dir.display());
+        let what = format!("{what} {path}");
         io_ctx(move || what)
     };
-    let dir = open_nofollow(None, ctl_dir, libc::O_DIRECTORY).map_err(io_ctx(|| {
-        format!("open ctl directory {}", ctl_dir.display())
-    }))?;
+    let dir = open_nofollow(None, Path::new(CTL_DIR), libc::O_DIRECTORY)
+        .map_err(io_ctx(|| format!("open {CTL_DIR}")))?;
     let cname = cpath(Path::new(name)).map_err(ctx("name"))?;
+    // Whatever has that name goes (a stale socket of an earlier run of this sandbox).
     // SAFETY: valid dirfd and C string.
     if unsafe { libc::unlinkat(dir.as_raw_fd(), cname.as_ptr(), 0) } < 0 {
         let e = std::io::Error::last_os_error();
@@ -83,73 +79,57 @@ pub(crate) fn listen_ctl_socket(
             return Err(ctx("remove stale")(e));
         }
     }
-    // SAFETY: plain socket(2).
-    let fd = unsafe {
-        libc::socket(
-            libc::AF_UNIX,
-            libc::SOCK_STREAM | libc::SOCK_CLOEXEC | libc::SOCK_NONBLOCK,
-            0,
-        )
-    };
-    if fd < 0 {
-        return Err(ctx("socket for")(std::io::Error::last_os_error()));
-    }
-    // SAFETY: fresh descriptor.
-    let sock = unsafe { OwnedFd::from_raw_fd(fd) };
-    // Bound through the directory's descriptor: no path component is looked up again.
-    let path = format!("/proc/self/fd/{}/{name}", dir.as_raw_fd());
-    // SAFETY: an all-zero sockaddr_un is a valid value.
-    let mut addr: libc::sockaddr_un = unsafe { std::mem::zeroed() };
-    addr.sun_family = libc::AF_UNIX as libc::sa_family_t;
-    if path.len() >= addr.sun_path.len() {
-        return Err(Error::InvalidSpec(format!("socket path {path} too long")));
-    }
-    for (d, s) in addr.sun_path.iter_mut().zip(path.bytes()) {
-        *d = s as libc::c_char;
-    }
-    let len = (std::mem::size_of::<libc::sa_family_t>() + path.len() + 1) as libc::socklen_t;
-    // SAFETY: addr is a valid sockaddr_un of `len` bytes; listen on the bound socket.
-    let rc = unsafe {
-        libc::bind(
-            sock.as_raw_fd(),
-            (&addr as *const libc::sockaddr_un).cast(),
-            len,
-        )
-    };
-    if rc < 0 {
-        return Err(ctx("bind")(std::io::Error::last_os_error()));
-    }
-    // SAFETY: listen on our bound socket.
-    if unsafe { libc::listen(sock.as_raw_fd(), 4096) } < 0 {
-        return Err(ctx("listen on")(std::io::Error::last_os_error()));
-    }
-    if let Some(uid) = owner {
-        // SAFETY: valid dirfd and C string; no symlink is followed.
-        let rc = unsafe {
-            libc::fchownat(
-                dir.as_raw_fd(),
-                cname.as_ptr(),
-                uid,
-                uid,
-                libc::AT_SYMLINK_NOFOLLOW,
-            )
-        };
-        if rc < 0 {
-            return Err(ctx("chown")(std::io::Error::last_os_error()));
-        }
-    }
-    Ok(sock)
+    let sock = UnixListener::bind(&path).map_err(ctx("bind"))?;
+    sock.set_nonblocking(true).map_err(ctx("O_NONBLOCK on"))?;
+    Ok(OwnedFd::from(sock))
 }
 
-/// A new listening socket at the ctl socket of `spec` (`None` when it has none), owned
-/// by the sandbox's root like the one the sandbox child made: for a restore, which hands
-/// it to the restored init in place of the one it had. The original's file is on the
-/// host, outside every mount of the sandbox, so CRIU cannot bind it again itself.
-pub fn listen_ctl_socket_for_restore(spec: &SandboxSpec) -> Result<Option<OwnedFd>> {
-    match &spec.ctl_socket {
-        Some(name) => listen_ctl_socket(&spec.ctl_dir(), name, Some(spec.uid_base)).map(Some),
-        None => Ok(None),
-    }
+/// Makes the mount at [`CTL_DIR`] (of the calling thread's mount namespace) read-only.
+pub(crate) fn seal_in_sandbox() -> Result<()> {
+    set_readonly_here(true)
+}
+
+fn set_readonly_here(readonly: bool) -> Result<()> {
+    let dir = open_nofollow(None, Path::new(CTL_DIR), libc::O_DIRECTORY)
+        .map_err(io_ctx(|| format!("open {CTL_DIR}")))?;
+    let (set, clr) = match readonly {
+        true => (crate::sys::MOUNT_ATTR_RDONLY, 0),
+        false => (0, crate::sys::MOUNT_ATTR_RDONLY),
+    };
+    crate::sys::mount_setattr_clr(&dir, set, clr, None).map_err(io_ctx(|| {
+        format!("making {CTL_DIR} {}", if readonly { "read-only" } else { "writable" })
+    }))
+}
+
+/// Makes the ctl directory of the sandbox whose init is `pid` read-only (`true`) or
+/// writable, for checkpoint/restore only and only while none of its processes runs:
+/// CRIU records the mount's flags at a dump and re-creates the mount with them at a
+/// restore, where it must bind the init's socket in it again. So a dump makes it writable
+/// while the sandbox is frozen (read-only again before a thaw), and a restore makes it
+/// read-only before the restored tasks resume (CRIU's `pre-resume`). From a throwaway
+/// thread that enters the sandbox's mount namespace (the host's root may change its
+/// mounts: the flag was set inside it, so it is not locked).
+pub fn set_ctl_dir_readonly(pid: i32, readonly: bool) -> Result<()> {
+    let ns = std::fs::File::open(format!("/proc/{pid}/ns/mnt"))
+        .map_err(io_ctx(|| format!("open /proc/{pid}/ns/mnt")))?;
+    std::thread::spawn(move || -> Result<()> {
+        // SAFETY: unshare of this thread's filesystem attributes (root, cwd), so that
+        // entering another mount namespace affects this thread alone.
+        if unsafe { libc::unshare(libc::CLONE_FS) } < 0 {
+            return Err(io_ctx(|| "unshare(CLONE_FS)".to_string())(
+                std::io::Error::last_os_error(),
+            ));
+        }
+        // SAFETY: setns on an open namespace descriptor.
+        if unsafe { libc::setns(ns.as_raw_fd(), libc::CLONE_NEWNS) } < 0 {
+            return Err(io_ctx(|| format!("entering the mount namespace of {pid}"))(
+                std::io::Error::last_os_error(),
+            ));
+        }
+        set_readonly_here(readonly)
+    })
+    .join()
+    .map_err(|_| Error::Setup("the thread changing the ctl mount panicked".into()))?
 }
 
 /// Opens (`O_PATH`) the Unix socket `name` (a plain file name, e.g. `envd.sock`) in the
@@ -235,22 +215,6 @@ mod tests {
         assert!(connect_ctl_socket(&dir.join("ctl"), "file").is_err());
         assert!(connect_ctl_socket(&dir.join("ctl"), "../host.sock").is_err());
         assert!(connect_ctl_socket(&dir.join("ctl"), "missing.sock").is_err());
-        std::fs::remove_dir_all(&dir).unwrap();
-    }
-
-    #[test]
-    fn listens_and_replaces_stale_entries() {
-        let dir = std::env::temp_dir().join(format!("cubicle-ctl-listen-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).unwrap();
-        std::os::unix::fs::symlink("/etc/hostname", dir.join("envd.sock")).unwrap();
-        let l = listen_ctl_socket(&dir, "envd.sock", None).unwrap();
-        connect_ctl_socket(&dir, "envd.sock").unwrap();
-        // SAFETY: borrowing our own descriptor for a moment.
-        let listener = unsafe { std::os::unix::net::UnixListener::from_raw_fd(l.as_raw_fd()) };
-        assert!(listener.accept().is_ok());
-        std::mem::forget(listener); // `l` owns the descriptor
-        assert!(listen_ctl_socket(&dir, "../x.sock", None).is_err());
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }

@@ -96,8 +96,8 @@ pub mod storage;
 pub use attach::attach_binds;
 pub use cgroup::{Cgroup, CgroupStats, CgroupVersion};
 pub use ctl::{
-    connect_ctl_socket, connect_ctl_socket_async, ctl_socket_parts, listen_ctl_socket_for_restore,
-    open_ctl_socket,
+    connect_ctl_socket, connect_ctl_socket_async, ctl_socket_parts, open_ctl_socket,
+    set_ctl_dir_readonly,
 };
 pub use error::{Error, Result};
 pub use id::SandboxId;

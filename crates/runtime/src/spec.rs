@@ -13,9 +13,9 @@ use crate::error::{Error, Result};
 
 /// Where the agent binary is bind-mounted (read-only) inside every sandbox.
 pub const ENVD_PATH: &str = "/run/cubicle/envd";
-/// Where `<sandbox_dir>/ctl` is bind-mounted (read-only) inside every sandbox. The agent's
-/// Unix socket ([`SandboxSpec::ctl_socket`]) is there; the host reaches it through
-/// `<sandbox_dir>/ctl`. Read-only so that nothing a sandbox writes lives outside its
+/// Where `<sandbox_dir>/ctl` is bind-mounted (read-only once the init's socket is in it)
+/// inside every sandbox. The agent's Unix socket ([`SandboxSpec::ctl_socket`]) is there;
+/// the host reaches it through `<sandbox_dir>/ctl`. Read-only so that nothing a sandbox writes lives outside its
 /// overlay (on btrfs, a writable directory of the quota filesystem let it create
 /// subvolumes, each with its own unlimited quota).
 pub const CTL_DIR: &str = "/run/cubicle/ctl";
@@ -106,11 +106,11 @@ pub struct SandboxSpec {
     /// The agent binary bind-mounted read-only at [`ENVD_PATH`], if any.
     pub envd_binary: Option<PathBuf>,
     /// Extra bind mounts (at most [`MAX_BINDS`]). `<sandbox_dir>/ctl` → [`CTL_DIR`]
-    /// (read-only) is always added and need not be listed.
+    /// (read-only before the init runs) is always added and need not be listed.
     pub binds: Vec<BindMount>,
-    /// A Unix socket the init program serves on: created (listening) as
-    /// `<sandbox_dir>/ctl/<name>` in the sandbox's network namespace before the init
-    /// runs, and passed to it as descriptor [`LISTEN_FD`]. `None`: no socket.
+    /// A Unix socket the init program serves on: created (listening) as `CTL_DIR/<name>`
+    /// (`<sandbox_dir>/ctl/<name>` on the host) in the sandbox's namespaces before the
+    /// init runs, and passed to it as descriptor [`LISTEN_FD`]. `None`: no socket.
     pub ctl_socket: Option<String>,
     /// Host path of a FIFO that receives the init program's stdout and stderr (see
     /// `init_log.rs`): created (mode 0600) if missing; [`crate::spawn`] returns its read
@@ -178,10 +178,12 @@ impl SandboxSpec {
                 idmapped: false,
             });
         }
+        // Attached writable: the sandbox child binds the init's socket in it, then makes
+        // it read-only before anything of the tenant runs (`ctl.rs`).
         binds.push(BindMount {
             source: self.ctl_dir(),
             target: PathBuf::from(CTL_DIR),
-            readonly: true,
+            readonly: false,
             idmapped: false,
         });
         binds
@@ -381,8 +383,9 @@ mod tests {
             b.iter()
                 .any(|b| b.target == Path::new(ENVD_PATH) && b.readonly)
         );
+        // Attached writable; the child seals it once the init's socket is in it.
         assert!(b.iter().any(|b| b.target == Path::new(CTL_DIR)
-            && b.readonly
+            && !b.readonly
             && b.source == Path::new("/s/abc123/ctl")));
     }
 

@@ -117,9 +117,19 @@ pub fn open_tree_clone_recursive(path: &Path) -> io::Result<OwnedFd> {
 /// `mount_setattr(fd, "", AT_EMPTY_PATH, {attr_set, userns_fd})` on the mount `fd` is
 /// the root of (a detached one, or an attached one opened at its mount point).
 pub fn mount_setattr(fd: &OwnedFd, attr_set: u64, userns_fd: Option<RawFd>) -> io::Result<()> {
+    mount_setattr_clr(fd, attr_set, 0, userns_fd)
+}
+
+/// [`mount_setattr`] that also clears the attributes `attr_clr`.
+pub fn mount_setattr_clr(
+    fd: &OwnedFd,
+    attr_set: u64,
+    attr_clr: u64,
+    userns_fd: Option<RawFd>,
+) -> io::Result<()> {
     let attr = MountAttr {
         attr_set,
-        attr_clr: 0,
+        attr_clr,
         propagation: 0,
         userns_fd: userns_fd.map(|f| f as u64).unwrap_or(0),
     };
