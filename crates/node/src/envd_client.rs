@@ -3,8 +3,7 @@
 //!
 //! It covers what the node needs: `GET /health` (204 = ready), `POST /init`, writing a
 //! file (`POST /files`), and running one process through Connect's server-stream
-//! `POST /process.Process/Start` (framing:
-//! `cubicle_proto::connect`).
+//! `POST /process.Process/Start` (framing: `cubicle_proto::connect`).
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};

@@ -621,8 +621,11 @@ impl SandboxRuntime for LinuxRuntime {
             }
         };
         let sb = Sandbox::adopt(&s.id, &s.sandbox_dir).map_err(|e| rt_err("adopt restored", e))?;
-        self.logs
-            .add(&s.id, log_reader, s.sandbox_dir.join(crate::init_log::INIT_LOG));
+        self.logs.add(
+            &s.id,
+            log_reader,
+            s.sandbox_dir.join(crate::init_log::INIT_LOG),
+        );
         if attached.is_some()
             && let Err(e) = self.apply_policy(&s.id, s.slot, &s.network)
         {

@@ -105,9 +105,7 @@ fn run(
     drop(fds);
     // Inside the new root, at the path the sandbox sees, then the ctl mount goes read-only.
     let listener = match &spec.ctl_socket {
-        Some(name) => {
-            Some(ctl::listen_in_sandbox(name).map_err(|e| format!("ctl socket: {e}"))?)
-        }
+        Some(name) => Some(ctl::listen_in_sandbox(name).map_err(|e| format!("ctl socket: {e}"))?),
         None => None,
     };
     ctl::seal_in_sandbox().map_err(|e| format!("ctl directory: {e}"))?;

@@ -97,7 +97,10 @@ fn set_readonly_here(readonly: bool) -> Result<()> {
         false => (0, crate::sys::MOUNT_ATTR_RDONLY),
     };
     crate::sys::mount_setattr_clr(&dir, set, clr, None).map_err(io_ctx(|| {
-        format!("making {CTL_DIR} {}", if readonly { "read-only" } else { "writable" })
+        format!(
+            "making {CTL_DIR} {}",
+            if readonly { "read-only" } else { "writable" }
+        )
     }))
 }
 

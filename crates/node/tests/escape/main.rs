@@ -18,6 +18,7 @@
 //! machine inside a private network namespace:
 //! `unshare --net bash -c 'ip link set lo up; cargo test -p cubicle-node --test escape'`.
 //! `harness = false`: main() first hands over to the runtime's sandbox helper.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
 
 #[path = "../common/mod.rs"]
 mod common;

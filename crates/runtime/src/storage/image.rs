@@ -13,9 +13,9 @@ use super::QuotaBackend;
 use super::btrfs::btrfs_qgroups_dir;
 use crate::error::{Error, Result, io_err};
 
+use crate::sys::cpath;
 use cubicle_syscalls::fs::{BTRFS_SUPER_MAGIC, XFS_SUPER_MAGIC};
 use cubicle_syscalls::mountinfo::{is_mount_point, mount_of};
-use crate::sys::cpath;
 
 /// Unmounts the filesystem mounted at `path` (the quota image of a state directory,
 /// `<state>/sandboxes`, which a node leaves mounted across restarts).

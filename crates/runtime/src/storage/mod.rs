@@ -768,7 +768,9 @@ mod tests {
             storage.unmount().unwrap();
             return;
         }
-        let dir = storage.create_sandbox_dir(&id("sbhostile"), 256 << 20).unwrap();
+        let dir = storage
+            .create_sandbox_dir(&id("sbhostile"), 256 << 20)
+            .unwrap();
         let upper = dir.join("upper");
         fs::create_dir_all(&upper).unwrap();
         // Nested subvolumes, the inner ones read-only (so is their parent: removing the
@@ -813,10 +815,8 @@ mod tests {
         for _ in 0..600 {
             let c = CString::new("0123456789").unwrap();
             // SAFETY: valid dirfd and C string.
-            assert_eq!(
-                unsafe { libc::mkdirat(deep.as_raw_fd(), c.as_ptr(), 0o755) },
-                0
-            );
+            let rc = unsafe { libc::mkdirat(deep.as_raw_fd(), c.as_ptr(), 0o755) };
+            assert_eq!(rc, 0);
             deep = File::open(format!("/proc/self/fd/{}/0123456789", deep.as_raw_fd())).unwrap();
         }
         drop(deep);
