@@ -15,6 +15,7 @@ PACKAGES=(
   libnss-myhostname  # names under localhost resolve to loopback: get_host() with serve's default domain
   gcc libc6-dev  # cubicle-runtime tests compile static C probes (setuid, seccomp)
   debian-archive-keyring  # install-criu.sh verifies the .debs it fetches against it
+  chromium  # the dashboard's browser tests (tests/e2e/serve/python/test_dashboard.py, via Playwright)
 )
 
 missing=()

@@ -165,6 +165,10 @@ pub trait Backend: Send + Sync + 'static {
         let _ = id;
         Box::pin(async { Err(unsupported()) })
     }
+    /// The node's built templates (reads the template store: call off the runtime).
+    fn list_templates(&self) -> cubicle_node::Result<Vec<cubicle_node::template::Template>> {
+        Ok(Vec::new())
+    }
 }
 
 fn unsupported() -> cubicle_node::Error {
@@ -213,6 +217,10 @@ impl Backend for Node {
     fn template_exists(&self, name: &str) -> cubicle_node::Result<bool> {
         Ok(self.templates().get(name)?.is_some()
             || cubicle_node::template::BUILTINS.contains(&name))
+    }
+
+    fn list_templates(&self) -> cubicle_node::Result<Vec<cubicle_node::template::Template>> {
+        self.templates().list()
     }
 
     fn create(&self, req: CreateRequest) -> BoxFuture<'_, cubicle_node::Result<SandboxInfo>> {

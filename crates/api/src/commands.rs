@@ -69,7 +69,7 @@ fn resource(field: &str, v: Option<i64>, min: u64, max: u64, unit: &str) -> ApiR
 
 /// Parses a JSON body; an empty body (or `null`) is `empty_is` when the body is
 /// optional, else an error.
-fn json<T: DeserializeOwned>(body: &[u8], empty_is: Option<&str>) -> ApiResult<T> {
+pub(crate) fn json<T: DeserializeOwned>(body: &[u8], empty_is: Option<&str>) -> ApiResult<T> {
     let empty = body.iter().all(u8::is_ascii_whitespace)
         || (empty_is.is_some() && body.trim_ascii() == b"null");
     let body: &[u8] = if empty {
@@ -110,7 +110,9 @@ fn int_like<'de, D: serde::Deserializer<'de>>(d: D) -> Result<i64, D::Error> {
 }
 
 /// [`int_like`] for optional fields (absent or `null` → `None`).
-fn opt_int_like<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<i64>, D::Error> {
+pub(crate) fn opt_int_like<'de, D: serde::Deserializer<'de>>(
+    d: D,
+) -> Result<Option<i64>, D::Error> {
     #[derive(Deserialize)]
     struct Wrap(#[serde(deserialize_with = "int_like")] i64);
     Ok(Option::<Wrap>::deserialize(d)?.map(|w| w.0))
@@ -660,12 +662,18 @@ impl Connect {
     }
 }
 
-#[derive(Deserialize)]
+/// `POST /sandboxes/{id}/resume` body (optional).
+#[derive(Deserialize, utoipa::ToSchema)]
 #[serde(rename_all = "camelCase")]
-struct ResumeBody {
+pub struct ResumeBody {
+    /// Seconds the resumed sandbox lives (default 15).
+    #[schema(minimum = 1, maximum = 86400)]
+    #[serde(default, deserialize_with = "opt_int_like")]
     timeout: Option<i64>,
+    /// Accepted and ignored (upstream's deprecated field).
     #[serde(rename = "autoPause")]
     _auto_pause: Option<bool>,
+    /// `false`: boot from the disk (the memory is dropped).
     memory: Option<bool>,
 }
 
@@ -694,10 +702,13 @@ impl Resume {
     }
 }
 
-#[derive(Deserialize)]
+/// `POST /sandboxes/{id}/pause` body (optional).
+#[derive(Deserialize, utoipa::ToSchema)]
 #[serde(rename_all = "camelCase")]
-struct PauseBody {
+pub struct PauseBody {
+    /// `false`: keep only the disk (the processes are stopped; a resume boots over it).
     memory: Option<bool>,
+    /// Refuse (503) when envd does not answer, instead of pausing anyway.
     require_healthy_guest: Option<bool>,
 }
 
@@ -721,9 +732,15 @@ impl Pause {
     }
 }
 
-#[derive(Deserialize)]
-struct SnapshotBody {
+/// `POST /sandboxes/{id}/snapshots` body (optional).
+#[derive(Deserialize, utoipa::ToSchema)]
+pub struct SnapshotBody {
+    /// `NAME[:TAG]` (`[a-z0-9_-]`, tag `[a-z0-9_.-]`, default tag `default`; upper
+    /// case is lowered, a `TEAM/` prefix naming the caller's team is accepted). Absent
+    /// or blank: an unnamed snapshot.
+    #[schema(pattern = "^\\s*([A-Za-z0-9_-]{1,64}(:[A-Za-z0-9_.-]{1,64})?)?\\s*$")]
     name: Option<String>,
+    /// `false`: the disk only.
     memory: Option<bool>,
 }
 
@@ -829,9 +846,16 @@ impl ListSnapshots {
     }
 }
 
-#[derive(Deserialize)]
-struct ForkBody {
+/// `POST /sandboxes/{id}/fork` body (optional).
+#[derive(Deserialize, utoipa::ToSchema)]
+pub struct ForkBody {
+    /// Seconds each fork lives (default 15).
+    #[schema(minimum = 1, maximum = 86400)]
+    #[serde(default, deserialize_with = "opt_int_like")]
     timeout: Option<i64>,
+    /// How many forks (default 1).
+    #[schema(minimum = 1, maximum = 100)]
+    #[serde(default, deserialize_with = "opt_int_like")]
     count: Option<i64>,
 }
 
@@ -868,10 +892,13 @@ impl Fork {
     }
 }
 
-#[derive(Deserialize)]
+/// `POST /sandboxes/{id}/rollback` body.
+#[derive(Deserialize, utoipa::ToSchema)]
 #[serde(rename_all = "camelCase")]
-struct RollbackBody {
+pub struct RollbackBody {
+    /// One of the sandbox's own snapshots: its id or a name.
     #[serde(rename = "snapshotID")]
+    #[schema(pattern = "\\S")]
     snapshot_id: String,
 }
 

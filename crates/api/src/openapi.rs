@@ -5,9 +5,12 @@
 //! the frame — title, security schemes, tags — and [`finish`], which puts this server's
 //! configured limits (the longest timeout, the node's CPUs, memory and disk) into the schemas.
 //!
-//! The description covers E2B's routes Cubicle implements (same paths, bodies and
-//! answers as E2B's API) and Cubicle's own (`/cubicle/pool`, `/metrics`, `/health`,
-//! `/openapi.json`). The data plane (envd's Connect and HTTP API behind the
+//! The description covers every route `cubicle serve` answers on its API: E2B's routes
+//! Cubicle implements (same paths, bodies and answers as E2B's API: sandboxes, pause and
+//! snapshots, events and webhooks, volumes and their content, secrets, templates) and
+//! Cubicle's own (`/cubicle/…`, `/sandboxes/{id}/rollback`, `/metrics`, `/health`,
+//! `/openapi.json`); only the dashboard's static files are left out
+//! (`openapi_covers_every_served_route` in `tests.rs`). The data plane (envd's Connect and HTTP API behind the
 //! `E2b-Sandbox-*` headers) is E2B's envd protocol and not part of it. The test suite
 //! runs schemathesis against it (`tests/e2e/serve/python/test_openapi.py`).
 //!
@@ -41,6 +44,11 @@ pub fn base() -> OpenApi {
                 "Sandboxes: create, list, inspect, keep alive, kill, logs, metrics",
             ),
             tag("events", "Lifecycle events and webhooks"),
+            tag(
+                "volumes",
+                "Volumes and their files (the content API takes the volume's token)",
+            ),
+            tag("secrets", "Secrets (write-only values)"),
             tag("cubicle", "Cubicle's own routes for operators"),
         ]))
         .build();
@@ -48,6 +56,15 @@ pub fn base() -> OpenApi {
     components.add_security_scheme(
         "ApiKeyAuth",
         SecurityScheme::ApiKey(ApiKey::Header(ApiKeyValue::new("X-API-KEY"))),
+    );
+    components.add_security_scheme(
+        "VolumeToken",
+        SecurityScheme::Http(
+            HttpBuilder::new()
+                .scheme(HttpAuthScheme::Bearer)
+                .description(Some("A volume's token (GET /volumes/{id} returns it)"))
+                .build(),
+        ),
     );
     components.add_security_scheme(
         "BearerAuth",
@@ -75,7 +92,14 @@ fn tag(name: &str, description: &str) -> Tag {
 }
 
 /// Request bodies whose `timeout` is capped by the server's `--max-timeout`.
-const TIMEOUT_BODIES: &[&str] = &["NewSandbox", "TimeoutBody", "ConnectBody", "ConnectBodyV1"];
+const TIMEOUT_BODIES: &[&str] = &[
+    "NewSandbox",
+    "TimeoutBody",
+    "ConnectBody",
+    "ConnectBodyV1",
+    "ResumeBody",
+    "ForkBody",
+];
 
 /// The description as served: `api` with this server's limits, and
 /// `allowEmptyValue` on every optional query parameter (the server reads `?name=` as

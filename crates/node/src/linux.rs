@@ -752,16 +752,20 @@ impl SandboxRuntime for LinuxRuntime {
             if !policy.needs_network() {
                 return Ok(false);
             }
-            // Through the sandbox's pidfd when this process holds its handle (no reused
-            // pid can redirect it); by pid otherwise.
+            // The namespace file by pid (netlink takes only namespace files as a new
+            // link's peer namespace: a pidfd there is EINVAL), then, when this process
+            // holds the sandbox's pidfd, proof that the pid still named the sandbox when
+            // it was opened: a pid is only reused after its process exited.
             let pidfd = self
                 .handles()
                 .get(id)
                 .and_then(|sb| sb.pidfd().try_clone().ok());
-            let ns = match pidfd {
-                Some(fd) => Netns::from_fd(fd),
-                None => Netns::from_pid(pid).map_err(|e| rt_err("netns", e))?,
-            };
+            let ns = Netns::from_pid(pid).map_err(|e| rt_err("netns", e))?;
+            if pidfd.is_some_and(|fd| cubicle_syscalls::pidfd::exited(&fd)) {
+                return Err(Error::Runtime(format!(
+                    "sandbox {id} exited while its network was being attached"
+                )));
+            }
             net.attach(&ns, slot)
                 .map_err(|e| rt_err("network attach", e))?;
         }

@@ -235,6 +235,20 @@ def test_internet_off(internet):
         refused(b.probe(f"get('{lab['evil']}')"), "internet off except allowOut")
 
 
+def test_update_network_connects_a_sandbox_made_without_internet(internet):
+    # It has no veth yet, so the update attaches one. (The node gave netlink the
+    # sandbox's pidfd as the new link's namespace: EINVAL, a 500 schemathesis found.)
+    lab = internet
+    with Box(lab, allow_internet_access=False) as b:
+        assert "eth0" not in b.sh("ip -o link")[1]
+        r = api("PUT", f"/sandboxes/{b.sbx.sandbox_id}/network",
+                json={"allowOut": [lab["allowed"]], "denyOut": ["0.0.0.0/0"]})
+        assert r.status_code == 204, r.text
+        assert "eth0" in b.sh("ip -o link")[1]
+        reached(b.probe(f"get('{lab['allowed']}')"), lab["allowed"])
+        refused(b.probe(f"get('{lab['evil']}')"), "only allowOut after the update")
+
+
 def test_domains_hold_against_bypasses(internet):
     lab = internet
     net = {"allow_out": ["allowed.test", "*.allowed.test"], "deny_out": ["0.0.0.0/0"], "dns_servers": [lab["dns"]]}
