@@ -19,6 +19,7 @@ pub mod fsutil;
 pub mod host;
 pub mod host_slots;
 pub mod ids;
+pub mod init_log;
 pub mod linux;
 mod node;
 mod pool;

@@ -13,7 +13,7 @@ use cubicle_runtime::SandboxId;
 
 use super::inner::{Inner, birth_env, blocking, sandbox_env};
 use super::teardown::spawn_watcher;
-use super::{ENVD_IN_SANDBOX, ENVD_SOCKET_IN_SANDBOX};
+use super::{ENVD_IN_SANDBOX, ENVD_SOCKET};
 use crate::envd_client::{EnvdClient, InitRequest};
 use crate::error::{Error, IoContext, Result};
 use crate::runtime::StartSpec;
@@ -393,8 +393,8 @@ impl Inner {
                 let mut argv = vec![
                     ENVD_IN_SANDBOX.into(),
                     "--init".into(),
-                    "--unix-socket".into(),
-                    ENVD_SOCKET_IN_SANDBOX.into(),
+                    "--unix-socket-fd".into(),
+                    cubicle_runtime::LISTEN_FD.to_string(),
                     // envd answers the node on its Unix socket; on TCP only inside the
                     // sandbox (loopback), never on the sandbox's address, which the host
                     // can route to.
@@ -411,6 +411,7 @@ impl Inner {
             env: birth_env(template, &record.access_token),
             binds,
             volumes,
+            ctl_socket: ENVD_SOCKET.into(),
             id,
         }
     }

@@ -113,7 +113,7 @@ impl Inner {
     }
 
     pub(crate) fn envd_socket(&self, id: &str) -> PathBuf {
-        self.sandbox_dir(id).join("ctl").join("envd.sock")
+        self.sandbox_dir(id).join("ctl").join(super::ENVD_SOCKET)
     }
 
     /// Live counters of a live sandbox's info (OOM kills so far).

@@ -103,6 +103,11 @@ pub struct TemplateConfig {
     /// Which builder made it (e.g. `tiny/1`).
     #[serde(default)]
     pub builder: String,
+    /// Its files carry no capability a sandbox cannot hold
+    /// (`cubicle_runtime::capabilities::fit_file_capabilities`; templates built before
+    /// that existed are fitted when first used).
+    #[serde(default)]
+    pub file_caps_fitted: bool,
 }
 
 impl TemplateConfig {
@@ -124,6 +129,7 @@ impl TemplateConfig {
             built_at: 0,
             size_bytes: 0,
             builder: builder.to_string(),
+            file_caps_fitted: false,
         }
     }
 }
@@ -192,9 +198,16 @@ impl TemplateStore {
         if !cfg_path.exists() {
             return Ok(None);
         }
-        let config: TemplateConfig = fsutil::read_json(&cfg_path)?;
+        let mut config: TemplateConfig = fsutil::read_json(&cfg_path)?;
+        let rootfs = dir.join("rootfs");
+        if !config.file_caps_fitted {
+            fit_file_caps(&rootfs, &mut config);
+            if config.file_caps_fitted {
+                fsutil::write_json_atomic(&cfg_path, &config)?;
+            }
+        }
         Ok(Some(Template {
-            rootfs: dir.join("rootfs"),
+            rootfs,
             dir,
             config,
         }))
@@ -296,6 +309,7 @@ impl TemplateStore {
             };
             config.built_at = unix_now();
             config.size_bytes = fsutil::tree_size(&rootfs);
+            fit_file_caps(&rootfs, &mut config);
             fsutil::write_json_atomic(&staging.join("template.json"), &config)?;
             p.finish(&format!(
                 "template '{name}' built ({})",
@@ -376,6 +390,27 @@ pub fn human_size(bytes: u64) -> String {
         format!("{bytes} B")
     } else {
         format!("{v:.1} {}", UNITS[u])
+    }
+}
+
+/// Takes from the files of `rootfs` the capabilities no sandbox process can hold (Debian's
+/// `ping` has `cap_net_raw=ep`, and the kernel refuses to run a file whose capabilities
+/// exceed the bounding set); notes it in `config`. A read-only rootfs (a borrowed copy)
+/// stays as it is, with a warning.
+fn fit_file_caps(rootfs: &Path, config: &mut TemplateConfig) {
+    match cubicle_runtime::capabilities::fit_file_capabilities(rootfs) {
+        Ok(changed) => {
+            for f in &changed {
+                tracing::info!(template = %config.name, "file capabilities beyond what a sandbox can hold removed from {}", f.display());
+            }
+            config.file_caps_fitted = true;
+        }
+        Err(e) => tracing::warn!(
+            template = %config.name,
+            "cannot fit file capabilities in {} ({e}): programs with capabilities a \
+             sandbox cannot hold (e.g. ping's cap_net_raw) will not run",
+            rootfs.display()
+        ),
     }
 }
 

@@ -15,7 +15,10 @@
 //! Addressing is deterministic from the sandbox's *slot* (a small integer the node
 //! allocates): slot `s` owns the `/31` at `pool + 2*s`; the host side `<prefix><s>`
 //! (e.g. `cbs17`) has the even address and is the sandbox's gateway, the sandbox's `eth0`
-//! has the odd one. Reconciliation can therefore map every `cbs*` link and policy
+//! has the odd one. The MAC addresses derive from the slot too, and each side has a
+//! permanent neighbour entry for the other: the host side runs without ARP (`NOARP`), so
+//! nothing a sandbox sends at layer 2 reaches the host's neighbour table (and a sandbox
+//! has no CAP_NET_RAW to forge frames in the first place). Reconciliation can therefore map every `cbs*` link and policy
 //! element back to a slot without any saved state.
 //!
 //! Creating a sandbox with internet access changes no nftables state: the rules match
@@ -591,7 +594,13 @@ impl Network {
         let info = self.slot_info(slot)?;
         let mut host = RouteSocket::open().map_err(|e| Error::io("opening netlink socket", e))?;
         let create = |host: &mut RouteSocket| {
-            host.create_veth(&info.host_ifname, SANDBOX_IFNAME, netns, self.config.mtu)
+            let (host_mac, sandbox_mac) = slot_macs(info.slot);
+            host.create_veth(
+                (&info.host_ifname, host_mac),
+                (SANDBOX_IFNAME, sandbox_mac),
+                netns,
+                self.config.mtu,
+            )
         };
         match create(&mut host) {
             Ok(()) => {}
@@ -635,8 +644,19 @@ impl Network {
         // walks thousands of routes (a fifth of the CPU of a create at 3,000 sandboxes,
         // in `perf`: __find_rr_leaf, fib6_walk_continue, fib6_ifdown).
         disable_ipv6(&info.host_ifname)?;
-        host.set_up(host_index)
+        // No ARP on the host side: the host neither answers a sandbox's ARP nor learns
+        // from it, so forged ARP (gratuitous, or with any sender address) cannot fill the
+        // host's neighbour table; both ends know each other through permanent entries.
+        let (host_mac, sandbox_mac) = slot_macs(info.slot);
+        host.set_up_with(host_index, netlink::IFF_NOARP)
             .map_err(|e| Error::io(format!("setting {} up", info.host_ifname), e))?;
+        host.add_permanent_neighbour(host_index, info.sandbox_ip, sandbox_mac)
+            .map_err(|e| {
+                Error::io(
+                    format!("neighbour {} on {}", info.sandbox_ip, info.host_ifname),
+                    e,
+                )
+            })?;
         host.add_address(host_index, info.gateway, 31)
             .map_err(|e| {
                 Error::io(
@@ -668,6 +688,9 @@ impl Network {
         inside
             .add_address(index, info.sandbox_ip, 31)
             .map_err(|e| Error::io(format!("adding {}/31 to sandbox eth0", info.sandbox_ip), e))?;
+        inside
+            .add_permanent_neighbour(index, info.gateway, host_mac)
+            .map_err(|e| Error::io(format!("neighbour {} in sandbox", info.gateway), e))?;
         inside.add_default_route(index, info.gateway).map_err(|e| {
             Error::io(
                 format!("adding default route via {} in sandbox", info.gateway),
@@ -1107,6 +1130,16 @@ fn nft_table_exists(name: &str) -> Result<bool> {
 /// Whether the nftables table `inet <name>` exists (for tests and leak checks).
 pub fn table_exists(name: &str) -> Result<bool> {
     nft_table_exists(name)
+}
+
+/// The MAC addresses of slot `slot`'s veth pair (host side, sandbox side): locally
+/// administered, unique per slot, so both neighbour entries are known without asking.
+fn slot_macs(slot: u32) -> ([u8; 6], [u8; 6]) {
+    let b = slot.to_be_bytes();
+    (
+        [0x02, 0xcb, b[0], b[1], b[2], b[3]],
+        [0x02, 0xcc, b[0], b[1], b[2], b[3]],
+    )
 }
 
 /// Turns IPv6 off on host interface `ifname` (`net.ipv6.conf.<ifname>.disable_ipv6`), in
