@@ -176,6 +176,11 @@ async fn claim_refill_close(envd: &Path) -> anyhow::Result<()> {
                 template: "tiny".into(),
                 internet: true,
                 env_vars: env,
+                lifecycle: cubicle_node::Lifecycle {
+                    auto_pause: true,
+                    auto_pause_memory: false,
+                    auto_resume: true,
+                },
                 ..Default::default()
             })
             .await?;
@@ -191,6 +196,12 @@ async fn claim_refill_close(envd: &Path) -> anyhow::Result<()> {
 
         // The requested env vars reach a command; the node's (new) token works.
         let info = node.get(&s.id)?;
+        // What happens at its end is the request's, as for a cold create.
+        anyhow::ensure!(
+            info.lifecycle.auto_pause && info.lifecycle.auto_resume && !info.lifecycle.auto_pause_memory,
+            "claimed sandbox lost its lifecycle: {:?}",
+            info.lifecycle
+        );
         let good = node.envd(&s.id)?;
         let out = sh(&good, "echo \"$CB_POOL_VAR|$E2B_SANDBOX_ID\"").await?;
         anyhow::ensure!(out.trim() == format!("hello pool|{}", s.id), "env: {out:?}");

@@ -161,6 +161,8 @@ impl Inner {
             r.metadata = req.metadata.clone();
             r.created_at_ms = now;
             r.end_at_ms = now + timeout.as_millis() as u64;
+            r.timeout_ms = timeout.as_millis() as u64;
+            r.lifecycle = req.lifecycle;
             r.access_token = ids::new_access_token();
             r.memory_mb = limits.0;
             r.cpus = limits.1;
