@@ -95,8 +95,15 @@ def test_pty_ctrl_c_interrupts(sbx: Sandbox):
     h = sbx.pty.create(PtySize(rows=24, cols=80))
     reader = PtyReader(h)
     try:
-        sbx.pty.send_stdin(h.pid, b"sleep 30\n")
-        poll(lambda: "sleep 30" in reader.text())
+        sbx.pty.send_stdin(h.pid, b"sleep 30.123\n")
+        # Wait until the shell runs it (seeing the line echoed is not enough: a ^C that
+        # reaches bash between reading the line and starting `sleep` interrupts nothing).
+        # The bracket keeps pgrep's own shell from matching.
+        running = poll(
+            lambda: sbx.commands.run("pgrep -f 'sleep 30[.]123' || true").stdout.strip(),
+            timeout=10,
+        )
+        assert running, f"sleep did not start: {reader.text()!r}"
         sbx.pty.send_stdin(h.pid, b"\x03")
         sbx.pty.send_stdin(h.pid, b"echo after-$((1+1))\n")
         assert reader.wait_for("after-2", timeout=5), f"Ctrl-C did not interrupt: {reader.text()!r}"
