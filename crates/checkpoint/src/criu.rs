@@ -11,7 +11,7 @@
 use std::ffi::CString;
 use std::fs;
 use std::io::Read;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
 use std::os::unix::process::CommandExt;
@@ -262,25 +262,6 @@ pub(crate) fn enter_private_run(kdat: &Path) -> Result<()> {
     MountHooks::new(Some(kdat))?
         .enter()
         .map_err(|e| Error::io("private mount namespace for criu", e))
-}
-
-/// A connected `SOCK_SEQPACKET` pair (both close-on-exec).
-pub(crate) fn seqpacket_pair() -> Result<(OwnedFd, OwnedFd)> {
-    let mut fds = [0 as RawFd; 2];
-    // SAFETY: valid 2-element array.
-    let rc = unsafe {
-        libc::socketpair(
-            libc::AF_UNIX,
-            libc::SOCK_SEQPACKET | libc::SOCK_CLOEXEC,
-            0,
-            fds.as_mut_ptr(),
-        )
-    };
-    if rc < 0 {
-        return Err(Error::io("socketpair", std::io::Error::last_os_error()));
-    }
-    // SAFETY: fresh descriptors we own.
-    Ok(unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) })
 }
 
 /// The last `lines` lines of CRIU's log in `dir` (for error messages), led by a newline.

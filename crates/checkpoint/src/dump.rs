@@ -209,7 +209,8 @@ fn dump_in(criu: &Criu, cg: &Cgroup, mut req: DumpRequest<'_>, t0: Instant) -> R
 }
 
 fn run_dump(criu: &Criu, opts: rpc::Opts, id: &str, dir: &Path) -> Result<()> {
-    let (ours, theirs) = criu::seqpacket_pair()?;
+    let (ours, theirs) =
+        cubicle_syscalls::socket::seqpacket_pair().map_err(|e| Error::io("socketpair", e))?;
     let child = criu.spawn_swrk(&theirs)?;
     drop(theirs);
     let req = rpc::Req {

@@ -143,7 +143,8 @@ fn restore_in(
 ) -> Result<Restored> {
     let spec = req.spec;
     let dir = req.dir;
-    let (ours, theirs) = criu::seqpacket_pair()?;
+    let (ours, theirs) =
+        cubicle_syscalls::socket::seqpacket_pair().map_err(|e| Error::io("socketpair", e))?;
     let helper_req = HelperRequest {
         spec: spec.clone(),
         dir: dir.to_path_buf(),

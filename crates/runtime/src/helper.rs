@@ -29,7 +29,7 @@
 //! program was exec'd.
 
 use std::io::{Read, Write};
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 
 use serde::{Deserialize, Serialize};
 
@@ -123,7 +123,8 @@ fn run(out: RawFd) -> Result<(), String> {
     cg.add_process(0).map_err(|e| format!("join cgroup: {e}"))?;
     mark(out, "helper_in_cgroup");
 
-    let (parent_sock, child_sock) = socketpair().map_err(|e| format!("socketpair: {e}"))?;
+    let (parent_sock, child_sock) =
+        cubicle_syscalls::socket::seqpacket_pair().map_err(|e| format!("socketpair: {e}"))?;
     // The child inherits this working directory and reaches its upper/work/staging
     // directories relative to it: the state directory above stays root-only (0700).
     std::env::set_current_dir(&spec.sandbox_dir)
@@ -232,25 +233,6 @@ pub(crate) fn idmapped_template(
         )
     })?;
     Ok(lower)
-}
-
-/// A close-on-exec `SOCK_SEQPACKET` Unix socket pair.
-pub(crate) fn socketpair() -> std::io::Result<(OwnedFd, OwnedFd)> {
-    let mut fds = [0 as RawFd; 2];
-    // SAFETY: fds is a valid 2-element array.
-    let rc = unsafe {
-        libc::socketpair(
-            libc::AF_UNIX,
-            libc::SOCK_SEQPACKET | libc::SOCK_CLOEXEC,
-            0,
-            fds.as_mut_ptr(),
-        )
-    };
-    if rc < 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    // SAFETY: fresh descriptors.
-    Ok(unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) })
 }
 
 #[cfg(test)]

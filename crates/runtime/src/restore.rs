@@ -261,7 +261,7 @@ fn mount_staging_and_root(
 ) -> Result<()> {
     let staging = spec.mount_dir();
     let (parent_sock, child_sock) =
-        crate::helper::socketpair().map_err(|e| Error::io("socketpair", e))?;
+        cubicle_syscalls::socket::seqpacket_pair().map_err(|e| Error::io("socketpair", e))?;
     // The child (root of a user namespace, an unprivileged host uid) reaches the sandbox
     // directory through its working directory, as a sandbox's child does: the state
     // directory above is root's alone (0700).

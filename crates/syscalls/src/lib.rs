@@ -1,6 +1,6 @@
 //! cubicle-syscalls: the system calls and kernel files that more than one Cubicle crate
 //! uses, written once: pidfds ([`pidfd`]), filesystem types, locks and unmounting
-//! ([`fs`]), the mount table ([`mountinfo`]), and [`is_root`].
+//! ([`fs`]), the mount table ([`mountinfo`]), socket pairs ([`socket`]), and [`is_root`].
 //!
 //! Every call goes through [`rustix`] (no `unsafe` here; its `linux_raw` backend works in
 //! envd's static build). Calls only one place makes stay with it: the sandbox setup's in
@@ -12,6 +12,7 @@
 pub mod fs;
 pub mod mountinfo;
 pub mod pidfd;
+pub mod socket;
 
 /// Whether this process runs with effective uid 0.
 pub fn is_root() -> bool {
