@@ -93,7 +93,9 @@ impl From<cubicle_node::Error> for ApiError {
     fn from(e: cubicle_node::Error) -> Self {
         use cubicle_node::Error as N;
         match e {
-            N::TemplateNotFound(name) => ApiError::NotFound(format!("template '{name}' not found")),
+            N::Template(cubicle_node::template::Error::TemplateNotFound(name)) => {
+                ApiError::NotFound(format!("template '{name}' not found"))
+            }
             N::SandboxNotFound(id) => ApiError::sandbox_not_found(&id),
             N::VolumeNotFound(id) => ApiError::NotFound(format!("volume '{id}' not found")),
             e @ N::VolumeInUse { .. } => ApiError::Conflict(e.to_string()),

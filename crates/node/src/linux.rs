@@ -298,7 +298,7 @@ impl SandboxRuntime for LinuxRuntime {
             Ok(st) if cubicle_runtime::valid_id(id) => st
                 .remove_sandbox_dir(id)
                 .map_err(|e| rt_err(&format!("removing {}", dir.display()), e)),
-            _ => crate::fsutil::remove_tree(dir),
+            _ => Ok(crate::fsutil::remove_tree(dir)?),
         }
     }
 

@@ -355,7 +355,7 @@ impl Inner {
             let (spid, pst) = (init_pid, record.pid_start_time);
             let exit_code = start_command.as_ref().map(|w| w.exit_code());
             let r = blocking(move || {
-                crate::template::ready::wait_http_health(
+                crate::ready::wait_http_health(
                     spid,
                     port,
                     std::time::Duration::from_secs(120),

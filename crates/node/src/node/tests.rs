@@ -70,7 +70,7 @@ impl SandboxRuntime for FakeRuntime {
         std::fs::create_dir_all(dir).map_err(|e| Error::io("mkdir", dir, e))
     }
     fn remove_dir(&self, _id: &str, dir: &Path) -> Result<()> {
-        fsutil::remove_tree(dir)
+        Ok(fsutil::remove_tree(dir)?)
     }
     fn reconcile_storage(&self, _known: &[String]) -> Result<()> {
         Ok(())

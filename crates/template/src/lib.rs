@@ -9,8 +9,9 @@
 
 pub mod base;
 pub mod code_interpreter;
+pub mod error;
+pub mod fsutil;
 mod progress;
-pub mod ready;
 pub mod tiny;
 
 use std::collections::BTreeMap;
@@ -21,10 +22,10 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use serde::{Deserialize, Serialize};
 
+pub use error::{Error, Result};
 pub use progress::Progress;
 
-use crate::error::{Error, IoContext, Result};
-use crate::fsutil;
+use crate::error::IoContext;
 
 /// Names of the templates this crate can build by itself.
 pub const BUILTINS: &[&str] = &["tiny", "base", code_interpreter::NAME];
@@ -118,7 +119,7 @@ impl TemplateConfig {
 }
 
 /// Reads a workdir where an empty string (or `null`) means none.
-pub(crate) fn workdir_or_none<'de, D: serde::Deserializer<'de>>(
+pub fn workdir_or_none<'de, D: serde::Deserializer<'de>>(
     d: D,
 ) -> std::result::Result<Option<String>, D::Error> {
     let w: Option<String> = Option::deserialize(d)?;
@@ -230,9 +231,7 @@ impl TemplateStore {
             return Err(Error::TemplateNotFound(name.to_string()));
         }
         // Rename first so that the name disappears atomically, then delete.
-        let trash = self
-            .root
-            .join(format!(".trash-{name}-{}", crate::ids::random_suffix(8)));
+        let trash = self.root.join(format!(".trash-{name}-{}", unique_suffix()));
         fs::rename(&dir, &trash).ctx("rename", &dir)?;
         fsutil::remove_tree(&trash)
     }
@@ -258,9 +257,7 @@ impl TemplateStore {
             return Ok(t);
         }
         self.remove_stale_builds(name);
-        let staging = self
-            .root
-            .join(format!(".build-{name}-{}", crate::ids::random_suffix(8)));
+        let staging = self.root.join(format!(".build-{name}-{}", unique_suffix()));
         let rootfs = staging.join("rootfs");
         fs::create_dir_all(&rootfs).ctx("mkdir", &rootfs)?;
         let result = (|| {
@@ -288,9 +285,7 @@ impl TemplateStore {
         }
         let dest = self.root.join(name);
         if dest.exists() {
-            let old = self
-                .root
-                .join(format!(".trash-{name}-{}", crate::ids::random_suffix(8)));
+            let old = self.root.join(format!(".trash-{name}-{}", unique_suffix()));
             fs::rename(&dest, &old).ctx("rename", &dest)?;
             fs::rename(&staging, &dest).ctx("rename", &staging)?;
             let _ = fsutil::remove_tree(&old);
@@ -336,6 +331,15 @@ impl TemplateStore {
         }
         Ok(f)
     }
+}
+
+/// A suffix unique on this host (pid and clock), for staging and trash directory names.
+fn unique_suffix() -> String {
+    let nanos = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_nanos())
+        .unwrap_or(0);
+    format!("{}-{nanos:x}", std::process::id())
 }
 
 /// Seconds since the Unix epoch.
