@@ -186,21 +186,24 @@ fn release_child(spec: &SandboxSpec, pid: i32, sock: &OwnedFd, out: RawFd) -> Re
 
     let userns = std::fs::File::open(format!("/proc/{pid}/ns/user"))
         .map_err(|e| format!("open child user namespace: {e}"))?;
-    let lower = sys::open_tree_clone(&spec.rootfs)
-        .map_err(|e| format!("open_tree {}: {e}", spec.rootfs.display()))?;
-    sys::mount_setattr(
-        &lower,
-        sys::MOUNT_ATTR_IDMAP | sys::MOUNT_ATTR_RDONLY | sys::MOUNT_ATTR_NODEV,
-        Some(userns.as_raw_fd()),
-    )
-    .map_err(|e| {
-        format!(
-            "idmap {} into the sandbox's user namespace: {e}",
-            spec.rootfs.display()
+    // One idmapped, read-only clone per layer (bottom first), then the bind sources.
+    let mut fds = Vec::new();
+    for layer in spec.lowers() {
+        let lower = sys::open_tree_clone(layer)
+            .map_err(|e| format!("open_tree {}: {e}", layer.display()))?;
+        sys::mount_setattr(
+            &lower,
+            sys::MOUNT_ATTR_IDMAP | sys::MOUNT_ATTR_RDONLY | sys::MOUNT_ATTR_NODEV,
+            Some(userns.as_raw_fd()),
         )
-    })?;
-
-    let mut fds = vec![lower];
+        .map_err(|e| {
+            format!(
+                "idmap {} into the sandbox's user namespace: {e}",
+                layer.display()
+            )
+        })?;
+        fds.push(lower);
+    }
     for b in spec.all_binds() {
         let fd = sys::open_tree_clone(&b.source)
             .map_err(|e| format!("bind source {}: {e}", b.source.display()))?;

@@ -29,6 +29,14 @@ pub enum Error {
         /// What failed.
         message: String,
     },
+    /// An image (or an image layer) is unusable: not a tar, bad digest, an entry that
+    /// leaves its layer, an unknown manifest... The message names the part.
+    #[error("broken image: {0}")]
+    BrokenImage(String),
+    /// A template lists a layer that is not stored (removed by hand, or a state directory
+    /// copied without its `layers/`).
+    #[error("layer {0} is missing from the layer store (<state>/layers); rebuild the template")]
+    LayerMissing(String),
     /// The request is invalid (bad name, ...).
     #[error("invalid request: {0}")]
     InvalidRequest(String),

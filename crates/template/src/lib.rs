@@ -11,8 +11,10 @@ pub mod base;
 pub mod code_interpreter;
 pub mod error;
 pub mod fsutil;
+pub mod layer;
 mod progress;
 pub mod tiny;
+pub mod unpack;
 
 use std::collections::BTreeMap;
 use std::fs;
@@ -334,7 +336,7 @@ impl TemplateStore {
 }
 
 /// A suffix unique on this host (pid and clock), for staging and trash directory names.
-fn unique_suffix() -> String {
+pub(crate) fn unique_suffix() -> String {
     let nanos = SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map(|d| d.as_nanos())
