@@ -172,6 +172,7 @@ impl SandboxRuntime for LinuxRuntime {
     fn start(&self, s: &StartSpec) -> Result<Started> {
         let mut spec =
             SandboxSpec::new(&s.id, &s.rootfs, &s.sandbox_dir, s.uid_base, s.init.clone());
+        spec.layers = s.layers.clone();
         spec.uid_count = s.uid_count;
         spec.hostname = s.hostname.clone();
         spec.limits = Limits {

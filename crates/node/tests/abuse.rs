@@ -201,8 +201,7 @@ async fn setup(envd: &Path, state: &Path) -> anyhow::Result<Ctx> {
     let t = Instant::now();
     let found = BASE_CACHES
         .iter()
-        .map(|d| Path::new(d).join("templates/base"))
-        .find(|c| c.join("template.json").is_file() && c.join("rootfs").is_dir());
+        .find_map(|d| one_layer_template(Path::new(d), "base"));
     let cache = match found {
         Some(c) => c,
         None => {
@@ -212,18 +211,14 @@ async fn setup(envd: &Path, state: &Path) -> anyhow::Result<Ctx> {
             let store = cubicle_node::template::TemplateStore::open(Path::new(BUILD_CACHE))?;
             let built = tokio::task::spawn_blocking(move || store.ensure("base", false)).await??;
             println!("  base template built in {:.0}s", t.elapsed().as_secs_f64());
-            built
-                .rootfs
-                .parent()
-                .map(Path::to_path_buf)
-                .unwrap_or_default()
+            (built.dir.join("template.json"), built.rootfs)
         }
     };
     let t = Instant::now();
     let how = share_template(&cache, &state.join("templates/base"))?;
     println!(
         "  base template {how} from {} in {:.1}s",
-        cache.display(),
+        cache.1.display(),
         t.elapsed().as_secs_f64()
     );
     let mut cfg = NodeConfig::new(state, envd);
@@ -245,25 +240,51 @@ async fn setup(envd: &Path, state: &Path) -> anyhow::Result<Ctx> {
     })
 }
 
-/// Put the cached template at `dest`: its config copied, its rootfs bind-mounted
-/// read-only (instant; a sandbox's overlay only ever reads its lower layer, and the
-/// read-only mount guarantees the operator's copy cannot change). When the bind mount
-/// fails, a full copy (`cp -a --reflink=auto`, ~10-30 s for the 600 MiB rootfs here).
-/// Either way, removing the state dir (`fsutil::remove_tree`) unmounts and deletes it.
-fn share_template(cache: &Path, dest: &Path) -> anyhow::Result<&'static str> {
+/// A built one-layer template in the state dir `state`: its config file and its layer.
+fn one_layer_template(
+    state: &Path,
+    name: &str,
+) -> Option<(std::path::PathBuf, std::path::PathBuf)> {
+    let dir = state.join("templates").join(name);
+    let cfg = dir.join("template.json");
+    let text = std::fs::read_to_string(&cfg).ok()?;
+    let v: serde_json::Value = serde_json::from_str(&text).ok()?;
+    let rootfs = match v.get("layers").and_then(|l| l.as_array()) {
+        Some(layers) if layers.len() == 1 => state.join("layers").join(layers[0].as_str()?),
+        Some(_) => return None,
+        None => dir.join("rootfs"),
+    };
+    rootfs.is_dir().then_some((cfg, rootfs))
+}
+
+/// Put the cached template at `dest` in the older one-directory layout: its config
+/// copied (without its layer list), its layer bind-mounted read-only at `rootfs/`
+/// (instant; a sandbox's overlay only ever reads its lower layer, and the read-only mount
+/// guarantees the operator's copy cannot change). When the bind mount fails, a full copy
+/// (`cp -a --reflink=auto`, ~10-30 s for the 600 MiB rootfs here). Either way, removing
+/// the state dir (`fsutil::remove_tree`) unmounts and deletes it.
+fn share_template(
+    cache: &(std::path::PathBuf, std::path::PathBuf),
+    dest: &Path,
+) -> anyhow::Result<&'static str> {
+    let (cfg, layer) = cache;
     let rootfs = dest.join("rootfs");
     std::fs::create_dir_all(&rootfs)?;
-    std::fs::copy(cache.join("template.json"), dest.join("template.json"))?;
-    if bind_read_only(&cache.join("rootfs"), &rootfs).is_ok() {
+    let mut v: serde_json::Value = serde_json::from_slice(&std::fs::read(cfg)?)?;
+    if let Some(o) = v.as_object_mut() {
+        o.remove("layers");
+    }
+    std::fs::write(dest.join("template.json"), serde_json::to_vec_pretty(&v)?)?;
+    if bind_read_only(layer, &rootfs).is_ok() {
         return Ok("bind-mounted read-only");
     }
     std::fs::remove_dir(&rootfs)?;
     let st = Command::new("cp")
-        .args(["-a", "--reflink=auto"])
-        .arg(cache.join("rootfs"))
+        .args(["-a", "--reflink=auto", "-T"])
+        .arg(layer)
         .arg(&rootfs)
         .status()?;
-    anyhow::ensure!(st.success(), "copying {}: {st}", cache.display());
+    anyhow::ensure!(st.success(), "copying {}: {st}", layer.display());
     Ok("copied")
 }
 

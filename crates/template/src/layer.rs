@@ -162,6 +162,14 @@ impl LayerStore {
         Ok(info)
     }
 
+    /// Move an existing directory (on the same filesystem) into the store as layer `id`.
+    pub fn adopt(&self, dir: &Path, id: &str, source: &str) -> Result<LayerInfo> {
+        let staging = self.staging()?;
+        fs::remove_dir(staging.path()).ctx("rmdir", staging.path())?;
+        fs::rename(dir, staging.path()).ctx("rename", dir)?;
+        self.store(staging, id, source)
+    }
+
     /// Remove layer `id` (the caller knows no template or sandbox uses it).
     pub fn remove(&self, id: &str) -> Result<()> {
         if !valid_id(id) {
@@ -192,14 +200,17 @@ impl LayerStore {
         };
         for e in rd.flatten() {
             let name = e.file_name().to_string_lossy().into_owned();
-            // Only leftovers older than a minute: another process may be writing one now.
-            let old = e
-                .metadata()
-                .and_then(|m| m.modified())
-                .ok()
-                .and_then(|t| t.elapsed().ok())
-                .is_some_and(|d| d.as_secs() > 60);
-            if name.starts_with(".tmp-") && old {
+            // `.tmp-<pid>-…`: only when that process is gone (a build may run for minutes).
+            let Some(rest) = name.strip_prefix(".tmp-") else {
+                continue;
+            };
+            let rest = rest.strip_prefix("rm-").unwrap_or(rest);
+            let owner_alive = rest
+                .split('-')
+                .next()
+                .and_then(|p| p.parse::<u32>().ok())
+                .is_some_and(|pid| Path::new(&format!("/proc/{pid}")).exists());
+            if !owner_alive {
                 let _ = fsutil::remove_tree(&e.path());
             }
         }

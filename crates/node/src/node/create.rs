@@ -202,6 +202,7 @@ impl Inner {
         let spec = StartSpec {
             id: id.clone(),
             rootfs: template.rootfs.clone(),
+            layers: template.layers.clone(),
             sandbox_dir: dir.clone(),
             slot: record.slot,
             uid_base: record.uid_base,
