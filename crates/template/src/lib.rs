@@ -30,8 +30,10 @@ pub mod fsutil;
 pub mod gc;
 pub mod layer;
 mod progress;
+pub mod provision;
 pub mod tiny;
 pub mod unpack;
+pub mod view;
 
 use std::collections::BTreeMap;
 use std::fs;
