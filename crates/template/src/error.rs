@@ -33,6 +33,9 @@ pub enum Error {
     /// leaves its layer, an unknown manifest... The message names the part.
     #[error("broken image: {0}")]
     BrokenImage(String),
+    /// A registry refused or failed (unreachable, unknown image, bad credentials).
+    #[error("registry: {0}")]
+    Registry(String),
     /// A template lists a layer that is not stored (removed by hand, or a state directory
     /// copied without its `layers/`).
     #[error("layer {0} is missing from the layer store (<state>/layers); rebuild the template")]

@@ -29,6 +29,7 @@ pub mod error;
 pub mod fsutil;
 pub mod gc;
 pub mod layer;
+pub mod oci;
 mod progress;
 pub mod provision;
 pub mod tiny;
