@@ -22,6 +22,7 @@
 //! per-name lock file keeps two builds of one name apart.
 
 pub mod base;
+pub mod build;
 pub mod builds;
 pub mod code_interpreter;
 pub mod commit;
