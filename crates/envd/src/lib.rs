@@ -5,6 +5,7 @@
 //! See shared/spec/e2b-compat.md §3.
 
 pub mod auth;
+pub mod build_op;
 pub mod connect;
 pub mod filesystem;
 pub mod http;
