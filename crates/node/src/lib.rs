@@ -12,6 +12,7 @@
 //! ```
 
 pub mod bench;
+pub mod build;
 pub mod config;
 pub mod envd_client;
 pub mod error;

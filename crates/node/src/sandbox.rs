@@ -165,6 +165,9 @@ pub struct SandboxRecord {
     /// Volumes mounted in it (a volume a live sandbox mounts cannot be deleted).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub volumes: Vec<VolumeMount>,
+    /// The template's layer ids (what GC must keep while the sandbox runs).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub layers: Vec<String>,
 }
 
 /// A pidfd of a sandbox's init. It names that process and no other, even after the

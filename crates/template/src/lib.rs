@@ -182,6 +182,9 @@ pub struct Template {
     pub layers: Vec<PathBuf>,
     /// Its config.
     pub config: TemplateConfig,
+    /// Host files bind-mounted read-only into sandboxes of this value (host path, path
+    /// inside): a build step's uploaded files. Never stored; empty for stored templates.
+    pub binds: Vec<(PathBuf, PathBuf)>,
 }
 
 impl Template {
@@ -246,6 +249,7 @@ impl TemplateStore {
                 layers: Vec::new(),
                 dir,
                 config,
+                binds: Vec::new(),
             });
         }
         let mut paths = Vec::with_capacity(config.layers.len());
@@ -261,6 +265,7 @@ impl TemplateStore {
             layers: paths,
             dir,
             config,
+            binds: Vec::new(),
         })
     }
 

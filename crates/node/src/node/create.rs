@@ -35,20 +35,39 @@ impl Inner {
     /// What a create asks for, checked: the template (built on first use of a built-in),
     /// the id (the caller's, or a new one), the limits, the timeout.
     pub(crate) async fn plan_create(&self, req: &CreateRequest) -> Result<CreatePlan> {
+        let template = self.resolve_template(&req.template).await?;
+        self.plan_with(req, template)
+    }
+
+    /// The template a create names (`name` or `name:tag`), built first if it is a
+    /// built-in that is not built yet.
+    async fn resolve_template(&self, reference: &str) -> Result<Template> {
         let inner = self;
+        if let Some((name, tag)) = reference.split_once(':') {
+            return inner
+                .templates
+                .get_tagged(name, Some(tag))?
+                .ok_or_else(|| crate::template::Error::TemplateNotFound(reference.into()).into());
+        }
         // A built template is one small file read, done inline; building one (a first
         // use of a built-in) goes to the blocking pool.
-        let template = match inner.templates.get(&req.template)? {
+        let template = match inner.templates.get(reference)? {
             Some(t) => t,
             None => {
                 let store = inner.templates.clone();
-                let name = req.template.clone();
+                let name = reference.to_string();
                 let progress = inner.config.template_progress;
                 tokio::task::spawn_blocking(move || store.ensure(&name, progress))
                     .await
                     .map_err(|e| Error::Runtime(format!("template task: {e}")))??
             }
         };
+        Ok(template)
+    }
+
+    /// [`Inner::plan_create`] for a template value (e.g. a build step's layer stack).
+    pub(crate) fn plan_with(&self, req: &CreateRequest, template: Template) -> Result<CreatePlan> {
+        let inner = self;
         let id = match &req.id {
             Some(id) if ids::is_valid_sandbox_id(id) => id.clone(),
             Some(id) => {
@@ -197,6 +216,7 @@ impl Inner {
         binds.extend(crate::template::code_interpreter::bind_for(
             &template.config,
         ));
+        binds.extend(template.binds.iter().map(|(s, t)| (s.clone(), t.clone(), true)));
         let volumes = inner.volume_binds(&record.volumes)?;
 
         let spec = StartSpec {

@@ -157,6 +157,7 @@ impl Inner {
             death_reason: None,
             runtime: serde_json::Value::Null,
             volumes: Vec::new(),
+            layers: c.layers.clone(),
         };
         customize(&mut record);
         // In the same critical section as the insert: a volume being deleted is never

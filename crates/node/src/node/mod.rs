@@ -31,7 +31,7 @@ use crate::pool::PoolStats;
 use crate::runtime::SandboxRuntime;
 use crate::sandbox::{CreateRequest, DeathReason, SandboxInfo, SandboxRecord, SandboxState};
 use crate::slots::UidSlots;
-use crate::template::TemplateStore;
+use crate::template::{Template, TemplateStore};
 use crate::{fsutil, procfs};
 
 pub(crate) mod create;
@@ -249,6 +249,18 @@ impl Node {
                 return r;
             }
             inner.create_cold(&req, plan, t0).await
+        })
+        .await
+        .map_err(|e| Error::Runtime(format!("create task failed: {e}")))?
+    }
+
+    /// Create a sandbox of a template value that need not be in the store (a build step's
+    /// sandbox: the layers built so far). Never claimed from a pool.
+    pub async fn create_from(&self, template: Template, req: CreateRequest) -> Result<SandboxInfo> {
+        let inner = self.inner.clone();
+        tokio::spawn(async move {
+            let plan = inner.plan_with(&req, template)?;
+            inner.create_cold(&req, plan, Instant::now()).await
         })
         .await
         .map_err(|e| Error::Runtime(format!("create task failed: {e}")))?

@@ -210,7 +210,7 @@ pub async fn build<H: BuildHost>(
     }
     let mut config = TemplateConfig::with_defaults(&req.name, BUILDER);
     config.default_user = st.user.clone();
-    config.default_workdir = st.workdir.clone();
+    config.default_workdir = Some(st.workdir.clone());
     config.env = st.env.clone();
     config.start_command = st.start_cmd.clone();
     config.ready_command = st.ready_cmd.clone();
@@ -280,7 +280,10 @@ async fn base(
                 c.layers.clone(),
                 c.env.clone(),
                 c.default_user.clone(),
-                c.default_workdir.clone(),
+                c.default_workdir.clone().unwrap_or_else(|| match c.default_user.as_str() {
+                    "root" => "/root".to_string(),
+                    u => format!("/home/{u}"),
+                }),
                 c.start_command.clone(),
                 c.ready_command.clone(),
                 c.cpus,
