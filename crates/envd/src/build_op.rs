@@ -240,18 +240,12 @@ fn copy(
                 "'{src}' is not in the uploaded files (were they uploaded from another context?)"
             )
         })?;
-        let glob = prefix.as_os_str().len() < src.trim_start_matches("./").len()
-            && src.contains(['*', '?', '[']);
         if m.is_dir() {
             mkdir_p(&target, None)?;
             for e in fs::read_dir(&entry).map_err(|e| format!("{}: {e}", entry.display()))? {
                 let e = e.map_err(|e| format!("{}: {e}", entry.display()))?;
                 chown_chmod_tree(&e.path(), ids, mode)?;
                 merge(&e.path(), &target.join(e.file_name()))?;
-            }
-            if !glob {
-                // The directory itself takes the owner too (E2B's chown -R of the entry).
-                chown_chmod_tree_shallow(&target, ids, mode)?;
             }
         } else {
             let to = if into_dir {
@@ -269,16 +263,6 @@ fn copy(
     })();
     let _ = fs::remove_dir_all(&scratch);
     result
-}
-
-fn chown_chmod_tree_shallow(path: &Path, ids: (u32, u32), mode: Option<u32>) -> Result<(), String> {
-    std::os::unix::fs::lchown(path, Some(ids.0), Some(ids.1))
-        .map_err(|e| format!("chown {}: {e}", path.display()))?;
-    if let Some(mode) = mode {
-        fs::set_permissions(path, fs::Permissions::from_mode(mode))
-            .map_err(|e| format!("chmod {}: {e}", path.display()))?;
-    }
-    Ok(())
 }
 
 #[cfg(test)]

@@ -14,6 +14,7 @@ use crate::envd_client::{ProcessEvent, ProcessSpec};
 use crate::error::{Error, Result};
 use crate::node::Node;
 use crate::node::inner::blocking;
+use crate::procfs;
 use crate::sandbox::{CreateRequest, DeathReason};
 
 /// How long a build sandbox may live (a step that runs longer is killed).
@@ -157,6 +158,36 @@ impl BuildHost for NodeBuildHost {
     }
 }
 
+/// SIGKILL the process behind `pidfd` and wait (up to `limit`) until it has exited.
+fn kill_and_wait(pidfd: &std::os::fd::OwnedFd, limit: Duration) -> Result<()> {
+    use std::os::fd::AsRawFd;
+    // SAFETY: pidfd_send_signal on a pidfd we own; no pointers but NULL.
+    unsafe {
+        libc::syscall(
+            libc::SYS_pidfd_send_signal,
+            pidfd.as_raw_fd(),
+            libc::SIGKILL,
+            std::ptr::null::<libc::siginfo_t>(),
+            0,
+        )
+    };
+    let mut p = libc::pollfd {
+        fd: pidfd.as_raw_fd(),
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    // SAFETY: one valid pollfd.
+    let r = unsafe { libc::poll(&mut p, 1, limit.as_millis() as libc::c_int) };
+    if r == 1 {
+        Ok(())
+    } else {
+        Err(Error::Runtime(format!(
+            "the build sandbox did not stop within {}s",
+            limit.as_secs()
+        )))
+    }
+}
+
 impl Node {
     /// Stop sandbox `id`, copy its writable layer into the empty directory `dest` as a
     /// layer (owners shifted back from the sandbox's uid range), then remove it.
@@ -166,12 +197,18 @@ impl Node {
             .mark_dying(id, DeathReason::Killed, false)
             .ok_or_else(|| Error::SandboxNotFound(id.into()))?;
         let dir = inner.sandbox_dir(id);
-        let rt = inner.runtime.clone();
-        let (i2, d2, base) = (id.to_string(), dir.clone(), record.uid_base);
-        // Stop it (no slot: the network is released by the teardown below), then copy.
+        let (pid, start) = (record.pid, record.pid_start_time);
+        let base = record.uid_base;
+        // Kill its init and wait until it is gone (with it the sandbox's mount namespace
+        // and overlay), keeping the directory; the teardown below removes the rest.
         let copied = blocking(move || {
-            rt.destroy(&i2, None, &d2)?;
-            let upper = d2.join("upper");
+            if let Some(pid) = pid.filter(|p| *p > 1)
+                && let Ok(fd) = procfs::pidfd_open(pid)
+                && procfs::is_alive(pid, start)
+            {
+                kill_and_wait(&fd, Duration::from_secs(30))?;
+            }
+            let upper = dir.join("upper");
             if !upper.is_dir() {
                 return Err(cubicle_template::commit::missing_upper(&upper).into());
             }

@@ -39,12 +39,11 @@ pub fn commit_upper(upper: &Path, dest: &Path, uid_base: u32, skip: &[&str]) -> 
         links: HashMap::new(),
         out: Committed::default(),
     };
-    c.meta(
-        upper,
-        dest,
-        &fs::symlink_metadata(upper).ctx("stat", upper)?,
-    )?;
     c.dir(upper, dest, skip)?;
+    // The layer's root: what overlayfs shows as `/` comes from the topmost layer, and an
+    // upper directory's own mode is the node's (0700), not the image's.
+    fsutil::lchown(dest, 0, 0)?;
+    fs::set_permissions(dest, fs::Permissions::from_mode(0o755)).ctx("chmod", dest)?;
     Ok(c.out)
 }
 

@@ -131,6 +131,9 @@ impl LayerStore {
     pub fn staging(&self) -> Result<Staging> {
         let dir = self.root.join(format!(".tmp-{}", crate::unique_suffix()));
         fs::create_dir(&dir).ctx("mkdir", &dir)?;
+        // A layer's root is the sandbox's `/` when it is the topmost: 0755, whatever the umask.
+        fs::set_permissions(&dir, std::os::unix::fs::PermissionsExt::from_mode(0o755))
+            .ctx("chmod", &dir)?;
         Ok(Staging { dir, stored: false })
     }
 
