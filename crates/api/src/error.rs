@@ -18,6 +18,9 @@ pub enum ApiError {
     /// Missing or unknown API key.
     #[error("{0}")]
     Unauthorized(String),
+    /// Known, but the caller may not (another team's template name).
+    #[error("{0}")]
+    Forbidden(String),
     /// Unknown (or other team's) sandbox, template or route.
     #[error("{0}")]
     NotFound(String),
@@ -50,6 +53,7 @@ impl ApiError {
         match self {
             ApiError::BadRequest(_) => StatusCode::BAD_REQUEST,
             ApiError::Unauthorized(_) => StatusCode::UNAUTHORIZED,
+            ApiError::Forbidden(_) => StatusCode::FORBIDDEN,
             ApiError::NotFound(_) => StatusCode::NOT_FOUND,
             ApiError::MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
             ApiError::Conflict(_) => StatusCode::CONFLICT,
@@ -95,6 +99,9 @@ impl From<cubicle_node::Error> for ApiError {
         match e {
             N::Template(cubicle_node::template::Error::TemplateNotFound(name)) => {
                 ApiError::NotFound(format!("template '{name}' not found"))
+            }
+            N::Template(cubicle_node::template::Error::InvalidRequest(m)) => {
+                ApiError::BadRequest(m)
             }
             N::SandboxNotFound(id) => ApiError::sandbox_not_found(&id),
             N::VolumeNotFound(id) => ApiError::NotFound(format!("volume '{id}' not found")),

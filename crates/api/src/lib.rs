@@ -34,6 +34,7 @@ pub mod resolver;
 pub mod routes;
 pub mod secrets;
 pub mod service;
+pub mod template_builds;
 pub mod templates;
 pub mod volume_content;
 pub mod volumes;

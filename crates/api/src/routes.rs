@@ -53,9 +53,11 @@ pub fn router(cp: Arc<ControlPlane>) -> Router {
         .route("/cubicle/pool", get(pool_stats))
         .merge(crate::volumes::routes())
         .merge(crate::secrets::routes())
+        .merge(crate::template_builds::authed_routes())
         .route_layer(middleware::from_fn_with_state(cp.clone(), auth));
     Router::new()
         .route("/health", get(|| async { StatusCode::OK }))
+        .merge(crate::template_builds::upload_routes())
         .merge(authed)
         // Authenticated by the volume's token, not an API key.
         .merge(crate::volume_content::routes())

@@ -35,6 +35,8 @@ pub struct ApiConfig {
     pub limits: Limits,
     /// `domain` returned to SDKs (`None` → `null`: clients use `E2B_SANDBOX_URL`).
     pub domain: Option<String>,
+    /// How template builds reach image registries (mirrors, plain-HTTP registries).
+    pub registry: cubicle_node::template::oci::pull::RegistryOptions,
     /// Where sandbox logs are mirrored (`<state>/logs`).
     pub logs_dir: PathBuf,
     /// How long records and logs of ended sandboxes are kept.
@@ -54,6 +56,7 @@ impl ApiConfig {
                 max_timeout: Duration::from_secs(24 * 3600),
             },
             domain: None,
+            registry: Default::default(),
             logs_dir,
             retention: Duration::from_secs(24 * 3600),
             keyring: Arc::new(crate::keyring::Keyring::ephemeral()),
@@ -80,6 +83,8 @@ pub struct ControlPlane {
     logs: Arc<LogMirror>,
     /// Called with the id of every sandbox a create hands out (see [`ControlPlane::on_created`]).
     on_created: std::sync::OnceLock<CreatedHook>,
+    /// Template builds (E2B's builder API).
+    pub(crate) builds: crate::template_builds::Builds,
 }
 
 /// See [`ControlPlane::on_created`].
@@ -113,6 +118,7 @@ impl ControlPlane {
             routes: Mutex::new(HashMap::new()),
             metrics: MetricsHistory::default(),
             on_created: std::sync::OnceLock::new(),
+            builds: Default::default(),
         });
         let rows = cp.store.call(|s| s.running_sandboxes(None)).await?;
         for row in rows {
@@ -202,7 +208,11 @@ impl ControlPlane {
         idem: Option<Idempotency>,
     ) -> ApiResult<Sandbox> {
         // Inline: reads one small file (no hop to the blocking pool on every create).
-        if !self.backend.template_exists(&cmd.template.name)? {
+        let visible = self
+            .backend
+            .template_owner(&cmd.template.name)
+            .is_none_or(|o| o == team.id.to_string());
+        if !visible || !self.backend.template_exists(&cmd.template.node_ref())? {
             return Err(ApiError::NotFound(format!(
                 "template '{}' not found (built-in templates: base, tiny; build others with `cubicle template build`)",
                 cmd.template.requested
@@ -280,7 +290,7 @@ impl ControlPlane {
         let info = self
             .backend
             .create(CreateRequest {
-                template: cmd.template.name.clone(),
+                template: cmd.template.node_ref(),
                 id: None,
                 env_vars: cmd.env_vars,
                 memory_mb: None,

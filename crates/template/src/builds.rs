@@ -397,6 +397,27 @@ impl TemplateStore {
         fsutil::write_json_atomic(&self.root().join(name).join("tags.json"), &map)
     }
 
+    /// The opaque owner label of a custom template (the API stores its team's id there);
+    /// `None` for built-ins and imports, which every caller may use.
+    pub fn owner(&self, name: &str) -> Option<String> {
+        validate_name(name).ok()?;
+        fs::read_to_string(self.root().join(name).join("owner"))
+            .ok()
+            .map(|s| s.trim().to_string())
+            .filter(|s| !s.is_empty())
+    }
+
+    /// Record the owner label of `name` (its directory is created if needed).
+    pub fn set_owner(&self, name: &str, owner: &str) -> Result<()> {
+        validate_name(name)?;
+        let dir = self.root().join(name);
+        fs::create_dir_all(&dir).ctx("mkdir", &dir)?;
+        let path = dir.join("owner");
+        let tmp = dir.join(format!("owner.tmp{}", std::process::id()));
+        fs::write(&tmp, owner).ctx("write", &tmp)?;
+        fs::rename(&tmp, &path).ctx("rename", &path)
+    }
+
     /// Layer ids that a tag of `name` reaches (what must not be collected).
     pub fn referenced_layers(&self, name: &str) -> Vec<String> {
         let mut out = Vec::new();
