@@ -12,6 +12,7 @@
 mod apikey_cmd;
 mod bench;
 mod client;
+mod context;
 mod run;
 mod sandbox_cmd;
 mod serve;

@@ -168,7 +168,7 @@ async fn steps_build_a_template_that_runs_and_cache(envd: PathBuf) -> TestResult
         let first = t0.elapsed();
         store.publish(rec, cfg.clone())?;
         println!("  first build {:.2}s, {} layers", first.as_secs_f64(), cfg.layers.len());
-        anyhow::ensure!(cfg.default_user == "user" && cfg.default_workdir == "/srv/app", "{cfg:?}");
+        anyhow::ensure!(cfg.default_user == "user" && cfg.default_workdir.as_deref() == Some("/srv/app"), "{cfg:?}");
         anyhow::ensure!(cfg.env.get("FOO").map(String::as_str) == Some("bar baz"));
 
         let sb = node

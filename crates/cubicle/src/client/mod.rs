@@ -18,6 +18,7 @@ mod logs;
 mod netlog;
 mod rest;
 mod shell;
+pub mod templates;
 #[cfg(test)]
 mod testserver;
 mod tty;
@@ -30,7 +31,8 @@ pub use error::ClientError;
 pub use volume::{VolumeArgs, run_volume};
 
 use connect::EnvdClient;
-use rest::{ApiClient, NewSandbox};
+pub use rest::ApiClient;
+use rest::NewSandbox;
 
 /// Runs one `cubicle sandbox …` command; returns the process exit code.
 pub async fn run(args: SandboxArgs, state_dir: &Path) -> anyhow::Result<i32> {

@@ -171,7 +171,7 @@ impl ApiClient {
 
     /// Sends a request; returns `(status, headers, body)`; error statuses become
     /// `ClientError::Status` unless listed in `ok_errors`.
-    pub(super) async fn call(
+    pub(crate) async fn call(
         &self,
         method: Method,
         path: &str,

@@ -347,6 +347,43 @@ type BaseParts = (
     u64,
 );
 
+/// A template made of an image alone (its layers plus the E2B additions, E2B's settings),
+/// recorded as a build of `name` and published: what `cubicle template import` makes.
+/// No sandbox is needed: the additions are written on the host (see `provision.rs`).
+pub fn image_template(
+    store: &TemplateStore,
+    name: &str,
+    img: &crate::oci::Image,
+    start_cmd: Option<String>,
+) -> crate::Result<TemplateConfig> {
+    let build_id = format!("import-{}", crate::unique_suffix());
+    let rec = store.new_build(name, &build_id, Vec::new())?;
+    let log = BuildLog::new(store.clone(), name, &build_id);
+    let (layers, env, user, workdir, _, _, cpus, memory_mb, disk_mb) = image_base(store, img, &log)
+        .map_err(|f| Error::TemplateBuild {
+            name: name.into(),
+            message: f.message,
+        })?;
+    let mut config = TemplateConfig::with_defaults(name, "import/1");
+    config.layers = layers;
+    config.env = env;
+    config.default_user = user;
+    config.default_workdir = Some(workdir);
+    config.start_command = start_cmd;
+    (config.cpus, config.memory_mb, config.disk_mb) = (cpus, memory_mb, disk_mb);
+    config.build_id = Some(build_id);
+    config.built_at = crate::unix_now();
+    config.size_bytes = config
+        .layers
+        .iter()
+        .filter_map(|l| store.layers().info(l))
+        .map(|l| l.size_bytes)
+        .sum();
+    config.source = Some(format!("image {}", img.reference));
+    store.publish(rec, config.clone())?;
+    Ok(config)
+}
+
 /// An image's layers plus the provisioning layer, and the settings E2B gives it.
 fn image_base(
     store: &TemplateStore,
