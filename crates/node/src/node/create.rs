@@ -400,6 +400,29 @@ impl Inner {
             }
             r?;
         }
+        if let Some(ready) = template
+            .config
+            .ready_command
+            .as_deref()
+            .filter(|c| !c.trim().is_empty())
+        {
+            // E2B's readyCmd: run (as the default user) until it exits 0.
+            let token = Some(record.access_token.clone()).filter(|t| !t.is_empty());
+            let authed = EnvdClient::new(self.envd_socket(id), token);
+            let exit_code = start_command.as_ref().map(|w| w.exit_code());
+            let r = crate::ready::wait_ready_command(&authed, ready, Duration::from_secs(120), || {
+                let failed = exit_code.as_ref().and_then(|f| f()).filter(|c| *c != 0);
+                failed.map(|code| format!("the start command failed (exit code {code})"))
+            })
+            .await;
+            if let (Err(e), Some(w)) = (&r, &start_command) {
+                return Err(Error::Runtime(format!(
+                    "{e}; the start command: {}",
+                    w.describe()
+                )));
+            }
+            r?;
+        }
         Ok(())
     }
 
