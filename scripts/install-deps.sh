@@ -13,7 +13,7 @@ PACKAGES=(
   util-linux procps curl ca-certificates python3 python3-venv
   btrfs-progs
   libnss-myhostname  # names under localhost resolve to loopback: get_host() with serve's default domain
-  docker-registry skopeo umoci  # template e2e: a local OCI registry and images made without a daemon
+  docker-registry skopeo  # template e2e: a local OCI registry, and pushing images to it
   gcc libc6-dev  # cubicle-runtime tests compile static C probes (setuid, seccomp)
 )
 

@@ -223,7 +223,7 @@ fn copy(
             .map(|b| b.starts_with(&[0x1f, 0x8b]))
             .unwrap_or(false);
         let reader: Box<dyn Read> = if gz {
-            Box::new(flate2::read::GzDecoder::new(r))
+            Box::new(flate2::read::MultiGzDecoder::new(r))
         } else {
             Box::new(r)
         };

@@ -342,7 +342,7 @@ pub fn unpack_blob(blob: impl Read, dest: &Path) -> Result<Unpacked> {
             .map(<[u8]>::to_vec)
     };
     match magic.as_deref() {
-        Some([0x1f, 0x8b, ..]) => unpack_layer(flate2::read::GzDecoder::new(r), dest),
+        Some([0x1f, 0x8b, ..]) => unpack_layer(flate2::read::MultiGzDecoder::new(r), dest),
         Some([0x28, 0xb5, 0x2f, 0xfd]) => {
             let z = ruzstd::decoding::StreamingDecoder::new(r)
                 .map_err(|e| broken(format!("zstd: {e}")))?;

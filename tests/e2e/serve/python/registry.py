@@ -2,8 +2,11 @@
 
 `Registry.start()` runs Debian's `docker-registry` (the reference distribution server)
 on a free loopback port of the test's private network namespace, optionally behind
-htpasswd basic auth. Images are made from files of this host with Debian's `umoci`
-(`umoci new` + `umoci insert`, one layer per insert) and pushed with `skopeo copy`:
+htpasswd basic auth. Images are OCI layouts written here from files of this host (one
+gzipped tar per layer, entries sorted and timestamps fixed, so the same directory makes
+the same layer in every image) and pushed with Debian's `skopeo copy`. (Debian 12's
+`umoci` 0.4.7 was tried first: on this machine its `insert` cut the last ~700 bytes off
+a layer's gzip stream, so the last file of a layer arrived truncated.)
 
   sh:1      busybox (its applets as symlinks) + bash and the libraries it needs, and an
             /etc/passwd with root only (so the E2B additions must add `user`)
@@ -94,8 +97,8 @@ class Registry:
         shutil.rmtree(self.dir, ignore_errors=True)
 
     def push(self, layout: Path, name: str) -> str:
-        """Push `layout:name` as `<registry>/<name>`; returns the reference."""
-        ref = f"{self.host}/{name}"
+        """Push `layout:name` as `<registry>/<name>:1`; returns the reference."""
+        ref = f"{self.host}/{name}:1"
         cmd = ["skopeo", "copy", "--dest-tls-verify=false", f"oci:{layout}:{name}", f"docker://{ref}"]
         if self.auth:
             cmd[2:2] = ["--dest-creds", f"{self.auth[0]}:{self.auth[1]}"]
@@ -144,17 +147,66 @@ def shell_rootfs(root: Path) -> None:
     os.chmod(root / "tmp", 0o1777)
 
 
-def umoci_image(layout: Path, name: str, layers: list, env: dict) -> None:
+def _layer_tar(d: Path) -> bytes:
+    """A gzipped tar of directory `d` (entries sorted, mtime 0, owners as on disk)."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as t:
+        paths = sorted(p for p in d.rglob("*"))
+        for p in paths:
+            info = t.gettarinfo(str(p), arcname=str(p.relative_to(d)))
+            info.mtime = 0
+            info.uname = info.gname = ""
+            if info.isreg():
+                with open(p, "rb") as f:
+                    t.addfile(info, f)
+            else:
+                t.addfile(info)
+    return gzip.compress(buf.getvalue(), compresslevel=1, mtime=0)
+
+
+def oci_image(layout: Path, name: str, layers: list, env: dict) -> None:
     """An image `name` in the OCI layout `layout`: one layer per directory in `layers`."""
+    layout.mkdir(parents=True, exist_ok=True)
+    (layout / "oci-layout").write_text('{"imageLayoutVersion": "1.0.0"}')
     if not (layout / "index.json").exists():
-        run("umoci", "init", "--layout", str(layout))
-    run("umoci", "new", "--image", f"{layout}:{name}")
+        (layout / "index.json").write_text(json.dumps({"schemaVersion": 2, "manifests": []}))
+    descs, diff_ids = [], []
     for d in layers:
-        run("umoci", "insert", "--image", f"{layout}:{name}", str(d), "/")
-    args = ["umoci", "config", "--image", f"{layout}:{name}"]
-    for k, v in env.items():
-        args += ["--config.env", f"{k}={v}"]
-    run(*args)
+        blob = _layer_tar(Path(d))
+        diff_ids.append("sha256:" + hashlib.sha256(gzip.decompress(blob)).hexdigest())
+        descs.append(
+            {"mediaType": "application/vnd.oci.image.layer.v1.tar+gzip", "digest": _blob(layout, blob), "size": len(blob)}
+        )
+    config = json.dumps(
+        {
+            "architecture": "amd64",
+            "os": "linux",
+            "config": {"Env": [f"{k}={v}" for k, v in env.items()]},
+            "rootfs": {"type": "layers", "diff_ids": diff_ids},
+        }
+    ).encode()
+    manifest = json.dumps(
+        {
+            "schemaVersion": 2,
+            "mediaType": "application/vnd.oci.image.manifest.v1+json",
+            "config": {
+                "mediaType": "application/vnd.oci.image.config.v1+json",
+                "digest": _blob(layout, config),
+                "size": len(config),
+            },
+            "layers": descs,
+        }
+    ).encode()
+    index = json.loads((layout / "index.json").read_text())
+    index["manifests"].append(
+        {
+            "mediaType": "application/vnd.oci.image.manifest.v1+json",
+            "digest": _blob(layout, manifest),
+            "size": len(manifest),
+            "annotations": {"org.opencontainers.image.ref.name": name},
+        }
+    )
+    (layout / "index.json").write_text(json.dumps(index))
 
 
 def _blob(layout: Path, data: bytes) -> str:
@@ -213,7 +265,7 @@ def make_images(work: Path, python_lib: Optional[Path]) -> Path:
     sh = work / "sh"
     shell_rootfs(sh)
     path = {"PATH": "/usr/local/bin:/usr/bin:/bin:/usr/sbin:/sbin"}
-    umoci_image(layout, "sh", [sh], path)
+    oci_image(layout, "sh", [sh], path)
     extra = work / "extra"
     dest = extra / "opt/pylib"
     if python_lib and python_lib.is_dir():
@@ -221,10 +273,10 @@ def make_images(work: Path, python_lib: Optional[Path]) -> Path:
     else:
         dest.mkdir(parents=True)
         (dest / "filler.bin").write_bytes(os.urandom(30 << 20))
-    umoci_image(layout, "big", [sh, extra], path)
+    oci_image(layout, "big", [sh, extra], path)
     static = work / "static"
     static.mkdir()
     shutil.copy2("/bin/busybox", static / "hello")
-    umoci_image(layout, "static", [static], {})
+    oci_image(layout, "static", [static], {})
     broken_image(layout, "broken")
     return layout
