@@ -47,6 +47,9 @@ fn main() {
         ("failing_step_names_itself", |e| {
             Box::pin(failing_step_names_itself(e))
         }),
+        ("pools_serve_custom_templates_and_drop_stale_builds", |e| {
+            Box::pin(pools_serve_custom_templates_and_drop_stale_builds(e))
+        }),
     ];
     let mut failed = 0;
     let mut ran = 0;
@@ -71,8 +74,18 @@ fn main() {
 }
 
 async fn node(envd: &Path, name: &str, first_slot: u32) -> anyhow::Result<(Node, PathBuf)> {
+    node_with_pool(envd, name, first_slot, Default::default()).await
+}
+
+async fn node_with_pool(
+    envd: &Path,
+    name: &str,
+    first_slot: u32,
+    pool: std::collections::BTreeMap<String, usize>,
+) -> anyhow::Result<(Node, PathBuf)> {
     let state = PathBuf::from(format!("/tmp/cbbt-{}-{name}", std::process::id()));
     let mut cfg = NodeConfig::new(&state, envd);
+    cfg.pool = pool;
     cfg.first_slot = first_slot;
     cfg.max_sandboxes = 16;
     cfg.reap_foreign = false;
@@ -282,6 +295,85 @@ async fn failing_step_names_itself(envd: PathBuf) -> TestResult {
             "build sandboxes left: {:?}",
             node.list()
         );
+        anyhow::Ok(())
+    }
+    .await;
+    node.kill_all().await;
+    node.close();
+    let _ = cubicle_node::fsutil::remove_tree(&state);
+    r
+}
+
+/// `--pool app=1` for a template that does not exist yet: once built, the pool fills and
+/// a create is a claim; after a rebuild, the pooled sandbox of the old build is not
+/// handed out (a create gets the new build's files).
+async fn pools_serve_custom_templates_and_drop_stale_builds(envd: PathBuf) -> TestResult {
+    let pool = std::collections::BTreeMap::from([("app".to_string(), 1usize)]);
+    let (node, state) = node_with_pool(&envd, "pool", 27140, pool).await?;
+    let r = async {
+        let host = NodeBuildHost::new(node.clone());
+        let store = node.templates().clone();
+        let files = |_: &str| None;
+        let mut built = Vec::new();
+        for (i, word) in ["one", "two"].iter().enumerate() {
+            let (_tx, cancel) = tokio::sync::watch::channel(false);
+            let bid = format!("b{i}");
+            let rec = store.new_build("app", &bid, vec![])?;
+            let log = BuildLog::new(store.clone(), "app", &bid);
+            let steps = vec![step("RUN", &[&format!("echo {word} > /tmp/build")])];
+            let cfg = build::build(
+                &host,
+                &store,
+                &request("app", &bid, steps),
+                &files,
+                &log,
+                cancel,
+            )
+            .await
+            .map_err(|f| anyhow::anyhow!("{}", f.message))?;
+            store.publish(rec, cfg)?;
+            built.push(*word);
+            // Wait for the pool to hold one sandbox of this build.
+            let t0 = Instant::now();
+            while node.pool_stats().ready.get("app").copied().unwrap_or(0) < 1 {
+                anyhow::ensure!(
+                    t0.elapsed() < Duration::from_secs(30),
+                    "the pool never filled: {:?}",
+                    node.pool_stats()
+                );
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            if i == 1 {
+                break;
+            }
+            let before = node.pool_stats().claims;
+            let sb = node
+                .create(CreateRequest {
+                    template: "app".into(),
+                    internet: true,
+                    ..Default::default()
+                })
+                .await?;
+            anyhow::ensure!(
+                node.pool_stats().claims == before + 1,
+                "the create was not a claim"
+            );
+            let (out, _) = sh(&node, &sb.id, "root", "cat /tmp/build").await?;
+            anyhow::ensure!(out == "one\n", "{out}");
+            node.kill(&sb.id).await?;
+        }
+        // The pool may still hold a sandbox of build one (refilled before the rebuild):
+        // a create must get build two.
+        let sb = node
+            .create(CreateRequest {
+                template: "app".into(),
+                internet: true,
+                ..Default::default()
+            })
+            .await?;
+        let (out, _) = sh(&node, &sb.id, "root", "cat /tmp/build").await?;
+        node.kill(&sb.id).await?;
+        anyhow::ensure!(out == "two\n", "a create after the rebuild got {out:?}");
         anyhow::Ok(())
     }
     .await;
