@@ -194,8 +194,11 @@ impl Backend for Node {
     }
 
     fn sandboxes_of(&self, name: &str) -> Vec<String> {
+        use cubicle_node::SandboxState as S;
         self.list()
             .into_iter()
+            // A dying sandbox no longer counts (GC keeps its layers until it is gone).
+            .filter(|s| matches!(s.state, S::Running | S::Creating))
             .filter(|s| s.template == name || s.template.starts_with(&format!("{name}:")))
             .map(|s| s.id)
             .collect()
