@@ -216,7 +216,12 @@ impl Inner {
         binds.extend(crate::template::code_interpreter::bind_for(
             &template.config,
         ));
-        binds.extend(template.binds.iter().map(|(s, t)| (s.clone(), t.clone(), true)));
+        binds.extend(
+            template
+                .binds
+                .iter()
+                .map(|(s, t)| (s.clone(), t.clone(), true)),
+        );
         let volumes = inner.volume_binds(&record.volumes)?;
 
         let spec = StartSpec {
@@ -410,11 +415,12 @@ impl Inner {
             let token = Some(record.access_token.clone()).filter(|t| !t.is_empty());
             let authed = EnvdClient::new(self.envd_socket(id), token);
             let exit_code = start_command.as_ref().map(|w| w.exit_code());
-            let r = crate::ready::wait_ready_command(&authed, ready, Duration::from_secs(120), || {
-                let failed = exit_code.as_ref().and_then(|f| f()).filter(|c| *c != 0);
-                failed.map(|code| format!("the start command failed (exit code {code})"))
-            })
-            .await;
+            let r =
+                crate::ready::wait_ready_command(&authed, ready, Duration::from_secs(120), || {
+                    let failed = exit_code.as_ref().and_then(|f| f()).filter(|c| *c != 0);
+                    failed.map(|code| format!("the start command failed (exit code {code})"))
+                })
+                .await;
             if let (Err(e), Some(w)) = (&r, &start_command) {
                 return Err(Error::Runtime(format!(
                     "{e}; the start command: {}",

@@ -126,8 +126,10 @@ fn substitute(s: &str, vars: &BTreeMap<String, String>) -> String {
             i += 1;
             continue;
         }
-        if cs.get(i + 1) == Some(&'{') {
-            if let Some(end) = cs[i + 2..].iter().position(|c| *c == '}') {
+        if cs.get(i + 1) == Some(&'{')
+            && let Some(end) = cs[i + 2..].iter().position(|c| *c == '}')
+        {
+            {
                 let inner: String = cs[i + 2..i + 2 + end].iter().collect();
                 let val = if let Some((name, def)) = inner.split_once(":-") {
                     vars.get(name)

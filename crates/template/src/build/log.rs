@@ -6,6 +6,9 @@ use std::sync::Mutex;
 use crate::TemplateStore;
 use crate::builds::LogEntry;
 
+/// A function that sees every log entry as it is added.
+type Tap = Box<dyn Fn(&LogEntry) + Send + Sync>;
+
 /// The log of one running build.
 pub struct BuildLog {
     store: TemplateStore,
@@ -13,7 +16,7 @@ pub struct BuildLog {
     build_id: String,
     entries: Mutex<Vec<LogEntry>>,
     /// Called with each entry as it is added (the CLI's progress display).
-    tap: Option<Box<dyn Fn(&LogEntry) + Send + Sync>>,
+    tap: Option<Tap>,
 }
 
 fn now_ms() -> u64 {

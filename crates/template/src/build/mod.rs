@@ -280,10 +280,12 @@ async fn base(
                 c.layers.clone(),
                 c.env.clone(),
                 c.default_user.clone(),
-                c.default_workdir.clone().unwrap_or_else(|| match c.default_user.as_str() {
-                    "root" => "/root".to_string(),
-                    u => format!("/home/{u}"),
-                }),
+                c.default_workdir
+                    .clone()
+                    .unwrap_or_else(|| match c.default_user.as_str() {
+                        "root" => "/root".to_string(),
+                        u => format!("/home/{u}"),
+                    }),
                 c.start_command.clone(),
                 c.ready_command.clone(),
                 c.cpus,
@@ -471,7 +473,7 @@ async fn run_step<H: BuildHost>(
     };
     match kind.as_str() {
         "ENV" => {
-            if args.len() % 2 != 0 {
+            if !args.len().is_multiple_of(2) {
                 return Err(fail(name, format!("{label}: ENV takes key/value pairs")));
             }
             st.key = key_of(&[]);
