@@ -21,13 +21,14 @@ after(async () => {
 test('Template.build from base: COPY + RUN, a sandbox of it, cached rebuild', async () => {
   const ctx = mkdtempSync(join(tmpdir(), 'cubicle-js-ctx-'))
   mkdirSync(join(ctx, 'site'))
-  writeFileSync(join(ctx, 'site', 'index.html'), '<h1>js build</h1>\n')
   const name = `e2e-js-${uid()}`
+  // Content unique to this run: the first build is never a cache hit.
+  writeFileSync(join(ctx, 'site', 'index.html'), `<h1>${name}</h1>\n`)
   made.push(name)
   const template = Template({ fileContextPath: ctx })
     .fromBaseImage()
     .copy('site', '/home/user/site/')
-    .runCmd('echo js-built > /home/user/marker')
+    .runCmd(`echo js-built > /home/user/marker # ${name}`)
     .setEnvs({ FROM_JS: 'yes' })
   const logs = []
   const t0 = Date.now()
@@ -36,7 +37,7 @@ test('Template.build from base: COPY + RUN, a sandbox of it, cached rebuild', as
   assert.equal(info.templateId, name)
   const sbx = await sandboxes.create(name, { timeoutMs: 120_000 })
   const r = await sbx.commands.run('cat ~/marker ~/site/index.html; echo $FROM_JS; whoami')
-  assert.equal(r.stdout, 'js-built\n<h1>js build</h1>\nyes\nuser\n')
+  assert.equal(r.stdout, `js-built\n<h1>${name}</h1>\nyes\nuser\n`)
   const logs2 = []
   const t1 = Date.now()
   await Template.build(template, name, { onBuildLogs: (e) => logs2.push(String(e.message)) })

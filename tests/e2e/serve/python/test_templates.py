@@ -92,15 +92,16 @@ class Logs:
 def test_build_from_base_with_run_and_copy_then_cached(tmp_path):
     ctx = tmp_path / "ctx"
     (ctx / "app").mkdir(parents=True)
-    (ctx / "app" / "hello.txt").write_text("from the context\n")
-    (ctx / "app" / "run.sh").write_text("#!/bin/sh\necho script ran\n")
-    os.chmod(ctx / "app" / "run.sh", 0o755)
     name = uniq("e2e-base")
+    # Content unique to this run: the first build is never a cache hit.
+    (ctx / "app" / "hello.txt").write_text("from the context\n")
+    (ctx / "app" / "run.sh").write_text(f"#!/bin/sh\n# {name}\necho script ran\n")
+    os.chmod(ctx / "app" / "run.sh", 0o755)
     tpl = (
         Template(file_context_path=str(ctx))
         .from_base_image()
         .copy("app", "/home/user/app/")
-        .run_cmd("echo built > /home/user/built.txt")
+        .run_cmd(f"echo built > /home/user/built.txt # {name}")
         .set_envs({"GREETING": "hello there"})
     )
     logs = Logs()
