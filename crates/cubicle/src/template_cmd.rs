@@ -101,23 +101,9 @@ pub struct ServerArgs {
 }
 
 pub async fn run(state_dir: &Path, cmd: TemplateCommand) -> anyhow::Result<i32> {
-    let store = TemplateStore::open(state_dir)
-        .with_context(|| format!("opening {}", state_dir.display()))?;
-    match cmd {
-        TemplateCommand::Build {
-            name,
-            force,
-            file: None,
-            ..
-        } => {
-            let t = tokio::task::spawn_blocking(move || store.build(&name, force, true)).await??;
-            println!(
-                "{} {} {}",
-                t.config.name,
-                human_size(t.config.size_bytes),
-                t.dir.display()
-            );
-        }
+    // `build -f` is a client of the server: it reads at most the admin key from the state
+    // directory and must not create a store there (the default one is the operator's).
+    let cmd = match cmd {
         TemplateCommand::Build {
             name,
             force,
@@ -154,6 +140,21 @@ pub async fn run(state_dir: &Path, cmd: TemplateCommand) -> anyhow::Result<i32> 
                 memory_mb,
             };
             return build_dockerfile(&api, opts).await;
+        }
+        other => other,
+    };
+    let store = TemplateStore::open(state_dir)
+        .with_context(|| format!("opening {}", state_dir.display()))?;
+    match cmd {
+        // (`file: None` here: `-f` returned above.)
+        TemplateCommand::Build { name, force, .. } => {
+            let t = tokio::task::spawn_blocking(move || store.build(&name, force, true)).await??;
+            println!(
+                "{} {} {}",
+                t.config.name,
+                human_size(t.config.size_bytes),
+                t.dir.display()
+            );
         }
         TemplateCommand::Import {
             name,

@@ -376,7 +376,9 @@ def test_two_images_share_layers_once(images):
 def cli(*args, env_extra=None):
     env = dict(os.environ)
     env.update(env_extra or {})
-    return subprocess.run([CUBICLE, *args], capture_output=True, text=True, env=env, timeout=600)
+    # Always this run's state directory: the default (/var/lib/cubicle) is the operator's.
+    state = ["--state-dir", STATE] if STATE else []
+    return subprocess.run([CUBICLE, *args, *state], capture_output=True, text=True, env=env, timeout=600)
 
 
 def test_cli_dockerfile_build(tmp_path):
