@@ -1,7 +1,8 @@
 //! Template builds on the real kernel: E2B-style steps (RUN, COPY from an uploaded
 //! archive, ENV, WORKDIR, USER) run in build sandboxes of a real node on top of `tiny`;
 //! the result runs as a template; the same build again is all cache hits; a failing
-//! step names itself; shared layers are stored once; GC removes what nothing reaches.
+//! step names itself; shared layers are stored once; GC removes what nothing reaches;
+//! `template build tiny --force` under a running sandbox leaves that sandbox's layers.
 //!
 //! Needs root, busybox-static and a static cubicle-envd (like `lifecycle`). Run:
 //! `cargo test -p cubicle-node --test build [-- FILTER]`. `harness = false`: main() first
@@ -50,6 +51,9 @@ fn main() {
         ("pools_serve_custom_templates_and_drop_stale_builds", |e| {
             Box::pin(pools_serve_custom_templates_and_drop_stale_builds(e))
         }),
+        ("forced_rebuild_keeps_a_running_sandboxs_layers", |e| {
+            Box::pin(forced_rebuild_keeps_a_running_sandboxs_layers(e))
+        }),
     ];
     let mut failed = 0;
     let mut ran = 0;
@@ -88,7 +92,7 @@ async fn node_with_pool(
     cfg.pool = pool;
     cfg.first_slot = first_slot;
     cfg.max_sandboxes = 16;
-    cfg.reap_foreign = false;
+    cfg.any_free_slots = true;
     Ok((Node::open(cfg).await?, state))
 }
 
@@ -374,6 +378,81 @@ async fn pools_serve_custom_templates_and_drop_stale_builds(envd: PathBuf) -> Te
         let (out, _) = sh(&node, &sb.id, "root", "cat /tmp/build").await?;
         node.kill(&sb.id).await?;
         anyhow::ensure!(out == "two\n", "a create after the rebuild got {out:?}");
+        anyhow::Ok(())
+    }
+    .await;
+    node.kill_all().await;
+    node.close();
+    let _ = cubicle_node::fsutil::remove_tree(&state);
+    r
+}
+
+/// `cubicle template build tiny --force` while a sandbox of `tiny` runs: the sandbox keeps
+/// its (old) layer, readable, and GC keeps it until the sandbox is gone.
+async fn forced_rebuild_keeps_a_running_sandboxs_layers(envd: PathBuf) -> TestResult {
+    let (node, state) = node(&envd, "force", 27160).await?;
+    let r = async {
+        let store = node.templates().clone();
+        let sb = node
+            .create(CreateRequest {
+                template: "tiny".into(),
+                internet: true,
+                ..Default::default()
+            })
+            .await?;
+        let old = store
+            .get("tiny")?
+            .ok_or_else(|| anyhow::anyhow!("tiny is missing after a create"))?
+            .config
+            .layers;
+        anyhow::ensure!(!old.is_empty(), "tiny has no layers");
+        let s2 = store.clone();
+        let new = tokio::task::spawn_blocking(move || s2.build("tiny", true, false))
+            .await??
+            .config
+            .layers;
+        anyhow::ensure!(new != old, "a forced rebuild kept the same layers {old:?}");
+        let check = "cat /bin/busybox > /dev/null && ls /etc > /dev/null && echo fine";
+        let (out, code) = sh(&node, &sb.id, "root", check).await?;
+        anyhow::ensure!(
+            code == 0 && out == "fine\n",
+            "the sandbox lost its root filesystem to the rebuild: exit {code}, {out:?}"
+        );
+        let in_use: std::collections::HashSet<String> = cubicle_node::records_on_disk(&state)
+            .into_iter()
+            .flat_map(|r| r.layers)
+            .collect();
+        store.gc(&in_use, Duration::ZERO)?;
+        for id in &old {
+            anyhow::ensure!(
+                store.layers().contains(id),
+                "GC removed layer {id} of a running sandbox"
+            );
+        }
+        let (out, code) = sh(&node, &sb.id, "root", check).await?;
+        anyhow::ensure!(
+            code == 0 && out == "fine\n",
+            "after GC: exit {code}, {out:?}"
+        );
+        node.kill(&sb.id).await?;
+        let in_use: std::collections::HashSet<String> = cubicle_node::records_on_disk(&state)
+            .into_iter()
+            .flat_map(|r| r.layers)
+            .collect();
+        let report = store.gc(&in_use, Duration::ZERO)?;
+        for id in &old {
+            anyhow::ensure!(
+                !store.layers().contains(id),
+                "GC kept {id} after its sandbox died ({} removed)",
+                report.removed.len()
+            );
+        }
+        for id in &new {
+            anyhow::ensure!(
+                store.layers().contains(id),
+                "GC removed the current layer {id}"
+            );
+        }
         anyhow::Ok(())
     }
     .await;
