@@ -326,6 +326,7 @@ def test_broken_image_fails_the_base_step(images):
 
 def test_image_without_a_shell_still_runs_envd(images):
     name = uniq("e2e-static")
+    failing = uniq("e2e-static-run")
     try:
         Template.build(Template().from_image(f"{images['anon'].host}/static:1"), name)
         sbx = Sandbox.create(name, timeout=60)
@@ -338,10 +339,11 @@ def test_image_without_a_shell_still_runs_envd(images):
         finally:
             kill_quietly(sbx)
         with pytest.raises(BuildException) as e:
-            Template.build(Template().from_image(f"{images['anon'].host}/static:1").run_cmd("true"), uniq("e2e-static-run"))
+            Template.build(Template().from_image(f"{images['anon'].host}/static:1").run_cmd("true"), failing)
         assert "no /bin/sh" in str(e.value)
     finally:
         delete_template(name)
+        delete_template(failing)  # its failed build's record
 
 
 def test_two_images_share_layers_once(images):
