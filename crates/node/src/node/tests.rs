@@ -117,7 +117,7 @@ impl SandboxRuntime for FakeRuntime {
         std::fs::create_dir_all(&d).map_err(|e| Error::io("mkdir", &d, e))
     }
     fn remove_volume(&self, id: &str) -> Result<()> {
-        fsutil::remove_tree(&self.volume_dir(id)?)
+        Ok(fsutil::remove_tree(&self.volume_dir(id)?)?)
     }
 }
 
