@@ -15,6 +15,7 @@ PACKAGES=(
   libnss-myhostname  # names under localhost resolve to loopback: get_host() with serve's default domain
   docker-registry skopeo  # template e2e: a local OCI registry, and pushing images to it
   gcc libc6-dev  # cubicle-runtime tests compile static C probes (setuid, seccomp)
+  debian-archive-keyring  # install-criu.sh verifies the .debs it fetches against it
 )
 
 missing=()
@@ -34,15 +35,17 @@ fi
 
 if ((${#missing[@]} == 0)); then
   echo "install-deps: all system packages present"
-  exit 0
+else
+  if [[ $(id -u) -ne 0 ]]; then
+    echo "install-deps: missing packages (${missing[*]}) and not root; run as root" >&2
+    exit 1
+  fi
+  echo "install-deps: installing ${missing[*]}"
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -qq
+  apt-get install -y -qq --no-install-recommends "${missing[@]}"
 fi
 
-if [[ $(id -u) -ne 0 ]]; then
-  echo "install-deps: missing packages (${missing[*]}) and not root; run as root" >&2
-  exit 1
-fi
-
-echo "install-deps: installing ${missing[*]}"
-export DEBIAN_FRONTEND=noninteractive
-apt-get update -qq
-apt-get install -y -qq --no-install-recommends "${missing[@]}"
+# CRIU for pause, resume, snapshots and fork: a newer one than Debian 12 ships, in a
+# private prefix (see the script for why and how). Fast when already installed.
+bash "$(dirname "$0")/install-criu.sh"

@@ -5,6 +5,8 @@
 #                                pytest-asyncio (pinned in tests/e2e/requirements.txt)
 #   tests/e2e/js/node_modules    e2b (JS) pinned in package.json / package-lock.json,
 #                                installed with `npm ci`
+#   tests/e2e/.venv-schemathesis schemathesis (tests/e2e/schemathesis-requirements.txt):
+#                                fuzzes the server from its OpenAPI description
 #
 # Idempotent: each part is skipped when a stamp shows it was installed from the
 # same pin file and the SDK reports the expected version.
@@ -37,6 +39,22 @@ else
   "$VENV/bin/pip" install --disable-pip-version-check -q -r "$REQ"
   echo "$py_want" >"$py_stamp"
   echo "install-test-deps: installed $("$VENV/bin/python" -c "import importlib.metadata as m; print('e2b', m.version('e2b'))")"
+fi
+
+# --- schemathesis (its own venv) ---------------------------------------------
+ST_VENV="$E2E/.venv-schemathesis"
+ST_REQ="$E2E/schemathesis-requirements.txt"
+st_stamp="$ST_VENV/.cubicle-deps"
+st_want="$(hash_of "$ST_REQ")"
+if [[ -x "$ST_VENV/bin/schemathesis" && -f "$st_stamp" && "$(cat "$st_stamp")" == "$st_want" ]]; then
+  echo "install-test-deps: schemathesis venv up to date"
+else
+  echo "install-test-deps: creating $ST_VENV"
+  rm -rf "$ST_VENV"
+  "$PYTHON" -m venv "$ST_VENV"
+  "$ST_VENV/bin/pip" install --disable-pip-version-check -q -r "$ST_REQ"
+  echo "$st_want" >"$st_stamp"
+  echo "install-test-deps: installed $("$ST_VENV/bin/schemathesis" --version 2>/dev/null | head -n1)"
 fi
 
 # --- JavaScript -----------------------------------------------------------

@@ -4,13 +4,16 @@
 #   1. install system packages (scripts/install-deps.sh) and the e2e test
 #      dependencies: Python venv with the official e2b SDK, npm e2b SDK
 #      (scripts/install-test-deps.sh) — both skip work when already installed;
-#   2. build the workspace;
-#   3. `cargo test --workspace` (as root: tests that need root run);
-#   4. the envd end-to-end suites with the real SDKs, each inside its own network +
+#   2. the checks that keep the code clean, early and fast: `cargo fmt --all -- --check`
+#      and `cargo clippy --workspace --all-targets -- -D warnings` (the workspace lints:
+#      Cargo.toml, clippy.toml); either failing fails the run;
+#   3. build the workspace;
+#   4. `cargo test --workspace` (as root: tests that need root run);
+#   5. the envd end-to-end suites with the real SDKs, each inside its own network +
 #      mount namespace next to a development-mode cubicle-envd
 #      (tests/e2e/envd-host.sh): pytest (sync + async Python SDK), then node --test
 #      (JS SDK);
-#   5. the `cubicle serve` end-to-end suite (tests/e2e/serve/run.sh): the static envd is
+#   6. the `cubicle serve` end-to-end suite (tests/e2e/serve/run.sh): the static envd is
 #      built (scripts/build-envd.sh), `cubicle serve` starts in a private network
 #      namespace with state dir /var/lib/cubicle-e2e (templates built once per machine),
 #      the Python (sync + async) and JS SDKs run against it with only E2B_API_URL,
@@ -20,7 +23,7 @@
 # any step failed. Each runner prints its own summary; a recap follows at the end.
 #
 # Environment knobs (all optional):
-#   CUBICLE_TEST_SUITES   space-separated subset of "cargo python js serve" (default: all)
+#   CUBICLE_TEST_SUITES   space-separated subset of "lint cargo python js serve" (default: all)
 #   CUBICLE_PYTEST_ARGS   extra pytest arguments (e.g. "-k files -x")
 #   CUBICLE_E2E_TIMEOUT   per-e2e-suite time limit in seconds (default 1200)
 #   CUBICLE_SERVE_E2E_TIMEOUT  time limit of the whole serve suite (default 5400: the first
@@ -36,7 +39,7 @@ for fd in /proc/$$/fd/*; do
   fd=${fd##*/}
   if ((fd > 2 && fd != 255)); then eval "exec $fd>&-" 2>/dev/null || true; fi
 done
-SUITES=${CUBICLE_TEST_SUITES:-cargo python js serve}
+SUITES=${CUBICLE_TEST_SUITES:-lint cargo python js serve}
 E2E_TIMEOUT=${CUBICLE_E2E_TIMEOUT:-1200}
 
 if [[ $(id -u) -ne 0 ]]; then
@@ -66,6 +69,14 @@ record "install-deps" $?
 if wants python || wants js || wants serve; then
   bash scripts/install-test-deps.sh
   record "install-test-deps" $?
+fi
+
+if wants lint; then
+  banner "lint (cargo fmt --check, cargo clippy -D warnings)"
+  cargo fmt --all -- --check
+  record "cargo fmt --all -- --check" $?
+  cargo clippy --workspace --all-targets -- -D warnings
+  record "cargo clippy --workspace --all-targets -- -D warnings" $?
 fi
 
 banner "build (cargo build --workspace)"

@@ -14,7 +14,10 @@ use cubicle_node::template::build::{BuildLog, BuildRequest, Cancel, FileResolver
 use cubicle_node::template::builds::BuildFailure;
 use cubicle_node::template::{TemplateConfig, TemplateStore};
 use cubicle_node::volume::VolumeFs;
-use cubicle_node::{CreateRequest, NetEvent, NetworkPolicy, Node, SandboxInfo};
+use cubicle_node::{
+    CreateRequest, NetEvent, NetworkPolicy, Node, PauseReport, PauseRequest, ResumeOutcome,
+    SandboxInfo, SnapshotRecord, SnapshotReport, SnapshotRequest,
+};
 
 /// A boxed, sendable future.
 pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
@@ -40,9 +43,17 @@ pub trait Backend: Send + Sync + 'static {
     fn stats(&self, id: &str) -> cubicle_node::Result<SandboxStats>;
     /// The sandbox's envd/init log file on the host.
     fn log_path(&self, id: &str) -> PathBuf;
-    /// Warm-pool counters (ready, target, claims, misses, refills), as JSON.
+    /// Warm-pool counters (ready, target, claims, misses, refills).
+    fn pool(&self) -> cubicle_node::PoolStats {
+        cubicle_node::PoolStats::default()
+    }
+    /// The same, as JSON (`GET /cubicle/pool`).
     fn pool_stats(&self) -> serde_json::Value {
-        serde_json::json!({})
+        serde_json::to_value(self.pool()).unwrap_or_default()
+    }
+    /// The host's CPU, memory and disk (reads a few `/proc` files and one `statvfs`).
+    fn host(&self) -> cubicle_node::host::HostStats {
+        cubicle_node::host::HostStats::default()
     }
     /// Create volume `id` with a limit of `size_mb` MiB.
     fn create_volume<'a>(
@@ -93,12 +104,13 @@ pub trait Backend: Send + Sync + 'static {
             })
         })
     }
-    /// Ids of live sandboxes of template `name`.
+    /// What uses template `name`: ids of its sandboxes that are not dying (running or
+    /// paused), then `snapshot <id>` for its snapshots.
     fn sandboxes_of(&self, name: &str) -> Vec<String> {
         let _ = name;
         Vec::new()
     }
-    /// Layer ids live sandboxes use (kept by GC).
+    /// Layer ids sandboxes (running or paused) and snapshots use (kept by GC).
     fn layers_in_use(&self) -> HashSet<String> {
         HashSet::new()
     }
@@ -132,6 +144,73 @@ pub trait Backend: Send + Sync + 'static {
     }
     /// Deletes a sandbox's network audit trail.
     fn forget_network_log(&self, _id: &str) {}
+    /// Pause a running sandbox.
+    fn pause<'a>(
+        &'a self,
+        id: &'a str,
+        req: PauseRequest,
+    ) -> BoxFuture<'a, cubicle_node::Result<PauseReport>> {
+        let _ = (id, req);
+        Box::pin(async { Err(unsupported()) })
+    }
+    /// Resume a paused sandbox (or extend a running one's end time).
+    fn resume<'a>(
+        &'a self,
+        id: &'a str,
+        timeout: Duration,
+        memory: bool,
+    ) -> BoxFuture<'a, cubicle_node::Result<ResumeOutcome>> {
+        let _ = (id, timeout, memory);
+        Box::pin(async { Err(unsupported()) })
+    }
+    /// Snapshot a running sandbox.
+    fn snapshot<'a>(
+        &'a self,
+        id: &'a str,
+        req: SnapshotRequest,
+    ) -> BoxFuture<'a, cubicle_node::Result<SnapshotReport>> {
+        let _ = (id, req);
+        Box::pin(async { Err(unsupported()) })
+    }
+    /// Fork a running sandbox `count` times.
+    fn fork<'a>(
+        &'a self,
+        id: &'a str,
+        count: usize,
+        timeout: Duration,
+    ) -> BoxFuture<'a, cubicle_node::Result<Vec<cubicle_node::Result<SandboxInfo>>>> {
+        let _ = (id, count, timeout);
+        Box::pin(async { Err(unsupported()) })
+    }
+    /// Roll a sandbox back to one of its snapshots.
+    fn rollback<'a>(
+        &'a self,
+        id: &'a str,
+        snapshot: &'a str,
+    ) -> BoxFuture<'a, cubicle_node::Result<Duration>> {
+        let _ = (id, snapshot);
+        Box::pin(async { Err(unsupported()) })
+    }
+    /// Every visible snapshot.
+    fn snapshots(&self) -> Vec<SnapshotRecord> {
+        Vec::new()
+    }
+    /// The snapshot `name` refers to.
+    fn find_snapshot(&self, name: &str) -> Option<SnapshotRecord> {
+        let _ = name;
+        None
+    }
+    /// Delete a snapshot.
+    fn delete_snapshot<'a>(&'a self, id: &'a str) -> BoxFuture<'a, cubicle_node::Result<()>> {
+        let _ = id;
+        Box::pin(async { Err(unsupported()) })
+    }
+}
+
+fn unsupported() -> cubicle_node::Error {
+    cubicle_node::Error::Unsupported(
+        "pause, snapshots and fork are not supported by this node".into(),
+    )
 }
 
 impl Backend for Node {
@@ -163,8 +242,12 @@ impl Backend for Node {
         Node::forget_network_log(self, id)
     }
 
-    fn pool_stats(&self) -> serde_json::Value {
-        serde_json::to_value(Node::pool_stats(self)).unwrap_or_default()
+    fn pool(&self) -> cubicle_node::PoolStats {
+        Node::pool_stats(self)
+    }
+
+    fn host(&self) -> cubicle_node::host::HostStats {
+        cubicle_node::host::stats(&self.config().state_dir)
     }
 
     fn template_exists(&self, name: &str) -> cubicle_node::Result<bool> {
@@ -194,14 +277,9 @@ impl Backend for Node {
     }
 
     fn sandboxes_of(&self, name: &str) -> Vec<String> {
-        use cubicle_node::SandboxState as S;
-        self.list()
-            .into_iter()
-            // A dying sandbox no longer counts (GC keeps its layers until it is gone).
-            .filter(|s| matches!(s.state, S::Running | S::Creating))
-            .filter(|s| s.template == name || s.template.starts_with(&format!("{name}:")))
-            .map(|s| s.id)
-            .collect()
+        // A dying sandbox no longer counts (GC keeps its layers until it is gone); a
+        // paused one or a snapshot does (it restores onto the template's layers).
+        Node::template_users(self, name)
     }
 
     fn layers_in_use(&self) -> HashSet<String> {
@@ -258,5 +336,59 @@ impl Backend for Node {
 
     fn reconcile_volumes(&self) -> BoxFuture<'_, cubicle_node::Result<Vec<String>>> {
         Box::pin(Node::reconcile_volumes(self))
+    }
+
+    fn pause<'a>(
+        &'a self,
+        id: &'a str,
+        req: PauseRequest,
+    ) -> BoxFuture<'a, cubicle_node::Result<PauseReport>> {
+        Box::pin(Node::pause(self, id, req))
+    }
+
+    fn resume<'a>(
+        &'a self,
+        id: &'a str,
+        timeout: Duration,
+        memory: bool,
+    ) -> BoxFuture<'a, cubicle_node::Result<ResumeOutcome>> {
+        Box::pin(Node::resume(self, id, timeout, memory))
+    }
+
+    fn snapshot<'a>(
+        &'a self,
+        id: &'a str,
+        req: SnapshotRequest,
+    ) -> BoxFuture<'a, cubicle_node::Result<SnapshotReport>> {
+        Box::pin(Node::snapshot(self, id, req))
+    }
+
+    fn fork<'a>(
+        &'a self,
+        id: &'a str,
+        count: usize,
+        timeout: Duration,
+    ) -> BoxFuture<'a, cubicle_node::Result<Vec<cubicle_node::Result<SandboxInfo>>>> {
+        Box::pin(Node::fork(self, id, count, timeout))
+    }
+
+    fn rollback<'a>(
+        &'a self,
+        id: &'a str,
+        snapshot: &'a str,
+    ) -> BoxFuture<'a, cubicle_node::Result<Duration>> {
+        Box::pin(Node::rollback(self, id, snapshot))
+    }
+
+    fn snapshots(&self) -> Vec<SnapshotRecord> {
+        Node::snapshots(self)
+    }
+
+    fn find_snapshot(&self, name: &str) -> Option<SnapshotRecord> {
+        Node::find_snapshot(self, name)
+    }
+
+    fn delete_snapshot<'a>(&'a self, id: &'a str) -> BoxFuture<'a, cubicle_node::Result<()>> {
+        Box::pin(Node::delete_snapshot(self, id))
     }
 }

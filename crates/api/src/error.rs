@@ -18,7 +18,8 @@ pub enum ApiError {
     /// Missing or unknown API key.
     #[error("{0}")]
     Unauthorized(String),
-    /// Known, but the caller may not (another team's template name).
+    /// A valid key that may not do this (a non-admin team reading `/metrics`, another
+    /// team's template name).
     #[error("{0}")]
     Forbidden(String),
     /// Unknown (or other team's) sandbox, template or route.
@@ -39,6 +40,13 @@ pub enum ApiError {
     /// Out of capacity: a retry later may succeed.
     #[error("{0}")]
     Unavailable(String),
+    /// The disk (quota) is full: e.g. a pause whose checkpoint does not fit.
+    #[error("{0}")]
+    InsufficientStorage(String),
+    /// A resume with memory of a sandbox paused while its envd did not answer (409 with
+    /// E2B's `error_code`).
+    #[error("{0}")]
+    GuestUnresponsive(String),
     /// Our fault.
     #[error("{0}")]
     Internal(String),
@@ -60,6 +68,8 @@ impl ApiError {
             ApiError::PayloadTooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
             ApiError::NotImplemented(_) => StatusCode::NOT_IMPLEMENTED,
             ApiError::Unavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
+            ApiError::InsufficientStorage(_) => StatusCode::INSUFFICIENT_STORAGE,
+            ApiError::GuestUnresponsive(_) => StatusCode::CONFLICT,
             ApiError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
         }
     }
@@ -70,9 +80,22 @@ impl ApiError {
     }
 }
 
-/// The E2B error body.
+/// The E2B error body (every error answer has it).
+#[derive(Debug, serde::Serialize, utoipa::ToSchema, utoipa::ToResponse)]
+#[response(description = "An error: the HTTP status and what went wrong")]
+pub struct ErrorBody {
+    /// The HTTP status.
+    pub code: u16,
+    /// What went wrong (and what to do).
+    pub message: String,
+}
+
+/// The E2B error body as a response.
 pub fn error_response(status: StatusCode, message: &str) -> Response {
-    let body = serde_json::json!({ "code": status.as_u16(), "message": message });
+    let body = ErrorBody {
+        code: status.as_u16(),
+        message: message.to_string(),
+    };
     let mut resp = (status, axum::Json(body)).into_response();
     // Python retries 502/503/504 unless told otherwise; only capacity errors (503) are
     // worth retrying here.
@@ -88,6 +111,14 @@ impl IntoResponse for ApiError {
         let status = self.status();
         if status.is_server_error() && status != StatusCode::NOT_IMPLEMENTED {
             tracing::error!("request failed: {self}");
+        }
+        if let ApiError::GuestUnresponsive(m) = &self {
+            let body = serde_json::json!({
+                "code": status.as_u16(),
+                "message": m,
+                "error_code": "sandbox_snapshot_guest_agent_unresponsive",
+            });
+            return (status, axum::Json(body)).into_response();
         }
         error_response(status, &self.to_string())
     }
@@ -109,6 +140,22 @@ impl From<cubicle_node::Error> for ApiError {
             N::InvalidRequest(m) => ApiError::BadRequest(m),
             N::Capacity(m) => ApiError::Unavailable(m),
             N::Conflict(m) => ApiError::Conflict(m),
+            N::Unsupported(m) => ApiError::NotImplemented(m),
+            N::SnapshotNotFound(name) => ApiError::NotFound(format!("snapshot '{name}' not found")),
+            N::Checkpoint { what, source } if source.is_no_space() => {
+                ApiError::InsufficientStorage(format!("{what}: {source}"))
+            }
+            N::Io { op, path, source }
+                if matches!(
+                    source.kind(),
+                    std::io::ErrorKind::StorageFull | std::io::ErrorKind::QuotaExceeded
+                ) =>
+            {
+                ApiError::InsufficientStorage(format!(
+                    "{op} {}: {source} (the sandbox's disk is full)",
+                    path.display()
+                ))
+            }
             other => ApiError::Internal(other.to_string()),
         }
     }
@@ -155,6 +202,8 @@ pub async fn json_errors(resp: Response) -> Response {
             out.headers_mut().insert(k.clone(), v.clone());
         }
     }
+    // The route label and the like travel on (the access log reads them).
+    *out.extensions_mut() = parts.extensions;
     out
 }
 

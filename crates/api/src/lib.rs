@@ -11,6 +11,9 @@
 //! - [`volumes`] (`/volumes`), [`volume_content`] (`/volumecontent`, its own auth and
 //!   error shape), [`secrets`] (`/secrets`, write-only values), [`keyring`] (the server's
 //!   key: volume tokens, sealed secret values).
+//! - [`operator`]: Cubicle's own routes for operators (API keys, the view across teams);
+//! - [`dashboard`]: the web dashboard's static files (`/dashboard/`), which use the API
+//!   above and the data plane with the visitor's API key.
 //!
 //! ```no_run
 //! # async fn demo(node: cubicle_node::Node, store: cubicle_store::Store) {
@@ -22,22 +25,35 @@
 //! # let _ = (app, resolver); }
 //! ```
 
+#![forbid(unsafe_code)]
+
 pub mod backend;
 pub mod commands;
+pub mod dashboard;
 pub mod error;
+pub mod events;
 pub mod keyring;
 pub mod logs;
 pub mod metrics;
 pub mod model;
+pub mod openapi;
+pub mod operator;
 pub mod query;
 pub mod resolver;
 pub mod routes;
 pub mod secrets;
 pub mod service;
+pub mod telemetry;
 pub mod template_builds;
 pub mod templates;
+pub mod tls;
 pub mod volume_content;
 pub mod volumes;
+pub mod webhooks;
+
+/// The operator's team: created by the first `cubicle serve` with the admin key; the only
+/// team that may read the node-wide metrics (`GET /metrics`).
+pub const ADMIN_TEAM: &str = "admin";
 
 pub use backend::Backend;
 pub use error::{ApiError, ApiResult};

@@ -161,6 +161,23 @@ impl MetricsHistory {
             .map(|x| metric(s, x))
     }
 
+    /// Each sandbox's usage at its latest sample: (id, CPU ns since it started, memory
+    /// bytes, disk bytes). For the Prometheus scrape: no cgroup is read.
+    pub fn usage(&self) -> Vec<(String, u64, u64, u64)> {
+        self.lock()
+            .iter()
+            .filter_map(|(id, s)| {
+                let x = s.samples.back()?;
+                Some((
+                    id.clone(),
+                    s.last_cpu.1,
+                    u64::from(x.mem_kib) * 1024,
+                    u64::from(x.disk_kib) * 1024,
+                ))
+            })
+            .collect()
+    }
+
     /// Drops the history of a sandbox that ended.
     pub fn forget(&self, id: &str) {
         self.lock().remove(id);

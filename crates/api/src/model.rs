@@ -13,7 +13,7 @@ pub const ENVD_VERSION: &str = "0.6.13";
 pub const CLIENT_ID: &str = "6532622b";
 
 /// `Sandbox` (create / connect).
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, utoipa::ToSchema)]
 pub struct Sandbox {
     #[serde(rename = "templateID")]
     pub template_id: String,
@@ -33,7 +33,7 @@ pub struct Sandbox {
 }
 
 /// `lifecycle` of a detail.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, utoipa::ToSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct Lifecycle {
     pub auto_resume: bool,
@@ -42,7 +42,7 @@ pub struct Lifecycle {
 
 /// `network` of a detail (`SandboxNetworkConfig`): the policy as set, without the
 /// egress proxy's password and CA certificate (as upstream).
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, utoipa::ToSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct Network {
     pub allow_public_traffic: bool,
@@ -102,7 +102,7 @@ impl Network {
 }
 
 /// `SandboxDetail` (`GET /sandboxes/{id}`).
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, utoipa::ToSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct SandboxDetail {
     #[serde(rename = "templateID")]
@@ -128,12 +128,18 @@ pub struct SandboxDetail {
     pub metadata: BTreeMap<String, String>,
     pub network: Network,
     pub lifecycle: Lifecycle,
+    /// `full` / `filesystem` once paused (left out while running or pausing).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub pause_mode: Option<&'static str>,
+    /// Sent only when true.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub envd_unresponsive_at_pause: Option<bool>,
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub volume_mounts: Vec<crate::volumes::VolumeMountBody>,
 }
 
 /// `ListedSandbox` (list items).
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, utoipa::ToSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct ListedSandbox {
     #[serde(rename = "templateID")]
@@ -156,10 +162,37 @@ pub struct ListedSandbox {
     pub metadata: BTreeMap<String, String>,
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub volume_mounts: Vec<crate::volumes::VolumeMountBody>,
+    /// Sent only when true.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub envd_unresponsive_at_pause: Option<bool>,
+}
+
+/// `SnapshotInfo` (create and list).
+#[derive(Debug, Clone, Serialize)]
+pub struct SnapshotInfo {
+    #[serde(rename = "snapshotID")]
+    pub snapshot_id: String,
+    pub names: Vec<String>,
+}
+
+/// One entry of a fork's answer: exactly one of `sandbox` and `error`.
+#[derive(Debug, Clone, Serialize)]
+pub struct ForkResult {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub sandbox: Option<Sandbox>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub error: Option<ForkError>,
+}
+
+/// A fork that failed.
+#[derive(Debug, Clone, Serialize)]
+pub struct ForkError {
+    pub code: u16,
+    pub message: String,
 }
 
 /// `SandboxMetric`.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, utoipa::ToSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct SandboxMetric {
     pub timestamp: String,
@@ -174,14 +207,14 @@ pub struct SandboxMetric {
 }
 
 /// v1 log line.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, utoipa::ToSchema)]
 pub struct SandboxLog {
     pub timestamp: String,
     pub line: String,
 }
 
 /// Structured log entry (v1 `logEntries`, v2 `logs`).
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, utoipa::ToSchema)]
 pub struct SandboxLogEntry {
     pub timestamp: String,
     pub message: String,
@@ -190,7 +223,7 @@ pub struct SandboxLogEntry {
 }
 
 /// v1 `GET /sandboxes/{id}/logs`.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, utoipa::ToSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct SandboxLogs {
     pub logs: Vec<SandboxLog>,
@@ -198,7 +231,29 @@ pub struct SandboxLogs {
 }
 
 /// v2 `GET /v2/sandboxes/{id}/logs`.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, utoipa::ToSchema)]
 pub struct SandboxLogsV2 {
     pub logs: Vec<SandboxLogEntry>,
+}
+
+/// `GET /sandboxes/metrics`: each sandbox's latest sample.
+#[derive(Debug, Clone, Serialize, utoipa::ToSchema)]
+pub struct SandboxMetrics {
+    /// Sandbox id → its latest sample (sandboxes without one are left out).
+    pub sandboxes: BTreeMap<String, SandboxMetric>,
+}
+
+/// `GET /cubicle/pool`: the warm pools (Cubicle's own).
+#[derive(Debug, Clone, Serialize, utoipa::ToSchema)]
+pub struct PoolCounters {
+    /// Ready sandboxes per template.
+    pub ready: BTreeMap<String, u64>,
+    /// Pool size aimed at per template.
+    pub target: BTreeMap<String, u64>,
+    /// Creates served from a pool.
+    pub claims: u64,
+    /// Creates that found their pool empty.
+    pub misses: u64,
+    /// Sandboxes made for pools.
+    pub refills: u64,
 }

@@ -4,8 +4,6 @@
 
 use std::collections::BTreeMap;
 
-use base64::Engine;
-
 use crate::error::{ApiError, ApiResult};
 
 /// Percent-decode `s` (optionally `+` → space), refusing bad escapes and non-UTF-8.
@@ -42,19 +40,44 @@ pub fn unescape(s: &str, plus_is_space: bool) -> ApiResult<String> {
         .map_err(|_| ApiError::BadRequest(format!("percent-encoding of '{s}' is not UTF-8")))
 }
 
-/// A decoded query string: the last value of each name wins.
+/// A decoded query string: the last value of each name wins ([`Query::all`] has every
+/// value of a repeated name).
 #[derive(Debug, Default)]
-pub struct Query(BTreeMap<String, String>);
+pub struct Query(BTreeMap<String, String>, Vec<(String, String)>);
 
 impl Query {
     /// Parse `a=1&b=2` (form encoding).
     pub fn parse(raw: Option<&str>) -> ApiResult<Query> {
         let mut map = BTreeMap::new();
+        let mut all = Vec::new();
         for pair in raw.unwrap_or("").split('&').filter(|p| !p.is_empty()) {
             let (k, v) = pair.split_once('=').unwrap_or((pair, ""));
-            map.insert(unescape(k, true)?, unescape(v, true)?);
+            let (k, v) = (unescape(k, true)?, unescape(v, true)?);
+            all.push((k.clone(), v.clone()));
+            map.insert(k, v);
         }
-        Ok(Query(map))
+        Ok(Query(map, all))
+    }
+
+    /// Every non-empty value of a repeated parameter (`types=a&types=b`), in order.
+    pub fn all(&self, name: &str) -> Vec<&str> {
+        self.1
+            .iter()
+            .filter(|(k, v)| k == name && !v.is_empty())
+            .map(|(_, v)| v.as_str())
+            .collect()
+    }
+
+    /// A boolean parameter (`true`/`false`; absent → `None`).
+    pub fn bool(&self, name: &str) -> ApiResult<Option<bool>> {
+        match self.get(name) {
+            None => Ok(None),
+            Some("true") => Ok(Some(true)),
+            Some("false") => Ok(Some(false)),
+            Some(v) => Err(ApiError::BadRequest(format!(
+                "query parameter '{name}' must be true or false, got '{v}'"
+            ))),
+        }
     }
 
     /// A parameter's value (absent or empty → `None`).
@@ -123,19 +146,24 @@ pub fn format_time(ms: i64) -> String {
         .to_rfc3339_opts(chrono::SecondsFormat::Millis, true)
 }
 
-/// Opaque cursor for `nextToken`/`X-Next-Token`: base64url of `<started ms>__<id>`.
+/// Opaque cursor for `nextToken`/`X-Next-Token`: `<started ms>_<id>` (the OpenAPI
+/// description's pattern for `nextToken` says the same).
 pub fn encode_cursor(started_at: i64, id: &str) -> String {
-    base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(format!("{started_at}__{id}"))
+    format!("{started_at}_{id}")
 }
 
 /// Decode a cursor made by [`encode_cursor`].
 pub fn decode_cursor(token: &str) -> ApiResult<(i64, String)> {
     let bad = || ApiError::BadRequest("invalid nextToken".into());
-    let raw = base64::engine::general_purpose::URL_SAFE_NO_PAD
-        .decode(token.trim_end_matches('='))
-        .map_err(|_| bad())?;
-    let s = String::from_utf8(raw).map_err(|_| bad())?;
-    let (t, id) = s.split_once("__").ok_or_else(bad)?;
+    let (t, id) = token.split_once('_').ok_or_else(bad)?;
+    let ok_t = (1..=15).contains(&t.len()) && t.bytes().all(|c| c.is_ascii_digit());
+    let ok_id = (1..=32).contains(&id.len())
+        && id
+            .bytes()
+            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit());
+    if !ok_t || !ok_id {
+        return Err(bad());
+    }
     Ok((t.parse().map_err(|_| bad())?, id.to_string()))
 }
 
@@ -195,6 +223,8 @@ mod tests {
         let c = encode_cursor(123, "iabc");
         assert_eq!(decode_cursor(&c).unwrap(), (123, "iabc".to_string()));
         assert!(decode_cursor("!!!").is_err());
-        assert!(decode_cursor("YWJj").is_err()); // "abc": no separator
+        assert!(decode_cursor("abc").is_err()); // no separator
+        assert!(decode_cursor("12_ABC").is_err());
+        assert!(decode_cursor("1234567890123456_a").is_err());
     }
 }

@@ -6,7 +6,7 @@
 use std::sync::Arc;
 
 use cubicle_node::SandboxState;
-use cubicle_router::{SandboxResolver, SandboxTarget};
+use cubicle_router::{SandboxResolver, SandboxTarget, WakeFuture};
 
 use crate::service::ControlPlane;
 
@@ -23,17 +23,27 @@ impl ApiResolver {
 
     fn target(&self, id: &str, traffic: Option<String>) -> Option<SandboxTarget> {
         let info = self.cp.backend().peek(id).ok()?;
-        if info.state != SandboxState::Running {
+        // Not while it is being paused, snapshotted or rolled back: its connections are
+        // being closed (a checkpoint cannot hold connections from outside).
+        if info.state != SandboxState::Running || info.busy {
             return None;
         }
-        Some(SandboxTarget {
-            id: info.id.clone(),
-            envd_socket: info.envd_socket.clone(),
-            init_pidfd: info.init_pidfd.as_ref().map(|p| p.fd().clone()),
-            envd_access_token: Some(info.access_token.clone()),
-            traffic_access_token: traffic,
-            mask_request_host: info.mask_request_host.clone(),
-        })
+        let mut t = target_of(&info, traffic);
+        t.init_pidfd = info.init_pidfd.as_ref().map(|p| p.fd().clone());
+        Some(t)
+    }
+}
+
+/// The data plane's view of a sandbox (without its init's pidfd: a paused sandbox has
+/// no init).
+fn target_of(info: &cubicle_node::SandboxInfo, traffic: Option<String>) -> SandboxTarget {
+    SandboxTarget {
+        id: info.id.to_string(),
+        envd_socket: info.envd_socket.clone(),
+        init_pidfd: None,
+        envd_access_token: Some(info.access_token.clone()),
+        traffic_access_token: traffic,
+        mask_request_host: info.mask_request_host.clone(),
     }
 }
 
@@ -49,5 +59,41 @@ impl SandboxResolver for ApiResolver {
             .into_iter()
             .filter_map(|(id, traffic)| self.target(&id, traffic))
             .collect()
+    }
+
+    fn resumable(&self, id: &str) -> Option<SandboxTarget> {
+        let traffic = self.cp.route(id)?;
+        let info = self.cp.backend().peek(id).ok()?;
+        let paused = matches!(info.state, SandboxState::Paused | SandboxState::Pausing)
+            || (info.state == SandboxState::Running && info.busy);
+        if !paused || !info.lifecycle.auto_resume {
+            return None;
+        }
+        Some(target_of(&info, traffic))
+    }
+
+    fn wake(&self, id: &str) -> WakeFuture {
+        let (cp, id) = (self.cp.clone(), id.to_string());
+        Box::pin(async move {
+            // A pause in progress finishes first; then resume (once: concurrent requests
+            // find it running, or busy resuming, and wait for that).
+            for _ in 0..200 {
+                match cp.backend().peek(&id) {
+                    Ok(info) if info.state == SandboxState::Running && !info.busy => break,
+                    Ok(info) if info.busy => {
+                        tokio::time::sleep(std::time::Duration::from_millis(20)).await
+                    }
+                    Ok(info) if info.state == SandboxState::Paused => {
+                        if cp.auto_resume(&id).await.is_none() {
+                            // Someone else may be resuming it: look again.
+                            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+                        }
+                    }
+                    _ => return None,
+                }
+            }
+            let traffic = cp.route(&id)?;
+            ApiResolver { cp: cp.clone() }.target(&id, traffic)
+        })
     }
 }

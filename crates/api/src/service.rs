@@ -14,16 +14,20 @@ use cubicle_store::{IdempotencyClaim, SandboxRow, SandboxRowState, Store, Team, 
 
 use crate::backend::Backend;
 use crate::commands::{
-    Connect, CreateSandbox, Idempotency, Limits, ListFilter, Refresh, SetTimeout,
+    Connect, CreateSandbox, CreateSnapshot, Fork, Idempotency, Limits, ListFilter, ListSnapshots,
+    Pause, Refresh, Resume, Rollback, SetTimeout,
 };
 use crate::error::{ApiError, ApiResult};
+use crate::events::{EventKind, Events};
 use crate::logs::{LogLine, LogMirror};
 use crate::metrics::{MetricsHistory, Shape};
 use crate::model::{
-    CLIENT_ID, ENVD_VERSION, Lifecycle, ListedSandbox, Network, Sandbox, SandboxDetail,
-    SandboxMetric,
+    CLIENT_ID, ENVD_VERSION, ForkError, ForkResult, Lifecycle, ListedSandbox, Network, Sandbox,
+    SandboxDetail, SandboxMetric, SnapshotInfo,
 };
 use crate::query::{encode_cursor, format_time};
+use crate::telemetry::{SandboxUsage, Snapshot, Telemetry};
+use crate::webhooks::{WebhookConfig, Webhooks};
 
 /// Log growth up to this many bytes is mirrored inline, more on the blocking pool.
 const INLINE_LOG_SYNC: u64 = 16 << 10;
@@ -45,29 +49,29 @@ pub struct ApiConfig {
     pub keyring: Arc<crate::keyring::Keyring>,
     /// Volume sizes and counts (`volumes.rs`).
     pub volumes: crate::volumes::VolumeLimits,
+    /// How webhook deliveries are attempted.
+    pub webhooks: WebhookConfig,
 }
 
 impl ApiConfig {
-    /// Defaults: 300 s default timeout, 24 h max, logs in `logs_dir`, 24 h retention.
+    /// Defaults: 300 s default timeout, 24 h max, resources up to the host's, logs in `logs_dir`, 24 h retention.
     pub fn new(logs_dir: PathBuf) -> Self {
         ApiConfig {
-            limits: Limits {
-                default_timeout: Duration::from_secs(300),
-                max_timeout: Duration::from_secs(24 * 3600),
-            },
+            limits: Limits::for_host(),
             domain: None,
             registry: Default::default(),
             logs_dir,
             retention: Duration::from_secs(24 * 3600),
             keyring: Arc::new(crate::keyring::Keyring::ephemeral()),
             volumes: crate::volumes::VolumeLimits::default(),
+            webhooks: WebhookConfig::default(),
         }
     }
 }
 
 /// A sandbox id can only be one of ours if it looks like one.
 fn plausible_id(id: &str) -> bool {
-    cubicle_node::ids::is_valid_sandbox_id(id)
+    cubicle_node::SandboxId::is_valid(id)
 }
 
 /// The control plane.
@@ -85,6 +89,12 @@ pub struct ControlPlane {
     on_created: std::sync::OnceLock<CreatedHook>,
     /// Template builds (E2B's builder API).
     pub(crate) builds: crate::template_builds::Builds,
+    /// Metrics.
+    telemetry: Arc<Telemetry>,
+    /// Lifecycle events (stored, logged, delivered to webhooks).
+    events: Events,
+    /// The teams' webhooks.
+    webhooks: Arc<Webhooks>,
 }
 
 /// See [`ControlPlane::on_created`].
@@ -110,6 +120,10 @@ impl ControlPlane {
         store: Store,
         config: ApiConfig,
     ) -> ApiResult<Arc<Self>> {
+        let telemetry = Arc::new(Telemetry::new());
+        let webhooks =
+            Webhooks::open(store.clone(), config.webhooks.clone(), telemetry.clone()).await?;
+        let events = Events::start(store.clone(), telemetry.clone(), webhooks.clone());
         let cp = Arc::new(ControlPlane {
             logs: Arc::new(LogMirror::new(config.logs_dir.clone())),
             backend,
@@ -119,11 +133,14 @@ impl ControlPlane {
             metrics: MetricsHistory::default(),
             on_created: std::sync::OnceLock::new(),
             builds: Default::default(),
+            telemetry,
+            events,
+            webhooks,
         });
         let rows = cp.store.call(|s| s.running_sandboxes(None)).await?;
         for row in rows {
             match cp.backend.peek(&row.id) {
-                Ok(info) if info.state == SandboxState::Running => {
+                Ok(info) if is_live(info.state) => {
                     lock(&cp.routes).insert(row.id.clone(), row.traffic_access_token.clone());
                 }
                 other => {
@@ -134,6 +151,7 @@ impl ControlPlane {
                         .unwrap_or("lost");
                     let id = row.id.clone();
                     let reason = reason.to_string();
+                    cp.ended(&row, &reason);
                     cp.store
                         .call(move |s| s.mark_ended(&id, &reason, now_ms()))
                         .await?;
@@ -157,6 +175,93 @@ impl ControlPlane {
     /// The node.
     pub fn backend(&self) -> &Arc<dyn Backend> {
         &self.backend
+    }
+
+    /// The metrics (for the HTTP middleware and the template-build observer).
+    pub fn telemetry(&self) -> &Arc<Telemetry> {
+        &self.telemetry
+    }
+
+    /// The lifecycle events (events API).
+    pub fn events(&self) -> &Events {
+        &self.events
+    }
+
+    /// The teams' webhooks.
+    pub fn webhooks(&self) -> &Arc<Webhooks> {
+        &self.webhooks
+    }
+
+    /// Whether `team` is the operator's (the admin team `cubicle serve` creates): it may
+    /// read the node-wide metrics.
+    pub fn is_admin(&self, team: &Team) -> bool {
+        team.name == crate::ADMIN_TEAM
+    }
+
+    // ---- lifecycle ----
+
+    /// The lifecycle hook: every change of a sandbox's life goes through here (create,
+    /// end-time changes, kill and natural ends in this file; pause and resume from the
+    /// stateful-sandbox code). It logs the change at `info`, counts it, stores it for
+    /// the events API and delivers it to the team's webhooks (see [`crate::events`]).
+    /// `data` adds to the event's `eventData`.
+    pub fn lifecycle(
+        &self,
+        kind: EventKind,
+        row: &SandboxRow,
+        data: serde_json::Map<String, serde_json::Value>,
+    ) {
+        self.events.emit(kind, row, data);
+    }
+
+    /// A sandbox of `row` ended with `reason`: the `killed` event and the metrics.
+    fn ended(&self, row: &SandboxRow, reason: &str) {
+        self.telemetry.ended(&row.id, reason);
+        let mut data = serde_json::Map::new();
+        data.insert("death_reason".into(), reason.into());
+        self.lifecycle(EventKind::Killed, row, data);
+    }
+
+    /// What a metrics scrape reads now (memory and a few host files; no cgroup reads).
+    pub fn metrics_snapshot(&self) -> Snapshot {
+        let ids: Vec<String> = lock(&self.routes).keys().cloned().collect();
+        let mut snap = Snapshot {
+            pool: self.backend.pool(),
+            host: self.backend.host(),
+            ..Default::default()
+        };
+        let mut templates = HashMap::new();
+        for id in &ids {
+            if let Ok(info) = self.backend.peek(id) {
+                let state = serde_json::to_value(info.state)
+                    .ok()
+                    .and_then(|v| v.as_str().map(str::to_string))
+                    .unwrap_or_else(|| "unknown".into());
+                *snap
+                    .sandboxes
+                    .entry((state, info.template.clone()))
+                    .or_default() += 1;
+                templates.insert(id.clone(), info.template);
+            }
+        }
+        snap.usage = self
+            .metrics
+            .usage()
+            .into_iter()
+            .filter_map(|(id, cpu_ns, mem, disk)| {
+                Some(SandboxUsage {
+                    template: templates.get(&id)?.clone(),
+                    id,
+                    cpu_seconds: cpu_ns as f64 / 1e9,
+                    memory_bytes: mem,
+                    disk_bytes: disk,
+                })
+            })
+            .collect();
+        let hooks = self.webhooks.all();
+        let enabled = hooks.iter().filter(|w| w.enabled).count() as u64;
+        snap.webhooks = (enabled, hooks.len() as u64 - enabled);
+        snap
     }
 
     /// Ids of live API sandboxes with their traffic tokens.
@@ -207,15 +312,36 @@ impl ControlPlane {
         cmd: CreateSandbox,
         idem: Option<Idempotency>,
     ) -> ApiResult<Sandbox> {
+        let mut cmd = cmd;
+        if let Some(snap) = self.team_snapshot(team, &cmd.template_id) {
+            // A snapshot of this team: the node starts the sandbox from it.
+            cmd.template = Ok(crate::templates::TemplateRef {
+                name: snap.id.clone(),
+                requested: cmd.template_id.clone(),
+                tag: None,
+            });
+        }
+        let tref = cmd.template.clone().map_err(ApiError::from)?;
+        if let Some(snap) = self.backend.find_snapshot(&tref.name)
+            && snap.owner != team.id.to_string()
+        {
+            // Another team's snapshot is as unknown as a missing template.
+            return Err(ApiError::NotFound(format!(
+                "template '{}' not found",
+                tref.requested
+            )));
+        }
         // Inline: reads one small file (no hop to the blocking pool on every create).
         let visible = self
             .backend
-            .template_owner(&cmd.template.name)
+            .template_owner(&tref.name)
             .is_none_or(|o| o == team.id.to_string());
-        if !visible || !self.backend.template_exists(&cmd.template.node_ref())? {
+        if self.backend.find_snapshot(&tref.name).is_none()
+            && (!visible || !self.backend.template_exists(&tref.node_ref())?)
+        {
             return Err(ApiError::NotFound(format!(
                 "template '{}' not found (built-in templates: base, tiny; build others with `cubicle template build`)",
-                cmd.template.requested
+                tref.requested
             )));
         }
         self.backend.check_network(&cmd.network).await?;
@@ -266,7 +392,7 @@ impl ControlPlane {
                 }
             }
         }
-        let result = self.create_claimed(team, cmd).await;
+        let result = self.create_claimed(team, cmd, tref).await;
         if let Some(idem) = idem {
             let key = idem.key.clone();
             let done = result.as_ref().ok().map(|s| s.sandbox_id.clone());
@@ -284,28 +410,35 @@ impl ControlPlane {
         result
     }
 
-    async fn create_claimed(&self, team: &Team, cmd: CreateSandbox) -> ApiResult<Sandbox> {
+    async fn create_claimed(
+        &self,
+        team: &Team,
+        cmd: CreateSandbox,
+        template: crate::templates::TemplateRef,
+    ) -> ApiResult<Sandbox> {
         let env_var_names: Vec<String> = cmd.env_vars.keys().cloned().collect();
         let volumes = self.resolve_mounts(team, &cmd.volume_mounts)?;
+        let t0 = std::time::Instant::now();
         let info = self
             .backend
             .create(CreateRequest {
-                template: cmd.template.node_ref(),
+                template: template.node_ref(),
                 id: None,
                 env_vars: cmd.env_vars,
-                memory_mb: None,
-                cpus: None,
-                disk_mb: None,
+                memory_mb: cmd.memory_mb,
+                cpus: cmd.cpus,
+                disk_mb: cmd.disk_mb,
                 internet: cmd.internet,
                 network: cmd.network,
                 mask_request_host: cmd.mask_request_host,
                 timeout: Some(cmd.timeout),
                 metadata: cmd.metadata.clone(),
+                lifecycle: cmd.lifecycle,
                 volumes,
             })
             .await?;
         let row = SandboxRow {
-            id: info.id.clone(),
+            id: info.id.to_string(),
             team_id: team.id,
             template_id: info.template.clone(),
             alias: Some(info.template.clone()),
@@ -334,7 +467,13 @@ impl ControlPlane {
         if let Some(hook) = self.on_created.get() {
             hook(&row.id);
         }
-        tracing::info!(sandbox = %row.id, team = %team.name, template = %row.template_id, "sandbox created");
+        self.telemetry.created(info.claimed, t0.elapsed());
+        let mut data = serde_json::Map::new();
+        data.insert(
+            "source".into(),
+            if info.claimed { "pool" } else { "cold" }.into(),
+        );
+        self.lifecycle(EventKind::Created, &row, data);
         Ok(self.sandbox_body(&row, &info))
     }
 
@@ -362,7 +501,12 @@ impl ControlPlane {
             .map(|r| r.as_str())
             .unwrap_or("lost")
             .to_string();
-        lock(&self.routes).remove(id);
+        // The first to notice records the end (kill() has done so already).
+        if lock(&self.routes).remove(id).is_some()
+            && let Ok(Some(row)) = self.store.read(|s| s.sandbox(id))
+        {
+            self.ended(&row, &reason);
+        }
         self.metrics.forget(id);
         let id2 = id.to_string();
         if let Err(e) = self
@@ -374,8 +518,17 @@ impl ControlPlane {
         }
     }
 
-    /// A running sandbox of `team`, or 404.
+    /// A running sandbox of `team`, or 404 (a paused one too).
     pub async fn owned(&self, team: &Team, id: &str) -> ApiResult<(SandboxRow, SandboxInfo)> {
+        let (row, info) = self.owned_live(team, id).await?;
+        if is_paused(info.state) {
+            return Err(ApiError::sandbox_not_found(id));
+        }
+        Ok((row, info))
+    }
+
+    /// A running or paused sandbox of `team`, or 404.
+    pub async fn owned_live(&self, team: &Team, id: &str) -> ApiResult<(SandboxRow, SandboxInfo)> {
         if !plausible_id(id) {
             return Err(ApiError::sandbox_not_found(id));
         }
@@ -385,9 +538,7 @@ impl ControlPlane {
             return Err(ApiError::sandbox_not_found(id));
         };
         match self.backend.peek(id) {
-            Ok(info) if matches!(info.state, SandboxState::Running | SandboxState::Creating) => {
-                Ok((row, info))
-            }
+            Ok(info) if is_live(info.state) => Ok((row, info)),
             other => {
                 self.mark_dead(id, other.as_ref().ok()).await;
                 Err(ApiError::sandbox_not_found(id))
@@ -397,39 +548,45 @@ impl ControlPlane {
 
     /// `GET /sandboxes/{id}`.
     pub async fn detail(&self, team: &Team, id: &str) -> ApiResult<SandboxDetail> {
-        let (row, info) = self.owned(team, id).await?;
+        let (row, info) = self.owned_live(team, id).await?;
+        let paused = is_paused(info.state);
         Ok(SandboxDetail {
             template_id: row.template_id.clone(),
             sandbox_id: row.id.clone(),
             client_id: CLIENT_ID,
             started_at: format_time(row.started_at),
-            end_at: format_time(info.end_at_ms as i64),
+            end_at: format_time(end_at(&info)),
             envd_version: ENVD_VERSION,
             cpu_count: row.cpu_count,
             memory_mb: row.memory_mb,
             disk_size_mb: row.disk_mb,
-            state: "running",
+            state: state_word(info.state),
             alias: row.alias.clone(),
             envd_access_token: info.access_token.clone(),
             allow_internet_access: !info.network.deny_all(),
-            domain: self.config.domain.clone(),
+            domain: if paused {
+                None
+            } else {
+                self.config.domain.clone()
+            },
             metadata: row.metadata.clone(),
             network: Network::of(
                 &info.network,
                 row.traffic_access_token.is_none(),
                 info.mask_request_host.clone(),
             ),
-            lifecycle: Lifecycle {
-                auto_resume: false,
-                on_timeout: "kill",
-            },
+            lifecycle: lifecycle(&info),
+            pause_mode: (info.state == SandboxState::Paused)
+                .then(|| info.pause_mode.map(|m| m.as_str()))
+                .flatten(),
+            envd_unresponsive_at_pause: info.envd_unresponsive_at_pause.then_some(true),
             volume_mounts: self.mount_bodies(&info.volumes),
         })
     }
 
     /// `DELETE /sandboxes/{id}`.
     pub async fn kill(self: &Arc<Self>, team: &Team, id: &str) -> ApiResult<()> {
-        self.owned(team, id).await?;
+        let (row, _) = self.owned_live(team, id).await?;
         // Keep the last lines: the node deletes the log with the sandbox.
         self.sync_logs(id).await;
         match self.backend.kill(id).await {
@@ -438,7 +595,9 @@ impl ControlPlane {
                 // Gone for the router and the node now; the database row follows in the
                 // background (a request that reads it meanwhile still asks the node, and
                 // after a crash the startup check records the end).
-                lock(&self.routes).remove(id);
+                if lock(&self.routes).remove(id).is_some() {
+                    self.ended(&row, "killed");
+                }
                 let info = self.backend.peek(id).ok();
                 let (cp, id) = (self.clone(), id.to_string());
                 tokio::spawn(async move { cp.mark_dead(&id, info.as_ref()).await });
@@ -448,7 +607,13 @@ impl ControlPlane {
         }
     }
 
-    async fn apply_end(&self, id: &str, timeout: Duration, extend_only: bool) -> ApiResult<()> {
+    async fn apply_end(
+        &self,
+        row: &SandboxRow,
+        timeout: Duration,
+        extend_only: bool,
+    ) -> ApiResult<()> {
+        let id = row.id.as_str();
         let backend = self.backend.clone();
         let id2 = id.to_string();
         let end = tokio::task::spawn_blocking(move || -> cubicle_node::Result<Option<u64>> {
@@ -467,27 +632,303 @@ impl ControlPlane {
             self.store
                 .call(move |s| s.set_end_at(&id2, end as i64))
                 .await?;
+            let mut data = serde_json::Map::new();
+            data.insert("set_timeout".into(), format_time(end as i64).into());
+            self.lifecycle(EventKind::Updated, row, data);
         }
         Ok(())
     }
 
     /// `POST /sandboxes/{id}/timeout`.
     pub async fn set_timeout(&self, team: &Team, id: &str, cmd: SetTimeout) -> ApiResult<()> {
-        self.owned(team, id).await?;
-        self.apply_end(id, cmd.timeout, false).await
+        let (row, _) = self.owned(team, id).await?;
+        self.apply_end(&row, cmd.timeout, false).await
     }
 
     /// `POST /sandboxes/{id}/refreshes`.
     pub async fn refresh(&self, team: &Team, id: &str, cmd: Refresh) -> ApiResult<()> {
-        self.owned(team, id).await?;
-        self.apply_end(id, cmd.duration, true).await
+        let (row, _) = self.owned(team, id).await?;
+        self.apply_end(&row, cmd.duration, true).await
     }
 
-    /// `POST /v2/sandboxes/{id}/connect` (and v1): running → extend, 200.
-    pub async fn connect(&self, team: &Team, id: &str, cmd: Connect) -> ApiResult<Sandbox> {
-        let (row, info) = self.owned(team, id).await?;
-        self.apply_end(id, cmd.timeout, true).await?;
+    /// `POST /v2/sandboxes/{id}/connect` (and v1): running → end extended, `false`;
+    /// paused → resumed, `true` (201).
+    pub async fn connect(&self, team: &Team, id: &str, cmd: Connect) -> ApiResult<(Sandbox, bool)> {
+        let (row, info) = self.owned_live(team, id).await?;
+        if !is_paused(info.state) && !info.busy {
+            self.apply_end(&row, cmd.timeout, true).await?;
+            return Ok((self.sandbox_body(&row, &info), false));
+        }
+        if info.envd_unresponsive_at_pause && cmd.memory {
+            return Err(ApiError::GuestUnresponsive(format!(
+                "sandbox '{id}' was paused while its envd did not answer; connect with memory=false (on_resume=\"reboot\") to boot it from its disk"
+            )));
+        }
+        let out = self.backend.resume(id, cmd.timeout, cmd.memory).await?;
+        if out.resumed {
+            let end = out.info.end_at_ms as i64;
+            let id2 = id.to_string();
+            self.store.call(move |s| s.set_end_at(&id2, end)).await?;
+            self.lifecycle(EventKind::Resumed, &row, serde_json::Map::new());
+        }
+        Ok((self.sandbox_body(&row, &out.info), out.resumed))
+    }
+
+    /// `POST /sandboxes/{id}/resume` (deprecated): paused → resumed; running → 409.
+    pub async fn resume(&self, team: &Team, id: &str, cmd: Resume) -> ApiResult<Sandbox> {
+        let (row, info) = self.owned_live(team, id).await?;
+        if !is_paused(info.state) && !info.busy {
+            return Err(ApiError::Conflict(format!(
+                "Sandbox {id} is already running"
+            )));
+        }
+        let out = self.backend.resume(id, cmd.timeout, cmd.memory).await?;
+        let end = out.info.end_at_ms as i64;
+        let id2 = id.to_string();
+        self.store.call(move |s| s.set_end_at(&id2, end)).await?;
+        if out.resumed {
+            self.lifecycle(EventKind::Resumed, &row, serde_json::Map::new());
+        }
+        Ok(self.sandbox_body(&row, &out.info))
+    }
+
+    /// `POST /sandboxes/{id}/pause`: how long the sandbox was stopped and the size of
+    /// its checkpoint.
+    pub async fn pause(&self, team: &Team, id: &str, cmd: Pause) -> ApiResult<(Duration, u64)> {
+        let (row, info) = self.owned_live(team, id).await?;
+        if is_paused(info.state) {
+            return Err(ApiError::Conflict(format!(
+                "Error pausing sandbox - sandbox '{id}' is already paused"
+            )));
+        }
+        let req = cubicle_node::PauseRequest {
+            memory: cmd.memory,
+            require_healthy_guest: cmd.require_healthy_guest,
+        };
+        self.sync_logs(id).await;
+        match self.backend.pause(id, req).await {
+            Ok(r) => {
+                self.lifecycle(EventKind::Paused, &row, serde_json::Map::new());
+                Ok((r.frozen, r.bytes))
+            }
+            Err(cubicle_node::Error::Envd(m)) => Err(ApiError::Unavailable(m)),
+            Err(cubicle_node::Error::Conflict(m)) => {
+                Err(ApiError::Conflict(format!("Error pausing sandbox - {m}")))
+            }
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    /// `POST /sandboxes/{id}/snapshots`: the snapshot, how long the source was stopped
+    /// and the checkpoint's size.
+    pub async fn snapshot(
+        &self,
+        team: &Team,
+        id: &str,
+        cmd: CreateSnapshot,
+    ) -> ApiResult<(SnapshotInfo, Duration, u64)> {
+        self.owned(team, id).await?;
+        let names: Vec<String> = cmd
+            .name
+            .iter()
+            .map(|(n, tag)| format!("{}/{n}:{tag}", team.name))
+            .collect();
+        let report = self
+            .backend
+            .snapshot(
+                id,
+                cubicle_node::SnapshotRequest {
+                    names: names.clone(),
+                    owner: team.id.to_string(),
+                    memory: cmd.memory,
+                },
+            )
+            .await?;
+        Ok((
+            snapshot_info(&report.snapshot),
+            report.frozen,
+            report.snapshot.bytes,
+        ))
+    }
+
+    /// `GET /snapshots`: one page of `team`'s snapshots (oldest first) and the next
+    /// page's token.
+    pub fn list_snapshots(
+        &self,
+        team: &Team,
+        q: &ListSnapshots,
+    ) -> ApiResult<(Vec<SnapshotInfo>, Option<String>)> {
+        let owner = team.id.to_string();
+        let mut all: Vec<cubicle_node::SnapshotRecord> = self
+            .backend
+            .snapshots()
+            .into_iter()
+            .filter(|s| s.owner == owner)
+            .filter(|s| q.sandbox_id.as_ref().is_none_or(|id| &s.source == id))
+            .filter(|s| {
+                q.name
+                    .as_ref()
+                    .is_none_or(|n| snapshot_matches(s, n, &team.name))
+            })
+            .collect();
+        all.sort_by(|a, b| (a.created_at_ms, &a.id).cmp(&(b.created_at_ms, &b.id)));
+        if let Some(tok) = &q.next_token {
+            let (t, id) = crate::query::decode_cursor(tok)?;
+            all.retain(|s| (s.created_at_ms as i64, s.id.as_str()) > (t, id.as_str()));
+        }
+        let more = all.len() > q.limit;
+        all.truncate(q.limit);
+        let next = match (more, all.last()) {
+            (true, Some(s)) => Some(encode_cursor(s.created_at_ms as i64, &s.id)),
+            _ => None,
+        };
+        Ok((all.iter().map(snapshot_info).collect(), next))
+    }
+
+    /// The snapshot of `team` that `name` refers to.
+    pub(crate) fn team_snapshot(&self, team: &Team, name: &str) -> Option<cubicle_node::SnapshotRecord> {
+        let name = if name.contains('%') {
+            crate::query::unescape(name, false).ok()?
+        } else {
+            name.to_string()
+        };
+        let owner = team.id.to_string();
+        self.backend
+            .find_snapshot(&name)
+            .or_else(|| self.backend.find_snapshot(&format!("{}/{name}", team.name)))
+            .or_else(|| {
+                (!name.contains(':'))
+                    .then(|| {
+                        self.backend
+                            .find_snapshot(&format!("{}/{name}:default", team.name))
+                    })
+                    .flatten()
+            })
+            .filter(|s| s.owner == owner)
+    }
+
+    /// `DELETE /templates/{id}` of a snapshot: 204, or 404 when it is none of `team`'s.
+    pub async fn delete_snapshot(&self, team: &Team, name: &str) -> ApiResult<()> {
+        let snap = self
+            .team_snapshot(team, name)
+            .ok_or_else(|| ApiError::NotFound(format!("template '{name}' not found")))?;
+        self.backend.delete_snapshot(&snap.id).await?;
+        Ok(())
+    }
+
+    /// `POST /sandboxes/{id}/fork`: one entry per fork, in order.
+    pub async fn fork(&self, team: &Team, id: &str, cmd: Fork) -> ApiResult<Vec<ForkResult>> {
+        let (row, info) = self.owned_live(team, id).await?;
+        if is_paused(info.state) {
+            return Err(ApiError::Conflict(format!(
+                "sandbox '{id}' is paused and cannot be forked; resume it first"
+            )));
+        }
+        let results = self.backend.fork(id, cmd.count, cmd.timeout).await?;
+        let mut out = Vec::new();
+        for r in results {
+            out.push(match r {
+                Ok(child) => match self.register_child(team, &row, &child).await {
+                    Ok(body) => ForkResult {
+                        sandbox: Some(body),
+                        error: None,
+                    },
+                    Err(e) => fork_error(e),
+                },
+                Err(e) => fork_error(e.into()),
+            });
+        }
+        Ok(out)
+    }
+
+    /// Records a sandbox the node made from another (a fork) for `team`.
+    async fn register_child(
+        &self,
+        team: &Team,
+        parent: &SandboxRow,
+        info: &SandboxInfo,
+    ) -> ApiResult<Sandbox> {
+        let row = SandboxRow {
+            id: info.id.to_string(),
+            team_id: team.id,
+            template_id: parent.template_id.clone(),
+            alias: parent.alias.clone(),
+            metadata: info.metadata.clone(),
+            env_var_names: parent.env_var_names.clone(),
+            traffic_access_token: parent
+                .traffic_access_token
+                .is_some()
+                .then(cubicle_node::ids::new_access_token),
+            allow_internet: info.internet,
+            cpu_count: info.cpus,
+            memory_mb: info.memory_mb,
+            disk_mb: info.disk_mb,
+            started_at: info.created_at_ms as i64,
+            end_at: info.end_at_ms as i64,
+            state: SandboxRowState::Running,
+            death_reason: None,
+            ended_at: None,
+        };
+        let r2 = row.clone();
+        if let Err(e) = self.store.call(move |s| s.insert_sandbox(&r2)).await {
+            let _ = self.backend.kill(&info.id).await;
+            return Err(e.into());
+        }
+        lock(&self.routes).insert(row.id.clone(), row.traffic_access_token.clone());
+        if let Some(hook) = self.on_created.get() {
+            hook(&row.id);
+        }
+        let mut data = serde_json::Map::new();
+        data.insert("source".into(), "fork".into());
+        data.insert("parent".into(), parent.id.clone().into());
+        self.lifecycle(EventKind::Created, &row, data);
+        Ok(self.sandbox_body(&row, info))
+    }
+
+    /// `POST /sandboxes/{id}/rollback` (Cubicle's own): back to one of its snapshots.
+    pub async fn rollback(&self, team: &Team, id: &str, cmd: Rollback) -> ApiResult<Sandbox> {
+        let (row, _) = self.owned_live(team, id).await?;
+        let snap = self.team_snapshot(team, &cmd.snapshot_id).ok_or_else(|| {
+            ApiError::NotFound(format!("snapshot '{}' not found", cmd.snapshot_id))
+        })?;
+        self.backend.rollback(id, &snap.id).await?;
+        let info = self.backend.peek(id)?;
+        let end = info.end_at_ms as i64;
+        let id2 = id.to_string();
+        self.store.call(move |s| s.set_end_at(&id2, end)).await?;
         Ok(self.sandbox_body(&row, &info))
+    }
+
+    /// Resumes a paused sandbox of the API with auto-resume on (the router asks), with
+    /// its create-time timeout. `None` if it is not one, or the resume failed.
+    pub async fn auto_resume(&self, id: &str) -> Option<SandboxInfo> {
+        let info = self.backend.peek(id).ok()?;
+        if !is_paused(info.state)
+            || !info.lifecycle.auto_resume
+            || !lock(&self.routes).contains_key(id)
+        {
+            return None;
+        }
+        let timeout = Duration::from_millis(info.timeout_ms.max(1000))
+            .clamp(Duration::from_secs(1), self.config.limits.max_timeout);
+        match self.backend.resume(id, timeout, true).await {
+            Ok(out) => {
+                let end = out.info.end_at_ms as i64;
+                let id2 = id.to_string();
+                let _ = self.store.call(move |s| s.set_end_at(&id2, end)).await;
+                tracing::info!(sandbox = %id, took_us = out.took.as_micros() as u64, "sandbox resumed by a request");
+                if out.resumed
+                    && let Ok(Some(row)) = self.store.read(|s| s.sandbox(id))
+                {
+                    self.lifecycle(EventKind::Resumed, &row, serde_json::Map::new());
+                }
+                self.backend.peek(id).ok()
+            }
+            Err(e) => {
+                tracing::warn!(sandbox = %id, "auto-resume failed: {e}");
+                None
+            }
+        }
     }
 
     // ---- list ----
@@ -506,18 +947,17 @@ impl ControlPlane {
         let mut live = Vec::new();
         for row in rows {
             match self.backend.peek(&row.id) {
-                Ok(info)
-                    if matches!(info.state, SandboxState::Running | SandboxState::Creating) =>
-                {
-                    live.push((row, info))
-                }
+                Ok(info) if is_live(info.state) => live.push((row, info)),
                 other => self.mark_dead(&row.id, other.as_ref().ok()).await,
             }
         }
-        if !f.running {
-            // Only paused ones asked for: Cubicle cannot pause yet.
-            return Ok((Vec::new(), None));
-        }
+        live.retain(|(_, info)| {
+            if is_paused(info.state) {
+                f.paused
+            } else {
+                f.running
+            }
+        });
         live.retain(|(row, _)| {
             f.metadata
                 .iter()
@@ -551,14 +991,15 @@ impl ControlPlane {
                 sandbox_id: row.id.clone(),
                 client_id: CLIENT_ID,
                 started_at: format_time(row.started_at),
-                end_at: format_time(info.end_at_ms as i64),
+                end_at: format_time(end_at(&info)),
                 cpu_count: row.cpu_count,
                 memory_mb: row.memory_mb,
                 disk_size_mb: row.disk_mb,
-                state: "running",
+                state: state_word(info.state),
                 envd_version: ENVD_VERSION,
                 alias: row.alias,
                 metadata: row.metadata,
+                envd_unresponsive_at_pause: info.envd_unresponsive_at_pause.then_some(true),
                 volume_mounts: self.mount_bodies(&info.volumes),
             })
             .collect();
@@ -711,17 +1152,12 @@ impl ControlPlane {
         let ids: Vec<String> = lock(&self.routes).keys().cloned().collect();
         for id in ids {
             match self.backend.peek(&id) {
-                Ok(info)
-                    if matches!(info.state, SandboxState::Running | SandboxState::Creating) =>
-                {
-                    self.sync_logs(&id).await;
-                }
-                other => {
-                    if let Ok(i) = &other {
-                        tracing::info!(sandbox = %id, reason = ?i.death_reason, "sandbox ended");
+                Ok(info) if is_live(info.state) => {
+                    if info.state != SandboxState::Paused {
+                        self.sync_logs(&id).await;
                     }
-                    self.mark_dead(&id, other.as_ref().ok()).await
                 }
+                other => self.mark_dead(&id, other.as_ref().ok()).await,
             }
         }
         if purge {
@@ -735,6 +1171,7 @@ impl ControlPlane {
                 }
                 Err(e) => tracing::warn!("purging old sandbox records: {e}"),
             }
+            self.events.purge().await;
         }
     }
 
@@ -751,5 +1188,90 @@ impl ControlPlane {
                 n += 1;
             }
         })
+    }
+}
+
+/// Alive as far as the API is concerned: running, being created, pausing or paused.
+fn is_live(state: SandboxState) -> bool {
+    matches!(
+        state,
+        SandboxState::Running
+            | SandboxState::Creating
+            | SandboxState::Pausing
+            | SandboxState::Paused
+    )
+}
+
+/// Paused, or on its way (E2B shows a pausing sandbox as paused).
+fn is_paused(state: SandboxState) -> bool {
+    matches!(state, SandboxState::Pausing | SandboxState::Paused)
+}
+
+/// `state` of a detail or list item: exactly `running` or `paused`.
+fn state_word(state: SandboxState) -> &'static str {
+    if is_paused(state) {
+        "paused"
+    } else {
+        "running"
+    }
+}
+
+/// `endAt`: the end time, or the time of the pause for a paused sandbox.
+fn end_at(info: &SandboxInfo) -> i64 {
+    match (is_paused(info.state), info.paused_at_ms) {
+        (true, Some(t)) => t as i64,
+        _ => info.end_at_ms as i64,
+    }
+}
+
+fn lifecycle(info: &SandboxInfo) -> Lifecycle {
+    Lifecycle {
+        auto_resume: info.lifecycle.auto_resume,
+        on_timeout: if info.lifecycle.auto_pause {
+            "pause"
+        } else {
+            "kill"
+        },
+    }
+}
+
+/// `SnapshotInfo` of a snapshot: named ones by their (first) name, others by
+/// `<id>:default`.
+fn snapshot_info(s: &cubicle_node::SnapshotRecord) -> SnapshotInfo {
+    SnapshotInfo {
+        snapshot_id: s
+            .names
+            .first()
+            .cloned()
+            .unwrap_or_else(|| format!("{}:default", s.id)),
+        names: s.names.clone(),
+    }
+}
+
+/// The `name` filter of `GET /snapshots`: an id, `name` (any tag) or `name:tag`, with or
+/// without the team's namespace.
+fn snapshot_matches(s: &cubicle_node::SnapshotRecord, name: &str, team: &str) -> bool {
+    if s.answers_to(name) {
+        return true;
+    }
+    let full = if name.contains('/') {
+        name.to_string()
+    } else {
+        format!("{team}/{name}")
+    };
+    s.names.iter().any(|n| {
+        n == &full
+            || (!full.contains(':')
+                && n.split_once(':').map(|(base, _)| base) == Some(full.as_str()))
+    })
+}
+
+fn fork_error(e: ApiError) -> ForkResult {
+    ForkResult {
+        sandbox: None,
+        error: Some(ForkError {
+            code: e.status().as_u16(),
+            message: e.to_string(),
+        }),
     }
 }

@@ -90,7 +90,8 @@ pub fn authed_routes() -> Router<Arc<ControlPlane>> {
         .route("/v2/templates", get(list_templates))
         .route(
             "/templates/{id}",
-            get(template_detail).delete(delete_template),
+            // DELETE (a template or a snapshot) is `routes::delete_template`.
+            get(template_detail),
         )
         .route("/default-templates", get(default_templates))
         .route("/templates/aliases/{name}", get(alias))
@@ -788,13 +789,13 @@ async fn template_detail(
     Ok(Json(t).into_response())
 }
 
-async fn delete_template(
-    State(cp): Cp,
-    Extension(team): Extension<Team>,
-    Path(id): Path<String>,
-) -> ApiResult<Response> {
-    let name = template_name(&id)?;
-    let st = visible(&cp, &team, &name)?;
+pub(crate) async fn delete_template(
+    cp: &Arc<ControlPlane>,
+    team: &Team,
+    id: &str,
+) -> ApiResult<()> {
+    let name = template_name(id)?;
+    let st = visible(cp, team, &name)?;
     if st.owner(&name).is_none() {
         return Err(ApiError::NotFound(format!(
             "template '{name}' not found (built-ins cannot be removed through the API)"
@@ -803,7 +804,7 @@ async fn delete_template(
     let users = cp.backend().sandboxes_of(&name);
     if !users.is_empty() {
         return Err(ApiError::BadRequest(format!(
-            "template '{name}' is used by {} running sandbox(es) ({}); kill them first",
+            "template '{name}' is used by {} sandbox(es) or snapshot(s) ({}); kill them (or delete the snapshots) first",
             users.len(),
             users.join(", ")
         )));
@@ -828,7 +829,7 @@ async fn delete_template(
         .map_err(|e| ApiError::Internal(e.to_string()))?
         .map_err(tpl_err)?;
     tracing::info!(template = %name, team = %team.name, "template removed");
-    Ok(StatusCode::NO_CONTENT.into_response())
+    Ok(())
 }
 
 async fn alias(

@@ -65,8 +65,14 @@ impl Backend for FakeNode {
         })
     }
 
-    fn pool_stats(&self) -> Value {
-        serde_json::json!({"ready": {"tiny": 2}, "target": {"tiny": 4}, "claims": 3, "misses": 1, "refills": 5})
+    fn pool(&self) -> cubicle_node::PoolStats {
+        cubicle_node::PoolStats {
+            ready: [("tiny".to_string(), 2)].into(),
+            target: [("tiny".to_string(), 4)].into(),
+            claims: 3,
+            misses: 1,
+            refills: 5,
+        }
     }
 
     fn template_exists(&self, name: &str) -> cubicle_node::Result<bool> {
@@ -83,15 +89,15 @@ impl Backend for FakeNode {
             let now = cubicle_store::now_ms() as u64 + n; // distinct start times
             let id = format!("i{n:04}{}", cubicle_node::ids::random_suffix(8));
             let info = SandboxInfo {
-                id: id.clone(),
+                id: cubicle_node::SandboxId::parse(&id).expect("a valid id"),
                 template: req.template,
                 state: SandboxState::Running,
                 death_reason: None,
                 created_at_ms: now,
                 end_at_ms: now + req.timeout.unwrap_or(Duration::from_secs(300)).as_millis() as u64,
-                memory_mb: 512,
-                cpus: 2,
-                disk_mb: 5120,
+                memory_mb: req.memory_mb.unwrap_or(512),
+                cpus: req.cpus.unwrap_or(2),
+                disk_mb: req.disk_mb.unwrap_or(5120),
                 internet: req.internet,
                 network: req.network,
                 mask_request_host: req.mask_request_host,
@@ -102,8 +108,15 @@ impl Backend for FakeNode {
                 init_pidfd: None,
                 envd_socket: self.dir.join(&id).join("ctl/envd.sock"),
                 ready_us: 1,
+                lifecycle: req.lifecycle,
+                busy: false,
+                pause_mode: None,
+                paused_at_ms: None,
+                envd_unresponsive_at_pause: false,
+                timeout_ms: req.timeout.unwrap_or(Duration::from_secs(300)).as_millis() as u64,
                 oom_kills: 0,
                 volumes: req.volumes,
+                claimed: false,
             };
             std::fs::create_dir_all(self.dir.join(&id)).unwrap();
             std::fs::write(self.log_path(&id), "envd starting\nWARN something odd\n").unwrap();
@@ -180,7 +193,7 @@ impl Backend for FakeNode {
                 .unwrap()
                 .values()
                 .filter(|i| i.volumes.iter().any(|v| v.volume_id == id))
-                .map(|i| i.id.clone())
+                .map(|i| i.id.to_string())
                 .collect();
             if !users.is_empty() {
                 return Err(cubicle_node::Error::VolumeInUse {
@@ -221,6 +234,10 @@ impl Drop for Harness {
 static HARNESS_SEQ: AtomicU64 = AtomicU64::new(0);
 
 async fn harness() -> Harness {
+    harness_with(|_| {}).await
+}
+
+async fn harness_with(tune: impl FnOnce(&mut ApiConfig)) -> Harness {
     let dir = std::env::temp_dir().join(format!(
         "cubicle-api-test-{}-{}",
         std::process::id(),
@@ -236,6 +253,7 @@ async fn harness() -> Harness {
     let node = Arc::new(FakeNode::new(dir.join("sandboxes")));
     let mut config = ApiConfig::new(dir.join("logs"));
     config.limits.max_timeout = Duration::from_secs(3600);
+    tune(&mut config);
     let cp = ControlPlane::open(node.clone(), store, config)
         .await
         .unwrap();
@@ -1063,35 +1081,34 @@ async fn metrics_shapes() {
             .status,
         StatusCode::BAD_REQUEST
     );
-    assert_eq!(
-        h.a(
+    // start after end: an empty range, not an error (the OpenAPI description cannot
+    // express a relation between two parameters, so the server must not refuse it).
+    let r = h
+        .a(
             Method::GET,
             &format!("/sandboxes/{id}/metrics?start=10&end=5"),
-            Value::Null
+            Value::Null,
         )
-        .await
-        .status,
-        StatusCode::BAD_REQUEST
-    );
+        .await;
+    assert_eq!(r.status, StatusCode::OK);
+    assert_eq!(r.json, json!([]));
 }
 
 #[tokio::test]
 async fn unsupported_features_answer_clearly() {
     let h = harness().await;
     let id = h.create_a(json!({"templateID":"base"})).await;
+    // (The fake node has no checkpoints: pause, snapshots and fork say so, as a node
+    // without CRIU does.)
     for (m, p) in [
         (Method::POST, format!("/sandboxes/{id}/pause")),
-        (Method::POST, format!("/sandboxes/{id}/resume")),
         (Method::POST, format!("/sandboxes/{id}/snapshots")),
+        (Method::POST, format!("/sandboxes/{id}/fork")),
     ] {
         let r = h.a(m, &p, json!({})).await;
         assert_eq!(r.status, StatusCode::NOT_IMPLEMENTED, "{p}");
-        assert!(
-            r.json["message"]
-                .as_str()
-                .unwrap()
-                .contains("not supported")
-        );
+        let message = r.json["message"].as_str().unwrap();
+        assert!(message.contains("not supported"), "{p}: {message}");
         assert_eq!(r.headers.get("should-retry").unwrap(), "false");
     }
 }
@@ -1406,7 +1423,7 @@ async fn volumes_control_routes() {
         .await;
     assert_eq!(r.status, StatusCode::CREATED);
 
-    // Mounted by name; echoed; in use → 409; unknown name → 400; bad path → 400.
+    // Mounted by name; echoed; in use → 409; unknown name → 404; bad path → 400.
     let sid = h
         .create_a(
             json!({"templateID": "base", "volumeMounts": [{"name": "data", "path": "/mnt/data"}]}),
@@ -1424,14 +1441,27 @@ async fn volumes_control_routes() {
         l.json[0]["volumeMounts"],
         json!([{"name": "data", "path": "/mnt/data"}])
     );
-    for (mounts, needle) in [
-        (json!([{"name": "nope", "path": "/mnt/x"}]), "not found"),
-        (json!([{"name": "data", "path": "relative"}]), "absolute"),
+    for (mounts, status, needle) in [
+        (
+            json!([{"name": "nope", "path": "/mnt/x"}]),
+            StatusCode::NOT_FOUND,
+            "not found",
+        ),
+        (
+            json!([{"name": "data", "path": "relative"}]),
+            StatusCode::BAD_REQUEST,
+            "absolute",
+        ),
         (
             json!([{"name": "data", "path": "/mnt/a"}, {"name": "data", "path": "/mnt/a"}]),
+            StatusCode::BAD_REQUEST,
             "twice",
         ),
-        (json!([{"name": "data", "path": "/proc/x"}]), "/proc"),
+        (
+            json!([{"name": "data", "path": "/proc/x"}]),
+            StatusCode::BAD_REQUEST,
+            "/proc",
+        ),
     ] {
         let r = h
             .a(
@@ -1440,7 +1470,7 @@ async fn volumes_control_routes() {
                 json!({"templateID": "base", "volumeMounts": mounts}),
             )
             .await;
-        assert_eq!(r.status, StatusCode::BAD_REQUEST, "{mounts}: {}", r.json);
+        assert_eq!(r.status, status, "{mounts}: {}", r.json);
         assert!(
             r.json["message"].as_str().unwrap().contains(needle),
             "{}",
@@ -1725,6 +1755,794 @@ async fn volume_content_routes() {
     assert_eq!(r.status, StatusCode::NO_CONTENT);
     let r = h
         .content(Method::GET, &format!("{base}/dir?path=/"), t, Body::empty())
+        .await;
+    assert_eq!(r.status, StatusCode::NOT_FOUND);
+}
+
+// ---- operators: OpenAPI, metrics, lifecycle events and webhooks ----
+
+/// Every path and method the description names is served (not the unknown-route 404,
+/// not a 405), the public ones without a key; and the description carries the limits.
+#[tokio::test]
+async fn openapi_describes_what_is_served() {
+    let h = harness().await;
+    let id = h.create_a(json!({"templateID":"base"})).await;
+    let r = h
+        .call(Method::GET, "/openapi.json", None, Body::empty())
+        .await;
+    assert_eq!(r.status, StatusCode::OK);
+    let spec = r.json;
+    assert_eq!(spec["openapi"].as_str().map(|v| &v[..2]), Some("3."));
+    let paths = spec["paths"].as_object().unwrap();
+    for want in [
+        "/v2/sandboxes",
+        "/sandboxes/{id}",
+        "/sandboxes/{id}/timeout",
+        "/v2/sandboxes/{id}/connect",
+        "/events/sandboxes",
+        "/events/webhooks/{webhookID}",
+        "/metrics",
+        "/health",
+        "/cubicle/pool",
+    ] {
+        assert!(paths.contains_key(want), "{want} not described");
+    }
+    assert!(
+        !paths.contains_key("/sandboxes/{id}/pause"),
+        "stubs (501) are not described"
+    );
+    assert_eq!(
+        spec["components"]["schemas"]["NewSandbox"]["properties"]["timeout"]["maximum"], 3600,
+        "the server's --max-timeout"
+    );
+    // Bodies the server validates are described with its rules, not as free strings.
+    let schemas = &spec["components"]["schemas"];
+    let mounts = &schemas["NewSandbox"]["properties"]["volumeMounts"];
+    assert_eq!(
+        mounts["items"]["required"],
+        json!(["name", "path"]),
+        "{mounts}"
+    );
+    assert_eq!(mounts["maxItems"], 8, "{mounts}");
+    // `network` (SandboxNetwork) flattens the egress fields (EgressBody, also the body
+    // of PUT /sandboxes/{id}/network).
+    let net = &schemas["SandboxNetwork"];
+    let egress = &schemas["EgressBody"]["properties"];
+    for field in ["allowOut", "denyOut", "dnsServers"] {
+        assert!(
+            egress[field]["items"]["pattern"].is_string(),
+            "{field}: {}",
+            egress[field]
+        );
+    }
+    assert_eq!(egress["rules"]["maxProperties"], 10);
+    assert_eq!(egress["egressProxy"]["type"], "null");
+    let own = net["allOf"]
+        .as_array()
+        .and_then(|all| all.iter().find(|s| s["properties"].is_object()))
+        .map_or(&net["properties"], |s| &s["properties"]);
+    assert!(own["maskRequestHost"]["pattern"].is_string(), "{net}");
+    assert_eq!(own["httpsPorts"]["maxItems"], 0, "{net}");
+    let mut n = 0;
+    for (path, ops) in paths {
+        for (method, op) in ops.as_object().unwrap() {
+            let Ok(m) = method.to_uppercase().parse::<Method>() else {
+                continue;
+            };
+            let uri = path.replace("{id}", &id).replace("{webhookID}", "nope");
+            let uri = if path == "/sandboxes/metrics" {
+                format!("{uri}?sandbox_ids={id}")
+            } else {
+                uri
+            };
+            let public = op["security"] == json!([{}]);
+            let key = h.key_a.clone();
+            let resp = h
+                .app
+                .clone()
+                .oneshot(
+                    Request::builder()
+                        .method(m.clone())
+                        .uri(&uri)
+                        .header("x-api-key", key)
+                        .body(Body::empty())
+                        .unwrap(),
+                )
+                .await
+                .unwrap();
+            let status = resp.status();
+            let body = axum::body::to_bytes(resp.into_body(), 1 << 20)
+                .await
+                .unwrap();
+            let text = String::from_utf8_lossy(&body);
+            assert!(
+                !text.contains("no such route") && status != StatusCode::METHOD_NOT_ALLOWED,
+                "{method} {path}: {status} {text}"
+            );
+            if public {
+                let r = h.call(m, &uri, None, Body::empty()).await;
+                assert!(
+                    r.status.is_success(),
+                    "{method} {path} without a key: {}",
+                    r.status
+                );
+            }
+            n += 1;
+        }
+    }
+    assert!(n >= 20, "{n} operations");
+}
+
+/// Raw GET (for non-JSON answers).
+async fn get_text(h: &Harness, uri: &str, headers: &[(&str, &str)]) -> (StatusCode, String) {
+    let mut req = Request::builder().method(Method::GET).uri(uri);
+    for (k, v) in headers {
+        req = req.header(*k, *v);
+    }
+    let resp = h
+        .app
+        .clone()
+        .oneshot(req.body(Body::empty()).unwrap())
+        .await
+        .unwrap();
+    let status = resp.status();
+    let body = axum::body::to_bytes(resp.into_body(), 1 << 24)
+        .await
+        .unwrap();
+    (status, String::from_utf8_lossy(&body).into_owned())
+}
+
+#[tokio::test]
+async fn metrics_are_for_the_admin_team() {
+    let h = harness().await;
+    let admin = h.cp.store().ensure_team(crate::ADMIN_TEAM).unwrap();
+    let admin_key = h.cp.store().create_api_key(admin.id).unwrap().plaintext;
+    let id = h.create_a(json!({"templateID":"base"})).await;
+    h.cp.sample_metrics().await;
+    assert_eq!(
+        get_text(&h, "/metrics", &[]).await.0,
+        StatusCode::UNAUTHORIZED
+    );
+    let (st, body) = get_text(&h, "/metrics", &[("x-api-key", &h.key_a)]).await;
+    assert_eq!(st, StatusCode::FORBIDDEN, "{body}");
+    let bearer = format!("Bearer {admin_key}");
+    let (st, text) = get_text(&h, "/metrics", &[("authorization", &bearer)]).await;
+    assert_eq!(st, StatusCode::OK, "{text}");
+    for want in [
+        r#"cubicle_sandboxes{state="running",template="base"} 1"#,
+        r#"cubicle_sandbox_create_duration_seconds_count{source="cold"} 1"#,
+        r#"cubicle_sandbox_lifecycle_events_total{type="sandbox.lifecycle.created"} 1"#,
+        &format!(r#"cubicle_sandbox_memory_bytes{{sandbox_id="{id}",template="base"}} 10485760"#),
+        "cubicle_pool_claims_total 3",
+        "# EOF",
+    ] {
+        assert!(text.contains(want), "missing {want} in\n{text}");
+    }
+    let (st, _) = get_text(&h, "/metrics", &[("x-api-key", &admin_key)]).await;
+    assert_eq!(st, StatusCode::OK);
+}
+
+/// What a webhook receiver saw.
+#[derive(Clone, Debug)]
+struct Delivery {
+    headers: axum::http::HeaderMap,
+    body: String,
+}
+
+/// A receiver on 127.0.0.1 that answers 500 to the first `fail_first` deliveries.
+async fn receiver(fail_first: usize) -> (String, Arc<Mutex<Vec<Delivery>>>) {
+    let seen: Arc<Mutex<Vec<Delivery>>> = Arc::default();
+    let s2 = seen.clone();
+    let app = axum::Router::new().route(
+        "/hook",
+        axum::routing::post(move |headers: axum::http::HeaderMap, body: String| {
+            let seen = s2.clone();
+            async move {
+                let mut v = seen.lock().unwrap();
+                v.push(Delivery { headers, body });
+                if v.len() <= fail_first {
+                    StatusCode::INTERNAL_SERVER_ERROR
+                } else {
+                    StatusCode::NO_CONTENT
+                }
+            }
+        }),
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    (format!("http://{addr}/hook"), seen)
+}
+
+async fn wait_for<T>(what: &str, mut f: impl FnMut() -> Option<T>) -> T {
+    for _ in 0..200 {
+        if let Some(v) = f() {
+            return v;
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    panic!("timed out waiting for {what}")
+}
+
+#[tokio::test]
+async fn lifecycle_events_and_signed_webhooks() {
+    let h = harness_with(|c| {
+        c.webhooks.retry_interval = Duration::from_millis(50);
+        c.webhooks.timeout = Duration::from_secs(2);
+    })
+    .await;
+    let (url, seen) = receiver(1).await;
+    let r = h
+        .a(
+            Method::POST,
+            "/events/webhooks",
+            json!({"name": "hook", "url": url, "events": [
+                "sandbox.lifecycle.created", "sandbox.lifecycle.updated", "sandbox.lifecycle.killed"],
+                "signatureSecret": "s3cret"}),
+        )
+        .await;
+    assert_eq!(r.status, StatusCode::CREATED, "{}", r.json);
+    let hook = r.json.clone();
+    assert_eq!(hook["enabled"], true);
+    assert_eq!(hook["teamId"], "a");
+    assert!(
+        hook.get("signatureSecret").is_none(),
+        "the secret is never shown"
+    );
+    let hook_id = hook["id"].as_str().unwrap().to_string();
+
+    let id = h
+        .create_a(json!({"templateID":"base","metadata":{"who":"test"}}))
+        .await;
+    let r = h
+        .a(
+            Method::POST,
+            &format!("/sandboxes/{id}/timeout"),
+            json!({"timeout": 120}),
+        )
+        .await;
+    assert_eq!(r.status, StatusCode::NO_CONTENT);
+    let r = h
+        .a(Method::DELETE, &format!("/sandboxes/{id}"), Value::Null)
+        .await;
+    assert_eq!(r.status, StatusCode::NO_CONTENT);
+
+    // Deliveries: the first attempt fails (500) and is retried with a new delivery id.
+    let got = wait_for("4 deliveries", || {
+        let v = seen.lock().unwrap().clone();
+        (v.len() >= 4).then_some(v)
+    })
+    .await;
+    let mut by_event: Vec<(String, Vec<&Delivery>)> = Vec::new();
+    for d in &got {
+        let sig = d.headers["e2b-signature"].to_str().unwrap();
+        assert_eq!(sig, crate::webhooks::signature("s3cret", d.body.as_bytes()));
+        assert_eq!(d.headers["e2b-signature-version"], "v1");
+        assert_eq!(d.headers["e2b-webhook-id"], hook_id.as_str());
+        let ev: Value = serde_json::from_str(&d.body).unwrap();
+        assert_eq!(ev["sandboxId"], id.as_str());
+        assert_eq!(ev["sandboxTeamId"], "a");
+        assert_eq!(ev["version"], "v1");
+        let key = format!(
+            "{} {}",
+            ev["timestamp"].as_str().unwrap(),
+            ev["type"].as_str().unwrap()
+        );
+        match by_event.iter_mut().find(|(k, _)| *k == key) {
+            Some((_, v)) => v.push(d),
+            None => by_event.push((key, vec![d])),
+        }
+    }
+    // Deliveries of different events run side by side (a failing one does not hold
+    // up the others): compare by the events' time.
+    // (Same millisecond: the lifecycle's own order.)
+    let rank = |k: &str| {
+        ["created", "updated", "killed"]
+            .iter()
+            .position(|t| k.ends_with(t))
+    };
+    by_event.sort_by(|a, b| (&a.0[..24], rank(&a.0)).cmp(&(&b.0[..24], rank(&b.0))));
+    let types: Vec<&str> = by_event
+        .iter()
+        .map(|(k, _)| k.split(' ').nth(1).unwrap())
+        .collect();
+    assert_eq!(
+        types,
+        [
+            "sandbox.lifecycle.created",
+            "sandbox.lifecycle.updated",
+            "sandbox.lifecycle.killed"
+        ]
+    );
+    let created = &by_event[0].1;
+    assert_eq!(
+        created.len(),
+        2,
+        "the failed first attempt was retried once"
+    );
+    assert_eq!(
+        created[0].body, created[1].body,
+        "a retry sends the same event"
+    );
+    assert_ne!(
+        created[0].headers["e2b-delivery-id"], created[1].headers["e2b-delivery-id"],
+        "each attempt has its own delivery id"
+    );
+
+    // The events API: oldest first with orderAsc, filters, paging, team isolation.
+    let r = h
+        .a(
+            Method::GET,
+            &format!("/events/sandboxes/{id}?orderAsc=true"),
+            Value::Null,
+        )
+        .await;
+    assert_eq!(r.status, StatusCode::OK);
+    let evs = r.json.as_array().unwrap();
+    assert_eq!(evs.len(), 3, "{}", r.json);
+    assert_eq!(evs[0]["eventData"]["sandbox_metadata"]["who"], "test");
+    assert!(evs[1]["eventData"]["set_timeout"].is_string());
+    assert_eq!(evs[2]["eventData"]["death_reason"], "killed");
+    assert_eq!(evs[2]["eventData"]["execution"]["vcpu_count"], 2);
+    let r = h
+        .a(
+            Method::GET,
+            "/events/sandboxes?types=sandbox.lifecycle.killed&limit=1",
+            Value::Null,
+        )
+        .await;
+    assert_eq!(r.json.as_array().unwrap().len(), 1);
+    assert_eq!(r.json[0]["type"], "sandbox.lifecycle.killed");
+    let key_b = h.key_b.clone();
+    let r = h
+        .call(
+            Method::GET,
+            "/events/sandboxes",
+            Some(&key_b),
+            Body::empty(),
+        )
+        .await;
+    assert_eq!(r.json, json!([]), "team b sees none of a's events");
+    let r = h
+        .call(
+            Method::GET,
+            &format!("/events/webhooks/{hook_id}"),
+            Some(&key_b),
+            Body::empty(),
+        )
+        .await;
+    assert_eq!(r.status, StatusCode::NOT_FOUND);
+    for bad in [
+        "limit=0",
+        "limit=101",
+        "orderAsc=yes",
+        "types=sandbox.lifecycle.nope",
+        "offset=-1",
+    ] {
+        let r = h
+            .a(
+                Method::GET,
+                &format!("/events/sandboxes?{bad}"),
+                Value::Null,
+            )
+            .await;
+        assert_eq!(r.status, StatusCode::BAD_REQUEST, "{bad}");
+    }
+
+    // Disabled: nothing more is delivered; deleted: gone.
+    let r = h
+        .a(
+            Method::PATCH,
+            &format!("/events/webhooks/{hook_id}"),
+            json!({"enabled": false}),
+        )
+        .await;
+    assert_eq!(
+        (r.status, &r.json["enabled"]),
+        (StatusCode::OK, &json!(false))
+    );
+    let before = seen.lock().unwrap().len();
+    let id2 = h.create_a(json!({"templateID":"base"})).await;
+    let _ = wait_for("the created event", || {
+        h.cp.store()
+            .events(&cubicle_store::EventQuery {
+                team_id: 1,
+                sandbox_id: Some(id2.clone()),
+                limit: 10,
+                ..Default::default()
+            })
+            .ok()
+            .filter(|e| !e.is_empty())
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert_eq!(
+        seen.lock().unwrap().len(),
+        before,
+        "a disabled webhook gets nothing"
+    );
+    let r = h.a(Method::GET, "/events/webhooks", Value::Null).await;
+    assert_eq!(r.json.as_array().unwrap().len(), 1);
+    let r = h
+        .a(
+            Method::DELETE,
+            &format!("/events/webhooks/{hook_id}"),
+            Value::Null,
+        )
+        .await;
+    assert_eq!(r.status, StatusCode::OK);
+    let r = h
+        .a(
+            Method::GET,
+            &format!("/events/webhooks/{hook_id}"),
+            Value::Null,
+        )
+        .await;
+    assert_eq!(r.status, StatusCode::NOT_FOUND);
+    for bad in [
+        json!({"name":"x","url":"ftp://x","events":["sandbox.lifecycle.created"],"signatureSecret":"s"}),
+        json!({"name":"x","url":"http://x","events":["sandbox.lifecycle.nope"],"signatureSecret":"s"}),
+        json!({"name":"x","url":"http://x","events":[],"signatureSecret":"s"}),
+        json!({"name":"","url":"http://x","events":["sandbox.lifecycle.created"],"signatureSecret":"s"}),
+        json!({"name":"x","url":"http://x","events":["sandbox.lifecycle.created"]}),
+    ] {
+        let r = h.a(Method::POST, "/events/webhooks", bad.clone()).await;
+        assert_eq!(r.status, StatusCode::BAD_REQUEST, "{bad}");
+    }
+}
+
+#[tokio::test]
+async fn deaths_become_killed_events_with_their_reason() {
+    let h = harness().await;
+    let id = h.create_a(json!({"templateID":"base"})).await;
+    h.node.die(&id, DeathReason::Timeout);
+    h.cp.upkeep(false).await;
+    let r = wait_for("the killed event", || {
+        let ev =
+            h.cp.store()
+                .events(&cubicle_store::EventQuery {
+                    team_id: 1,
+                    sandbox_id: Some(id.clone()),
+                    kinds: vec!["sandbox.lifecycle.killed".into()],
+                    limit: 10,
+                    ..Default::default()
+                })
+                .ok()?;
+        ev.into_iter().next()
+    })
+    .await;
+    let ev: Value = serde_json::from_str(&r.body).unwrap();
+    assert_eq!(ev["eventData"]["death_reason"], "timeout");
+    // Noticed once: a second pass records nothing more.
+    h.cp.upkeep(false).await;
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let all =
+        h.cp.store()
+            .events(&cubicle_store::EventQuery {
+                team_id: 1,
+                sandbox_id: Some(id.clone()),
+                limit: 10,
+                ..Default::default()
+            })
+            .unwrap();
+    assert_eq!(all.len(), 2, "created + killed");
+}
+
+#[tokio::test]
+async fn create_honours_resources_within_the_node_limits() {
+    let h = harness_with(|c| {
+        c.limits.max_cpus = 4;
+        c.limits.max_memory_mb = 4096;
+        c.limits.max_disk_mb = 8192;
+    })
+    .await;
+    let id = h
+        .create_a(json!({"templateID":"base","cpuCount":3,"memoryMB":1024,"diskSizeMB":2048}))
+        .await;
+    let d = h
+        .a(Method::GET, &format!("/sandboxes/{id}"), Value::Null)
+        .await;
+    assert_eq!(
+        (
+            &d.json["cpuCount"],
+            &d.json["memoryMB"],
+            &d.json["diskSizeMB"]
+        ),
+        (&json!(3), &json!(1024), &json!(2048)),
+        "{}",
+        d.json
+    );
+    let listed = h.a(Method::GET, "/v2/sandboxes", Value::Null).await;
+    assert_eq!(listed.json[0]["memoryMB"], 1024);
+    // Beyond the node: a 400 that says the limit, never a silent default.
+    for body in [
+        json!({"templateID":"base","cpuCount":5}),
+        json!({"templateID":"base","memoryMB":4097}),
+        json!({"templateID":"base","diskSizeMB":9000}),
+        json!({"templateID":"base","memoryMB":1}),
+    ] {
+        let r = h.a(Method::POST, "/v2/sandboxes", body.clone()).await;
+        assert_eq!(r.status, StatusCode::BAD_REQUEST, "{body}: {}", r.json);
+        assert!(
+            r.json["message"].as_str().unwrap().contains("on this node"),
+            "{}",
+            r.json
+        );
+    }
+    // The description states the same limits.
+    let spec = h
+        .call(Method::GET, "/openapi.json", None, Body::empty())
+        .await
+        .json;
+    let props = &spec["components"]["schemas"]["NewSandbox"]["properties"];
+    assert_eq!(props["cpuCount"]["maximum"], 4, "{props}");
+    assert_eq!(props["memoryMB"]["maximum"], 4096);
+    assert_eq!(props["diskSizeMB"]["maximum"], 8192);
+}
+
+#[tokio::test]
+async fn operator_sees_and_kills_across_teams() {
+    let h = harness().await;
+    let admin = h.cp.store().ensure_team(crate::ADMIN_TEAM).unwrap();
+    let admin_key = h.cp.store().create_api_key(admin.id).unwrap().plaintext;
+    let a = h
+        .create_a(json!({"templateID":"base","metadata":{"who":"a"}}))
+        .await;
+    let r = h
+        .call(
+            Method::POST,
+            "/v2/sandboxes",
+            Some(&h.key_b.clone()),
+            Body::from(json!({"templateID":"tiny"}).to_string()),
+        )
+        .await;
+    let b = r.json["sandboxID"].as_str().unwrap().to_string();
+
+    // whoami
+    let me = h
+        .call(
+            Method::GET,
+            "/cubicle/whoami",
+            Some(&admin_key),
+            Body::empty(),
+        )
+        .await;
+    assert_eq!(
+        (&me.json["team"], &me.json["admin"]),
+        (&json!("admin"), &json!(true))
+    );
+    assert!(
+        me.json["limits"]["maxCpus"].as_u64().unwrap() >= 1,
+        "{}",
+        me.json
+    );
+    let me = h.a(Method::GET, "/cubicle/whoami", Value::Null).await;
+    assert_eq!(
+        (&me.json["team"], &me.json["admin"]),
+        (&json!("a"), &json!(false))
+    );
+
+    // The view across teams is the operator's only.
+    let r = h.a(Method::GET, "/cubicle/sandboxes", Value::Null).await;
+    assert_eq!(r.status, StatusCode::FORBIDDEN);
+    let r = h
+        .a(
+            Method::DELETE,
+            &format!("/cubicle/sandboxes/{b}"),
+            Value::Null,
+        )
+        .await;
+    assert_eq!(r.status, StatusCode::FORBIDDEN);
+    let all = h
+        .call(
+            Method::GET,
+            "/cubicle/sandboxes",
+            Some(&admin_key),
+            Body::empty(),
+        )
+        .await;
+    assert_eq!(all.status, StatusCode::OK);
+    let teams: HashMap<String, String> = all
+        .json
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| {
+            (
+                s["sandboxID"].as_str().unwrap().into(),
+                s["team"].as_str().unwrap().into(),
+            )
+        })
+        .collect();
+    assert_eq!(teams.get(&a).map(String::as_str), Some("a"));
+    assert_eq!(teams.get(&b).map(String::as_str), Some("b"));
+    // ...while the operator's own E2B list stays its team's (none).
+    let own = h
+        .call(
+            Method::GET,
+            "/v2/sandboxes",
+            Some(&admin_key),
+            Body::empty(),
+        )
+        .await;
+    assert_eq!(own.json, json!([]));
+
+    let r = h
+        .call(
+            Method::DELETE,
+            &format!("/cubicle/sandboxes/{b}"),
+            Some(&admin_key),
+            Body::empty(),
+        )
+        .await;
+    assert_eq!(r.status, StatusCode::NO_CONTENT);
+    let r = h
+        .call(
+            Method::GET,
+            &format!("/sandboxes/{b}"),
+            Some(&h.key_b.clone()),
+            Body::empty(),
+        )
+        .await;
+    assert_eq!(r.status, StatusCode::NOT_FOUND, "team b's sandbox is gone");
+    let r = h
+        .call(
+            Method::DELETE,
+            "/cubicle/sandboxes/nosuch1",
+            Some(&admin_key),
+            Body::empty(),
+        )
+        .await;
+    assert_eq!(r.status, StatusCode::NOT_FOUND);
+    let d = h
+        .a(Method::GET, &format!("/sandboxes/{a}"), Value::Null)
+        .await;
+    assert_eq!(d.status, StatusCode::OK, "team a's sandbox lives on");
+}
+
+#[tokio::test]
+async fn api_keys_per_team_and_for_the_operator() {
+    let h = harness().await;
+    let admin = h.cp.store().ensure_team(crate::ADMIN_TEAM).unwrap();
+    let admin_key = h.cp.store().create_api_key(admin.id).unwrap().plaintext;
+    let mine = h.a(Method::GET, "/cubicle/api-keys", Value::Null).await;
+    let prefixes: Vec<&str> = mine
+        .json
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|k| k["prefix"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        prefixes,
+        [&h.key_a[..12]],
+        "team a sees only its key: {}",
+        mine.json
+    );
+    assert!(mine.json[0].get("key").is_none(), "never the key itself");
+
+    // A team makes keys for itself only.
+    let r = h
+        .a(Method::POST, "/cubicle/api-keys", json!({"team":"b"}))
+        .await;
+    assert_eq!(r.status, StatusCode::FORBIDDEN);
+    let r = h.a(Method::POST, "/cubicle/api-keys", Value::Null).await;
+    assert_eq!(r.status, StatusCode::CREATED, "{}", r.json);
+    let new_key = r.json["key"].as_str().unwrap().to_string();
+    assert_eq!(r.json["team"], "a");
+    let who = h
+        .call(
+            Method::GET,
+            "/cubicle/whoami",
+            Some(&new_key),
+            Body::empty(),
+        )
+        .await;
+    assert_eq!(who.json["team"], "a");
+    // ...and revokes only its own.
+    let r = h
+        .a(
+            Method::DELETE,
+            &format!("/cubicle/api-keys/{}", &h.key_b[..12]),
+            Value::Null,
+        )
+        .await;
+    assert_eq!(r.status, StatusCode::NOT_FOUND);
+    // Not the key the request is made with (a client would lock itself out).
+    let r = h
+        .call(
+            Method::DELETE,
+            &format!("/cubicle/api-keys/{}", &new_key[..12]),
+            Some(&new_key),
+            Body::empty(),
+        )
+        .await;
+    assert_eq!(r.status, StatusCode::CONFLICT, "{}", r.json);
+    let r = h
+        .a(
+            Method::DELETE,
+            &format!("/cubicle/api-keys/{}", &new_key[..12]),
+            Value::Null,
+        )
+        .await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.json);
+    assert!(r.json["revokedAt"].is_string());
+    let who = h
+        .call(
+            Method::GET,
+            "/cubicle/whoami",
+            Some(&new_key),
+            Body::empty(),
+        )
+        .await;
+    assert_eq!(who.status, StatusCode::UNAUTHORIZED);
+
+    // The operator sees every team's keys, makes keys for new teams and revokes any.
+    let all = h
+        .call(
+            Method::GET,
+            "/cubicle/api-keys",
+            Some(&admin_key),
+            Body::empty(),
+        )
+        .await;
+    let teams: Vec<&str> = all
+        .json
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|k| k["team"].as_str().unwrap())
+        .collect();
+    assert!(
+        teams.contains(&"a") && teams.contains(&"b") && teams.contains(&"admin"),
+        "{teams:?}"
+    );
+    let body = Body::from(json!({"team":"newteam"}).to_string());
+    let r = h
+        .call(Method::POST, "/cubicle/api-keys", Some(&admin_key), body)
+        .await;
+    assert_eq!(
+        (r.status, &r.json["team"]),
+        (StatusCode::CREATED, &json!("newteam"))
+    );
+    let r = h
+        .call(
+            Method::DELETE,
+            &format!("/cubicle/api-keys/{}", &h.key_b[..12]),
+            Some(&admin_key),
+            Body::empty(),
+        )
+        .await;
+    assert_eq!(r.status, StatusCode::OK);
+    let body = Body::from("{\"team\": \"bad name\"}");
+    let r = h
+        .call(Method::POST, "/cubicle/api-keys", Some(&admin_key), body)
+        .await;
+    assert_eq!(r.status, StatusCode::BAD_REQUEST);
+}
+
+#[tokio::test]
+async fn dashboard_is_served_without_a_key() {
+    let h = harness().await;
+    for (uri, status) in [
+        ("/", 303),
+        ("/dashboard", 303),
+        ("/dashboard/", 200),
+        ("/dashboard/app.js", 200),
+    ] {
+        let resp = h
+            .app
+            .clone()
+            .oneshot(Request::builder().uri(uri).body(Body::empty()).unwrap())
+            .await
+            .unwrap();
+        assert_eq!(resp.status().as_u16(), status, "{uri}");
+        if status == 303 {
+            assert_eq!(resp.headers()["location"], "/dashboard/");
+        }
+    }
+    let r = h
+        .call(Method::GET, "/dashboard/nope.js", None, Body::empty())
         .await;
     assert_eq!(r.status, StatusCode::NOT_FOUND);
 }

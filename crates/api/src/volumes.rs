@@ -66,7 +66,7 @@ pub struct VolumeMountRequest {
 }
 
 /// `volumeMounts` items of a sandbox detail or list item.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, utoipa::ToSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct VolumeMountBody {
     /// Volume name.
@@ -255,7 +255,8 @@ impl ControlPlane {
         }
     }
 
-    /// The volume mounts of a create, resolved for `team`: unknown names are a 400.
+    /// The volume mounts of a create, resolved for `team`: unknown names are a 404 (as
+    /// an unknown template), bad paths a 400.
     pub fn resolve_mounts(
         &self,
         team: &Team,
@@ -267,7 +268,7 @@ impl ControlPlane {
                 .store()
                 .read(|s| s.volume_by_name(team.id, &m.name))?
                 .ok_or_else(|| {
-                    ApiError::BadRequest(format!(
+                    ApiError::NotFound(format!(
                         "volume '{}' not found (create it with Volume.create first)",
                         m.name
                     ))

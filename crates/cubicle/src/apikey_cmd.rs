@@ -1,5 +1,8 @@
-//! `cubicle apikey create|list|revoke`: API keys in the store of `--state-dir`, directly
-//! (no server needed; works while `cubicle serve` runs — SQLite in WAL mode).
+//! `cubicle apikey [create|list|revoke]`: API keys in the store of `--state-dir`,
+//! directly (no server needed; works while `cubicle serve` runs — SQLite in WAL mode).
+//! Without a subcommand it prints the admin key `cubicle serve` created (kept in
+//! `<state>/admin-api-key`, mode 0600: readable by root only), since the server prints
+//! it only once, when it creates it.
 
 use anyhow::Context;
 use clap::Subcommand;
@@ -28,7 +31,10 @@ fn fmt_ms(ms: Option<i64>) -> String {
         .unwrap_or_else(|| "-".into())
 }
 
-pub fn run(state_dir: &std::path::Path, cmd: ApikeyCommand) -> anyhow::Result<i32> {
+pub fn run(state_dir: &std::path::Path, cmd: Option<ApikeyCommand>) -> anyhow::Result<i32> {
+    let Some(cmd) = cmd else {
+        return show_admin_key(state_dir);
+    };
     std::fs::create_dir_all(state_dir)
         .with_context(|| format!("creating {}", state_dir.display()))?;
     let db = state_dir.join("cubicle.db");
@@ -64,5 +70,32 @@ pub fn run(state_dir: &std::path::Path, cmd: ApikeyCommand) -> anyhow::Result<i3
             println!("revoked {} (team '{}')", k.prefix, k.team_name);
         }
     }
+    Ok(0)
+}
+
+/// Prints the admin key (stdout) if it still authenticates.
+fn show_admin_key(state_dir: &std::path::Path) -> anyhow::Result<i32> {
+    let path = state_dir.join(crate::serve::ADMIN_KEY_FILE);
+    let key = match std::fs::read_to_string(&path) {
+        Ok(k) => k.trim().to_string(),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => anyhow::bail!(
+            "no admin key in {}: `cubicle serve` creates one on its first start (or make one: cubicle apikey create --team admin)",
+            path.display()
+        ),
+        Err(e) if e.kind() == std::io::ErrorKind::PermissionDenied => anyhow::bail!(
+            "{} is readable by root only: run as root (sudo cubicle apikey)",
+            path.display()
+        ),
+        Err(e) => return Err(e).with_context(|| format!("reading {}", path.display())),
+    };
+    let db = state_dir.join("cubicle.db");
+    let store = Store::open(&db).with_context(|| format!("opening {}", db.display()))?;
+    if store.authenticate(&key)?.is_none() {
+        anyhow::bail!(
+            "the admin key in {} was revoked: the next start of `cubicle serve` makes a new one (or: cubicle apikey create --team admin)",
+            path.display()
+        );
+    }
+    println!("{key}");
     Ok(0)
 }

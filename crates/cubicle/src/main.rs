@@ -12,20 +12,36 @@
 mod apikey_cmd;
 mod bench;
 mod client;
+mod config;
 mod context;
+mod exit;
+mod output;
 mod run;
 mod sandbox_cmd;
+mod sd_notify;
 mod serve;
+mod service_cmd;
 mod template_cmd;
 
 use std::path::PathBuf;
 
-use clap::{Parser, Subcommand};
+use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
 
 /// Cubicle: E2B-compatible sandboxes on your own machine.
 #[derive(Parser)]
 #[command(name = "cubicle", version, about)]
 struct Cli {
+    /// Config file (TOML; flags and environment override it). Default:
+    /// /etc/cubicle/config.toml when it exists.
+    #[arg(long, global = true, env = "CUBICLE_CONFIG", value_name = "PATH")]
+    config: Option<PathBuf>,
+    /// Log lines as `text` (for people) or `json` (one object per line, for collectors).
+    #[arg(long, global = true, env = "CUBICLE_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
+    log_format: LogFormat,
+    /// What to log (`info`, `warn`, `cubicle::access=warn,info`, …; tracing's filter
+    /// syntax). Default: `info` for `serve`, `warn` otherwise.
+    #[arg(long, global = true, env = "CUBICLE_LOG", value_name = "FILTER")]
+    log_level: Option<String>,
     /// State directory (templates, sandboxes).
     #[arg(long, global = true, env = "CUBICLE_STATE_DIR", default_value = cubicle_node::config::DEFAULT_STATE_DIR)]
     state_dir: PathBuf,
@@ -73,10 +89,16 @@ enum Command {
     },
     /// Run the E2B-compatible server: REST API and data plane on one listener.
     Serve(serve::ServeArgs),
-    /// Create, list and revoke API keys (in the state directory's database).
+    /// Print the admin API key (no subcommand); create, list and revoke keys (in the
+    /// state directory's database).
     Apikey {
         #[command(subcommand)]
-        command: apikey_cmd::ApikeyCommand,
+        command: Option<apikey_cmd::ApikeyCommand>,
+    },
+    /// Install `cubicle serve` as a systemd service (sandboxes survive its restarts).
+    Service {
+        #[command(subcommand)]
+        command: service_cmd::ServiceCommand,
     },
     /// Measure create/cycle/exec latency, density and peers (runc, bwrap) against a
     /// server it starts (or `--url`).
@@ -84,21 +106,119 @@ enum Command {
     /// The guardian of a `cubicle run`'s sandbox (started by `run` itself).
     #[command(name = "__run-guard", hide = true)]
     RunGuard,
+    /// Print a shell completion script: `source <(cubicle completion bash)`, or save it
+    /// (bash: /etc/bash_completion.d/cubicle; zsh: a `_cubicle` file on $fpath; fish:
+    /// ~/.config/fish/completions/cubicle.fish).
+    Completion {
+        /// The shell.
+        shell: clap_complete::Shell,
+    },
+}
+
+impl Command {
+    /// Whether it passes on another program's exit code (so its own failures are 125).
+    fn passes_on_exit_codes(&self) -> bool {
+        match self {
+            Command::Run(_) => true,
+            Command::Sandbox(a) => matches!(
+                a.command,
+                client::SandboxCommand::Exec { .. } | client::SandboxCommand::Shell { .. }
+            ),
+            _ => false,
+        }
+    }
+
+    /// Whether it works on the state directory itself (root's) rather than through a
+    /// server.
+    fn needs_root(&self) -> bool {
+        match self {
+            Command::Run(_)
+            | Command::RunGuard
+            | Command::Local { .. }
+            | Command::Serve(_)
+            | Command::Service { .. } => true,
+            Command::Template { command } => {
+                !matches!(command, template_cmd::TemplateCommand::List)
+            }
+            _ => false,
+        }
+    }
+}
+
+/// How log lines are written.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LogFormat {
+    /// `2026-01-01T00:00:00.000Z  INFO target: message key=value` (for people).
+    Text,
+    /// One JSON object per line: `timestamp`, `level`, `target`, `message` and the
+    /// event's fields (for journald/Loki/Elasticsearch).
+    Json,
+}
+
+/// Parses the command line merged with the config file (`config.rs`).
+fn parse_cli() -> Cli {
+    let argv: Vec<std::ffi::OsString> = std::env::args_os().collect();
+    let argv = match config::merge(Cli::command(), argv) {
+        Ok(a) => a,
+        Err(e) => {
+            eprintln!("cubicle: {e:#}");
+            std::process::exit(2);
+        }
+    };
+    // Bad arguments to a command that passes on exit codes are Cubicle's failure (125),
+    // not a code the command could have returned (clap's is 2).
+    let passes_on = argv
+        .iter()
+        .skip(1)
+        .take_while(|a| *a != "--")
+        .any(|a| a == "run" || a == "exec" || a == "shell");
+    let parsed = Cli::command()
+        .try_get_matches_from(argv)
+        .and_then(|m| Cli::from_arg_matches(&m));
+    match parsed {
+        Ok(cli) => cli,
+        Err(e) if e.use_stderr() && passes_on => {
+            let _ = e.print();
+            std::process::exit(exit::FAILED);
+        }
+        Err(e) => e.exit(),
+    }
+}
+
+fn init_logging(cli: &Cli) {
+    let default = if matches!(cli.command, Command::Serve(_)) {
+        "info"
+    } else {
+        "warn"
+    };
+    let filter = match &cli.log_level {
+        Some(f) => tracing_subscriber::EnvFilter::try_new(f).unwrap_or_else(|e| {
+            eprintln!("cubicle: --log-level/CUBICLE_LOG {f:?}: {e}; using {default}");
+            tracing_subscriber::EnvFilter::new(default)
+        }),
+        None => tracing_subscriber::EnvFilter::new(default),
+    };
+    let fmt = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    match cli.log_format {
+        LogFormat::Text => fmt.init(),
+        LogFormat::Json => fmt
+            .json()
+            .flatten_event(true)
+            .with_current_span(false)
+            .with_span_list(false)
+            .init(),
+    }
 }
 
 fn main() {
-    // The runtime re-executes this binary as its sandbox helper: this must run before
-    // anything else (no threads, no tokio yet).
-    cubicle_runtime::maybe_run_helper();
+    // The runtime (sandbox helper) and the checkpoint crate (restore helper) re-execute
+    // this binary: this must run before anything else (no threads, no tokio yet).
+    cubicle_checkpoint::maybe_run_helper();
 
-    let cli = Cli::parse();
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_env("CUBICLE_LOG")
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
-        )
-        .with_writer(std::io::stderr)
-        .init();
+    let cli = parse_cli();
+    init_logging(&cli);
     let rt = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -109,17 +229,46 @@ fn main() {
             std::process::exit(1);
         }
     };
+    let passes_on = cli.command.passes_on_exit_codes();
+    let needs_root = cli.command.needs_root();
+    let state_dir = cli.state_dir.clone();
     let code = rt.block_on(async {
         match dispatch(cli).await {
             Ok(code) => code,
             Err(e) => {
-                eprintln!("cubicle: {e:#}");
-                1
+                eprintln!("cubicle: {}", exit::one_line(&e));
+                if exit::is_permission_denied(&e) && !nix_is_root() {
+                    eprintln!("{}", root_hint(needs_root, &state_dir));
+                }
+                exit::code_for(&e, passes_on)
             }
         }
     });
     rt.shutdown_timeout(std::time::Duration::from_secs(1));
     std::process::exit(code);
+}
+
+fn nix_is_root() -> bool {
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    unsafe { libc::geteuid() == 0 }
+}
+
+/// What to do about a "permission denied" as another user than root.
+fn root_hint(needs_root: bool, state_dir: &std::path::Path) -> String {
+    let cmd: Vec<String> = std::env::args().skip(1).collect();
+    if needs_root {
+        format!(
+            "cubicle: this needs root (sandboxes use namespaces and cgroups, and {} is root's): run it as root: sudo cubicle {}",
+            state_dir.display(),
+            cmd.join(" ")
+        )
+    } else {
+        format!(
+            "cubicle: {} is root's: run as root (sudo cubicle {}), or give the server's API key in E2B_API_KEY",
+            state_dir.display(),
+            cmd.join(" ")
+        )
+    }
 }
 
 fn node_opts(cli: &Cli) -> sandbox_cmd::NodeOpts {
@@ -134,14 +283,32 @@ fn node_opts(cli: &Cli) -> sandbox_cmd::NodeOpts {
 
 async fn dispatch(cli: Cli) -> anyhow::Result<i32> {
     let opts = node_opts(&cli);
+    if cli.command.needs_root() && !nix_is_root() {
+        anyhow::bail!(
+            "{}",
+            root_hint(true, &cli.state_dir).trim_start_matches("cubicle: ")
+        );
+    }
     match cli.command {
+        Command::Completion { shell } => {
+            // Into a buffer first: clap_complete panics on a write error (`| head`).
+            let mut script = Vec::new();
+            clap_complete::generate(shell, &mut Cli::command(), "cubicle", &mut script);
+            match std::io::Write::write_all(&mut std::io::stdout(), &script) {
+                Err(e) if e.kind() != std::io::ErrorKind::BrokenPipe => {
+                    Err(anyhow::anyhow!("writing the completion script: {e}"))
+                }
+                _ => Ok(0),
+            }
+        }
         Command::Run(args) => run::run(&opts, args).await,
         Command::RunGuard => run::guard(&opts).await,
         Command::Template { command } => template_cmd::run(&cli.state_dir, command).await,
         Command::Sandbox(args) => client::run(args, &cli.state_dir).await,
         Command::Volume(args) => client::run_volume(args, &cli.state_dir).await,
         Command::Local { command } => sandbox_cmd::run(&opts, command).await,
-        Command::Serve(args) => serve::run(opts, args).await,
+        Command::Serve(args) => serve::run(opts, args, cli.log_format).await,
+        Command::Service { command } => service_cmd::run(&cli.state_dir, command),
         Command::Bench(args) => bench::run(args, cli.envd_binary.as_ref()).await,
         Command::Apikey { command } => {
             let dir = cli.state_dir.clone();

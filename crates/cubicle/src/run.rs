@@ -208,7 +208,7 @@ pub async fn guard(opts: &crate::sandbox_cmd::NodeOpts) -> anyhow::Result<i32> {
     let id = lines
         .iter()
         .find_map(|l| l.strip_prefix("sandbox "))
-        .filter(|id| cubicle_node::ids::is_valid_sandbox_id(id));
+        .filter(|id| cubicle_node::SandboxId::is_valid(id));
     if let Some(id) = id {
         // Dead now: every process of its cgroup (the init first, so the pid namespace
         // ends); the rest is reconciliation's.

@@ -9,36 +9,47 @@
 //! nothing else goes there):
 //!
 //! ```text
-//! export E2B_API_URL=http://HOST:PORT
+//! export E2B_API_URL=http://HOST:PORT        (https:// with --tls-cert/--tls-key)
 //! export E2B_SANDBOX_URL=http://HOST:PORT
 //! export E2B_VOLUME_API_URL=http://HOST:PORT
-//! export E2B_API_KEY=e2b_…
+//! export E2B_API_KEY=e2b_…                   (only when just created, or to a terminal)
 //! cubicle: ready
 //! ```
 //!
-//! The admin key's plaintext is kept in `<state>/admin-api-key` (mode 0600) so that every
-//! start can print it again (the database holds only its hash). Whoever can read that
-//! file is admin — the same trust as root on the state directory, which can do anything
-//! to the sandboxes anyway. Revoke it with `cubicle apikey revoke`; the next start makes
-//! a new one.
+//! and tell systemd it is ready (`READY=1`, when started as a `Type=notify` unit).
+//!
+//! The admin key's plaintext is kept in `<state>/admin-api-key` (mode 0600): `cubicle
+//! apikey` prints it. The server prints it itself only on the start that created it, or
+//! when stdout is a terminal — never into a log or journal on later starts. Whoever can
+//! read that file is admin — the same trust as root on the state directory, which can do
+//! anything to the sandboxes anyway. Revoke it with `cubicle apikey revoke`; the next
+//! start makes a new one.
+//!
+//! Every request (REST and data plane) passes the observation layer first
+//! (`cubicle_api::telemetry::http`): a request id, an access-log line, the metrics. The
+//! metrics are at `GET /metrics` for admin keys, and without a key on `--metrics-listen`
+//! (a separate address, e.g. loopback for a local Prometheus).
 //!
 //! Connections (`cubicle_router::server`): at most `--max-connections-per-client` per
-//! client address and half the open-file limit in all, request heads within 30 s.
+//! client address and half the open-file limit in all, request heads within 30 s; TLS
+//! (rustls) when `--tls-cert`/`--tls-key` are given.
 //!
 //! SIGTERM/SIGINT: stop accepting, give open requests 5 s, stop the node's background
 //! work and exit. Sandboxes keep running (their end times still hold: the next start
 //! adopts them and enforces them).
 
-use std::io::Write;
+use std::collections::BTreeMap;
+use std::io::{IsTerminal, Write};
 use std::net::SocketAddr;
 use std::os::unix::fs::OpenOptionsExt;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use axum::extract::Request;
 use axum::middleware::Next;
+use cubicle_api::telemetry::http::{RouteLabel, SandboxLabel, dataplane_route};
 use cubicle_api::{ApiConfig, ApiResolver, ControlPlane};
 use cubicle_node::Node;
 use cubicle_router::{DataPlane, RouterConfig};
@@ -50,7 +61,7 @@ pub const ADMIN_KEY_FILE: &str = "admin-api-key";
 /// names none.
 pub const SECRETS_KEY_FILE: &str = "secrets.key";
 /// Team of the key created on first start.
-pub const ADMIN_TEAM: &str = "admin";
+pub const ADMIN_TEAM: &str = cubicle_api::ADMIN_TEAM;
 /// Templates built before the server reports ready.
 pub const DEFAULT_TEMPLATES: &[&str] = &["tiny", "base"];
 
@@ -86,10 +97,11 @@ pub struct ServeArgs {
     #[arg(long, env = "CUBICLE_NO_REAP_FOREIGN", hide = true)]
     pub no_reap_foreign: bool,
     /// Warm pools: sandboxes kept ready per template, e.g. `tiny=4,base=8` (creates with
-    /// the template's limits and internet on are served from them).
-    #[arg(long, env = "CUBICLE_POOL", default_value = "", value_name = "TEMPLATE=N,…",
+    /// the template's limits and internet on are served from them). Default: `base`,
+    /// one per 4 GiB of host memory (1 to 8), so creates take milliseconds; `''` for none.
+    #[arg(long, env = "CUBICLE_POOL", value_name = "TEMPLATE=N,…",
           value_parser = cubicle_node::parse_pool_spec)]
-    pub pool: std::collections::BTreeMap<String, usize>,
+    pub pool: Option<BTreeMap<String, usize>>,
     /// Open connections one client address may hold (REST and data plane together);
     /// more are answered 429 and closed.
     #[arg(
@@ -127,6 +139,52 @@ pub struct ServeArgs {
         value_name = "MIB"
     )]
     pub pool_memory_mb: u64,
+    /// TLS certificate chain (PEM) for the listener: the API, the data plane and
+    /// `<port>-<id>.<domain>` hosts (use a certificate for `DOMAIN` and `*.DOMAIN`).
+    /// Needs --tls-key.
+    #[arg(
+        long,
+        env = "CUBICLE_TLS_CERT",
+        value_name = "PEM",
+        requires = "tls_key"
+    )]
+    pub tls_cert: Option<PathBuf>,
+    /// The certificate's private key (PEM: PKCS#8, PKCS#1 or SEC1). Needs --tls-cert.
+    #[arg(
+        long,
+        env = "CUBICLE_TLS_KEY",
+        value_name = "PEM",
+        requires = "tls_cert"
+    )]
+    pub tls_key: Option<PathBuf>,
+    /// Also serve `GET /metrics` here, without an API key (for a Prometheus on a trusted
+    /// network, e.g. 127.0.0.1:9464). On the main listener `/metrics` needs an admin key.
+    #[arg(long, env = "CUBICLE_METRICS_LISTEN", value_name = "ADDR:PORT")]
+    pub metrics_listen: Option<SocketAddr>,
+    /// Webhook deliveries: attempts after a failed one (E2B: 3).
+    #[arg(
+        long,
+        env = "CUBICLE_WEBHOOK_RETRIES",
+        default_value_t = 3,
+        value_name = "N"
+    )]
+    pub webhook_retries: u32,
+    /// Webhook deliveries: seconds between attempts (E2B: 10).
+    #[arg(
+        long,
+        env = "CUBICLE_WEBHOOK_RETRY_INTERVAL",
+        default_value_t = 10.0,
+        value_name = "SECS"
+    )]
+    pub webhook_retry_interval: f64,
+    /// Webhook deliveries: seconds one attempt may take.
+    #[arg(
+        long,
+        env = "CUBICLE_WEBHOOK_TIMEOUT",
+        default_value_t = 10.0,
+        value_name = "SECS"
+    )]
+    pub webhook_timeout: f64,
     /// Registry mirror for template builds, `REGISTRY=MIRROR` (repeatable), e.g.
     /// `docker.io=http://localhost:5000` (an `http://` mirror is spoken to in plain HTTP).
     #[arg(
@@ -229,7 +287,33 @@ impl NetworkArgs {
     }
 }
 
-pub async fn run(env: crate::sandbox_cmd::NodeOpts, args: ServeArgs) -> anyhow::Result<i32> {
+/// The warm pool when `--pool` is not given: `base`, one sandbox per 4 GiB of host
+/// memory, at least 1 and at most 8 (a pooled sandbox idles at a few MiB; the pool's
+/// own memory budget is --pool-memory-mb).
+pub fn default_pool(memory_total: u64) -> BTreeMap<String, usize> {
+    let n = (memory_total >> 32).clamp(1, 8) as usize;
+    BTreeMap::from([("base".to_string(), n)])
+}
+
+/// Where template builds are counted: kept until the metrics exist, then counted there.
+enum BuildSink {
+    Early(Vec<(bool, Duration)>),
+    Ready(Arc<cubicle_api::telemetry::Telemetry>),
+}
+
+/// Seconds from a flag, refused when not finite and positive.
+fn seconds(flag: &str, v: f64) -> anyhow::Result<Duration> {
+    if !(v.is_finite() && v > 0.0 && v < 86_400.0) {
+        anyhow::bail!("{flag} must be a number of seconds above 0, got {v}");
+    }
+    Ok(Duration::from_secs_f64(v))
+}
+
+pub async fn run(
+    env: crate::sandbox_cmd::NodeOpts,
+    args: ServeArgs,
+    log_format: crate::LogFormat,
+) -> anyhow::Result<i32> {
     if args.max_timeout == 0 || args.default_timeout == 0 || args.default_timeout > args.max_timeout
     {
         anyhow::bail!(
@@ -238,16 +322,56 @@ pub async fn run(env: crate::sandbox_cmd::NodeOpts, args: ServeArgs) -> anyhow::
             args.max_timeout
         );
     }
-    // A bad --domain is refused before anything slow happens.
+    // Bad flags are refused before anything slow happens.
     SandboxDomain::new(args.domain.as_deref(), args.listen.port())?;
+    let webhooks = cubicle_api::webhooks::WebhookConfig {
+        retries: args.webhook_retries,
+        retry_interval: seconds("--webhook-retry-interval", args.webhook_retry_interval)?,
+        timeout: seconds("--webhook-timeout", args.webhook_timeout)?,
+    };
+    let tls = match (&args.tls_cert, &args.tls_key) {
+        (Some(cert), Some(key)) => Some(cubicle_api::tls::server_config(cert, key)?),
+        _ => None,
+    };
     let state_dir = &env.state_dir;
     let envd = cubicle_node::config::find_envd_binary(env.envd_binary.clone())?;
     let mut config = env.config(envd);
-    config.template_progress = true;
+    config.template_progress = log_format == crate::LogFormat::Text;
     config.default_timeout = Duration::from_secs(args.default_timeout);
-    config.pool = args.pool.clone();
+    config.pool = match &args.pool {
+        Some(p) => p.clone(),
+        // Only when base will be there at ready time (built now, or already): a pool
+        // must not make a `--no-build-templates` start build it in the background.
+        None if !args.no_build_templates
+            || state_dir.join("templates/base/template.json").exists() =>
+        {
+            default_pool(cubicle_node::host::memory_total())
+        }
+        None => BTreeMap::new(),
+    };
     config.pool_memory_mb = args.pool_memory_mb;
     config.network = args.network.options();
+    if !config.pool.is_empty() {
+        tracing::info!(pool = ?config.pool, "warm pools");
+    }
+    // Template builds are counted from the first one on (the default templates below
+    // are built before the metrics exist: they are kept until then).
+    let builds = Arc::new(std::sync::Mutex::new(BuildSink::Early(Vec::new())));
+    {
+        let builds = builds.clone();
+        cubicle_node::template::observe_builds(Box::new(move |name, ok, took| {
+            tracing::info!(
+                template = name,
+                ok,
+                seconds = took.as_secs_f64(),
+                "template build finished"
+            );
+            match &mut *builds.lock().unwrap_or_else(|p| p.into_inner()) {
+                BuildSink::Early(v) => v.push((ok, took)),
+                BuildSink::Ready(t) => t.template_build(ok, took),
+            }
+        }));
+    }
     // DELETE answers once the sandbox is dead; cgroups/veth/quota go in the background.
     config.async_teardown = true;
     let node = Node::open(config)
@@ -261,7 +385,7 @@ pub async fn run(env: crate::sandbox_cmd::NodeOpts, args: ServeArgs) -> anyhow::
             let store = node.templates().clone();
             let built = store.get(name)?.is_some();
             if !built {
-                eprintln!("cubicle: building template '{name}' (first start only)…");
+                tracing::info!("building template '{name}' (first start only)…");
                 let name = name.to_string();
                 tokio::task::spawn_blocking(move || store.ensure(&name, true))
                     .await
@@ -278,7 +402,7 @@ pub async fn run(env: crate::sandbox_cmd::NodeOpts, args: ServeArgs) -> anyhow::
             .context("store task")?
             .with_context(|| format!("opening {}", db.display()))?
     };
-    let key = {
+    let (key, key_created) = {
         let (store, dir) = (store.clone(), state_dir.clone());
         tokio::task::spawn_blocking(move || admin_key(&store, &dir))
             .await
@@ -290,6 +414,14 @@ pub async fn run(env: crate::sandbox_cmd::NodeOpts, args: ServeArgs) -> anyhow::
         .with_context(|| format!("listening on {}", args.listen))?;
     let addr = listener.local_addr()?;
     let domain = SandboxDomain::new(args.domain.as_deref(), addr.port())?;
+    let metrics_listener = match args.metrics_listen {
+        Some(a) => Some(
+            tokio::net::TcpListener::bind(a)
+                .await
+                .with_context(|| format!("listening on {a} (--metrics-listen)"))?,
+        ),
+        None => None,
+    };
 
     let keyring = {
         let (path, create) = match &args.secrets_key_file {
@@ -306,14 +438,30 @@ pub async fn run(env: crate::sandbox_cmd::NodeOpts, args: ServeArgs) -> anyhow::
     api_config.volumes.max_per_team = args.max_volumes_per_team;
     api_config.limits.default_timeout = Duration::from_secs(args.default_timeout);
     api_config.limits.max_timeout = Duration::from_secs(args.max_timeout);
+    // A create's `diskSizeMB` is capped by the filesystem the writable layers live on.
+    let disk = cubicle_node::host::stats(&state_dir.join("sandboxes")).disk_total >> 20;
+    if disk > 0 {
+        api_config.limits.max_disk_mb = disk;
+    }
     api_config.domain = Some(domain.advertised.clone());
     api_config.registry = cubicle_node::template::oci::pull::RegistryOptions::with_mirrors(
         &args.registry_mirrors,
         &args.insecure_registries,
     )?;
+    api_config.webhooks = webhooks;
     let cp = ControlPlane::open(Arc::new(node.clone()), store, api_config)
         .await
         .map_err(|e| anyhow::anyhow!("starting the control plane: {e}"))?;
+    let telemetry = cp.telemetry().clone();
+    {
+        let mut sink = builds.lock().unwrap_or_else(|p| p.into_inner());
+        if let BuildSink::Early(v) = &*sink {
+            for (ok, took) in v {
+                telemetry.template_build(*ok, *took);
+            }
+        }
+        *sink = BuildSink::Ready(telemetry.clone());
+    }
     let upkeep = cp.spawn_upkeep(Duration::from_secs(1));
 
     let data_plane = DataPlane::new(
@@ -330,20 +478,33 @@ pub async fn run(env: crate::sandbox_cmd::NodeOpts, args: ServeArgs) -> anyhow::
             let (dp, id) = (dp.clone(), id.to_string());
             tokio::spawn(async move { dp.prewarm(&id).await });
         }));
+        // A checkpoint (pause, snapshot, fork) cannot hold connections from outside the
+        // sandbox: the router closes its own before the sandbox is frozen.
+        let dp = data_plane.clone();
+        node.on_checkpoint(Box::new(move |id: &str| {
+            let n = dp.disconnect(id);
+            tracing::debug!(sandbox = %id, connections = n, "closed the router's connections");
+        }));
     }
-    let app = cubicle_api::router(cp.clone()).layer(axum::middleware::from_fn(
-        move |req: Request, next: Next| {
-            let dp = data_plane.clone();
-            async move {
-                if dp.wants(&req) {
-                    dp.handle(req).await
-                } else {
-                    next.run(req).await
+    let app = cubicle_api::router(cp.clone())
+        .layer(axum::middleware::from_fn(
+            move |req: Request, next: Next| {
+                let (dp, t) = (data_plane.clone(), telemetry.clone());
+                async move {
+                    if dp.wants(&req) {
+                        dataplane(&dp, &t, req).await
+                    } else {
+                        next.run(req).await
+                    }
                 }
-            }
-        },
-    ));
+            },
+        ))
+        .layer(axum::middleware::from_fn_with_state(
+            cp.telemetry().clone(),
+            cubicle_api::telemetry::http::observe,
+        ));
 
+    let scheme = if tls.is_some() { "https" } else { "http" };
     let host = if addr.ip().is_unspecified() {
         "127.0.0.1".to_string()
     } else if addr.is_ipv6() {
@@ -351,41 +512,74 @@ pub async fn run(env: crate::sandbox_cmd::NodeOpts, args: ServeArgs) -> anyhow::
     } else {
         addr.ip().to_string()
     };
-    let url = format!("http://{host}:{}", addr.port());
+    let url = format!("{scheme}://{host}:{}", addr.port());
     {
         let mut out = std::io::stdout().lock();
         writeln!(out, "export E2B_API_URL={url}")?;
         writeln!(out, "export E2B_SANDBOX_URL={url}")?;
         // The volume content API is served on the same listener.
         writeln!(out, "export E2B_VOLUME_API_URL={url}")?;
-        writeln!(out, "export E2B_API_KEY={key}")?;
+        if key_created || out.is_terminal() {
+            writeln!(out, "export E2B_API_KEY={key}")?;
+        } else {
+            // Not into logs and journals again: `cubicle apikey` prints it.
+            writeln!(
+                out,
+                "# E2B_API_KEY: printed when it was created; `cubicle apikey --state-dir {}` prints it",
+                state_dir.display()
+            )?;
+        }
         writeln!(out, "cubicle: ready")?;
         out.flush()?;
     }
-    eprintln!(
-        "cubicle: serving API and router on {addr}, sandbox ports at http://<port>-<id>.{} (state {}); adopted {} running sandbox(es)",
-        domain.advertised,
-        state_dir.display(),
-        report.adopted.len()
+    tracing::info!(
+        listen = %addr,
+        tls = tls.is_some(),
+        domain = %domain.advertised,
+        state_dir = %state_dir.display(),
+        adopted = report.adopted.len(),
+        "serving the API and the router on {url}, sandbox ports at {scheme}://<port>-<id>.{}",
+        domain.advertised
     );
 
     let (stop_tx, mut stop_rx) = tokio::sync::watch::channel(false);
+    if let Some(l) = metrics_listener {
+        let (cp2, mut stop) = (cp.clone(), stop_rx.clone());
+        tracing::info!(listen = %l.local_addr()?, "serving /metrics without a key");
+        let app = axum::Router::new().route(
+            "/metrics",
+            axum::routing::get(move || {
+                let cp = cp2.clone();
+                async move { cubicle_api::routes::prometheus_response(&cp) }
+            }),
+        );
+        tokio::spawn(async move {
+            let _ = axum::serve(l, app)
+                .with_graceful_shutdown(async move {
+                    let _ = stop.changed().await;
+                })
+                .await;
+        });
+    }
     let limits = cubicle_router::ServerLimits {
         max_connections_per_client: args.max_connections_per_client,
         max_connections: max_connections(),
         ..Default::default()
     };
-    let server = cubicle_router::server::serve(listener, app, limits, async move {
+    let tls = tls.map(|c| tokio_rustls::TlsAcceptor::from(Arc::new(c)));
+    let server = cubicle_router::server::serve(listener, app, limits, tls, async move {
         let _ = stop_rx.changed().await;
     });
     let mut server = std::pin::pin!(server);
+    crate::sd_notify::notify("READY=1\nSTATUS=serving");
     tokio::select! {
         () = &mut server => {}
         sig = shutdown_signal() => {
-            eprintln!("cubicle: {sig}: stopping (sandboxes keep running; the next start adopts them)");
+            crate::sd_notify::notify("STOPPING=1");
+            tracing::info!("{sig}: stopping (sandboxes keep running; the next start adopts them)");
             let _ = stop_tx.send(true);
             if tokio::time::timeout(Duration::from_secs(5), &mut server).await.is_err() {
-                eprintln!("cubicle: open connections did not finish within 5 s; closing them");
+                tracing::warn!("open connections did not finish within 5 s; closing them");
             }
         }
     }
@@ -448,6 +642,28 @@ impl SandboxDomain {
     }
 }
 
+/// A data-plane request: forwarded by the router, labelled for the access log and the
+/// metrics; the first `process.Process/Start` of each sandbox is timed.
+async fn dataplane(
+    dp: &DataPlane,
+    t: &cubicle_api::telemetry::Telemetry,
+    req: Request,
+) -> axum::response::Response {
+    let t0 = Instant::now();
+    let target = dp.target_of(&req);
+    let route = dataplane_route(target.as_ref().map(|(_, p)| *p), req.uri().path());
+    let mut resp = dp.handle(req).await;
+    if let Some((id, _)) = target {
+        let id = id.to_string();
+        if route == "sandbox:envd/process.Process/Start" && resp.status().is_success() {
+            t.command_started(&id, t0.elapsed());
+        }
+        resp.extensions_mut().insert(SandboxLabel(id));
+    }
+    resp.extensions_mut().insert(RouteLabel(route.into()));
+    resp
+}
+
 /// How many connections the server may hold in all: half the limit on open files (the
 /// other half is for sandboxes, the database and logs).
 fn max_connections() -> usize {
@@ -481,16 +697,16 @@ async fn shutdown_signal() -> &'static str {
 }
 
 /// The admin key: the one in `<state>/admin-api-key` if it still authenticates, else a
-/// new one for team `admin` (written there, mode 0600).
-fn admin_key(store: &Store, state_dir: &Path) -> anyhow::Result<String> {
+/// new one for team `admin` (written there, mode 0600); `true` when it is new.
+fn admin_key(store: &Store, state_dir: &Path) -> anyhow::Result<(String, bool)> {
     let path = state_dir.join(ADMIN_KEY_FILE);
     if let Ok(text) = std::fs::read_to_string(&path) {
         let key = text.trim();
         if store.authenticate(key)?.is_some() {
-            return Ok(key.to_string());
+            return Ok((key.to_string(), false));
         }
-        eprintln!(
-            "cubicle: the key in {} is revoked or unknown; creating a new admin key",
+        tracing::warn!(
+            "the key in {} is revoked or unknown; creating a new admin key",
             path.display()
         );
     }
@@ -507,12 +723,22 @@ fn admin_key(store: &Store, state_dir: &Path) -> anyhow::Result<String> {
     writeln!(f, "{}", key.plaintext)?;
     f.sync_all()?;
     std::fs::rename(&tmp, &path).with_context(|| format!("writing {}", path.display()))?;
-    eprintln!(
-        "cubicle: created admin API key {}… (team '{ADMIN_TEAM}'); its plaintext is kept in {} (mode 0600)",
+    tracing::info!(
+        "created admin API key {}… (team '{ADMIN_TEAM}'); printed once; `cubicle apikey` prints it again (kept in {}, mode 0600)",
         key.info.prefix,
         path.display()
     );
-    Ok(key.plaintext)
+    Ok((key.plaintext, true))
+}
+
+/// The admin key in `state_dir` (for programs that start a server and need its key
+/// when the server did not print it: it prints it only when it creates it).
+pub fn read_admin_key(state_dir: &Path) -> anyhow::Result<String> {
+    let path = state_dir.join(ADMIN_KEY_FILE);
+    Ok(std::fs::read_to_string(&path)
+        .with_context(|| format!("reading {}", path.display()))?
+        .trim()
+        .to_string())
 }
 
 #[cfg(test)]

@@ -120,10 +120,10 @@ pub async fn run(state_dir: &Path, cmd: TemplateCommand) -> anyhow::Result<i32> 
                 api_url: server.api_url,
                 api_key: server.api_key,
                 sandbox_url: None,
-                command: client::SandboxCommand::List {
+                // Only the settings (server and key) are used.
+                command: client::SandboxCommand::Info {
+                    id: String::new(),
                     json: false,
-                    metadata: Vec::new(),
-                    states: Vec::new(),
                 },
             };
             let settings = args.settings(state_dir)?;
@@ -224,7 +224,7 @@ pub async fn run(state_dir: &Path, cmd: TemplateCommand) -> anyhow::Result<i32> 
             let users = cubicle_node::sandboxes_using_template(state_dir, &name);
             if !users.is_empty() {
                 bail!(
-                    "template '{name}' is used by sandbox(es) {}; kill them first (cubicle sandbox kill ID)",
+                    "template '{name}' is used by {}; kill those sandboxes (cubicle sandbox kill ID) and delete those snapshots (cubicle sandbox delete-snapshot ID) first",
                     users.join(", ")
                 );
             }
@@ -232,10 +232,7 @@ pub async fn run(state_dir: &Path, cmd: TemplateCommand) -> anyhow::Result<i32> 
             println!("removed template {name} (its layers are freed by `cubicle template gc`)");
         }
         TemplateCommand::Gc => {
-            let in_use: HashSet<String> = cubicle_node::records_on_disk(state_dir)
-                .into_iter()
-                .flat_map(|r| r.layers)
-                .collect();
+            let in_use: HashSet<String> = cubicle_node::layers_in_use_on_disk(state_dir);
             let r = store.gc(&in_use, Duration::from_secs(600))?;
             println!(
                 "removed {} layers ({}), kept {}",

@@ -7,6 +7,9 @@
 //! Skips (saying why) when not root, without busybox-static, or without a statically
 //! linked cubicle-envd (scripts/build-envd.sh builds it).
 
+// Tests: a failed unwrap or expect is a failed test (clippy.toml allows them only in #[test] fns).
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::Duration;
@@ -99,7 +102,7 @@ fn run_id_exit_code_keep_list_kill() {
         .unwrap();
     assert!(out.status.success());
     let id = String::from_utf8_lossy(&out.stdout).trim().to_string();
-    assert!(cubicle_node::ids::is_valid_sandbox_id(&id), "{id:?}");
+    assert!(cubicle_node::SandboxId::is_valid(&id), "{id:?}");
     let list = cubicle(&state, 3600)
         .args(["local", "list"])
         .output()
@@ -140,9 +143,19 @@ fn sigkill_mid_create_then_reopen_leaves_nothing() {
     assert!(st.status.success());
     let rt = tokio::runtime::Runtime::new().unwrap();
     let (mut adopted, mut removed) = (0, 0);
-    for delay_ms in [
+    // Kills at fixed times after the start (some land before the create begins), then
+    // at times after the sandbox's directory appeared: how long `cubicle run` takes to
+    // get there depends on the host's load (over 400 ms on a busy 2-core machine), so
+    // only the second kind is sure to land inside the create.
+    let after_start = [
         0u64, 5, 15, 30, 40, 50, 60, 70, 80, 90, 100, 120, 150, 250, 400,
-    ] {
+    ];
+    let after_dir = [0u64, 0, 2, 5, 10, 20, 40, 80];
+    let delays = after_start
+        .iter()
+        .map(|d| (false, *d))
+        .chain(after_dir.iter().map(|d| (true, *d)));
+    for (from_dir, delay_ms) in delays {
         // --keep: no guardian (see `sigkill_of_run_kills_its_sandbox`): this is the
         // node's own crash recovery.
         let mut child = cubicle(&state, slot)
@@ -151,6 +164,19 @@ fn sigkill_mid_create_then_reopen_leaves_nothing() {
             .stderr(Stdio::null())
             .spawn()
             .unwrap();
+        if from_dir {
+            let t = std::time::Instant::now();
+            while t.elapsed() < Duration::from_secs(10)
+                && std::fs::read_dir(state.join("sandboxes"))
+                    .map(|rd| {
+                        !rd.flatten()
+                            .any(|e| !e.file_name().to_string_lossy().starts_with(".creating-"))
+                    })
+                    .unwrap_or(true)
+            {
+                std::thread::sleep(Duration::from_micros(500));
+            }
+        }
         std::thread::sleep(Duration::from_millis(delay_ms));
         let _ = child.kill(); // SIGKILL
         let _ = child.wait();
@@ -159,12 +185,11 @@ fn sigkill_mid_create_then_reopen_leaves_nothing() {
         let records: Vec<SandboxRecord> = cubicle_node::records_on_disk(&state);
         let ids: Vec<String> = std::fs::read_dir(state.join("sandboxes"))
             .map(|rd| {
+                // A half-made quota directory (`.creating-<id>`) is the storage's to
+                // remove at reopen, not a sandbox: the emptiness check below covers it.
                 rd.flatten()
                     .map(|e| e.file_name().to_string_lossy().into_owned())
-                    // A kill during the quota directory's creation leaves `.creating-<id>`
-                    // (no record yet): the storage's reconciliation removes it, which the
-                    // `left` check below sees.
-                    .filter(|n| cubicle_node::ids::is_valid_sandbox_id(n))
+                    .filter(|n| !n.starts_with(".creating-"))
                     .collect()
             })
             .unwrap_or_default();
@@ -262,7 +287,7 @@ fn sigkill_of_run_kills_its_sandbox() {
             .map(|rd| {
                 rd.flatten()
                     .map(|e| e.file_name().to_string_lossy().into_owned())
-                    .filter(|n| cubicle_node::ids::is_valid_sandbox_id(n))
+                    .filter(|n| cubicle_node::SandboxId::is_valid(n))
                     .collect()
             })
             .unwrap_or_default();
@@ -293,7 +318,7 @@ fn sigkill_of_run_kills_its_sandbox() {
         // Then everything else goes, without anyone but the guardian doing anything.
         wait_for_guardians(&state);
         let mut ids = ids;
-        ids.extend(running.iter().map(|r| r.id.clone()));
+        ids.extend(running.iter().map(|r| r.id.to_string()));
         for id in &ids {
             let r = records.iter().find(|r| &r.id == id);
             loop {

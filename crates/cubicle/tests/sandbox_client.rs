@@ -9,6 +9,9 @@
 //!   directory, `tiny` template. Skips, saying why, when not root, when busybox-static is
 //!   missing, or when this build has no `serve` subcommand yet.
 
+// Tests: a failed unwrap or expect is a failed test (clippy.toml allows them only in #[test] fns).
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 #[path = "sandbox_client/harness.rs"]
 mod harness;
 
@@ -400,8 +403,9 @@ fn against_a_stand_in_server() {
     let o = run(&api, KEY, &["info", ID]);
     assert_eq!(o.status.code(), Some(1));
     assert!(stderr(&o).contains("404: sandbox"), "{}", stderr(&o));
+    // exec passes on its command's exit code, so its own failures are 125 (as Docker's).
     let o = run(&api, KEY, &["exec", ID, "--", "true"]);
-    assert_eq!(o.status.code(), Some(1));
+    assert_eq!(o.status.code(), Some(125));
     assert!(
         stderr(&o).contains("connecting to sandbox"),
         "{}",
@@ -437,7 +441,14 @@ impl Serve {
                 "ip link set lo up && exec \"$0\" \"$@\"",
             ])
             .arg(BIN)
-            .args(["serve", "--listen", "127.0.0.1:0", "--no-build-templates"])
+            .args([
+                "serve",
+                "--listen",
+                "127.0.0.1:0",
+                "--no-build-templates",
+                "--pool",
+                "",
+            ])
             .env("CUBICLE_STATE_DIR", &state)
             .env("CUBICLE_FIRST_SLOT", SERVE_FIRST_SLOT.to_string())
             .env("CUBICLE_MAX_SANDBOXES", "16")
@@ -477,6 +488,13 @@ impl Serve {
                     panic!("cubicle serve did not report ready: {:?}", child.wait());
                 }
             }
+        }
+        if key.is_empty() {
+            // The server prints the admin key only when it creates it.
+            key = std::fs::read_to_string(state.join("admin-api-key"))
+                .expect("the admin key file")
+                .trim()
+                .to_string();
         }
         assert!(
             api.starts_with("http://127.0.0.1:") && !key.is_empty(),
@@ -690,6 +708,60 @@ fn against_cubicle_serve() {
     // Running commands did not stretch the sandbox's life.
     assert_eq!(end_at(&serve), end_before);
 
+    // Issue 16, CLI parity: `exec` without `--`, `exec -i` with stdin streamed, Cubicle's
+    // own failures as 125, `cp` both ways, `set-timeout`, `--format json`.
+    assert_eq!(ok(&["exec", &id, "echo", "no-dashes"]), "no-dashes\n");
+    let piped = |args: &[&str], input: &[u8]| {
+        use std::io::Write;
+        let mut c = serve
+            .cmd(args)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        c.stdin.take().unwrap().write_all(input).unwrap();
+        c.wait_with_output().unwrap()
+    };
+    let o = piped(&["exec", "-i", &id, "wc -c; echo done"], b"twelve bytes");
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    assert_eq!(
+        stdout(&o).split_whitespace().collect::<Vec<_>>(),
+        ["12", "done"]
+    );
+    let o = piped(&["exec", &id, "wc -c"], b"dropped without -i");
+    assert_eq!(stdout(&o).trim(), "0", "{}", stderr(&o));
+    let o = serve.run(&["exec", "nosuchsandbox00000000", "true"]);
+    assert_eq!(o.status.code(), Some(125), "{}", stderr(&o));
+    let o = serve.run(&["exec", &id, "--cwd", "/no/such/dir", "true"]);
+    assert_eq!(o.status.code(), Some(126), "{}", stderr(&o));
+
+    let local = serve.state.join("cp-in.txt");
+    std::fs::write(&local, "copied in\n").unwrap();
+    ok(&["cp", local.to_str().unwrap(), &format!("{id}:/tmp/")]);
+    assert_eq!(ok(&["exec", &id, "cat /tmp/cp-in.txt"]), "copied in\n");
+    ok(&["exec", &id, "echo from the sandbox > /tmp/out.txt"]);
+    assert_eq!(
+        ok(&["cp", &format!("{id}:/tmp/out.txt"), "-"]),
+        "from the sandbox\n"
+    );
+    let back = serve.state.join("cp-out.txt");
+    ok(&["cp", &format!("{id}:/tmp/out.txt"), back.to_str().unwrap()]);
+    assert_eq!(
+        std::fs::read_to_string(&back).unwrap(),
+        "from the sandbox\n"
+    );
+
+    ok(&["set-timeout", &id, "600"]);
+    assert_ne!(end_at(&serve), end_before, "set-timeout moves the end");
+    let listed: Value = serde_json::from_str(&ok(&["list", "--format", "json"])).unwrap();
+    assert!(
+        listed
+            .as_array()
+            .is_some_and(|a| a.iter().any(|s| s["sandboxID"] == id.as_str())),
+        "{listed}"
+    );
+
     // shell on a PTY
     let api = serve.api.clone();
     let r = {
@@ -737,9 +809,45 @@ fn against_cubicle_serve() {
     assert!(o.status.success(), "{:?} {}", o.status, stderr(&o));
     assert!(stdout(&o).contains("42\r\n"), "{:?}", stdout(&o));
 
+    // ... also when the last command outlasts the first ten seconds of Ctrl-Ds (those
+    // typed while it runs reach the shell as literal characters): EOF still ends it.
+    let mut child = serve
+        .cmd(&["shell", &id])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    std::io::Write::write_all(
+        child.stdin.as_mut().unwrap(),
+        b"sleep 11; echo after-$((6*7))\n",
+    )
+    .unwrap();
+    drop(child.stdin.take());
+    let o = child.wait_with_output().unwrap();
+    assert!(o.status.success(), "{:?} {}", o.status, stderr(&o));
+    assert!(stdout(&o).contains("after-42\r\n"), "{:?}", stdout(&o));
+
     // logs
     let logs = serve.run(&["logs", &id]);
     assert!(logs.status.success(), "{}", stderr(&logs));
+
+    // kill --all with a filter kills only what it selects.
+    let doomed = ok(&["create", "--template", "tiny", "-m", "purpose=kill-all"]);
+    let doomed = doomed.trim();
+    let o = ok(&["kill", "--all", "-m", "purpose=kill-all"]);
+    assert!(o.contains(doomed) && !o.contains(&id), "{o}");
+    let left: Value = serde_json::from_str(&ok(&["list", "--json"])).unwrap();
+    let left: Vec<&str> = left
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|s| s["sandboxID"].as_str())
+        .collect();
+    assert!(
+        left.contains(&id.as_str()) && !left.contains(&doomed),
+        "{left:?}"
+    );
 
     // kill
     assert_eq!(ok(&["kill", &id]), format!("killed {id}\n"));

@@ -6,7 +6,12 @@
 
 pub mod auth;
 pub mod build_op;
-pub mod connect;
+/// Connect framing: the codec shared with every client of envd (`cubicle_proto::connect`)
+/// and its server half.
+pub mod connect {
+    pub use cubicle_proto::connect::server::*;
+    pub use cubicle_proto::connect::*;
+}
 pub mod filesystem;
 pub mod http;
 pub mod init;

@@ -17,7 +17,7 @@ struct Args {
     #[arg(long, default_value = "0.0.0.0")]
     listen: std::net::IpAddr,
     /// TCP port to listen on (E2B's envd port).
-    #[arg(long, default_value_t = 49983)]
+    #[arg(long, default_value_t = cubicle_proto::ENVD_PORT)]
     port: u16,
     /// Also listen on this Unix socket (the node's way in).
     #[arg(long)]

@@ -137,10 +137,24 @@ pub fn current() -> User {
     by_uid(uid).unwrap_or_else(|| User {
         name: uid.to_string(),
         uid,
+        // SAFETY: as above.
         gid: unsafe { libc::getgid() },
         home: PathBuf::from("/"),
         shell: "/bin/sh".into(),
     })
+}
+
+/// Makes envd dumpable again after a credential change of one of its threads (file
+/// operations as a user) or of a child still sharing its memory (the `vfork`-style spawn):
+/// the kernel then resets the process-wide flag and never sets it back. envd was dumpable
+/// before, and its sandbox's root may inspect it either way; but a checkpoint of a
+/// sandbox that was itself restored from one needs it: CRIU checks from inside the
+/// sandbox's user namespace that it can enter each process's namespaces, and a restored
+/// process (its memory set up by CRIU outside that namespace) refuses that while it is
+/// not dumpable.
+pub fn restore_dumpable() {
+    // SAFETY: prctl with integer arguments.
+    unsafe { libc::prctl(libc::PR_SET_DUMPABLE, 1, 0, 0, 0) };
 }
 
 #[cfg(test)]

@@ -3,6 +3,9 @@
 //! client, in a temporary directory. envd's default user here is the user running the
 //! tests (development mode).
 
+// Tests: a failed unwrap or expect is a failed test (clippy.toml allows them only in #[test] fns).
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 use std::{
     net::SocketAddr,
     path::{Path, PathBuf},
@@ -123,17 +126,12 @@ async fn unary(addr: SocketAddr, method: &str, body: Value) -> (u16, Value) {
     unary_raw(addr, method, body.to_string().as_bytes(), &[]).await
 }
 
-fn envelope(flags: u8, payload: &[u8]) -> Vec<u8> {
-    let mut v = vec![flags];
-    v.extend_from_slice(&(payload.len() as u32).to_be_bytes());
-    v.extend_from_slice(payload);
-    v
-}
+use cubicle_proto::connect::{EnvelopeDecoder, envelope};
 
 /// A server stream being read envelope by envelope.
 struct StreamReader {
     body: Incoming,
-    buf: Vec<u8>,
+    decoder: EnvelopeDecoder,
 }
 
 impl StreamReader {
@@ -142,7 +140,7 @@ impl StreamReader {
             addr,
             method,
             "application/connect+json",
-            envelope(0, msg.to_string().as_bytes()),
+            envelope(0, msg.to_string().as_bytes()).to_vec(),
             headers,
         )
         .await;
@@ -150,7 +148,7 @@ impl StreamReader {
         assert_eq!(resp.headers()["content-type"], "application/connect+json");
         StreamReader {
             body: resp.into_body(),
-            buf: Vec::new(),
+            decoder: EnvelopeDecoder::new(64 << 20),
         }
     }
 
@@ -158,20 +156,13 @@ impl StreamReader {
     async fn next(&mut self, wait: Duration) -> Option<(u8, Value)> {
         let deadline = tokio::time::Instant::now() + wait;
         loop {
-            if self.buf.len() >= 5 {
-                let len = u32::from_be_bytes([self.buf[1], self.buf[2], self.buf[3], self.buf[4]])
-                    as usize;
-                if self.buf.len() >= 5 + len {
-                    let flags = self.buf[0];
-                    let v = serde_json::from_slice(&self.buf[5..5 + len]).unwrap();
-                    self.buf.drain(..5 + len);
-                    return Some((flags, v));
-                }
+            if let Some(e) = self.decoder.next_envelope().unwrap() {
+                return Some((e.flags, serde_json::from_slice(&e.payload).unwrap()));
             }
             match tokio::time::timeout_at(deadline, self.body.frame()).await {
                 Ok(Some(Ok(f))) => {
                     if let Ok(d) = f.into_data() {
-                        self.buf.extend_from_slice(&d);
+                        self.decoder.push(&d);
                     }
                 }
                 _ => return None,

@@ -5,6 +5,9 @@
 //! temporary directory. envd runs in development mode: the default user is the user
 //! running the tests.
 
+// Tests: a failed unwrap or expect is a failed test (clippy.toml allows them only in #[test] fns).
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 use std::{
     io::{Read, Write},
     net::SocketAddr,

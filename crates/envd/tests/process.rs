@@ -2,6 +2,9 @@
 //! Start/Connect/List/SendInput/StreamInput/SendSignal/CloseStdin/Update, PTYs,
 //! lifetimes, disconnects, and bad input.
 
+// Tests: a failed unwrap or expect is a failed test (clippy.toml allows them only in #[test] fns).
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 mod process_client;
 
 use std::time::{Duration, Instant};
@@ -320,6 +323,7 @@ async fn background_grandchild_does_not_hold_the_end() {
     );
     assert_eq!(c.end.as_ref().unwrap()["status"], "exit status 0");
     let child: u32 = c.stdout().trim().parse().unwrap();
+    // SAFETY: kill(2) has no memory arguments.
     unsafe { libc::kill(child as i32, libc::SIGKILL) };
 }
 
@@ -565,6 +569,7 @@ async fn huge_stdin_input() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn children_get_default_signal_dispositions() {
     // As when envd runs as a background job of a script: SIGINT/SIGQUIT ignored.
+    // SAFETY: SIG_IGN dispositions; no handler runs.
     unsafe {
         libc::signal(libc::SIGINT, libc::SIG_IGN);
         libc::signal(libc::SIGQUIT, libc::SIG_IGN);

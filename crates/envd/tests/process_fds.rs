@@ -2,6 +2,9 @@
 //! disconnected, PTY and stdin ones) envd's descriptor count returns to its baseline.
 //! Runs alone in its own test binary so nothing else opens descriptors meanwhile.
 
+// Tests: a failed unwrap or expect is a failed test (clippy.toml allows them only in #[test] fns).
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 mod process_client;
 
 use std::time::Duration;

@@ -52,10 +52,10 @@ struct Args {
     #[arg(long, value_delimiter = ',', default_value = "python")]
     start_kernels: Vec<String>,
     /// envd's Unix socket (for `GET /envs`).
-    #[arg(long, default_value = "/run/cubicle/ctl/envd.sock")]
+    #[arg(long, default_value = cubicle_proto::ENVD_SOCKET_IN_SANDBOX)]
     envd_socket: PathBuf,
     /// envd's TCP address, used when the socket is missing.
-    #[arg(long, default_value = "127.0.0.1:49983")]
+    #[arg(long, default_value_t = format!("127.0.0.1:{}", cubicle_proto::ENVD_PORT))]
     envd_addr: String,
     /// Let KSM merge identical pages of the interpreter and its kernels.
     #[arg(long)]

@@ -133,16 +133,7 @@ impl std::fmt::Display for MemoryReport {
 
 /// `MemAvailable` from /proc/meminfo, in bytes.
 pub fn mem_available() -> u64 {
-    std::fs::read_to_string("/proc/meminfo")
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find(|l| l.starts_with("MemAvailable:"))
-                .and_then(|l| l.split_whitespace().nth(1))
-                .and_then(|v| v.parse::<u64>().ok())
-        })
-        .unwrap_or(0)
-        * 1024
+    crate::host::memory_available()
 }
 
 /// Start `n` idle sandboxes, wait for them to settle, measure, kill them all.

@@ -5,7 +5,7 @@
 
 use std::collections::{BTreeMap, HashSet};
 use std::path::PathBuf;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use cubicle_template::build::{BuildHost, BuildSandbox, Exec, ExecEnd};
 use cubicle_template::{Template, TemplateConfig};
@@ -100,7 +100,7 @@ impl BuildHost for NodeBuildHost {
             .create_from(template, req)
             .await
             .map_err(tpl_err)?;
-        Ok(info.id)
+        Ok(info.id.to_string())
     }
 
     async fn exec(
@@ -160,32 +160,20 @@ impl BuildHost for NodeBuildHost {
 
 /// SIGKILL the process behind `pidfd` and wait (up to `limit`) until it has exited.
 fn kill_and_wait(pidfd: &std::os::fd::OwnedFd, limit: Duration) -> Result<()> {
-    use std::os::fd::AsRawFd;
-    // SAFETY: pidfd_send_signal on a pidfd we own; no pointers but NULL.
-    unsafe {
-        libc::syscall(
-            libc::SYS_pidfd_send_signal,
-            pidfd.as_raw_fd(),
-            libc::SIGKILL,
-            std::ptr::null::<libc::siginfo_t>(),
-            0,
-        )
-    };
-    let mut p = libc::pollfd {
-        fd: pidfd.as_raw_fd(),
-        events: libc::POLLIN,
-        revents: 0,
-    };
-    // SAFETY: one valid pollfd.
-    let r = unsafe { libc::poll(&mut p, 1, limit.as_millis() as libc::c_int) };
-    if r == 1 {
-        Ok(())
-    } else {
-        Err(Error::Runtime(format!(
-            "the build sandbox did not stop within {}s",
-            limit.as_secs()
-        )))
+    use cubicle_syscalls::pidfd;
+    // An error means it is already gone (the wait below sees that).
+    let _ = pidfd::pidfd_kill(pidfd);
+    let deadline = Instant::now() + limit;
+    while !pidfd::exited(pidfd) {
+        if Instant::now() >= deadline {
+            return Err(Error::Runtime(format!(
+                "the build sandbox did not stop within {}s",
+                limit.as_secs()
+            )));
+        }
+        std::thread::sleep(Duration::from_millis(5));
     }
+    Ok(())
 }
 
 impl Node {
@@ -203,7 +191,7 @@ impl Node {
         // and overlay), keeping the directory; the teardown below removes the rest.
         let copied = blocking(move || {
             if let Some(pid) = pid.filter(|p| *p > 1)
-                && let Ok(fd) = procfs::pidfd_open(pid)
+                && let Ok(fd) = cubicle_syscalls::pidfd::pidfd_open(pid)
                 && procfs::is_alive(pid, start)
             {
                 kill_and_wait(&fd, Duration::from_secs(30))?;
@@ -226,13 +214,42 @@ impl Node {
         })
     }
 
-    /// Layer ids of every live sandbox (GC must keep them).
+    /// Layer ids of every sandbox of this node (running or paused) and of every snapshot
+    /// (GC must keep them: a resume, fork or rollback restores onto exactly those).
     pub fn layers_in_use(&self) -> HashSet<String> {
-        self.inner
+        let mut used: HashSet<String> = self
+            .inner
             .lock()
             .live
             .values()
             .flat_map(|l| l.record.layers.iter().cloned())
-            .collect()
+            .collect();
+        used.extend(self.inner.snapshots.list().into_iter().flat_map(|s| s.layers));
+        used
+    }
+
+    /// What keeps template `name` from being removed: its sandboxes that are not dying
+    /// (running, paused, being created or paused), then its snapshots (`snapshot <id>`).
+    pub fn template_users(&self, name: &str) -> Vec<String> {
+        use crate::sandbox::SandboxState as S;
+        let of = |t: &str| t == name || t.starts_with(&format!("{name}:"));
+        let mut out: Vec<String> = self
+            .inner
+            .lock()
+            .live
+            .values()
+            .filter(|l| !matches!(l.record.state, S::Dying | S::Dead))
+            .filter(|l| of(l.record.rootfs_template()))
+            .map(|l| l.record.id.to_string())
+            .collect();
+        out.extend(
+            self.inner
+                .snapshots
+                .list()
+                .into_iter()
+                .filter(|s| of(&s.base_template))
+                .map(|s| format!("snapshot {}", s.id)),
+        );
+        out
     }
 }

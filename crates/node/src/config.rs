@@ -128,7 +128,9 @@ pub fn default_state_dir() -> PathBuf {
 pub fn find_envd_binary(explicit: Option<PathBuf>) -> Result<PathBuf> {
     if let Some(p) = explicit.or_else(|| std::env::var_os("CUBICLE_ENVD_BIN").map(PathBuf::from)) {
         return if p.is_file() {
-            Ok(p)
+            // Absolute: it is bind-mounted into every sandbox, long after a relative
+            // path's working directory stopped meaning anything.
+            std::fs::canonicalize(&p).map_err(|e| Error::io("canonicalize", &p, e))
         } else {
             Err(Error::InvalidRequest(format!(
                 "envd binary {} does not exist",
@@ -172,6 +174,15 @@ pub use crate::fsutil::is_static_elf;
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_explicit_relative_path_becomes_absolute() {
+        // The test runs in the crate's directory, which holds Cargo.toml.
+        let p = find_envd_binary(Some(PathBuf::from("Cargo.toml"))).unwrap();
+        assert!(p.is_absolute(), "{}", p.display());
+        assert!(p.ends_with("crates/node/Cargo.toml"), "{}", p.display());
+        assert!(find_envd_binary(Some(PathBuf::from("no-such-envd"))).is_err());
+    }
 
     #[test]
     fn candidates_cover_cargo_layouts() {

@@ -2,8 +2,8 @@
 //! socket envd listens on in the sandbox's host-visible control directory.
 //!
 //! It covers what the node needs: `GET /health` (204 = ready), `POST /init`, and running
-//! one process through Connect's server-stream `POST /process.Process/Start`
-//! (envelopes: 1 flag byte, 4-byte big-endian length, JSON; flag 0x02 = end of stream).
+//! one process through Connect's server-stream `POST /process.Process/Start` (framing:
+//! `cubicle_proto::connect`).
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use base64::Engine;
 use base64::engine::general_purpose::STANDARD as B64;
-use bytes::{Buf, Bytes, BytesMut};
+use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use hyper::body::Incoming;
 use hyper::{Request, Response, StatusCode};
@@ -19,7 +19,12 @@ use hyper_util::rt::TokioIo;
 use serde::{Deserialize, Serialize};
 use tokio::net::UnixStream;
 
+use cubicle_proto::connect::{self as codec, client::StreamError};
+
 use crate::error::{Error, Result};
+
+/// Largest stream envelope accepted from envd.
+const MAX_ENVELOPE: usize = 64 << 20;
 
 /// The `/init` body (E2B's envd shape).
 #[derive(Debug, Clone, Serialize)]
@@ -160,19 +165,6 @@ struct EndEv {
     exited: bool,
     #[serde(default)]
     status: String,
-}
-
-#[derive(Deserialize)]
-struct EndOfStream {
-    error: Option<ConnectError>,
-}
-
-#[derive(Deserialize)]
-struct ConnectError {
-    #[serde(default)]
-    code: String,
-    #[serde(default)]
-    message: String,
 }
 
 /// Connects to envd's socket without following anything the sandbox may have put in
@@ -394,13 +386,13 @@ impl EnvdClient {
         if let Some(cwd) = &spec.cwd {
             process["cwd"] = serde_json::Value::String(cwd.clone());
         }
-        let msg = serde_json::to_vec(&serde_json::json!({ "process": process, "stdin": false }))
-            .map_err(|e| Error::Envd(e.to_string()))?;
-        let body = encode_envelope(0, &msg);
+        let body =
+            codec::request_envelope(&serde_json::json!({ "process": process, "stdin": false }))
+                .map_err(|e| Error::Envd(e.to_string()))?;
         let mut b = self
             .builder("POST", "/process.Process/Start")
-            .header("content-type", "application/connect+json")
-            .header("connect-protocol-version", "1");
+            .header("content-type", codec::STREAM_CONTENT_TYPE)
+            .header(codec::PROTOCOL_VERSION_HEADER, "1");
         if let Some(user) = &spec.user {
             b = b.header(
                 "authorization",
@@ -416,56 +408,43 @@ impl EnvdClient {
             let body = error_body(resp.into_body()).await;
             return Err(Error::Envd(format!("Start answered {status}: {body}")));
         }
-        let mut body = resp.into_body();
-        let mut buf = BytesMut::new();
+        let mut stream =
+            codec::client::ServerStream::<_, StartResponse>::new(resp.into_body(), MAX_ENVELOPE);
         let mut end: Option<ProcessEnd> = None;
         loop {
-            while let Some((flags, payload)) = decode_envelope(&mut buf)? {
-                if flags & 0x02 != 0 {
-                    let eos: EndOfStream = serde_json::from_slice(&payload)
-                        .map_err(|e| Error::Envd(format!("bad end-of-stream: {e}")))?;
-                    if let Some(err) = eos.error {
-                        return Err(Error::Envd(format!(
-                            "process stream: [{}] {}",
-                            err.code, err.message
-                        )));
-                    }
+            let msg = match stream.next().await {
+                Ok(Some(msg)) => msg,
+                Ok(None) => {
                     return end
                         .ok_or_else(|| Error::Envd("command ended without an end event".into()));
                 }
-                let msg: StartResponse = serde_json::from_slice(&payload)
-                    .map_err(|e| Error::Envd(format!("bad event: {e}")))?;
-                let Some(ev) = msg.event else { continue };
-                if let Some(s) = ev.start {
-                    on_event(ProcessEvent::Start(s.pid));
+                Err(StreamError::Rpc(e)) => {
+                    return Err(Error::Envd(format!(
+                        "process stream: [{}] {}",
+                        e.code.as_str(),
+                        e.message
+                    )));
                 }
-                if let Some(d) = ev.data {
-                    if let Some(s) = d.stdout.or(d.pty) {
-                        on_event(ProcessEvent::Stdout(decode_b64(&s)?));
-                    }
-                    if let Some(s) = d.stderr {
-                        on_event(ProcessEvent::Stderr(decode_b64(&s)?));
-                    }
+                Err(StreamError::Protocol(m)) => return Err(Error::Envd(format!("stream: {m}"))),
+            };
+            let Some(ev) = msg.event else { continue };
+            if let Some(s) = ev.start {
+                on_event(ProcessEvent::Start(s.pid));
+            }
+            if let Some(d) = ev.data {
+                if let Some(s) = d.stdout.or(d.pty) {
+                    on_event(ProcessEvent::Stdout(decode_b64(&s)?));
                 }
-                if let Some(e) = ev.end {
-                    end = Some(ProcessEnd {
-                        exit_code: e.exit_code,
-                        exited: e.exited,
-                        status: e.status,
-                    });
+                if let Some(s) = d.stderr {
+                    on_event(ProcessEvent::Stderr(decode_b64(&s)?));
                 }
             }
-            match body.frame().await {
-                Some(Ok(frame)) => {
-                    if let Ok(data) = frame.into_data() {
-                        buf.extend_from_slice(&data);
-                    }
-                }
-                Some(Err(e)) => return Err(Error::Envd(format!("stream: {e}"))),
-                None => {
-                    return end
-                        .ok_or_else(|| Error::Envd("stream closed without an end event".into()));
-                }
+            if let Some(e) = ev.end {
+                end = Some(ProcessEnd {
+                    exit_code: e.exit_code,
+                    exited: e.exited,
+                    status: e.status,
+                });
             }
         }
     }
@@ -474,15 +453,6 @@ impl EnvdClient {
 fn decode_b64(s: &str) -> Result<Vec<u8>> {
     B64.decode(s)
         .map_err(|e| Error::Envd(format!("bad base64 in output: {e}")))
-}
-
-/// One Connect envelope.
-pub fn encode_envelope(flags: u8, payload: &[u8]) -> Bytes {
-    let mut out = BytesMut::with_capacity(5 + payload.len());
-    out.extend_from_slice(&[flags]);
-    out.extend_from_slice(&(payload.len() as u32).to_be_bytes());
-    out.extend_from_slice(payload);
-    out.freeze()
 }
 
 /// The start of an error answer's body, for a message: at most [`MAX_ERROR_BODY`] bytes,
@@ -512,47 +482,9 @@ const MAX_ERROR_BODY: usize = 4096;
 /// How long [`error_body`] waits for it.
 const ERROR_BODY_TIME: Duration = Duration::from_secs(2);
 
-/// Take one complete envelope off the front of `buf`, if there is one.
-pub fn decode_envelope(buf: &mut BytesMut) -> Result<Option<(u8, Bytes)>> {
-    if buf.len() < 5 {
-        return Ok(None);
-    }
-    let len = u32::from_be_bytes([buf[1], buf[2], buf[3], buf[4]]) as usize;
-    if len > 64 << 20 {
-        return Err(Error::Envd(format!("envelope of {len} bytes is too large")));
-    }
-    if buf.len() < 5 + len {
-        return Ok(None);
-    }
-    let flags = buf[0];
-    buf.advance(5);
-    Ok(Some((flags, buf.split_to(len).freeze())))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn envelopes_roundtrip_in_pieces() {
-        let a = encode_envelope(0, br#"{"event":{"start":{"pid":7}}}"#);
-        let b = encode_envelope(2, b"{}");
-        let mut all = BytesMut::new();
-        all.extend_from_slice(&a);
-        all.extend_from_slice(&b);
-        let mut buf = BytesMut::new();
-        let mut got = Vec::new();
-        for chunk in all.chunks(3) {
-            buf.extend_from_slice(chunk);
-            while let Some(e) = decode_envelope(&mut buf).unwrap() {
-                got.push(e);
-            }
-        }
-        assert_eq!(got.len(), 2);
-        assert_eq!(got[0].0, 0);
-        assert_eq!(&got[0].1[..], br#"{"event":{"start":{"pid":7}}}"#);
-        assert_eq!(got[1], (2, Bytes::from_static(b"{}")));
-    }
 
     /// An envd (or whatever the sandbox's root put on its socket) answering an error
     /// with an endless body: the client reads a bounded prefix and returns.
@@ -626,12 +558,6 @@ mod tests {
         let _ = std::fs::remove_dir_all(&dir);
     }
 
-    #[test]
-    fn oversized_envelope_is_an_error() {
-        let mut buf = BytesMut::from(&[0u8, 0xff, 0xff, 0xff, 0xff][..]);
-        assert!(decode_envelope(&mut buf).is_err());
-    }
-
     /// A fake envd on a Unix socket answering /health, /init and a Start stream.
     #[tokio::test]
     async fn talks_to_a_fake_envd() {
@@ -675,9 +601,9 @@ mod tests {
                             br#"{"event":{"data":{"stderr":"ZXJy"}}}"#,
                             br#"{"event":{"end":{"exitCode":3,"exited":true,"status":"exit status 3"}}}"#,
                         ] {
-                            body.extend_from_slice(&encode_envelope(0, m));
+                            body.extend_from_slice(&codec::envelope(0, m));
                         }
-                        body.extend_from_slice(&encode_envelope(2, b"{}"));
+                        body.extend_from_slice(&codec::end_stream_envelope(Ok(())));
                         let head = format!(
                             "HTTP/1.1 200 OK\r\ncontent-type: application/connect+json\r\ncontent-length: {}\r\n\r\n",
                             body.len()

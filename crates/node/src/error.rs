@@ -36,7 +36,8 @@ pub enum Error {
     /// The request is invalid (bad id, bad limits, ...).
     #[error("invalid request: {0}")]
     InvalidRequest(String),
-    /// The sandbox is not in a state that allows the operation (e.g. not running).
+    /// The sandbox is not in a state that allows the operation (e.g. not running,
+    /// already paused, paused and asked to fork, being paused).
     #[error("{0}")]
     Conflict(String),
     /// No free uid range / slot left.
@@ -64,6 +65,22 @@ pub enum Error {
     /// The slot range overlaps another node's on this host.
     #[error("{0}")]
     SlotsTaken(String),
+    /// Checkpoint or restore failed at step `what` (the sandbox's state before the
+    /// step is intact: a failed pause leaves it running, a failed resume paused).
+    #[error("{what}: {source}")]
+    Checkpoint {
+        /// What was being done (e.g. `pausing sandbox x`).
+        what: String,
+        /// The checkpoint layer's error.
+        #[source]
+        source: cubicle_checkpoint::Error,
+    },
+    /// This node cannot do it (e.g. no CRIU installed); the message says what to do.
+    #[error("{0}")]
+    Unsupported(String),
+    /// A snapshot that does not exist.
+    #[error("snapshot '{0}' not found")]
+    SnapshotNotFound(String),
     /// A JSON record could not be read or written.
     #[error("record {path}: {source}")]
     Record {

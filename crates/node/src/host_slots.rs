@@ -18,7 +18,6 @@
 use std::fs::{File, OpenOptions};
 use std::io::Write;
 use std::ops::Range;
-use std::os::fd::AsRawFd;
 use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 
@@ -72,7 +71,7 @@ pub fn lease(
         .ctx("mkdir", registry)?;
     let lock_path = registry.join(".lock");
     let lock = open_rw(&lock_path)?;
-    flock(&lock, libc::LOCK_EX, &lock_path)?;
+    flock(&lock, true, &lock_path)?;
 
     let state_dir = std::fs::canonicalize(state_dir).ctx("resolve", state_dir)?;
     let own_path = registry.join(format!("{}.json", key(&state_dir)));
@@ -133,7 +132,7 @@ pub fn lease(
     }
 
     let own = open_rw(&own_path)?;
-    flock(&own, libc::LOCK_EX | libc::LOCK_NB, &own_path).map_err(|_| {
+    flock(&own, false, &own_path).map_err(|_| {
         Error::StateDirBusy(format!(
             "another process holds the slot registration of {} ({})",
             state_dir.display(),
@@ -165,8 +164,7 @@ fn live_entry(path: &Path) -> Result<Option<Entry>> {
     let entry: Option<Entry> = std::fs::read(path)
         .ok()
         .and_then(|b| serde_json::from_slice(&b).ok());
-    // SAFETY: flock on a descriptor we own.
-    let held = unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0;
+    let held = cubicle_syscalls::fs::lock_exclusive(&file, false).is_err();
     let Some(entry) = entry else {
         if !held {
             let _ = std::fs::remove_file(path);
@@ -211,12 +209,9 @@ fn open_rw(path: &Path) -> Result<File> {
         .ctx("open", path)
 }
 
-fn flock(file: &File, op: libc::c_int, path: &Path) -> Result<()> {
-    // SAFETY: flock on a descriptor we own.
-    if unsafe { libc::flock(file.as_raw_fd(), op) } != 0 {
-        return Err(Error::io("flock", path, std::io::Error::last_os_error()));
-    }
-    Ok(())
+/// An exclusive lock on `file`, waiting for it when `wait`.
+fn flock(file: &File, wait: bool, path: &Path) -> Result<()> {
+    cubicle_syscalls::fs::lock_exclusive(file, wait).map_err(|e| Error::io("flock", path, e))
 }
 
 #[cfg(test)]

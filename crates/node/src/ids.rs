@@ -1,5 +1,7 @@
-//! Sandbox ids (`i` + 20 random lowercase alphanumerics, like E2B) and access tokens.
+//! New sandbox ids (`i` + 20 random lowercase alphanumerics, like E2B; the rule every id
+//! follows is [`SandboxId`](cubicle_runtime::SandboxId)) and access tokens.
 
+use cubicle_runtime::SandboxId;
 use rand::Rng;
 
 const ALPHABET: &[u8] = b"abcdefghijklmnopqrstuvwxyz0123456789";
@@ -13,23 +15,14 @@ pub fn random_suffix(n: usize) -> String {
 }
 
 /// A new sandbox id: `i` + 20 random lowercase alphanumerics.
-pub fn new_sandbox_id() -> String {
-    format!("i{}", random_suffix(20))
+pub fn new_sandbox_id() -> SandboxId {
+    // Always valid: 21 characters of [a-z0-9].
+    SandboxId::parse(&format!("i{}", random_suffix(20))).unwrap_or_else(|_| unreachable!())
 }
 
 /// A new envd access token (32 random alphanumerics).
 pub fn new_access_token() -> String {
     random_suffix(32)
-}
-
-/// Whether `id` is a valid sandbox id (`^[a-z0-9]{1,32}$`: it names cgroups and
-/// directories).
-pub fn is_valid_sandbox_id(id: &str) -> bool {
-    !id.is_empty()
-        && id.len() <= 32
-        && id
-            .bytes()
-            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit())
 }
 
 #[cfg(test)]
@@ -42,10 +35,7 @@ mod tests {
         let b = new_sandbox_id();
         assert_eq!(a.len(), 21);
         assert!(a.starts_with('i'));
-        assert!(is_valid_sandbox_id(&a));
+        assert!(SandboxId::is_valid(&a));
         assert_ne!(a, b);
-        assert!(!is_valid_sandbox_id("I-x"));
-        assert!(!is_valid_sandbox_id(""));
-        assert!(!is_valid_sandbox_id("../a"));
     }
 }

@@ -16,6 +16,7 @@ pub mod build;
 pub mod config;
 pub mod envd_client;
 pub mod error;
+pub mod host;
 pub mod host_slots;
 pub mod ids;
 pub mod linux;
@@ -28,21 +29,29 @@ pub mod reconcile;
 pub mod runtime;
 pub mod sandbox;
 pub mod slots;
+pub mod snapshot;
 pub mod traces;
 pub mod volume;
 
 pub use config::{NetworkOptions, NodeConfig, default_state_dir};
 pub use cubicle_egress::policy as network_policy;
 pub use cubicle_egress::{NetEvent, NetworkPolicy, allow_list, check_ca_pem};
+pub use cubicle_runtime::SandboxId;
 pub use cubicle_template as template;
 pub use cubicle_template::fsutil;
 pub use envd_client::{EnvdClient, ProcessEnd, ProcessEvent, ProcessSpec};
 pub use error::{Error, Result};
-pub use node::{Node, records_on_disk, sandboxes_using_template};
+pub use node::{
+    CHECKPOINT_DIR, Node, PauseReport, PauseRequest, ResumeOutcome, SnapshotReport,
+    SnapshotRequest, layers_in_use_on_disk, records_on_disk,
+    sandboxes_using_template,
+};
 pub use pool::{PoolStats, parse_pool_spec};
 pub use sandbox::{
-    CreateRequest, DeathReason, InitPidfd, SandboxInfo, SandboxRecord, SandboxState, VolumeMount,
+    CreateRequest, DeathReason, InitPidfd, Lifecycle, PauseMode, SandboxInfo, SandboxRecord,
+    SandboxState, VolumeMount,
 };
+pub use snapshot::SnapshotRecord;
 
 impl Node {
     /// Open the node with the Linux runtime (`cubicle-runtime`): see

@@ -16,7 +16,7 @@ use std::sync::Mutex;
 use cubicle_egress::{Egress, EgressConfig, NetEvent};
 use cubicle_runtime::network::{Netns, Network, NetworkConfig};
 use cubicle_runtime::storage::Storage;
-use cubicle_runtime::{Cgroup, Limits, Sandbox, SandboxSpec};
+use cubicle_runtime::{Cgroup, Limits, Sandbox, SandboxId, SandboxSpec};
 
 use crate::config::NodeConfig;
 use crate::error::{Error, Result};
@@ -26,6 +26,8 @@ use crate::sandbox::{DeathReason, NetworkPolicy};
 /// The Linux isolation layer.
 pub struct LinuxRuntime {
     sandboxes: Mutex<HashMap<String, Sandbox>>,
+    /// CRIU for checkpoints; `Err` (logged) says why there are none on this host.
+    criu: std::result::Result<cubicle_checkpoint::Criu, String>,
     /// `None` when the host network could not be prepared (then only `internet: false`
     /// sandboxes can be created); the error says why.
     network: std::result::Result<Network, String>,
@@ -92,8 +94,13 @@ impl LinuxRuntime {
             tracing::warn!("disk quotas unavailable, sandboxes get unlimited disk: {e}");
             e.to_string()
         });
+        let criu = cubicle_checkpoint::Criu::open(state_dir).map_err(|e| {
+            tracing::warn!("pause, snapshots and forks unavailable: {e}");
+            e.to_string()
+        });
         Ok(LinuxRuntime {
             sandboxes: Mutex::new(HashMap::new()),
+            criu,
             network,
             egress,
             storage,
@@ -141,20 +148,120 @@ impl LinuxRuntime {
         self.sandboxes.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// The quota filesystem, which volumes need (without it there are none).
-    fn storage(&self) -> Result<&Storage> {
-        self.storage.as_ref().map_err(|e| {
-            Error::Runtime(format!(
-                "volumes need the quota filesystem, which is unavailable: {e}"
-            ))
-        })
-    }
-
     fn network(&self) -> Result<&Network> {
         // The runtime's error was logged when the node opened; its text is all that is kept.
         self.network
             .as_ref()
             .map_err(|e| Error::Runtime(format!("sandbox networking unavailable: {e}")))
+    }
+}
+
+/// The runtime's spec of the sandbox the node describes.
+fn sandbox_spec(s: &StartSpec) -> SandboxSpec {
+    let mut spec = SandboxSpec::new(
+        s.id.as_str(),
+        &s.rootfs,
+        &s.sandbox_dir,
+        s.uid_base,
+        s.init.clone(),
+    );
+    spec.layers = s.layers.clone();
+    spec.uid_count = s.uid_count;
+    spec.hostname = s.hostname.clone();
+    spec.limits = Limits {
+        memory_bytes: s.memory_mb << 20,
+        cpu_millis: s.cpus.saturating_mul(1000),
+        pids: s.pids,
+    };
+    spec.internet = s.internet;
+    spec.env = s.env.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
+    spec.envd_binary = Some(s.envd_binary.clone());
+    spec.log_file = Some(s.sandbox_dir.join("init.log"));
+    spec.binds = s
+        .binds
+        .iter()
+        .map(|(source, target, readonly)| cubicle_runtime::BindMount {
+            source: source.clone(),
+            target: target.clone(),
+            readonly: *readonly,
+            idmapped: false,
+        })
+        .chain(
+            s.volumes
+                .iter()
+                .map(|(source, target, readonly)| cubicle_runtime::BindMount {
+                    source: source.clone(),
+                    target: target.clone(),
+                    readonly: *readonly,
+                    idmapped: true,
+                }),
+        )
+        .collect();
+    spec
+}
+
+fn ck_err(what: String, source: cubicle_checkpoint::Error) -> Error {
+    Error::Checkpoint { what, source }
+}
+
+/// The runtime-private facts of a started sandbox (its addresses, how long it took).
+fn started_state(
+    timings: &[(String, std::time::Duration)],
+    net: Option<&cubicle_runtime::network::NetInfo>,
+) -> serde_json::Value {
+    let mut state = serde_json::json!({ "timingsUs": timings.iter()
+        .map(|(k, d)| (k.clone(), serde_json::Value::from(d.as_micros() as u64)))
+        .collect::<serde_json::Map<_, _>>() });
+    if let Some(info) = net {
+        state["hostIfname"] = info.host_ifname.clone().into();
+        state["sandboxIp"] = info.sandbox_ip.to_string().into();
+        state["gateway"] = info.gateway.to_string().into();
+    }
+    state
+}
+
+impl LinuxRuntime {
+    fn criu(&self) -> Result<&cubicle_checkpoint::Criu> {
+        self.criu
+            .as_ref()
+            .map_err(|e| Error::Unsupported(format!("this node cannot checkpoint sandboxes: {e}")))
+    }
+
+    /// The quota filesystem, which volumes and snapshots need (without it there are
+    /// none).
+    fn storage(&self) -> Result<&Storage> {
+        self.storage.as_ref().map_err(|e| {
+            Error::Unsupported(format!(
+                "volumes and snapshots need the quota filesystem, which is unavailable: {e}"
+            ))
+        })
+    }
+
+    /// Kills what is left of the sandbox (after a checkpoint that ended it: nothing but
+    /// the init to reap), removes its cgroup and network objects; its directory stays.
+    fn release(&self, id: &str, slot: u32) -> Result<()> {
+        if let Some(sb) = self.handles().remove(id) {
+            // This reaps the init (our child) and waits for the cgroup to empty.
+            sb.kill().map_err(|e| rt_err(&format!("stop {id}"), e))?;
+        }
+        let cg = Cgroup::handle(id).map_err(|e| rt_err("cgroup", e))?;
+        cg.kill_all().map_err(|e| rt_err("cgroup", e))?;
+        cg.remove().map_err(|e| rt_err("cgroup", e))?;
+        self.detach_network(slot)
+    }
+
+    /// Forgets `slot`'s egress policy and removes its network objects.
+    fn detach_network(&self, slot: u32) -> Result<()> {
+        let Ok(net) = &self.network else {
+            return Ok(());
+        };
+        if let (Some(eg), Ok(info)) = (&self.egress, net.slot_info(slot))
+            && eg.policy_of(info.sandbox_ip).is_some()
+        {
+            eg.unregister(info.sandbox_ip);
+        }
+        net.detach(slot)
+            .map_err(|e| rt_err(&format!("network detach of slot {slot}"), e))
     }
 }
 
@@ -170,47 +277,14 @@ impl Drop for LinuxRuntime {
 
 impl SandboxRuntime for LinuxRuntime {
     fn start(&self, s: &StartSpec) -> Result<Started> {
-        let mut spec =
-            SandboxSpec::new(&s.id, &s.rootfs, &s.sandbox_dir, s.uid_base, s.init.clone());
-        spec.layers = s.layers.clone();
-        spec.uid_count = s.uid_count;
-        spec.hostname = s.hostname.clone();
-        spec.limits = Limits {
-            memory_bytes: s.memory_mb << 20,
-            cpu_millis: s.cpus.saturating_mul(1000),
-            pids: s.pids,
-        };
-        spec.internet = s.internet;
-        spec.env = s.env.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
-        spec.envd_binary = Some(s.envd_binary.clone());
-        spec.log_file = Some(s.sandbox_dir.join("init.log"));
-        spec.binds =
-            s.binds
-                .iter()
-                .map(|(source, target, readonly)| cubicle_runtime::BindMount {
-                    source: source.clone(),
-                    target: target.clone(),
-                    readonly: *readonly,
-                    idmapped: false,
-                })
-                .chain(s.volumes.iter().map(|(source, target, readonly)| {
-                    cubicle_runtime::BindMount {
-                        source: source.clone(),
-                        target: target.clone(),
-                        readonly: *readonly,
-                        idmapped: true,
-                    }
-                }))
-                .collect();
+        let spec = sandbox_spec(s);
         if s.internet {
             // Fail before spawning if the network cannot work at all.
             self.network()?;
         }
         let sb = cubicle_runtime::spawn(&spec).map_err(|e| rt_err("spawn", e))?;
         let pid = sb.pid();
-        let mut state = serde_json::json!({ "timingsUs": sb.timings().iter()
-            .map(|(k, d)| (k.clone(), serde_json::Value::from(d.as_micros() as u64)))
-            .collect::<serde_json::Map<_, _>>() });
+        let mut net_info = None;
         if s.internet {
             let attach = self.network().and_then(|net| {
                 let ns = Netns::from_pid(pid).map_err(|e| rt_err("netns", e))?;
@@ -220,11 +294,7 @@ impl SandboxRuntime for LinuxRuntime {
             let attach =
                 attach.and_then(|info| self.apply_policy(&s.id, s.slot, &s.network).map(|()| info));
             match attach {
-                Ok(info) => {
-                    state["hostIfname"] = info.host_ifname.clone().into();
-                    state["sandboxIp"] = info.sandbox_ip.to_string().into();
-                    state["gateway"] = info.gateway.to_string().into();
-                }
+                Ok(info) => net_info = Some(info),
                 Err(e) => {
                     let _ = sb.destroy();
                     if let Ok(net) = self.network() {
@@ -234,7 +304,8 @@ impl SandboxRuntime for LinuxRuntime {
                 }
             }
         }
-        self.handles().insert(s.id.clone(), sb);
+        let state = started_state(sb.timings(), net_info.as_ref());
+        self.handles().insert(s.id.to_string(), sb);
         Ok(Started { pid, state })
     }
 
@@ -249,7 +320,7 @@ impl SandboxRuntime for LinuxRuntime {
         let handle = self.handles().remove(id);
         let res = match handle {
             Some(sb) => sb.destroy(),
-            None if cubicle_runtime::valid_id(id) => {
+            None if SandboxId::is_valid(id) => {
                 match cubicle_runtime::remove_leftovers(id, Some(sandbox_dir)) {
                     Err(cubicle_runtime::Error::NotFound(_)) => Ok(()),
                     other => other,
@@ -258,14 +329,8 @@ impl SandboxRuntime for LinuxRuntime {
             None => Ok(()),
         };
         res.map_err(|e| rt_err(&format!("destroy {id}"), e))?;
-        if let (Some(slot), Ok(net)) = (slot, &self.network) {
-            if let (Some(eg), Ok(info)) = (&self.egress, net.slot_info(slot))
-                && eg.policy_of(info.sandbox_ip).is_some()
-            {
-                eg.unregister(info.sandbox_ip);
-            }
-            net.detach(slot)
-                .map_err(|e| rt_err(&format!("network detach of slot {slot}"), e))?;
+        if let Some(slot) = slot {
+            self.detach_network(slot)?;
         }
         // Nothing of the sandbox should be mounted on the host; be sure anyway.
         crate::fsutil::unmount_all_under(sandbox_dir);
@@ -275,12 +340,13 @@ impl SandboxRuntime for LinuxRuntime {
     fn create_dir(&self, id: &str, dir: &Path, disk_mb: u64) -> Result<()> {
         match &self.storage {
             Ok(st) => {
+                let id = SandboxId::parse(id).map_err(|e| rt_err("sandbox directory", e))?;
                 let made = st
-                    .create_sandbox_dir(id, disk_mb << 20)
+                    .create_sandbox_dir(&id, disk_mb << 20)
                     .map_err(|e| rt_err("sandbox directory", e))?;
                 if made != dir && std::fs::canonicalize(dir).ok().as_deref() != Some(made.as_path())
                 {
-                    let _ = st.remove_sandbox_dir(id);
+                    let _ = st.remove_sandbox_dir(&id);
                     return Err(Error::Runtime(format!(
                         "storage made {} but the node expects {}",
                         made.display(),
@@ -296,8 +362,8 @@ impl SandboxRuntime for LinuxRuntime {
     fn remove_dir(&self, id: &str, dir: &Path) -> Result<()> {
         crate::fsutil::unmount_all_under(dir);
         match &self.storage {
-            Ok(st) if cubicle_runtime::valid_id(id) => st
-                .remove_sandbox_dir(id)
+            Ok(st) if let Ok(id) = SandboxId::parse(id) => st
+                .remove_sandbox_dir(&id)
                 .map_err(|e| rt_err(&format!("removing {}", dir.display()), e)),
             _ => Ok(crate::fsutil::remove_tree(dir)?),
         }
@@ -332,7 +398,12 @@ impl SandboxRuntime for LinuxRuntime {
             return Some(DeathReason::Oom);
         }
         // Full (within 1 MiB of the limit) writable layer.
-        let usage = self.storage.as_ref().ok()?.usage(id).ok()?;
+        let usage = self
+            .storage
+            .as_ref()
+            .ok()?
+            .usage(&SandboxId::parse(id).ok()?)
+            .ok()?;
         (usage.limit_bytes > 0 && usage.used_bytes + (1 << 20) >= usage.limit_bytes)
             .then_some(DeathReason::DiskFull)
     }
@@ -383,7 +454,9 @@ impl SandboxRuntime for LinuxRuntime {
             return None;
         }
         let s = c.stats().ok()?;
-        let disk = self.storage.as_ref().ok().and_then(|st| st.usage(id).ok());
+        let disk = (self.storage.as_ref().ok())
+            .zip(SandboxId::parse(id).ok())
+            .and_then(|(st, id)| st.usage(&id).ok());
         Some(crate::runtime::SandboxStats {
             memory_bytes: s.memory_bytes,
             oom_kills: s.oom_kills,
@@ -399,6 +472,182 @@ impl SandboxRuntime for LinuxRuntime {
         match &self.network {
             Ok(net) => net.max_slots(),
             Err(_) => 32768,
+        }
+    }
+
+    fn stop(&self, id: &str, slot: u32) -> Result<()> {
+        self.release(id, slot)
+    }
+
+    fn checkpoint_support(&self) -> std::result::Result<(), String> {
+        self.criu.as_ref().map(drop).map_err(Clone::clone)?;
+        self.storage
+            .as_ref()
+            .map(drop)
+            .map_err(|e| format!("no quota filesystem: {e}"))
+    }
+
+    fn checkpoint(
+        &self,
+        c: &crate::runtime::CheckpointSpec<'_>,
+    ) -> Result<crate::runtime::CheckpointInfo> {
+        let criu = self.criu()?;
+        let spec = sandbox_spec(c.start);
+        let id = &c.start.id;
+        let storage = match &c.snapshot {
+            Some(_) => Some(self.storage()?),
+            None => None,
+        };
+        let mut snap = || -> cubicle_checkpoint::Result<()> {
+            if let (Some(name), Some(st)) = (&c.snapshot, storage) {
+                st.snapshot_sandbox_dir(id, name)?;
+            }
+            Ok(())
+        };
+        let what = if c.leave_running {
+            "snapshot of sandbox"
+        } else {
+            "pausing sandbox"
+        };
+        if !c.memory {
+            // Disk only: one frozen instant for the copy, no checkpoint.
+            let t0 = std::time::Instant::now();
+            let name = c.snapshot.as_deref().ok_or_else(|| {
+                Error::InvalidRequest("a checkpoint without memory needs a snapshot name".into())
+            })?;
+            let st = self.storage()?;
+            let cg = Cgroup::handle(id).map_err(|e| rt_err("cgroup", e))?;
+            cg.freeze(std::time::Duration::from_secs(5))
+                .map_err(|e| rt_err(&format!("freeze {id}"), e))?;
+            let t_frozen = std::time::Instant::now();
+            let res = st.snapshot_sandbox_dir(id, name);
+            let thawed = cg.thaw();
+            res.map_err(|e| rt_err(&format!("{what} {id}"), e))?;
+            thawed.map_err(|e| rt_err(&format!("thaw {id}"), e))?;
+            return Ok(crate::runtime::CheckpointInfo {
+                frozen: t_frozen.elapsed(),
+                total: t0.elapsed(),
+                bytes: 0,
+                phases: Vec::new(),
+            });
+        }
+        let report = cubicle_checkpoint::dump(
+            criu,
+            cubicle_checkpoint::DumpRequest {
+                spec: &spec,
+                init_pid: c.pid,
+                dir: &c.dir,
+                leave_running: c.leave_running,
+                while_frozen: Some(&mut snap),
+            },
+        )
+        .map_err(|e| ck_err(format!("{what} {id}"), e))?;
+        if !c.leave_running {
+            self.release(id, c.start.slot)?;
+        }
+        Ok(crate::runtime::CheckpointInfo {
+            frozen: report.frozen,
+            total: report.total,
+            bytes: report.bytes,
+            phases: report.phases,
+        })
+    }
+
+    fn restore(&self, s: &StartSpec, checkpoint_dir: &Path) -> Result<Started> {
+        let criu = self.criu()?;
+        let spec = sandbox_spec(s);
+        let net = if s.internet {
+            Some(self.network()?)
+        } else {
+            None
+        };
+        let log_path = s.sandbox_dir.join("init.log");
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&log_path)
+            .map_err(|e| Error::io("open", &log_path, e))?;
+        let mut attached = None;
+        let mut on_ns = |pid: i32| -> cubicle_checkpoint::Result<()> {
+            let ns = Netns::from_pid(pid)?;
+            cubicle_runtime::network::loopback_up(&ns)?;
+            if let Some(net) = net {
+                attached = Some(net.attach(&ns, s.slot)?);
+            }
+            Ok(())
+        };
+        let restored = cubicle_checkpoint::restore(
+            criu,
+            cubicle_checkpoint::RestoreRequest {
+                spec: &spec,
+                dir: checkpoint_dir,
+                stdio: Some(log.into()),
+                on_namespaces: &mut on_ns,
+            },
+        );
+        let restored = match restored {
+            Ok(r) => r,
+            Err(e) => {
+                if let Ok(cg) = Cgroup::handle(&s.id) {
+                    let _ = cg.kill_all();
+                    let _ = cg.remove();
+                }
+                if let Some(net) = net {
+                    let _ = net.detach(s.slot);
+                }
+                return Err(ck_err(format!("restoring sandbox {}", s.id), e));
+            }
+        };
+        let sb = Sandbox::adopt(&s.id, &s.sandbox_dir).map_err(|e| rt_err("adopt restored", e))?;
+        if attached.is_some()
+            && let Err(e) = self.apply_policy(&s.id, s.slot, &s.network)
+        {
+            let _ = sb.destroy();
+            let _ = self.detach_network(s.slot);
+            return Err(e);
+        }
+        if sb.pid() != restored.pid {
+            tracing::warn!(sandbox = %s.id, criu = restored.pid, found = sb.pid(), "restored init pid differs");
+        }
+        let pid = sb.pid();
+        self.handles().insert(s.id.to_string(), sb);
+        Ok(Started {
+            pid,
+            state: started_state(&restored.timings, attached.as_ref()),
+        })
+    }
+
+    fn clone_snapshot(&self, snapshot: &str, id: &str, dir: &Path, disk_mb: u64) -> Result<()> {
+        let st = self.storage()?;
+        let id = SandboxId::parse(id).map_err(|e| rt_err("sandbox directory", e))?;
+        let made = st
+            .clone_snapshot(snapshot, &id, disk_mb << 20)
+            .map_err(|e| rt_err(&format!("copy of snapshot {snapshot}"), e))?;
+        if made != dir && std::fs::canonicalize(dir).ok().as_deref() != Some(made.as_path()) {
+            let _ = st.remove_sandbox_dir(&id);
+            return Err(Error::Runtime(format!(
+                "storage made {} but the node expects {}",
+                made.display(),
+                dir.display()
+            )));
+        }
+        Ok(())
+    }
+
+    fn snapshot_dir(&self, snapshot: &str) -> Result<std::path::PathBuf> {
+        Ok(self.storage()?.root().join(snapshot))
+    }
+
+    fn remove_snapshot(&self, snapshot: &str) -> Result<()> {
+        self.storage()?
+            .remove_snapshot(snapshot)
+            .map_err(|e| rt_err(&format!("removing snapshot {snapshot}"), e))
+    }
+
+    fn snapshots(&self) -> Result<Vec<String>> {
+        match &self.storage {
+            Ok(st) => st.snapshots().map_err(|e| rt_err("listing snapshots", e)),
+            Err(_) => Ok(Vec::new()),
         }
     }
 

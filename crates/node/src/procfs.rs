@@ -1,7 +1,5 @@
 //! Process facts from /proc and pidfds: start times (to tell a live init from a reused
-//! pid after a node restart) and waiting for a process that is not our child.
-
-use std::os::fd::{FromRawFd, OwnedFd};
+//! pid after a node restart) and whether a process that is not our child is alive.
 
 /// Start time (clock ticks since boot, field 22 of `/proc/PID/stat`) of `pid`.
 pub fn start_time(pid: i32) -> Option<u64> {
@@ -28,29 +26,6 @@ pub fn is_alive(pid: i32, start: Option<u64>) -> bool {
         Some(s) => start_time(pid) == Some(s),
         None => true,
     }
-}
-
-/// `pidfd_open(pid, 0)`: becomes readable when the process exits.
-pub fn pidfd_open(pid: i32) -> std::io::Result<OwnedFd> {
-    // SAFETY: plain syscall; on success the kernel returns a new fd we own.
-    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
-    if fd < 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    // SAFETY: fd is a fresh, valid descriptor.
-    Ok(unsafe { OwnedFd::from_raw_fd(fd as i32) })
-}
-
-/// Whether the process a pidfd names has exited (a poll that does not wait).
-pub fn pidfd_exited(fd: &OwnedFd) -> bool {
-    use std::os::fd::AsRawFd;
-    let mut pfd = libc::pollfd {
-        fd: fd.as_raw_fd(),
-        events: libc::POLLIN,
-        revents: 0,
-    };
-    // SAFETY: one valid pollfd, no wait.
-    unsafe { libc::poll(&mut pfd, 1, 0) > 0 }
 }
 
 #[cfg(test)]

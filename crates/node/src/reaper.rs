@@ -30,18 +30,36 @@ pub(crate) async fn run(weak: Weak<Inner>) {
                         id.clone(),
                         live.record.death_reason.unwrap_or(DeathReason::Exited),
                     ));
-                } else if live.record.state == SandboxState::Running {
+                } else if live.record.state == SandboxState::Running && live.busy.is_none() {
                     if live.record.end_at_ms <= now {
-                        expired.push(id.clone());
+                        expired.push((id.clone(), live.record.lifecycle));
                     } else {
                         next = next.min(live.record.end_at_ms);
                     }
                 }
             }
         }
-        for id in expired {
-            tracing::info!(sandbox = %id, "end time reached, killing");
+        for (id, lifecycle) in expired {
             let inner = inner.clone();
+            if lifecycle.auto_pause {
+                tracing::info!(sandbox = %id, "end time reached, pausing");
+                // Busy from now on, so the next pass leaves it alone.
+                tokio::spawn(async move {
+                    let req = crate::node::PauseRequest {
+                        memory: lifecycle.auto_pause_memory,
+                        require_healthy_guest: false,
+                    };
+                    if let Err(e) = inner.pause(&id, req).await {
+                        if matches!(e, crate::Error::Conflict(_)) {
+                            return;
+                        }
+                        tracing::warn!(sandbox = %id, "pausing at the end time failed, killing: {e}");
+                        inner.finish(&id, DeathReason::Timeout, false).await;
+                    }
+                });
+                continue;
+            }
+            tracing::info!(sandbox = %id, "end time reached, killing");
             tokio::spawn(async move { inner.finish(&id, DeathReason::Timeout, false).await });
         }
         for (id, reason) in retry {

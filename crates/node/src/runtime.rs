@@ -10,6 +10,8 @@ use std::path::PathBuf;
 
 use serde::{Deserialize, Serialize};
 
+use cubicle_runtime::SandboxId;
+
 use crate::error::Result;
 use crate::sandbox::DeathReason;
 
@@ -17,7 +19,7 @@ use crate::sandbox::DeathReason;
 #[derive(Debug, Clone)]
 pub struct StartSpec {
     /// Sandbox id (`^[a-z0-9]{1,32}$`).
-    pub id: String,
+    pub id: SandboxId,
     /// Template rootfs (read-only lower layer, owned by host uid 0).
     pub rootfs: PathBuf,
     /// The template's further layers above `rootfs`, bottom first.
@@ -86,8 +88,43 @@ pub struct SandboxStats {
     pub disk_limit_bytes: Option<u64>,
 }
 
+/// A checkpoint to take of a running sandbox.
+#[derive(Debug, Clone)]
+pub struct CheckpointSpec<'a> {
+    /// The sandbox as it was started (its mounts decide what is saved how).
+    pub start: &'a StartSpec,
+    /// Host pid of its init.
+    pub pid: i32,
+    /// Directory for the checkpoint (created; must not exist).
+    pub dir: PathBuf,
+    /// Let it run on (snapshot, fork) instead of ending it (pause).
+    pub leave_running: bool,
+    /// Also take a copy-on-write copy of its whole directory (writable layer and the
+    /// checkpoint) under this name, at the same frozen instant.
+    pub snapshot: Option<String>,
+    /// Save memory and processes (CRIU); false: only the [`snapshot`](Self::snapshot)
+    /// of the disk, taken while the sandbox is frozen (`leave_running` must be true).
+    pub memory: bool,
+}
+
+/// How a checkpoint went.
+#[derive(Debug, Clone, Default)]
+pub struct CheckpointInfo {
+    /// How long the sandbox was stopped.
+    pub frozen: std::time::Duration,
+    /// The whole operation.
+    pub total: std::time::Duration,
+    /// Bytes written.
+    pub bytes: u64,
+    /// Step timings from the start.
+    pub phases: Vec<(String, std::time::Duration)>,
+}
+
 /// The isolation layer, as the node uses it. All methods block (call them from
 /// `spawn_blocking`); all are safe to call from several threads.
+///
+/// Checkpoints (pause/resume, snapshots, forks, rollback) are optional: a runtime that
+/// cannot take them keeps the default methods, which say so.
 pub trait SandboxRuntime: Send + Sync + 'static {
     /// Start a sandbox (namespaces, rootfs, cgroup, network, quota, init). On error
     /// nothing of it must remain.
@@ -166,6 +203,73 @@ pub trait SandboxRuntime: Send + Sync + 'static {
     /// The egress layer, when this runtime has one.
     fn egress(&self) -> Option<cubicle_egress::Egress> {
         None
+    }
+
+    /// Kills every process of sandbox `id` and removes its cgroup and the network
+    /// objects of `slot`, keeping its directory (a pause without memory, a rollback).
+    fn stop(&self, id: &str, slot: u32) -> Result<()> {
+        let _ = (id, slot);
+        Err(crate::error::Error::Unsupported(
+            "this runtime cannot stop a sandbox and keep its disk".into(),
+        ))
+    }
+
+    /// `Ok` when this runtime can checkpoint and restore sandboxes here; else why not.
+    fn checkpoint_support(&self) -> std::result::Result<(), String> {
+        Err("this runtime cannot checkpoint sandboxes".into())
+    }
+
+    /// Checkpoints a running sandbox (see [`CheckpointSpec`]). On failure nothing of
+    /// the checkpoint remains and the sandbox still runs.
+    fn checkpoint(&self, spec: &CheckpointSpec<'_>) -> Result<CheckpointInfo> {
+        let _ = spec;
+        Err(crate::error::Error::Unsupported(
+            "this runtime cannot checkpoint sandboxes".into(),
+        ))
+    }
+
+    /// Starts a sandbox from the checkpoint in `checkpoint_dir` (its writable layer
+    /// already in `spec.sandbox_dir`). On error nothing of it remains running (its
+    /// directory is the caller's).
+    fn restore(&self, spec: &StartSpec, checkpoint_dir: &std::path::Path) -> Result<Started> {
+        let _ = (spec, checkpoint_dir);
+        Err(crate::error::Error::Unsupported(
+            "this runtime cannot restore sandboxes".into(),
+        ))
+    }
+
+    /// Makes `dir` (sandbox `id`'s directory, quota `disk_mb`) a copy-on-write copy of the
+    /// snapshot `snapshot`.
+    fn clone_snapshot(
+        &self,
+        snapshot: &str,
+        id: &str,
+        dir: &std::path::Path,
+        disk_mb: u64,
+    ) -> Result<()> {
+        let _ = (snapshot, id, dir, disk_mb);
+        Err(crate::error::Error::Unsupported(
+            "this runtime has no snapshots".into(),
+        ))
+    }
+
+    /// The directory of snapshot `snapshot`.
+    fn snapshot_dir(&self, snapshot: &str) -> Result<std::path::PathBuf> {
+        let _ = snapshot;
+        Err(crate::error::Error::Unsupported(
+            "this runtime has no snapshots".into(),
+        ))
+    }
+
+    /// Deletes snapshot `snapshot` (idempotent).
+    fn remove_snapshot(&self, snapshot: &str) -> Result<()> {
+        let _ = snapshot;
+        Ok(())
+    }
+
+    /// Names of the snapshots the runtime holds.
+    fn snapshots(&self) -> Result<Vec<String>> {
+        Ok(Vec::new())
     }
 
     /// Volumes (`crate::volume`): the host directory of volume `id` (whether or not it

@@ -8,6 +8,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
+use cubicle_runtime::SandboxId;
 use serde::{Deserialize, Serialize};
 
 pub use cubicle_egress::{NetEvent, NetworkPolicy};
@@ -38,6 +39,8 @@ pub struct CreateRequest {
     pub timeout: Option<Duration>,
     /// Opaque user metadata, stored and returned.
     pub metadata: BTreeMap<String, String>,
+    /// What happens at the end time and to requests while paused.
+    pub lifecycle: Lifecycle,
     /// Volumes to mount (by volume id; the caller resolved names and checked ownership).
     pub volumes: Vec<VolumeMount>,
 }
@@ -53,6 +56,56 @@ pub struct VolumeMount {
     /// Mounted read-only.
     #[serde(default)]
     pub read_only: bool,
+}
+
+/// What happens to a sandbox at its end time and while it is paused (E2B's `autoPause`,
+/// `autoPauseMemory`, `autoResume`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Lifecycle {
+    /// Pause instead of kill at the end time.
+    #[serde(default)]
+    pub auto_pause: bool,
+    /// That pause keeps memory (`full`); false: filesystem only.
+    #[serde(default = "yes")]
+    pub auto_pause_memory: bool,
+    /// A data-plane request to the paused sandbox resumes it.
+    #[serde(default)]
+    pub auto_resume: bool,
+}
+
+fn yes() -> bool {
+    true
+}
+
+impl Default for Lifecycle {
+    fn default() -> Self {
+        Lifecycle {
+            auto_pause: false,
+            auto_pause_memory: true,
+            auto_resume: false,
+        }
+    }
+}
+
+/// How a sandbox was paused.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum PauseMode {
+    /// Memory and disk: processes resume where they were.
+    Full,
+    /// Disk only: a resume boots the template again over the same files.
+    Filesystem,
+}
+
+impl PauseMode {
+    /// `full` or `filesystem` (E2B's `pauseMode`).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            PauseMode::Full => "full",
+            PauseMode::Filesystem => "filesystem",
+        }
+    }
 }
 
 /// Why a sandbox stopped existing.
@@ -100,6 +153,11 @@ pub enum SandboxState {
     Running,
     /// Being torn down.
     Dying,
+    /// Being paused (a crash in this state: paused if the checkpoint is complete).
+    Pausing,
+    /// Paused: no processes, no host memory; its directory (disk, checkpoint) and slot
+    /// are kept until it is resumed or killed.
+    Paused,
     /// Gone (only in [`SandboxInfo`], never on disk).
     Dead,
 }
@@ -109,7 +167,7 @@ pub enum SandboxState {
 #[serde(rename_all = "camelCase")]
 pub struct SandboxRecord {
     /// Sandbox id.
-    pub id: String,
+    pub id: SandboxId,
     /// Template name.
     pub template: String,
     /// Lifecycle state.
@@ -162,12 +220,37 @@ pub struct SandboxRecord {
     /// Whatever the runtime needs to find its objects again (addresses, veth names, …).
     #[serde(default)]
     pub runtime: serde_json::Value,
+    /// End-time and pause behaviour.
+    #[serde(default)]
+    pub lifecycle: Lifecycle,
+    /// The timeout it was created with, in ms (an auto-resume uses it again).
+    #[serde(default)]
+    pub timeout_ms: u64,
+    /// How it is paused (state `paused`).
+    #[serde(default)]
+    pub pause_mode: Option<PauseMode>,
+    /// Unix ms it was paused at.
+    #[serde(default)]
+    pub paused_at_ms: Option<u64>,
+    /// envd did not answer when it was paused.
+    #[serde(default)]
+    pub envd_unresponsive_at_pause: bool,
+    /// The template whose root filesystem it runs on, when `template` names a snapshot.
+    #[serde(default)]
+    pub base_template: Option<String>,
     /// Volumes mounted in it (a volume a live sandbox mounts cannot be deleted).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub volumes: Vec<VolumeMount>,
     /// The template's layer ids (what GC must keep while the sandbox runs).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub layers: Vec<String>,
+}
+
+impl SandboxRecord {
+    /// The template that provides its root filesystem.
+    pub fn rootfs_template(&self) -> &str {
+        self.base_template.as_deref().unwrap_or(&self.template)
+    }
 }
 
 /// A pidfd of a sandbox's init. It names that process and no other, even after the
@@ -182,7 +265,7 @@ impl InitPidfd {
     /// `start_time` (checked after the pidfd pinned the process, so a pid reused in
     /// between is caught). `None`: that process is gone.
     pub fn open(pid: i32, start_time: Option<u64>) -> Option<InitPidfd> {
-        let fd = crate::procfs::pidfd_open(pid).ok()?;
+        let fd = cubicle_syscalls::pidfd::pidfd_open(pid).ok()?;
         crate::procfs::is_alive(pid, start_time).then(|| InitPidfd(Arc::new(fd)))
     }
 
@@ -197,7 +280,7 @@ impl InitPidfd {
 #[serde(rename_all = "camelCase")]
 pub struct SandboxInfo {
     /// Sandbox id.
-    pub id: String,
+    pub id: SandboxId,
     /// Template name.
     pub template: String,
     /// Lifecycle state.
@@ -236,6 +319,18 @@ pub struct SandboxInfo {
     pub envd_socket: PathBuf,
     /// How long create took until envd answered `/init`, in µs (0 for adopted sandboxes).
     pub ready_us: u64,
+    /// End-time and pause behaviour.
+    pub lifecycle: Lifecycle,
+    /// A pause, resume, snapshot or rollback is under way: not routable for that moment.
+    pub busy: bool,
+    /// How it is paused (state `paused`).
+    pub pause_mode: Option<PauseMode>,
+    /// Unix ms it was paused at.
+    pub paused_at_ms: Option<u64>,
+    /// envd did not answer when it was paused.
+    pub envd_unresponsive_at_pause: bool,
+    /// The timeout it was created with.
+    pub timeout_ms: u64,
     /// Processes the kernel's OOM killer killed in this sandbox: the live count for a
     /// running sandbox, the final count for a dead one (read just before teardown). A
     /// sandbox that survived an OOM kill and was then killed by its user dies `killed`,
@@ -243,6 +338,8 @@ pub struct SandboxInfo {
     pub oom_kills: u64,
     /// Volumes mounted in it.
     pub volumes: Vec<VolumeMount>,
+    /// Whether this create was served from a warm pool (a claim) rather than cold.
+    pub claimed: bool,
 }
 
 impl SandboxInfo {
@@ -268,8 +365,15 @@ impl SandboxInfo {
             init_pidfd: None,
             envd_socket,
             ready_us,
+            lifecycle: r.lifecycle,
+            busy: false,
+            pause_mode: r.pause_mode,
+            paused_at_ms: r.paused_at_ms,
+            envd_unresponsive_at_pause: r.envd_unresponsive_at_pause,
+            timeout_ms: r.timeout_ms,
             oom_kills: 0,
             volumes: r.volumes.clone(),
+            claimed: false,
         }
     }
 }

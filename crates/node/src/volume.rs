@@ -108,7 +108,7 @@ impl State {
             .live
             .values()
             .filter(|l| l.record.volumes.iter().any(|v| v.volume_id == id))
-            .map(|l| l.record.id.clone())
+            .map(|l| l.record.id.to_string())
             .collect();
         users.sort();
         users
@@ -156,7 +156,7 @@ impl Node {
                     .iter()
                     .filter(|u| {
                         st.live
-                            .get(*u)
+                            .get(u.as_str())
                             .is_some_and(|l| l.record.state != crate::SandboxState::Dying)
                     })
                     .cloned()

@@ -33,6 +33,9 @@
 //! Needs root. Run: `cargo test -p cubicle-node --test abuse [-- FILTER]`.
 //! `harness = false`: main() first hands over to the runtime's sandbox helper.
 
+// Tests: a failed unwrap or expect is a failed test (clippy.toml allows them only in #[test] fns).
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 use std::future::Future;
 use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4, TcpListener};
 use std::os::unix::fs::MetadataExt;

@@ -18,6 +18,9 @@
 //! host_attacks [-- FILTER]` (inside `unshare --net` on a shared machine). `harness =
 //! false`: main() first hands over to the runtime's sandbox helper.
 
+// Tests: a failed unwrap or expect is a failed test (clippy.toml allows them only in #[test] fns).
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -277,7 +280,7 @@ async fn local_user_reads_nothing(envd: PathBuf) -> TestResult {
         }
         let (ok, out) = as_nobody(&["ls", &state.join("sandboxes").display().to_string()]);
         anyhow::ensure!(
-            !ok && !out.contains(&sb.id),
+            !ok && !out.contains(sb.id.as_str()),
             "nobody listed the sandboxes: {out}"
         );
         let socket = dir.join("ctl/envd.sock");
@@ -310,10 +313,10 @@ async fn pooled_sandbox_needs_its_token(envd: PathBuf) -> TestResult {
         // Wait for the pooled sandbox: a directory nobody has claimed.
         let t = Instant::now();
         let pooled = loop {
-            let listed: Vec<String> = node.list().into_iter().map(|i| i.id).collect();
+            let listed: Vec<String> = node.list().into_iter().map(|i| i.id.to_string()).collect();
             let found = cubicle_node::records_on_disk(&state)
                 .into_iter()
-                .find(|r| !listed.contains(&r.id) && r.pid.is_some());
+                .find(|r| !listed.contains(&r.id.to_string()) && r.pid.is_some());
             if let Some(r) = found
                 && node.pool_stats().ready.get("tiny") == Some(&1)
             {

@@ -8,6 +8,9 @@
 //! lifecycle [-- FILTER]`. `harness = false`: main() first hands over to the runtime's
 //! sandbox helper (spawn re-executes this binary).
 
+// Tests: a failed unwrap or expect is a failed test (clippy.toml allows them only in #[test] fns).
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
@@ -227,7 +230,7 @@ async fn create_run_id_kill_leaves_nothing(envd: PathBuf) -> TestResult {
     anyhow::ensure!(code == 0, "exit {code}, stderr {err}");
     anyhow::ensure!(out.contains("uid=0(root)"), "id printed {out:?}");
     anyhow::ensure!(
-        out.contains(&a.id),
+        out.contains(a.id.as_str()),
         "hostname is not the sandbox id: {out:?}"
     );
     // A file root creates is owned on the host by the sandbox's unprivileged range.
@@ -488,12 +491,12 @@ async fn reopen_adopts_live_and_removes_dead(envd: PathBuf) -> TestResult {
     let node = Node::open(cfg).await?;
     let report = node.reconcile_report();
     anyhow::ensure!(
-        report.adopted == vec![live.id.clone()],
+        report.adopted == vec![live.id.to_string()],
         "adopted {:?}",
         report.adopted
     );
     anyhow::ensure!(
-        report.removed.contains(&doomed.id),
+        report.removed.contains(&doomed.id.to_string()),
         "removed {:?}",
         report.removed
     );

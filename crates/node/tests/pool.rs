@@ -7,6 +7,9 @@
 //! a static cubicle-envd. Run: `cargo test -p cubicle-node --test pool`. `harness =
 //! false`: main() first hands over to the runtime's sandbox helper.
 
+// Tests: a failed unwrap or expect is a failed test (clippy.toml allows them only in #[test] fns).
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -180,7 +183,7 @@ async fn claim_refill_close(envd: &Path) -> anyhow::Result<()> {
         let st = node.pool_stats();
         anyhow::ensure!(st.claims == 1, "not claimed from the pool: {st:?}");
         anyhow::ensure!(
-            pooled.contains(&s.id),
+            pooled.contains(&s.id.to_string()),
             "claimed id {} is not a pooled one",
             s.id
         );
@@ -207,7 +210,7 @@ async fn claim_refill_close(envd: &Path) -> anyhow::Result<()> {
         // (a sandbox being made for the pool is never a user's).
         let t = Instant::now();
         while node.pool_stats().ready.get("tiny").copied().unwrap_or(0) < 2 {
-            let ids: Vec<String> = node.list().into_iter().map(|i| i.id).collect();
+            let ids: Vec<cubicle_node::SandboxId> = node.list().into_iter().map(|i| i.id).collect();
             anyhow::ensure!(ids == [s.id.clone()], "list during refill: {ids:?}");
             anyhow::ensure!(t.elapsed() < Duration::from_secs(30), "pool not refilled");
             tokio::time::sleep(Duration::from_micros(200)).await;
@@ -353,7 +356,7 @@ async fn start_command_pooled(envd: &Path) -> anyhow::Result<()> {
                 .collect(),
             ..Default::default()
         };
-        let started = |id: String| {
+        let started = |id: cubicle_node::SandboxId| {
             let node = node.clone();
             async move { sh(&node.envd(&id)?, "cat /tmp/started").await }
         };
@@ -395,11 +398,9 @@ async fn start_command_pooled(envd: &Path) -> anyhow::Result<()> {
     node.settle(Duration::from_secs(30)).await;
     // A refill under way at close removes its sandbox once made (start command included).
     node.wait_refills(Duration::from_secs(60)).await;
-    anyhow::ensure!(
-        sandbox_dirs(&state).is_empty(),
-        "left: {:?}",
-        sandbox_dirs(&state)
-    );
-    let _ = std::fs::remove_dir_all(&state);
+    let left = sandbox_dirs(&state);
+    // remove_tree unmounts the quota filesystem first (remove_dir_all cannot).
+    let _ = cubicle_node::fsutil::remove_tree(&state);
+    anyhow::ensure!(left.is_empty(), "left: {left:?}");
     r
 }

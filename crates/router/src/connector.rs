@@ -30,6 +30,9 @@ use hyper_util::{
 };
 use tokio::net::{TcpStream, UnixStream};
 
+use std::sync::Arc;
+
+use crate::drain::{Drains, Link};
 use crate::{Resolver, SandboxTarget, error::RouterError, routing::ENVD_PORT};
 
 /// Connector for `hyper_util`'s pooled client.
@@ -37,12 +40,28 @@ use crate::{Resolver, SandboxTarget, error::RouterError, routing::ENVD_PORT};
 pub struct SandboxConnector {
     pub resolver: Resolver,
     pub timeout: Duration,
+    /// Every connection gets a link here, so that a sandbox's can all be closed at once.
+    pub drains: Drains,
 }
 
 /// A connection to a sandbox port.
-pub enum Upstream {
+pub struct Upstream {
+    stream: Stream,
+    link: Arc<Link>,
+}
+
+enum Stream {
     Unix(TokioIo<UnixStream>),
     Tcp(TokioIo<TcpStream>),
+}
+
+/// Fails the call when the connection was drained (see `drain.rs`).
+macro_rules! check_link {
+    ($self:ident, $cx:ident) => {
+        if let Err(e) = $self.link.check($cx) {
+            return Poll::Ready(Err(e));
+        }
+    };
 }
 
 impl hyper::rt::Read for Upstream {
@@ -51,9 +70,11 @@ impl hyper::rt::Read for Upstream {
         cx: &mut Context<'_>,
         buf: hyper::rt::ReadBufCursor<'_>,
     ) -> Poll<io::Result<()>> {
-        match self.get_mut() {
-            Upstream::Unix(s) => Pin::new(s).poll_read(cx, buf),
-            Upstream::Tcp(s) => Pin::new(s).poll_read(cx, buf),
+        let this = self.get_mut();
+        check_link!(this, cx);
+        match &mut this.stream {
+            Stream::Unix(s) => Pin::new(s).poll_read(cx, buf),
+            Stream::Tcp(s) => Pin::new(s).poll_read(cx, buf),
         }
     }
 }
@@ -64,30 +85,34 @@ impl hyper::rt::Write for Upstream {
         cx: &mut Context<'_>,
         buf: &[u8],
     ) -> Poll<io::Result<usize>> {
-        match self.get_mut() {
-            Upstream::Unix(s) => Pin::new(s).poll_write(cx, buf),
-            Upstream::Tcp(s) => Pin::new(s).poll_write(cx, buf),
+        let this = self.get_mut();
+        check_link!(this, cx);
+        match &mut this.stream {
+            Stream::Unix(s) => Pin::new(s).poll_write(cx, buf),
+            Stream::Tcp(s) => Pin::new(s).poll_write(cx, buf),
         }
     }
 
     fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        match self.get_mut() {
-            Upstream::Unix(s) => Pin::new(s).poll_flush(cx),
-            Upstream::Tcp(s) => Pin::new(s).poll_flush(cx),
+        let this = self.get_mut();
+        check_link!(this, cx);
+        match &mut this.stream {
+            Stream::Unix(s) => Pin::new(s).poll_flush(cx),
+            Stream::Tcp(s) => Pin::new(s).poll_flush(cx),
         }
     }
 
     fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        match self.get_mut() {
-            Upstream::Unix(s) => Pin::new(s).poll_shutdown(cx),
-            Upstream::Tcp(s) => Pin::new(s).poll_shutdown(cx),
+        match &mut self.get_mut().stream {
+            Stream::Unix(s) => Pin::new(s).poll_shutdown(cx),
+            Stream::Tcp(s) => Pin::new(s).poll_shutdown(cx),
         }
     }
 
     fn is_write_vectored(&self) -> bool {
-        match self {
-            Upstream::Unix(s) => s.is_write_vectored(),
-            Upstream::Tcp(s) => s.is_write_vectored(),
+        match &self.stream {
+            Stream::Unix(s) => s.is_write_vectored(),
+            Stream::Tcp(s) => s.is_write_vectored(),
         }
     }
 
@@ -96,9 +121,11 @@ impl hyper::rt::Write for Upstream {
         cx: &mut Context<'_>,
         bufs: &[io::IoSlice<'_>],
     ) -> Poll<io::Result<usize>> {
-        match self.get_mut() {
-            Upstream::Unix(s) => Pin::new(s).poll_write_vectored(cx, bufs),
-            Upstream::Tcp(s) => Pin::new(s).poll_write_vectored(cx, bufs),
+        let this = self.get_mut();
+        check_link!(this, cx);
+        match &mut this.stream {
+            Stream::Unix(s) => Pin::new(s).poll_write_vectored(cx, bufs),
+            Stream::Tcp(s) => Pin::new(s).poll_write_vectored(cx, bufs),
         }
     }
 }
@@ -132,7 +159,7 @@ fn is_refused(err: &(dyn std::error::Error + 'static)) -> bool {
     false
 }
 
-async fn connect_envd(id: &str, socket: &Path) -> Result<Upstream, RouterError> {
+async fn connect_envd(id: &str, socket: &Path) -> Result<Stream, RouterError> {
     let not_open = |detail: String| RouterError::PortNotOpen {
         id: id.to_owned(),
         port: ENVD_PORT,
@@ -148,7 +175,7 @@ async fn connect_envd(id: &str, socket: &Path) -> Result<Upstream, RouterError> 
     let stream = cubicle_runtime::connect_ctl_socket_async(socket)
         .await
         .map_err(|e| not_open(e.to_string()))?;
-    Ok(Upstream::Unix(TokioIo::new(stream)))
+    Ok(Stream::Unix(TokioIo::new(stream)))
 }
 
 /// Whether an error chain holds ESRCH: `setns` through a pidfd whose process exited.
@@ -165,7 +192,7 @@ fn is_gone(err: &(dyn std::error::Error + 'static)) -> bool {
     false
 }
 
-async fn connect_tcp(target: &SandboxTarget, port: u16) -> Result<Upstream, RouterError> {
+async fn connect_tcp(target: &SandboxTarget, port: u16) -> Result<Stream, RouterError> {
     let id = target.id.clone();
     let gone = || RouterError::SandboxNotFound { id: id.clone() };
     let pidfd = target.init_pidfd.as_ref().ok_or_else(gone)?;
@@ -193,7 +220,7 @@ async fn connect_tcp(target: &SandboxTarget, port: u16) -> Result<Upstream, Rout
             }
         })?;
     let _ = stream.set_nodelay(true);
-    Ok(Upstream::Tcp(TokioIo::new(stream)))
+    Ok(Stream::Tcp(TokioIo::new(stream)))
 }
 
 impl tower_service::Service<Uri> for SandboxConnector {
@@ -208,6 +235,7 @@ impl tower_service::Service<Uri> for SandboxConnector {
     fn call(&mut self, uri: Uri) -> Self::Future {
         let resolver = self.resolver.clone();
         let timeout = self.timeout;
+        let drains = self.drains.clone();
         Box::pin(async move {
             let (Some(id), Some(port)) = (uri.host(), uri.port_u16()) else {
                 return Err(RouterError::Internal(format!("bad upstream uri {uri}")));
@@ -223,7 +251,10 @@ impl tower_service::Service<Uri> for SandboxConnector {
                 }
             };
             match tokio::time::timeout(timeout, connect).await {
-                Ok(result) => result,
+                Ok(result) => result.map(|stream| Upstream {
+                    stream,
+                    link: drains.link(&target.id),
+                }),
                 Err(_) => Err(RouterError::PortNotOpen {
                     id: target.id.clone(),
                     port,

@@ -19,6 +19,8 @@
 
 use std::sync::Arc;
 
+use crate::drain::Drains;
+
 use axum::{
     body::Body,
     extract::Request,
@@ -49,6 +51,7 @@ struct Inner {
     domain: Option<String>,
     client: Client<SandboxConnector, Body>,
     tunnel_idle_timeout: std::time::Duration,
+    drains: Drains,
 }
 
 fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
@@ -58,9 +61,11 @@ fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
 impl DataPlane {
     /// A data plane over `resolver`.
     pub fn new(resolver: Resolver, config: RouterConfig) -> Self {
+        let drains = Drains::default();
         let connector = SandboxConnector {
             resolver: resolver.clone(),
             timeout: config.connect_timeout,
+            drains: drains.clone(),
         };
         let client = Client::builder(TokioExecutor::new())
             .pool_timer(TokioTimer::new())
@@ -78,6 +83,7 @@ impl DataPlane {
                 domain,
                 client,
                 tunnel_idle_timeout: config.tunnel_idle_timeout,
+                drains,
             }),
         }
     }
@@ -86,6 +92,18 @@ impl DataPlane {
     /// presigned `/files` URL) rather than for the REST API.
     pub fn wants<B>(&self, req: &axum::http::Request<B>) -> bool {
         routing::wants(req, self.inner.domain.as_deref())
+    }
+
+    /// The sandbox and port `req` names (routing headers or host), for observers such as
+    /// the access log and metrics; `None` for presigned `/files` URLs and bad requests.
+    pub fn target_of<B>(
+        &self,
+        req: &axum::http::Request<B>,
+    ) -> Option<(cubicle_runtime::SandboxId, u16)> {
+        match routing::route(req, self.inner.domain.as_deref()) {
+            Ok(Route::Port { id, port }) => Some((id, port)),
+            _ => None,
+        }
     }
 
     /// Forwards `req` to its sandbox port; every failure is answered in E2B's shapes.
@@ -99,11 +117,10 @@ impl DataPlane {
     async fn forward(&self, req: Request) -> Result<Response, RouterError> {
         let (target, port) = match routing::route(&req, self.inner.domain.as_deref())? {
             Route::Port { id, port } => {
-                let target = self
-                    .inner
-                    .resolver
-                    .resolve(&id)
-                    .ok_or(RouterError::SandboxNotFound { id })?;
+                let target = match self.inner.resolver.resolve(&id) {
+                    Some(t) => t,
+                    None => self.wake(&id, port, req.headers()).await?,
+                };
                 (target, port)
             }
             Route::Presigned => (self.presigned_target(&req)?, ENVD_PORT),
@@ -132,6 +149,38 @@ impl DataPlane {
                 .map(|m| m.replace("${PORT}", &port.to_string()));
             self.send(req, &target.id, port, host).await
         }
+    }
+
+    /// A paused sandbox with auto-resume: check the request's token first (a mismatch
+    /// resumes nothing), then resume it; its first byte is delayed by the resume.
+    async fn wake(
+        &self,
+        id: &str,
+        port: u16,
+        headers: &axum::http::HeaderMap,
+    ) -> Result<SandboxTarget, RouterError> {
+        let not_found = || RouterError::SandboxNotFound { id: id.to_owned() };
+        let paused = self.inner.resolver.resumable(id).ok_or_else(not_found)?;
+        if port == ENVD_PORT {
+            if let (Some(expected), Some(given)) = (
+                paused.envd_access_token.as_deref(),
+                headers.get("x-access-token").and_then(|v| v.to_str().ok()),
+            ) && !constant_time_eq(expected.as_bytes(), given.as_bytes())
+            {
+                return Err(RouterError::Forbidden(format!(
+                    "invalid access token for sandbox {id}"
+                )));
+            }
+        } else {
+            check_traffic_token(&paused, headers)?;
+        }
+        self.inner.resolver.wake(id).await.ok_or_else(not_found)
+    }
+
+    /// Closes every connection to sandbox `id` (pooled, busy or upgraded): call it
+    /// before the sandbox is checkpointed. Returns how many were open.
+    pub fn disconnect(&self, id: &str) -> usize {
+        self.inner.drains.drain(id)
     }
 
     /// The one running sandbox whose envd token signed this `/files` URL.

@@ -4,6 +4,8 @@
 //! the listener `cubicle serve` runs both planes on, with per-client connection limits
 //! and a header-read timeout.
 
+#![forbid(unsafe_code)]
+
 use std::{os::fd::OwnedFd, path::PathBuf, sync::Arc};
 
 /// Where a sandbox can be reached, as the control plane knows it.
@@ -35,7 +37,24 @@ pub trait SandboxResolver: Send + Sync + 'static {
     /// All running sandboxes (to match presigned `/files` URLs opened without routing
     /// headers against each sandbox's token).
     fn running(&self) -> Vec<SandboxTarget>;
+    /// A paused sandbox that a request may resume (auto-resume on): its tokens, to check
+    /// the request against before anything is resumed (`init_pid` is 0). `None`
+    /// otherwise.
+    fn resumable(&self, id: &str) -> Option<SandboxTarget> {
+        let _ = id;
+        None
+    }
+    /// Resumes a [`resumable`](Self::resumable) sandbox; the running target, or `None`
+    /// when that failed (the request then finds no sandbox).
+    fn wake(&self, id: &str) -> WakeFuture {
+        let _ = id;
+        Box::pin(async { None })
+    }
 }
+
+/// What [`SandboxResolver::wake`] returns.
+pub type WakeFuture =
+    std::pin::Pin<Box<dyn std::future::Future<Output = Option<SandboxTarget>> + Send>>;
 
 /// Shared handle type.
 pub type Resolver = Arc<dyn SandboxResolver>;
@@ -45,6 +64,7 @@ pub type Resolver = Arc<dyn SandboxResolver>;
 
 mod connector;
 mod dataplane;
+mod drain;
 mod error;
 mod presign;
 mod routing;
@@ -54,7 +74,7 @@ mod tunnel;
 pub use dataplane::DataPlane;
 pub use error::RouterError;
 pub use routing::ENVD_PORT;
-pub use server::ServerLimits;
+pub use server::{ClientAddr, ServerLimits};
 
 use std::time::Duration;
 

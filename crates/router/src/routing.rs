@@ -12,10 +12,12 @@
 
 use axum::http::{HeaderMap, HeaderName, Request, header};
 
+use cubicle_runtime::SandboxId;
+
 use crate::error::RouterError;
 
 /// envd's port: the SDKs' RPC and `/files` traffic. Reached over envd's Unix socket.
-pub const ENVD_PORT: u16 = 49983;
+pub use cubicle_proto::ENVD_PORT;
 
 /// Routing header: the sandbox id.
 pub const SANDBOX_ID_HEADER: &str = "e2b-sandbox-id";
@@ -24,7 +26,7 @@ pub const SANDBOX_PORT_HEADER: &str = "e2b-sandbox-port";
 /// Required on non-envd ports of sandboxes that have a traffic token.
 pub const TRAFFIC_TOKEN_HEADER: &str = "e2b-traffic-access-token";
 
-/// Longest sandbox id we accept (ours are far shorter).
+/// How much of an invalid sandbox id an error message repeats.
 const MAX_ID_LEN: usize = 64;
 
 /// envd routes only the node may call (spec §1.3/§3.6): never forwarded from outside.
@@ -42,18 +44,9 @@ const ENVD_INTERNAL_ROUTES: &[&str] = &[
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Route {
     /// By the `E2b-Sandbox-*` headers or by `Host`.
-    Port { id: String, port: u16 },
+    Port { id: SandboxId, port: u16 },
     /// A presigned `/files` URL without routing headers: the sandbox is found by signature.
     Presigned,
-}
-
-/// Whether `id` can be a sandbox id.
-pub fn valid_id(id: &str) -> bool {
-    !id.is_empty()
-        && id.len() <= MAX_ID_LEN
-        && id
-            .bytes()
-            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit())
 }
 
 /// The host the request was sent to, without port, lower-cased.
@@ -75,7 +68,7 @@ fn request_host<B>(req: &Request<B>) -> Option<String> {
 }
 
 /// `<port>-<id>.<domain>` → (id, port).
-pub fn parse_sandbox_host(host: &str, domain: &str) -> Option<(String, u16)> {
+pub fn parse_sandbox_host(host: &str, domain: &str) -> Option<(SandboxId, u16)> {
     let domain = domain.trim_matches('.').to_ascii_lowercase();
     if domain.is_empty() {
         return None;
@@ -86,7 +79,7 @@ pub fn parse_sandbox_host(host: &str, domain: &str) -> Option<(String, u16)> {
     }
     let (port, id) = label.split_once('-')?;
     let port: u16 = port.parse().ok()?;
-    valid_id(id).then(|| (id.to_owned(), port))
+    Some((SandboxId::parse(id).ok()?, port))
 }
 
 fn has_routing_headers(headers: &HeaderMap) -> bool {
@@ -138,11 +131,11 @@ pub fn route<B>(req: &Request<B>, domain: Option<&str>) -> Result<Route, RouterE
                 port_text.chars().take(32).collect::<String>()
             ))
         })?;
-        if !valid_id(&id) {
+        let Ok(id) = SandboxId::parse(&id) else {
             return Err(RouterError::SandboxNotFound {
                 id: id.chars().take(MAX_ID_LEN).collect(),
             });
-        }
+        };
         return Ok(Route::Port { id, port });
     }
     if is_presigned_files(req) {
@@ -251,7 +244,7 @@ mod tests {
         assert_eq!(
             route(&r, None).unwrap(),
             Route::Port {
-                id: "abc1".into(),
+                id: "abc1".parse().unwrap(),
                 port: 49983
             }
         );
@@ -288,7 +281,7 @@ mod tests {
     fn host_routing() {
         assert_eq!(
             parse_sandbox_host("8000-abc1.sb.example.com", "sb.example.com"),
-            Some(("abc1".into(), 8000))
+            Some(("abc1".parse().unwrap(), 8000))
         );
         assert_eq!(
             parse_sandbox_host("sandbox.sb.example.com", "sb.example.com"),
@@ -312,7 +305,7 @@ mod tests {
         assert_eq!(
             route(&r, Some("sb.example.com")).unwrap(),
             Route::Port {
-                id: "abc1".into(),
+                id: "abc1".parse().unwrap(),
                 port: 49999
             }
         );

@@ -9,6 +9,9 @@
 //!   connection, so an idle or trickling (slowloris) connection is closed;
 //! * TCP_NODELAY on every connection (Connect streams are many small writes; with Nagle
 //!   each one after the first waits for the client's delayed ACK);
+//! * TLS when given an acceptor (`cubicle serve --tls-cert/--tls-key`): the handshake
+//!   runs on the connection's own task and must finish within the header-read timeout;
+//! * every request carries its client's address ([`ClientAddr`], for the access log);
 //! * graceful shutdown: stop accepting, let open requests finish.
 //!
 //! Upgraded connections (WebSocket tunnels to user ports) leave hyper's hands; the data
@@ -25,6 +28,10 @@ use hyper::body::Incoming;
 use hyper_util::rt::{TokioIo, TokioTimer};
 use tokio::io::AsyncWriteExt;
 use tokio::net::{TcpListener, TcpStream};
+
+/// The address of the client a request came from (in the request's extensions).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ClientAddr(pub SocketAddr);
 
 /// What one client, and all clients together, may hold open.
 #[derive(Debug, Clone)]
@@ -107,11 +114,12 @@ fn admit(
 
 /// Serves `app` on `listener` until `shutdown` completes, then stops accepting and
 /// returns once every open connection has finished its requests (the caller bounds that
-/// wait).
+/// wait). With `tls`, every connection is TLS (no plain HTTP on the same port).
 pub async fn serve(
     listener: TcpListener,
     app: axum::Router,
     limits: ServerLimits,
+    tls: Option<tokio_rustls::TlsAcceptor>,
     shutdown: impl Future<Output = ()>,
 ) {
     let counts = Arc::new(Mutex::new(Counts::default()));
@@ -134,10 +142,25 @@ pub async fn serve(
         let _ = tcp.set_nodelay(true);
         match admit(&counts, &limits, peer.ip()) {
             Ok(admitted) => {
-                let (app, stop_rx) = (app.clone(), stop_rx.clone());
+                let (app, stop_rx, tls) = (app.clone(), stop_rx.clone(), tls.clone());
                 let timeout = limits.header_read_timeout;
                 tokio::spawn(async move {
-                    serve_connection(tcp, app, timeout, stop_rx).await;
+                    match tls {
+                        None => serve_connection(tcp, peer, app, timeout, stop_rx).await,
+                        Some(acceptor) => {
+                            match tokio::time::timeout(timeout, acceptor.accept(tcp)).await {
+                                Ok(Ok(tls)) => {
+                                    serve_connection(tls, peer, app, timeout, stop_rx).await
+                                }
+                                Ok(Err(e)) => {
+                                    tracing::debug!(client = %peer, "TLS handshake failed: {e}")
+                                }
+                                Err(_) => {
+                                    tracing::debug!(client = %peer, "TLS handshake timed out")
+                                }
+                            }
+                        }
+                    }
                     drop(admitted);
                 });
             }
@@ -152,20 +175,24 @@ pub async fn serve(
     stop_tx.closed().await;
 }
 
-async fn serve_connection(
-    tcp: TcpStream,
+async fn serve_connection<Io>(
+    io: Io,
+    peer: SocketAddr,
     app: axum::Router,
     header_read_timeout: Duration,
     mut stop: tokio::sync::watch::Receiver<bool>,
-) {
-    let service = hyper::service::service_fn(move |req: hyper::Request<Incoming>| {
+) where
+    Io: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+{
+    let service = hyper::service::service_fn(move |mut req: hyper::Request<Incoming>| {
         let mut app = app.clone();
+        req.extensions_mut().insert(ClientAddr(peer));
         async move { tower_service::Service::call(&mut app, req.map(Body::new)).await }
     });
     let conn = hyper::server::conn::http1::Builder::new()
         .timer(TokioTimer::new())
         .header_read_timeout(header_read_timeout)
-        .serve_connection(TokioIo::new(tcp), service)
+        .serve_connection(TokioIo::new(io), service)
         .with_upgrades();
     let mut conn = std::pin::pin!(conn);
     let mut stopping = false;

@@ -3,6 +3,9 @@
 //! completes (slowloris) or an idle keep-alive, keep an unused WebSocket tunnel to a
 //! sandbox open forever. Each test performs the attack and checks it is cut short.
 
+// Tests: a failed unwrap or expect is a failed test (clippy.toml allows them only in #[test] fns).
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 mod common;
 
 use std::{

@@ -2,6 +2,9 @@
 //! default (a measurement, not a check); run with
 //! `cargo test --release -p cubicle-router --test overhead -- --ignored --nocapture`.
 
+// Tests: a failed unwrap or expect is a failed test (clippy.toml allows them only in #[test] fns).
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 mod common;
 
 use std::{

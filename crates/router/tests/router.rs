@@ -2,6 +2,9 @@
 //! servers inside a network namespace standing in for a sandbox (root only; those tests
 //! say why they skip otherwise).
 
+// Tests: a failed unwrap or expect is a failed test (clippy.toml allows them only in #[test] fns).
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 mod common;
 
 use std::{

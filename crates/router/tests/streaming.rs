@@ -2,6 +2,9 @@
 //! process's memory (client + router) sampled: bodies must stream, not accumulate.
 //! Alone in its own test binary so that no other test skews the RSS measurement.
 
+// Tests: a failed unwrap or expect is a failed test (clippy.toml allows them only in #[test] fns).
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 mod common;
 
 use std::{sync::Arc, time::Instant};

@@ -45,21 +45,11 @@ pub fn attach_binds(
         )
     })?;
     // The namespace file was opened through a pid: make sure that pid still is the init
-    // the pidfd names (signal 0 through the pidfd fails once it has exited).
-    // SAFETY: plain syscall; a null siginfo is allowed.
-    let alive = unsafe {
-        libc::syscall(
-            libc::SYS_pidfd_send_signal,
-            pidfd.as_raw_fd(),
-            0,
-            std::ptr::null::<libc::siginfo_t>(),
-            0,
-        )
-    };
-    if alive != 0 {
+    // the pidfd names (its pid is not reused before it is reaped, and it has not exited).
+    if cubicle_syscalls::pidfd::exited(pidfd) {
         return Err(Error::io(
             format!("sandbox init {pid}"),
-            std::io::Error::last_os_error(),
+            std::io::Error::from_raw_os_error(libc::ESRCH),
         ));
     }
     let mut mounts: Vec<OwnedFd> = Vec::with_capacity(binds.len());

@@ -146,7 +146,7 @@ fn run(
 }
 
 /// Switches to uid/gid 0 of the new user namespace (host `uid_base`), no supplementary groups.
-fn become_root() -> Result<(), String> {
+pub(crate) fn become_root() -> Result<(), String> {
     // SAFETY: plain id-setting syscalls.
     unsafe {
         if libc::setresgid(0, 0, 0) < 0 {

@@ -29,7 +29,7 @@ pub enum Error {
     #[error("sandbox {0} not found (no cgroup cubicle/{0} and no running init)")]
     NotFound(String),
     /// A sandbox id that does not follow the one rule ([`crate::SandboxId`]).
-    #[error("invalid sandbox id {0:?} (1-64 characters of [A-Za-z0-9_-])")]
+    #[error("invalid sandbox id {0:?} (1-32 characters of [a-z0-9])")]
     InvalidId(String),
     /// An external tool (`mount`, `mkfs.*`, `btrfs`) failed.
     #[error("{command} failed: {stderr}")]

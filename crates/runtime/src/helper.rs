@@ -186,24 +186,13 @@ fn release_child(spec: &SandboxSpec, pid: i32, sock: &OwnedFd, out: RawFd) -> Re
 
     let userns = std::fs::File::open(format!("/proc/{pid}/ns/user"))
         .map_err(|e| format!("open child user namespace: {e}"))?;
-    // One idmapped, read-only clone per layer (bottom first), then the bind sources.
-    let mut fds = Vec::new();
-    for layer in spec.lowers() {
-        let lower = sys::open_tree_clone(layer)
-            .map_err(|e| format!("open_tree {}: {e}", layer.display()))?;
-        sys::mount_setattr(
-            &lower,
-            sys::MOUNT_ATTR_IDMAP | sys::MOUNT_ATTR_RDONLY | sys::MOUNT_ATTR_NODEV,
-            Some(userns.as_raw_fd()),
-        )
-        .map_err(|e| {
-            format!(
-                "idmap {} into the sandbox's user namespace: {e}",
-                layer.display()
-            )
-        })?;
-        fds.push(lower);
-    }
+    // One idmapped, read-only clone per template layer (bottom first), then the bind
+    // sources.
+    let mut fds = spec
+        .lowers()
+        .into_iter()
+        .map(|layer| idmapped_layer(layer, userns.as_raw_fd()))
+        .collect::<Result<Vec<_>, _>>()?;
     for b in spec.all_binds() {
         let fd = sys::open_tree_clone(&b.source)
             .map_err(|e| format!("bind source {}: {e}", b.source.display()))?;
@@ -227,7 +216,31 @@ fn release_child(spec: &SandboxSpec, pid: i32, sock: &OwnedFd, out: RawFd) -> Re
     Ok(())
 }
 
-fn socketpair() -> std::io::Result<(OwnedFd, OwnedFd)> {
+/// One template layer (the rootfs or a layer above it) as a detached, read-only, nodev
+/// mount whose ids are mapped through the user namespace `userns` (host uid 0 appears as
+/// the sandbox's root).
+pub(crate) fn idmapped_layer(
+    rootfs: &std::path::Path,
+    userns: RawFd,
+) -> Result<OwnedFd, String> {
+    let lower =
+        sys::open_tree_clone(rootfs).map_err(|e| format!("open_tree {}: {e}", rootfs.display()))?;
+    sys::mount_setattr(
+        &lower,
+        sys::MOUNT_ATTR_IDMAP | sys::MOUNT_ATTR_RDONLY | sys::MOUNT_ATTR_NODEV,
+        Some(userns),
+    )
+    .map_err(|e| {
+        format!(
+            "idmap {} into the sandbox's user namespace: {e}",
+            rootfs.display()
+        )
+    })?;
+    Ok(lower)
+}
+
+/// A close-on-exec `SOCK_SEQPACKET` Unix socket pair.
+pub(crate) fn socketpair() -> std::io::Result<(OwnedFd, OwnedFd)> {
     let mut fds = [0 as RawFd; 2];
     // SAFETY: fds is a valid 2-element array.
     let rc = unsafe {

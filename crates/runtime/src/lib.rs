@@ -74,7 +74,9 @@ mod child;
 mod ctl;
 mod error;
 mod helper;
+mod id;
 pub mod masked_paths;
+pub mod restore;
 mod rootfs;
 mod sandbox;
 pub mod seccomp;
@@ -88,10 +90,10 @@ pub use attach::attach_binds;
 pub use cgroup::{Cgroup, CgroupStats, CgroupVersion};
 pub use ctl::{connect_ctl_socket, connect_ctl_socket_async, ctl_socket_parts, open_ctl_socket};
 pub use error::{Error, Result};
+pub use id::SandboxId;
 pub use sandbox::{Sandbox, list_sandboxes, reap_orphans, remove_leftovers, spawn};
 pub use spec::{
     BindMount, CTL_DIR, DEFAULT_UID_COUNT, ENVD_PATH, Limits, MAX_BINDS, MIN_UID_BASE, SandboxSpec,
-    valid_id,
 };
 
 /// If this process was started as the sandbox helper (`argv[1]` is the hidden marker),

@@ -115,17 +115,39 @@ fn inside(root: &Path, p: impl AsRef<Path>) -> PathBuf {
     root.join(p.as_ref().strip_prefix("/").unwrap_or(p.as_ref()))
 }
 
-/// The complete sequence for `spec` on a host whose cgroups are `cgroups`.
-pub(crate) fn plan(spec: &SandboxSpec, cgroups: &InnerMounts) -> Vec<Step> {
+/// Where each read-only layer of `spec` is attached in the staging tmpfs, bottom first:
+/// layer 0 (`rootfs`) at `lower`, layer i at `lower<i>`. A restore's root uses the same.
+pub(crate) fn lower_mount_points(spec: &SandboxSpec) -> Vec<PathBuf> {
     let staging = spec.mount_dir();
-    let root = staging.join("root");
-    // Layer 0 (the bottom, `rootfs`) at `lower`, layer i at `lower<i>`.
-    let lowers: Vec<PathBuf> = (0..spec.lowers().len())
+    (0..spec.lowers().len())
         .map(|i| match i {
             0 => staging.join("lower"),
             i => staging.join(format!("lower{i}")),
         })
+        .collect()
+}
+
+/// The overlay's mount options over the layers attached at `lowers` (bottom first, as
+/// [`lower_mount_points`] gives them; overlayfs lists them top first).
+pub(crate) fn overlay_options(spec: &SandboxSpec, lowers: &[PathBuf]) -> String {
+    let lowerdir: Vec<String> = lowers
+        .iter()
+        .rev()
+        .map(|p| p.display().to_string())
         .collect();
+    format!(
+        "lowerdir={},upperdir={},workdir={},userxattr",
+        lowerdir.join(":"),
+        spec.upper_dir().display(),
+        spec.work_dir().display()
+    )
+}
+
+/// The complete sequence for `spec` on a host whose cgroups are `cgroups`.
+pub(crate) fn plan(spec: &SandboxSpec, cgroups: &InnerMounts) -> Vec<Step> {
+    let staging = spec.mount_dir();
+    let root = staging.join("root");
+    let lowers = lower_mount_points(spec);
     let mut s = vec![
         Step::MakeRootPrivate,
         tmpfs(staging.clone(), NOSUID | NODEV, "mode=0755"),
@@ -150,23 +172,12 @@ pub(crate) fn plan(spec: &SandboxSpec, cgroups: &InnerMounts) -> Vec<Step> {
             target: target.clone(),
         });
     }
-    // overlayfs lists the lower layers top first.
-    let lowerdir: Vec<String> = lowers
-        .iter()
-        .rev()
-        .map(|p| p.display().to_string())
-        .collect();
     s.push(Step::Mount {
         source: "overlay".into(),
         target: root.clone(),
         fstype: "overlay".into(),
         flags: 0,
-        data: Some(format!(
-            "lowerdir={},upperdir={},workdir={},userxattr",
-            lowerdir.join(":"),
-            spec.upper_dir().display(),
-            spec.work_dir().display()
-        )),
+        data: Some(overlay_options(spec, &lowers)),
     });
     s.push(Step::Mark("overlay_mounted"));
     for (d, mode) in [
@@ -579,7 +590,7 @@ fn pivot(root: &Path) -> Result<(), String> {
     std::env::set_current_dir(root).map_err(|e| err("chdir new root", e))?;
     let dot = Path::new(".");
     sys::pivot_root(dot, dot).map_err(|e| err("pivot_root", e))?;
-    sys::umount2(dot, libc::MNT_DETACH).map_err(|e| err("detach old root", e))?;
+    cubicle_syscalls::fs::unmount_detach(dot).map_err(|e| err("detach old root", e))?;
     std::env::set_current_dir("/").map_err(|e| err("chdir /", e))
 }
 

@@ -81,7 +81,8 @@ pub fn spawn(spec: &SandboxSpec) -> Result<Sandbox> {
         }
     }
     let pid = pid.ok_or_else(|| Error::Setup("helper reported no pid".into()))?;
-    let pidfd = sys::pidfd_open(pid).map_err(io_ctx(|| format!("pidfd_open({pid})")))?;
+    let pidfd = cubicle_syscalls::pidfd::pidfd_open(pid)
+        .map_err(io_ctx(|| format!("pidfd_open({pid})")))?;
     timings.push(("spawn_returned".to_string(), start.elapsed()));
     Ok(Sandbox {
         id: spec.id.clone(),
@@ -422,16 +423,7 @@ impl Sandbox {
     /// pidfd) and waits until they are gone. Idempotent.
     pub fn kill(&self) -> Result<()> {
         // Killing PID 1 of a pid namespace makes the kernel kill everything in it.
-        // SAFETY: pidfd_send_signal with a valid pidfd and no siginfo.
-        unsafe {
-            libc::syscall(
-                libc::SYS_pidfd_send_signal,
-                self.pidfd.as_raw_fd(),
-                libc::SIGKILL,
-                0usize,
-                0u32,
-            )
-        };
+        let _ = cubicle_syscalls::pidfd::pidfd_kill(&self.pidfd);
         self.cgroup.kill_all()?;
         if !self.wait_timeout(Duration::from_secs(5)) {
             return Err(Error::Setup(format!(
@@ -465,7 +457,8 @@ impl Sandbox {
             .into_iter()
             .find(|p| is_namespace_init(*p))
             .ok_or_else(|| Error::NotFound(id.to_string()))?;
-        let pidfd = sys::pidfd_open(init).map_err(io_ctx(|| format!("pidfd_open({init})")))?;
+        let pidfd = cubicle_syscalls::pidfd::pidfd_open(init)
+            .map_err(io_ctx(|| format!("pidfd_open({init})")))?;
         let is_parent = parent_of(init) == Some(std::process::id() as i32);
         Ok(Sandbox {
             id: id.to_string(),

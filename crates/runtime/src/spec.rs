@@ -8,6 +8,7 @@ use std::path::{Component, Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
+use crate::SandboxId;
 use crate::error::{Error, Result};
 
 /// Where the agent binary is bind-mounted (read-only) inside every sandbox.
@@ -204,7 +205,7 @@ impl SandboxSpec {
     /// Checks every field; the error names the offending one.
     pub fn validate(&self) -> Result<()> {
         let bad = |m: String| Err(Error::InvalidSpec(m));
-        if !valid_id(&self.id) {
+        if !SandboxId::is_valid(&self.id) {
             return bad(format!("id {:?} must match ^[a-z0-9]{{1,32}}$", self.id));
         }
         let layers = self.layers.iter().map(|p| ("layer", p));
@@ -313,15 +314,6 @@ impl SandboxSpec {
     }
 }
 
-/// `^[a-z0-9]{1,32}$`.
-pub fn valid_id(id: &str) -> bool {
-    !id.is_empty()
-        && id.len() <= 32
-        && id
-            .bytes()
-            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit())
-}
-
 fn is_clean_absolute(p: &Path) -> bool {
     p.is_absolute()
         && p.components()
@@ -353,14 +345,6 @@ mod tests {
                 pids: 1024
             }
         );
-    }
-
-    #[test]
-    fn ids() {
-        assert!(valid_id("a1"));
-        for bad in ["", "A", "a-b", "a/b", "..", &"x".repeat(33)] {
-            assert!(!valid_id(bad), "{bad:?}");
-        }
     }
 
     #[test]

@@ -1,5 +1,7 @@
 //! Thin, typed wrappers around the raw Linux system calls the runtime needs and that `libc`
-//! does not wrap (new mount API, pidfd, capset, seccomp, clone) or wraps awkwardly.
+//! does not wrap (new mount API, capset, seccomp, fd passing) or wraps awkwardly, and that
+//! only the sandbox setup makes. Calls other crates make too (pidfds, `statfs`, `flock`,
+//! unmounting, the mount table) are `cubicle-syscalls`'.
 //!
 //! Every wrapper returns `std::io::Result` with the errno of the failing call; callers add
 //! the context (which path, which step). Syscall numbers are x86_64's: the runtime only
@@ -16,7 +18,6 @@ compile_error!("cubicle-runtime supports x86_64 only (syscall numbers and seccom
 
 pub const SYS_OPEN_TREE: libc::c_long = 428;
 pub const SYS_MOVE_MOUNT: libc::c_long = 429;
-pub const SYS_PIDFD_OPEN: libc::c_long = 434;
 pub const SYS_CLOSE_RANGE: libc::c_long = 436;
 pub const SYS_MOUNT_SETATTR: libc::c_long = 442;
 pub const SYS_OPENAT2: libc::c_long = 437;
@@ -52,6 +53,18 @@ pub fn cpath(path: &Path) -> io::Result<CString> {
         .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "path contains a NUL byte"))
 }
 
+/// `socket(domain, kind | SOCK_CLOEXEC, protocol)`.
+pub fn socket(
+    domain: libc::c_int,
+    kind: libc::c_int,
+    protocol: libc::c_int,
+) -> io::Result<OwnedFd> {
+    // SAFETY: no memory arguments.
+    let fd = check_int(unsafe { libc::socket(domain, kind | libc::SOCK_CLOEXEC, protocol) })?;
+    // SAFETY: a fresh descriptor nobody else owns.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
 fn check(rc: libc::c_long) -> io::Result<libc::c_long> {
     if rc < 0 {
         Err(io::Error::last_os_error())
@@ -78,6 +91,23 @@ pub fn open_tree_clone(path: &Path) -> io::Result<OwnedFd> {
             libc::AT_FDCWD,
             c.as_ptr(),
             OPEN_TREE_CLONE | OPEN_TREE_CLOEXEC,
+        )
+    })?;
+    // SAFETY: fd is a fresh descriptor owned by nobody else.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd as RawFd) })
+}
+
+/// `open_tree(AT_FDCWD, path, OPEN_TREE_CLONE | AT_RECURSIVE | OPEN_TREE_CLOEXEC)`: a
+/// detached copy of the mount at `path` with every mount below it.
+pub fn open_tree_clone_recursive(path: &Path) -> io::Result<OwnedFd> {
+    let c = cpath(path)?;
+    // SAFETY: valid NUL-terminated path; the kernel returns a new fd we take ownership of.
+    let fd = check(unsafe {
+        libc::syscall(
+            SYS_OPEN_TREE,
+            libc::AT_FDCWD,
+            c.as_ptr(),
+            OPEN_TREE_CLONE | OPEN_TREE_CLOEXEC | libc::AT_RECURSIVE as libc::c_uint,
         )
     })?;
     // SAFETY: fd is a fresh descriptor owned by nobody else.
@@ -234,14 +264,6 @@ pub fn mount(
     Ok(())
 }
 
-/// `umount2(target, flags)`.
-pub fn umount2(target: &Path, flags: libc::c_int) -> io::Result<()> {
-    let t = cpath(target)?;
-    // SAFETY: valid C string.
-    check_int(unsafe { libc::umount2(t.as_ptr(), flags) })?;
-    Ok(())
-}
-
 /// `pivot_root(new_root, put_old)`.
 pub fn pivot_root(new_root: &Path, put_old: &Path) -> io::Result<()> {
     let n = cpath(new_root)?;
@@ -249,14 +271,6 @@ pub fn pivot_root(new_root: &Path, put_old: &Path) -> io::Result<()> {
     // SAFETY: valid C strings.
     check(unsafe { libc::syscall(libc::SYS_pivot_root, n.as_ptr(), o.as_ptr()) })?;
     Ok(())
-}
-
-/// `pidfd_open(pid, 0)`.
-pub fn pidfd_open(pid: i32) -> io::Result<OwnedFd> {
-    // SAFETY: plain syscall with integer arguments.
-    let fd = check(unsafe { libc::syscall(SYS_PIDFD_OPEN, pid, 0) })?;
-    // SAFETY: fresh descriptor.
-    Ok(unsafe { OwnedFd::from_raw_fd(fd as RawFd) })
 }
 
 /// `close_range(first, ~0, CLOSE_RANGE_CLOEXEC)`: mark every fd from `first` close-on-exec.
@@ -360,19 +374,27 @@ pub fn monotonic_ns() -> u64 {
     (ts.tv_sec as u64) * 1_000_000_000 + ts.tv_nsec as u64
 }
 
+/// Runs `call` (a system call that returns a byte count, or -1 with errno) again for as
+/// long as a signal interrupts it (`EINTR`). Allocates nothing: fine in a cloned child.
+pub fn retry_eintr(mut call: impl FnMut() -> isize) -> io::Result<usize> {
+    loop {
+        let n = call();
+        if n >= 0 {
+            return Ok(n as usize);
+        }
+        let e = io::Error::last_os_error();
+        if e.kind() != io::ErrorKind::Interrupted {
+            return Err(e);
+        }
+    }
+}
+
 /// Writes all of `buf` to a raw fd (retrying on EINTR / short writes).
 pub fn write_all_fd(fd: RawFd, mut buf: &[u8]) -> io::Result<()> {
     while !buf.is_empty() {
         // SAFETY: buf is a valid slice.
-        let n = unsafe { libc::write(fd, buf.as_ptr().cast(), buf.len()) };
-        if n < 0 {
-            let e = io::Error::last_os_error();
-            if e.kind() == io::ErrorKind::Interrupted {
-                continue;
-            }
-            return Err(e);
-        }
-        buf = &buf[n as usize..];
+        let n = retry_eintr(|| unsafe { libc::write(fd, buf.as_ptr().cast(), buf.len()) })?;
+        buf = &buf[n..];
     }
     Ok(())
 }
@@ -434,18 +456,8 @@ pub fn recv_with_fds(sock: RawFd, max_fds: usize) -> io::Result<(Vec<u8>, Vec<Ow
     msg.msg_iovlen = 1;
     msg.msg_control = cbuf.as_mut_ptr().cast();
     msg.msg_controllen = space;
-    let n = loop {
-        // SAFETY: msg buffers are valid for the duration of the call.
-        let n = unsafe { libc::recvmsg(sock, &mut msg, libc::MSG_CMSG_CLOEXEC) };
-        if n < 0 {
-            let e = io::Error::last_os_error();
-            if e.kind() == io::ErrorKind::Interrupted {
-                continue;
-            }
-            return Err(e);
-        }
-        break n as usize;
-    };
+    // SAFETY: msg buffers are valid for the duration of the call.
+    let n = retry_eintr(|| unsafe { libc::recvmsg(sock, &mut msg, libc::MSG_CMSG_CLOEXEC) })?;
     data.truncate(n);
     let mut fds = Vec::new();
     // SAFETY: walking the control buffer the kernel filled, with the libc CMSG macros.
@@ -468,13 +480,7 @@ pub fn recv_with_fds(sock: RawFd, max_fds: usize) -> io::Result<(Vec<u8>, Vec<Ow
 
 /// Sets `IFF_UP` on a network interface of the caller's network namespace.
 pub fn interface_up(name: &str) -> io::Result<()> {
-    // SAFETY: plain socket creation.
-    let sock = unsafe { libc::socket(libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0) };
-    if sock < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    // SAFETY: fresh fd.
-    let sock = unsafe { OwnedFd::from_raw_fd(sock) };
+    let sock = socket(libc::AF_INET, libc::SOCK_DGRAM, 0)?;
     // SAFETY: zeroed ifreq is valid.
     let mut ifr: libc::ifreq = unsafe { std::mem::zeroed() };
     let bytes = name.as_bytes();

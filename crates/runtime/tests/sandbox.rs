@@ -8,6 +8,9 @@
 //! The template is a busybox-static rootfs built in a temporary directory. Init programs are
 //! `/bin/busybox sh -c SCRIPT` whose output goes to a log file the test reads.
 
+// Tests: a failed unwrap or expect is a failed test (clippy.toml allows them only in #[test] fns).
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 use std::fs;
 use std::os::fd::AsFd;
 use std::os::unix::fs::{MetadataExt, PermissionsExt, chown, symlink};
@@ -199,13 +202,27 @@ fn compile_c(scratch: &Path, source: &str, out: &Path) -> bool {
         .unwrap_or(false)
 }
 
+/// The host's mounts whose mount point, source or options name a path under `dir`
+/// (an overlay mounted elsewhere with its upper layer there counts too).
+fn mounts_mentioning(dir: &Path) -> Vec<cubicle_syscalls::mountinfo::Mount> {
+    let d = dir.to_string_lossy();
+    cubicle_syscalls::mountinfo::mounts()
+        .unwrap()
+        .into_iter()
+        .filter(|m| {
+            m.mount_point.starts_with(dir)
+                || m.source.contains(&*d)
+                || m.super_options.contains(&*d)
+        })
+        .collect()
+}
+
 /// Asserts that nothing of the sandbox remains on the host.
 fn assert_clean(spec: &SandboxSpec, pid: i32) {
-    let mountinfo = fs::read_to_string("/proc/self/mountinfo").unwrap();
-    let dir = spec.sandbox_dir.to_string_lossy().to_string();
+    let left = mounts_mentioning(&spec.sandbox_dir);
     assert!(
-        !mountinfo.contains(&dir),
-        "host mountinfo still mentions {dir}"
+        left.is_empty(),
+        "host mounts still mention the sandbox: {left:?}"
     );
     let cg = Cgroup::handle(&spec.id).unwrap();
     assert!(!cg.exists(), "cgroup dirs remain: {:?}", cg.dirs());
@@ -680,8 +697,8 @@ fn setup_failure_cleans_up(env: &Env) {
     let cg = Cgroup::handle(&spec.id).unwrap();
     assert!(!cg.exists(), "cgroup removed after a failed spawn");
     assert!(!spec.upper_dir().exists());
-    let mountinfo = fs::read_to_string("/proc/self/mountinfo").unwrap();
-    assert!(!mountinfo.contains(&*spec.sandbox_dir.to_string_lossy()));
+    let left = mounts_mentioning(&spec.sandbox_dir);
+    assert!(left.is_empty(), "{left:?}");
 }
 
 fn open_fds() -> usize {
@@ -748,10 +765,10 @@ fn concurrent_cycles_leak_nothing(env: &Env) {
         "unreaped sandbox inits"
     );
     // (Other engineers' tests may mount things concurrently: look only for our paths.)
-    let mountinfo = fs::read_to_string("/proc/self/mountinfo").unwrap();
+    let left = mounts_mentioning(&env.root);
     assert!(
-        !mountinfo.contains(&*env.root.to_string_lossy()),
-        "host mounts under {}",
+        left.is_empty(),
+        "host mounts under {}: {left:?}",
         env.root.display()
     );
     let prefix = format!("rtt{}x", std::process::id());
@@ -808,8 +825,8 @@ fn caller_killed_leaves_nothing_after_reconcile(env: &Env) {
             "delay {delay_us}us: cgroup came back: {:?}",
             cg.dirs()
         );
-        let mountinfo = fs::read_to_string("/proc/self/mountinfo").unwrap();
-        assert!(!mountinfo.contains(&*spec.sandbox_dir.to_string_lossy()));
+        let left = mounts_mentioning(&spec.sandbox_dir);
+        assert!(left.is_empty(), "delay {delay_us}us: {left:?}");
         for sub in ["upper", "work", "ctl", "rootfs"] {
             assert!(
                 !spec.sandbox_dir.join(sub).exists(),

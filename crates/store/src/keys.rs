@@ -146,6 +146,24 @@ impl Store {
         )?)
     }
 
+    /// The team with id `id`.
+    pub fn team(&self, id: i64) -> Result<Option<Team>> {
+        Ok(self
+            .conn()
+            .query_row(
+                "SELECT id, name, created_at FROM teams WHERE id = ?1",
+                params![id],
+                |r| {
+                    Ok(Team {
+                        id: r.get(0)?,
+                        name: r.get(1)?,
+                        created_at: r.get(2)?,
+                    })
+                },
+            )
+            .optional()?)
+    }
+
     /// The team called `name`, if it exists.
     pub fn team_by_name(&self, name: &str) -> Result<Option<Team>> {
         Ok(self
@@ -249,12 +267,39 @@ impl Store {
         Ok(rows.collect::<rusqlite::Result<Vec<_>>>()?)
     }
 
+    /// Keys of one team, oldest first.
+    pub fn team_api_keys(&self, team_id: i64) -> Result<Vec<ApiKeyInfo>> {
+        let conn = self.conn();
+        let mut st = conn.prepare(&format!(
+            "SELECT {KEY_COLUMNS} FROM api_keys k JOIN teams t ON t.id = k.team_id WHERE k.team_id = ?1 ORDER BY k.id"
+        ))?;
+        let rows = st.query_map(params![team_id], key_info)?;
+        Ok(rows.collect::<rusqlite::Result<Vec<_>>>()?)
+    }
+
     /// Revoke the one unrevoked key whose display prefix starts with `prefix` (at least
     /// `e2b_` + 4 characters). Errors if none or several match.
     pub fn revoke_api_key(&self, prefix: &str) -> Result<ApiKeyInfo> {
+        self.revoke_matching(prefix, None)
+    }
+
+    /// [`Store::revoke_api_key`] among team `team_id`'s keys only (another team's key is
+    /// "not found").
+    pub fn revoke_team_api_key(&self, team_id: i64, prefix: &str) -> Result<ApiKeyInfo> {
+        self.revoke_matching(prefix, Some(team_id))
+    }
+
+    fn revoke_matching(&self, prefix: &str, team_id: Option<i64>) -> Result<ApiKeyInfo> {
         if prefix.len() < KEY_PREFIX.len() + 4 || !prefix.starts_with(KEY_PREFIX) {
             return Err(Error::Invalid(format!(
                 "give at least the first 8 characters of the key (e.g. e2b_1a2b), not '{prefix}'"
+            )));
+        }
+        // Keys are ASCII: anything else starts none of them (and the byte slice below
+        // needs a char boundary).
+        if !prefix.is_ascii() {
+            return Err(Error::NotFound(format!(
+                "no active API key starts with {prefix:?}"
             )));
         }
         // The display prefix is 12 chars; a longer argument (the whole key) also works.
@@ -263,6 +308,7 @@ impl Store {
             .list_api_keys()?
             .into_iter()
             .filter(|k| k.revoked_at.is_none() && k.prefix.starts_with(wanted))
+            .filter(|k| team_id.is_none_or(|t| k.team_id == t))
             .filter(|_| prefix.len() <= DISPLAY_PREFIX_LEN || is_well_formed_key(prefix))
             .collect();
         let key = match matches.as_slice() {
@@ -337,6 +383,10 @@ mod tests {
         let k = s.create_api_key(t.id).unwrap();
         assert!(matches!(s.revoke_api_key("e2b_"), Err(Error::Invalid(_))));
         assert!(matches!(
+            s.revoke_api_key("e2b_0\u{1b}×íZ\u{87078}v»Ä"),
+            Err(Error::NotFound(_))
+        ));
+        assert!(matches!(
             s.revoke_api_key("e2b_zzzzzzzz"),
             Err(Error::NotFound(_))
         ));
@@ -347,6 +397,26 @@ mod tests {
             s.revoke_api_key(&k.plaintext),
             Err(Error::NotFound(_))
         ));
+    }
+
+    #[test]
+    fn a_team_sees_and_revokes_only_its_own_keys() {
+        let s = Store::open_in_memory().unwrap();
+        let a = s.ensure_team("a").unwrap();
+        let b = s.ensure_team("b").unwrap();
+        let ka = s.create_api_key(a.id).unwrap();
+        let kb = s.create_api_key(b.id).unwrap();
+        let listed: Vec<_> = s.team_api_keys(a.id).unwrap();
+        assert_eq!(listed.len(), 1);
+        assert_eq!(listed[0].prefix, ka.info.prefix);
+        assert!(matches!(
+            s.revoke_team_api_key(a.id, &kb.info.prefix),
+            Err(Error::NotFound(_))
+        ));
+        assert!(s.authenticate(&kb.plaintext).unwrap().is_some());
+        let r = s.revoke_team_api_key(b.id, &kb.info.prefix).unwrap();
+        assert_eq!(r.team_name, "b");
+        assert!(s.authenticate(&kb.plaintext).unwrap().is_none());
     }
 
     #[test]

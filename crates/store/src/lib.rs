@@ -4,8 +4,9 @@
 //! What it holds: teams, API keys (only their SHA-256; the plaintext is shown once),
 //! sandbox records (owner team, template, metadata, tokens needed to route, limits,
 //! timestamps, state and death reason), create idempotency keys, volume records (owner,
-//! name, size) and secrets (name, metadata, version, and the value sealed by the control
-//! plane: encrypted, never stored in clear). Environment-variable
+//! name, size), secrets (name, metadata, version, and the value sealed by the control
+//! plane: encrypted, never stored in clear), sandbox lifecycle events and the teams'
+//! webhooks (with the secrets that sign their deliveries). Environment-variable
 //! *values* are never stored (they may be secrets): only their names.
 //!
 //! Every method blocks (SQLite I/O). Async callers use [`Store::call`], which runs the
@@ -20,21 +21,27 @@
 //! # Ok(()) }
 //! ```
 
+#![forbid(unsafe_code)]
+
+mod events;
 mod idempotency;
 mod keys;
 mod sandboxes;
 mod schema;
 mod secrets;
 mod volumes;
+mod webhooks;
 
 use std::path::Path;
 use std::sync::{Arc, Mutex, MutexGuard};
 
+pub use events::{EventQuery, EventRow};
 pub use idempotency::{IDEMPOTENCY_TTL_MS, IdempotencyClaim};
 pub use keys::{ApiKey, ApiKeyInfo, FoundKey, KEY_PREFIX, Team, hash_key, is_well_formed_key};
 pub use sandboxes::{SandboxRow, SandboxRowState};
 pub use secrets::SecretRow;
 pub use volumes::VolumeRow;
+pub use webhooks::WebhookRow;
 
 /// The store's single error type.
 #[derive(Debug, thiserror::Error)]

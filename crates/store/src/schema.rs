@@ -85,6 +85,32 @@ pub(crate) const MIGRATIONS: &[&str] = &[
         UNIQUE (team_id, name)
     );
     "#,
+    // 4: sandbox lifecycle events (E2B's events API) and the teams' webhooks.
+    r#"
+    CREATE TABLE sandbox_events (
+        seq         INTEGER PRIMARY KEY AUTOINCREMENT,   -- order of recording
+        id          TEXT NOT NULL UNIQUE,                -- the event's uuid
+        team_id     INTEGER NOT NULL REFERENCES teams(id),
+        sandbox_id  TEXT NOT NULL,
+        type        TEXT NOT NULL,                       -- sandbox.lifecycle.*
+        at          INTEGER NOT NULL,                    -- unix ms
+        body        TEXT NOT NULL                        -- the event as served (JSON)
+    );
+    CREATE INDEX sandbox_events_by_team ON sandbox_events(team_id, seq);
+    CREATE INDEX sandbox_events_by_sandbox ON sandbox_events(sandbox_id, seq);
+    CREATE INDEX sandbox_events_by_time ON sandbox_events(at);
+    CREATE TABLE webhooks (
+        id          TEXT PRIMARY KEY,                    -- uuid
+        team_id     INTEGER NOT NULL REFERENCES teams(id),
+        name        TEXT NOT NULL,
+        url         TEXT NOT NULL,
+        enabled     INTEGER NOT NULL,
+        events      TEXT NOT NULL,                       -- JSON array of event types
+        secret      TEXT NOT NULL,                       -- signs deliveries (needed in clear)
+        created_at  INTEGER NOT NULL                     -- unix ms
+    );
+    CREATE INDEX webhooks_by_team ON webhooks(team_id);
+    "#,
 ];
 
 /// Newest schema version this binary knows.

@@ -51,43 +51,9 @@ pub fn read_json<T: DeserializeOwned>(path: &Path) -> Result<T> {
     })
 }
 
-/// Decode the octal escapes (`\040`) that /proc/self/mountinfo uses in paths.
-fn unescape_mount_path(s: &str) -> PathBuf {
-    let b = s.as_bytes();
-    let mut out = Vec::with_capacity(b.len());
-    let mut i = 0;
-    while i < b.len() {
-        if b[i] == b'\\' && i + 3 < b.len() {
-            let oct = &b[i + 1..i + 4];
-            if oct.iter().all(|c| (b'0'..=b'7').contains(c)) {
-                let v = (u32::from(oct[0] - b'0') * 64
-                    + u32::from(oct[1] - b'0') * 8
-                    + u32::from(oct[2] - b'0')) as u8;
-                out.push(v);
-                i += 4;
-                continue;
-            }
-        }
-        out.push(b[i]);
-        i += 1;
-    }
-    PathBuf::from(std::ffi::OsStr::from_bytes(&out))
-}
-
 /// Mount points (in this process's mount namespace) at or below `dir`, deepest first.
 pub fn mounts_under(dir: &Path) -> Vec<PathBuf> {
-    let Ok(info) = fs::read_to_string("/proc/self/mountinfo") else {
-        return Vec::new();
-    };
-    let mut out: Vec<PathBuf> = info
-        .lines()
-        .filter_map(|l| l.split(' ').nth(4))
-        .map(unescape_mount_path)
-        .filter(|p| p.starts_with(dir))
-        .collect();
-    out.sort_by_key(|p| std::cmp::Reverse(p.as_os_str().len()));
-    out.dedup();
-    out
+    cubicle_syscalls::mountinfo::mounts_under(dir).unwrap_or_default()
 }
 
 /// Lazily unmount every mount at or below `dir` (deepest first). Returns how many.
@@ -115,15 +81,7 @@ pub fn unmount_all_under(dir: &Path) -> usize {
 
 /// `umount2(path, MNT_DETACH)`.
 pub fn umount_detach(path: &Path) -> std::io::Result<()> {
-    let c =
-        CString::new(path.as_os_str().as_bytes()).map_err(|_| std::io::ErrorKind::InvalidInput)?;
-    // SAFETY: c is a valid NUL-terminated path.
-    let r = unsafe { libc::umount2(c.as_ptr(), libc::MNT_DETACH) };
-    if r == 0 {
-        Ok(())
-    } else {
-        Err(std::io::Error::last_os_error())
-    }
+    cubicle_syscalls::fs::unmount_detach(path)
 }
 
 /// Remove `dir` recursively, first unmounting anything mounted below it, and never
@@ -305,13 +263,6 @@ pub fn is_static_elf(path: &Path) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn unescapes_mountinfo_paths() {
-        assert_eq!(unescape_mount_path("/a\\040b"), PathBuf::from("/a b"));
-        assert_eq!(unescape_mount_path("/plain"), PathBuf::from("/plain"));
-        assert_eq!(unescape_mount_path("/x\\"), PathBuf::from("/x\\"));
-    }
 
     #[test]
     fn removes_tree_and_measures_size() {

@@ -39,7 +39,6 @@ pub mod view;
 
 use std::collections::BTreeMap;
 use std::fs;
-use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::time::{SystemTime, UNIX_EPOCH};
 
@@ -58,6 +57,18 @@ pub const BUILTINS: &[&str] = &["tiny", "base", code_interpreter::NAME];
 /// older builder (another `builder` tag) is rebuilt on its next `ensure` or `build`.
 fn is_current(t: &Template) -> bool {
     t.config.name != code_interpreter::NAME || t.config.builder == code_interpreter::BUILDER
+}
+
+/// Called after every template build with its name, whether it succeeded and how long it
+/// took (see [`observe_builds`]).
+pub type BuildObserver = Box<dyn Fn(&str, bool, std::time::Duration) + Send + Sync>;
+
+static BUILD_OBSERVER: std::sync::OnceLock<BuildObserver> = std::sync::OnceLock::new();
+
+/// Sets the function told about every template build of this process (`cubicle serve`
+/// counts them for its metrics). Only the first call takes effect.
+pub fn observe_builds(observer: BuildObserver) {
+    let _ = BUILD_OBSERVER.set(observer);
 }
 
 /// Mount point inside every rootfs where the runtime bind-mounts the envd binary.
@@ -352,6 +363,16 @@ impl TemplateStore {
         {
             return Ok(t);
         }
+        let t0 = std::time::Instant::now();
+        let built = self.build_locked(name, progress);
+        if let Some(observe) = BUILD_OBSERVER.get() {
+            observe(name, built.is_ok(), t0.elapsed());
+        }
+        built
+    }
+
+    /// The build itself (the caller holds the name's lock).
+    fn build_locked(&self, name: &str, progress: bool) -> Result<Template> {
         self.remove_stale_builds(name);
         // A template of the older layout being replaced: its root filesystem moves into
         // the layer store first (a running sandbox may still use it; GC decides later).
@@ -460,11 +481,7 @@ impl TemplateStore {
             .write(true)
             .open(&path)
             .ctx("open", &path)?;
-        // SAFETY: valid fd for the lifetime of `f`.
-        let r = unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX) };
-        if r != 0 {
-            return Err(Error::io("flock", &path, std::io::Error::last_os_error()));
-        }
+        cubicle_syscalls::fs::lock_exclusive(&f, true).map_err(|e| Error::io("flock", &path, e))?;
         Ok(f)
     }
 }
@@ -560,7 +577,7 @@ mod tests {
             );
             return;
         }
-        if !nix::unistd::geteuid().is_root() {
+        if !cubicle_syscalls::is_root() {
             eprintln!("skipped: building a template chowns files and needs root");
             return;
         }

@@ -13,37 +13,44 @@
 use std::time::{Duration, Instant};
 
 use anyhow::bail;
-use bytes::Bytes;
-use http_body_util::Full;
-use hyper::{Method, Request};
+use hyper::Method;
 use serde_json::json;
 
-use super::{Api, Conn, Ctx, Row, Sbx, drive, note_errors};
+use super::Ctx;
+use super::api::{Api, Sbx, drive, note_errors};
+use super::report::Row;
+use crate::client::{Connection, full_body, read_body};
 
 /// The code interpreter's template (the SDK's default).
 pub const TEMPLATE: &str = "code-interpreter-v1";
 /// The interpreter's port.
 const PORT: u16 = 49999;
+/// Largest `/execute` answer read (`1+1` streams a few hundred bytes).
+const BODY_LIMIT: usize = 1 << 20;
 
 impl Api {
-    /// `POST /execute` of `code` through the router on a new connection; Ok once the
-    /// stream ended and its main result's text is `want`.
-    async fn execute(&self, s: &Sbx, code: &str, want: &str) -> anyhow::Result<()> {
+    /// `POST /execute` of `code` through the router on connection `c`, as the SDK's
+    /// `run_code`: the main result's text (`None`: no result) once the stream ended;
+    /// an error status or an error line in the stream is an error.
+    pub(super) async fn run_code(
+        &self,
+        c: &mut Connection,
+        s: &Sbx,
+        code: &str,
+    ) -> anyhow::Result<Option<String>> {
         let body = json!({"code": code, "context_id": null, "language": null, "env_vars": null});
-        let mut b = Request::builder()
-            .method(Method::POST)
-            .uri("/execute")
-            .header("host", &self.addr)
+        let mut b = self
+            .base()
+            .request(Method::POST, "/execute")
             .header("content-type", "application/json")
             .header("e2b-sandbox-id", &s.id)
             .header("e2b-sandbox-port", PORT.to_string());
         if let Some(t) = &s.token {
             b = b.header("x-access-token", t);
         }
-        let mut c = Conn::new(&self.addr);
-        let (status, body) = c
-            .call(b.body(Full::new(Bytes::from(body.to_string())))?)
-            .await?;
+        let resp = c.send(b.body(full_body(body.to_string()))?).await?;
+        let status = resp.status().as_u16();
+        let body = read_body(resp.into_body(), BODY_LIMIT).await?;
         if status != 200 {
             bail!("/execute: {status} {}", String::from_utf8_lossy(&body));
         }
@@ -60,8 +67,19 @@ impl Api {
                 _ => {}
             }
         }
-        if !ended || text.as_deref() != Some(want) {
-            bail!("/execute: no result {want:?} (got {text:?}, ended {ended})");
+        if !ended {
+            bail!("/execute: the stream ended without end_of_execution");
+        }
+        Ok(text)
+    }
+
+    /// [`Api::run_code`] on a new connection (the SDK opens one per `run_code`); Ok once
+    /// its main result's text is `want`.
+    async fn execute(&self, s: &Sbx, code: &str, want: &str) -> anyhow::Result<()> {
+        let mut c = Connection::lazy(self.base());
+        let text = self.run_code(&mut c, s, code).await?;
+        if text.as_deref() != Some(want) {
+            bail!("/execute: no result {want:?} (got {text:?})");
         }
         Ok(())
     }
@@ -97,7 +115,7 @@ pub(super) async fn measure_first(cx: &Ctx, pace: Duration) -> Row {
 
 /// `interp-run`: `run_code("1+1")` in one sandbox, `iterations` times.
 pub(super) async fn measure_run(cx: &Ctx) -> anyhow::Result<Row> {
-    let mut c = Conn::new(&cx.api.addr);
+    let mut c = cx.api.conn();
     let s = cx.api.create(&mut c, TEMPLATE, cx.internet).await?;
     // Warm-up: the first executions load what the kernel still lacks.
     for _ in 0..5 {

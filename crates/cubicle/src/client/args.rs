@@ -6,6 +6,7 @@ use std::path::Path;
 use clap::{Args, Subcommand};
 
 use super::{ClientError, http::BaseUrl};
+use crate::output::FormatArg;
 
 /// Default address of `cubicle serve`.
 pub const DEFAULT_API_URL: &str = "http://127.0.0.1:3000";
@@ -16,7 +17,7 @@ pub const ADMIN_KEY_FILE: &str = "admin-api-key";
 /// router, as an E2B SDK would use them.
 #[derive(Args, Debug)]
 pub struct SandboxArgs {
-    /// REST API of `cubicle serve` (plain http only).
+    /// REST API of `cubicle serve` (http:// or https://).
     #[arg(long, global = true, env = "E2B_API_URL", value_name = "URL")]
     pub api_url: Option<String>,
     /// API key (default: `<state-dir>/admin-api-key`, written by `cubicle serve`).
@@ -57,6 +58,15 @@ pub enum SandboxCommand {
         volumes: Vec<serde_json::Value>,
         #[command(flatten)]
         network: NetworkFlags,
+        /// vCPUs (CPU share) instead of the template's; up to the server's CPUs.
+        #[arg(long, value_name = "N")]
+        cpus: Option<u32>,
+        /// Memory limit in MiB instead of the template's; up to the server's memory.
+        #[arg(long, value_name = "MIB")]
+        memory_mb: Option<u64>,
+        /// Writable-layer quota in MiB instead of the template's.
+        #[arg(long, value_name = "MIB")]
+        disk_mb: Option<u64>,
         /// Print the server's whole JSON answer instead of the id.
         #[arg(long)]
         json: bool,
@@ -88,15 +98,13 @@ pub enum SandboxCommand {
     /// List sandboxes (running and paused).
     #[command(alias = "ls")]
     List {
-        /// Print JSON instead of a table.
+        #[command(flatten)]
+        filter: Filter,
+        /// Every team's sandboxes on the host, with their team (the operator's key only).
         #[arg(long)]
-        json: bool,
-        /// Only sandboxes with this metadata `KEY=VALUE` (repeatable; all must match).
-        #[arg(long = "metadata", short = 'm', value_name = "KEY=VALUE", value_parser = parse_kv)]
-        metadata: Vec<(String, String)>,
-        /// Only sandboxes in this state (`running`, `paused`; repeatable).
-        #[arg(long = "state", value_name = "STATE")]
-        states: Vec<String>,
+        all_teams: bool,
+        #[command(flatten)]
+        format: FormatArg,
     },
     /// Show one sandbox.
     Info {
@@ -106,22 +114,109 @@ pub enum SandboxCommand {
         #[arg(long)]
         json: bool,
     },
-    /// Kill sandboxes.
+    /// Kill sandboxes: the ones named, or with --all every one the filters select.
+    #[command(alias = "rm")]
     Kill {
         /// Sandbox ids.
-        #[arg(required = true)]
+        #[arg(required_unless_present = "all", conflicts_with = "all")]
         ids: Vec<String>,
+        /// Kill every sandbox that --state/--metadata/--template select (all by default).
+        #[arg(long, short)]
+        all: bool,
+        #[command(flatten)]
+        filter: Filter,
+        /// With --all: every team's sandboxes on the host (the operator's key only).
+        #[arg(long, requires = "all")]
+        all_teams: bool,
+    },
+    /// Pause a sandbox: its processes and memory go to disk (no host memory, no CPU
+    /// while paused); `resume` brings them back.
+    Pause {
+        /// Sandbox id.
+        id: String,
+        /// Keep only the disk (a resume boots the template again over it).
+        #[arg(long)]
+        filesystem: bool,
+    },
+    /// Resume a paused sandbox (a running one only gets its end time extended).
+    Resume {
+        /// Sandbox id.
+        id: String,
+        /// Seconds until the resumed sandbox ends (server default: 300).
+        #[arg(long, value_name = "SECS")]
+        timeout: Option<u64>,
+        /// Boot from the disk instead of restoring memory.
+        #[arg(long)]
+        reboot: bool,
+    },
+    /// Snapshot a running sandbox (it runs on); prints the snapshot id, which works as a
+    /// template (`create -t ID`) and for `rollback`.
+    Snapshot {
+        /// Sandbox id.
+        id: String,
+        /// Name (`name` or `name:tag`).
+        #[arg(long)]
+        name: Option<String>,
+        /// Keep only the disk (sandboxes made from it boot).
+        #[arg(long)]
+        filesystem: bool,
+        /// Print the server's whole JSON answer.
+        #[arg(long)]
+        json: bool,
+    },
+    /// List snapshots (`--sandbox` of one sandbox only).
+    Snapshots {
+        /// Only this sandbox's.
+        #[arg(long)]
+        sandbox: Option<String>,
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Delete a snapshot.
+    DeleteSnapshot {
+        /// Snapshot id or name.
+        id: String,
+    },
+    /// Fork a running sandbox: COUNT new sandboxes with its memory and disk; prints their
+    /// ids.
+    Fork {
+        /// Sandbox id.
+        id: String,
+        /// How many (1-100).
+        #[arg(long, default_value_t = 1)]
+        count: u32,
+        /// Seconds until the forks end (server default: 15, as E2B).
+        #[arg(long, value_name = "SECS")]
+        timeout: Option<u64>,
+        /// Print the server's whole JSON answer.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Put a sandbox back to one of its snapshots, in place (same id and address).
+    Rollback {
+        /// Sandbox id.
+        id: String,
+        /// Snapshot id or name.
+        snapshot: String,
     },
     /// Run a command in a sandbox (`/bin/bash -l -c CMD`), stream its output, exit with
-    /// its exit code. Several words are joined with spaces, as ssh does.
+    /// its exit code. Several words are joined with spaces, as ssh does; `--` before
+    /// CMD is optional. Exit codes of Cubicle's own: 125 (Cubicle failed: server,
+    /// sandbox, connection), 126 (the command could not be started, e.g. no such
+    /// --cwd or --user), 127 (command not found).
     Exec {
         /// Sandbox id.
         id: String,
+        /// Stream this terminal's stdin to the command (closed at end of input). Without
+        /// it the command's stdin is empty.
+        #[arg(long, short)]
+        interactive: bool,
         /// Run as this user (default: the sandbox's default user).
         #[arg(long, short)]
         user: Option<String>,
         /// Working directory.
-        #[arg(long)]
+        #[arg(long, short = 'w')]
         cwd: Option<String>,
         /// Environment variable for this command, `KEY=VALUE` (repeatable).
         #[arg(long = "env", short = 'e', value_name = "KEY=VALUE", value_parser = parse_kv)]
@@ -130,8 +225,43 @@ pub enum SandboxCommand {
         #[arg(long, value_name = "SECS", default_value_t = 0)]
         timeout: u64,
         /// The command.
-        #[arg(last = true, required = true, value_name = "CMD")]
+        #[arg(
+            required = true,
+            value_name = "CMD",
+            trailing_var_arg = true,
+            allow_hyphen_values = true
+        )]
         cmd: Vec<String>,
+    },
+    /// Copy files or directories into or out of a sandbox: `cp PATH ID:DEST` or
+    /// `cp ID:PATH DEST` (`-` is stdin or stdout, for one file).
+    Cp {
+        /// Source: a local path, `-`, or `ID:PATH`.
+        src: String,
+        /// Destination: a local path, `-`, or `ID:PATH`.
+        dst: String,
+        /// Act in the sandbox as this user (owner of what is written; `~` and relative
+        /// paths are its home).
+        #[arg(long, short)]
+        user: Option<String>,
+    },
+    /// A sandbox's CPU, memory and disk use (samples every 5 s).
+    Metrics {
+        /// Sandbox id.
+        id: String,
+        /// Keep printing new samples until the sandbox goes away (or Ctrl-C).
+        #[arg(long, short)]
+        follow: bool,
+        #[command(flatten)]
+        format: FormatArg,
+    },
+    /// Set when a sandbox ends: SECS from now (0 ends it now).
+    #[command(alias = "timeout")]
+    SetTimeout {
+        /// Sandbox id.
+        id: String,
+        /// Seconds from now.
+        secs: u64,
     },
     /// Print a sandbox's logs (envd and start-command output).
     Logs {
@@ -217,6 +347,20 @@ impl NetworkFlags {
         }
         v
     }
+}
+
+/// Which sandboxes a list or `kill --all` selects.
+#[derive(Args, Debug, Clone, Default)]
+pub struct Filter {
+    /// Only sandboxes with this metadata `KEY=VALUE` (repeatable; all must match).
+    #[arg(long = "metadata", short = 'm', value_name = "KEY=VALUE", value_parser = parse_kv)]
+    pub metadata: Vec<(String, String)>,
+    /// Only sandboxes in this state (`running`, `paused`; repeatable).
+    #[arg(long = "state", value_name = "STATE")]
+    pub states: Vec<String>,
+    /// Only sandboxes of this template (id or alias).
+    #[arg(long, value_name = "TEMPLATE")]
+    pub template: Option<String>,
 }
 
 /// Parses `KEY=VALUE` (the value may contain `=`; the key may not be empty).
@@ -355,6 +499,11 @@ mod tests {
             "K=V",
             "-v",
             "data:/mnt/d:ro",
+            "--cpus",
+            "2",
+            "--memory-mb",
+            "1024",
+            "--no-internet",
         ])
         .unwrap();
         match a.command {
@@ -364,6 +513,9 @@ mod tests {
                 metadata,
                 env,
                 volumes,
+                cpus,
+                memory_mb,
+                disk_mb,
                 network,
                 json,
             } => {
@@ -371,7 +523,6 @@ mod tests {
                     volumes,
                     vec![serde_json::json!({"name": "data", "path": "/mnt/d", "readOnly": true})]
                 );
-                assert!(!network.any());
                 assert_eq!(template, "tiny");
                 assert_eq!(timeout, Some(60));
                 assert_eq!(
@@ -379,6 +530,8 @@ mod tests {
                     vec![("a".into(), "b=c".into()), ("x".into(), String::new())]
                 );
                 assert_eq!(env, vec![("K".into(), "V".into())]);
+                assert_eq!((cpus, memory_mb, disk_mb), (Some(2), Some(1024), None));
+                assert!(network.no_internet && network.any());
                 assert!(!json);
             }
             other => panic!("{other:?}"),
@@ -430,15 +583,33 @@ mod tests {
         assert!(parse(&["exec", "abc"]).is_err(), "a command is required");
         let a = parse(&["--api-key", "k", "kill", "a", "b"]).unwrap();
         assert_eq!(a.api_key.as_deref(), Some("k"));
-        assert!(matches!(a.command, SandboxCommand::Kill { ref ids } if ids == &["a", "b"]));
-        assert!(parse(&["kill"]).is_err());
+        assert!(
+            matches!(a.command, SandboxCommand::Kill { ref ids, all: false, .. } if ids == &["a", "b"])
+        );
+        assert!(parse(&["kill"]).is_err(), "ids or --all");
+        assert!(parse(&["kill", "--all", "a"]).is_err(), "not both");
+        assert!(matches!(
+            parse(&["kill", "--all", "--template", "base", "-m", "k=v"]).unwrap().command,
+            SandboxCommand::Kill { all: true, ref filter, .. }
+                if filter.template.as_deref() == Some("base") && filter.metadata.len() == 1
+        ));
         assert!(matches!(
             parse(&["logs", "-f", "abc"]).unwrap().command,
             SandboxCommand::Logs { follow: true, .. }
         ));
         assert!(matches!(
             parse(&["ls", "--json", "--state", "running"]).unwrap().command,
-            SandboxCommand::List { json: true, ref states, .. } if states == &["running"]
+            SandboxCommand::List { ref format, ref filter, .. }
+                if format.is_json() && filter.states == ["running"]
+        ));
+        assert!(matches!(
+            parse(&["ls", "--format", "json"]).unwrap().command,
+            SandboxCommand::List { ref format, .. } if format.is_json()
+        ));
+        // No `--` needed before the command, and `-i` streams stdin.
+        assert!(matches!(
+            parse(&["exec", "-i", "abc", "cat", "-n"]).unwrap().command,
+            SandboxCommand::Exec { interactive: true, ref cmd, .. } if cmd == &["cat", "-n"]
         ));
         assert!(matches!(
             parse(&["shell", "abc", "--user", "root"]).unwrap().command,
@@ -455,9 +626,9 @@ mod tests {
             api_key: None,
             sandbox_url: None,
             command: SandboxCommand::List {
-                json: false,
-                metadata: vec![],
-                states: vec![],
+                filter: Filter::default(),
+                all_teams: false,
+                format: FormatArg::default(),
             },
         };
         let e = a.settings(&dir).unwrap_err().to_string();

@@ -2,15 +2,17 @@
 //! exactly as the E2B SDKs do it: `POST <sandbox-url>/<package>.<Service>/<Method>` with
 //! `E2b-Sandbox-Id`, `E2b-Sandbox-Port: 49983` and `X-Access-Token` headers.
 //!
-//! Server streams are read envelope by envelope (`flags:u8, len:u32be, json`), as they
-//! arrive; the end-of-stream envelope (flag `0x02`) carries `{}` or
-//! `{"error":{"code","message"}}`. Unary calls send and receive plain JSON.
+//! The framing (envelopes, end-of-stream, error bodies) is `cubicle_proto::connect`'s;
+//! this file builds the requests and turns the codec's errors into [`ClientError`]s.
 
-use std::{marker::PhantomData, time::Duration};
+use std::time::Duration;
 
 use base64::Engine;
-use bytes::{Buf, Bytes, BytesMut};
-use http_body_util::BodyExt;
+use cubicle_proto::ENVD_PORT;
+use cubicle_proto::connect::{
+    self as codec, PROTOCOL_VERSION_HEADER, STREAM_CONTENT_TYPE, TIMEOUT_HEADER,
+    UNARY_CONTENT_TYPE, client::StreamError,
+};
 use hyper::{Method, body::Incoming, header::CONTENT_TYPE};
 use serde::{Serialize, de::DeserializeOwned};
 
@@ -19,8 +21,6 @@ use super::{
     http::{self, BaseUrl, Body, Connection},
 };
 
-/// envd's port inside every sandbox.
-pub const ENVD_PORT: u16 = 49983;
 /// Largest envelope we accept (envd sends 32 KiB chunks; anything huge is a bug).
 const MAX_ENVELOPE: usize = 16 << 20;
 /// Largest unary response body we read.
@@ -28,65 +28,15 @@ const MAX_UNARY: usize = 16 << 20;
 /// Unary calls give up after this long.
 const UNARY_TIMEOUT: Duration = Duration::from_secs(60);
 
-const FLAG_COMPRESSED: u8 = 0x01;
-const FLAG_END_STREAM: u8 = 0x02;
-
-/// Encodes one data envelope.
-pub fn envelope(payload: &[u8]) -> Bytes {
-    let mut v = Vec::with_capacity(5 + payload.len());
-    v.push(0);
-    v.extend_from_slice(&(payload.len() as u32).to_be_bytes());
-    v.extend_from_slice(payload);
-    Bytes::from(v)
-}
-
-/// One decoded envelope.
-#[derive(Debug, PartialEq, Eq)]
-pub struct Envelope {
-    pub flags: u8,
-    pub payload: Bytes,
-}
-
-/// Splits a byte stream into envelopes (they may arrive split or coalesced).
-#[derive(Default)]
-pub struct EnvelopeDecoder {
-    buf: BytesMut,
-}
-
-impl EnvelopeDecoder {
-    /// Appends received bytes.
-    pub fn push(&mut self, data: &[u8]) {
-        self.buf.extend_from_slice(data);
-    }
-
-    /// The next complete envelope, if one is buffered.
-    pub fn next(&mut self) -> Result<Option<Envelope>, ClientError> {
-        if self.buf.len() < 5 {
-            return Ok(None);
+impl From<StreamError> for ClientError {
+    fn from(e: StreamError) -> ClientError {
+        match e {
+            StreamError::Rpc(e) => ClientError::Rpc {
+                code: e.code.as_str().to_string(),
+                message: e.message,
+            },
+            StreamError::Protocol(m) => ClientError::Protocol(m),
         }
-        let flags = self.buf[0];
-        let len = u32::from_be_bytes([self.buf[1], self.buf[2], self.buf[3], self.buf[4]]) as usize;
-        if len > MAX_ENVELOPE {
-            return Err(ClientError::Protocol(format!(
-                "Connect envelope of {len} bytes is larger than the {MAX_ENVELOPE} accepted"
-            )));
-        }
-        if flags & FLAG_COMPRESSED != 0 {
-            return Err(ClientError::Protocol(
-                "compressed Connect envelope (compression was not negotiated)".into(),
-            ));
-        }
-        if self.buf.len() < 5 + len {
-            return Ok(None);
-        }
-        self.buf.advance(5);
-        let payload = self.buf.split_to(len).freeze();
-        Ok(Some(Envelope { flags, payload }))
-    }
-
-    /// Bytes left over that do not form a whole envelope.
-    pub fn pending(&self) -> usize {
-        self.buf.len()
     }
 }
 
@@ -116,11 +66,17 @@ impl EnvdClient {
     }
 
     fn request(&self, path: &str, content_type: &str) -> hyper::http::request::Builder {
+        self.http_request(Method::POST, path)
+            .header(CONTENT_TYPE, content_type)
+            .header(PROTOCOL_VERSION_HEADER, "1")
+    }
+
+    /// A request to envd's HTTP API (`/files…`) through the router, with the routing,
+    /// token and user headers (`cubicle sandbox cp`).
+    pub fn http_request(&self, method: Method, path: &str) -> hyper::http::request::Builder {
         let mut b = self
             .base
-            .request(Method::POST, path)
-            .header(CONTENT_TYPE, content_type)
-            .header("connect-protocol-version", "1")
+            .request(method, path)
             .header("e2b-sandbox-id", &self.sandbox_id)
             .header("e2b-sandbox-port", ENVD_PORT.to_string())
             .header(
@@ -137,33 +93,57 @@ impl EnvdClient {
         b
     }
 
+    /// The user calls act as (`None`: the sandbox's default user).
+    pub fn user(&self) -> Option<&str> {
+        self.user.as_deref()
+    }
+
+    /// The data-plane URL calls go to.
+    pub fn base(&self) -> &BaseUrl {
+        &self.base
+    }
+
     /// Opens a connection for a run of unary calls (`unary_on`).
     pub async fn connection(&self) -> Result<Connection, ClientError> {
         Connection::open(&self.base).await
     }
 
-    /// Starts a server-streaming call. `timeout` becomes `Connect-Timeout-Ms` (for
-    /// `Process.Start` envd kills the process at that deadline); `None` sends none.
+    /// Starts a server-streaming call on a fresh connection. `timeout` becomes
+    /// `Connect-Timeout-Ms` (for `Process.Start` envd kills the process at that
+    /// deadline); `None` sends none.
     pub async fn server_stream<Req: Serialize, Resp: DeserializeOwned>(
         &self,
         path: &str,
         msg: &Req,
         timeout: Option<Duration>,
     ) -> Result<ServerStream<Resp>, ClientError> {
-        let payload = serde_json::to_vec(msg)
+        let mut conn = Connection::lazy(&self.base);
+        self.server_stream_on(&mut conn, path, msg, timeout).await
+    }
+
+    /// [`EnvdClient::server_stream`] on `conn` (which carries nothing else until the
+    /// stream has been read to its end).
+    pub async fn server_stream_on<Req: Serialize, Resp: DeserializeOwned>(
+        &self,
+        conn: &mut Connection,
+        path: &str,
+        msg: &Req,
+        timeout: Option<Duration>,
+    ) -> Result<ServerStream<Resp>, ClientError> {
+        let body = codec::request_envelope(msg)
             .map_err(|e| ClientError::Protocol(format!("encoding the request: {e}")))?;
         let mut b = self
-            .request(path, "application/connect+json")
+            .request(path, STREAM_CONTENT_TYPE)
             .header("connect-accept-encoding", "identity")
             .header("keepalive-ping-interval", "50");
         if let Some(t) = timeout {
-            b = b.header("connect-timeout-ms", t.as_millis().to_string());
+            b = b.header(TIMEOUT_HEADER, t.as_millis().to_string());
         }
         let req = b
-            .body(http::full(envelope(&payload)))
+            .body(http::full(body))
             .map_err(|e| ClientError::Protocol(format!("building the request: {e}")))?;
         // The response head comes as soon as the call is accepted; only the body is long.
-        let resp = tokio::time::timeout(UNARY_TIMEOUT, http::send(&self.base, req))
+        let resp = tokio::time::timeout(UNARY_TIMEOUT, conn.send(req))
             .await
             .map_err(|_| ClientError::Timeout(path.to_string()))??;
         let status = resp.status().as_u16();
@@ -173,12 +153,10 @@ impl EnvdClient {
                 .unwrap_or_default();
             return Err(ClientError::from_error_body(status, &body));
         }
-        Ok(ServerStream {
-            body: resp.into_body(),
-            decoder: EnvelopeDecoder::default(),
-            finished: false,
-            _t: PhantomData,
-        })
+        Ok(ServerStream(codec::client::ServerStream::new(
+            resp.into_body(),
+            MAX_ENVELOPE,
+        )))
     }
 
     /// One unary call on a fresh connection.
@@ -191,21 +169,18 @@ impl EnvdClient {
         self.unary_on(&mut conn, path, msg).await
     }
 
-    /// One unary call on `conn` (reopened first if the server closed it).
+    /// One unary call on `conn` (reopened if the server closed it).
     pub async fn unary_on<Req: Serialize, Resp: DeserializeOwned>(
         &self,
         conn: &mut Connection,
         path: &str,
         msg: &Req,
     ) -> Result<Resp, ClientError> {
-        if !conn.is_open() {
-            *conn = self.connection().await?;
-        }
         let payload = serde_json::to_vec(msg)
             .map_err(|e| ClientError::Protocol(format!("encoding the request: {e}")))?;
         let req: hyper::Request<Body> = self
-            .request(path, "application/json")
-            .header("connect-timeout-ms", UNARY_TIMEOUT.as_millis().to_string())
+            .request(path, UNARY_CONTENT_TYPE)
+            .header(TIMEOUT_HEADER, UNARY_TIMEOUT.as_millis().to_string())
             .body(http::full(payload))
             .map_err(|e| ClientError::Protocol(format!("building the request: {e}")))?;
         let call = async {
@@ -225,95 +200,50 @@ impl EnvdClient {
     }
 }
 
+impl EnvdClient {
+    /// envd's `GET /health` through the router on `conn` (no access token: envd answers
+    /// it without one).
+    pub async fn health_on(&self, conn: &mut Connection) -> Result<(), ClientError> {
+        let req = self
+            .base
+            .request(Method::GET, "/health")
+            .header("e2b-sandbox-id", &self.sandbox_id)
+            .header("e2b-sandbox-port", ENVD_PORT.to_string())
+            .body(http::full(bytes::Bytes::new()))
+            .map_err(|e| ClientError::Protocol(format!("building the request: {e}")))?;
+        let resp = tokio::time::timeout(UNARY_TIMEOUT, conn.send(req))
+            .await
+            .map_err(|_| ClientError::Timeout("GET /health".into()))??;
+        let status = resp.status().as_u16();
+        let body = http::read_body(resp.into_body(), 64 << 10).await?;
+        if !(200..300).contains(&status) {
+            return Err(ClientError::from_error_body(status, &body));
+        }
+        Ok(())
+    }
+}
+
 /// A unary error body: Connect `{"code":"<code>","message"}` → `Rpc`; anything else
 /// (envd's or the router's plain JSON) → `Status`.
 fn rpc_error_from_body(status: u16, body: &[u8]) -> ClientError {
-    if let Ok(v) = serde_json::from_slice::<serde_json::Value>(body)
-        && let Some(code) = v.get("code").and_then(|c| c.as_str())
-    {
-        return ClientError::Rpc {
-            code: code.to_string(),
-            message: v
-                .get("message")
-                .and_then(|m| m.as_str())
-                .unwrap_or_default()
-                .to_string(),
-        };
+    match codec::unary_error(body) {
+        Some(e) => ClientError::Rpc {
+            code: e.code.as_str().to_string(),
+            message: e.message,
+        },
+        None => ClientError::from_error_body(status, body),
     }
-    ClientError::from_error_body(status, body)
 }
 
 /// The response messages of a server stream, read as they arrive.
-pub struct ServerStream<T> {
-    body: Incoming,
-    decoder: EnvelopeDecoder,
-    finished: bool,
-    _t: PhantomData<fn() -> T>,
-}
+pub struct ServerStream<T>(codec::client::ServerStream<Incoming, T>);
 
 impl<T: DeserializeOwned> ServerStream<T> {
     /// The next message; `Ok(None)` after a successful end-of-stream (or when the body
     /// ends without one, which the Python SDK tolerates too); `Err` for an error in the
     /// end-of-stream message, a broken body or an undecodable message.
     pub async fn next(&mut self) -> Result<Option<T>, ClientError> {
-        loop {
-            if self.finished {
-                return Ok(None);
-            }
-            if let Some(env) = self.decoder.next()? {
-                if env.flags & FLAG_END_STREAM != 0 {
-                    self.finished = true;
-                    return end_of_stream(&env.payload).map(|()| None);
-                }
-                return serde_json::from_slice(&env.payload).map(Some).map_err(|e| {
-                    ClientError::Protocol(format!(
-                        "undecodable stream message {}: {e}",
-                        String::from_utf8_lossy(&env.payload)
-                    ))
-                });
-            }
-            match self.body.frame().await {
-                Some(Ok(frame)) => {
-                    if let Ok(data) = frame.into_data() {
-                        self.decoder.push(&data);
-                    }
-                }
-                Some(Err(e)) => {
-                    self.finished = true;
-                    return Err(ClientError::Protocol(format!("the stream broke: {e}")));
-                }
-                None => {
-                    self.finished = true;
-                    if self.decoder.pending() > 0 {
-                        return Err(ClientError::Protocol(
-                            "the stream ended inside a message".into(),
-                        ));
-                    }
-                    return Ok(None);
-                }
-            }
-        }
-    }
-}
-
-/// Interprets an end-of-stream payload.
-fn end_of_stream(payload: &[u8]) -> Result<(), ClientError> {
-    let v: serde_json::Value = serde_json::from_slice(payload)
-        .map_err(|e| ClientError::Protocol(format!("undecodable end-of-stream message: {e}")))?;
-    match v.get("error") {
-        None | Some(serde_json::Value::Null) => Ok(()),
-        Some(err) => Err(ClientError::Rpc {
-            code: err
-                .get("code")
-                .and_then(|c| c.as_str())
-                .unwrap_or("unknown")
-                .to_string(),
-            message: err
-                .get("message")
-                .and_then(|m| m.as_str())
-                .unwrap_or_default()
-                .to_string(),
-        }),
+        Ok(self.0.next().await?)
     }
 }
 
@@ -326,51 +256,7 @@ mod tests {
         StartResponse, process_event::Event, process_input, process_selector,
     };
 
-    #[test]
-    fn decoder_handles_split_and_coalesced_envelopes() {
-        let mut all = Vec::new();
-        all.extend_from_slice(&envelope(b"{\"a\":1}"));
-        all.extend_from_slice(&envelope(b"{}"));
-        all.push(FLAG_END_STREAM);
-        all.extend_from_slice(&2u32.to_be_bytes());
-        all.extend_from_slice(b"{}");
-        // Byte by byte.
-        let mut d = EnvelopeDecoder::default();
-        let mut got = Vec::new();
-        for b in &all {
-            d.push(&[*b]);
-            while let Some(e) = d.next().unwrap() {
-                got.push(e);
-            }
-        }
-        assert_eq!(got.len(), 3);
-        assert_eq!(&got[0].payload[..], b"{\"a\":1}");
-        assert_eq!(got[2].flags, FLAG_END_STREAM);
-        // All at once.
-        let mut d = EnvelopeDecoder::default();
-        d.push(&all);
-        let mut n = 0;
-        while d.next().unwrap().is_some() {
-            n += 1;
-        }
-        assert_eq!((n, d.pending()), (3, 0));
-        // Oversized and compressed envelopes are refused.
-        let mut d = EnvelopeDecoder::default();
-        d.push(&[0, 0xff, 0xff, 0xff, 0xff]);
-        assert!(d.next().is_err());
-        let mut d = EnvelopeDecoder::default();
-        d.push(&[1, 0, 0, 0, 0]);
-        assert!(d.next().is_err());
-    }
-
-    #[test]
-    fn end_of_stream_errors() {
-        assert!(end_of_stream(b"{}").is_ok());
-        let e = end_of_stream(br#"{"error":{"code":"deadline_exceeded","message":"too slow"}}"#)
-            .unwrap_err();
-        assert_eq!(e.to_string(), "deadline_exceeded: too slow");
-        assert!(end_of_stream(b"nope").is_err());
-    }
+    use cubicle_proto::connect::EnvelopeDecoder;
 
     fn start_request() -> StartRequest {
         StartRequest {
@@ -396,9 +282,9 @@ mod tests {
             assert_eq!(req.header("authorization"), Some("Basic cm9vdDo="));
             assert_eq!(req.header("connect-timeout-ms"), Some("5000"));
             // The request is exactly one envelope holding the StartRequest.
-            let mut d = EnvelopeDecoder::default();
+            let mut d = EnvelopeDecoder::new(1 << 20);
             d.push(&req.body);
-            let env = d.next().unwrap().unwrap();
+            let env = d.next_envelope().unwrap().unwrap();
             assert_eq!(env.flags, 0);
             let v: serde_json::Value = serde_json::from_slice(&env.payload).unwrap();
             assert_eq!(

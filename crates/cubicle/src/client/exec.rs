@@ -1,6 +1,10 @@
-//! `cubicle sandbox exec ID -- CMD…`: `Process.Start` of `/bin/bash -l -c CMD` through
+//! `cubicle sandbox exec ID CMD…`: `Process.Start` of `/bin/bash -l -c CMD` through
 //! the router (exactly the SDK's `commands.run`), stdout/stderr streamed as they arrive,
-//! the command's exit code returned. Ctrl-C sends SIGTERM to the command, a second
+//! the command's exit code returned. With `-i` the local stdin is streamed to the
+//! command (`SendInput` with `stdin`, then `CloseStdin` at its end), as the SDK's
+//! `commands.run(stdin=True)` + `send_stdin` do; without it the command's stdin is empty.
+//! A command the sandbox refuses to start exits 126 (127: no such program), see
+//! [`crate::exit`]. Ctrl-C sends SIGTERM to the command, a second
 //! Ctrl-C SIGKILL (a dropped connection alone would leave it running, as envd keeps
 //! processes whose client went away). A sandbox without bash (the busybox `tiny`
 //! template) gets `/bin/sh -l -c CMD` instead.
@@ -8,12 +12,16 @@
 use std::{collections::HashMap, time::Duration};
 
 use cubicle_proto::process::{
-    ProcessConfig, ProcessSelector, SendSignalRequest, SendSignalResponse, Signal, StartRequest,
-    StartResponse,
+    CloseStdinRequest, CloseStdinResponse, ProcessConfig, ProcessInput, ProcessSelector,
+    SendInputRequest, SendInputResponse, SendSignalRequest, SendSignalResponse, Signal,
+    StartRequest, StartResponse,
     process_event::{EndEvent, Event, data_event::Output},
-    process_selector,
+    process_input, process_selector,
 };
 use tokio::io::{AsyncWrite, AsyncWriteExt};
+use tokio::sync::mpsc;
+
+use crate::exit;
 
 use super::{
     ClientError,
@@ -84,6 +92,8 @@ pub struct ExecSpec {
     pub cwd: Option<String>,
     /// Process lifetime (`Connect-Timeout-Ms`); `None`: unlimited.
     pub timeout: Option<Duration>,
+    /// Keep the command's stdin open for input (`-i`).
+    pub stdin: bool,
 }
 
 /// The `Process.Start` request for a command (same shape as the SDK's `commands.run`).
@@ -97,7 +107,94 @@ pub fn start_request(spec: &ExecSpec) -> StartRequest {
         }),
         pty: None,
         tag: None,
-        stdin: Some(false),
+        stdin: Some(spec.stdin),
+    }
+}
+
+/// Largest chunk of stdin sent in one `SendInput`.
+const MAX_INPUT_BATCH: usize = 64 << 10;
+
+/// Sends what arrives on `input` to the command's stdin, then closes it (end of the
+/// local input). Runs until then or until the command is gone.
+async fn forward_stdin(
+    envd: EnvdClient,
+    pid: u32,
+    mut input: mpsc::Receiver<Vec<u8>>,
+) -> Result<(), ClientError> {
+    let mut conn = envd.connection().await?;
+    let process = || {
+        Some(ProcessSelector {
+            selector: Some(process_selector::Selector::Pid(pid)),
+        })
+    };
+    while let Some(mut data) = input.recv().await {
+        while data.len() < MAX_INPUT_BATCH {
+            match input.try_recv() {
+                Ok(more) => data.extend_from_slice(&more),
+                Err(_) => break,
+            }
+        }
+        let req = SendInputRequest {
+            process: process(),
+            input: Some(ProcessInput {
+                input: Some(process_input::Input::Stdin(data)),
+            }),
+        };
+        envd.unary_on::<_, SendInputResponse>(&mut conn, "/process.Process/SendInput", &req)
+            .await?;
+    }
+    let req = CloseStdinRequest { process: process() };
+    envd.unary_on::<_, CloseStdinResponse>(&mut conn, "/process.Process/CloseStdin", &req)
+        .await?;
+    Ok(())
+}
+
+/// Reads the local stdin on a plain thread (a blocked read must not hold a runtime
+/// thread); the channel closes at end of input.
+pub fn stdin_channel() -> mpsc::Receiver<Vec<u8>> {
+    let (tx, rx) = mpsc::channel(16);
+    let _ = std::thread::Builder::new()
+        .name("cubicle-stdin".into())
+        .spawn(move || {
+            use std::io::Read;
+            let mut stdin = std::io::stdin().lock();
+            let mut buf = vec![0u8; 32 << 10];
+            loop {
+                match stdin.read(&mut buf) {
+                    Ok(0) => return,
+                    Ok(n) => {
+                        if tx.blocking_send(buf[..n].to_vec()).is_err() {
+                            return;
+                        }
+                    }
+                    Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+                    Err(e) => {
+                        eprintln!("cubicle: reading stdin: {e}");
+                        return;
+                    }
+                }
+            }
+        });
+    rx
+}
+
+/// The exit error for a command envd refused to start.
+fn not_started(e: ClientError) -> anyhow::Error {
+    match &e {
+        ClientError::Rpc { message, .. } => {
+            let lower = message.to_ascii_lowercase();
+            let code = if lower.contains("no such file") && !lower.contains("cwd") {
+                exit::NOT_FOUND
+            } else {
+                exit::CANNOT_INVOKE
+            };
+            exit::Exit {
+                code,
+                message: format!("the sandbox could not start the command: {message}"),
+            }
+            .into()
+        }
+        _ => e.into(),
     }
 }
 
@@ -157,71 +254,96 @@ async fn signal(envd: &EnvdClient, pid: u32, sig: Signal) -> Result<(), ClientEr
 
 /// Runs the command, copying its output to `out`/`err`; returns the exit code (124 when
 /// `spec.timeout` ran out, as `timeout(1)` does).
-/// `ctrl_c` yields once per Ctrl-C.
+/// `ctrl_c` yields once per Ctrl-C; `input` (with `spec.stdin`) is the command's stdin.
 pub async fn run<O, E>(
     envd: &EnvdClient,
     spec: &ExecSpec,
     out: &mut O,
     err: &mut E,
     mut ctrl_c: tokio::sync::mpsc::Receiver<()>,
+    mut input: Option<mpsc::Receiver<Vec<u8>>>,
 ) -> anyhow::Result<i32>
 where
     O: AsyncWrite + Unpin,
     E: AsyncWrite + Unpin,
 {
-    let mut stream = start_process(envd, start_request(spec), spec.timeout).await?;
+    let mut stream = start_process(envd, start_request(spec), spec.timeout)
+        .await
+        .map_err(not_started)?;
     let mut pid: Option<u32> = None;
     let mut interrupts_seen = 0;
-    loop {
-        let msg = tokio::select! {
-            m = stream.next() => m,
-            Some(()) = ctrl_c.recv() => {
-                interrupts_seen += 1;
-                if let Some(pid) = pid {
-                    let sig = if interrupts_seen == 1 { Signal::Sigterm } else { Signal::Sigkill };
-                    if let Err(e) = signal(envd, pid, sig).await {
-                        eprintln!("cubicle: could not signal the command: {e}");
+    // The stdin forwarder starts with the process; it must not outlive this call.
+    let mut forwarder: Option<tokio::task::JoinHandle<()>> = None;
+    let result = async {
+        loop {
+            let msg = tokio::select! {
+                m = stream.next() => m,
+                Some(()) = ctrl_c.recv() => {
+                    interrupts_seen += 1;
+                    if let Some(pid) = pid {
+                        let sig = if interrupts_seen == 1 { Signal::Sigterm } else { Signal::Sigkill };
+                        if let Err(e) = signal(envd, pid, sig).await {
+                            eprintln!("cubicle: could not signal the command: {e}");
+                        }
+                    } else if interrupts_seen > 1 {
+                        return Ok(130);
                     }
-                } else if interrupts_seen > 1 {
-                    return Ok(130);
+                    continue;
                 }
-                continue;
+            };
+            let msg = match msg {
+                Err(ClientError::Rpc { code, message }) if code == "deadline_exceeded" => {
+                    eprintln!("cubicle: the command ran out of time ({message}); it was killed");
+                    return Ok(124);
+                }
+                other => other,
+            };
+            let Some(resp) = msg? else {
+                anyhow::bail!("the command's stream ended without an end event");
+            };
+            match resp.event.and_then(|e| e.event) {
+                Some(Event::Start(s)) => {
+                    pid = Some(s.pid);
+                    if let Some(input) = input.take() {
+                        let envd = envd.clone();
+                        forwarder = Some(tokio::spawn(async move {
+                            match forward_stdin(envd, s.pid, input).await {
+                                // The command may end before reading all of its input.
+                                Err(ClientError::Rpc { code, .. }) if code == "not_found" => {}
+                                Err(e) => eprintln!("cubicle: sending stdin to the command: {e}"),
+                                Ok(()) => {}
+                            }
+                        }));
+                    }
+                }
+                Some(Event::Data(d)) => match d.output {
+                    Some(Output::Stdout(b)) | Some(Output::Pty(b)) => {
+                        out.write_all(&b).await?;
+                        out.flush().await?;
+                    }
+                    Some(Output::Stderr(b)) => {
+                        err.write_all(&b).await?;
+                        err.flush().await?;
+                    }
+                    None => {}
+                },
+                Some(Event::End(end)) => {
+                    // Drain to the end-of-stream so a trailing error is not lost.
+                    while stream.next().await?.is_some() {}
+                    if let Some(e) = end.error.as_deref().filter(|_| !end.exited) {
+                        tracing::debug!("command ended: {e}");
+                    }
+                    return Ok(exit_code(&end));
+                }
+                Some(Event::Keepalive(_)) | None => {}
             }
-        };
-        let msg = match msg {
-            Err(ClientError::Rpc { code, message }) if code == "deadline_exceeded" => {
-                eprintln!("cubicle: the command ran out of time ({message}); it was killed");
-                return Ok(124);
-            }
-            other => other,
-        };
-        let Some(resp) = msg? else {
-            anyhow::bail!("the command's stream ended without an end event");
-        };
-        match resp.event.and_then(|e| e.event) {
-            Some(Event::Start(s)) => pid = Some(s.pid),
-            Some(Event::Data(d)) => match d.output {
-                Some(Output::Stdout(b)) | Some(Output::Pty(b)) => {
-                    out.write_all(&b).await?;
-                    out.flush().await?;
-                }
-                Some(Output::Stderr(b)) => {
-                    err.write_all(&b).await?;
-                    err.flush().await?;
-                }
-                None => {}
-            },
-            Some(Event::End(end)) => {
-                // Drain to the end-of-stream so a trailing error is not lost.
-                while stream.next().await?.is_some() {}
-                if let Some(e) = end.error.as_deref().filter(|_| !end.exited) {
-                    tracing::debug!("command ended: {e}");
-                }
-                return Ok(exit_code(&end));
-            }
-            Some(Event::Keepalive(_)) | None => {}
         }
     }
+    .await;
+    if let Some(f) = forwarder {
+        f.abort();
+    }
+    result
 }
 
 #[cfg(test)]
@@ -260,6 +382,7 @@ mod tests {
             envs: HashMap::new(),
             cwd: None,
             timeout: None,
+            stdin: false,
         };
         assert_eq!(
             serde_json::to_value(start_request(&spec)).unwrap(),
@@ -291,9 +414,10 @@ mod tests {
             envs: HashMap::new(),
             cwd: None,
             timeout: None,
+            stdin: false,
         };
         let (mut out, mut err) = (Vec::new(), Vec::new());
-        let code = run(&envd, &spec, &mut out, &mut err, no_interrupts())
+        let code = run(&envd, &spec, &mut out, &mut err, no_interrupts(), None)
             .await
             .unwrap();
         assert_eq!(code, 42);
@@ -306,7 +430,7 @@ mod tests {
         })
         .await;
         let envd = EnvdClient::new(server.base(), "s", None, None);
-        let e = run(&envd, &spec, &mut out, &mut err, no_interrupts())
+        let e = run(&envd, &spec, &mut out, &mut err, no_interrupts(), None)
             .await
             .unwrap_err();
         assert!(e.to_string().contains("without an end event"), "{e}");
@@ -317,9 +441,9 @@ mod tests {
         let cmds = Arc::new(Mutex::new(Vec::<String>::new()));
         let seen = cmds.clone();
         let server = FakeServer::start(move |req| {
-            let mut d = crate::client::connect::EnvelopeDecoder::default();
+            let mut d = cubicle_proto::connect::EnvelopeDecoder::new(1 << 20);
             d.push(&req.body);
-            let v: serde_json::Value = serde_json::from_slice(&d.next().unwrap().unwrap().payload).unwrap();
+            let v: serde_json::Value = serde_json::from_slice(&d.next_envelope().unwrap().unwrap().payload).unwrap();
             let cmd = v["process"]["cmd"].as_str().unwrap().to_string();
             seen.lock().unwrap().push(cmd.clone());
             if cmd == "/bin/bash" {
@@ -338,10 +462,11 @@ mod tests {
             envs: HashMap::new(),
             cwd: None,
             timeout: None,
+            stdin: false,
         };
         let (mut out, mut err) = (Vec::new(), Vec::new());
         assert_eq!(
-            run(&envd, &spec, &mut out, &mut err, no_interrupts())
+            run(&envd, &spec, &mut out, &mut err, no_interrupts(), None)
                 .await
                 .unwrap(),
             0
@@ -384,6 +509,7 @@ mod tests {
             envs: HashMap::new(),
             cwd: None,
             timeout: None,
+            stdin: false,
         };
         let (itx, irx) = tokio::sync::mpsc::channel(4);
         let sender = tokio::spawn(async move {
@@ -392,7 +518,9 @@ mod tests {
             itx
         });
         let (mut out, mut err) = (Vec::new(), Vec::new());
-        let code = run(&envd, &spec, &mut out, &mut err, irx).await.unwrap();
+        let code = run(&envd, &spec, &mut out, &mut err, irx, None)
+            .await
+            .unwrap();
         let _ = sender.await;
         assert_eq!(code, 143);
         let s = signals.lock().unwrap();

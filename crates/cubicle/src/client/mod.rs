@@ -4,17 +4,20 @@
 //! `E2b-Sandbox-Port: 49983`, `X-Access-Token` from `POST /v2/sandboxes/{id}/connect`)
 //! for exec and the interactive shell.
 //!
-//! Layout: `args` (flags, settings), `http` (plain-HTTP/1.1 transport), `rest` (REST
+//! Layout: `args` (flags, settings), `http` (HTTP/1.1 transport), `rest` (REST
 //! calls), `connect` (Connect envelopes and calls), `commands` (create/list/info/kill),
-//! `exec`, `shell` + `tty` (PTY session, raw mode), `logs`, `netlog`.
+//! `exec` (with `-i` stdin), `files` (`cp`), `metrics`, `shell` + `tty` (PTY session, raw
+//! mode), `logs`, `netlog`.
 
 mod args;
 mod commands;
 mod connect;
 mod error;
 mod exec;
+mod files;
 mod http;
 mod logs;
+mod metrics;
 mod netlog;
 mod rest;
 mod shell;
@@ -30,9 +33,11 @@ pub use args::{SandboxArgs, SandboxCommand};
 pub use error::ClientError;
 pub use volume::{VolumeArgs, run_volume};
 
-use connect::EnvdClient;
+// For `cubicle bench`, which calls the server as this client does.
+pub(crate) use connect::EnvdClient;
+pub(crate) use http::{BaseUrl, Connection, full as full_body, read_body};
 pub use rest::ApiClient;
-use rest::NewSandbox;
+pub(crate) use rest::{ListFilter, NewSandbox};
 
 /// Runs one `cubicle sandbox …` command; returns the process exit code.
 pub async fn run(args: SandboxArgs, state_dir: &Path) -> anyhow::Result<i32> {
@@ -45,18 +50,25 @@ pub async fn run(args: SandboxArgs, state_dir: &Path) -> anyhow::Result<i32> {
             metadata,
             env,
             volumes,
+            cpus,
+            memory_mb,
+            disk_mb,
             network,
             json,
         } => {
-            let req = NewSandbox {
-                template_id: template,
+            let a = commands::CreateArgs {
+                template,
                 timeout,
-                metadata: metadata.into_iter().collect(),
-                env_vars: env.into_iter().collect(),
+                metadata,
+                env,
                 volume_mounts: volumes,
-                network: network.any().then(|| network.body()),
+                cpus,
+                memory_mb,
+                disk_mb,
+                network,
+                json,
             };
-            commands::create(&api, req, json).await
+            commands::create(&api, a).await
         }
         SandboxCommand::Network { id, network } => {
             api.update_network(&id, &network.body()).await?;
@@ -69,19 +81,85 @@ pub async fn run(args: SandboxArgs, state_dir: &Path) -> anyhow::Result<i32> {
             allowlist,
         } => netlog::run(&api, &id, follow, json, allowlist).await,
         SandboxCommand::List {
-            json,
-            metadata,
-            states,
-        } => commands::list(&api, json, metadata, states).await,
+            filter,
+            all_teams,
+            format,
+        } => commands::list(&api, &filter, all_teams, &format).await,
         SandboxCommand::Info { id, json } => commands::info(&api, &id, json).await,
-        SandboxCommand::Kill { ids } => commands::kill(&api, &ids).await,
+        SandboxCommand::Kill {
+            ids,
+            all,
+            filter,
+            all_teams,
+        } => {
+            if all {
+                commands::kill_all(&api, &filter, all_teams).await
+            } else {
+                commands::kill(&api, &ids).await
+            }
+        }
+        SandboxCommand::Pause { id, filesystem } => commands::pause(&api, &id, !filesystem).await,
+        SandboxCommand::Resume {
+            id,
+            timeout,
+            reboot,
+        } => commands::resume(&api, &id, timeout, !reboot).await,
+        SandboxCommand::Snapshot {
+            id,
+            name,
+            filesystem,
+            json,
+        } => commands::snapshot(&api, &id, name, !filesystem, json).await,
+        SandboxCommand::Snapshots { sandbox, json } => {
+            commands::snapshots(&api, sandbox.as_deref(), json).await
+        }
+        SandboxCommand::DeleteSnapshot { id } => commands::delete_snapshot(&api, &id).await,
+        SandboxCommand::Fork {
+            id,
+            count,
+            timeout,
+            json,
+        } => commands::fork(&api, &id, count, timeout, json).await,
+        SandboxCommand::Rollback { id, snapshot } => commands::rollback(&api, &id, &snapshot).await,
         SandboxCommand::Logs {
             id,
             follow,
             timestamps,
         } => logs::run(&api, &id, follow, timestamps).await,
+        SandboxCommand::Metrics { id, follow, format } => {
+            metrics::run(&api, &id, follow, format.is_json()).await
+        }
+        SandboxCommand::SetTimeout { id, secs } => {
+            api.set_timeout(&id, secs).await?;
+            println!("{id} ends in {secs} s");
+            Ok(0)
+        }
+        SandboxCommand::Cp { src, dst, user } => {
+            let (src, dst) = (files::Location::parse(&src), files::Location::parse(&dst));
+            let done = match (&src, &dst) {
+                (files::Location::Sandbox { .. }, files::Location::Sandbox { .. }) => {
+                    anyhow::bail!("copy between two sandboxes is not supported: copy out, then in")
+                }
+                (_, files::Location::Sandbox { id, path }) => {
+                    let envd = envd_for(&api, &settings.sandbox, id, user).await?;
+                    files::copy_in(&envd, &src, path).await?
+                }
+                (files::Location::Sandbox { id, path }, _) => {
+                    let envd = envd_for(&api, &settings.sandbox, id, user).await?;
+                    files::copy_out(&envd, path, &dst).await?
+                }
+                _ => anyhow::bail!(
+                    "one side of cp must be in a sandbox: ID:PATH (e.g. cubicle sandbox cp ./f ID:/tmp/)"
+                ),
+            };
+            if dst != files::Location::Std {
+                eprintln!("copied {done}");
+            }
+            Ok(0)
+        }
         SandboxCommand::Exec {
             id,
+            interactive,
             user,
             cwd,
             env,
@@ -94,6 +172,7 @@ pub async fn run(args: SandboxArgs, state_dir: &Path) -> anyhow::Result<i32> {
                 envs: env.into_iter().collect(),
                 cwd,
                 timeout: (timeout > 0).then(|| Duration::from_secs(timeout)),
+                stdin: interactive,
             };
             let (tx, rx) = tokio::sync::mpsc::channel(4);
             tokio::spawn(async move {
@@ -103,9 +182,10 @@ pub async fn run(args: SandboxArgs, state_dir: &Path) -> anyhow::Result<i32> {
                     }
                 }
             });
+            let input = interactive.then(exec::stdin_channel);
             let mut out = tokio::io::stdout();
             let mut err = tokio::io::stderr();
-            exec::run(&envd, &spec, &mut out, &mut err, rx).await
+            exec::run(&envd, &spec, &mut out, &mut err, rx, input).await
         }
         SandboxCommand::Shell { id, user, cwd } => {
             let envd = envd_for(&api, &settings.sandbox, &id, user).await?;

@@ -9,7 +9,7 @@ use serde_json::Value;
 
 use super::{
     ClientError,
-    http::{self, BaseUrl},
+    http::{self, BaseUrl, Connection},
 };
 
 /// Largest REST response we read.
@@ -34,6 +34,21 @@ pub struct NewSandbox {
     /// E2B `network` options (as `NetworkFlags::body` builds them).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub network: Option<Value>,
+    /// Unset: the server's default (internet on).
+    #[serde(
+        rename = "allow_internet_access",
+        skip_serializing_if = "Option::is_none"
+    )]
+    pub allow_internet_access: Option<bool>,
+    /// vCPUs instead of the template's (a Cubicle field).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub cpu_count: Option<u32>,
+    /// Memory limit in MiB instead of the template's (a Cubicle field).
+    #[serde(rename = "memoryMB", skip_serializing_if = "Option::is_none")]
+    pub memory_mb: Option<u64>,
+    /// Writable-layer quota in MiB instead of the template's (a Cubicle field).
+    #[serde(rename = "diskSizeMB", skip_serializing_if = "Option::is_none")]
+    pub disk_mb: Option<u64>,
 }
 
 /// The `Sandbox` answer of create/connect (only what the client needs; the rest is kept
@@ -82,6 +97,8 @@ pub struct ListFilter {
     pub metadata: Vec<(String, String)>,
     /// `running`, `paused` (comma-joined on the wire); empty = server default (both).
     pub states: Vec<String>,
+    /// Template id or alias (a Cubicle filter); `None`: any.
+    pub template: Option<String>,
 }
 
 /// Client of the REST API.
@@ -144,6 +161,9 @@ pub fn list_query(filter: &ListFilter, next_token: Option<&str>, limit: u32) -> 
             enc(&filter.states.join(","), COMPONENT).replace("%2C", ",")
         ));
     }
+    if let Some(t) = &filter.template {
+        q.push(format!("template={}", enc(t, QUERY_VALUE)));
+    }
     if let Some(t) = next_token {
         q.push(format!("nextToken={}", enc(t, QUERY_VALUE)));
     }
@@ -169,8 +189,8 @@ impl ApiClient {
         }
     }
 
-    /// Sends a request; returns `(status, headers, body)`; error statuses become
-    /// `ClientError::Status` unless listed in `ok_errors`.
+    /// Sends a request on a fresh connection; returns `(status, headers, body)`; error
+    /// statuses become `ClientError::Status`.
     pub(crate) async fn call(
         &self,
         method: Method,
@@ -185,6 +205,19 @@ impl ApiClient {
     /// [`ApiClient::call`] with a body of any content type.
     pub(super) async fn call_typed(
         &self,
+        method: Method,
+        path: &str,
+        body: Option<(Vec<u8>, &str)>,
+        timeout: Duration,
+    ) -> Result<(u16, header::HeaderMap, bytes::Bytes), ClientError> {
+        self.call_on(None, method, path, body, timeout).await
+    }
+
+    /// Sends a request (on `conn`, else on a fresh connection); returns `(status,
+    /// headers, body)`; error statuses become `ClientError::Status`.
+    async fn call_on(
+        &self,
+        conn: Option<&mut Connection>,
         method: Method,
         path: &str,
         body: Option<(Vec<u8>, &str)>,
@@ -215,7 +248,10 @@ impl ApiClient {
             .map_err(|e| ClientError::Config(format!("bad request {path}: {e}")))?;
         let what = format!("{method} {}", self.base.url(path));
         let fut = async {
-            let resp = http::send(&self.base, req).await?;
+            let resp = match conn {
+                Some(c) => c.send(req).await?,
+                None => http::send(&self.base, req).await?,
+            };
             let status = resp.status().as_u16();
             let headers = resp.headers().clone();
             let body = http::read_body(resp.into_body(), MAX_BODY).await?;
@@ -228,6 +264,20 @@ impl ApiClient {
             return Err(ClientError::from_error_body(status, &body));
         }
         Ok((status, headers, body))
+    }
+
+    /// A call on `conn` with an optional JSON body (for the bench's stateful measures):
+    /// `(status, headers, body)`; error statuses become `ClientError::Status`.
+    pub async fn json_call_on(
+        &self,
+        conn: &mut Connection,
+        method: Method,
+        path: &str,
+        body: Option<&Value>,
+    ) -> Result<(u16, header::HeaderMap, bytes::Bytes), ClientError> {
+        let body = body.map(|b| (b.to_string().into_bytes(), "application/json"));
+        self.call_on(Some(conn), method, path, body, CREATE_TIMEOUT)
+            .await
     }
 
     pub(super) fn json<T: serde::de::DeserializeOwned>(
@@ -244,10 +294,33 @@ impl ApiClient {
 
     /// `POST /v2/sandboxes` → the new sandbox (raw JSON too).
     pub async fn create(&self, req: &NewSandbox) -> Result<(Sandbox, Value), ClientError> {
+        self.create_via(None, req).await
+    }
+
+    /// [`ApiClient::create`] on `conn`.
+    pub async fn create_on(
+        &self,
+        conn: &mut Connection,
+        req: &NewSandbox,
+    ) -> Result<(Sandbox, Value), ClientError> {
+        self.create_via(Some(conn), req).await
+    }
+
+    async fn create_via(
+        &self,
+        conn: Option<&mut Connection>,
+        req: &NewSandbox,
+    ) -> Result<(Sandbox, Value), ClientError> {
         let body = serde_json::to_vec(req)
             .map_err(|e| ClientError::Protocol(format!("encoding the request: {e}")))?;
         let (_, _, body) = self
-            .call(Method::POST, "/v2/sandboxes", Some(body), CREATE_TIMEOUT)
+            .call_on(
+                conn,
+                Method::POST,
+                "/v2/sandboxes",
+                Some((body, "application/json")),
+                CREATE_TIMEOUT,
+            )
             .await?;
         let raw: Value = Self::json("/v2/sandboxes", &body)?;
         let sbx: Sandbox = Self::json("/v2/sandboxes", &body)?;
@@ -256,6 +329,16 @@ impl ApiClient {
 
     /// `GET /v2/sandboxes`, following `X-Next-Token` to the last page.
     pub async fn list(&self, filter: &ListFilter) -> Result<Vec<Value>, ClientError> {
+        self.list_on(&mut Connection::lazy(&self.base), filter)
+            .await
+    }
+
+    /// [`ApiClient::list`] on `conn`.
+    pub async fn list_on(
+        &self,
+        conn: &mut Connection,
+        filter: &ListFilter,
+    ) -> Result<Vec<Value>, ClientError> {
         let mut all = Vec::new();
         let mut token: Option<String> = None;
         // A server that keeps returning tokens must not loop us forever.
@@ -264,7 +347,9 @@ impl ApiClient {
                 "/v2/sandboxes?{}",
                 list_query(filter, token.as_deref(), 100)
             );
-            let (_, headers, body) = self.call(Method::GET, &path, None, CALL_TIMEOUT).await?;
+            let (_, headers, body) = self
+                .call_on(Some(&mut *conn), Method::GET, &path, None, CALL_TIMEOUT)
+                .await?;
             let page: Vec<Value> = Self::json("/v2/sandboxes", &body)?;
             all.extend(page);
             token = headers
@@ -293,6 +378,88 @@ impl ApiClient {
         let path = format!("/sandboxes/{}", seg(id));
         self.call(Method::DELETE, &path, None, CALL_TIMEOUT).await?;
         Ok(())
+    }
+
+    /// `POST` of a JSON body to `path`; the status and the decoded answer (`Null` for
+    /// an empty one).
+    pub async fn post_json(
+        &self,
+        path: &str,
+        body: &Value,
+        timeout: Duration,
+    ) -> Result<(u16, Value), ClientError> {
+        let (status, _, resp) = self
+            .call(
+                Method::POST,
+                path,
+                Some(body.to_string().into_bytes()),
+                timeout,
+            )
+            .await?;
+        if resp.is_empty() {
+            return Ok((status, Value::Null));
+        }
+        Ok((status, Self::json(path, &resp)?))
+    }
+
+    /// `GET /snapshots` (all pages).
+    pub async fn snapshots(&self, sandbox: Option<&str>) -> Result<Vec<Value>, ClientError> {
+        let mut all = Vec::new();
+        let mut token: Option<String> = None;
+        for _ in 0..10_000 {
+            let mut q = vec!["limit=100".to_string()];
+            if let Some(s) = sandbox {
+                q.push(format!("sandboxID={}", enc(s, QUERY_VALUE)));
+            }
+            if let Some(t) = &token {
+                q.push(format!("nextToken={}", enc(t, QUERY_VALUE)));
+            }
+            let path = format!("/snapshots?{}", q.join("&"));
+            let (_, headers, body) = self.call(Method::GET, &path, None, CALL_TIMEOUT).await?;
+            let page: Vec<Value> = Self::json("/snapshots", &body)?;
+            all.extend(page);
+            token = headers
+                .get("x-next-token")
+                .and_then(|v| v.to_str().ok())
+                .filter(|t| !t.is_empty())
+                .map(str::to_string);
+            if token.is_none() {
+                return Ok(all);
+            }
+        }
+        Err(ClientError::Protocol(
+            "GET /snapshots: pagination never ended".into(),
+        ))
+    }
+
+    /// `DELETE /templates/{id}` (a snapshot).
+    pub async fn delete_template(&self, id: &str) -> Result<(), ClientError> {
+        let path = format!("/templates/{}", seg(id));
+        self.call(Method::DELETE, &path, None, CALL_TIMEOUT).await?;
+        Ok(())
+    }
+
+    /// [`ApiClient::kill`] on `conn`.
+    pub async fn kill_on(&self, conn: &mut Connection, id: &str) -> Result<(), ClientError> {
+        let path = format!("/sandboxes/{}", seg(id));
+        self.call_on(Some(conn), Method::DELETE, &path, None, CALL_TIMEOUT)
+            .await?;
+        Ok(())
+    }
+
+    /// `GET /cubicle/pool` on `conn`: the server's warm-pool counters (a Cubicle route,
+    /// not E2B's).
+    pub async fn pool_stats_on(&self, conn: &mut Connection) -> Result<Value, ClientError> {
+        let path = "/cubicle/pool";
+        let (_, _, body) = self
+            .call_on(Some(conn), Method::GET, path, None, CALL_TIMEOUT)
+            .await?;
+        Self::json(path, &body)
+    }
+
+    /// The server's base URL.
+    pub fn base(&self) -> &BaseUrl {
+        &self.base
     }
 
     /// `POST /v2/sandboxes/{id}/connect` (how the SDK gets the envd access token).
@@ -383,6 +550,41 @@ impl ApiClient {
         self.logs_v1(id, cursor_ms).await
     }
 
+    /// `POST /sandboxes/{id}/timeout`: the sandbox ends `secs` from now.
+    pub async fn set_timeout(&self, id: &str, secs: u64) -> Result<(), ClientError> {
+        let path = format!("/sandboxes/{}/timeout", seg(id));
+        let body = serde_json::json!({ "timeout": secs })
+            .to_string()
+            .into_bytes();
+        self.call(Method::POST, &path, Some(body), CALL_TIMEOUT)
+            .await?;
+        Ok(())
+    }
+
+    /// `GET /sandboxes/{id}/metrics` (samples since `start`, unix seconds, when given).
+    pub async fn metrics(&self, id: &str, start: Option<i64>) -> Result<Vec<Value>, ClientError> {
+        let mut path = format!("/sandboxes/{}/metrics", seg(id));
+        if let Some(s) = start {
+            path.push_str(&format!("?start={s}"));
+        }
+        let (_, _, body) = self.call(Method::GET, &path, None, CALL_TIMEOUT).await?;
+        Self::json(&path, &body)
+    }
+
+    /// `GET /cubicle/sandboxes`: every team's live sandboxes (the operator's key only).
+    pub async fn list_all_teams(&self) -> Result<Vec<Value>, ClientError> {
+        let path = "/cubicle/sandboxes";
+        let (_, _, body) = self.call(Method::GET, path, None, CALL_TIMEOUT).await?;
+        Self::json(path, &body)
+    }
+
+    /// `DELETE /cubicle/sandboxes/{id}`: kills any team's sandbox (the operator's key).
+    pub async fn kill_any_team(&self, id: &str) -> Result<(), ClientError> {
+        let path = format!("/cubicle/sandboxes/{}", seg(id));
+        self.call(Method::DELETE, &path, None, CALL_TIMEOUT).await?;
+        Ok(())
+    }
+
     async fn logs_v1(&self, id: &str, start_ms: Option<i64>) -> Result<Vec<LogEntry>, ClientError> {
         let mut path = format!("/sandboxes/{}/logs?limit=1000", seg(id));
         if let Some(c) = start_ms {
@@ -404,6 +606,7 @@ mod tests {
         let f = ListFilter {
             metadata: vec![("a b".into(), "c&d".into())],
             states: vec!["running".into(), "paused".into()],
+            template: None,
         };
         let q = list_query(&f, Some("tok=="), 100);
         // `a b` → `a%20b` → `a%2520b` → (whole string query-encoded) `a%252520b`; after

@@ -185,9 +185,8 @@ pub async fn session<O: AsyncWrite + Unpin>(
     result
 }
 
-/// How often, and how many times, Ctrl-D is sent after a non-terminal stdin ends.
+/// How often Ctrl-D is sent after a non-terminal stdin ends (until the session ends).
 const EOF_REPEAT_EVERY: std::time::Duration = std::time::Duration::from_millis(500);
-const EOF_REPEATS: usize = 20;
 
 /// Reads the local stdin on a plain thread (a blocked read must not hold a runtime
 /// thread) into `tx`; at EOF of a non-terminal stdin sends Ctrl-D so the remote shell
@@ -204,15 +203,16 @@ fn spawn_stdin_reader(fd: RawFd, tx: mpsc::Sender<Vec<u8>>, send_eof: bool) {
                 match stdin.read(&mut buf) {
                     Ok(0) => {
                         if send_eof {
-                            // A Ctrl-D that reaches the shell while it switches the
-                            // terminal between its line editor and a running command
-                            // can be taken as a literal character, leaving the shell
-                            // waiting forever. Repeat it until the session ends (the
-                            // channel closes): on an empty line the next one is EOF.
-                            for _ in 0..EOF_REPEATS {
-                                if tx.blocking_send(vec![0x04]).is_err() {
-                                    break;
-                                }
+                            // A Ctrl-D typed while a command runs reaches the line
+                            // editor as a literal character once the shell switches the
+                            // terminal back (the kernel's canonical-mode EOF marker
+                            // becomes a NUL in raw mode), leaving the shell waiting
+                            // forever. So it is repeated until the session ends (the
+                            // channel closes), however long the last command runs: the
+                            // first one that finds the shell at an empty prompt ends it.
+                            // A fixed number of repeats lost that race to a command (or
+                            // a start) slower than the repeats.
+                            while tx.blocking_send(vec![0x04]).is_ok() {
                                 std::thread::sleep(EOF_REPEAT_EVERY);
                             }
                         }

@@ -18,7 +18,9 @@ use hyper::{Response, body::Frame, header::HeaderMap, server::conn::http1, servi
 use hyper_util::rt::TokioIo;
 use tokio::sync::mpsc;
 
-use super::{connect::envelope, http::BaseUrl};
+use cubicle_proto::connect::envelope;
+
+use super::http::BaseUrl;
 
 /// A request as the handler sees it.
 pub struct FakeRequest {
@@ -64,9 +66,7 @@ impl Reply {
     pub fn stream(envs: Vec<(u8, &str)>) -> Reply {
         let mut body = Vec::new();
         for (flags, json) in envs {
-            let mut e = envelope(json.as_bytes()).to_vec();
-            e[0] = flags;
-            body.extend_from_slice(&e);
+            body.extend_from_slice(&envelope(flags, json.as_bytes()));
         }
         Reply::raw(200, "application/connect+json", body)
     }
@@ -88,9 +88,7 @@ impl Reply {
 
 /// Envelope bytes with `flags`.
 pub fn env_bytes(flags: u8, json: &str) -> Bytes {
-    let mut e = envelope(json.as_bytes()).to_vec();
-    e[0] = flags;
-    Bytes::from(e)
+    envelope(flags, json.as_bytes())
 }
 
 pub struct FakeServer {

@@ -35,7 +35,7 @@ use std::{
     collections::{HashMap, HashSet, VecDeque},
     ffi::OsString,
     io,
-    os::unix::{ffi::OsStrExt, fs::MetadataExt},
+    os::unix::fs::MetadataExt,
     path::{Path, PathBuf},
     pin::Pin,
     sync::{Arc, Mutex},
@@ -88,15 +88,7 @@ const BASE_MASK: WatchMask = WatchMask::CREATE
 
 /// Whether `path` lies on a network filesystem (or FUSE).
 pub fn is_network_mount(path: &Path) -> io::Result<bool> {
-    let c = std::ffi::CString::new(path.as_os_str().as_bytes())
-        .map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
-    // SAFETY: zeroed statfs is a valid out-parameter; c is NUL-terminated.
-    let mut st: libc::statfs = unsafe { std::mem::zeroed() };
-    if unsafe { libc::statfs(c.as_ptr(), &mut st) } != 0 {
-        return Err(io::Error::last_os_error());
-    }
-    #[allow(clippy::unnecessary_cast)]
-    let magic = (st.f_type as i64) & 0xFFFF_FFFF;
+    let magic = cubicle_syscalls::fs::fs_type(path)?;
     Ok(NETWORK_FS_MAGICS.contains(&magic))
 }
 

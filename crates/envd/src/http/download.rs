@@ -236,8 +236,7 @@ fn open_for_reading(path: &Path, user: &User) -> Result<Opened, HttpError> {
 /// as root and the user is not root — on a dedicated thread, since those credentials
 /// are per thread and must never leak into a shared worker.
 fn as_user<T: Send>(user: &User, f: impl FnOnce() -> io::Result<T> + Send) -> io::Result<T> {
-    // SAFETY: geteuid cannot fail.
-    if unsafe { libc::geteuid() } != 0 || user.uid == 0 {
+    if !cubicle_syscalls::is_root() || user.uid == 0 {
         return f();
     }
     let groups: Vec<libc::gid_t> = user.groups();
@@ -277,6 +276,8 @@ fn as_user<T: Send>(user: &User, f: impl FnOnce() -> io::Result<T> + Send) -> io
             .join()
             .map_err(|_| io::Error::other("credential thread panicked"))?
     })
+    .inspect(|_| crate::users::restore_dumpable())
+    .inspect_err(|_| crate::users::restore_dumpable())
 }
 
 fn read_retrying(file: &mut File, buf: &mut [u8]) -> io::Result<usize> {

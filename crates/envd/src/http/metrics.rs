@@ -305,6 +305,7 @@ fn disk(path: &str) -> (u64, u64) {
     };
     // SAFETY: statvfs fills the zeroed struct; c is NUL-terminated.
     let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
+    // SAFETY: as above: a valid path and a struct statvfs to fill.
     if unsafe { libc::statvfs(c.as_ptr(), &mut st) } != 0 {
         return (0, 0);
     }

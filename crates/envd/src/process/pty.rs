@@ -178,15 +178,15 @@ mod tests {
             eprintln!("skipping: no /dev/ptmx here");
             return;
         };
+        // SAFETY: an all-zero winsize is valid.
         let mut ws: libc::winsize = unsafe { std::mem::zeroed() };
         // SAFETY: TIOCGWINSZ writes a struct winsize.
-        assert_eq!(
-            unsafe { libc::ioctl(slave.as_raw_fd(), libc::TIOCGWINSZ, &mut ws) },
-            0
-        );
+        let rc = unsafe { libc::ioctl(slave.as_raw_fd(), libc::TIOCGWINSZ, &mut ws) };
+        assert_eq!(rc, 0);
         assert_eq!((ws.ws_col, ws.ws_row), (100, 30));
         // Both ends are close-on-exec.
         for fd in [master.as_raw_fd(), slave.as_raw_fd()] {
+            // SAFETY: F_GETFD on a descriptor we own; no pointers.
             let flags = unsafe { libc::fcntl(fd, libc::F_GETFD) };
             assert!(flags & libc::FD_CLOEXEC != 0);
         }

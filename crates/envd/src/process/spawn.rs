@@ -492,6 +492,11 @@ pub fn spawn(spec: &SpawnSpec) -> io::Result<Spawned> {
     };
     drop(stack);
     drop(child_ends);
+    if switch_user {
+        // The child changed credentials while it still shared envd's memory (CLONE_VM),
+        // which made envd non-dumpable: see `users::restore_dumpable`.
+        crate::users::restore_dumpable();
+    }
     if pid < 0 {
         return Err(clone_err);
     }
@@ -504,21 +509,13 @@ pub fn spawn(spec: &SpawnSpec) -> io::Result<Spawned> {
     }
     own.register(pid as u32);
     drop(own);
-    // SAFETY: pidfd_open has no memory arguments; our unreaped child cannot be recycled.
-    let pidfd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
-    let exited = if pidfd < 0 {
-        Err(io::Error::last_os_error())
-    } else {
-        // SAFETY: a new descriptor we own; the OwnedFd inside the AsyncFd keeps it open
-        // (and the same) for the AsyncFd's whole life.
-        unsafe {
-            AsyncFd::register_with_interest(
-                OwnedFd::from_raw_fd(pidfd as libc::c_int),
-                tokio::io::Interest::READABLE,
-            )
-        }
-        .map_err(|e| e.into_parts().1)
-    };
+    // Our unreaped child: its pid cannot name another process yet.
+    let exited = cubicle_syscalls::pidfd::pidfd_open(pid).and_then(|pidfd| {
+        // SAFETY: the OwnedFd moves into the AsyncFd, which keeps it open (and the same)
+        // for the AsyncFd's whole life.
+        unsafe { AsyncFd::register_with_interest(pidfd, tokio::io::Interest::READABLE) }
+            .map_err(|e| e.into_parts().1)
+    });
     let exited = match exited {
         Ok(e) => e,
         Err(e) => {

@@ -42,12 +42,7 @@ pub async fn serve() -> Envd {
 
 pub type Body = BoxBody<Bytes, Infallible>;
 
-pub fn envelope(flags: u8, payload: &[u8]) -> Bytes {
-    let mut v = vec![flags];
-    v.extend_from_slice(&(payload.len() as u32).to_be_bytes());
-    v.extend_from_slice(payload);
-    Bytes::from(v)
-}
+pub use cubicle_proto::connect::envelope;
 
 pub fn b64(data: &[u8]) -> String {
     base64::engine::general_purpose::STANDARD.encode(data)
@@ -62,7 +57,7 @@ pub struct StreamResp {
     pub status: u16,
     pub content_type: String,
     body: hyper::body::Incoming,
-    buf: Vec<u8>,
+    decoder: cubicle_proto::connect::EnvelopeDecoder,
     conn: JoinHandle<()>,
 }
 
@@ -70,19 +65,13 @@ impl StreamResp {
     /// The next envelope: `(flags, json)`; `None` at the end of the body.
     pub async fn next(&mut self) -> Option<(u8, Value)> {
         loop {
-            if self.buf.len() >= 5 {
-                let len = u32::from_be_bytes([self.buf[1], self.buf[2], self.buf[3], self.buf[4]])
-                    as usize;
-                if self.buf.len() >= 5 + len {
-                    let flags = self.buf[0];
-                    let payload: Vec<u8> = self.buf.drain(..5 + len).skip(5).collect();
-                    return Some((flags, serde_json::from_slice(&payload).unwrap()));
-                }
+            if let Some(e) = self.decoder.next_envelope().unwrap() {
+                return Some((e.flags, serde_json::from_slice(&e.payload).unwrap()));
             }
             match self.body.frame().await {
                 Some(Ok(f)) => {
                     if let Ok(d) = f.into_data() {
-                        self.buf.extend_from_slice(&d);
+                        self.decoder.push(&d);
                     }
                 }
                 _ => return None,
@@ -192,7 +181,7 @@ async fn send(
         status,
         content_type,
         body: resp.into_body(),
-        buf: Vec::new(),
+        decoder: cubicle_proto::connect::EnvelopeDecoder::new(64 << 20),
         conn,
     }
 }

@@ -9,6 +9,8 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use cubicle_runtime::SandboxId;
+
 use super::inner::{Inner, birth_env, blocking, sandbox_env};
 use super::teardown::spawn_watcher;
 use super::{ENVD_IN_SANDBOX, ENVD_SOCKET_IN_SANDBOX};
@@ -25,7 +27,7 @@ use crate::{fsutil, ids, procfs};
 /// A checked create request: what [`Inner::try_claim`] and [`Inner::create_cold`] get.
 pub(crate) struct CreatePlan {
     pub(crate) template: Template,
-    pub(crate) id: String,
+    pub(crate) id: SandboxId,
     /// Memory (MiB), CPUs, disk (MiB).
     pub(crate) limits: (u64, u32, u64),
     pub(crate) timeout: Duration,
@@ -69,7 +71,7 @@ impl Inner {
     pub(crate) fn plan_with(&self, req: &CreateRequest, template: Template) -> Result<CreatePlan> {
         let inner = self;
         let id = match &req.id {
-            Some(id) if ids::is_valid_sandbox_id(id) => id.clone(),
+            Some(id) if let Ok(id) = SandboxId::parse(id) => id,
             Some(id) => {
                 return Err(Error::InvalidRequest(format!(
                     "sandbox id '{id}' must match ^[a-z0-9]{{1,32}}$"
@@ -134,6 +136,8 @@ impl Inner {
             r.mask_request_host = req.mask_request_host.clone();
             r.env_vars = env_vars;
             r.metadata = req.metadata.clone();
+            r.lifecycle = req.lifecycle;
+            r.timeout_ms = timeout.as_millis() as u64;
             r.volumes = req.volumes.clone();
         })?;
 
@@ -160,14 +164,12 @@ impl Inner {
         template: &Template,
         t0: Instant,
     ) -> Result<SandboxInfo> {
-        let inner = self;
-        let id = record.id.clone();
-        let dir = inner.sandbox_dir(&id);
+        let dir = self.sandbox_dir(&record.id);
         let (record, started, [t_prep, t_spawn, t_health]) =
             self.start_sandbox(record, template, t0).await?;
         let pid = started.pid;
         self.init_sandbox(
-            record, template, t0, started, pid, &id, &dir, t_prep, t_spawn, t_health,
+            record, template, t0, started, pid, &dir, t_prep, t_spawn, t_health,
         )
         .await
     }
@@ -204,64 +206,7 @@ impl Inner {
         let rt = inner.runtime.clone();
         let (i2, d2, disk_mb) = (id.clone(), dir.clone(), record.disk_mb);
         blocking(move || rt.create_dir(&i2, &d2, disk_mb)).await?;
-        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o711))
-            .ctx("chmod", &dir)?;
-        let ctl = dir.join("ctl");
-        std::fs::create_dir_all(&ctl).ctx("mkdir", &ctl)?;
-        give_to_sandbox_root(&ctl, record.uid_base)?;
-        std::fs::set_permissions(&ctl, std::fs::Permissions::from_mode(0o700))
-            .ctx("chmod", &ctl)?;
-        fsutil::write_json_atomic(&dir.join("sandbox.json"), &record)?;
-        let mut binds = write_etc_files(&dir, &id, record.uid_base)?;
-        binds.extend(crate::template::code_interpreter::bind_for(
-            &template.config,
-        ));
-        binds.extend(
-            template
-                .binds
-                .iter()
-                .map(|(s, t)| (s.clone(), t.clone(), true)),
-        );
-        let volumes = inner.volume_binds(&record.volumes)?;
-
-        let spec = StartSpec {
-            id: id.clone(),
-            rootfs: template.rootfs.clone(),
-            layers: template.layers.clone(),
-            sandbox_dir: dir.clone(),
-            slot: record.slot,
-            uid_base: record.uid_base,
-            uid_count: IDS_PER_SANDBOX,
-            memory_mb: record.memory_mb,
-            cpus: record.cpus,
-            pids: inner.config.pids_limit,
-            disk_mb: record.disk_mb,
-            internet: record.internet,
-            network: record.network.clone(),
-            hostname: id.clone(),
-            envd_binary: inner.config.envd_binary.clone(),
-            // envd answers the node on its Unix socket; on TCP only inside the sandbox
-            // (loopback), never on the sandbox's address, which the host can route to.
-            init: {
-                let mut argv = vec![
-                    ENVD_IN_SANDBOX.into(),
-                    "--init".into(),
-                    "--unix-socket".into(),
-                    ENVD_SOCKET_IN_SANDBOX.into(),
-                    "--listen".into(),
-                    "127.0.0.1".into(),
-                    "--default-user".into(),
-                    record.default_user.clone(),
-                ];
-                if let Some(w) = &record.default_workdir {
-                    argv.extend(["--default-workdir".into(), w.clone()]);
-                }
-                argv
-            },
-            env: birth_env(template, &record.access_token),
-            binds,
-            volumes,
-        };
+        let spec = self.prepare_sandbox_dir(&record, template)?;
         let t_prep = t0.elapsed();
         let rt = inner.runtime.clone();
         let started = blocking(move || rt.start(&spec)).await?;
@@ -292,14 +237,13 @@ impl Inner {
         t0: Instant,
         started: crate::runtime::Started,
         pid: i32,
-        id: &str,
         dir: &Path,
         t_prep: Duration,
         t_spawn: Duration,
         t_health: Duration,
     ) -> Result<SandboxInfo> {
         let inner = self;
-        let id = id.to_string();
+        let id = record.id.clone();
         // envd was born with this token (`birth_env`): /init needs it too.
         let client = EnvdClient::new(inner.envd_socket(&id), Some(record.access_token.clone()));
         client.init(&InitRequest::for_record(&record)).await?;
@@ -314,7 +258,7 @@ impl Inner {
             let live = st
                 .live
                 .get_mut(&id)
-                .ok_or_else(|| Error::SandboxNotFound(id.clone()))?;
+                .ok_or_else(|| Error::SandboxNotFound(id.to_string()))?;
             if let Some(reason) = live.kill_requested {
                 return Err(Error::Runtime(format!(
                     "sandbox {id} was killed during creation ({reason})"
@@ -432,12 +376,98 @@ impl Inner {
         Ok(())
     }
 
-    fn update_record(&self, record: &SandboxRecord) -> Result<()> {
+    /// Fills sandbox `record`'s (existing) directory for a start: mode, a fresh `ctl/`,
+    /// `sandbox.json`, `/etc/hosts` and `/etc/resolv.conf`; returns what the runtime
+    /// needs to start it (or to restore it there).
+    pub(crate) fn prepare_sandbox_dir(
+        &self,
+        record: &SandboxRecord,
+        template: &Template,
+    ) -> Result<StartSpec> {
+        let id = &record.id;
+        let dir = self.sandbox_dir(id);
+        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o711))
+            .ctx("chmod", &dir)?;
+        let ctl = dir.join("ctl");
+        if ctl.exists() {
+            // A copy of another sandbox's directory: its socket is stale.
+            fsutil::remove_tree(&ctl)?;
+        }
+        std::fs::create_dir_all(&ctl).ctx("mkdir", &ctl)?;
+        give_to_sandbox_root(&ctl, record.uid_base)?;
+        std::fs::set_permissions(&ctl, std::fs::Permissions::from_mode(0o700))
+            .ctx("chmod", &ctl)?;
+        fsutil::write_json_atomic(&dir.join("sandbox.json"), record)?;
+        let mut binds = write_etc_files(&dir, id, record.uid_base)?;
+        binds.extend(crate::template::code_interpreter::bind_for(
+            &template.config,
+        ));
+        binds.extend(
+            template
+                .binds
+                .iter()
+                .map(|(s, t)| (s.clone(), t.clone(), true)),
+        );
+        let volumes = self.volume_binds(&record.volumes)?;
+        Ok(self.start_spec(record, template, binds, volumes))
+    }
+
+    /// What the runtime needs to start (or restore) sandbox `record` on `template`.
+    pub(crate) fn start_spec(
+        &self,
+        record: &SandboxRecord,
+        template: &Template,
+        binds: Vec<(PathBuf, PathBuf, bool)>,
+        volumes: Vec<(PathBuf, PathBuf, bool)>,
+    ) -> StartSpec {
+        let id = record.id.clone();
+        StartSpec {
+            rootfs: template.rootfs.clone(),
+            layers: template.layers.clone(),
+            sandbox_dir: self.sandbox_dir(&id),
+            slot: record.slot,
+            uid_base: record.uid_base,
+            uid_count: IDS_PER_SANDBOX,
+            memory_mb: record.memory_mb,
+            cpus: record.cpus,
+            pids: self.config.pids_limit,
+            disk_mb: record.disk_mb,
+            internet: record.internet,
+            network: record.network.clone(),
+            hostname: id.to_string(),
+            envd_binary: self.config.envd_binary.clone(),
+            init: {
+                let mut argv = vec![
+                    ENVD_IN_SANDBOX.into(),
+                    "--init".into(),
+                    "--unix-socket".into(),
+                    ENVD_SOCKET_IN_SANDBOX.into(),
+                    // envd answers the node on its Unix socket; on TCP only inside the
+                    // sandbox (loopback), never on the sandbox's address, which the host
+                    // can route to.
+                    "--listen".into(),
+                    "127.0.0.1".into(),
+                    "--default-user".into(),
+                    record.default_user.clone(),
+                ];
+                if let Some(w) = &record.default_workdir {
+                    argv.extend(["--default-workdir".into(), w.clone()]);
+                }
+                argv
+            },
+            env: birth_env(template, &record.access_token),
+            binds,
+            volumes,
+            id,
+        }
+    }
+
+    pub(crate) fn update_record(&self, record: &SandboxRecord) -> Result<()> {
         let mut st = self.lock();
         let live = st
             .live
             .get_mut(&record.id)
-            .ok_or_else(|| Error::SandboxNotFound(record.id.clone()))?;
+            .ok_or_else(|| Error::SandboxNotFound(record.id.to_string()))?;
         if let Some(reason) = live.kill_requested {
             return Err(Error::Runtime(format!(
                 "sandbox {} was killed during creation ({reason})",
@@ -488,7 +518,7 @@ fn write_etc_files(dir: &Path, id: &str, uid_base: u32) -> Result<Vec<(PathBuf, 
 /// chown `path` to the sandbox's root (host uid/gid `uid_base`). Only root can; without
 /// root (unit tests with a fake runtime) the file stays ours.
 fn give_to_sandbox_root(path: &Path, uid_base: u32) -> Result<()> {
-    if !nix::unistd::geteuid().is_root() {
+    if !cubicle_syscalls::is_root() {
         return Ok(());
     }
     std::os::unix::fs::chown(path, Some(uid_base), Some(uid_base)).ctx("chown", path)

@@ -10,6 +10,8 @@ use std::time::Duration;
 
 use tokio::sync::Notify;
 
+use cubicle_runtime::SandboxId;
+
 use crate::config::NodeConfig;
 use crate::error::{Error, IoContext, Result};
 use crate::ids;
@@ -46,11 +48,18 @@ pub(crate) struct Inner {
     pub(super) _slot_lease: Option<crate::host_slots::SlotLease>,
     /// Warm pools and the cold-create semaphore (`pool/`).
     pub(crate) pool: Pool,
+    /// Snapshot records (`<state>/snapshots`).
+    pub(crate) snapshots: crate::snapshot::SnapshotStore,
+    /// Called before a sandbox is checkpointed or stopped (see `Node::on_checkpoint`).
+    pub(crate) on_checkpoint: std::sync::OnceLock<CheckpointHook>,
 }
+
+/// Called with a sandbox's id before it is checkpointed or stopped (`Node::on_checkpoint`).
+pub(crate) type CheckpointHook = Box<dyn Fn(&str) + Send + Sync>;
 
 /// The live sandboxes and the uid slots, under one lock ([`Inner::lock`]).
 pub(crate) struct State {
-    pub(crate) live: HashMap<String, Live>,
+    pub(crate) live: HashMap<SandboxId, Live>,
     pub(crate) slots: UidSlots,
     /// Volumes being deleted (`crate::volume`): no sandbox may mount them meanwhile.
     pub(crate) deleting_volumes: std::collections::HashSet<String>,
@@ -67,6 +76,8 @@ pub(crate) struct Live {
     pub(crate) watcher: Option<tokio::task::AbortHandle>,
     /// A pidfd of the init, from the moment the sandbox is live (see [`InitPidfd`]).
     pub(crate) init: Option<InitPidfd>,
+    /// A pause, resume, snapshot or rollback is under way (`stateful.rs`).
+    pub(crate) busy: Option<super::stateful::Busy>,
 }
 
 impl Live {
@@ -79,6 +90,7 @@ impl Live {
             teardown_failed: false,
             watcher: None,
             init: None,
+            busy: None,
         }
     }
 
@@ -86,6 +98,7 @@ impl Live {
     pub(crate) fn info(&self, envd_socket: PathBuf) -> SandboxInfo {
         let mut info = SandboxInfo::from_record(&self.record, envd_socket, self.ready_us);
         info.init_pidfd = self.init.clone();
+        info.busy = self.busy.is_some();
         info
     }
 }
@@ -115,7 +128,7 @@ impl Inner {
     /// vars or metadata, ending now — then `customize` sets what differs.
     pub(crate) fn reserve(
         &self,
-        id: &str,
+        id: &SandboxId,
         template: &Template,
         customize: impl FnOnce(&mut SandboxRecord),
     ) -> Result<SandboxRecord> {
@@ -134,7 +147,7 @@ impl Inner {
         let now = now_ms();
         let c = &template.config;
         let mut record = SandboxRecord {
-            id: id.to_string(),
+            id: id.clone(),
             template: c.name.clone(),
             state: SandboxState::Creating,
             slot,
@@ -156,6 +169,12 @@ impl Inner {
             default_workdir: c.default_workdir.clone(),
             death_reason: None,
             runtime: serde_json::Value::Null,
+            lifecycle: Default::default(),
+            timeout_ms: 0,
+            pause_mode: None,
+            paused_at_ms: None,
+            envd_unresponsive_at_pause: false,
+            base_template: None,
             volumes: Vec::new(),
             layers: c.layers.clone(),
         };
@@ -163,7 +182,7 @@ impl Inner {
         // In the same critical section as the insert: a volume being deleted is never
         // mounted (`Node::delete_volume` checks the live records under this lock).
         st.check_volumes_usable(&record.volumes)?;
-        st.live.insert(id.to_string(), Live::new(record.clone()));
+        st.live.insert(id.clone(), Live::new(record.clone()));
         Ok(record)
     }
 }
@@ -220,7 +239,6 @@ pub(crate) fn now_ms() -> u64 {
 /// that names the holder and says what to do instead.
 pub(super) fn lock_node(path: &Path, wait: bool) -> Result<std::fs::File> {
     use std::io::{Seek, Write};
-    use std::os::fd::AsRawFd;
     use std::os::unix::fs::OpenOptionsExt;
     let mut f = std::fs::OpenOptions::new()
         .create(true)
@@ -230,8 +248,7 @@ pub(super) fn lock_node(path: &Path, wait: bool) -> Result<std::fs::File> {
         .mode(0o600)
         .open(path)
         .ctx("open", path)?;
-    // SAFETY: valid fd owned by `f`.
-    let try_lock = || unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } == 0;
+    let try_lock = || cubicle_syscalls::fs::lock_exclusive(&f, false).is_ok();
     // A short-lived holder (`cubicle local list`, the guardian of a killed `cubicle run`
     // cleaning up) is waited for; a server is not.
     let grace = std::time::Instant::now() + LOCK_GRACE;
@@ -256,10 +273,7 @@ pub(super) fn lock_node(path: &Path, wait: bool) -> Result<std::fs::File> {
         }
         tracing::warn!("{dir} is in use by {holder}; waiting for it to exit");
         eprintln!("waiting for {holder}, which uses {dir}, to finish...");
-        // SAFETY: as above.
-        if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX) } != 0 {
-            return Err(Error::io("flock", path, std::io::Error::last_os_error()));
-        }
+        cubicle_syscalls::fs::lock_exclusive(&f, true).map_err(|e| Error::io("flock", path, e))?;
     }
     let cmdline = std::fs::read("/proc/self/cmdline")
         .map(|c| String::from_utf8_lossy(&c).replace('\0', " "))

@@ -24,6 +24,8 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::Notify;
 
+use cubicle_runtime::SandboxId;
+
 use crate::config::NodeConfig;
 use crate::envd_client::EnvdClient;
 use crate::error::{Error, IoContext, Result};
@@ -37,14 +39,20 @@ use crate::{fsutil, procfs};
 pub(crate) mod create;
 pub(crate) mod inner;
 mod network;
+pub(crate) mod stateful;
 pub(crate) mod teardown;
+
+pub use stateful::{
+    CHECKPOINT_DIR, DISCARDED_CHECKPOINT_PREFIX, PauseReport, PauseRequest, ResumeOutcome,
+    SnapshotReport, SnapshotRequest,
+};
 
 use inner::{Inner, State, blocking, lock_node, now_ms};
 
-/// Path of envd inside the sandbox.
-pub const ENVD_IN_SANDBOX: &str = "/run/cubicle/envd";
+/// Path of envd inside the sandbox (where the runtime mounts it).
+pub const ENVD_IN_SANDBOX: &str = cubicle_runtime::ENVD_PATH;
 /// envd's socket inside the sandbox (host side: `<sandbox dir>/ctl/envd.sock`).
-pub const ENVD_SOCKET_IN_SANDBOX: &str = "/run/cubicle/ctl/envd.sock";
+pub use cubicle_proto::ENVD_SOCKET_IN_SANDBOX;
 
 /// The sandboxes of one host. Cheap to clone.
 #[derive(Clone)]
@@ -113,6 +121,8 @@ impl Node {
             _node_lock: node_lock,
             _slot_lease: slot_lease,
             pool: crate::pool::Pool::new(&config),
+            snapshots: crate::snapshot::SnapshotStore::open(&state_dir)?,
+            on_checkpoint: std::sync::OnceLock::new(),
             config,
         });
         let node = Node { inner };
@@ -244,6 +254,19 @@ impl Node {
         let inner = self.inner.clone();
         tokio::spawn(async move {
             let t0 = Instant::now();
+            if let Some(snap) = inner.snapshots.find(&req.template).filter(|s| !s.hidden) {
+                let id = match &req.id {
+                    Some(id) if let Ok(id) = SandboxId::parse(id) => id,
+                    Some(id) => {
+                        return Err(Error::InvalidRequest(format!(
+                            "sandbox id '{id}' must match ^[a-z0-9]{{1,32}}$"
+                        )));
+                    }
+                    None => crate::ids::new_sandbox_id(),
+                };
+                let timeout = req.timeout.unwrap_or(inner.config.default_timeout);
+                return inner.create_from_snapshot(&req, &snap, id, timeout).await;
+            }
             let plan = inner.plan_create(&req).await?;
             if let Some(r) = inner.try_claim(&req, &plan).await {
                 return r;
@@ -266,6 +289,100 @@ impl Node {
         .map_err(|e| Error::Runtime(format!("create task failed: {e}")))?
     }
 
+    /// Pause a running sandbox: with `memory`, its processes and memory go to disk and
+    /// come back on [`Node::resume`]; without, only its disk is kept and a resume boots
+    /// its template again over it. A paused sandbox has no processes and uses no host
+    /// memory; it keeps its id, slot (address, uid range) and token, and no end time
+    /// applies to it. A failed pause leaves it running and says why.
+    pub async fn pause(&self, id: &str, req: PauseRequest) -> Result<PauseReport> {
+        let (inner, id) = (self.inner.clone(), id.to_string());
+        tokio::spawn(async move { inner.pause(&id, req).await })
+            .await
+            .map_err(|e| Error::Runtime(format!("pause task failed: {e}")))?
+    }
+
+    /// Resume a paused sandbox with end time now + `timeout` (`memory: false` boots it
+    /// from its disk even if its memory was kept). A running one only gets its end time
+    /// extended (never shortened). A failed resume leaves it paused and says why.
+    pub async fn resume(&self, id: &str, timeout: Duration, memory: bool) -> Result<ResumeOutcome> {
+        let (inner, id) = (self.inner.clone(), id.to_string());
+        tokio::spawn(async move { inner.resume(&id, timeout, memory).await })
+            .await
+            .map_err(|e| Error::Runtime(format!("resume task failed: {e}")))?
+    }
+
+    /// Snapshot a running sandbox (it is stopped only while its state is captured): a
+    /// template other sandboxes can be created from, and a point to roll it back to.
+    pub async fn snapshot(&self, id: &str, req: SnapshotRequest) -> Result<SnapshotReport> {
+        let (inner, id) = (self.inner.clone(), id.to_string());
+        tokio::spawn(async move { inner.snapshot(&id, req, false).await })
+            .await
+            .map_err(|e| Error::Runtime(format!("snapshot task failed: {e}")))?
+    }
+
+    /// `count` new sandboxes, each with the source's memory and disk at this moment, their
+    /// own ids, tokens, addresses and end time now + `timeout`; the source runs on. One
+    /// result per fork, in order.
+    pub async fn fork(
+        &self,
+        id: &str,
+        count: usize,
+        timeout: Duration,
+    ) -> Result<Vec<Result<SandboxInfo>>> {
+        let (inner, id) = (self.inner.clone(), id.to_string());
+        tokio::spawn(async move { inner.fork(&id, count, timeout).await })
+            .await
+            .map_err(|e| Error::Runtime(format!("fork task failed: {e}")))?
+    }
+
+    /// Put a sandbox (running or paused) back to one of its snapshots, in place: same id,
+    /// slot, address and token; processes, memory and disk as at the snapshot. Returns how
+    /// long it took.
+    pub async fn rollback(&self, id: &str, snapshot: &str) -> Result<Duration> {
+        let (inner, id, snap) = (self.inner.clone(), id.to_string(), snapshot.to_string());
+        tokio::spawn(async move { inner.rollback(&id, &snap).await })
+            .await
+            .map_err(|e| Error::Runtime(format!("rollback task failed: {e}")))?
+    }
+
+    /// Every visible snapshot, oldest first.
+    pub fn snapshots(&self) -> Vec<crate::SnapshotRecord> {
+        self.inner
+            .snapshots
+            .list()
+            .into_iter()
+            .filter(|s| !s.hidden)
+            .collect()
+    }
+
+    /// The snapshot `name` refers to (its id, `id:default` or one of its names).
+    pub fn find_snapshot(&self, name: &str) -> Option<crate::SnapshotRecord> {
+        self.inner.snapshots.find(name).filter(|s| !s.hidden)
+    }
+
+    /// Delete a snapshot (refused while a sandbox is being made from it... which only
+    /// reads it at start: sandboxes made from it keep running).
+    pub async fn delete_snapshot(&self, id: &str) -> Result<()> {
+        let (inner, id) = (self.inner.clone(), id.to_string());
+        tokio::spawn(async move { inner.delete_snapshot(&id).await })
+            .await
+            .map_err(|e| Error::Runtime(format!("snapshot task failed: {e}")))?
+    }
+
+    /// Sets the function called with a sandbox's id just before its processes are
+    /// checkpointed or stopped (pause, snapshot, fork, rollback, also an automatic pause),
+    /// after the sandbox stopped being routable: the data plane closes its connections to
+    /// it there (a connection from outside cannot be checkpointed). Only the first call
+    /// takes effect.
+    pub fn on_checkpoint(&self, hook: Box<dyn Fn(&str) + Send + Sync>) {
+        let _ = self.inner.on_checkpoint.set(hook);
+    }
+
+    /// Whether this node can pause, snapshot and fork (and if not, why).
+    pub fn checkpoint_support(&self) -> std::result::Result<(), String> {
+        self.inner.runtime.checkpoint_support()
+    }
+
     /// Kill a sandbox (reason `killed`) and remove every trace of it. Returns when it is
     /// gone (for a sandbox still being created: once the kill is registered; its `create`
     /// then fails and cleans up).
@@ -286,6 +403,17 @@ impl Node {
                 live.kill_requested = Some(reason);
                 return Ok(());
             }
+            if let Some(b) = live.busy {
+                return Err(Error::Conflict(format!(
+                    "sandbox '{id}' is being {}; kill it afterwards",
+                    match b {
+                        stateful::Busy::Pausing => "paused",
+                        stateful::Busy::Resuming => "resumed",
+                        stateful::Busy::Snapshotting => "snapshotted",
+                        stateful::Busy::RollingBack => "rolled back",
+                    }
+                )));
+            }
         }
         if self.inner.config.async_teardown {
             // Dead now, cleaned up in the background: mark it (state `dying`, reason),
@@ -295,20 +423,10 @@ impl Node {
             };
             // The pidfd pins the process: then check it is still the recorded one.
             if let Some(pid) = record.pid.filter(|p| *p > 1)
-                && let Ok(fd) = procfs::pidfd_open(pid)
+                && let Ok(fd) = cubicle_syscalls::pidfd::pidfd_open(pid)
                 && procfs::is_alive(pid, record.pid_start_time)
             {
-                use std::os::fd::AsRawFd;
-                // SAFETY: pidfd_send_signal on a pidfd we own; no pointers but NULL.
-                unsafe {
-                    libc::syscall(
-                        libc::SYS_pidfd_send_signal,
-                        fd.as_raw_fd(),
-                        libc::SIGKILL,
-                        std::ptr::null::<libc::siginfo_t>(),
-                        0,
-                    )
-                };
+                let _ = cubicle_syscalls::pidfd::pidfd_kill(&fd);
             }
             let (inner, id2) = (self.inner.clone(), id.to_string());
             use std::sync::atomic::Ordering::SeqCst;
@@ -339,7 +457,7 @@ impl Node {
 
     /// Kill every live sandbox (reason `killed`).
     pub async fn kill_all(&self) {
-        let ids: Vec<String> = self.inner.lock().live.keys().cloned().collect();
+        let ids: Vec<SandboxId> = self.inner.lock().live.keys().cloned().collect();
         for id in ids {
             let _ = self.kill(&id).await;
         }
@@ -409,20 +527,51 @@ impl Node {
     }
 }
 
-/// Ids of sandboxes whose records name `template` (to refuse removing a template in use).
+/// Ids of sandboxes whose records name `template`, then its snapshots (`snapshot <id>`):
+/// what keeps it from being removed (a paused sandbox or a snapshot restores onto it).
 pub fn sandboxes_using_template(state_dir: &Path, template: &str) -> Vec<String> {
     let mut out = Vec::new();
     let Ok(rd) = std::fs::read_dir(state_dir.join("sandboxes")) else {
         return out;
     };
     for e in rd.flatten() {
+        // Only sandbox directories (a snapshot holds a copy of its source's record).
+        if !SandboxId::is_valid(&e.file_name().to_string_lossy()) {
+            continue;
+        }
         if let Ok(r) = fsutil::read_json::<SandboxRecord>(&e.path().join("sandbox.json"))
-            && r.template == template
+            && r.rootfs_template() == template
         {
-            out.push(r.id);
+            out.push(r.id.into());
         }
     }
+    if state_dir.join("snapshots").is_dir()
+        && let Ok(snaps) = crate::snapshot::SnapshotStore::open(state_dir)
+    {
+        out.extend(
+            snaps
+                .list()
+                .into_iter()
+                .filter(|s| s.base_template == template)
+                .map(|s| format!("snapshot {}", s.id)),
+        );
+    }
     out
+}
+
+/// Layer ids the sandboxes and snapshots on disk use (what `cubicle template gc` keeps
+/// without a running node).
+pub fn layers_in_use_on_disk(state_dir: &Path) -> std::collections::HashSet<String> {
+    let mut used: std::collections::HashSet<String> = records_on_disk(state_dir)
+        .into_iter()
+        .flat_map(|r| r.layers)
+        .collect();
+    if state_dir.join("snapshots").is_dir()
+        && let Ok(snaps) = crate::snapshot::SnapshotStore::open(state_dir)
+    {
+        used.extend(snaps.list().into_iter().flat_map(|s| s.layers));
+    }
+    used
 }
 
 /// Records on disk (for `cubicle sandbox list` without a running node).
@@ -432,6 +581,9 @@ pub fn records_on_disk(state_dir: &Path) -> Vec<SandboxRecord> {
         return out;
     };
     for e in rd.flatten() {
+        if !SandboxId::is_valid(&e.file_name().to_string_lossy()) {
+            continue;
+        }
         if let Ok(r) = fsutil::read_json::<SandboxRecord>(&e.path().join("sandbox.json")) {
             out.push(r);
         }

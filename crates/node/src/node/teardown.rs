@@ -6,11 +6,11 @@ use std::path::PathBuf;
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 
+use cubicle_runtime::SandboxId;
 use tokio::io::unix::AsyncFd;
 
 use super::inner::{DEAD_MEMORY, Inner, blocking};
 use crate::fsutil;
-use crate::procfs;
 use crate::sandbox::{DeathReason, InitPidfd, SandboxInfo, SandboxRecord, SandboxState};
 
 impl Inner {
@@ -102,7 +102,7 @@ impl Inner {
     }
 
     /// Called when a sandbox's init exited on its own.
-    pub(crate) async fn on_init_exit(self: Arc<Self>, id: String) {
+    pub(crate) async fn on_init_exit(self: Arc<Self>, id: SandboxId) {
         let dir = self.sandbox_dir(&id);
         let rt = self.runtime.clone();
         let (i2, d2) = (id.clone(), dir.clone());
@@ -119,7 +119,7 @@ impl Inner {
 /// tear the sandbox down.
 pub(crate) fn spawn_watcher(
     inner: Weak<Inner>,
-    id: String,
+    id: SandboxId,
     init: Option<&InitPidfd>,
 ) -> tokio::task::AbortHandle {
     let fd = init.and_then(|i| i.fd().try_clone().ok());
@@ -135,7 +135,7 @@ pub(crate) fn spawn_watcher(
                 Err(e) => {
                     tracing::warn!(sandbox = %id, "cannot watch the init's pidfd: {e}; polling");
                     if let Ok(fd) = poll_fd {
-                        while !procfs::pidfd_exited(&fd) {
+                        while !cubicle_syscalls::pidfd::exited(&fd) {
                             tokio::time::sleep(Duration::from_millis(500)).await;
                         }
                     }

@@ -57,7 +57,10 @@ impl SandboxRuntime for FakeRuntime {
             .spawn()
             .map_err(|e| Error::io("spawn", "sleep", e))?;
         let pid = child.id() as i32;
-        self.procs.lock().unwrap().insert(spec.id.clone(), child);
+        self.procs
+            .lock()
+            .unwrap()
+            .insert(spec.id.to_string(), child);
         Ok(Started {
             pid,
             state: serde_json::Value::Null,
@@ -159,7 +162,7 @@ async fn create_list_kill_frees_everything() {
         fsutil::read_json(&dir.join("sandboxes").join(&a.id).join("sandbox.json")).unwrap();
     assert_eq!(rec.state, SandboxState::Running);
     assert_eq!(rec.pid, a.pid);
-    assert_eq!(rec.env_vars.get("E2B_SANDBOX_ID"), Some(&a.id));
+    assert_eq!(rec.env_vars.get("E2B_SANDBOX_ID"), Some(&a.id.to_string()));
     let b = node.create(req()).await.unwrap();
     assert_ne!(a.uid_base, b.uid_base);
     // Capacity is 2 slots.
@@ -171,7 +174,7 @@ async fn create_list_kill_frees_everything() {
         node.get(&a.id).unwrap().death_reason,
         Some(DeathReason::Killed)
     );
-    assert!(rt.destroyed.lock().unwrap().contains(&a.id));
+    assert!(rt.destroyed.lock().unwrap().contains(&a.id.to_string()));
     // The freed slot is reused.
     let c = node.create(req()).await.unwrap();
     assert_eq!(c.uid_base, a.uid_base);
@@ -226,7 +229,7 @@ async fn timeouts_and_exits_name_the_death() {
         .unwrap();
     let b = node.create(req()).await.unwrap();
     // b's "init" exits on its own.
-    if let Some(c) = rt.procs.lock().unwrap().get_mut(&b.id) {
+    if let Some(c) = rt.procs.lock().unwrap().get_mut(b.id.as_str()) {
         c.kill().unwrap();
         let _ = c.wait();
     }
@@ -255,7 +258,7 @@ async fn reopen_removes_unadoptable_records() {
     std::fs::create_dir_all(&stale).unwrap();
     let mut rec: SandboxRecord =
         fsutil::read_json(&dir.join("sandboxes").join(&a.id).join("sandbox.json")).unwrap();
-    rec.id = "istale".into();
+    rec.id = "istale".parse().unwrap();
     rec.state = SandboxState::Creating;
     fsutil::write_json_atomic(&stale.join("sandbox.json"), &rec).unwrap();
     std::fs::write(dir.join("sandboxes/.junk"), b"x").unwrap();
@@ -266,7 +269,10 @@ async fn reopen_removes_unadoptable_records() {
     let report = node.reconcile_report();
     // The fake runtime cannot adopt, so both go.
     assert!(report.adopted.is_empty());
-    assert!(report.removed.contains(&"istale".to_string()) && report.removed.contains(&a.id));
+    assert!(
+        report.removed.contains(&"istale".to_string())
+            && report.removed.contains(&a.id.to_string())
+    );
     assert_eq!(std::fs::read_dir(dir.join("sandboxes")).unwrap().count(), 0);
     assert!(
         rt2.destroyed
@@ -303,10 +309,13 @@ async fn volumes_in_use_stay_and_outlive_the_node() {
     let rec: SandboxRecord =
         fsutil::read_json(&dir.join("sandboxes").join(&a.id).join("sandbox.json")).unwrap();
     assert_eq!(rec.volumes, vec![vm.clone()]);
-    assert_eq!(node.volume_users("vol-a"), vec![a.id.clone()]);
+    assert_eq!(node.volume_users("vol-a"), vec![a.id.to_string()]);
     match node.delete_volume("vol-a").await {
         Err(Error::VolumeInUse { volume, sandboxes }) => {
-            assert_eq!((volume.as_str(), sandboxes), ("vol-a", vec![a.id.clone()]));
+            assert_eq!(
+                (volume.as_str(), sandboxes),
+                ("vol-a", vec![a.id.to_string()])
+            );
         }
         other => panic!("delete of a mounted volume: {other:?}"),
     }
@@ -355,4 +364,14 @@ async fn volumes_in_use_stay_and_outlive_the_node() {
     ));
     node.close();
     fsutil::remove_tree(&dir).unwrap();
+}
+
+/// envd's socket path (defined in cubicle-proto, which the in-sandbox interpreter also
+/// reads) lies in the directory the runtime mounts `<sandbox dir>/ctl` on.
+#[test]
+fn envd_socket_is_in_the_ctl_dir() {
+    assert_eq!(
+        Path::new(ENVD_SOCKET_IN_SANDBOX).parent(),
+        Some(Path::new(cubicle_runtime::CTL_DIR))
+    );
 }

@@ -45,6 +45,8 @@ use std::collections::{BTreeMap, VecDeque};
 use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
+use cubicle_runtime::SandboxId;
+
 use crate::envd_client::{EnvdClient, InitRequest};
 use crate::error::{Error, Result};
 use crate::node::create::CreatePlan;
@@ -183,7 +185,7 @@ impl Inner {
             if !record.volumes.is_empty() {
                 // Its namespaces exist already: the volumes are mounted into them.
                 let binds = inner.volume_binds(&record.volumes)?;
-                let init = init.ok_or_else(|| Error::SandboxNotFound(id.clone()))?;
+                let init = init.ok_or_else(|| Error::SandboxNotFound(id.to_string()))?;
                 let (rt, id2, pid, uid_base) = (
                     inner.runtime.clone(),
                     id.clone(),
@@ -241,6 +243,8 @@ impl Inner {
         };
         inner.changed.notify_one();
         tracing::info!(sandbox = %id, template = %name, ready_us, "sandbox claimed from the pool");
+        let mut info = info;
+        info.claimed = true;
         Some(Ok(info))
     }
 
@@ -281,7 +285,7 @@ impl Inner {
                 {
                     let mut st = inner.lock();
                     let Some(live) = st.live.get_mut(&id) else {
-                        return Err(Error::SandboxNotFound(id));
+                        return Err(Error::SandboxNotFound(id.to_string()));
                     };
                     // Running in memory (killable, watched); `creating` on disk.
                     live.init = InitPidfd::open(pid, record.pid_start_time);
@@ -337,10 +341,10 @@ impl Inner {
         // Only ready ones: a sandbox still being made is its refill's to remove (it sees
         // the node closed); if the process exits first, its `creating` record makes the
         // next open destroy it.
-        let ids: Vec<String> = {
+        let ids: Vec<SandboxId> = {
             let mut ps = inner.pool.lock();
             ps.target.clear();
-            let ids: Vec<String> = std::mem::take(&mut ps.ready)
+            let ids: Vec<SandboxId> = std::mem::take(&mut ps.ready)
                 .into_values()
                 .flatten()
                 .collect();
@@ -375,7 +379,7 @@ impl Inner {
 
 /// Estimated host memory of one pooled sandbox (the measured average, else a default).
 fn estimate(inner: &Inner) -> u64 {
-    let ids: Vec<String> = inner.pool.lock().members.iter().cloned().collect();
+    let ids: Vec<SandboxId> = inner.pool.lock().members.iter().cloned().collect();
     let used: Vec<u64> = ids
         .iter()
         .filter_map(|id| inner.runtime.memory_usage(id))

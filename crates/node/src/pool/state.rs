@@ -7,6 +7,7 @@ use std::collections::{BTreeMap, HashSet, VecDeque};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
+use cubicle_runtime::SandboxId;
 use tokio::sync::{Notify, Semaphore};
 
 /// The pools of one node.
@@ -25,9 +26,9 @@ pub(crate) struct Pool {
 #[derive(Default)]
 pub(super) struct PoolState {
     /// Ready sandbox ids per template, oldest first.
-    pub(super) ready: BTreeMap<String, VecDeque<String>>,
+    pub(super) ready: BTreeMap<String, VecDeque<SandboxId>>,
     /// Every pooled id (ready or being made).
-    pub(super) members: HashSet<String>,
+    pub(super) members: HashSet<SandboxId>,
     /// Current target per template.
     pub(super) target: BTreeMap<String, usize>,
     pub(super) last_miss: BTreeMap<String, Instant>,
@@ -101,7 +102,7 @@ impl Pool {
     }
 
     /// Pooled ids (unclaimed), for hiding them from listings.
-    pub(crate) fn members(&self) -> HashSet<String> {
+    pub(crate) fn members(&self) -> HashSet<SandboxId> {
         self.lock().members.clone()
     }
 }

@@ -55,11 +55,9 @@ impl SandboxResolver for FakeResolver {
 
 /// A pidfd of `pid` (`None` when there is no such process), as the node hands them out.
 pub fn pidfd(pid: u32) -> Option<Arc<std::os::fd::OwnedFd>> {
-    use std::os::fd::FromRawFd;
-    // SAFETY: plain syscall; on success the fd is new and ours.
-    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid as libc::pid_t, 0) };
-    // SAFETY: a fresh descriptor.
-    (fd >= 0).then(|| Arc::new(unsafe { std::os::fd::OwnedFd::from_raw_fd(fd as i32) }))
+    cubicle_syscalls::pidfd::pidfd_open(pid as i32)
+        .ok()
+        .map(Arc::new)
 }
 
 /// A target whose init is process `init_pid` (reached through a pidfd opened now).
@@ -215,6 +213,7 @@ pub async fn start_router_with_limits(
         listener,
         app,
         limits,
+        None,
         std::future::pending(),
     ));
     addr
@@ -286,23 +285,17 @@ pub fn hdrs(v: &[(String, String)]) -> Vec<(&str, &str)> {
 
 // ---------------------------------------------------------------- connect framing
 
-pub fn envelope(flags: u8, payload: &[u8]) -> Bytes {
-    let mut v = vec![flags];
-    v.extend_from_slice(&(payload.len() as u32).to_be_bytes());
-    v.extend_from_slice(payload);
-    Bytes::from(v)
-}
+#[allow(unused_imports)] // not every test binary sends envelopes
+pub use cubicle_proto::connect::envelope;
 
-pub fn parse_envelopes(mut data: &[u8]) -> Vec<(u8, Value)> {
+pub fn parse_envelopes(data: &[u8]) -> Vec<(u8, Value)> {
+    let mut d = cubicle_proto::connect::EnvelopeDecoder::new(64 << 20);
+    d.push(data);
     let mut out = Vec::new();
-    while data.len() >= 5 {
-        let flags = data[0];
-        let len = u32::from_be_bytes([data[1], data[2], data[3], data[4]]) as usize;
-        let payload = &data[5..5 + len];
-        out.push((flags, serde_json::from_slice(payload).unwrap()));
-        data = &data[5 + len..];
+    while let Some(e) = d.next_envelope().unwrap() {
+        out.push((e.flags, serde_json::from_slice(&e.payload).unwrap()));
     }
-    assert!(data.is_empty(), "trailing partial envelope");
+    assert_eq!(d.pending(), 0, "trailing partial envelope");
     out
 }
 

@@ -4,7 +4,10 @@
 //! - **v2** (production): `/sys/fs/cgroup` is cgroup2; the sandbox cgroup is
 //!   `/sys/fs/cgroup/cubicle/<id>` with memory, cpu and pids enabled in `cubicle/`.
 //! - **v1** (this development machine, "hybrid"): one directory per controller,
-//!   `<memory mount>/cubicle/<id>`, same for cpu, cpuacct, pids and freezer.
+//!   `<memory mount>/cubicle/<id>`, same for cpu, cpuacct, pids and freezer — and in
+//!   the hierarchies without controllers that systemd tracks services by
+//!   (`name=systemd`, the unified mount), so that a sandbox is outside the cgroup of
+//!   the service that started it everywhere (on v2 it is by construction).
 //!
 //! The sandbox helper joins the cgroup *before* it clones the sandbox's init, so the init
 //! and everything it starts are born in it (and the cgroup namespace is rooted there).
@@ -17,8 +20,9 @@ use std::io;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
+use crate::SandboxId;
 use crate::error::{Error, Result, io_ctx};
-use crate::spec::{Limits, valid_id};
+use crate::spec::Limits;
 
 /// Parent cgroup of every sandbox cgroup, at the root of each hierarchy.
 pub const PARENT: &str = "cubicle";
@@ -84,24 +88,20 @@ impl Layout {
 
 fn parse_layout(mountinfo: &str) -> Result<Layout> {
     let mut v1 = v1::Mounts::default();
-    for line in mountinfo.lines() {
-        // <id> <parent> <maj:min> <root> <mountpoint> <opts> [optional...] - <fstype> <src> <superopts>
-        let Some((left, right)) = line.split_once(" - ") else {
-            continue;
-        };
-        let left: Vec<&str> = left.split(' ').collect();
-        let right: Vec<&str> = right.split(' ').collect();
-        if left.len() < 5 || right.len() < 3 {
-            continue;
-        }
-        let mount_point = PathBuf::from(left[4]);
-        match right[0] {
-            "cgroup2" if mount_point == Path::new("/sys/fs/cgroup") => {
-                return Ok(Layout::V2(mount_point));
+    for m in cubicle_syscalls::mountinfo::parse(mountinfo) {
+        match m.fstype.as_str() {
+            "cgroup2" if m.mount_point == Path::new("/sys/fs/cgroup") => {
+                return Ok(Layout::V2(m.mount_point));
             }
+            // The unified hierarchy of a hybrid host (no controllers: tracking only).
+            "cgroup2" => v1.track(&m.mount_point),
             "cgroup" => {
-                for opt in right[2].split(',') {
-                    v1.set(opt, &mount_point);
+                let opts = m.super_options.split(',');
+                if opts.clone().any(|o| o == "name=systemd") {
+                    v1.track(&m.mount_point);
+                }
+                for opt in opts {
+                    v1.set(opt, &m.mount_point);
                 }
             }
             _ => {}
@@ -147,7 +147,7 @@ impl Cgroup {
 
     /// A handle to `cubicle/<id>` whether or not it exists.
     pub fn handle(id: &str) -> Result<Cgroup> {
-        if !valid_id(id) {
+        if !SandboxId::is_valid(id) {
             return Err(Error::InvalidSpec(format!("sandbox id {id:?}")));
         }
         Ok(Cgroup {
@@ -181,7 +181,7 @@ impl Cgroup {
     pub fn dirs(&self) -> Vec<PathBuf> {
         match &self.layout {
             Layout::V1(m) => m
-                .all()
+                .joined()
                 .iter()
                 .map(|p| p.join(PARENT).join(&self.id))
                 .collect(),
@@ -230,6 +230,87 @@ impl Cgroup {
             Layout::V1(m) => v1::stats(m, &self.id),
             Layout::V2(root) => v2::stats(&root.join(PARENT).join(&self.id)),
         }
+    }
+
+    /// The directory whose freezer state freezes the whole sandbox (v1: the freezer
+    /// hierarchy's; v2: the cgroup's own), as CRIU's `freeze_cgroup` wants it.
+    pub fn freezer_dir(&self) -> PathBuf {
+        match &self.layout {
+            Layout::V1(m) => m.freezer.join(PARENT).join(&self.id),
+            Layout::V2(root) => root.join(PARENT).join(&self.id),
+        }
+    }
+
+    /// Freezes every task of the sandbox and waits (up to `timeout`) until the kernel
+    /// reports the whole cgroup frozen. On timeout the cgroup is thawed again.
+    pub fn freeze(&self, timeout: Duration) -> Result<()> {
+        let deadline = Instant::now() + timeout;
+        let dir = self.freezer_dir();
+        let (file, set, frozen): (PathBuf, &str, fn(&str) -> bool) = match &self.layout {
+            Layout::V1(_) => (dir.join("freezer.state"), "FROZEN", |s| s == "FROZEN"),
+            Layout::V2(_) => (dir.join("cgroup.freeze"), "1", |_| false),
+        };
+        write_file(&file, set)?;
+        loop {
+            let done = match &self.layout {
+                Layout::V1(_) => frozen(read_file(&file)?.trim()),
+                Layout::V2(_) => {
+                    keyed_value(&read_file(&dir.join("cgroup.events"))?, "frozen") == Some(1)
+                }
+            };
+            if done {
+                return Ok(());
+            }
+            if Instant::now() > deadline {
+                let _ = self.thaw();
+                return Err(Error::Cgroup(format!(
+                    "cgroup {PARENT}/{} did not freeze within {timeout:?}",
+                    self.id
+                )));
+            }
+            std::thread::sleep(Duration::from_micros(500));
+        }
+    }
+
+    /// Lets the tasks of a frozen sandbox run again.
+    pub fn thaw(&self) -> Result<()> {
+        let dir = self.freezer_dir();
+        match &self.layout {
+            Layout::V1(_) => write_file(&dir.join("freezer.state"), "THAWED"),
+            Layout::V2(_) => write_file(&dir.join("cgroup.freeze"), "0"),
+        }
+    }
+
+    /// The controllers a sandbox's cgroup spans, as CRIU names them (for its per-controller
+    /// `cgroup_root`): v1 `memory`, `cpu`, `cpuacct`, `pids`, `freezer`; v2 none (the
+    /// unified hierarchy has one root).
+    pub fn controllers(&self) -> Vec<&'static str> {
+        match &self.layout {
+            Layout::V1(_) => vec!["memory", "cpu", "cpuacct", "pids", "freezer"],
+            Layout::V2(_) => Vec::new(),
+        }
+    }
+
+    /// A directory holding one mount per controller of [`controllers`](Self::controllers),
+    /// named after it (`<dir>/memory`, …), as CRIU's `cgroup_yard` wants it — so that a
+    /// restore need not mount every hierarchy itself. v1 with the usual layout
+    /// (`/sys/fs/cgroup/<controller>`) only.
+    pub fn criu_yard(&self) -> Option<PathBuf> {
+        let Layout::V1(m) = &self.layout else {
+            return None;
+        };
+        let named = [
+            ("memory", &m.memory),
+            ("cpu", &m.cpu),
+            ("cpuacct", &m.cpuacct),
+            ("pids", &m.pids),
+            ("freezer", &m.freezer),
+        ];
+        let parent = m.memory.parent()?.to_path_buf();
+        named
+            .iter()
+            .all(|(n, p)| p.as_path() == parent.join(n))
+            .then_some(parent)
     }
 
     /// Kills every process in the cgroup with SIGKILL and waits (up to 5 s) until it is
@@ -300,7 +381,7 @@ impl Cgroup {
 /// Ids of every existing `cubicle/<id>` cgroup (in any hierarchy), for reconciliation.
 pub fn list() -> Result<Vec<String>> {
     let parents: Vec<PathBuf> = match Layout::detect()? {
-        Layout::V1(m) => m.all().iter().map(|p| p.join(PARENT)).collect(),
+        Layout::V1(m) => m.joined().iter().map(|p| p.join(PARENT)).collect(),
         Layout::V2(root) => vec![root.join(PARENT)],
     };
     let mut ids = Vec::new();
@@ -315,7 +396,7 @@ pub fn list() -> Result<Vec<String>> {
                 continue;
             }
             if let Some(name) = entry.file_name().to_str()
-                && valid_id(name)
+                && SandboxId::is_valid(name)
                 && !ids.iter().any(|i| i == name)
             {
                 ids.push(name.to_string());
@@ -398,6 +479,15 @@ mod tests {
         assert_eq!(m.memory, Path::new("/sys/fs/cgroup/memory"));
         // co-mounted cpu,cpuacct appears once
         assert_eq!(m.all().len(), 4);
+        // systemd's hierarchies are joined too (tracking only, never mounted inside)
+        assert_eq!(
+            m.tracking,
+            [
+                PathBuf::from("/sys/fs/cgroup/unified"),
+                PathBuf::from("/sys/fs/cgroup/systemd")
+            ]
+        );
+        assert_eq!(m.joined().len(), 6);
         assert_eq!(
             m.hierarchies(),
             ["memory", "cpu,cpuacct", "pids", "freezer"]
@@ -522,8 +612,7 @@ mod tests {
     #[test]
     fn v2_kill_and_remove_on_real_unified_hierarchy() {
         let unified = Path::new("/sys/fs/cgroup/unified");
-        // SAFETY: geteuid has no preconditions.
-        if unsafe { libc::geteuid() } != 0 || !unified.join("cgroup.kill").exists() {
+        if !cubicle_syscalls::is_root() || !unified.join("cgroup.kill").exists() {
             println!(
                 "skipped: needs root and a cgroup2 mount with cgroup.kill at {}",
                 unified.display()

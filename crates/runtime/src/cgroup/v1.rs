@@ -18,6 +18,12 @@ pub(crate) struct Mounts {
     pub cpuacct: PathBuf,
     pub pids: PathBuf,
     pub freezer: PathBuf,
+    /// Hierarchies without our controllers that a service manager tracks processes by:
+    /// `name=systemd` and the controller-less unified (v2) mount of a hybrid host.
+    /// Sandboxes join `cubicle/<id>` there too, so they are outside the cgroup of the
+    /// service that started them (a systemd stop or restart of `cubicle serve` kills
+    /// what is in its cgroup, and must not reach a sandbox).
+    pub tracking: Vec<PathBuf>,
 }
 
 impl Mounts {
@@ -79,6 +85,20 @@ impl Mounts {
             .collect()
     }
 
+    /// Records a process-tracking hierarchy (see [`Mounts::tracking`]).
+    pub(crate) fn track(&mut self, mount_point: &Path) {
+        if !self.tracking.iter().any(|p| p == mount_point) {
+            self.tracking.push(mount_point.to_path_buf());
+        }
+    }
+
+    /// Every hierarchy a sandbox joins: the controllers' and the tracking ones.
+    pub(crate) fn joined(&self) -> Vec<PathBuf> {
+        let mut v = self.all();
+        v.extend(self.tracking.iter().cloned());
+        v
+    }
+
     /// Distinct mount points (co-mounted controllers appear once).
     pub(crate) fn all(&self) -> Vec<PathBuf> {
         let mut v: Vec<PathBuf> = Vec::new();
@@ -106,7 +126,7 @@ fn mkdir(path: &Path) -> Result<()> {
 }
 
 pub(crate) fn create(m: &Mounts, id: &str, limits: &Limits) -> Result<()> {
-    for root in m.all() {
+    for root in m.joined() {
         mkdir(&root.join(PARENT))?;
         mkdir(&root.join(PARENT).join(id))?;
     }

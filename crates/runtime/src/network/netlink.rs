@@ -11,7 +11,7 @@
 
 use std::io;
 use std::net::Ipv4Addr;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsRawFd, OwnedFd};
 
 // Message types and flags (linux/rtnetlink.h, linux/netlink.h).
 const NLMSG_ERROR: u16 = 2;
@@ -209,24 +209,12 @@ impl NetlinkSocket {
 
     /// Like [`NetlinkSocket::open`], subscribed to the multicast `groups` (a bit mask).
     pub fn open_groups(protocol: libc::c_int, groups: u32) -> io::Result<Self> {
-        // SAFETY: plain syscalls on values we own; the fd is wrapped at once.
-        let fd = unsafe {
-            libc::socket(
-                libc::AF_NETLINK,
-                libc::SOCK_RAW | libc::SOCK_CLOEXEC,
-                protocol,
-            )
-        };
-        if fd < 0 {
-            return Err(io::Error::last_os_error());
-        }
-        // SAFETY: fd is a fresh descriptor we own.
-        let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+        let fd = crate::sys::socket(libc::AF_NETLINK, libc::SOCK_RAW, protocol)?;
         // SAFETY: zeroed sockaddr_nl is valid; pid 0 lets the kernel choose.
         let mut addr: libc::sockaddr_nl = unsafe { std::mem::zeroed() };
         addr.nl_family = libc::AF_NETLINK as libc::sa_family_t;
         addr.nl_groups = groups;
-        // SAFETY: addr is a valid sockaddr_nl of the given length.
+        // SAFETY: a valid socket and a sockaddr_nl with its true length.
         let rc = unsafe {
             libc::bind(
                 fd.as_raw_fd(),
@@ -275,7 +263,7 @@ impl NetlinkSocket {
         // SAFETY: zeroed sockaddr_nl with pid 0 addresses the kernel.
         let mut dst: libc::sockaddr_nl = unsafe { std::mem::zeroed() };
         dst.nl_family = libc::AF_NETLINK as libc::sa_family_t;
-        // SAFETY: bytes and dst are valid for the lengths given.
+        // SAFETY: `bytes` and `dst` outlive the call; the lengths are theirs.
         let n = unsafe {
             libc::sendto(
                 self.fd.as_raw_fd(),
@@ -300,23 +288,12 @@ impl NetlinkSocket {
         mut on_msg: impl FnMut(u16, &[u8]) -> bool,
     ) -> io::Result<()> {
         loop {
+            let (fd, buf) = (self.fd.as_raw_fd(), &mut self.buf);
             // SAFETY: buf is a valid writable buffer of its length.
-            let n = unsafe {
-                libc::recv(
-                    self.fd.as_raw_fd(),
-                    self.buf.as_mut_ptr() as *mut libc::c_void,
-                    self.buf.len(),
-                    0,
-                )
-            };
-            if n < 0 {
-                let e = io::Error::last_os_error();
-                if e.kind() == io::ErrorKind::Interrupted {
-                    continue;
-                }
-                return Err(e);
-            }
-            let mut data = &self.buf[..n as usize];
+            let n = crate::sys::retry_eintr(|| unsafe {
+                libc::recv(fd, buf.as_mut_ptr() as *mut libc::c_void, buf.len(), 0)
+            })?;
+            let mut data = &self.buf[..n];
             while data.len() >= NLMSG_HDRLEN {
                 let len = u32::from_ne_bytes([data[0], data[1], data[2], data[3]]) as usize;
                 let ty = u16::from_ne_bytes([data[4], data[5]]);

@@ -137,8 +137,7 @@ fn bad_config_is_rejected() {
 // Root tests.
 
 fn is_root() -> bool {
-    // SAFETY: geteuid has no preconditions.
-    unsafe { libc::geteuid() == 0 }
+    cubicle_syscalls::is_root()
 }
 
 macro_rules! require_root {

@@ -32,6 +32,25 @@ impl Storage {
             .map_err(io_err(format!("limiting qgroup 0/{id}")))
     }
 
+    /// Snapshot of subvolume `root/src` as `root/dest` (read-only or writable).
+    pub(super) fn btrfs_snapshot(&self, src: &str, dest: &str, readonly: bool) -> Result<()> {
+        let root =
+            File::open(&self.root).map_err(io_err(format!("opening {}", self.root.display())))?;
+        let source = File::open(self.root.join(src)).map_err(io_err(format!("opening {src}")))?;
+        btrfs_snap_create(&root, &source, dest, readonly)
+            .map_err(io_err(format!("snapshot of {src} as {dest}")))
+    }
+
+    /// Limits the qgroup of subvolume `root/name` to `quota_bytes`.
+    pub(super) fn btrfs_limit(&self, name: &str, quota_bytes: u64) -> Result<()> {
+        let root =
+            File::open(&self.root).map_err(io_err(format!("opening {}", self.root.display())))?;
+        let dir = File::open(self.root.join(name)).map_err(io_err(format!("opening {name}")))?;
+        let id = btrfs_subvol_id(&dir).map_err(io_err(format!("looking up subvolume {name}")))?;
+        btrfs_qgroup_limit(&root, id, quota_bytes)
+            .map_err(io_err(format!("limiting qgroup 0/{id}")))
+    }
+
     /// Bytes used (including data reserved for writes not yet committed) and the limit
     /// of the subvolume `dir`.
     pub(super) fn btrfs_usage(&self, dir: &Path) -> Result<DiskUsage> {
@@ -112,6 +131,8 @@ impl Storage {
 }
 
 const BTRFS_IOC_SUBVOL_CREATE: u64 = 0x5000_940e;
+const BTRFS_IOC_SNAP_CREATE_V2: u64 = 0x5000_9417;
+const BTRFS_SUBVOL_RDONLY: u64 = 1 << 1;
 const BTRFS_IOC_SNAP_DESTROY: u64 = 0x5000_940f;
 const BTRFS_IOC_INO_LOOKUP: u64 = 0xd000_9412;
 const BTRFS_IOC_QGROUP_CREATE: u64 = 0x4010_942a;
@@ -148,7 +169,19 @@ struct BtrfsQgroupCreateArgs {
     qgroupid: u64,
 }
 
+/// `struct btrfs_ioctl_vol_args_v2` (the union of unused words / qgroup inheritance
+/// left zero).
+#[repr(C)]
+struct BtrfsVolArgsV2 {
+    fd: i64,
+    transid: u64,
+    flags: u64,
+    unused: [u64; 4],
+    name: [u8; 4040],
+}
+
 const _: () = assert!(std::mem::size_of::<BtrfsVolArgs>() == 4096);
+const _: () = assert!(std::mem::size_of::<BtrfsVolArgsV2>() == 4096);
 const _: () = assert!(std::mem::size_of::<BtrfsInoLookupArgs>() == 4096);
 
 fn vol_args(name: &str) -> io::Result<Box<BtrfsVolArgs>> {
@@ -170,6 +203,27 @@ fn btrfs_subvol_create(parent: &File, name: &str) -> io::Result<()> {
         parent,
         BTRFS_IOC_SUBVOL_CREATE,
         &mut *a as *mut BtrfsVolArgs as *mut libc::c_void,
+    )
+}
+
+fn btrfs_snap_create(parent: &File, source: &File, name: &str, readonly: bool) -> io::Result<()> {
+    use std::os::fd::AsRawFd;
+    let mut a = Box::new(BtrfsVolArgsV2 {
+        fd: source.as_raw_fd() as i64,
+        transid: 0,
+        flags: if readonly { BTRFS_SUBVOL_RDONLY } else { 0 },
+        unused: [0; 4],
+        name: [0; 4040],
+    });
+    let b = name.as_bytes();
+    if b.len() >= a.name.len() || b.contains(&0) || b.contains(&b'/') {
+        return Err(io::Error::from(io::ErrorKind::InvalidInput));
+    }
+    a.name[..b.len()].copy_from_slice(b);
+    ioctl(
+        parent,
+        BTRFS_IOC_SNAP_CREATE_V2,
+        &mut *a as *mut BtrfsVolArgsV2 as *mut libc::c_void,
     )
 }
 

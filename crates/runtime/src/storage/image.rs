@@ -3,20 +3,18 @@
 //! kernel enforces it, else btrfs with quotas). Also the mount table reading this needs
 //! and [`unmount_path`]. One-time setup: spawning `mkfs`/`mount` is fine here.
 
-use std::ffi::CString;
 use std::fs::{self, File};
 use std::io;
-use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::OpenOptionsExt;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Command;
 
 use super::QuotaBackend;
 use super::btrfs::btrfs_qgroups_dir;
 use crate::error::{Error, Result, io_err};
 
-const XFS_SUPER_MAGIC: i64 = 0x5846_5342;
-const BTRFS_SUPER_MAGIC: i64 = 0x9123_683e;
+use cubicle_syscalls::fs::{BTRFS_SUPER_MAGIC, XFS_SUPER_MAGIC};
+use cubicle_syscalls::mountinfo::mount_of;
 
 /// Unmounts the filesystem mounted at `path` (the quota image of a state directory,
 /// `<state>/sandboxes`, which a node leaves mounted across restarts).
@@ -25,14 +23,12 @@ const BTRFS_SUPER_MAGIC: i64 = 0x9123_683e;
 /// of our descriptors (some inside this filesystem) until it execs and its close-on-exec
 /// descriptors go. Retries for up to about a second.
 pub fn unmount_path(path: &Path) -> Result<()> {
-    let c = cpath(path)?;
     let mut attempts = 0;
     loop {
-        // SAFETY: c is a valid NUL-terminated path.
-        if unsafe { libc::umount2(c.as_ptr(), 0) } == 0 {
-            return Ok(());
-        }
-        let err = io::Error::last_os_error();
+        let err = match cubicle_syscalls::fs::unmount(path) {
+            Ok(()) => return Ok(()),
+            Err(e) => e,
+        };
         attempts += 1;
         if err.raw_os_error() != Some(libc::EBUSY) || attempts >= 50 {
             return Err(Error::Io {
@@ -42,75 +38,6 @@ pub fn unmount_path(path: &Path) -> Result<()> {
         }
         std::thread::sleep(std::time::Duration::from_millis(20));
     }
-}
-
-pub(super) fn cpath(p: &Path) -> Result<CString> {
-    CString::new(p.as_os_str().as_bytes()).map_err(|_| Error::Io {
-        context: format!("path {}", p.display()),
-        source: io::Error::from(io::ErrorKind::InvalidInput),
-    })
-}
-
-/// One line of /proc/self/mountinfo.
-pub(super) struct MountEntry {
-    pub(super) mount_point: PathBuf,
-    fstype: String,
-    source: String,
-    super_options: String,
-}
-
-pub(super) fn unescape_mountinfo(s: &str) -> String {
-    let b = s.as_bytes();
-    let mut out = Vec::with_capacity(b.len());
-    let mut i = 0;
-    while i < b.len() {
-        if b[i] == b'\\'
-            && i + 3 < b.len()
-            && b[i + 1..i + 4].iter().all(|c| (b'0'..=b'7').contains(c))
-        {
-            out.push((b[i + 1] - b'0') * 64 + (b[i + 2] - b'0') * 8 + (b[i + 3] - b'0'));
-            i += 4;
-        } else {
-            out.push(b[i]);
-            i += 1;
-        }
-    }
-    String::from_utf8_lossy(&out).into_owned()
-}
-
-pub(super) fn mounts() -> Result<Vec<MountEntry>> {
-    let text = fs::read_to_string("/proc/self/mountinfo")
-        .map_err(io_err("reading /proc/self/mountinfo"))?;
-    let mut out = Vec::new();
-    for line in text.lines() {
-        let Some((left, right)) = line.split_once(" - ") else {
-            continue;
-        };
-        let l: Vec<&str> = left.split(' ').collect();
-        let r: Vec<&str> = right.split(' ').collect();
-        if l.len() < 5 || r.len() < 3 {
-            continue;
-        }
-        out.push(MountEntry {
-            mount_point: PathBuf::from(unescape_mountinfo(l[4])),
-            fstype: r[0].to_string(),
-            source: unescape_mountinfo(r[1]),
-            super_options: r[2].to_string(),
-        });
-    }
-    Ok(out)
-}
-
-/// The mount `path` lives on (the last-mounted one whose mount point is a prefix).
-fn mount_of(path: &Path) -> Result<Option<MountEntry>> {
-    Ok(mounts()?
-        .into_iter()
-        .filter(|m| path.starts_with(&m.mount_point))
-        .max_by_key(|m| m.mount_point.components().count()))
-}
-
-pub(super) fn is_mount_point(path: &Path) -> Result<bool> {
-    Ok(mounts()?.iter().any(|m| m.mount_point == path))
 }
 
 pub(super) fn mount_source_is_loop_of(root: &Path, image: &Path) -> bool {
@@ -130,19 +57,13 @@ pub(super) fn mount_source_is_loop_of(root: &Path, image: &Path) -> bool {
 
 /// The quota mechanism usable at `root`, if any.
 pub(super) fn detect(root: &Path) -> Result<Option<QuotaBackend>> {
-    let c = cpath(root)?;
-    // SAFETY: zeroed statfs is valid; c is a valid path.
-    let mut st: libc::statfs = unsafe { std::mem::zeroed() };
-    if unsafe { libc::statfs(c.as_ptr(), &mut st) } != 0 {
-        return Err(io_err(format!("statfs {}", root.display()))(
-            io::Error::last_os_error(),
-        ));
-    }
-    match st.f_type as i64 {
+    let fs_type = cubicle_syscalls::fs::fs_type(root)
+        .map_err(io_err(format!("statfs {}", root.display())))?;
+    match fs_type {
         XFS_SUPER_MAGIC => {
-            let enforced = mount_of(root)?.is_some_and(|m| {
-                m.fstype == "xfs" && m.super_options.split(',').any(|o| o == "prjquota")
-            });
+            let enforced = mount_of(root)
+                .map_err(io_err("reading /proc/self/mountinfo"))?
+                .is_some_and(|m| m.fstype == "xfs" && m.has_super_option("prjquota"));
             Ok(enforced.then_some(QuotaBackend::XfsProject))
         }
         BTRFS_SUPER_MAGIC => Ok(btrfs_qgroups_dir(root)

@@ -45,6 +45,7 @@ use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 
+use crate::SandboxId;
 use crate::error::{Error, Result, io_err};
 
 mod btrfs;
@@ -54,7 +55,7 @@ mod volumes;
 mod xfs;
 
 pub use image::unmount_path;
-use image::{create_image, detect, is_mount_point, mount_image, mount_source_is_loop_of};
+use image::{create_image, detect, mount_image, mount_source_is_loop_of};
 pub use volume_fs::{Attrs, EntryKind, MAX_VOLUME_ID, Timestamp, VolumeEntry, VolumeFs};
 
 /// Which kernel mechanism enforces the quotas.
@@ -131,7 +132,9 @@ impl Storage {
         let backend = match detect(&root)? {
             Some(b) => b,
             None => {
-                if is_mount_point(&root)? {
+                if cubicle_syscalls::mountinfo::is_mount_point(&root)
+                    .map_err(io_err("reading /proc/self/mountinfo"))?
+                {
                     return Err(Error::QuotaUnsupported(format!(
                         "{} is a mount without project quotas / qgroups; unmount it or mount with prjquota",
                         root.display()
@@ -180,15 +183,13 @@ impl Storage {
     }
 
     /// The directory of sandbox `id` (whether or not it exists).
-    pub fn sandbox_dir(&self, id: &str) -> Result<PathBuf> {
-        check_id(id)?;
-        Ok(self.root.join(id))
+    pub fn sandbox_dir(&self, id: &SandboxId) -> PathBuf {
+        self.root.join(id.as_str())
     }
 
     /// Creates sandbox `id`'s directory with a hard limit of `quota_bytes` on everything
     /// written below it. Fails if it exists.
-    pub fn create_sandbox_dir(&self, id: &str, quota_bytes: u64) -> Result<PathBuf> {
-        check_id(id)?;
+    pub fn create_sandbox_dir(&self, id: &SandboxId, quota_bytes: u64) -> Result<PathBuf> {
         self.create_quota_dir(&self.root, id, quota_bytes)
     }
 
@@ -221,17 +222,81 @@ impl Storage {
         Ok(dest)
     }
 
+    /// A read-only, copy-on-write copy of sandbox `id`'s whole directory named `name`
+    /// (which must start with [`SNAPSHOT_PREFIX`]), next to the sandbox directories:
+    /// a btrfs snapshot (O(1): it shares every block until either side writes), or on
+    /// XFS a reflinked copy. Its disk cost is what changes afterwards. Take it while the
+    /// sandbox is frozen to get one instant.
+    pub fn snapshot_sandbox_dir(&self, id: &SandboxId, name: &str) -> Result<PathBuf> {
+        check_snapshot_name(name)?;
+        let src = self.sandbox_dir(id);
+        let dest = self.root.join(name);
+        match self.backend {
+            QuotaBackend::BtrfsQgroup => self.btrfs_snapshot(id, name, true)?,
+            QuotaBackend::XfsProject => reflink_copy(&src, &dest)?,
+        }
+        Ok(dest)
+    }
+
+    /// A new sandbox directory `id` (quota `quota_bytes`) that starts as a copy-on-write
+    /// copy of the snapshot `name`. Fails if `id` exists.
+    pub fn clone_snapshot(&self, name: &str, id: &SandboxId, quota_bytes: u64) -> Result<PathBuf> {
+        check_snapshot_name(name)?;
+        let dest = self.sandbox_dir(id);
+        if dest.exists() {
+            return Err(Error::Io {
+                context: format!("creating {}", dest.display()),
+                source: io::Error::from_raw_os_error(libc::EEXIST),
+            });
+        }
+        let tmp_name = format!("{CREATING}{id}");
+        let tmp = self.root.join(&tmp_name);
+        let _ = self.remove_entry(&tmp_name);
+        let result = match self.backend {
+            QuotaBackend::BtrfsQgroup => self
+                .btrfs_snapshot(name, &tmp_name, false)
+                .and_then(|()| self.btrfs_limit(&tmp_name, quota_bytes)),
+            QuotaBackend::XfsProject => self
+                .xfs_create(&tmp, id, quota_bytes)
+                .and_then(|()| reflink_copy_into(&self.root.join(name), &tmp)),
+        };
+        if let Err(e) = result {
+            let _ = self.remove_entry(&tmp_name);
+            return Err(e);
+        }
+        fs::rename(&tmp, &dest).map_err(io_err(format!(
+            "renaming {} to {}",
+            tmp.display(),
+            dest.display()
+        )))?;
+        Ok(dest)
+    }
+
+    /// Deletes the snapshot `name` (idempotent).
+    pub fn remove_snapshot(&self, name: &str) -> Result<()> {
+        check_snapshot_name(name)?;
+        self.remove_entry(name)
+    }
+
+    /// Names of the snapshots next to the sandbox directories.
+    pub fn snapshots(&self) -> Result<Vec<String>> {
+        Ok(self
+            .entries()?
+            .into_iter()
+            .filter(|n| check_snapshot_name(n).is_ok())
+            .collect())
+    }
+
     /// Deletes sandbox `id`'s directory and clears its quota (idempotent). Anything
     /// mounted below it must be unmounted first.
-    pub fn remove_sandbox_dir(&self, id: &str) -> Result<()> {
-        check_id(id)?;
+    pub fn remove_sandbox_dir(&self, id: &SandboxId) -> Result<()> {
         self.remove_entry(id)
     }
 
     /// Bytes used and the limit of sandbox `id`. On btrfs, `used` includes data
     /// reserved for writes not yet committed.
-    pub fn usage(&self, id: &str) -> Result<DiskUsage> {
-        let dir = self.sandbox_dir(id)?;
+    pub fn usage(&self, id: &SandboxId) -> Result<DiskUsage> {
+        let dir = self.sandbox_dir(id);
         match self.backend {
             QuotaBackend::XfsProject => self.xfs_usage(&dir),
             QuotaBackend::BtrfsQgroup => self.btrfs_usage(&dir),
@@ -239,12 +304,16 @@ impl Storage {
     }
 
     /// Removes every sandbox directory whose id is not in `known` (and half-created
-    /// ones), and clears quota limits no directory uses.
+    /// ones), and clears quota limits no directory uses. Snapshots are kept (their
+    /// owner removes them with [`Storage::remove_snapshot`]).
     pub fn reconcile(&self, known: &[&str]) -> Result<()> {
         let known: HashSet<&str> = known.iter().copied().collect();
         for name in self.entries()? {
             // Volumes outlive sandboxes: `reconcile_volumes` looks after them.
-            if name != VOLUMES && !known.contains(name.as_str()) {
+            if name != VOLUMES
+                && !known.contains(name.as_str())
+                && check_snapshot_name(&name).is_err()
+            {
                 self.remove_entry(&name)?;
             }
         }
@@ -302,6 +371,57 @@ impl Storage {
     }
 }
 
+/// Names of snapshots start with this; the rest is an id. (The node's sandbox ids are
+/// `[a-z0-9]`, so a snapshot never takes a sandbox's name.)
+pub const SNAPSHOT_PREFIX: &str = "snapshot-";
+
+fn check_snapshot_name(name: &str) -> Result<()> {
+    match name.strip_prefix(SNAPSHOT_PREFIX) {
+        Some(rest) if !rest.is_empty() && check_id(rest).is_ok() => Ok(()),
+        _ => Err(Error::InvalidId(name.to_string())),
+    }
+}
+
+/// `cp -a --reflink=always src dest` (XFS: shares blocks, keeps owners, modes and the
+/// overlay's extended attributes).
+fn reflink_copy(src: &Path, dest: &Path) -> Result<()> {
+    run_cp(&[
+        "-a".as_ref(),
+        "--reflink=always".as_ref(),
+        src.as_os_str(),
+        dest.as_os_str(),
+    ])
+}
+
+/// Copies the contents of `src` into the existing directory `dest` with reflinks.
+fn reflink_copy_into(src: &Path, dest: &Path) -> Result<()> {
+    let from = src.join(".");
+    run_cp(&[
+        "-a".as_ref(),
+        "--reflink=always".as_ref(),
+        "-T".as_ref(),
+        from.as_os_str(),
+        dest.as_os_str(),
+    ])
+}
+
+fn run_cp(args: &[&std::ffi::OsStr]) -> Result<()> {
+    let out = std::process::Command::new("cp")
+        .args(args)
+        .output()
+        .map_err(io_err("running cp"))?;
+    if out.status.success() {
+        Ok(())
+    } else {
+        Err(Error::Command {
+            command: format!("cp {args:?}"),
+            stderr: String::from_utf8_lossy(&out.stderr).trim().to_string(),
+        })
+    }
+}
+
+/// A volume id, or the id in a snapshot's name, as a directory name (sandbox ids are
+/// [`SandboxId`]s).
 fn check_id(id: &str) -> Result<()> {
     let ok = !id.is_empty()
         && id.len() <= 64
@@ -327,23 +447,21 @@ pub(super) fn ioctl(f: &impl AsRawFd, req: u64, arg: *mut libc::c_void) -> io::R
 
 #[cfg(test)]
 mod tests {
-    use super::image::{cpath, mounts, unescape_mountinfo};
     use super::*;
+    use cubicle_syscalls::mountinfo::mounts;
     use std::fs::File;
     use std::io::Write;
 
+    fn id(s: &str) -> SandboxId {
+        SandboxId::parse(s).unwrap()
+    }
+
     #[test]
-    fn ids_are_validated() {
+    fn volume_ids_are_validated() {
         assert!(check_id("abc-123_X").is_ok());
         for bad in ["", ".", "..", "a/b", "a b", &"x".repeat(65), ".creating-x"] {
             assert!(check_id(bad).is_err(), "{bad:?}");
         }
-    }
-
-    #[test]
-    fn mountinfo_unescapes_octal() {
-        assert_eq!(unescape_mountinfo(r"/a\040b"), "/a b");
-        assert_eq!(unescape_mountinfo(r"/plain"), "/plain");
     }
 
     fn is_root() -> bool {
@@ -412,12 +530,12 @@ mod tests {
         };
 
         let quota = 10u64 << 20;
-        let dir = storage.create_sandbox_dir("sb-one", quota).unwrap();
+        let dir = storage.create_sandbox_dir(&id("sbone"), quota).unwrap();
         assert!(
-            storage.create_sandbox_dir("sb-one", quota).is_err(),
+            storage.create_sandbox_dir(&id("sbone"), quota).is_err(),
             "duplicate ids are refused"
         );
-        let other = storage.create_sandbox_dir("sb-two", quota).unwrap();
+        let other = storage.create_sandbox_dir(&id("sbtwo"), quota).unwrap();
         fs::create_dir_all(dir.join("upper/nested")).unwrap();
 
         // Writing past the quota fails: ENOSPC on XFS, EDQUOT on btrfs.
@@ -446,7 +564,7 @@ mod tests {
         let (_, err) = fill(&other.join("small"), 2 << 20);
         assert!(err.is_none(), "the neighbour's quota is its own: {err:?}");
 
-        let u = storage.usage("sb-one").unwrap();
+        let u = storage.usage(&id("sbone")).unwrap();
         eprintln!("usage: {u:?}");
         assert_eq!(u.limit_bytes, quota);
         assert!(
@@ -455,10 +573,10 @@ mod tests {
         );
 
         // Removal frees it; a new sandbox with the same id starts empty.
-        storage.remove_sandbox_dir("sb-one").unwrap();
-        storage.remove_sandbox_dir("sb-one").unwrap(); // idempotent
+        storage.remove_sandbox_dir(&id("sbone")).unwrap();
+        storage.remove_sandbox_dir(&id("sbone")).unwrap(); // idempotent
         assert!(!dir.exists());
-        let dir = storage.create_sandbox_dir("sb-one", quota).unwrap();
+        let dir = storage.create_sandbox_dir(&id("sbone"), quota).unwrap();
         let (_, err) = fill(&dir.join("again"), 5 << 20);
         assert!(
             err.is_none(),
@@ -467,21 +585,15 @@ mod tests {
 
         // Reconcile: a half-created entry and an unknown sandbox go; known ones stay.
         fs::create_dir(storage.root().join(".creating-zombie")).unwrap();
-        storage.reconcile(&["sb-one"]).unwrap();
+        storage.reconcile(&["sbone"]).unwrap();
         let mut left = storage.entries().unwrap();
         left.sort();
-        assert_eq!(left, vec!["sb-one".to_string()]);
+        assert_eq!(left, vec!["sbone".to_string()]);
 
         // Restart: open again finds the mounted fs; then unmount and re-open re-mounts.
         drop(storage);
         let storage = Storage::open_with(config.clone()).unwrap();
-        assert!(
-            storage
-                .sandbox_dir("sb-one")
-                .unwrap()
-                .join("again")
-                .exists()
-        );
+        assert!(storage.sandbox_dir(&id("sbone")).join("again").exists());
         storage.unmount().unwrap();
         assert!(
             loop_devices_backed_by(&image).is_empty(),
@@ -489,19 +601,15 @@ mod tests {
         );
         let storage = Storage::open_with(config.clone()).unwrap();
         assert!(
-            storage
-                .sandbox_dir("sb-one")
-                .unwrap()
-                .join("again")
-                .exists(),
+            storage.sandbox_dir(&id("sbone")).join("again").exists(),
             "data survives a re-mount"
         );
         assert_eq!(
-            storage.usage("sb-one").unwrap().limit_bytes,
+            storage.usage(&id("sbone")).unwrap().limit_bytes,
             quota,
             "quota survives a re-mount"
         );
-        storage.remove_sandbox_dir("sb-one").unwrap();
+        storage.remove_sandbox_dir(&id("sbone")).unwrap();
         storage.unmount().unwrap();
         drop(guard);
         assert!(
@@ -557,7 +665,7 @@ mod tests {
             let m = fs::metadata(&vol).unwrap();
             assert_eq!((m.uid(), m.gid(), m.mode() & 0o7777), (1000, 1000, 0o755));
         }
-        let sb = storage.create_sandbox_dir("sb-1", quota).unwrap();
+        let sb = storage.create_sandbox_dir(&id("sb1"), quota).unwrap();
         let (written, err) = fill(&vol.join("big"), 64 << 20);
         let code = err
             .expect("writing 64 MiB into a 10 MiB volume must fail")
@@ -622,7 +730,7 @@ mod tests {
         .unwrap();
         let (mut c, mut r) = (Vec::new(), Vec::new());
         for i in 0..200 {
-            let id = format!("bench-{i}");
+            let id = id(&format!("bench{i}"));
             let t = std::time::Instant::now();
             let dir = storage.create_sandbox_dir(&id, 5 << 30).unwrap();
             c.push(t.elapsed());
@@ -672,10 +780,7 @@ mod tests {
                     .rev()
                     .filter(|m| m.mount_point.starts_with(&self.state))
                 {
-                    if let Ok(c) = cpath(&m.mount_point) {
-                        // SAFETY: valid path.
-                        unsafe { libc::umount2(c.as_ptr(), libc::MNT_DETACH) };
-                    }
+                    let _ = cubicle_syscalls::fs::unmount_detach(&m.mount_point);
                 }
             }
             let _ = fs::remove_dir_all(&self.state);

@@ -51,7 +51,7 @@ COLLECTION_ROUTES = [
     ("GET", "/sandboxes"),
     ("GET", "/sandboxes/metrics"),
 ]
-# Pause/resume may answer 501 "not supported yet" (issue #3) until their issue lands.
+# A node without CRIU answers pause/resume with 501 "not supported" (still a well-formed error).
 NOT_YET = ("/pause", "/resume", "/snapshots", "/fork")
 
 

@@ -1,0 +1,353 @@
+//! Sandbox lifecycle events: E2B's events API (`GET /events/sandboxes[/{id}]`) and the
+//! source of webhook deliveries.
+//!
+//! Every lifecycle change goes through [`Events::emit`] (the control plane's
+//! [`crate::ControlPlane::lifecycle`] hook: create, timeout changes, kill and natural
+//! ends here; pause and resume from the stateful-sandbox code), which
+//! - logs it at `info` (target `cubicle::lifecycle`),
+//! - counts it in the metrics,
+//! - and hands it to one background task that stores it (`sandbox_events`, kept
+//!   [`RETENTION`]) and then passes it to the team's webhooks — one task, so a sandbox's
+//!   events are stored and delivered in the order they happened.
+//!
+//! The event's shape is E2B's (camelCase, `version: "v1"`, `type:
+//! "sandbox.lifecycle.<kind>"`, `eventData` with `sandbox_metadata`, `set_timeout` on
+//! updates and `execution` on kills and pauses). `sandboxTeamId` is the team's name (a
+//! Cubicle team has no uuid); `sandboxExecutionId` is stable for one run of a sandbox
+//! (derived from its id and start time) and `sandboxBuildId` from its template.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use cubicle_store::{EventQuery, EventRow, SandboxRow, Store, now_ms};
+use serde::Serialize;
+use serde_json::{Map, Value};
+use sha2::{Digest, Sha256};
+use tokio::sync::mpsc;
+
+use crate::error::{ApiError, ApiResult};
+use crate::query::{Query, format_time};
+use crate::telemetry::Telemetry;
+use crate::webhooks::Webhooks;
+
+/// How long events are kept (E2B's default retention).
+pub const RETENTION: Duration = Duration::from_secs(7 * 24 * 3600);
+/// Events per page by default, and at most.
+pub const DEFAULT_LIMIT: i64 = 10;
+/// Largest `limit`.
+pub const MAX_LIMIT: i64 = 100;
+
+/// What happened to a sandbox.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum EventKind {
+    /// Created (cold or from a warm pool).
+    Created,
+    /// Its end time changed (`set_timeout`, refresh, connect).
+    Updated,
+    /// Paused.
+    Paused,
+    /// Resumed.
+    Resumed,
+    /// Gone: killed, timed out, crashed.
+    Killed,
+}
+
+impl EventKind {
+    /// Every kind, in E2B's order.
+    pub const ALL: [EventKind; 5] = [
+        EventKind::Created,
+        EventKind::Killed,
+        EventKind::Updated,
+        EventKind::Paused,
+        EventKind::Resumed,
+    ];
+
+    /// The event's `type` (`sandbox.lifecycle.created`, …).
+    pub fn type_name(self) -> &'static str {
+        match self {
+            EventKind::Created => "sandbox.lifecycle.created",
+            EventKind::Updated => "sandbox.lifecycle.updated",
+            EventKind::Paused => "sandbox.lifecycle.paused",
+            EventKind::Resumed => "sandbox.lifecycle.resumed",
+            EventKind::Killed => "sandbox.lifecycle.killed",
+        }
+    }
+
+    /// E2B's older `eventLabel` (still sent).
+    fn label(self) -> &'static str {
+        match self {
+            EventKind::Created => "create",
+            EventKind::Updated => "update",
+            EventKind::Paused => "pause",
+            EventKind::Resumed => "resume",
+            EventKind::Killed => "kill",
+        }
+    }
+
+    /// The kind named by a `type` string.
+    pub fn parse(s: &str) -> Option<EventKind> {
+        EventKind::ALL.into_iter().find(|k| k.type_name() == s)
+    }
+}
+
+/// One lifecycle event, as served by the events API and POSTed to webhooks.
+#[derive(Debug, Clone, Serialize, utoipa::ToSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct SandboxEvent {
+    /// Event schema version (`v1`).
+    pub version: &'static str,
+    /// Unique id (uuid).
+    pub id: String,
+    /// `sandbox.lifecycle.created|updated|paused|resumed|killed`.
+    #[serde(rename = "type")]
+    #[schema(example = "sandbox.lifecycle.created")]
+    pub kind: String,
+    /// Always `lifecycle` (E2B's older field).
+    pub event_category: &'static str,
+    /// `create`, `update`, `pause`, `resume`, `kill` (E2B's older field).
+    pub event_label: &'static str,
+    /// `sandbox_metadata`; `set_timeout` (RFC 3339) on updates; `execution`
+    /// (`started_at`, `vcpu_count`, `memory_mb`, `execution_time` in ms) and
+    /// `death_reason` on kills; `execution` on pauses.
+    #[schema(value_type = Option<Object>)]
+    pub event_data: Option<Value>,
+    /// Derived from the template (stable per template).
+    pub sandbox_build_id: String,
+    /// Stable for one run of the sandbox.
+    pub sandbox_execution_id: String,
+    /// The sandbox.
+    pub sandbox_id: String,
+    /// The owner team's name.
+    pub sandbox_team_id: String,
+    /// The sandbox's template.
+    pub sandbox_template_id: String,
+    /// When it happened (RFC 3339, UTC).
+    pub timestamp: String,
+}
+
+/// A uuid-shaped id derived from `parts` (stable across restarts).
+fn derived_uuid(parts: &[&str]) -> String {
+    let mut h = Sha256::new();
+    for p in parts {
+        h.update(p.as_bytes());
+        h.update([0]);
+    }
+    let d = h.finalize();
+    let hex: String = d[..16].iter().map(|b| format!("{b:02x}")).collect();
+    format!(
+        "{}-{}-{}-{}-{}",
+        &hex[..8],
+        &hex[8..12],
+        &hex[12..16],
+        &hex[16..20],
+        &hex[20..32]
+    )
+}
+
+/// `eventData.execution` of a sandbox's current run, as of `now_ms`.
+pub fn execution(row: &SandboxRow, now_ms: i64) -> Value {
+    serde_json::json!({
+        "started_at": format_time(row.started_at),
+        "vcpu_count": row.cpu_count,
+        "memory_mb": row.memory_mb,
+        "execution_time": (now_ms - row.started_at).max(0),
+    })
+}
+
+struct Pending {
+    team_id: i64,
+    event: SandboxEvent,
+}
+
+/// The lifecycle events of one control plane.
+pub struct Events {
+    store: Store,
+    telemetry: Arc<Telemetry>,
+    queue: mpsc::UnboundedSender<Pending>,
+    /// Team id → name (teams are never renamed).
+    teams: Mutex<HashMap<i64, String>>,
+}
+
+impl Events {
+    /// Starts the background task that stores events and hands them to `webhooks`
+    /// (it ends when the `Events` is dropped).
+    pub fn start(store: Store, telemetry: Arc<Telemetry>, webhooks: Arc<Webhooks>) -> Events {
+        let (queue, mut rx) = mpsc::unbounded_channel::<Pending>();
+        let st = store.clone();
+        tokio::spawn(async move {
+            while let Some(p) = rx.recv().await {
+                let body = match serde_json::to_string(&p.event) {
+                    Ok(b) => b,
+                    Err(e) => {
+                        tracing::warn!("encoding a lifecycle event: {e}");
+                        continue;
+                    }
+                };
+                let row = EventRow {
+                    id: p.event.id.clone(),
+                    team_id: p.team_id,
+                    sandbox_id: p.event.sandbox_id.clone(),
+                    kind: p.event.kind.clone(),
+                    at: now_ms(),
+                    body: body.clone(),
+                };
+                if let Err(e) = st.call(move |s| s.insert_event(&row)).await {
+                    tracing::warn!("storing a lifecycle event: {e}");
+                }
+                webhooks.deliver(p.team_id, &p.event.kind, body.into());
+            }
+        });
+        Events {
+            store,
+            telemetry,
+            queue,
+            teams: Mutex::new(HashMap::new()),
+        }
+    }
+
+    fn team_name(&self, team_id: i64) -> String {
+        if let Some(n) = self
+            .teams
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(&team_id)
+        {
+            return n.clone();
+        }
+        // One indexed read per team per process (inline: it is tiny and cached).
+        let name = match self.store.read(|s| s.team(team_id)) {
+            Ok(Some(t)) => t.name,
+            _ => return team_id.to_string(),
+        };
+        self.teams
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(team_id, name.clone());
+        name
+    }
+
+    /// Records that `kind` happened to the sandbox of `row`; `data` adds to the event's
+    /// `eventData` (which always carries `sandbox_metadata`, and `execution` for kills
+    /// and pauses). Returns at once: storing and delivering happen in the background.
+    pub fn emit(&self, kind: EventKind, row: &SandboxRow, data: Map<String, Value>) {
+        let now = now_ms();
+        let mut event_data = Map::new();
+        if !row.metadata.is_empty() {
+            event_data.insert(
+                "sandbox_metadata".into(),
+                serde_json::to_value(&row.metadata).unwrap_or_default(),
+            );
+        }
+        if matches!(kind, EventKind::Killed | EventKind::Paused) {
+            event_data.insert("execution".into(), execution(row, now));
+        }
+        event_data.extend(data);
+        let team = self.team_name(row.team_id);
+        let event = SandboxEvent {
+            version: "v1",
+            id: uuid::Uuid::new_v4().to_string(),
+            kind: kind.type_name().to_string(),
+            event_category: "lifecycle",
+            event_label: kind.label(),
+            event_data: (!event_data.is_empty()).then_some(Value::Object(event_data)),
+            sandbox_build_id: derived_uuid(&["build", &row.template_id]),
+            sandbox_execution_id: derived_uuid(&[
+                "execution",
+                &row.id,
+                &row.started_at.to_string(),
+            ]),
+            sandbox_id: row.id.clone(),
+            sandbox_team_id: team.clone(),
+            sandbox_template_id: row.template_id.clone(),
+            timestamp: format_time(now),
+        };
+        tracing::info!(
+            target: "cubicle::lifecycle",
+            sandbox = %row.id,
+            team = %team,
+            template = %row.template_id,
+            event = kind.type_name(),
+            data = %event.event_data.as_ref().map(|v| v.to_string()).unwrap_or_default(),
+            "sandbox {}",
+            match kind {
+                EventKind::Created => "created",
+                EventKind::Updated => "updated",
+                EventKind::Paused => "paused",
+                EventKind::Resumed => "resumed",
+                EventKind::Killed => "ended",
+            }
+        );
+        self.telemetry.lifecycle_event(kind);
+        let _ = self.queue.send(Pending {
+            team_id: row.team_id,
+            event,
+        });
+    }
+
+    /// `GET /events/sandboxes[/{id}]`: the team's events (of one sandbox when given).
+    pub async fn list(
+        &self,
+        team_id: i64,
+        sandbox_id: Option<&str>,
+        q: &Query,
+    ) -> ApiResult<Vec<Value>> {
+        let kinds = q
+            .all("types")
+            .into_iter()
+            .map(|t| {
+                EventKind::parse(t)
+                    .map(|k| k.type_name().to_string())
+                    .ok_or_else(|| {
+                        ApiError::BadRequest(format!(
+                            "types: '{t}' is not an event type (one of {})",
+                            EventKind::ALL.map(EventKind::type_name).join(", ")
+                        ))
+                    })
+            })
+            .collect::<ApiResult<Vec<_>>>()?;
+        let query = EventQuery {
+            team_id,
+            sandbox_id: sandbox_id.map(str::to_string),
+            kinds,
+            offset: q.int("offset", 0..=i64::MAX)?.unwrap_or(0) as u64,
+            limit: q.int("limit", 1..=MAX_LIMIT)?.unwrap_or(DEFAULT_LIMIT) as u64,
+            ascending: q.bool("orderAsc")?.unwrap_or(false),
+        };
+        let rows = self.store.call(move |s| s.events(&query)).await?;
+        Ok(rows
+            .into_iter()
+            .filter_map(|r| serde_json::from_str(&r.body).ok())
+            .collect())
+    }
+
+    /// Deletes events older than [`RETENTION`].
+    pub async fn purge(&self) {
+        let before = now_ms() - RETENTION.as_millis() as i64;
+        if let Err(e) = self.store.call(move |s| s.purge_events(before)).await {
+            tracing::warn!("purging old lifecycle events: {e}");
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn kinds_roundtrip() {
+        for k in EventKind::ALL {
+            assert_eq!(EventKind::parse(k.type_name()), Some(k));
+        }
+        assert_eq!(EventKind::parse("sandbox.lifecycle.exploded"), None);
+    }
+
+    #[test]
+    fn derived_ids_are_uuid_shaped_and_stable() {
+        let a = derived_uuid(&["execution", "abc", "1"]);
+        assert_eq!(a, derived_uuid(&["execution", "abc", "1"]));
+        assert_ne!(a, derived_uuid(&["execution", "abc", "2"]));
+        assert_eq!(a.len(), 36);
+        assert_eq!(a.matches('-').count(), 4);
+    }
+}

@@ -1,0 +1,165 @@
+//! Sandbox lifecycle events, as E2B's events API serves them: one row per event (its
+//! JSON body as served, plus the columns the queries filter on), kept for a retention
+//! period and then purged.
+
+use rusqlite::params;
+
+use crate::{Result, Store};
+
+/// One stored event.
+#[derive(Debug, Clone, PartialEq)]
+pub struct EventRow {
+    /// The event's id (a uuid).
+    pub id: String,
+    /// Owner team.
+    pub team_id: i64,
+    /// The sandbox it is about.
+    pub sandbox_id: String,
+    /// `sandbox.lifecycle.created`, …
+    pub kind: String,
+    /// Unix ms.
+    pub at: i64,
+    /// The event as served (a JSON object).
+    pub body: String,
+}
+
+/// Which events a query returns.
+#[derive(Debug, Clone, Default)]
+pub struct EventQuery {
+    /// Only this team's.
+    pub team_id: i64,
+    /// Only this sandbox's.
+    pub sandbox_id: Option<String>,
+    /// Only these types (empty: all).
+    pub kinds: Vec<String>,
+    /// Skip this many.
+    pub offset: u64,
+    /// At most this many.
+    pub limit: u64,
+    /// Oldest first (default: newest first).
+    pub ascending: bool,
+}
+
+impl Store {
+    /// Records an event.
+    pub fn insert_event(&self, e: &EventRow) -> Result<()> {
+        self.conn().execute(
+            "INSERT INTO sandbox_events (id, team_id, sandbox_id, type, at, body)
+             VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
+            params![e.id, e.team_id, e.sandbox_id, e.kind, e.at, e.body],
+        )?;
+        Ok(())
+    }
+
+    /// The events matching `q`, in recording order (or its reverse).
+    pub fn events(&self, q: &EventQuery) -> Result<Vec<EventRow>> {
+        let mut sql = String::from(
+            "SELECT id, team_id, sandbox_id, type, at, body FROM sandbox_events WHERE team_id = ?",
+        );
+        let mut args: Vec<rusqlite::types::Value> = vec![q.team_id.into()];
+        if let Some(sid) = &q.sandbox_id {
+            sql.push_str(" AND sandbox_id = ?");
+            args.push(sid.clone().into());
+        }
+        if !q.kinds.is_empty() {
+            sql.push_str(" AND type IN (");
+            sql.push_str(&vec!["?"; q.kinds.len()].join(", "));
+            sql.push(')');
+            args.extend(q.kinds.iter().map(|k| k.clone().into()));
+        }
+        sql.push_str(if q.ascending {
+            " ORDER BY seq ASC"
+        } else {
+            " ORDER BY seq DESC"
+        });
+        sql.push_str(" LIMIT ? OFFSET ?");
+        args.push((q.limit.min(i64::MAX as u64) as i64).into());
+        args.push((q.offset.min(i64::MAX as u64) as i64).into());
+        let conn = self.conn();
+        let mut st = conn.prepare(&sql)?;
+        let rows = st.query_map(rusqlite::params_from_iter(args), |r| {
+            Ok(EventRow {
+                id: r.get(0)?,
+                team_id: r.get(1)?,
+                sandbox_id: r.get(2)?,
+                kind: r.get(3)?,
+                at: r.get(4)?,
+                body: r.get(5)?,
+            })
+        })?;
+        Ok(rows.collect::<rusqlite::Result<_>>()?)
+    }
+
+    /// Deletes events recorded before `before` (unix ms); returns how many.
+    pub fn purge_events(&self, before: i64) -> Result<usize> {
+        Ok(self
+            .conn()
+            .execute("DELETE FROM sandbox_events WHERE at < ?1", params![before])?)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ev(team: i64, sandbox: &str, kind: &str, at: i64) -> EventRow {
+        EventRow {
+            id: format!("{sandbox}-{kind}-{at}"),
+            team_id: team,
+            sandbox_id: sandbox.into(),
+            kind: kind.into(),
+            at,
+            body: "{}".into(),
+        }
+    }
+
+    #[test]
+    fn filters_orders_pages_and_purges() {
+        let s = Store::open_in_memory().unwrap();
+        let a = s.ensure_team("a").unwrap().id;
+        let b = s.ensure_team("b").unwrap().id;
+        s.insert_event(&ev(a, "s1", "sandbox.lifecycle.created", 10))
+            .unwrap();
+        s.insert_event(&ev(a, "s1", "sandbox.lifecycle.updated", 20))
+            .unwrap();
+        s.insert_event(&ev(a, "s2", "sandbox.lifecycle.created", 30))
+            .unwrap();
+        s.insert_event(&ev(b, "s3", "sandbox.lifecycle.created", 40))
+            .unwrap();
+        s.insert_event(&ev(a, "s1", "sandbox.lifecycle.killed", 50))
+            .unwrap();
+        let q = |f: &dyn Fn(&mut EventQuery)| {
+            let mut q = EventQuery {
+                team_id: a,
+                limit: 10,
+                ..Default::default()
+            };
+            f(&mut q);
+            s.events(&q)
+                .unwrap()
+                .into_iter()
+                .map(|e| e.at)
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(
+            q(&|_| {}),
+            vec![50, 30, 20, 10],
+            "newest first, team a only"
+        );
+        assert_eq!(q(&|q| q.ascending = true), vec![10, 20, 30, 50]);
+        assert_eq!(q(&|q| q.sandbox_id = Some("s1".into())), vec![50, 20, 10]);
+        assert_eq!(
+            q(&|q| q.kinds = vec!["sandbox.lifecycle.created".into()]),
+            vec![30, 10]
+        );
+        assert_eq!(
+            q(&|q| {
+                q.offset = 1;
+                q.limit = 2
+            }),
+            vec![30, 20]
+        );
+        assert_eq!(s.purge_events(25).unwrap(), 2);
+        assert_eq!(q(&|_| {}), vec![50, 30]);
+    }
+}
