@@ -40,6 +40,10 @@ pub fn base() -> OpenApi {
                 "sandboxes",
                 "Sandboxes: create, list, inspect, keep alive, kill, logs, metrics",
             ),
+            tag(
+                "templates",
+                "Templates (and snapshots, usable as templates): list, inspect, tags, delete",
+            ),
             tag("events", "Lifecycle events and webhooks"),
             tag("cubicle", "Cubicle's own routes for operators"),
         ]))

@@ -6,7 +6,7 @@
 //! path, parameters, body and answers: that one declaration both routes the request and
 //! describes it in `GET /openapi.json` (see [`crate::openapi`]), so the description
 //! cannot drift from what is served. Routes not described yet (stateful sandboxes, the
-//! egress policy, volumes, secrets) are plain `.route`s in `stubs`.
+//! egress policy, volumes, secrets, template builds) are plain `.route`s in `stubs`.
 
 use std::sync::Arc;
 
@@ -66,6 +66,7 @@ fn documented(cp: &Arc<ControlPlane>) -> OpenApiRouter<Arc<ControlPlane>> {
         .routes(routes!(netlog))
         .routes(routes!(list_snapshots))
         .routes(routes!(delete_template))
+        .merge(crate::template_builds::documented_routes())
         .merge(crate::operator::routes())
         .route_layer(middleware::from_fn_with_state(cp.clone(), auth));
     OpenApiRouter::with_openapi(crate::openapi::base())
@@ -734,8 +735,9 @@ async fn list_snapshots(
     Ok(resp)
 }
 
-/// Delete a snapshot or a template of the team (snapshots are usable as templates).
-#[utoipa::path(delete, path = "/templates/{id}", tag = "sandboxes",
+/// Delete a snapshot or a template of the team (snapshots are usable as templates; a
+/// template still used by a sandbox, paused ones included, or a snapshot: 400).
+#[utoipa::path(delete, path = "/templates/{id}", tag = "templates",
     params(("id" = String, Path, description = "Snapshot id or name, or template name")),
     responses((status = 204, description = "Deleted"), (status = 400, response = ErrorBody),
         (status = 401, response = ErrorBody), (status = 404, response = ErrorBody),

@@ -786,7 +786,11 @@ impl ControlPlane {
     }
 
     /// The snapshot of `team` that `name` refers to.
-    pub(crate) fn team_snapshot(&self, team: &Team, name: &str) -> Option<cubicle_node::SnapshotRecord> {
+    pub(crate) fn team_snapshot(
+        &self,
+        team: &Team,
+        name: &str,
+    ) -> Option<cubicle_node::SnapshotRecord> {
         let name = if name.contains('%') {
             crate::query::unescape(name, false).ok()?
         } else {

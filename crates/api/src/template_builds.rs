@@ -38,8 +38,10 @@ use cubicle_node::template::{BUILTINS, TemplateStore};
 use cubicle_store::Team;
 use serde::Deserialize;
 use serde_json::{Value, json};
+use utoipa_axum::router::OpenApiRouter;
+use utoipa_axum::routes;
 
-use crate::error::{ApiError, ApiResult, read_body};
+use crate::error::{ApiError, ApiResult, ErrorBody, read_body};
 use crate::model::ENVD_VERSION;
 use crate::query::{Query, format_time};
 use crate::service::ControlPlane;
@@ -86,18 +88,21 @@ pub fn authed_routes() -> Router<Arc<ControlPlane>> {
             "/cubicle/templates/{id}/builds/{build}/cancel",
             post(cancel_build),
         )
-        .route("/templates", get(list_templates))
-        .route("/v2/templates", get(list_templates))
-        .route(
-            "/templates/{id}",
-            // DELETE (a template or a snapshot) is `routes::delete_template`.
-            get(template_detail),
-        )
-        .route("/default-templates", get(default_templates))
-        .route("/templates/aliases/{name}", get(alias))
         .route("/templates/tags", post(assign_tags).delete(remove_tags))
-        .route("/templates/{id}/tags", get(list_tags))
         .route("/cubicle/templates/gc", post(gc))
+}
+
+/// The template routes described in `GET /openapi.json` (reading templates, their tags
+/// and aliases; `DELETE /templates/{id}` is `routes::delete_template`, shared with
+/// snapshots). The caller puts them behind the API key check.
+pub fn documented_routes() -> OpenApiRouter<Arc<ControlPlane>> {
+    OpenApiRouter::new()
+        .routes(routes!(list_templates))
+        .routes(routes!(list_templates_v2))
+        .routes(routes!(template_detail))
+        .routes(routes!(default_templates))
+        .routes(routes!(alias))
+        .routes(routes!(list_tags))
 }
 
 /// The presigned upload route (no API key: the token is the permission).
@@ -723,6 +728,9 @@ fn template_names(st: &TemplateStore) -> Vec<String> {
     v
 }
 
+/// The team's own templates (built or imported by it).
+#[utoipa::path(get, path = "/templates", tag = "templates",
+    responses((status = 200, body = Vec<Object>), (status = 401, response = ErrorBody)))]
 async fn list_templates(State(cp): Cp, Extension(team): Extension<Team>) -> ApiResult<Response> {
     let st = store(&cp)?;
     let me = team.id.to_string();
@@ -734,6 +742,16 @@ async fn list_templates(State(cp): Cp, Extension(team): Extension<Team>) -> ApiR
     Ok(Json(out).into_response())
 }
 
+/// [`list_templates`] under E2B's v2 path.
+#[utoipa::path(get, path = "/v2/templates", tag = "templates",
+    responses((status = 200, body = Vec<Object>), (status = 401, response = ErrorBody)))]
+async fn list_templates_v2(cp: Cp, team: Extension<Team>) -> ApiResult<Response> {
+    list_templates(cp, team).await
+}
+
+/// The templates every team may use (built-ins and imports).
+#[utoipa::path(get, path = "/default-templates", tag = "templates",
+    responses((status = 200, body = Vec<Object>), (status = 401, response = ErrorBody)))]
 async fn default_templates(State(cp): Cp) -> ApiResult<Response> {
     let st = store(&cp)?;
     let out: Vec<Value> = template_names(&st)
@@ -770,6 +788,11 @@ fn build_json(b: &BuildRecord) -> Value {
     v
 }
 
+/// A template the team may use, with its builds.
+#[utoipa::path(get, path = "/templates/{id}", tag = "templates",
+    params(("id" = String, Path, description = "Template name (`NAME`, `NAME:TAG`, `NAMESPACE/NAME`)")),
+    responses((status = 200, body = Object), (status = 400, response = ErrorBody),
+        (status = 401, response = ErrorBody), (status = 404, response = ErrorBody)))]
 async fn template_detail(
     State(cp): Cp,
     Extension(team): Extension<Team>,
@@ -832,6 +855,12 @@ pub(crate) async fn delete_template(
     Ok(())
 }
 
+/// Whether a template name exists and whether it is public (another team's: 403).
+#[utoipa::path(get, path = "/templates/aliases/{name}", tag = "templates",
+    params(("name" = String, Path, description = "Template name")),
+    responses((status = 200, body = Object), (status = 400, response = ErrorBody),
+        (status = 401, response = ErrorBody), (status = 403, response = ErrorBody),
+        (status = 404, response = ErrorBody)))]
 async fn alias(
     State(cp): Cp,
     Extension(team): Extension<Team>,
@@ -914,6 +943,11 @@ async fn remove_tags(
     Ok(StatusCode::NO_CONTENT.into_response())
 }
 
+/// A template's tags and the builds they name.
+#[utoipa::path(get, path = "/templates/{id}/tags", tag = "templates",
+    params(("id" = String, Path, description = "Template name")),
+    responses((status = 200, body = Vec<Object>), (status = 400, response = ErrorBody),
+        (status = 401, response = ErrorBody), (status = 404, response = ErrorBody)))]
 async fn list_tags(
     State(cp): Cp,
     Extension(team): Extension<Team>,

@@ -1784,6 +1784,10 @@ async fn openapi_describes_what_is_served() {
         "/metrics",
         "/health",
         "/cubicle/pool",
+        "/templates",
+        "/templates/{id}",
+        "/templates/{id}/tags",
+        "/default-templates",
     ] {
         assert!(paths.contains_key(want), "{want} not described");
     }

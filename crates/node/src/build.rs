@@ -224,7 +224,13 @@ impl Node {
             .values()
             .flat_map(|l| l.record.layers.iter().cloned())
             .collect();
-        used.extend(self.inner.snapshots.list().into_iter().flat_map(|s| s.layers));
+        used.extend(
+            self.inner
+                .snapshots
+                .list()
+                .into_iter()
+                .flat_map(|s| s.layers),
+        );
         used
     }
 

@@ -43,8 +43,7 @@ pub use envd_client::{EnvdClient, ProcessEnd, ProcessEvent, ProcessSpec};
 pub use error::{Error, Result};
 pub use node::{
     CHECKPOINT_DIR, Node, PauseReport, PauseRequest, ResumeOutcome, SnapshotReport,
-    SnapshotRequest, layers_in_use_on_disk, records_on_disk,
-    sandboxes_using_template,
+    SnapshotRequest, layers_in_use_on_disk, records_on_disk, sandboxes_using_template,
 };
 pub use pool::{PoolStats, parse_pool_spec};
 pub use sandbox::{

@@ -8,6 +8,8 @@
 //! `cargo test -p cubicle-node --test build [-- FILTER]`. `harness = false`: main() first
 //! hands over to the runtime's sandbox helper (spawn re-executes this binary).
 
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 

@@ -219,10 +219,7 @@ fn release_child(spec: &SandboxSpec, pid: i32, sock: &OwnedFd, out: RawFd) -> Re
 /// One template layer (the rootfs or a layer above it) as a detached, read-only, nodev
 /// mount whose ids are mapped through the user namespace `userns` (host uid 0 appears as
 /// the sandbox's root).
-pub(crate) fn idmapped_layer(
-    rootfs: &std::path::Path,
-    userns: RawFd,
-) -> Result<OwnedFd, String> {
+pub(crate) fn idmapped_layer(rootfs: &std::path::Path, userns: RawFd) -> Result<OwnedFd, String> {
     let lower =
         sys::open_tree_clone(rootfs).map_err(|e| format!("open_tree {}: {e}", rootfs.display()))?;
     sys::mount_setattr(

@@ -1,5 +1,8 @@
 //! `cargo run -p cubicle-template --example pull -- STATE REF`: pull an image into a
 //! state directory's layer store and print its layers (a manual check of `oci::pull`).
+
+#![allow(clippy::expect_used)]
+
 fn main() {
     let args: Vec<String> = std::env::args().collect();
     let (state, reference) = match args.as_slice() {

@@ -38,7 +38,7 @@ def test_the_description_is_served_and_names_the_routes():
               "/sandboxes/{id}/logs", "/v2/sandboxes/{id}/logs", "/sandboxes/{id}/metrics",
               "/events/sandboxes", "/events/webhooks", "/events/webhooks/{webhookID}", "/metrics",
               "/cubicle/pool", "/health", "/sandboxes/{id}/network", "/cubicle/sandboxes/{id}/netlog",
-              "/snapshots", "/templates/{id}"):
+              "/snapshots", "/templates/{id}", "/templates", "/default-templates", "/templates/{id}/tags"):
         assert p in paths, p
     assert spec["components"]["securitySchemes"]["ApiKeyAuth"] == {
         "type": "apiKey", "in": "header", "name": "X-API-KEY"}

@@ -261,6 +261,76 @@ def test_tags_and_delete_refused_while_in_use():
     assert not Template.exists(name)
 
 
+def test_layered_template_pause_resume_snapshot_fork_rollback_on_pinned_layers():
+    """A sandbox of a built template (a stack of layers) pauses and resumes with its
+    files, snapshots, forks and rolls back; a rebuild of the template in between does not
+    change the layers it restores onto, and the template cannot be removed while a paused
+    sandbox or a snapshot uses it."""
+    import json
+
+    name = uniq("e2e-stateful")
+    tpl = lambda v: (  # noqa: E731
+        Template().from_base_image().run_cmd(f"echo {v} > /tmp/layer-a").run_cmd(f"echo {v}-b > /tmp/layer-b # {name}")
+    )
+    Template.build(tpl("one"), name)
+    sbx = child = fork = snap = None
+    try:
+        layers = json.loads((Path(STATE) / "templates" / name / "template.json").read_text())["layers"]
+        assert len(layers) >= 3, f"base + two RUN layers expected, got {layers}"
+        sbx = Sandbox.create(name, timeout=300)
+        record_id(sbx.sandbox_id)
+        sbx.files.write("/home/user/state.txt", "before the pause")
+        assert sbx.pause() is True
+        r = httpx.delete(f"{API_URL}/templates/{name}", headers=headers(), timeout=60)
+        assert r.status_code == 400 and sbx.sandbox_id in r.json()["message"], r.text
+
+        # A rebuild publishes other layers; the paused sandbox keeps its own.
+        Template.build(tpl("two"), name)
+        rebuilt = json.loads((Path(STATE) / "templates" / name / "template.json").read_text())["layers"]
+        assert rebuilt != layers
+        sbx.connect(timeout=300)
+        assert sbx.files.read("/home/user/state.txt") == "before the pause"
+        assert sbx.commands.run("cat /tmp/layer-a /tmp/layer-b").stdout == "one\none-b\n"
+
+        snap = sbx.create_snapshot()
+        sbx.files.write("/home/user/state.txt", "after the snapshot")
+        child = Sandbox.create(snap.snapshot_id, timeout=120)
+        record_id(child.sandbox_id)
+        assert child.files.read("/home/user/state.txt") == "before the pause"
+        assert child.commands.run("cat /tmp/layer-a").stdout == "one\n"
+        [fork] = sbx.fork(count=1, timeout=120)
+        record_id(fork.sandbox_id)
+        assert fork.files.read("/home/user/state.txt") == "after the snapshot"
+        assert fork.commands.run("cat /tmp/layer-b").stdout == "one-b\n"
+        r = httpx.post(f"{API_URL}/sandboxes/{sbx.sandbox_id}/rollback", headers=headers(),
+                       json={"snapshotID": snap.snapshot_id}, timeout=120)
+        assert r.status_code == 200, r.text
+        assert sbx.files.read("/home/user/state.txt") == "before the pause"
+
+        # New sandboxes get the rebuilt layers.
+        fresh = Sandbox.create(name, timeout=60)
+        record_id(fresh.sandbox_id)
+        try:
+            assert fresh.commands.run("cat /tmp/layer-a").stdout == "two\n"
+        finally:
+            kill_quietly(fresh)
+
+        for s in (sbx, child, fork):
+            kill_quietly(s)
+        # Only the snapshot uses the template now: still refused, naming it.
+        r = httpx.delete(f"{API_URL}/templates/{name}", headers=headers(), timeout=60)
+        assert r.status_code == 400 and "snapshot" in r.json()["message"], r.text
+        assert Sandbox.delete_snapshot(snap.snapshot_id) is True
+    finally:
+        for s in (sbx, child, fork):
+            if s is not None:
+                kill_quietly(s)
+        if snap is not None:
+            Sandbox.delete_snapshot(snap.snapshot_id)
+        delete_template(name)
+    assert not Template.exists(name)
+
+
 # --- from images ------------------------------------------------------------------------
 
 
