@@ -145,7 +145,10 @@ impl From<cubicle_node::Error> for ApiError {
             N::Checkpoint { what, source } if source.is_no_space() => {
                 ApiError::InsufficientStorage(format!("{what}: {source}"))
             }
+            // The node's own files, or those written through the template crate's
+            // helpers (`sandbox.json`, checkpoint records).
             N::Io { op, path, source }
+            | N::Template(cubicle_node::template::Error::Io { op, path, source })
                 if matches!(
                     source.kind(),
                     std::io::ErrorKind::StorageFull | std::io::ErrorKind::QuotaExceeded
