@@ -749,6 +749,9 @@ async fn delete_template(
 ) -> ApiResult<StatusCode> {
     if cp.team_snapshot(&team, &id).is_some() {
         cp.delete_snapshot(&team, &id).await?;
+    } else if crate::templates::parse(&id).is_err() {
+        // Neither a snapshot nor a well-formed template name: nothing by that name.
+        return Err(ApiError::NotFound(format!("template '{id}' not found")));
     } else {
         crate::template_builds::delete_template(&cp, &team, &id).await?;
     }

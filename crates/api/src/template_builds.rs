@@ -790,7 +790,7 @@ fn build_json(b: &BuildRecord) -> Value {
 
 /// A template the team may use, with its builds.
 #[utoipa::path(get, path = "/templates/{id}", tag = "templates",
-    params(("id" = String, Path, description = "Template name (`NAME`, `NAME:TAG`, `NAMESPACE/NAME`)")),
+    params(("id" = String, Path, description = "Template name (`NAME`, `NAME:TAG`, `NAMESPACE/NAME`)", pattern = "^([A-Za-z0-9][A-Za-z0-9._-]*/)?[a-z0-9][a-z0-9._-]{0,63}(:[^/%]*)?$")),
     responses((status = 200, body = Object), (status = 400, response = ErrorBody),
         (status = 401, response = ErrorBody), (status = 404, response = ErrorBody)))]
 async fn template_detail(
@@ -857,7 +857,7 @@ pub(crate) async fn delete_template(
 
 /// Whether a template name exists and whether it is public (another team's: 403).
 #[utoipa::path(get, path = "/templates/aliases/{name}", tag = "templates",
-    params(("name" = String, Path, description = "Template name")),
+    params(("name" = String, Path, description = "Template name", pattern = "^([A-Za-z0-9][A-Za-z0-9._-]*/)?[a-z0-9][a-z0-9._-]{0,63}(:[^/%]*)?$")),
     responses((status = 200, body = Object), (status = 400, response = ErrorBody),
         (status = 401, response = ErrorBody), (status = 403, response = ErrorBody),
         (status = 404, response = ErrorBody)))]
@@ -945,7 +945,7 @@ async fn remove_tags(
 
 /// A template's tags and the builds they name.
 #[utoipa::path(get, path = "/templates/{id}/tags", tag = "templates",
-    params(("id" = String, Path, description = "Template name")),
+    params(("id" = String, Path, description = "Template name", pattern = "^([A-Za-z0-9][A-Za-z0-9._-]*/)?[a-z0-9][a-z0-9._-]{0,63}(:[^/%]*)?$")),
     responses((status = 200, body = Vec<Object>), (status = 400, response = ErrorBody),
         (status = 401, response = ErrorBody), (status = 404, response = ErrorBody)))]
 async fn list_tags(

@@ -71,7 +71,10 @@ pub fn parse(raw: &str) -> ApiResult<TemplateRef> {
     let tag = match tag {
         Some(t) if TAGS.contains(&t) => None,
         Some(t) => {
-            cubicle_node::template::builds::validate_tag(t).map_err(|_| bad())?;
+            // No template has a tag that is not valid: unknown, like any other (E2B
+            // answers 404 for a tag it does not know).
+            cubicle_node::template::builds::validate_tag(t)
+                .map_err(|_| ApiError::NotFound(format!("template '{s}' not found")))?;
             Some(t.to_string())
         }
         None => None,

@@ -85,6 +85,11 @@ def _clean_up_team(team: str, key: str) -> None:
         r = api("GET", "/cubicle/sandboxes", key=API_KEY)
         assert r.status_code == 200, f"listing the host's sandboxes: {r.status_code} {r.text}"
         mine = [s["sandboxID"] for s in r.json() if s["team"] == team]
+        # The operator's view lists running sandboxes only; the fuzzer's may have paused
+        # (autoPause with a short timeout): those are found with the team's own key.
+        p = api("GET", "/v2/sandboxes?state=paused", key=key)
+        if p.status_code == 200:
+            mine += [s["sandboxID"] for s in p.json() if s["sandboxID"] not in mine]
         if not mine:
             break
         for sid in mine:
