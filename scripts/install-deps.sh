@@ -16,6 +16,7 @@ PACKAGES=(
   docker-registry skopeo  # template e2e: a local OCI registry, and pushing images to it
   gcc libc6-dev  # cubicle-runtime tests compile static C probes (setuid, seccomp)
   debian-archive-keyring  # install-criu.sh verifies the .debs it fetches against it
+  chromium  # the dashboard's browser tests (tests/e2e/serve/python/test_dashboard.py, via Playwright)
 )
 
 missing=()

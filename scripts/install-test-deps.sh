@@ -2,7 +2,9 @@
 # Install the end-to-end test dependencies: the official E2B SDKs.
 #
 #   tests/e2e/.venv              Python venv: e2b, e2b-code-interpreter, pytest,
-#                                pytest-asyncio (pinned in tests/e2e/requirements.txt)
+#                                pytest-asyncio, playwright (the dashboard's browser tests,
+#                                with Debian's chromium; no browser download) — pinned in
+#                                tests/e2e/requirements.txt
 #   tests/e2e/js/node_modules    e2b (JS) pinned in package.json / package-lock.json,
 #                                installed with `npm ci`
 #   tests/e2e/.venv-schemathesis schemathesis (tests/e2e/schemathesis-requirements.txt):

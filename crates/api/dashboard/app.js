@@ -499,43 +499,21 @@ function detailView(main, id) {
 function templatesView(main) {
   const pools = h('tbody');
   const templates = h('div', { id: 'templates' });
-  const builds = h('div', { id: 'builds' });
   main.append(
     h('h1', { text: 'Templates' }),
     templates,
-    builds,
     h('h2', { text: 'Warm pools' }),
     h('p', { class: 'muted', text: 'Sandboxes started ahead of time, handed out by creates of their template in milliseconds.' }),
     h('table', { id: 'pools' }, h('thead', {}, h('tr', {}, ...['Template', 'Ready', 'Target'].map((t) => h('th', { text: t })))), pools),
     h('p', { class: 'muted', id: 'pool-counters' }));
 
-  async function showBuilds(t) {
-    const { data } = await api('GET', `/templates/${encodeURIComponent(t.templateID)}`);
-    const list = data.builds || [];
-    const log = h('pre', { class: 'logs', id: 'build-log', hidden: true });
-    builds.replaceChildren(
-      h('h2', { text: `Builds of ${(t.aliases && t.aliases[0]) || t.templateID}` }),
-      h('table', { id: 'build-list' },
-        h('thead', {}, h('tr', {}, ...['Build', 'Status', 'Created', 'Finished', ''].map((x) => h('th', { text: x })))),
-        h('tbody', {}, ...list.map((b) => {
-          const btn = h('button', { text: 'Log' });
-          btn.addEventListener('click', () => action(btn, async () => {
-            const r = await api('GET', `/templates/${encodeURIComponent(t.templateID)}/builds/${encodeURIComponent(b.buildID)}/status?logsOffset=0`);
-            const entries = r.data.logEntries || [];
-            log.hidden = false;
-            log.textContent = entries.map((e) => `${e.timestamp} ${e.level || ''} ${e.message}`).join('\n')
-              || (r.data.logs || []).join('\n') || '(no log lines)';
-          }));
-          return h('tr', {}, h('td', { class: 'mono', text: b.buildID }), h('td', {}, stateBadge(b.status)),
-            h('td', { text: when(b.createdAt) }), h('td', { text: when(b.finishedAt) }), h('td', {}, btn));
-        }))),
-      log);
-  }
-
   async function loadTemplates() {
+    // The node's templates every team may use, then the team's own (built with the SDK's
+    // Template builder; E2B's `GET /templates` lists only those).
     let list;
     try {
-      list = (await api('GET', '/templates')).data;
+      const [shared, own] = await Promise.all([api('GET', '/default-templates'), api('GET', '/templates')]);
+      list = [...shared.data, ...own.data];
     } catch (e) {
       if (e instanceof ApiError && (e.status === 404 || e.status === 405)) {
         templates.replaceChildren(h('p', { class: 'muted', id: 'templates-unavailable', text: 'This server does not list templates over its API; `cubicle template list` shows the ones on the host.' }));
@@ -543,21 +521,20 @@ function templatesView(main) {
       }
       throw e;
     }
+    // Its latest build: its state, when and by what it was built, and its size.
     templates.replaceChildren(h('table', { id: 'template-list' },
-      h('thead', {}, h('tr', {}, ...['Template', 'Aliases', 'Status', 'vCPUs', 'Memory', 'Disk', 'Updated', ''].map((t) => h('th', { text: t })))),
-      h('tbody', {}, ...list.map((t) => {
-        const btn = h('button', { text: 'Builds' });
-        btn.addEventListener('click', () => action(btn, () => showBuilds(t)));
-        return h('tr', { 'data-id': t.templateID },
-          h('td', { class: 'mono', text: t.templateID }),
-          h('td', { text: (t.aliases || []).join(', ') }),
-          h('td', {}, t.buildStatus ? stateBadge(t.buildStatus) : ''),
-          h('td', { class: 'num', text: t.cpuCount ?? '' }),
-          h('td', { class: 'num', text: t.memoryMB ? `${t.memoryMB} MiB` : '' }),
-          h('td', { class: 'num', text: t.diskSizeMB ? `${t.diskSizeMB} MiB` : '' }),
-          h('td', { text: when(t.updatedAt || t.createdAt) }),
-          h('td', {}, btn));
-      }))));
+      h('thead', {}, h('tr', {}, ...['Template', 'Aliases', 'Owner', 'Status', 'vCPUs', 'Memory', 'Disk', 'Size', 'Built', 'Build'].map((t) => h('th', { text: t })))),
+      h('tbody', {}, ...list.map((t) => h('tr', { 'data-id': t.templateID },
+        h('td', { class: 'mono', text: t.templateID }),
+        h('td', { text: (t.aliases || []).join(', ') }),
+        h('td', { text: t.isDefault || t.public ? 'everyone' : 'your team' }),
+        h('td', {}, t.buildStatus ? stateBadge(t.buildStatus) : ''),
+        h('td', { class: 'num', text: t.cpuCount ?? '' }),
+        h('td', { class: 'num', text: t.memoryMB ? `${t.memoryMB} MiB` : '' }),
+        h('td', { class: 'num', text: t.diskSizeMB ? `${t.diskSizeMB} MiB` : '' }),
+        h('td', { class: 'num', text: t.sizeBytes ? mib(t.sizeBytes) : '' }),
+        h('td', { text: when(t.updatedAt || t.createdAt) }),
+        h('td', { class: 'mono', text: [t.buildID, t.builder].filter(Boolean).join(' · ') }))))));
   }
 
   async function loadPools() {

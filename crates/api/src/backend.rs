@@ -41,7 +41,7 @@ pub trait Backend: Send + Sync + 'static {
     fn set_timeout(&self, id: &str, timeout: Duration) -> cubicle_node::Result<()>;
     /// Usage counters. Blocking (reads cgroup files).
     fn stats(&self, id: &str) -> cubicle_node::Result<SandboxStats>;
-    /// The sandbox's envd/init log file on the host.
+    /// The node's log file of the sandbox's PID 1 (envd) output on the host.
     fn log_path(&self, id: &str) -> PathBuf;
     /// Warm-pool counters (ready, target, claims, misses, refills).
     fn pool(&self) -> cubicle_node::PoolStats {
@@ -311,7 +311,7 @@ impl Backend for Node {
     }
 
     fn log_path(&self, id: &str) -> PathBuf {
-        self.sandbox_dir(id).join("init.log")
+        self.sandbox_dir(id).join(cubicle_node::init_log::INIT_LOG)
     }
 
     fn create_volume<'a>(

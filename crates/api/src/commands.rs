@@ -13,7 +13,7 @@ use serde::de::DeserializeOwned;
 use sha2::{Digest, Sha256};
 
 use cubicle_node::NetworkPolicy;
-use cubicle_node::network_policy::{DomainPattern, EgressProxy, ProxyTls, Rule};
+use cubicle_node::network_policy::{EgressProxy, ProxyTls, Rule, Transform};
 
 use crate::error::{ApiError, ApiResult};
 use crate::query::{Query, decode_cursor, metadata_filter, parse_time};
@@ -69,7 +69,7 @@ fn resource(field: &str, v: Option<i64>, min: u64, max: u64, unit: &str) -> ApiR
 
 /// Parses a JSON body; an empty body (or `null`) is `empty_is` when the body is
 /// optional, else an error.
-fn json<T: DeserializeOwned>(body: &[u8], empty_is: Option<&str>) -> ApiResult<T> {
+pub(crate) fn json<T: DeserializeOwned>(body: &[u8], empty_is: Option<&str>) -> ApiResult<T> {
     let empty = body.iter().all(u8::is_ascii_whitespace)
         || (empty_is.is_some() && body.trim_ascii() == b"null");
     let body: &[u8] = if empty {
@@ -110,7 +110,9 @@ fn int_like<'de, D: serde::Deserializer<'de>>(d: D) -> Result<i64, D::Error> {
 }
 
 /// [`int_like`] for optional fields (absent or `null` → `None`).
-fn opt_int_like<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<i64>, D::Error> {
+pub(crate) fn opt_int_like<'de, D: serde::Deserializer<'de>>(
+    d: D,
+) -> Result<Option<i64>, D::Error> {
     #[derive(Deserialize)]
     struct Wrap(#[serde(deserialize_with = "int_like")] i64);
     Ok(Option::<Wrap>::deserialize(d)?.map(|w| w.0))
@@ -182,8 +184,8 @@ struct EgressBody {
     /// An egress proxy every connection goes through.
     #[schema(schema_with = crate::openapi::egress_proxy)]
     egress_proxy: Option<EgressProxyBody>,
-    /// Per-domain rules (at most 10 domains, one rule each; header transforms are not
-    /// supported).
+    /// Per-domain rules (at most 10 domains, one rule each): headers the egress proxy
+    /// sets on HTTP(S) requests to the domain, `${e2b.secrets.NAME}` replaced.
     #[schema(schema_with = crate::openapi::rules)]
     rules: Option<BTreeMap<String, Vec<RuleBody>>>,
     /// Cubicle's extension: learn mode (record what the policy would deny, deny nothing).
@@ -269,31 +271,26 @@ impl EgressBody {
             });
         }
         if let Some(rules) = self.rules {
-            if rules.len() > 10 {
-                return Err(net_err("rules", "at most 10 domains may have rules"));
-            }
             for (host, list) in rules {
-                DomainPattern::parse(&host).map_err(|e| net_err("rules", e))?;
-                if list.len() > 1 {
-                    return Err(net_err(
-                        "rules",
-                        format!("at most one rule per domain ({host} has {})", list.len()),
-                    ));
-                }
-                if list.iter().any(|r| {
-                    r.transform
-                        .as_ref()
-                        .is_some_and(|t| t.headers.as_ref().is_some_and(|h| !h.is_empty()))
-                }) {
-                    return Err(not_supported(
-                        "network.rules header transforms (secret injection)",
-                    ));
-                }
                 p.rules.insert(
                     host.to_ascii_lowercase(),
-                    list.iter().map(|_| Rule::default()).collect(),
+                    list.into_iter()
+                        .map(|r| Rule {
+                            transform: r.transform.map(|t| Transform {
+                                headers: t.headers.unwrap_or_default(),
+                            }),
+                        })
+                        .collect(),
                 );
             }
+            cubicle_node::network_policy::check_rules(&p.rules).map_err(|e| {
+                let m = e.to_string();
+                if m.starts_with("Network transform") {
+                    ApiError::BadRequest(m)
+                } else {
+                    net_err("rules", m)
+                }
+            })?;
         }
         p.learn = self.learn.unwrap_or(false);
         p.validate().map_err(|e| match &p.egress_proxy {
@@ -660,12 +657,18 @@ impl Connect {
     }
 }
 
-#[derive(Deserialize)]
+/// `POST /sandboxes/{id}/resume` body (optional).
+#[derive(Deserialize, utoipa::ToSchema)]
 #[serde(rename_all = "camelCase")]
-struct ResumeBody {
+pub struct ResumeBody {
+    /// Seconds the resumed sandbox lives (default 15).
+    #[schema(minimum = 1, maximum = 86400)]
+    #[serde(default, deserialize_with = "opt_int_like")]
     timeout: Option<i64>,
+    /// Accepted and ignored (upstream's deprecated field).
     #[serde(rename = "autoPause")]
     _auto_pause: Option<bool>,
+    /// `false`: boot from the disk (the memory is dropped).
     memory: Option<bool>,
 }
 
@@ -694,10 +697,13 @@ impl Resume {
     }
 }
 
-#[derive(Deserialize)]
+/// `POST /sandboxes/{id}/pause` body (optional).
+#[derive(Deserialize, utoipa::ToSchema)]
 #[serde(rename_all = "camelCase")]
-struct PauseBody {
+pub struct PauseBody {
+    /// `false`: keep only the disk (the processes are stopped; a resume boots over it).
     memory: Option<bool>,
+    /// Refuse (503) when envd does not answer, instead of pausing anyway.
     require_healthy_guest: Option<bool>,
 }
 
@@ -721,9 +727,15 @@ impl Pause {
     }
 }
 
-#[derive(Deserialize)]
-struct SnapshotBody {
+/// `POST /sandboxes/{id}/snapshots` body (optional).
+#[derive(Deserialize, utoipa::ToSchema)]
+pub struct SnapshotBody {
+    /// `NAME[:TAG]` (`[a-z0-9_-]`, tag `[a-z0-9_.-]`, default tag `default`; upper
+    /// case is lowered, a `TEAM/` prefix naming the caller's team is accepted). Absent
+    /// or blank: an unnamed snapshot.
+    #[schema(pattern = "^\\s*([A-Za-z0-9_-]{1,64}(:[A-Za-z0-9_.-]{1,64})?)?\\s*$")]
     name: Option<String>,
+    /// `false`: the disk only.
     memory: Option<bool>,
 }
 
@@ -829,9 +841,16 @@ impl ListSnapshots {
     }
 }
 
-#[derive(Deserialize)]
-struct ForkBody {
+/// `POST /sandboxes/{id}/fork` body (optional).
+#[derive(Deserialize, utoipa::ToSchema)]
+pub struct ForkBody {
+    /// Seconds each fork lives (default 15).
+    #[schema(minimum = 1, maximum = 86400)]
+    #[serde(default, deserialize_with = "opt_int_like")]
     timeout: Option<i64>,
+    /// How many forks (default 1).
+    #[schema(minimum = 1, maximum = 100)]
+    #[serde(default, deserialize_with = "opt_int_like")]
     count: Option<i64>,
 }
 
@@ -868,10 +887,13 @@ impl Fork {
     }
 }
 
-#[derive(Deserialize)]
+/// `POST /sandboxes/{id}/rollback` body.
+#[derive(Deserialize, utoipa::ToSchema)]
 #[serde(rename_all = "camelCase")]
-struct RollbackBody {
+pub struct RollbackBody {
+    /// One of the sandbox's own snapshots: its id or a name.
     #[serde(rename = "snapshotID")]
+    #[schema(pattern = "\\S")]
     snapshot_id: String,
 }
 
@@ -1217,7 +1239,9 @@ mod tests {
             (br#"{"templateID":"base","network":{"maskRequestHost":"a b"}}"#, "network.maskRequestHost"),
             (br#"{"templateID":"base","network":{"rules":{"*":[{}]}}}"#, "network.rules"),
             (br#"{"templateID":"base","network":{"rules":{"a.com":[{},{}]}}}"#, "network.rules"),
-            (br#"{"templateID":"base","network":{"rules":{"a.com":[{"transform":{"headers":{"A":"1"}}}]}}}"#, "network.rules header transforms"),
+            (br#"{"templateID":"base","network":{"rules":{"a.com":[{"transform":{"headers":{"A":"${e2b.secrets.k"}}}]}}}"#, "Network transform header contains a malformed E2B placeholder."),
+            (br#"{"templateID":"base","network":{"rules":{"a.com":[{"transform":{"headers":{"A":"${e2b.identity.tokens.aws}"}}}]}}}"#, "identity tokens"),
+            (br#"{"templateID":"base","network":{"rules":{"a.com":[{"transform":{"headers":{"Host":"x"}}}]}}}"#, "network.rules"),
             (br#"{"templateID":"base","envVars":{"A=B":"1"}}"#, "environment variable"),
             (br#"{"templateID":"base","secure":"yes"}"#, "invalid request body"),
         ] {

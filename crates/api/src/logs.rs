@@ -1,5 +1,6 @@
-//! Sandbox logs: envd's output (and anything the sandbox's init writes) lands in
-//! `<state>/sandboxes/<id>/init.log`, which the node deletes with the sandbox. The
+//! Sandbox logs: envd's output (and anything the sandbox's init writes) goes into a pipe
+//! the node drains into `<state>/sandboxes/<id>/init.log` (bounded; see
+//! `cubicle_node::init_log`), which the node deletes with the sandbox. The
 //! mirror copies new complete lines into `<logs dir>/<id>.log` as
 //! `<unix ms>\t<level>\t<message>`, so logs stay readable after the sandbox is gone,
 //! until its record is purged. Lines are cleaned on the way: terminal colour codes are

@@ -168,7 +168,7 @@ pub struct ListedSandbox {
 }
 
 /// `SnapshotInfo` (create and list).
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, utoipa::ToSchema)]
 pub struct SnapshotInfo {
     #[serde(rename = "snapshotID")]
     pub snapshot_id: String,
@@ -176,7 +176,7 @@ pub struct SnapshotInfo {
 }
 
 /// One entry of a fork's answer: exactly one of `sandbox` and `error`.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, utoipa::ToSchema)]
 pub struct ForkResult {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub sandbox: Option<Sandbox>,
@@ -185,7 +185,7 @@ pub struct ForkResult {
 }
 
 /// A fork that failed.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, utoipa::ToSchema)]
 pub struct ForkError {
     pub code: u16,
     pub message: String,

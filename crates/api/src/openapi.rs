@@ -5,9 +5,12 @@
 //! the frame — title, security schemes, tags — and [`finish`], which puts this server's
 //! configured limits (the longest timeout, the node's CPUs, memory and disk) into the schemas.
 //!
-//! The description covers E2B's routes Cubicle implements (same paths, bodies and
-//! answers as E2B's API) and Cubicle's own (`/cubicle/pool`, `/metrics`, `/health`,
-//! `/openapi.json`). The data plane (envd's Connect and HTTP API behind the
+//! The description covers every route `cubicle serve` answers on its API: E2B's routes
+//! Cubicle implements (same paths, bodies and answers as E2B's API: sandboxes, pause and
+//! snapshots, events and webhooks, volumes and their content, secrets, templates) and
+//! Cubicle's own (`/cubicle/…`, `/sandboxes/{id}/rollback`, `/metrics`, `/health`,
+//! `/openapi.json`); only the dashboard's static files are left out
+//! (`openapi_covers_every_served_route` in `tests.rs`). The data plane (envd's Connect and HTTP API behind the
 //! `E2b-Sandbox-*` headers) is E2B's envd protocol and not part of it. The test suite
 //! runs schemathesis against it (`tests/e2e/serve/python/test_openapi.py`).
 //!
@@ -45,6 +48,11 @@ pub fn base() -> OpenApi {
                 "Templates (and snapshots, usable as templates): list, inspect, tags, delete",
             ),
             tag("events", "Lifecycle events and webhooks"),
+            tag(
+                "volumes",
+                "Volumes and their files (the content API takes the volume's token)",
+            ),
+            tag("secrets", "Secrets (write-only values)"),
             tag("cubicle", "Cubicle's own routes for operators"),
         ]))
         .build();
@@ -52,6 +60,15 @@ pub fn base() -> OpenApi {
     components.add_security_scheme(
         "ApiKeyAuth",
         SecurityScheme::ApiKey(ApiKey::Header(ApiKeyValue::new("X-API-KEY"))),
+    );
+    components.add_security_scheme(
+        "VolumeToken",
+        SecurityScheme::Http(
+            HttpBuilder::new()
+                .scheme(HttpAuthScheme::Bearer)
+                .description(Some("A volume's token (GET /volumes/{id} returns it)"))
+                .build(),
+        ),
     );
     components.add_security_scheme(
         "BearerAuth",
@@ -79,7 +96,14 @@ fn tag(name: &str, description: &str) -> Tag {
 }
 
 /// Request bodies whose `timeout` is capped by the server's `--max-timeout`.
-const TIMEOUT_BODIES: &[&str] = &["NewSandbox", "TimeoutBody", "ConnectBody", "ConnectBodyV1"];
+const TIMEOUT_BODIES: &[&str] = &[
+    "NewSandbox",
+    "TimeoutBody",
+    "ConnectBody",
+    "ConnectBodyV1",
+    "ResumeBody",
+    "ForkBody",
+];
 
 /// The description as served: `api` with this server's limits, and
 /// `allowEmptyValue` on every optional query parameter (the server reads `?name=` as
@@ -265,7 +289,9 @@ pub fn egress_proxy() -> Schema {
     }))
 }
 
-/// `network.rules`: at most 10 domains, one rule each, no header transforms.
+/// `network.rules`: at most 10 domains, one rule each. Header transforms have rules
+/// that span fields (placeholders must name existing secrets, some headers are
+/// reserved), so the schema names only their absence; see docs/network.md.
 pub fn rules() -> Schema {
     json_schema(serde_json::json!({
         "type": ["object", "null"],
@@ -283,7 +309,9 @@ pub fn rules() -> Schema {
             },
         },
         "description": "Per-domain rules (at most 10 domain names or `*.` patterns, one rule \
-            each; header transforms are not supported: 400).",
+            each). A rule's `transform: {headers: {name: value}}` sets those headers on \
+            HTTP(S) requests to the domain, `${e2b.secrets.NAME}` replaced by the secret; \
+            its rules span fields, see docs/network.md. Not described further here.",
     }))
 }
 

@@ -274,7 +274,8 @@ fn operator_only(cp: &ControlPlane, team: &Team) -> ApiResult<()> {
     }
 }
 
-/// Every live sandbox on this node, of every team, oldest first (operator only).
+/// Every live sandbox on this node (running or paused), of every team, oldest first
+/// (operator only).
 #[utoipa::path(get, path = "/cubicle/sandboxes", tag = "cubicle",
     responses((status = 200, body = Vec<HostSandbox>), (status = 401, response = ErrorBody), (status = 403, response = ErrorBody)))]
 async fn all_sandboxes(
@@ -302,9 +303,12 @@ async fn all_sandboxes(
         let Ok(info) = cp.backend().peek(&row.id) else {
             continue;
         };
-        if !matches!(info.state, SandboxState::Running | SandboxState::Creating) {
-            continue;
-        }
+        // Paused ones too: they hold disk and a slot, and the operator kills them as well.
+        let state = match info.state {
+            SandboxState::Running | SandboxState::Creating => "running",
+            SandboxState::Pausing | SandboxState::Paused => "paused",
+            SandboxState::Dying | SandboxState::Dead => continue,
+        };
         out.push(HostSandbox {
             team: teams.get(&row.team_id).cloned().unwrap_or_default(),
             template_id: row.template_id,
@@ -315,7 +319,7 @@ async fn all_sandboxes(
             cpu_count: row.cpu_count,
             memory_mb: row.memory_mb,
             disk_size_mb: row.disk_mb,
-            state: "running",
+            state,
             envd_version: ENVD_VERSION,
             alias: row.alias,
             metadata: row.metadata,

@@ -5,8 +5,9 @@
 //! Every route is registered with `routes!(handler)`, whose `#[utoipa::path]` names its
 //! path, parameters, body and answers: that one declaration both routes the request and
 //! describes it in `GET /openapi.json` (see [`crate::openapi`]), so the description
-//! cannot drift from what is served. Routes not described yet (stateful sandboxes, the
-//! egress policy, volumes, secrets, template builds) are plain `.route`s in `stubs`.
+//! cannot drift from what is served. The one exception is the web dashboard's static
+//! files (`crate::dashboard`), which are not API (`openapi_covers_every_served_route` in
+//! `tests.rs` holds both to this).
 
 use std::sync::Arc;
 
@@ -16,7 +17,6 @@ use axum::extract::{Path, RawQuery, Request, State};
 use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
-use axum::routing::post;
 use axum::{Extension, Json};
 use cubicle_store::Team;
 use utoipa_axum::router::OpenApiRouter;
@@ -30,8 +30,8 @@ use crate::commands::{ConnectBody, NewSandboxBody as NewSandbox, RefreshBody, Ti
 use crate::error::{ApiError, ApiResult, ErrorBody, json_errors, read_body, unknown_route};
 use crate::events::SandboxEvent;
 use crate::model::{
-    ListedSandbox, PoolCounters, Sandbox, SandboxDetail, SandboxLog, SandboxLogEntry, SandboxLogs,
-    SandboxLogsV2, SandboxMetric, SandboxMetrics,
+    ForkResult, ListedSandbox, PoolCounters, Sandbox, SandboxDetail, SandboxLog, SandboxLogEntry,
+    SandboxLogs, SandboxLogsV2, SandboxMetric, SandboxMetrics, SnapshotInfo,
 };
 use crate::query::{Query, format_time};
 use crate::service::ControlPlane;
@@ -67,33 +67,24 @@ fn documented(cp: &Arc<ControlPlane>) -> OpenApiRouter<Arc<ControlPlane>> {
         .routes(routes!(list_snapshots))
         .routes(routes!(delete_template))
         .merge(crate::template_builds::documented_routes())
+        .routes(routes!(pause))
+        .routes(routes!(resume))
+        .routes(routes!(snapshot))
+        .routes(routes!(fork))
+        .routes(routes!(rollback))
         .merge(crate::operator::routes())
+        .merge(crate::volumes::routes())
+        .merge(crate::secrets::routes())
         .route_layer(middleware::from_fn_with_state(cp.clone(), auth));
     OpenApiRouter::with_openapi(crate::openapi::base())
         .routes(routes!(health))
         .routes(routes!(openapi_json))
         .routes(routes!(prometheus))
         .merge(authed)
-}
-
-/// Routes not in the description (yet): stateful sandboxes (pause, resume, taking a
-/// snapshot, fork, rollback) and E2B's volume, volume-content and secret routes. They
-/// are served all the same.
-fn stubs(cp: &Arc<ControlPlane>) -> Router<Arc<ControlPlane>> {
-    Router::new()
-        .route("/sandboxes/{id}/pause", post(pause))
-        .route("/sandboxes/{id}/resume", post(resume))
-        .route("/sandboxes/{id}/snapshots", post(snapshot))
-        .route("/sandboxes/{id}/fork", post(fork))
-        .route("/sandboxes/{id}/rollback", post(rollback))
-        .merge(crate::volumes::routes())
-        .merge(crate::secrets::routes())
-        .merge(crate::template_builds::authed_routes())
-        .route_layer(middleware::from_fn_with_state(cp.clone(), auth))
-        // Authenticated by the upload's signed URL, not an API key.
-        .merge(crate::template_builds::upload_routes())
         // Authenticated by the volume's token, not an API key.
         .merge(crate::volume_content::routes())
+        // Authenticated by the upload's signed URL, not an API key.
+        .merge(crate::template_builds::upload_routes())
 }
 
 /// The OpenAPI description of the routes [`router`] serves, as `GET /openapi.json`
@@ -110,7 +101,6 @@ pub fn router(cp: Arc<ControlPlane>) -> Router {
     let (documented, api) = documented(&cp).split_for_parts();
     let spec = Arc::new(crate::openapi::finish(api, &cp.config().limits));
     documented
-        .merge(stubs(&cp))
         .merge(crate::dashboard::routes())
         .route_layer(middleware::from_fn(crate::telemetry::http::tag_route))
         .layer(Extension(OpenApiDoc(spec)))
@@ -610,6 +600,17 @@ fn checkpoint_headers(resp: &mut Response, frozen: std::time::Duration, bytes: u
     h.insert("x-cubicle-bytes", HeaderValue::from(bytes));
 }
 
+/// Pause a sandbox: its processes, memory and open files are checkpointed to its disk
+/// (or, with `memory: false`, only its disk is kept) and it stops using CPU and memory.
+#[utoipa::path(post, path = "/sandboxes/{id}/pause", tag = "sandboxes",
+    params(("id" = String, Path, description = "Sandbox id")),
+    request_body(content = Option<crate::commands::PauseBody>, description = "Empty: a full pause"),
+    responses((status = 204, description = "Paused", headers(("x-cubicle-frozen-us" = u64, description = "Microseconds the sandbox's processes were stopped (Cubicle's own)"), ("x-cubicle-bytes" = u64, description = "Size of the checkpoint in bytes (Cubicle's own)"))),
+        (status = 400, response = ErrorBody), (status = 401, response = ErrorBody),
+        (status = 404, response = ErrorBody), (status = 409, response = ErrorBody),
+        (status = 413, response = ErrorBody), (status = 501, response = ErrorBody),
+        (status = 503, response = ErrorBody),
+        (status = 507, response = ErrorBody)))]
 async fn pause(
     State(cp): Cp,
     Extension(team): Extension<Team>,
@@ -625,6 +626,14 @@ async fn pause(
     Ok(resp)
 }
 
+/// Resume a paused sandbox (upstream's deprecated route; the SDKs resume with connect).
+#[utoipa::path(post, path = "/sandboxes/{id}/resume", tag = "sandboxes",
+    params(("id" = String, Path, description = "Sandbox id")),
+    request_body(content = Option<crate::commands::ResumeBody>, description = "Empty: 15 s"),
+    responses((status = 201, body = Sandbox, description = "Resumed"),
+        (status = 400, response = ErrorBody), (status = 401, response = ErrorBody),
+        (status = 404, response = ErrorBody), (status = 409, response = ErrorBody),
+        (status = 413, response = ErrorBody), (status = 501, response = ErrorBody)))]
 async fn resume(
     State(cp): Cp,
     Extension(team): Extension<Team>,
@@ -696,6 +705,15 @@ async fn netlog(
     Ok(Json(body).into_response())
 }
 
+/// Take a snapshot of a sandbox (it runs on); new sandboxes can start from it.
+#[utoipa::path(post, path = "/sandboxes/{id}/snapshots", tag = "sandboxes",
+    params(("id" = String, Path, description = "Sandbox id")),
+    request_body(content = Option<crate::commands::SnapshotBody>, description = "Empty: unnamed, with memory"),
+    responses((status = 201, body = SnapshotInfo, headers(("x-cubicle-frozen-us" = u64, description = "Microseconds the sandbox's processes were stopped (Cubicle's own)"), ("x-cubicle-bytes" = u64, description = "Size of the checkpoint in bytes (Cubicle's own)"))),
+        (status = 400, response = ErrorBody), (status = 401, response = ErrorBody),
+        (status = 404, response = ErrorBody), (status = 409, response = ErrorBody),
+        (status = 413, response = ErrorBody), (status = 501, response = ErrorBody),
+        (status = 507, response = ErrorBody)))]
 async fn snapshot(
     State(cp): Cp,
     Extension(team): Extension<Team>,
@@ -758,6 +776,16 @@ async fn delete_template(
     Ok(StatusCode::NO_CONTENT)
 }
 
+/// Fork a running sandbox into `count` new ones with its memory and disk.
+#[utoipa::path(post, path = "/sandboxes/{id}/fork", tag = "sandboxes",
+    params(("id" = String, Path, description = "Sandbox id")),
+    request_body(content = Option<crate::commands::ForkBody>, description = "Empty: one fork living 15 s"),
+    responses((status = 201, body = Vec<ForkResult>, description = "One entry per fork: its sandbox or its error"),
+        (status = 400, response = ErrorBody), (status = 401, response = ErrorBody),
+        (status = 404, response = ErrorBody), (status = 409, response = ErrorBody),
+        (status = 413, response = ErrorBody), (status = 501, response = ErrorBody),
+        (status = 503, response = ErrorBody),
+        (status = 507, response = ErrorBody)))]
 async fn fork(
     State(cp): Cp,
     Extension(team): Extension<Team>,
@@ -771,6 +799,16 @@ async fn fork(
     Ok((StatusCode::CREATED, Json(results)).into_response())
 }
 
+/// Put a sandbox (running or paused) back to one of its own snapshots, in place
+/// (Cubicle's own).
+#[utoipa::path(post, path = "/sandboxes/{id}/rollback", tag = "sandboxes",
+    params(("id" = String, Path, description = "Sandbox id")),
+    request_body = crate::commands::RollbackBody,
+    responses((status = 200, body = Sandbox, description = "Rolled back"),
+        (status = 400, response = ErrorBody),
+        (status = 401, response = ErrorBody), (status = 404, response = ErrorBody),
+        (status = 409, response = ErrorBody),
+        (status = 413, response = ErrorBody), (status = 501, response = ErrorBody)))]
 async fn rollback(
     State(cp): Cp,
     Extension(team): Extension<Team>,

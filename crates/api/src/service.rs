@@ -345,6 +345,7 @@ impl ControlPlane {
             )));
         }
         self.backend.check_network(&cmd.network).await?;
+        self.check_rule_secrets(team, &cmd.network)?;
         let team_id = team.id;
         if let Some(idem) = &idem {
             let deadline = std::time::Instant::now() + Duration::from_secs(120);
@@ -1078,6 +1079,7 @@ impl ControlPlane {
     ) -> ApiResult<()> {
         self.owned(team, id).await?;
         self.backend.check_network(&cmd.network).await?;
+        self.check_rule_secrets(team, &cmd.network)?;
         self.backend.update_network(id, cmd.network).await?;
         Ok(())
     }

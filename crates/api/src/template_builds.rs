@@ -25,12 +25,10 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use axum::Json;
-use axum::Router;
 use axum::body::Body;
 use axum::extract::{Extension, Path, RawQuery, State};
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
-use axum::routing::{get, post, put};
 use cubicle_node::template::build::{BuildLog, BuildRequest, Source, Step};
 use cubicle_node::template::builds::{BuildFailure, BuildRecord, BuildStatus, LogEntry, TagInfo};
 use cubicle_node::template::oci::pull::Credentials;
@@ -78,23 +76,10 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 }
 
 /// The template routes that need an API key.
-pub fn authed_routes() -> Router<Arc<ControlPlane>> {
-    Router::new()
-        .route("/v3/templates", post(request_build))
-        .route("/templates/{id}/files/{hash}", get(file_link))
-        .route("/v2/templates/{id}/builds/{build}", post(start_build))
-        .route("/templates/{id}/builds/{build}/status", get(build_status))
-        .route(
-            "/cubicle/templates/{id}/builds/{build}/cancel",
-            post(cancel_build),
-        )
-        .route("/templates/tags", post(assign_tags).delete(remove_tags))
-        .route("/cubicle/templates/gc", post(gc))
-}
 
-/// The template routes described in `GET /openapi.json` (reading templates, their tags
-/// and aliases; `DELETE /templates/{id}` is `routes::delete_template`, shared with
-/// snapshots). The caller puts them behind the API key check.
+/// The template routes (reading templates, their tags and aliases; builds, tags, GC;
+/// `DELETE /templates/{id}` is `routes::delete_template`, shared with snapshots), all
+/// described in `GET /openapi.json`. The caller puts them behind the API key check.
 pub fn documented_routes() -> OpenApiRouter<Arc<ControlPlane>> {
     OpenApiRouter::new()
         .routes(routes!(list_templates))
@@ -103,11 +88,18 @@ pub fn documented_routes() -> OpenApiRouter<Arc<ControlPlane>> {
         .routes(routes!(default_templates))
         .routes(routes!(alias))
         .routes(routes!(list_tags))
+        .routes(routes!(request_build))
+        .routes(routes!(file_link))
+        .routes(routes!(start_build))
+        .routes(routes!(build_status))
+        .routes(routes!(cancel_build))
+        .routes(routes!(assign_tags, remove_tags))
+        .routes(routes!(gc))
 }
 
 /// The presigned upload route (no API key: the token is the permission).
-pub fn upload_routes() -> Router<Arc<ControlPlane>> {
-    Router::new().route("/cubicle/uploads/{token}", put(upload))
+pub fn upload_routes() -> OpenApiRouter<Arc<ControlPlane>> {
+    OpenApiRouter::new().routes(routes!(upload))
 }
 
 fn store(cp: &ControlPlane) -> ApiResult<TemplateStore> {
@@ -166,7 +158,8 @@ fn parse_json<T: for<'de> Deserialize<'de>>(bytes: &[u8]) -> ApiResult<T> {
 
 // ---- POST /v3/templates ----
 
-#[derive(Deserialize)]
+/// `POST /v3/templates` body.
+#[derive(Deserialize, utoipa::ToSchema)]
 #[serde(rename_all = "camelCase")]
 struct RequestV3 {
     name: Option<String>,
@@ -175,9 +168,16 @@ struct RequestV3 {
     tags: Vec<String>,
     cpu_count: Option<u32>,
     #[serde(rename = "memoryMB")]
+    #[schema(rename = "memoryMB")]
     memory_mb: Option<u64>,
 }
 
+/// Register a build of template `name` (created if new; 403 if it is another team's or a built-in).
+#[utoipa::path(post, path = "/v3/templates", tag = "templates",
+    request_body(content = RequestV3),
+    responses((status = 202, body = Object, description = "templateID, buildID, names, tags"),
+        (status = 400, response = ErrorBody), (status = 401, response = ErrorBody), (status = 403, response = ErrorBody),
+        (status = 413, response = ErrorBody), (status = 501, response = ErrorBody)))]
 async fn request_build(
     State(cp): Cp,
     Extension(team): Extension<Team>,
@@ -274,6 +274,12 @@ fn valid_hash(h: &str) -> bool {
             .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
 }
 
+/// Whether a COPY step's archive is here, and where to `PUT` it.
+#[utoipa::path(get, path = "/templates/{id}/files/{hash}", tag = "templates",
+    params(("id" = String, Path, description = "Template name", pattern = "^([A-Za-z0-9][A-Za-z0-9._-]*/)?[a-z0-9][a-z0-9._-]{0,63}(:[^/%]*)?$"),
+        ("hash" = String, Path, description = "sha256 of the archive", pattern = "^[0-9a-f]{64}$")),
+    responses((status = 201, body = Object, description = "present, url"),
+        (status = 400, response = ErrorBody), (status = 401, response = ErrorBody), (status = 404, response = ErrorBody), (status = 501, response = ErrorBody)))]
 async fn file_link(
     State(cp): Cp,
     Extension(team): Extension<Team>,
@@ -323,6 +329,14 @@ async fn file_link(
         .into_response())
 }
 
+/// A COPY step's archive, to the URL `GET /templates/{id}/files/{hash}` handed out
+/// (the token is the permission: no API key).
+#[utoipa::path(put, path = "/cubicle/uploads/{token}", tag = "templates", security(()),
+    params(("token" = String, Path, description = "Upload token from the files check")),
+    request_body(content = inline(crate::volume_content::FileBytes), content_type = "application/octet-stream"),
+    responses((status = 200, description = "Stored"), (status = 400, response = ErrorBody),
+        (status = 404, response = ErrorBody), (status = 413, response = ErrorBody),
+        (status = 501, response = ErrorBody)))]
 async fn upload(
     State(cp): Cp,
     Path(token): Path<String>,
@@ -397,15 +411,18 @@ async fn write_body(path: &std::path::Path, body: Body) -> ApiResult<u64> {
 
 // ---- POST /v2/templates/{id}/builds/{build} ----
 
-#[derive(Deserialize)]
+/// `POST /v2/templates/{id}/builds/{build}` body.
+#[derive(Deserialize, utoipa::ToSchema)]
 #[serde(rename_all = "camelCase")]
 struct StartV2 {
     from_image: Option<String>,
     from_template: Option<String>,
+    #[schema(value_type = Option<Object>)]
     from_image_registry: Option<Value>,
     #[serde(default)]
     force: bool,
     #[serde(default)]
+    #[schema(value_type = Vec<Object>)]
     steps: Vec<Step>,
     start_cmd: Option<String>,
     ready_cmd: Option<String>,
@@ -464,6 +481,13 @@ fn source(b: &StartV2) -> ApiResult<Source> {
     })
 }
 
+/// Start a registered build with its source and steps.
+#[utoipa::path(post, path = "/v2/templates/{id}/builds/{build}", tag = "templates",
+    params(("id" = String, Path, description = "Template name", pattern = "^([A-Za-z0-9][A-Za-z0-9._-]*/)?[a-z0-9][a-z0-9._-]{0,63}(:[^/%]*)?$"), ("build" = String, Path, description = "Build id")),
+    request_body(content = StartV2),
+    responses((status = 202, description = "Started"),
+        (status = 400, response = ErrorBody), (status = 401, response = ErrorBody), (status = 404, response = ErrorBody),
+        (status = 413, response = ErrorBody), (status = 501, response = ErrorBody)))]
 async fn start_build(
     State(cp): Cp,
     Extension(team): Extension<Team>,
@@ -584,6 +608,13 @@ fn entry_json(e: &LogEntry) -> Value {
     v
 }
 
+/// A build's status, its log entries from `logsOffset`, and why it failed.
+#[utoipa::path(get, path = "/templates/{id}/builds/{build}/status", tag = "templates",
+    params(("id" = String, Path, description = "Template name", pattern = "^([A-Za-z0-9][A-Za-z0-9._-]*/)?[a-z0-9][a-z0-9._-]{0,63}(:[^/%]*)?$"), ("build" = String, Path, description = "Build id"),
+        ("logsOffset" = Option<i64>, Query, minimum = 0, description = "First log entry"),
+        ("limit" = Option<i64>, Query, minimum = 1, maximum = 100, description = "Log entries at most")),
+    responses((status = 200, body = Object, description = "status, logEntries, reason"),
+        (status = 400, response = ErrorBody), (status = 401, response = ErrorBody), (status = 404, response = ErrorBody), (status = 501, response = ErrorBody)))]
 async fn build_status(
     State(cp): Cp,
     Extension(team): Extension<Team>,
@@ -644,6 +675,11 @@ async fn build_status(
     Ok(Json(body).into_response())
 }
 
+/// Cubicle's own: stop a running build.
+#[utoipa::path(post, path = "/cubicle/templates/{id}/builds/{build}/cancel", tag = "templates",
+    params(("id" = String, Path, description = "Template name", pattern = "^([A-Za-z0-9][A-Za-z0-9._-]*/)?[a-z0-9][a-z0-9._-]{0,63}(:[^/%]*)?$"), ("build" = String, Path, description = "Build id")),
+    responses((status = 202, description = "Cancelling"),
+        (status = 400, response = ErrorBody), (status = 401, response = ErrorBody), (status = 404, response = ErrorBody), (status = 501, response = ErrorBody)))]
 async fn cancel_build(
     State(cp): Cp,
     Extension(team): Extension<Team>,
@@ -712,6 +748,10 @@ fn template_json(st: &TemplateStore, name: &str, team_visible: bool) -> Option<V
         "envdVersion": ENVD_VERSION,
         "buildStatus": status,
         "isDefault": built_in,
+        // Cubicle's own (the dashboard shows them): the root filesystem's size at build
+        // time and what built it.
+        "sizeBytes": c.size_bytes,
+        "builder": c.builder,
     }))
 }
 
@@ -883,12 +923,19 @@ async fn alias(
 
 // ---- tags ----
 
-#[derive(Deserialize)]
+/// `POST /templates/tags` body.
+#[derive(Deserialize, utoipa::ToSchema)]
 struct AssignTags {
     target: String,
     tags: Vec<String>,
 }
 
+/// Give the build that `target` names (`name:tag`) more tags.
+#[utoipa::path(post, path = "/templates/tags", tag = "templates",
+    request_body(content = AssignTags),
+    responses((status = 201, body = Object, description = "tags, buildID"),
+        (status = 400, response = ErrorBody), (status = 401, response = ErrorBody), (status = 403, response = ErrorBody), (status = 404, response = ErrorBody),
+        (status = 413, response = ErrorBody), (status = 501, response = ErrorBody)))]
 async fn assign_tags(
     State(cp): Cp,
     Extension(team): Extension<Team>,
@@ -919,12 +966,19 @@ async fn assign_tags(
         .into_response())
 }
 
-#[derive(Deserialize)]
+/// `DELETE /templates/tags` body.
+#[derive(Deserialize, utoipa::ToSchema)]
 struct RemoveTags {
     name: String,
     tags: Vec<String>,
 }
 
+/// Take tags off a template.
+#[utoipa::path(delete, path = "/templates/tags", tag = "templates",
+    request_body(content = RemoveTags),
+    responses((status = 204, description = "Removed"),
+        (status = 400, response = ErrorBody), (status = 401, response = ErrorBody), (status = 403, response = ErrorBody), (status = 404, response = ErrorBody),
+        (status = 413, response = ErrorBody), (status = 501, response = ErrorBody)))]
 async fn remove_tags(
     State(cp): Cp,
     Extension(team): Extension<Team>,
@@ -968,6 +1022,10 @@ async fn list_tags(
 
 // ---- GC (Cubicle's own) ----
 
+/// Cubicle's own: remove layers no template, build, sandbox or snapshot uses.
+#[utoipa::path(post, path = "/cubicle/templates/gc", tag = "templates",
+    responses((status = 200, body = Object, description = "removed, freedBytes, kept"),
+        (status = 401, response = ErrorBody), (status = 501, response = ErrorBody)))]
 async fn gc(State(cp): Cp) -> ApiResult<Response> {
     let st = store(&cp)?;
     let in_use = cp.backend().layers_in_use();

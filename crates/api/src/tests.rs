@@ -1192,6 +1192,25 @@ async fn network_policy_is_echoed_and_replaced() {
             r.json
         );
     }
+    // Header rules naming an existing secret are accepted and echoed as given (the
+    // placeholder, never the value); another team's secret of that name does not count.
+    let r = h
+        .a(
+            Method::POST,
+            "/secrets",
+            json!({"name":"K","value":"s3cr3t-in-store"}),
+        )
+        .await;
+    assert_eq!(r.status, StatusCode::CREATED, "{}", r.json);
+    let rules =
+        json!({"a.test":[{"transform":{"headers":{"Authorization":"Bearer ${e2b.secrets.k}"}}}]});
+    let r = h.a(Method::PUT, &p, json!({"rules": rules})).await;
+    assert_eq!(r.status, StatusCode::NO_CONTENT, "{}", r.json);
+    let d = h
+        .a(Method::GET, &format!("/sandboxes/{id}"), Value::Null)
+        .await;
+    assert_eq!(d.json["network"]["rules"], rules);
+    assert!(!d.json.to_string().contains("s3cr3t-in-store"));
     // Another team cannot touch it.
     let kb = h.key_b.clone();
     let r = h.call(Method::PUT, &p, Some(&kb), Body::from("{}")).await;
@@ -1791,9 +1810,23 @@ async fn openapi_describes_what_is_served() {
     ] {
         assert!(paths.contains_key(want), "{want} not described");
     }
-    assert!(
-        !paths.contains_key("/sandboxes/{id}/pause"),
-        "stubs (501) are not described"
+    for want in [
+        "/sandboxes/{id}/pause",
+        "/sandboxes/{id}/resume",
+        "/sandboxes/{id}/snapshots",
+        "/sandboxes/{id}/fork",
+        "/sandboxes/{id}/rollback",
+        "/volumes",
+        "/volumes/{volumeID}",
+        "/volumecontent/{volumeID}/file",
+        "/secrets",
+        "/secrets/{s}",
+    ] {
+        assert!(paths.contains_key(want), "{want} not described");
+    }
+    assert_eq!(
+        spec["components"]["schemas"]["ForkBody"]["properties"]["timeout"]["maximum"], 3600,
+        "the server's --max-timeout"
     );
     assert_eq!(
         spec["components"]["schemas"]["NewSandbox"]["properties"]["timeout"]["maximum"], 3600,
@@ -1833,7 +1866,11 @@ async fn openapi_describes_what_is_served() {
             let Ok(m) = method.to_uppercase().parse::<Method>() else {
                 continue;
             };
-            let uri = path.replace("{id}", &id).replace("{webhookID}", "nope");
+            let uri = path
+                .replace("{id}", &id)
+                .replace("{webhookID}", "nope")
+                .replace("{s}", "nope")
+                .replace("{volumeID}", "00000000-0000-4000-8000-000000000000");
             let uri = if path == "/sandboxes/metrics" {
                 format!("{uri}?sandbox_ids={id}")
             } else {
@@ -1875,6 +1912,75 @@ async fn openapi_describes_what_is_served() {
         }
     }
     assert!(n >= 20, "{n} operations");
+    // Operation ids are unique (links name operations by id: a second `detail` made
+    // schemathesis follow the create's GetSandbox link to a volume).
+    let mut ids = std::collections::BTreeSet::new();
+    for op in paths
+        .values()
+        .flat_map(|ops| ops.as_object().unwrap().values())
+    {
+        if let Some(id) = op["operationId"].as_str() {
+            assert!(ids.insert(id.to_string()), "operationId {id} twice");
+        }
+    }
+    assert!(ids.len() >= n, "{} ids for {n} operations", ids.len());
+}
+
+/// Every route the server serves is in the description, so that it cannot drift again:
+/// a route registered with `routes!(handler)` is described by construction (the handler
+/// needs its `#[utoipa::path]`), so what must not exist is a plain axum `.route("…")`
+/// in this crate other than the web dashboard's static files, which are not API.
+/// `openapi_describes_what_is_served` checks the other direction (every described
+/// operation is routed).
+#[test]
+fn openapi_covers_every_served_route() {
+    const NOT_API: &[&str] = &["/", "/dashboard", "/dashboard/", "/dashboard/{*path}"];
+    let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/src");
+    let mut files = vec![PathBuf::from(dir)];
+    let mut plain = Vec::new();
+    let mut scanned = 0;
+    while let Some(p) = files.pop() {
+        if p.is_dir() {
+            files.extend(std::fs::read_dir(&p).unwrap().map(|e| e.unwrap().path()));
+            continue;
+        }
+        if p.extension().is_none_or(|e| e != "rs") || p.ends_with("tests.rs") {
+            continue;
+        }
+        scanned += 1;
+        let text = std::fs::read_to_string(&p).unwrap();
+        for (at, _) in text.match_indices(".route(") {
+            let rest = text[at + ".route(".len()..].trim_start();
+            // `.route(id)` on the control plane is a method, not axum's.
+            let Some(lit) = rest.strip_prefix('"') else {
+                continue;
+            };
+            let path = &lit[..lit.find('"').unwrap()];
+            plain.push((p.display().to_string(), path.to_string()));
+        }
+        for needle in [".nest(", ".route_service(", ".nest_service("] {
+            assert!(
+                !text.contains(needle),
+                "{}: {needle} adds routes the description cannot see",
+                p.display()
+            );
+        }
+    }
+    assert!(scanned > 10, "{scanned} files");
+    let undescribed: Vec<_> = plain
+        .iter()
+        .filter(|(_, path)| !NOT_API.contains(&path.as_str()))
+        .collect();
+    assert!(
+        undescribed.is_empty(),
+        "routes served but not in /openapi.json (register them with routes!(handler) and a \
+         #[utoipa::path]): {undescribed:?}"
+    );
+    assert_eq!(
+        plain.len(),
+        NOT_API.len(),
+        "the dashboard's routes: {plain:?}"
+    );
 }
 
 /// Raw GET (for non-JSON answers).

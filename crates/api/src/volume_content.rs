@@ -21,16 +21,17 @@
 use std::io;
 use std::sync::Arc;
 
+use axum::Json;
 use axum::body::Body;
 use axum::extract::{Path, RawQuery, State};
 use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
-use axum::routing::get;
-use axum::{Json, Router};
 use cubicle_node::volume::{Attrs, EntryKind, Timestamp, VolumeEntry, VolumeFs};
 use http_body_util::BodyExt;
 use serde::{Deserialize, Serialize};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use utoipa_axum::router::OpenApiRouter;
+use utoipa_axum::routes;
 
 use crate::query::Query;
 use crate::service::ControlPlane;
@@ -49,6 +50,16 @@ impl ContentError {
             message: message.into(),
         }
     }
+}
+
+/// The content API's error body: `code` is the status as a string.
+#[derive(Serialize, utoipa::ToSchema)]
+pub struct ContentErrorBody {
+    /// The HTTP status, as a string.
+    #[schema(pattern = "^[0-9]{3}$")]
+    code: String,
+    /// What went wrong.
+    message: String,
 }
 
 impl IntoResponse for ContentError {
@@ -110,11 +121,30 @@ fn io_error(path: &str, e: io::Error) -> ContentError {
     ContentError::new(status, format!("{path}: {what}"))
 }
 
+/// A file's bytes as the description names them (`string`, `format: binary`).
+pub(crate) struct FileBytes;
+
+impl utoipa::PartialSchema for FileBytes {
+    fn schema() -> utoipa::openapi::RefOr<utoipa::openapi::schema::Schema> {
+        utoipa::openapi::schema::ObjectBuilder::new()
+            .schema_type(utoipa::openapi::schema::Type::String)
+            .format(Some(utoipa::openapi::SchemaFormat::KnownFormat(
+                utoipa::openapi::KnownFormat::Binary,
+            )))
+            .into()
+    }
+}
+
+impl utoipa::ToSchema for FileBytes {}
+
 /// `VolumeEntryStat`.
-#[derive(Debug, Serialize)]
+#[derive(Debug, Serialize, utoipa::ToSchema)]
+#[schema(as = VolumeEntryStat)]
 struct EntryBody {
     name: String,
+    /// `file`, `directory`, `symlink` or `unknown`.
     #[serde(rename = "type")]
+    #[schema(value_type = String)]
     kind: &'static str,
     path: String,
     size: u64,
@@ -124,6 +154,7 @@ struct EntryBody {
     atime: String,
     mtime: String,
     ctime: String,
+    /// A symlink's target.
     #[serde(skip_serializing_if = "Option::is_none")]
     target: Option<String>,
 }
@@ -156,14 +187,11 @@ fn entry_body(e: VolumeEntry) -> EntryBody {
 }
 
 /// The content routes (no API key: each handler checks the volume's token).
-pub fn routes() -> Router<Arc<ControlPlane>> {
-    Router::new()
-        .route("/volumecontent/{id}/dir", get(list_dir).post(make_dir))
-        .route(
-            "/volumecontent/{id}/path",
-            get(stat).patch(set_attrs).delete(remove),
-        )
-        .route("/volumecontent/{id}/file", get(read_file).put(write_file))
+pub fn routes() -> OpenApiRouter<Arc<ControlPlane>> {
+    OpenApiRouter::new()
+        .routes(routes!(list_dir, make_dir))
+        .routes(routes!(stat, set_attrs, remove))
+        .routes(routes!(read_file, write_file))
 }
 
 type Cp = State<Arc<ControlPlane>>;
@@ -269,6 +297,13 @@ async fn with_fs<T: Send + 'static>(
     })?
 }
 
+/// The entries below a directory of the volume.
+#[utoipa::path(get, path = "/volumecontent/{volumeID}/dir", tag = "volumes", security(("VolumeToken" = [])),
+    params(("volumeID" = String, Path, description = "Volume id"),
+        ("path" = String, Query, min_length = 1, description = "Path inside the volume"),
+        ("depth" = Option<i64>, Query, minimum = 0, maximum = 4294967295.0, description = "Levels to list (default 1)")),
+    responses((status = 200, body = Vec<EntryBody>), (status = 400, body = ContentErrorBody), (status = 401, body = ContentErrorBody), (status = 403, body = ContentErrorBody),
+        (status = 404, body = ContentErrorBody)))]
 async fn list_dir(
     State(cp): Cp,
     Path(id): Path<String>,
@@ -284,6 +319,17 @@ async fn list_dir(
     Ok(Json(body).into_response())
 }
 
+/// Make a directory in the volume.
+#[utoipa::path(post, path = "/volumecontent/{volumeID}/dir", tag = "volumes", security(("VolumeToken" = [])),
+    params(("volumeID" = String, Path, description = "Volume id"),
+        ("path" = String, Query, min_length = 1, description = "Path inside the volume"),
+        ("uid" = Option<i64>, Query, minimum = 0, maximum = 4294967295.0, description = "Owner of a new entry"),
+        ("gid" = Option<i64>, Query, minimum = 0, maximum = 4294967295.0, description = "Group of a new entry"),
+        ("mode" = Option<i64>, Query, minimum = 0, maximum = 4294967295.0, description = "Mode of a new entry, decimal (493 = 0o755)"),
+        ("force" = Option<bool>, Query, description = "Also make missing parents")),
+    responses((status = 201, body = EntryBody), (status = 400, body = ContentErrorBody), (status = 401, body = ContentErrorBody), (status = 403, body = ContentErrorBody),
+        (status = 404, body = ContentErrorBody),
+        (status = 409, body = ContentErrorBody), (status = 507, body = ContentErrorBody)))]
 async fn make_dir(
     State(cp): Cp,
     Path(id): Path<String>,
@@ -300,6 +346,12 @@ async fn make_dir(
     Ok((StatusCode::CREATED, Json(entry_body(e))).into_response())
 }
 
+/// An entry of the volume.
+#[utoipa::path(get, path = "/volumecontent/{volumeID}/path", tag = "volumes", security(("VolumeToken" = [])),
+    params(("volumeID" = String, Path, description = "Volume id"),
+        ("path" = String, Query, min_length = 1, description = "Path inside the volume")),
+    responses((status = 200, body = EntryBody), (status = 400, body = ContentErrorBody), (status = 401, body = ContentErrorBody), (status = 403, body = ContentErrorBody),
+        (status = 404, body = ContentErrorBody)))]
 async fn stat(
     State(cp): Cp,
     Path(id): Path<String>,
@@ -313,13 +365,41 @@ async fn stat(
     Ok(Json(entry_body(e)).into_response())
 }
 
-#[derive(Deserialize, Default)]
+/// `PATCH …/path` body: what to change (all optional).
+#[derive(Deserialize, Default, utoipa::ToSchema)]
 struct AttrsBody {
-    uid: Option<u32>,
-    gid: Option<u32>,
-    mode: Option<u32>,
+    #[schema(minimum = 0, maximum = 4294967295.0)]
+    #[serde(default, deserialize_with = "crate::commands::opt_int_like")]
+    uid: Option<i64>,
+    #[schema(minimum = 0, maximum = 4294967295.0)]
+    #[serde(default, deserialize_with = "crate::commands::opt_int_like")]
+    gid: Option<i64>,
+    /// Decimal (493 = 0o755).
+    #[schema(minimum = 0, maximum = 4294967295.0)]
+    #[serde(default, deserialize_with = "crate::commands::opt_int_like")]
+    mode: Option<i64>,
 }
 
+/// An attribute of [`AttrsBody`] as the file system takes it.
+fn attr(name: &str, v: Option<i64>) -> CResult<Option<u32>> {
+    v.map(|v| {
+        u32::try_from(v).map_err(|_| {
+            ContentError::new(
+                StatusCode::BAD_REQUEST,
+                format!("{name} must be between 0 and {}, got {v}", u32::MAX),
+            )
+        })
+    })
+    .transpose()
+}
+
+/// Change an entry's owner, group or mode.
+#[utoipa::path(patch, path = "/volumecontent/{volumeID}/path", tag = "volumes", security(("VolumeToken" = [])),
+    params(("volumeID" = String, Path, description = "Volume id"),
+        ("path" = String, Query, min_length = 1, description = "Path inside the volume")),
+    request_body(content = Option<AttrsBody>, description = "Empty: nothing changes"),
+    responses((status = 200, body = EntryBody), (status = 400, body = ContentErrorBody), (status = 401, body = ContentErrorBody), (status = 403, body = ContentErrorBody),
+        (status = 404, body = ContentErrorBody), (status = 413, body = ContentErrorBody)))]
 async fn set_attrs(
     State(cp): Cp,
     Path(id): Path<String>,
@@ -330,26 +410,23 @@ async fn set_attrs(
     authorize(&cp, &id, &headers)?;
     let p = params(q.as_deref())?;
     let raw = crate::error::read_body(body, 64 << 10).await?;
-    let b: AttrsBody = if raw.is_empty() {
-        AttrsBody::default()
-    } else {
-        serde_json::from_slice(&raw).map_err(|e| {
-            ContentError::new(
-                StatusCode::BAD_REQUEST,
-                format!("invalid metadata body: {e}"),
-            )
-        })?
-    };
+    let b: AttrsBody = crate::commands::json(&raw, Some("{}"))?;
     let attrs = Attrs {
-        uid: b.uid,
-        gid: b.gid,
-        mode: b.mode,
+        uid: attr("uid", b.uid)?,
+        gid: attr("gid", b.gid)?,
+        mode: attr("mode", b.mode)?,
     };
     let path = p.path.clone();
     let e = with_fs(&cp, &id, &p.path, move |fs| fs.set_attrs(&path, attrs)).await?;
     Ok(Json(entry_body(e)).into_response())
 }
 
+/// Delete an entry (a directory with everything in it; not the root).
+#[utoipa::path(delete, path = "/volumecontent/{volumeID}/path", tag = "volumes", security(("VolumeToken" = [])),
+    params(("volumeID" = String, Path, description = "Volume id"),
+        ("path" = String, Query, min_length = 1, description = "Path inside the volume")),
+    responses((status = 204, description = "Deleted"), (status = 400, body = ContentErrorBody), (status = 401, body = ContentErrorBody), (status = 403, body = ContentErrorBody),
+        (status = 404, body = ContentErrorBody)))]
 async fn remove(
     State(cp): Cp,
     Path(id): Path<String>,
@@ -363,6 +440,12 @@ async fn remove(
     Ok(StatusCode::NO_CONTENT)
 }
 
+/// A file's bytes.
+#[utoipa::path(get, path = "/volumecontent/{volumeID}/file", tag = "volumes", security(("VolumeToken" = [])),
+    params(("volumeID" = String, Path, description = "Volume id"),
+        ("path" = String, Query, min_length = 1, description = "Path inside the volume")),
+    responses((status = 200, description = "The file's bytes", content_type = "application/octet-stream", body = inline(FileBytes)), (status = 400, body = ContentErrorBody), (status = 401, body = ContentErrorBody), (status = 403, body = ContentErrorBody),
+        (status = 404, body = ContentErrorBody)))]
 async fn read_file(
     State(cp): Cp,
     Path(id): Path<String>,
@@ -398,6 +481,18 @@ async fn read_file(
     Ok(resp)
 }
 
+/// Create or overwrite a file with the request's bytes.
+#[utoipa::path(put, path = "/volumecontent/{volumeID}/file", tag = "volumes", security(("VolumeToken" = [])),
+    params(("volumeID" = String, Path, description = "Volume id"),
+        ("path" = String, Query, min_length = 1, description = "Path inside the volume"),
+        ("uid" = Option<i64>, Query, minimum = 0, maximum = 4294967295.0, description = "Owner of a new entry"),
+        ("gid" = Option<i64>, Query, minimum = 0, maximum = 4294967295.0, description = "Group of a new entry"),
+        ("mode" = Option<i64>, Query, minimum = 0, maximum = 4294967295.0, description = "Mode of a new entry, decimal (493 = 0o755)"),
+        ("force" = Option<bool>, Query, description = "Also make missing parents")),
+    request_body(content = inline(FileBytes), content_type = "application/octet-stream"),
+    responses((status = 201, body = EntryBody), (status = 400, body = ContentErrorBody), (status = 401, body = ContentErrorBody), (status = 403, body = ContentErrorBody),
+        (status = 404, body = ContentErrorBody),
+        (status = 409, body = ContentErrorBody), (status = 507, body = ContentErrorBody)))]
 async fn write_file(
     State(cp): Cp,
     Path(id): Path<String>,

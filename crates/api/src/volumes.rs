@@ -20,13 +20,15 @@ use axum::body::Body;
 use axum::extract::{Path, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
-use axum::routing::{get, post};
-use axum::{Extension, Json, Router};
+use axum::{Extension, Json};
 use cubicle_node::VolumeMount;
 use cubicle_store::{Team, VolumeRow, now_ms};
 use serde::{Deserialize, Serialize};
 
-use crate::error::{ApiError, ApiResult, read_body};
+use utoipa_axum::router::OpenApiRouter;
+use utoipa_axum::routes;
+
+use crate::error::{ApiError, ApiResult, ErrorBody, read_body};
 use crate::routes::MAX_BODY;
 use crate::service::ControlPlane;
 
@@ -78,16 +80,27 @@ pub struct VolumeMountBody {
     pub read_only: bool,
 }
 
-#[derive(Deserialize)]
+/// `NewVolume` (create).
+#[derive(Deserialize, utoipa::ToSchema)]
 #[serde(rename_all = "camelCase")]
-struct NewVolumeBody {
+#[schema(as = NewVolume)]
+pub struct NewVolumeBody {
+    /// Unique in the team (a taken name: 400, as upstream).
+    #[schema(pattern = "^[a-zA-Z0-9_-]{1,128}$")]
     name: String,
-    #[serde(rename = "sizeMB")]
-    size_mb: Option<u64>,
+    /// Cubicle's own: the size limit in MiB (default 10240; the maximum is the
+    /// server's).
+    #[serde(
+        rename = "sizeMB",
+        default,
+        deserialize_with = "crate::commands::opt_int_like"
+    )]
+    #[schema(minimum = 16, maximum = 1048576)]
+    size_mb: Option<i64>,
 }
 
 /// `VolumeAndToken` (create, detail).
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, utoipa::ToSchema)]
 pub struct VolumeAndToken {
     #[serde(rename = "volumeID")]
     pub volume_id: String,
@@ -101,7 +114,7 @@ pub struct VolumeAndToken {
 }
 
 /// `Volume` (list items).
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, utoipa::ToSchema)]
 pub struct ListedVolume {
     #[serde(rename = "volumeID")]
     pub volume_id: String,
@@ -109,10 +122,10 @@ pub struct ListedVolume {
 }
 
 /// The `/volumes` routes (mounted behind the API-key check).
-pub fn routes() -> Router<Arc<ControlPlane>> {
-    Router::new()
-        .route("/volumes", post(create).get(list))
-        .route("/volumes/{id}", get(detail).delete(destroy))
+pub fn routes() -> OpenApiRouter<Arc<ControlPlane>> {
+    OpenApiRouter::new()
+        .routes(routes!(create, list))
+        .routes(routes!(detail, destroy))
 }
 
 type Cp = State<Arc<ControlPlane>>;
@@ -330,18 +343,34 @@ impl ControlPlane {
     }
 }
 
+/// Create a volume of the team.
+#[utoipa::path(post, operation_id = "volume_create", path = "/volumes", tag = "volumes",
+    request_body = NewVolumeBody,
+    responses((status = 201, body = VolumeAndToken), (status = 400, response = ErrorBody),
+        (status = 401, response = ErrorBody), (status = 413, response = ErrorBody),
+        (status = 503, response = ErrorBody)))]
 async fn create(
     State(cp): Cp,
     Extension(team): Extension<Team>,
     body: Body,
 ) -> ApiResult<Response> {
     let body = read_body(body, MAX_BODY).await?;
-    let b: NewVolumeBody = serde_json::from_slice(&body)
-        .map_err(|e| ApiError::BadRequest(format!("invalid volume body: {e}")))?;
-    let row = cp.create_volume(&team, &b.name, b.size_mb).await?;
+    let b: NewVolumeBody = crate::commands::json(&body, None)?;
+    let size_mb = match b.size_mb {
+        Some(n) if n < 0 => {
+            return Err(ApiError::BadRequest(format!(
+                "sizeMB must be positive, got {n}"
+            )));
+        }
+        n => n.map(|n| n as u64),
+    };
+    let row = cp.create_volume(&team, &b.name, size_mb).await?;
     Ok((StatusCode::CREATED, Json(cp.volume_body(&row, false))).into_response())
 }
 
+/// The team's volumes.
+#[utoipa::path(get, operation_id = "volume_list", path = "/volumes", tag = "volumes",
+    responses((status = 200, body = Vec<ListedVolume>), (status = 401, response = ErrorBody)))]
 async fn list(State(cp): Cp, Extension(team): Extension<Team>) -> ApiResult<Response> {
     let team_id = team.id;
     let rows = cp.store().call(move |s| s.volumes(Some(team_id))).await?;
@@ -355,6 +384,11 @@ async fn list(State(cp): Cp, Extension(team): Extension<Team>) -> ApiResult<Resp
     Ok(Json(items).into_response())
 }
 
+/// One volume of the team, with its content token and its use.
+#[utoipa::path(get, operation_id = "volume_detail", path = "/volumes/{volumeID}", tag = "volumes",
+    params(("volumeID" = String, Path, description = "Volume id (a UUID)", pattern = "^[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}$")),
+    responses((status = 200, body = VolumeAndToken), (status = 400, response = ErrorBody),
+        (status = 401, response = ErrorBody), (status = 404, response = ErrorBody)))]
 async fn detail(
     State(cp): Cp,
     Extension(team): Extension<Team>,
@@ -368,6 +402,12 @@ async fn detail(
     Ok(Json(body).into_response())
 }
 
+/// Delete a volume of the team and its files.
+#[utoipa::path(delete, operation_id = "volume_destroy", path = "/volumes/{volumeID}", tag = "volumes",
+    params(("volumeID" = String, Path, description = "Volume id (a UUID)", pattern = "^[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}$")),
+    responses((status = 204, description = "Deleted"), (status = 400, response = ErrorBody),
+        (status = 401, response = ErrorBody), (status = 404, response = ErrorBody),
+        (status = 409, response = ErrorBody)))]
 async fn destroy(
     State(cp): Cp,
     Extension(team): Extension<Team>,

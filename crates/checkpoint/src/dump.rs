@@ -89,7 +89,12 @@ fn dump_in(criu: &Criu, cg: &Cgroup, mut req: DumpRequest<'_>, t0: Instant) -> R
     cg.freeze(FREEZE_TIMEOUT).map_err(|e| cleanup(e.into()))?;
     let t_frozen = Instant::now();
     phases.push(("frozen".to_string(), t0.elapsed()));
+    let writable_ctl = std::cell::Cell::new(false);
     let res = (|| -> Result<(u64, Option<Instant>)> {
+        // Recorded writable, so that a restore can bind envd's socket in it again (the
+        // restore seals it before anything runs); nothing runs while it is.
+        cubicle_runtime::set_ctl_dir_readonly(req.init_pid, false)?;
+        writable_ctl.set(true);
         let root = PathBuf::from(format!("/proc/{}/root", req.init_pid));
         let sections: Vec<(PathBuf, String)> = externals
             .iter()
@@ -161,6 +166,7 @@ fn dump_in(criu: &Criu, cg: &Cgroup, mut req: DumpRequest<'_>, t0: Instant) -> R
             f()?;
         }
         let thawed = if req.leave_running {
+            cubicle_runtime::set_ctl_dir_readonly(req.init_pid, true)?;
             cg.thaw()?;
             Some(Instant::now())
         } else {
@@ -171,7 +177,16 @@ fn dump_in(criu: &Criu, cg: &Cgroup, mut req: DumpRequest<'_>, t0: Instant) -> R
     let (tmpfs_bytes, thawed) = match res {
         Ok(v) => v,
         Err(e) => {
-            let _ = cg.thaw();
+            // Never thawed with a writable ctl directory: left frozen if that fails.
+            match writable_ctl.get() {
+                true => match cubicle_runtime::set_ctl_dir_readonly(req.init_pid, true) {
+                    Ok(()) => drop(cg.thaw()),
+                    Err(e) => {
+                        tracing::error!(sandbox = %spec.id, "left frozen: its ctl directory stays writable: {e}")
+                    }
+                },
+                false => drop(cg.thaw()),
+            }
             // Keep CRIU's log for the operator next to the failed checkpoint's name.
             let log = dir.join(DUMP_LOG);
             if log.exists() {

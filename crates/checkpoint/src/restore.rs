@@ -12,7 +12,10 @@
 //!
 //! The caller then sends the restore request and answers CRIU's notifications: at
 //! `setup-namespaces` (the sandbox's namespaces exist, nothing is restored in them yet)
-//! it connects the new network namespace ([`RestoreRequest::on_namespaces`]). CRIU
+//! it connects the new network namespace ([`RestoreRequest::on_namespaces`]); at
+//! `pre-resume` (everything restored, nothing running yet) it makes the ctl directory
+//! read-only again (`cubicle_runtime::set_ctl_dir_readonly`: CRIU needs it writable to bind the
+//! init's socket there again). CRIU
 //! restores the init as a sibling of itself (`rst_sibling`), i.e. as a child of the
 //! caller, like `spawn` does; the helper's mount namespace goes away with CRIU.
 
@@ -267,12 +270,19 @@ fn restore_in(
         notify_success: None,
     };
     let on_ns = req.on_namespaces;
-    let res = criu::converse(&ours, &rq, &mut |script, pid| {
-        if script == "setup-namespaces" {
+    let mut init_pid = None;
+    let res = criu::converse(&ours, &rq, &mut |script, pid| match script {
+        "setup-namespaces" => {
+            init_pid = Some(pid);
             on_ns(pid)
-        } else {
-            Ok(())
         }
+        // CRIU re-bound the init's socket in the ctl directory, which it was given
+        // writable: read-only again before anything of the sandbox runs.
+        "pre-resume" => match init_pid {
+            Some(pid) => cubicle_runtime::set_ctl_dir_readonly(pid, true).map_err(Error::from),
+            None => Ok(()),
+        },
+        _ => Ok(()),
     });
     drop(ours);
     let t_criu = t0.elapsed();

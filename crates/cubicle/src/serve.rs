@@ -237,6 +237,11 @@ pub struct NetworkArgs {
         value_name = "PORT"
     )]
     pub egress_proxy_port: u16,
+    /// Extra CA certificates (PEM file) the egress proxy trusts, besides the system's,
+    /// for the servers behind domains with header rules (`network.rules`), whose TLS it
+    /// terminates and opens again.
+    #[arg(long, env = "CUBICLE_EGRESS_UPSTREAM_CA", value_name = "FILE")]
+    pub egress_upstream_ca: Option<std::path::PathBuf>,
     /// Connections a sandbox may have open at once.
     #[arg(
         long,
@@ -273,6 +278,7 @@ impl NetworkArgs {
             dns_port: self.egress_dns_port,
             proxy_port: self.egress_proxy_port,
             upstream_dns: self.dns_upstream.clone(),
+            upstream_ca: self.egress_upstream_ca.clone(),
             allow_smtp: self.allow_smtp,
             ..Default::default()
         };
@@ -452,6 +458,10 @@ pub async fn run(
     let cp = ControlPlane::open(Arc::new(node.clone()), store, api_config)
         .await
         .map_err(|e| anyhow::anyhow!("starting the control plane: {e}"))?;
+    // Header rules' `${e2b.secrets.NAME}`: the egress proxy reads values from the store.
+    node.set_secret_source(Arc::new(cubicle_api::secrets::StoreSecrets(
+        Arc::downgrade(&cp),
+    )));
     let telemetry = cp.telemetry().clone();
     {
         let mut sink = builds.lock().unwrap_or_else(|p| p.into_inner());

@@ -9,7 +9,9 @@
 //!
 //! The "internet" namespace answers DNS for its names (its own tiny responder, which also
 //! records every question it gets), serves HTTP on port 80 (`200 <its address>`) and
-//! counts bytes on port 443 (replying with the count when the client half-closes).
+//! counts bytes on port 443 (replying with the count when the client half-closes);
+//! `ok.test` also answers HTTPS on [`HTTPS_ECHO_PORT`] with a certificate from the lab's
+//! own CA ([`Lab::internet_ca`]); `GET /echo` answers with the request head received.
 
 use std::collections::HashMap;
 use std::io::{Read, Write};
@@ -25,6 +27,8 @@ use crate::{Egress, EgressConfig, EgressError, NetworkPolicy};
 /// The lab's "internet" hosts.
 pub const OK_HOST: Ipv4Addr = Ipv4Addr::new(198, 51, 100, 2);
 pub const EVIL_HOST: Ipv4Addr = Ipv4Addr::new(198, 51, 100, 3);
+/// Port of the lab internet's HTTPS server (on `OK_HOST`, certificate for `ok.test`).
+pub const HTTPS_ECHO_PORT: u16 = 8443;
 const HOST_SIDE: Ipv4Addr = Ipv4Addr::new(198, 51, 100, 1);
 const INET_IF: &str = "lbinet0";
 
@@ -37,6 +41,9 @@ pub struct Lab {
     /// DNS questions the "internet" DNS server received (name, in order).
     pub upstream_questions: Arc<Mutex<Vec<String>>>,
     sandboxes: HashMap<u32, (Netns, NetInfo)>,
+    /// The CA of the lab internet's HTTPS server (trusted by the proxy as a "public" root).
+    pub internet_ca: String,
+    ca_dir: std::path::PathBuf,
 }
 
 fn lab_err(what: &str, e: impl std::fmt::Display) -> EgressError {
@@ -177,6 +184,19 @@ impl Lab {
             std::env::temp_dir().join(format!("cubicle-lab-{}", std::process::id())),
         );
         ec.upstream_dns = vec![OK_HOST];
+        // The node's interception CA, and the lab internet's CA as the "public" roots.
+        static RUN: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+        let ca_dir = std::env::temp_dir().join(format!(
+            "cubicle-lab-ca-{}-{}",
+            std::process::id(),
+            RUN.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+        ));
+        std::fs::create_dir_all(&ca_dir).map_err(|e| EgressError::io("lab CA dir", e))?;
+        let (internet_ca, internet_tls) = internet_tls()?;
+        std::fs::write(ca_dir.join("internet-ca.pem"), &internet_ca)
+            .map_err(|e| EgressError::io("lab CA file", e))?;
+        ec.upstream_ca = Some(ca_dir.join("internet-ca.pem"));
+        ec.ca_dir = Some(ca_dir.clone());
         let egress = Egress::start(ec, rt.handle())?;
         net.serve_slots(
             0..net.max_slots(),
@@ -190,7 +210,7 @@ impl Lab {
             .map_err(|e| lab_err("kernel events", e))?;
         egress.keep_watch(watch);
         let questions = Arc::new(Mutex::new(Vec::new()));
-        start_internet(&inet, questions.clone())?;
+        start_internet(&inet, questions.clone(), internet_tls)?;
         Ok(Lab {
             rt,
             net,
@@ -198,6 +218,8 @@ impl Lab {
             inet,
             upstream_questions: questions,
             sandboxes: HashMap::new(),
+            internet_ca,
+            ca_dir,
         })
     }
 
@@ -264,6 +286,7 @@ impl Lab {
 impl Drop for Lab {
     fn drop(&mut self) {
         let _ = self.net.teardown_all();
+        let _ = std::fs::remove_dir_all(&self.ca_dir);
     }
 }
 
@@ -288,7 +311,26 @@ pub fn query_a(server: Ipv4Addr, name: &str) -> Result<Vec<Ipv4Addr>, String> {
 }
 
 /// The "internet" servers, each on its own thread inside `inet`.
-fn start_internet(inet: &Netns, questions: Arc<Mutex<Vec<String>>>) -> Result<(), EgressError> {
+fn start_internet(
+    inet: &Netns,
+    questions: Arc<Mutex<Vec<String>>>,
+    tls: Arc<rustls::ServerConfig>,
+) -> Result<(), EgressError> {
+    let https = run_in_netns(inet, || TcpListener::bind((OK_HOST, HTTPS_ECHO_PORT)))
+        .map_err(|e| lab_err("https socket", e))?
+        .map_err(|e| EgressError::io("binding the lab HTTPS server", e))?;
+    std::thread::spawn(move || {
+        for c in https.incoming() {
+            let Ok(c) = c else { break };
+            let _ = c.set_nodelay(true);
+            let tls = tls.clone();
+            std::thread::spawn(move || {
+                if let Ok(conn) = rustls::ServerConnection::new(tls) {
+                    serve_http(rustls::StreamOwned::new(conn, c), OK_HOST);
+                }
+            });
+        }
+    });
     let names: HashMap<&str, Ipv4Addr> = [
         ("ok.test", OK_HOST),
         ("www.ok.test", OK_HOST),
@@ -322,35 +364,9 @@ fn start_internet(inet: &Netns, questions: Arc<Mutex<Vec<String>>>) -> Result<()
             .map_err(|e| EgressError::io("binding the lab HTTP server", e))?;
         std::thread::spawn(move || {
             for c in http.incoming() {
-                let Ok(mut c) = c else { break };
-                std::thread::spawn(move || {
-                    // Requests without bodies, kept alive until the client closes or
-                    // asks for `Connection: close`.
-                    let mut buf = [0u8; 4096];
-                    let mut got = Vec::new();
-                    loop {
-                        let Some(end) = got.windows(4).position(|w| w == b"\r\n\r\n") else {
-                            match c.read(&mut buf) {
-                                Ok(0) | Err(_) => return,
-                                Ok(n) => got.extend_from_slice(&buf[..n]),
-                            }
-                            continue;
-                        };
-                        let head = String::from_utf8_lossy(&got[..end]).to_ascii_lowercase();
-                        got.drain(..end + 4);
-                        let body = addr.to_string();
-                        let close = head.contains("connection: close");
-                        let _ = write!(
-                            c,
-                            "HTTP/1.1 200 OK\r\nContent-Length: {}\r\n{}\r\n{body}",
-                            body.len(),
-                            if close { "Connection: close\r\n" } else { "" }
-                        );
-                        if close {
-                            return;
-                        }
-                    }
-                });
+                let Ok(c) = c else { break };
+                let _ = c.set_nodelay(true);
+                std::thread::spawn(move || serve_http(c, addr));
             }
         });
         let sink = run_in_netns(inet, move || TcpListener::bind((addr, 443)))
@@ -374,6 +390,71 @@ fn start_internet(inet: &Netns, questions: Arc<Mutex<Vec<String>>>) -> Result<()
         });
     }
     Ok(())
+}
+
+/// The lab's web server on one connection: requests without bodies, kept alive until
+/// the client closes or asks for `Connection: close`; the body is the server's address,
+/// or for `/echo` the request head as received.
+fn serve_http<S: Read + Write>(mut c: S, addr: Ipv4Addr) {
+    let mut buf = [0u8; 4096];
+    let mut got = Vec::new();
+    loop {
+        let Some(end) = got.windows(4).position(|w| w == b"\r\n\r\n") else {
+            match c.read(&mut buf) {
+                Ok(0) | Err(_) => return,
+                Ok(n) => got.extend_from_slice(&buf[..n]),
+            }
+            continue;
+        };
+        let raw = String::from_utf8_lossy(&got[..end]).to_string();
+        let head = raw.to_ascii_lowercase();
+        got.drain(..end + 4);
+        let body = if raw.starts_with("GET /echo") {
+            raw
+        } else {
+            addr.to_string()
+        };
+        let close = head.contains("connection: close");
+        let _ = write!(
+            c,
+            "HTTP/1.1 200 OK\r\nContent-Length: {}\r\n{}\r\n{body}",
+            body.len(),
+            if close { "Connection: close\r\n" } else { "" }
+        );
+        let _ = c.flush();
+        if close {
+            return;
+        }
+    }
+}
+
+/// The lab's own CA (the "public" roots of its internet) and a server config for
+/// `ok.test` signed by it.
+fn internet_tls() -> Result<(String, Arc<rustls::ServerConfig>), EgressError> {
+    use rcgen::{BasicConstraints, CertificateParams, IsCa, Issuer, KeyPair};
+    let e = |e: &dyn std::fmt::Display| lab_err("lab CA", e);
+    let ca_key = KeyPair::generate().map_err(|x| e(&x))?;
+    let mut ca = CertificateParams::default();
+    ca.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    ca.distinguished_name
+        .push(rcgen::DnType::CommonName, "cubicle lab internet CA");
+    let ca_cert = ca.self_signed(&ca_key).map_err(|x| e(&x))?;
+    let issuer = Issuer::new(ca, ca_key);
+    let key = KeyPair::generate().map_err(|x| e(&x))?;
+    let mut leaf = CertificateParams::new(vec!["ok.test".to_string(), "www.ok.test".to_string()])
+        .map_err(|x| e(&x))?;
+    leaf.use_authority_key_identifier_extension = true;
+    let cert = leaf.signed_by(&key, &issuer).map_err(|x| e(&x))?;
+    let der = rustls_pki_types::PrivateKeyDer::Pkcs8(key.serialize_der().into());
+    let config = rustls::ServerConfig::builder_with_provider(Arc::new(
+        rustls::crypto::ring::default_provider(),
+    ))
+    .with_safe_default_protocol_versions()
+    .map_err(|x| e(&x))?
+    .with_no_client_auth()
+    .with_single_cert(vec![cert.der().clone(), ca_cert.der().clone()], der)
+    .map_err(|x| e(&x))?;
+    Ok((ca_cert.pem(), Arc::new(config)))
 }
 
 /// An answer to `query` with one A record.
@@ -592,11 +673,62 @@ pub fn bench(bytes: u64, requests: usize) -> Result<BenchReport, EgressError> {
 /// Sends `hosts.len()` requests on one kept-alive connection to `addr`, one per `Host`;
 /// returns the bodies that came back (fewer when the connection was cut).
 pub fn keep_alive(addr: SocketAddr, hosts: &[&str]) -> Result<Vec<String>, std::io::Error> {
-    let mut s = TcpStream::connect_timeout(&addr, Duration::from_secs(3))?;
+    let reqs: Vec<(&str, &str)> = hosts.iter().map(|h| (*h, "/")).collect();
+    keep_alive_paths(addr, &reqs)
+}
+
+/// [`keep_alive`] with a path per request (`/echo` answers with the request head the
+/// server received).
+pub fn keep_alive_paths(
+    addr: SocketAddr,
+    reqs: &[(&str, &str)],
+) -> Result<Vec<String>, std::io::Error> {
+    let s = TcpStream::connect_timeout(&addr, Duration::from_secs(3))?;
     s.set_read_timeout(Some(Duration::from_secs(3)))?;
+    s.set_nodelay(true)?;
+    Ok(exchange(s, reqs))
+}
+
+/// The same over TLS to `addr`, as `sni`, trusting only the CA certificates in
+/// `ca_pem` (the node's egress CA for an intercepted connection).
+pub fn https_keep_alive(
+    addr: SocketAddr,
+    sni: &str,
+    ca_pem: &str,
+    reqs: &[(&str, &str)],
+) -> Result<Vec<String>, std::io::Error> {
+    use rustls_pki_types::pem::PemObject;
+    let other = |e: &dyn std::fmt::Display| std::io::Error::other(e.to_string());
+    let mut roots = rustls::RootCertStore::empty();
+    for c in rustls_pki_types::CertificateDer::pem_slice_iter(ca_pem.as_bytes()) {
+        roots
+            .add(c.map_err(|e| other(&e))?)
+            .map_err(|e| other(&e))?;
+    }
+    let config = rustls::ClientConfig::builder_with_provider(Arc::new(
+        rustls::crypto::ring::default_provider(),
+    ))
+    .with_safe_default_protocol_versions()
+    .map_err(|e| other(&e))?
+    .with_root_certificates(roots)
+    .with_no_client_auth();
+    let name = rustls_pki_types::ServerName::try_from(sni.to_string()).map_err(|e| other(&e))?;
+    let conn = rustls::ClientConnection::new(Arc::new(config), name).map_err(|e| other(&e))?;
+    let s = TcpStream::connect_timeout(&addr, Duration::from_secs(3))?;
+    s.set_read_timeout(Some(Duration::from_secs(3)))?;
+    s.set_nodelay(true)?;
+    let mut tls = rustls::StreamOwned::new(conn, s);
+    // Complete the handshake here so that a certificate error is this call's error.
+    while tls.conn.is_handshaking() {
+        tls.conn.complete_io(&mut tls.sock)?;
+    }
+    Ok(exchange(tls, reqs))
+}
+
+fn exchange<S: Read + Write>(mut s: S, reqs: &[(&str, &str)]) -> Vec<String> {
     let mut bodies = Vec::new();
-    for host in hosts {
-        if write!(s, "GET / HTTP/1.1\r\nHost: {host}\r\n\r\n").is_err() {
+    for (host, path) in reqs {
+        if write!(s, "GET {path} HTTP/1.1\r\nHost: {host}\r\n\r\n").is_err() {
             break;
         }
         let mut got = Vec::new();
@@ -623,5 +755,5 @@ pub fn keep_alive(addr: SocketAddr, hosts: &[&str]) -> Result<Vec<String>, std::
             None => break,
         }
     }
-    Ok(bodies)
+    bodies
 }

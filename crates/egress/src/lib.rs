@@ -9,6 +9,10 @@
 //!   policy names domains, learn mode, an egress proxy) are matched by TLS SNI or HTTP
 //!   Host against the policy and against the addresses handed out for that name, then
 //!   relayed directly or through the user's SOCKS5 proxy (`socks5.rs`, optionally TLS).
+//! - [`transform`] and `intercept.rs`: `network.rules` header transforms — the proxy sets
+//!   the rule's headers (with `${e2b.secrets.NAME}` replaced by the secret's value, from
+//!   the [`SecretSource`] the server installs) on every HTTP request to a domain with a
+//!   rule, terminating TLS for those domains with the node's CA (which sandboxes trust).
 //! - [`audit`]: the per-sandbox trail of both, and the allow list learn mode prints.
 //! - [`policy`]: E2B's network options as a typed policy and the decisions made from it.
 //!
@@ -19,6 +23,7 @@
 pub mod audit;
 pub mod dns;
 mod http1;
+mod intercept;
 pub mod lab;
 mod names;
 pub mod policy;
@@ -26,6 +31,7 @@ mod proxy;
 mod resolver;
 pub mod sniff;
 mod socks5;
+pub mod transform;
 
 use std::collections::HashMap;
 use std::io;
@@ -96,6 +102,21 @@ pub struct EgressConfig {
     /// How long the proxy waits for a client's first bytes on ports other than 80 and
     /// 443 (server-first protocols send nothing) before deciding without a name.
     pub first_bytes_wait: Duration,
+    /// Where the interception CA lives (`egress-ca.key`, 0600, and `egress-ca.pem`);
+    /// made on first start. `None`: no interception (HTTPS requests to a domain with
+    /// header rules are refused).
+    pub ca_dir: Option<PathBuf>,
+    /// Extra CA certificates (PEM file) trusted for destinations of intercepted
+    /// connections, besides the system's roots.
+    pub upstream_ca: Option<PathBuf>,
+}
+
+/// Where the proxy gets the values of `${e2b.secrets.NAME}` placeholders: the server's
+/// secrets store, for the team that owns the sandbox. Called per request; the value is
+/// dropped (zeroed) after the request head is sent.
+pub trait SecretSource: Send + Sync {
+    /// The value of the sandbox's team's secret `name` (lowercase), if it exists.
+    fn secret(&self, sandbox_id: &str, name: &str) -> Option<zeroize::Zeroizing<Vec<u8>>>;
 }
 
 impl EgressConfig {
@@ -118,6 +139,8 @@ impl EgressConfig {
             log_max_bytes: 4 << 20,
             dns_rate: (200, 400),
             first_bytes_wait: Duration::from_millis(300),
+            ca_dir: None,
+            upstream_ca: None,
         }
     }
 }
@@ -179,6 +202,10 @@ pub(crate) struct Shared {
     /// Where the resolver and proxy actually listen (ports resolved).
     pub dns_addr: SocketAddr,
     pub proxy_addr: SocketAddr,
+    /// The interception CA, when `ca_dir` was given and it loaded.
+    pub interceptor: Option<Arc<intercept::Interceptor>>,
+    /// Secret values for header rules (installed by the server).
+    secrets: RwLock<Option<Arc<dyn SecretSource>>>,
 }
 
 impl Shared {
@@ -188,6 +215,16 @@ impl Shared {
             .unwrap_or_else(|p| p.into_inner())
             .get(&ip)
             .cloned()
+    }
+
+    /// The value of `sandbox`'s secret `name`, if a source is installed and has it.
+    pub(crate) fn secret(&self, sandbox: &str, name: &str) -> Option<zeroize::Zeroizing<Vec<u8>>> {
+        let src = self
+            .secrets
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()?;
+        src.secret(sandbox, name)
     }
 
     /// Upstream servers for a sandbox's questions.
@@ -252,6 +289,18 @@ impl Egress {
             r.map_err(|e| EgressError::io("making the egress sockets non-blocking", e))?;
         }
         let audit = AuditLog::new(config.log_dir.clone(), config.log_max_bytes);
+        let interceptor = match &config.ca_dir {
+            Some(dir) => {
+                match intercept::Interceptor::load_or_create(dir, config.upstream_ca.clone()) {
+                    Ok(i) => Some(Arc::new(i)),
+                    Err(e) => {
+                        tracing::warn!("egress: HTTPS header rules unavailable: {e}");
+                        None
+                    }
+                }
+            }
+            None => None,
+        };
         let shared = Arc::new(Shared {
             config,
             sandboxes: RwLock::new(HashMap::new()),
@@ -261,6 +310,8 @@ impl Egress {
             opened: Mutex::new(HashMap::new()),
             dns_addr,
             proxy_addr,
+            interceptor,
+            secrets: RwLock::new(None),
         });
         let _guard = handle.enter();
         let udp = tokio::net::UdpSocket::from_std(udp)
@@ -277,6 +328,24 @@ impl Egress {
         *shared.tasks.lock().unwrap_or_else(|p| p.into_inner()) = tasks;
         tracing::info!("egress: resolver on {dns_addr}, proxy on {proxy_addr}");
         Ok(Egress { shared })
+    }
+
+    /// Installs where `${e2b.secrets.NAME}` values come from.
+    pub fn set_secret_source(&self, source: Arc<dyn SecretSource>) {
+        *self
+            .shared
+            .secrets
+            .write()
+            .unwrap_or_else(|p| p.into_inner()) = Some(source);
+    }
+
+    /// The interception CA's certificate (PEM), which sandboxes must trust, when the
+    /// node has one.
+    pub fn ca_pem(&self) -> Option<String> {
+        self.shared
+            .interceptor
+            .as_ref()
+            .map(|i| i.ca_pem().to_string())
     }
 
     /// Where the resolver listens.

@@ -19,6 +19,7 @@ use cubicle_runtime::network::{AddressGuard, EgressPolicy, Ipv4Cidr, Steer};
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
 use crate::EgressError;
+pub use crate::transform::{check_rules, secret_names};
 
 /// A DNS name pattern: `example.com` (that name) or `*.example.com` (names below it).
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -190,8 +191,8 @@ impl EgressProxy {
     }
 }
 
-/// A header transform of a `rules` entry (E2B `network.rules`). Stored and echoed;
-/// applying transforms is not implemented yet (the API refuses rules that have any).
+/// A header transform of a `rules` entry (E2B `network.rules`): headers the egress proxy
+/// sets on every HTTP(S) request to the rule's domain (`transform.rs`).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, Default)]
 #[serde(rename_all = "camelCase")]
 pub struct Transform {
@@ -351,6 +352,28 @@ impl NetworkPolicy {
         self.allow_domains().find(|p| p.matches(name))
     }
 
+    /// The header transform for requests to `name`: the first rule (by key) whose
+    /// pattern matches it and has headers.
+    pub fn transform_for(&self, name: &str) -> Option<&Transform> {
+        self.rules.iter().find_map(|(k, list)| {
+            let p = DomainPattern::parse(k).ok()?;
+            if !p.matches(name) {
+                return None;
+            }
+            list.iter()
+                .filter_map(|r| r.transform.as_ref())
+                .find(|t| !t.headers.is_empty())
+        })
+    }
+
+    /// Whether any rule has header transforms (then the proxy sees all TCP).
+    pub fn has_transforms(&self) -> bool {
+        self.rules
+            .values()
+            .flatten()
+            .any(|r| crate::transform::has_headers(&r.transform))
+    }
+
     /// Whether the sandbox needs a network interface at all.
     pub fn needs_network(&self) -> bool {
         self.learn || !self.deny_all() || !self.allow_out.is_empty()
@@ -368,6 +391,7 @@ impl NetworkPolicy {
 
     /// Checks the combinations E2B refuses (the API turns these into 400s).
     pub fn validate(&self) -> Result<(), EgressError> {
+        crate::transform::check_rules(&self.rules)?;
         if self.allow_domains().next().is_some() && !self.deny_all() {
             return Err(EgressError::Policy(
                 "When specifying allowed domains in allow out, you must include 'ALL_TRAFFIC' \
@@ -414,7 +438,7 @@ impl NetworkPolicy {
 
     /// What the kernel enforces: address rules, and which TCP goes to the proxy.
     pub fn kernel(&self) -> EgressPolicy {
-        let steer = if self.egress_proxy.is_some() {
+        let steer = if self.egress_proxy.is_some() || self.has_transforms() {
             Steer::All
         } else if self.learn || self.allow_domains().next().is_some() {
             Steer::UnlessAllowed

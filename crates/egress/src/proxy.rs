@@ -281,19 +281,44 @@ async fn handle(shared: Arc<Shared>, mut client: TcpStream, peer: SocketAddrV4) 
     };
     let (out, inn) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
     let mut err = None;
-    if let Sniffed::Http(_) = &sniffed {
-        // Plain HTTP: every request of the connection is checked (and can be rewritten).
-        let recheck = |h: crate::sniff::RequestHead| {
-            let (shared, sandbox, policy, first) = (
+    // The header rule for this connection's name: applied to each request whose Host is
+    // that name. Plain HTTP: only when the destination is an address of the name (else a
+    // sandbox could send the secret to any address with a forged Host). TLS: the
+    // destination's certificate is verified for the name.
+    let transform = name
+        .as_deref()
+        .and_then(|n| policy.transform_for(n))
+        .cloned();
+    let http_transform = match (&sniffed, &transform, &name) {
+        (Sniffed::Http(_), Some(t), Some(n)) => {
+            if dst_is_names || is_address_of(&shared, &sandbox, n, dst_ip).await {
+                Some(t.clone())
+            } else {
+                tracing::warn!(sandbox = %sandbox.id, "egress: {dst_ip} is not an address of {n}: its header rule is not applied");
+                None
+            }
+        }
+        _ => None,
+    };
+    let recheck = |transform: Option<crate::policy::Transform>| {
+        let (shared, sandbox, policy, first) = (
+            shared.clone(),
+            sandbox.clone(),
+            policy.clone(),
+            name.clone(),
+        );
+        move |h: crate::sniff::RequestHead| {
+            let (shared, sandbox, policy, first, transform) = (
                 shared.clone(),
                 sandbox.clone(),
                 policy.clone(),
-                name.clone(),
+                first.clone(),
+                transform.clone(),
             );
             async move {
                 let host = h.host().as_deref().and_then(normalize_name);
                 if host == first {
-                    return (h, Ok(()));
+                    return inject(&shared, &sandbox.id, h, transform.as_ref(), dst_ip, port);
                 }
                 let pinned = match &host {
                     Some(n) if policy.domain_rule(n).is_some() => {
@@ -328,11 +353,39 @@ async fn handle(shared: Arc<Shared>, mut client: TcpStream, peer: SocketAddrV4) 
                 );
                 (h, Err(d.reason))
             }
-        };
-        if let Err((e, client)) = relay_http(client, upstream, head, recheck, &out, &inn).await {
+        }
+    };
+    if let Sniffed::Http(_) = &sniffed {
+        // Plain HTTP: every request of the connection is checked (and can be rewritten).
+        if let Err((e, client)) =
+            relay_http(client, upstream, head, recheck(http_transform), &out, &inn).await
+        {
             err = Some(e);
             if let Some(c) = client {
                 reset(c);
+            }
+        }
+    } else if let (Sniffed::Tls { .. }, Some(t), Some(n)) = (&sniffed, &transform, &name) {
+        // A domain with header rules over TLS: terminate it with the node's CA, open TLS
+        // to the destination (verified), and rewrite every request.
+        match intercept(&shared, client, upstream, head, n).await {
+            Ok((c, u)) => {
+                if let Err((e, _)) = relay_http(
+                    c,
+                    Box::new(u),
+                    Vec::new(),
+                    recheck(Some(t.clone())),
+                    &out,
+                    &inn,
+                )
+                .await
+                {
+                    err = Some(e);
+                }
+            }
+            Err(e) => {
+                tracing::warn!(sandbox = %sandbox.id, "egress: intercepting TLS to {n}: {e}");
+                err = Some(e.to_string());
             }
         }
     } else if let Err(e) = upstream.write_all(&head).await {
@@ -398,20 +451,141 @@ impl<T: AsyncWrite + Unpin> AsyncWrite for Counted<T> {
     }
 }
 
-/// Relays a plain-HTTP connection: the client's requests one by one through `check`
-/// (`http1.rs`), the server's answers as they come. On a refused request the relay stops
-/// and the client stream is handed back (to be reset).
+/// Sets `transform`'s headers on a request head (the hook's rewrite). A secret that
+/// cannot be had fails the request: the relay stops, the reason goes to the trail and
+/// the log (never a value).
+fn inject(
+    shared: &Shared,
+    sandbox: &str,
+    mut h: crate::sniff::RequestHead,
+    transform: Option<&crate::policy::Transform>,
+    dst: Ipv4Addr,
+    port: u16,
+) -> (crate::sniff::RequestHead, crate::http1::Verdict) {
+    let Some(t) = transform else {
+        return (h, Ok(()));
+    };
+    let lookup = |name: &str| shared.secret(sandbox, name);
+    match crate::transform::apply(&mut h, t, &lookup) {
+        Ok(()) => (h, Ok(())),
+        Err(e) => {
+            let reason = format!("header rule not applied: {e}");
+            tracing::warn!(sandbox = %sandbox, "egress: request to {dst}:{port} refused: {reason}");
+            shared.audit.record(
+                sandbox,
+                EventKind::Connect {
+                    proto: "tcp".into(),
+                    dst,
+                    port,
+                    name: h.host(),
+                    verdict: Verdict::Denied,
+                    reason: reason.clone(),
+                    via: "direct".into(),
+                },
+            );
+            (h, Err(reason))
+        }
+    }
+}
+
+/// Terminates the client's TLS (replaying the ClientHello already read) with a leaf for
+/// `name`, and opens TLS to the destination over `upstream`, verified as `name`.
+async fn intercept(
+    shared: &Shared,
+    client: TcpStream,
+    upstream: Box<dyn Upstream>,
+    head: Vec<u8>,
+    name: &str,
+) -> Result<
+    (
+        tokio_rustls::server::TlsStream<Prefixed<TcpStream>>,
+        tokio_rustls::client::TlsStream<Box<dyn Upstream>>,
+    ),
+    EgressError,
+> {
+    let Some(i) = &shared.interceptor else {
+        return Err(EgressError::Policy(
+            "the node has no interception CA (see the log at startup)".into(),
+        ));
+    };
+    let config = i.server_config(name)?;
+    let prefixed = Prefixed {
+        prefix: head,
+        pos: 0,
+        inner: client,
+    };
+    let accept = tokio_rustls::TlsAcceptor::from(config).accept(prefixed);
+    let c = tokio::time::timeout(FIRST_BYTES_WEB, accept)
+        .await
+        .map_err(|_| EgressError::io("TLS from the sandbox", std::io::ErrorKind::TimedOut.into()))?
+        .map_err(|e| EgressError::io("TLS from the sandbox", e))?;
+    let u = tokio::time::timeout(CONNECT_TIMEOUT, i.connect(upstream, name))
+        .await
+        .map_err(|_| {
+            EgressError::io(
+                format!("TLS to {name}"),
+                std::io::ErrorKind::TimedOut.into(),
+            )
+        })??;
+    Ok((c, u))
+}
+
+/// A stream whose first reads return `prefix` (bytes already read from `inner`).
+pub(crate) struct Prefixed<T> {
+    prefix: Vec<u8>,
+    pos: usize,
+    inner: T,
+}
+
+impl<T: AsyncRead + Unpin> AsyncRead for Prefixed<T> {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<std::io::Result<()>> {
+        if self.pos < self.prefix.len() {
+            let n = (self.prefix.len() - self.pos).min(buf.remaining());
+            let start = self.pos;
+            buf.put_slice(&self.prefix[start..start + n]);
+            self.pos += n;
+            return Poll::Ready(Ok(()));
+        }
+        Pin::new(&mut self.inner).poll_read(cx, buf)
+    }
+}
+
+impl<T: AsyncWrite + Unpin> AsyncWrite for Prefixed<T> {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<std::io::Result<usize>> {
+        Pin::new(&mut self.inner).poll_write(cx, buf)
+    }
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.inner).poll_flush(cx)
+    }
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.inner).poll_shutdown(cx)
+    }
+}
+
+/// Relays an HTTP/1 connection (plain, or decrypted by [`intercept`]): the client's
+/// requests one by one through `check` (`http1.rs`), the server's answers as they come.
+/// On a refused request the relay stops and the client stream is handed back (to be
+/// reset).
 async fn relay_http<
+    C: AsyncRead + AsyncWrite + Unpin,
     F: std::future::Future<Output = (crate::sniff::RequestHead, crate::http1::Verdict)>,
 >(
-    client: TcpStream,
+    client: C,
     upstream: Box<dyn Upstream>,
     head: Vec<u8>,
     check: impl FnMut(crate::sniff::RequestHead) -> F,
     out: &AtomicU64,
     inn: &Arc<AtomicU64>,
-) -> Result<(), (String, Option<TcpStream>)> {
-    let (mut cr, mut cw) = client.into_split();
+) -> Result<(), (String, Option<C>)> {
+    let (mut cr, mut cw) = tokio::io::split(client);
     let (ur, mut uw) = tokio::io::split(upstream);
     let mut ur = Counted {
         inner: ur,
@@ -434,5 +608,5 @@ async fn relay_http<
             r = &mut answers => r.map(drop).map_err(|e| e.to_string()),
         }
     };
-    result.map_err(|e| (e, cr.reunite(cw).ok()))
+    result.map_err(|e| (e, Some(cr.unsplit(cw))))
 }

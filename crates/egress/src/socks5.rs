@@ -71,7 +71,7 @@ pub(crate) async fn connect(
         .map_err(|_| err(format!("{} did not answer within 10 s", proxy.address)))?
 }
 
-fn system_roots() -> Arc<rustls::RootCertStore> {
+pub(crate) fn system_roots() -> Arc<rustls::RootCertStore> {
     static ROOTS: OnceLock<Arc<rustls::RootCertStore>> = OnceLock::new();
     ROOTS
         .get_or_init(|| {

@@ -288,3 +288,133 @@ fn bandwidth_limit_holds() {
     )
     .unwrap();
 }
+
+/// Secret values for the header-rule test: `k` of the sandbox on slot 1 only.
+struct Secrets;
+
+impl cubicle_egress::SecretSource for Secrets {
+    fn secret(&self, sandbox: &str, name: &str) -> Option<zeroize::Zeroizing<Vec<u8>>> {
+        (sandbox == Lab::id(1) && name == "k")
+            .then(|| zeroize::Zeroizing::new(b"s3cr3t-v4lue".to_vec()))
+    }
+}
+
+fn rules(host: &str, value: &str) -> std::collections::BTreeMap<String, Vec<cubicle_egress::Rule>> {
+    let t = cubicle_egress::Transform {
+        headers: [("Authorization".to_string(), value.to_string())].into(),
+    };
+    [(
+        host.to_string(),
+        vec![cubicle_egress::Rule { transform: Some(t) }],
+    )]
+    .into()
+}
+
+#[test]
+fn header_rules_inject_secrets_over_http_and_https() {
+    use cubicle_egress::lab::{HTTPS_ECHO_PORT, https_keep_alive, keep_alive_paths};
+    if !is_root() {
+        eprintln!("SKIPPED: needs root (creates network namespaces and nftables tables)");
+        return;
+    }
+    Lab::run(|lab| {
+        lab.egress.set_secret_source(std::sync::Arc::new(Secrets));
+        let p = NetworkPolicy {
+            rules: rules("ok.test", "Bearer ${e2b.secrets.k}"),
+            ..Default::default()
+        };
+        lab.add_sandbox(1, &p).unwrap();
+        let want = "Authorization: Bearer s3cr3t-v4lue";
+        let http = SocketAddr::from((OK_HOST, 80));
+        let https = SocketAddr::from((OK_HOST, HTTPS_ECHO_PORT));
+
+        // Plain HTTP: every request of a kept-alive connection gets the header (the
+        // sandbox's own value is overridden).
+        let r = lab
+            .in_sandbox(1, move || keep_alive_paths(http, &[("ok.test", "/echo"), ("ok.test", "/echo")]))
+            .unwrap()
+            .unwrap();
+        assert_eq!(r.len(), 2, "{r:?}");
+        assert!(r.iter().all(|b| b.contains(want)), "{r:?}");
+        // A forged Host at another address gets nothing injected.
+        let evil = SocketAddr::from((EVIL_HOST, 80));
+        let r = lab
+            .in_sandbox(1, move || keep_alive_paths(evil, &[("ok.test", "/echo")]))
+            .unwrap()
+            .unwrap();
+        assert!(r.iter().all(|b| !b.contains("s3cr3t")), "{r:?}");
+
+        // HTTPS: the proxy terminates TLS with the node's CA (the client trusts only
+        // it), verifies ok.test against the lab's roots, and rewrites every request.
+        let ca = lab.egress.ca_pem().expect("the lab node has an interception CA");
+        let ca2 = ca.clone();
+        let r = lab
+            .in_sandbox(1, move || https_keep_alive(https, "ok.test", &ca2, &[("ok.test", "/echo"), ("ok.test", "/echo")]))
+            .unwrap()
+            .unwrap();
+        assert_eq!(r.len(), 2, "{r:?}");
+        assert!(r.iter().all(|b| b.contains(want)), "{r:?}");
+        // Without the node's CA the client refuses the proxy's certificate.
+        let lab_ca = lab.internet_ca.clone();
+        let r = lab
+            .in_sandbox(1, move || https_keep_alive(https, "ok.test", &lab_ca, &[("ok.test", "/echo")]))
+            .unwrap();
+        assert!(r.is_err(), "{r:?}");
+
+        // A sandbox without rules: the same HTTPS is a blind pipe (the client sees the
+        // real server's certificate), nothing injected.
+        let plain = NetworkPolicy {
+            allow_out: vec!["ok.test".parse().unwrap()],
+            deny_out: vec!["0.0.0.0/0".parse().unwrap()],
+            ..Default::default()
+        };
+        lab.add_sandbox(2, &plain).unwrap();
+        let lab_ca = lab.internet_ca.clone();
+        let r = lab
+            .in_sandbox(2, move || https_keep_alive(https, "ok.test", &lab_ca, &[("ok.test", "/echo")]))
+            .unwrap()
+            .unwrap();
+        assert!(r.len() == 1 && !r[0].contains("Authorization"), "{r:?}");
+
+        // Added latency: a new connection + one request, intercepted (slot 1) against
+        // the blind pipe through the same proxy (slot 2).
+        let time = |slot: u32, ca: String| {
+            lab.in_sandbox(slot, move || {
+                let mut v = Vec::new();
+                for _ in 0..40 {
+                    let t = Instant::now();
+                    let r = https_keep_alive(https, "ok.test", &ca, &[("ok.test", "/echo")]).unwrap();
+                    assert_eq!(r.len(), 1);
+                    v.push(t.elapsed());
+                }
+                v.sort();
+                (v[v.len() / 2], v[v.len() * 9 / 10])
+            })
+            .unwrap()
+        };
+        let (i50, i90) = time(1, ca.clone());
+        let (b50, b90) = time(2, lab.internet_ca.clone());
+        eprintln!(
+            "HTTPS request on a new connection: intercepted p50 {i50:?} p90 {i90:?}; blind pipe p50 {b50:?} p90 {b90:?}"
+        );
+
+        // A rule naming a secret that does not exist fails the request (not sent
+        // without it), and the trail says which secret.
+        lab.set_policy(1, &NetworkPolicy { rules: rules("ok.test", "${e2b.secrets.gone}"), ..Default::default() })
+            .unwrap();
+        let r = lab
+            .in_sandbox(1, move || keep_alive_paths(http, &[("ok.test", "/echo")]))
+            .unwrap()
+            .unwrap();
+        assert!(r.is_empty(), "{r:?}");
+        let trail = std::fs::read_to_string(
+            std::env::temp_dir()
+                .join(format!("cubicle-lab-{}", std::process::id()))
+                .join(format!("{}.net.jsonl", Lab::id(1))),
+        )
+        .unwrap_or_default();
+        assert!(trail.contains("secret 'gone'"), "{trail}");
+        assert!(!trail.contains("s3cr3t"), "the trail holds no value");
+    })
+    .unwrap();
+}

@@ -22,6 +22,10 @@ struct Args {
     /// Also listen on this Unix socket (the node's way in).
     #[arg(long)]
     unix_socket: Option<PathBuf>,
+    /// Also serve on this inherited, already listening Unix socket (in a sandbox the
+    /// runtime creates it in the read-only ctl directory and passes it as fd 3).
+    #[arg(long)]
+    unix_socket_fd: Option<i32>,
     /// Do not listen on TCP at all (only on --unix-socket).
     #[arg(long)]
     no_tcp: bool,
@@ -57,9 +61,20 @@ fn main() -> anyhow::Result<()> {
                 .unwrap_or_else(|_| "info".into()),
         )
         .with_writer(std::io::stderr)
-        // In a sandbox stderr is a log file the API serves: no colour codes there.
+        // In a sandbox stderr is a pipe the node drains into the log the API serves: no
+        // colour codes there.
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        // That pipe is non-blocking and throttled by the node: a write it refuses loses
+        // the line (reporting that on stderr would fail again, and panic).
+        .log_internal_errors(false)
         .init();
+    // Taken before anything else can open descriptors (and close-on-exec from here on,
+    // so the processes envd starts do not inherit it).
+    let inherited = args
+        .unix_socket_fd
+        .map(server::inherited_unix_listener)
+        .transpose()
+        .context("--unix-socket-fd")?;
     let ctx = Arc::new(Context::new(Config {
         dev: args.dev,
         default_user: args.default_user.clone(),
@@ -81,6 +96,10 @@ fn main() -> anyhow::Result<()> {
             tokio::spawn(cubicle_envd::init::run());
         }
         let mut tasks = tokio::task::JoinSet::new();
+        if let Some(listener) = inherited {
+            let st = state.clone();
+            tasks.spawn(async move { server::serve_unix_listener(st, listener).await });
+        }
         if let Some(path) = args.unix_socket.clone() {
             let st = state.clone();
             tasks.spawn(async move { server::serve_unix(st, &path).await });

@@ -50,6 +50,43 @@ pub async fn serve_tcp(state: Arc<AppState>, addr: std::net::SocketAddr) -> std:
     axum::serve(listener, router(state)).await
 }
 
+/// Takes ownership of the listening Unix socket inherited as descriptor `fd` (checked to
+/// be one), close-on-exec and non-blocking from now on.
+pub fn inherited_unix_listener(fd: i32) -> std::io::Result<std::os::unix::net::UnixListener> {
+    use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+    // SAFETY: fcntl/fstat on a descriptor number; errors if it is not open.
+    let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    // SAFETY: as above.
+    if unsafe { libc::fstat(fd, &mut st) } < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    if st.st_mode & libc::S_IFMT != libc::S_IFSOCK {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidInput,
+            format!("descriptor {fd} is not a socket"),
+        ));
+    }
+    // SAFETY: the descriptor was passed to this process to own (command line contract).
+    let owned = unsafe { OwnedFd::from_raw_fd(fd) };
+    // SAFETY: fcntl with integer arguments on our descriptor.
+    if unsafe { libc::fcntl(owned.as_raw_fd(), libc::F_SETFD, libc::FD_CLOEXEC) } < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    let listener = std::os::unix::net::UnixListener::from(owned);
+    listener.set_nonblocking(true)?;
+    Ok(listener)
+}
+
+/// Serves on an inherited listening Unix socket until the process ends.
+pub async fn serve_unix_listener(
+    state: Arc<AppState>,
+    listener: std::os::unix::net::UnixListener,
+) -> std::io::Result<()> {
+    let listener = tokio::net::UnixListener::from_std(listener)?;
+    tracing::info!(addr = ?listener.local_addr().ok(), "envd listening (inherited socket)");
+    axum::serve(listener, router(state)).await
+}
+
 /// Serves on a Unix socket (the node's way in) until the process ends.
 pub async fn serve_unix(state: Arc<AppState>, path: &Path) -> std::io::Result<()> {
     let _ = std::fs::remove_file(path);

@@ -65,6 +65,9 @@ pub struct NetworkOptions {
     /// Upstream DNS servers for sandboxes that name none (empty: the host's
     /// `/etc/resolv.conf`).
     pub upstream_dns: Vec<std::net::Ipv4Addr>,
+    /// Extra CA certificates (a PEM file) the egress proxy trusts, besides the system's,
+    /// when it verifies the destinations of connections it intercepts (header rules).
+    pub upstream_ca: Option<std::path::PathBuf>,
     /// Per-sandbox connection, connection-rate and bandwidth limits.
     pub limits: cubicle_runtime::network::SandboxLimits,
     /// Let sandboxes open outbound SMTP (port 25).
@@ -81,6 +84,7 @@ impl Default for NetworkOptions {
             dns_port: 0,
             proxy_port: 0,
             upstream_dns: Vec::new(),
+            upstream_ca: None,
             limits: n.limits,
             allow_smtp: n.allow_smtp,
             address_quarantine: Duration::from_secs(60),

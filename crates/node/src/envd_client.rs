@@ -1,9 +1,9 @@
 //! EnvdClient: the node's HTTP/1 client for the envd inside a sandbox, over the Unix
 //! socket envd listens on in the sandbox's host-visible control directory.
 //!
-//! It covers what the node needs: `GET /health` (204 = ready), `POST /init`, and running
-//! one process through Connect's server-stream `POST /process.Process/Start` (framing:
-//! `cubicle_proto::connect`).
+//! It covers what the node needs: `GET /health` (204 = ready), `POST /init`, writing a
+//! file (`POST /files`), and running one process through Connect's server-stream
+//! `POST /process.Process/Start` (framing: `cubicle_proto::connect`).
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -319,6 +319,37 @@ impl EnvdClient {
         if !status.is_success() {
             let body = error_body(resp.into_body()).await;
             return Err(Error::Envd(format!("/init answered {status}: {body}")));
+        }
+        Ok(())
+    }
+
+    /// `POST /files?path=…` (octet-stream): writes `data` to `path` inside the sandbox as
+    /// `user` (envd's default user when `None`), like the SDKs' `files.write`.
+    pub async fn write_file(&self, path: &str, user: Option<&str>, data: Bytes) -> Result<()> {
+        let mut query = form_urlencoded::Serializer::new(String::new());
+        query.append_pair("path", path);
+        if let Some(u) = user {
+            query.append_pair("username", u);
+        }
+        let query = query.finish();
+        let req = self
+            .builder("POST", &format!("/files?{query}"))
+            .header("content-type", "application/octet-stream")
+            .body(Full::new(data))
+            .map_err(|e| Error::Envd(e.to_string()))?;
+        let resp = self.send(req).await?;
+        let status = resp.status();
+        if !status.is_success() {
+            let body = resp
+                .into_body()
+                .collect()
+                .await
+                .map(|b| b.to_bytes())
+                .unwrap_or_default();
+            return Err(Error::Envd(format!(
+                "writing {path}: /files answered {status}: {}",
+                String::from_utf8_lossy(&body)
+            )));
         }
         Ok(())
     }

@@ -19,6 +19,7 @@ pub mod error;
 pub mod host;
 pub mod host_slots;
 pub mod ids;
+pub mod init_log;
 pub mod linux;
 mod node;
 mod pool;
@@ -35,7 +36,7 @@ pub mod volume;
 
 pub use config::{NetworkOptions, NodeConfig, default_state_dir};
 pub use cubicle_egress::policy as network_policy;
-pub use cubicle_egress::{NetEvent, NetworkPolicy, allow_list, check_ca_pem};
+pub use cubicle_egress::{NetEvent, NetworkPolicy, SecretSource, allow_list, check_ca_pem};
 pub use cubicle_runtime::SandboxId;
 pub use cubicle_template as template;
 pub use cubicle_template::fsutil;

@@ -20,6 +20,7 @@ use cubicle_runtime::{Cgroup, Limits, Sandbox, SandboxId, SandboxSpec};
 
 use crate::config::NodeConfig;
 use crate::error::{Error, Result};
+use crate::init_log::{INIT_PIPE, InitLogs};
 use crate::runtime::{SandboxRuntime, StartSpec, Started};
 use crate::sandbox::{DeathReason, NetworkPolicy};
 
@@ -35,6 +36,8 @@ pub struct LinuxRuntime {
     egress: Option<Egress>,
     /// Disk quotas; `Err` (logged) when the host cannot provide them.
     storage: std::result::Result<Storage, String>,
+    /// Drains every sandbox's PID 1 output into its `init.log`.
+    logs: InitLogs,
 }
 
 fn rt_err(what: &str, source: cubicle_runtime::Error) -> Error {
@@ -71,6 +74,8 @@ impl LinuxRuntime {
                     if !opts.upstream_dns.is_empty() {
                         ec.upstream_dns = opts.upstream_dns.clone();
                     }
+                    ec.ca_dir = Some(state_dir.to_path_buf());
+                    ec.upstream_ca = opts.upstream_ca.clone();
                     Egress::start(ec, &handle).map_err(|e| e.to_string())
                 });
             match started {
@@ -98,12 +103,15 @@ impl LinuxRuntime {
             tracing::warn!("pause, snapshots and forks unavailable: {e}");
             e.to_string()
         });
+        let logs = InitLogs::start()
+            .map_err(|e| Error::Runtime(format!("starting the init log drainer: {e}")))?;
         Ok(LinuxRuntime {
             sandboxes: Mutex::new(HashMap::new()),
             criu,
             network,
             egress,
             storage,
+            logs,
         })
     }
 
@@ -176,7 +184,8 @@ fn sandbox_spec(s: &StartSpec) -> SandboxSpec {
     spec.internet = s.internet;
     spec.env = s.env.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
     spec.envd_binary = Some(s.envd_binary.clone());
-    spec.log_file = Some(s.sandbox_dir.join("init.log"));
+    spec.ctl_socket = Some(s.ctl_socket.clone());
+    spec.init_log = Some(s.sandbox_dir.join(INIT_PIPE));
     spec.binds = s
         .binds
         .iter()
@@ -240,6 +249,7 @@ impl LinuxRuntime {
     /// Kills what is left of the sandbox (after a checkpoint that ended it: nothing but
     /// the init to reap), removes its cgroup and network objects; its directory stays.
     fn release(&self, id: &str, slot: u32) -> Result<()> {
+        let never_sent = self.never_sent(slot);
         if let Some(sb) = self.handles().remove(id) {
             // This reaps the init (our child) and waits for the cgroup to empty.
             sb.kill().map_err(|e| rt_err(&format!("stop {id}"), e))?;
@@ -247,11 +257,18 @@ impl LinuxRuntime {
         let cg = Cgroup::handle(id).map_err(|e| rt_err("cgroup", e))?;
         cg.kill_all().map_err(|e| rt_err("cgroup", e))?;
         cg.remove().map_err(|e| rt_err("cgroup", e))?;
-        self.detach_network(slot)
+        self.detach_network(slot, never_sent)
     }
 
-    /// Forgets `slot`'s egress policy and removes its network objects.
-    fn detach_network(&self, slot: u32) -> Result<()> {
+    /// Whether `slot`'s sandbox never sent a packet (read before killing it; see
+    /// `Network::never_sent`).
+    fn never_sent(&self, slot: u32) -> bool {
+        self.network.as_ref().is_ok_and(|net| net.never_sent(slot))
+    }
+
+    /// Forgets `slot`'s egress policy and removes its network objects (its connections
+    /// too, unless the sandbox `never_sent` a packet).
+    fn detach_network(&self, slot: u32, never_sent: bool) -> Result<()> {
         let Ok(net) = &self.network else {
             return Ok(());
         };
@@ -260,7 +277,7 @@ impl LinuxRuntime {
         {
             eg.unregister(info.sandbox_ip);
         }
-        net.detach(slot)
+        net.detach_with(slot, never_sent)
             .map_err(|e| rt_err(&format!("network detach of slot {slot}"), e))
     }
 }
@@ -283,6 +300,10 @@ impl SandboxRuntime for LinuxRuntime {
             self.network()?;
         }
         let sb = cubicle_runtime::spawn(&spec).map_err(|e| rt_err("spawn", e))?;
+        if let Some(fifo) = sb.take_init_log() {
+            self.logs
+                .add(&s.id, fifo, s.sandbox_dir.join(crate::init_log::INIT_LOG));
+        }
         let pid = sb.pid();
         let mut net_info = None;
         if s.internet {
@@ -311,17 +332,30 @@ impl SandboxRuntime for LinuxRuntime {
 
     fn adopt(&self, id: &str, sandbox_dir: &Path) -> Result<i32> {
         let sb = Sandbox::adopt(id, sandbox_dir).map_err(|e| rt_err("adopt", e))?;
+        // Its init log FIFO, opened again (a sandbox started before init logs were FIFOs
+        // has none: its PID 1 still writes init.log itself).
+        match cubicle_runtime::open_init_log(&sandbox_dir.join(INIT_PIPE)) {
+            Ok(fifo) => self
+                .logs
+                .add(id, fifo, sandbox_dir.join(crate::init_log::INIT_LOG)),
+            Err(e) => tracing::debug!(sandbox = %id, "no init log FIFO to reopen: {e}"),
+        }
         let pid = sb.pid();
         self.handles().insert(id.to_string(), sb);
         Ok(pid)
     }
 
     fn destroy(&self, id: &str, slot: Option<u32>, sandbox_dir: &Path) -> Result<()> {
+        let never_sent = slot.is_some_and(|slot| self.never_sent(slot));
         let handle = self.handles().remove(id);
+        // With quotas, `remove_dir` removes the whole directory at once (a btrfs
+        // subvolume in O(1)): no need to walk the layers first.
+        let layers = self.storage.is_err().then_some(sandbox_dir);
         let res = match handle {
-            Some(sb) => sb.destroy(),
+            Some(sb) if layers.is_some() => sb.destroy(),
+            Some(sb) => sb.stop(),
             None if SandboxId::is_valid(id) => {
-                match cubicle_runtime::remove_leftovers(id, Some(sandbox_dir)) {
+                match cubicle_runtime::remove_leftovers(id, layers) {
                     Err(cubicle_runtime::Error::NotFound(_)) => Ok(()),
                     other => other,
                 }
@@ -329,8 +363,10 @@ impl SandboxRuntime for LinuxRuntime {
             None => Ok(()),
         };
         res.map_err(|e| rt_err(&format!("destroy {id}"), e))?;
+        // Its processes are gone: what its FIFO still holds is its last output.
+        self.logs.remove(id);
         if let Some(slot) = slot {
-            self.detach_network(slot)?;
+            self.detach_network(slot, never_sent)?;
         }
         // Nothing of the sandbox should be mounted on the host; be sure anyway.
         crate::fsutil::unmount_all_under(sandbox_dir);
@@ -561,12 +597,10 @@ impl SandboxRuntime for LinuxRuntime {
         } else {
             None
         };
-        let log_path = s.sandbox_dir.join("init.log");
-        let log = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(&log_path)
-            .map_err(|e| Error::io("open", &log_path, e))?;
+        // PID 1's output goes to its FIFO again, drained by the node (as after a spawn).
+        let pipe = s.sandbox_dir.join(INIT_PIPE);
+        let (log_reader, log) =
+            cubicle_runtime::create_init_log(&pipe).map_err(|e| Error::io("mkfifo", &pipe, e))?;
         let mut attached = None;
         let mut on_ns = |pid: i32| -> cubicle_checkpoint::Result<()> {
             let ns = Netns::from_pid(pid)?;
@@ -581,7 +615,7 @@ impl SandboxRuntime for LinuxRuntime {
             cubicle_checkpoint::RestoreRequest {
                 spec: &spec,
                 dir: checkpoint_dir,
-                stdio: Some(log.into()),
+                stdio: Some(log),
                 on_namespaces: &mut on_ns,
             },
         );
@@ -599,11 +633,16 @@ impl SandboxRuntime for LinuxRuntime {
             }
         };
         let sb = Sandbox::adopt(&s.id, &s.sandbox_dir).map_err(|e| rt_err("adopt restored", e))?;
+        self.logs.add(
+            &s.id,
+            log_reader,
+            s.sandbox_dir.join(crate::init_log::INIT_LOG),
+        );
         if attached.is_some()
             && let Err(e) = self.apply_policy(&s.id, s.slot, &s.network)
         {
             let _ = sb.destroy();
-            let _ = self.detach_network(s.slot);
+            let _ = self.detach_network(s.slot, false);
             return Err(e);
         }
         if sb.pid() != restored.pid {
@@ -725,16 +764,20 @@ impl SandboxRuntime for LinuxRuntime {
             if !policy.needs_network() {
                 return Ok(false);
             }
-            // Through the sandbox's pidfd when this process holds its handle (no reused
-            // pid can redirect it); by pid otherwise.
+            // The namespace file by pid (netlink takes only namespace files as a new
+            // link's peer namespace: a pidfd there is EINVAL), then, when this process
+            // holds the sandbox's pidfd, proof that the pid still named the sandbox when
+            // it was opened: a pid is only reused after its process exited.
             let pidfd = self
                 .handles()
                 .get(id)
                 .and_then(|sb| sb.pidfd().try_clone().ok());
-            let ns = match pidfd {
-                Some(fd) => Netns::from_fd(fd),
-                None => Netns::from_pid(pid).map_err(|e| rt_err("netns", e))?,
-            };
+            let ns = Netns::from_pid(pid).map_err(|e| rt_err("netns", e))?;
+            if pidfd.is_some_and(|fd| cubicle_syscalls::pidfd::exited(&fd)) {
+                return Err(Error::Runtime(format!(
+                    "sandbox {id} exited while its network was being attached"
+                )));
+            }
             net.attach(&ns, slot)
                 .map_err(|e| rt_err("network attach", e))?;
         }

@@ -78,10 +78,10 @@ pub(crate) async fn reconcile(inner: &Arc<Inner>) -> Result<ReconcileReport> {
                     && matches!(r.state, SandboxState::Running | SandboxState::Pausing)
                     && r.pid.is_some_and(|p| procfs::is_alive(p, r.pid_start_time)) =>
             {
-                // A crash mid-pause may have left it frozen.
-                if r.state == SandboxState::Pausing
-                    && let Ok(cg) = cubicle_runtime::Cgroup::handle(&r.id)
-                {
+                // A crash mid-pause, mid-snapshot or mid-kill may have left it frozen
+                // (its envd would then hang every request): thawing a thawed cgroup is a
+                // no-op, so every adopted sandbox is thawed.
+                if let Ok(cg) = cubicle_runtime::Cgroup::handle(&r.id) {
                     let _ = cg.thaw();
                 }
                 let mut r = r;

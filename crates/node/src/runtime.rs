@@ -56,6 +56,10 @@ pub struct StartSpec {
     pub binds: Vec<(PathBuf, PathBuf, bool)>,
     /// Volumes, mounted idmapped: (host path, path inside, read-only).
     pub volumes: Vec<(PathBuf, PathBuf, bool)>,
+    /// The Unix socket PID 1 serves on: a file name in `<sandbox_dir>/ctl`, created
+    /// (listening) before PID 1 runs and passed to it as descriptor
+    /// `cubicle_runtime::LISTEN_FD`.
+    pub ctl_socket: String,
 }
 
 /// What the runtime reports after a successful start.

@@ -46,21 +46,17 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
-use cubicle_node::{
-    CreateRequest, DeathReason, Node, NodeConfig, ProcessEvent, ProcessSpec, SandboxInfo,
-    SandboxState,
-};
+use cubicle_node::{CreateRequest, DeathReason, Node, NodeConfig, SandboxInfo, SandboxState};
 use cubicle_runtime::network::{Netns, Network, NetworkConfig, run_in_netns};
+
+mod common;
+use common::{base, bash, host_can_fork, q, slot_of};
 
 type TestResult = anyhow::Result<()>;
 type TestFn = fn(Arc<Ctx>) -> Pin<Box<dyn Future<Output = TestResult>>>;
 
 const FIRST_SLOT: u32 = 4600;
 const MAX_SANDBOXES: u32 = 16;
-/// State dirs whose built `base` template this test may borrow (read-only).
-const BASE_CACHES: &[&str] = &["/var/lib/cubicle", "/var/lib/cubicle-e2e", BUILD_CACHE];
-/// Where this test builds `base` when no state dir has it (kept: built once per machine).
-const BUILD_CACHE: &str = "/var/lib/cubicle-test-abuse";
 /// How fast the idle sandbox must answer `echo` while its neighbour misbehaves.
 const RESPONSIVE: Duration = Duration::from_secs(5);
 
@@ -78,7 +74,7 @@ fn main() {
         );
         return;
     }
-    let envd = match static_envd() {
+    let envd = match common::static_envd() {
         Ok(p) => p,
         Err(e) => {
             eprintln!("abuse: FAILED — no static cubicle-envd: {e}");
@@ -102,7 +98,7 @@ fn main() {
         println!("abuse: 0 tests match {filter:?}");
         return;
     }
-    let _lock = host_lock();
+    let _lock = common::host_lock("abuse");
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -144,13 +140,8 @@ fn main() {
     rt.shutdown_timeout(Duration::from_secs(2));
     // Unmount first (the shared template's read-only bind, the quota filesystem) and
     // only delete when nothing is mounted any more.
-    cubicle_node::fsutil::unmount_all_under(&state);
-    let still = cubicle_node::fsutil::mounts_under(&state);
-    if !still.is_empty() {
-        println!("abuse: still mounted under {}: {still:?}", state.display());
-        failed += 1;
-    } else if let Err(e) = cubicle_node::fsutil::remove_tree(&state) {
-        println!("abuse: could not remove {}: {e}", state.display());
+    if let Some(e) = common::remove_state_dir(&state) {
+        println!("abuse: {e}");
         failed += 1;
     }
     println!("abuse: {} passed, {failed} failed", selected.len() - failed);
@@ -159,232 +150,24 @@ fn main() {
     }
 }
 
-/// One abuse run per host at a time: the test internet's names and the slots are fixed.
-/// An abstract Unix socket, released by the kernel when this process exits.
-fn host_lock() -> std::os::unix::net::UnixListener {
-    use std::os::linux::net::SocketAddrExt;
-    let addr = std::os::unix::net::SocketAddr::from_abstract_name(b"cubicle-abuse-tests")
-        .expect("abstract socket name");
-    let mut waited = false;
-    loop {
-        match std::os::unix::net::UnixListener::bind_addr(&addr) {
-            Ok(l) => return l,
-            Err(e) if e.kind() == std::io::ErrorKind::AddrInUse => {
-                if !waited {
-                    println!("abuse: another abuse run is in progress; waiting");
-                    waited = true;
-                }
-                std::thread::sleep(Duration::from_millis(200));
-            }
-            Err(e) => panic!("abuse test lock: {e}"),
-        }
-    }
-}
-
-/// The static envd next to the test binary's target dir; built if missing.
-fn static_envd() -> anyhow::Result<PathBuf> {
-    if let Ok(p) = cubicle_node::config::find_envd_binary(None) {
-        return Ok(p);
-    }
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../scripts/build-envd.sh");
-    eprintln!(
-        "abuse: building the static cubicle-envd with {}",
-        script.display()
-    );
-    let st = Command::new("bash").arg(&script).status()?;
-    anyhow::ensure!(st.success(), "{} failed: {st}", script.display());
-    Ok(cubicle_node::config::find_envd_binary(None)?)
-}
-
 /// A node on a fresh state dir holding the `base` template (copied from the operator's
 /// cache when there is one, else built).
 async fn setup(envd: &Path, state: &Path) -> anyhow::Result<Ctx> {
-    let _ = cubicle_node::fsutil::remove_tree(state);
-    std::fs::create_dir_all(state.join("templates"))?;
-    let t = Instant::now();
-    let found = BASE_CACHES
-        .iter()
-        .find_map(|d| one_layer_template(Path::new(d), "base"));
-    let cache = match found {
-        Some(c) => c,
-        None => {
-            println!(
-                "  no built base template on this host: building it in {BUILD_CACHE} (one to a few minutes, once per machine)"
-            );
-            let store = cubicle_node::template::TemplateStore::open(Path::new(BUILD_CACHE))?;
-            let built = tokio::task::spawn_blocking(move || store.ensure("base", false)).await??;
-            println!("  base template built in {:.0}s", t.elapsed().as_secs_f64());
-            (built.dir.join("template.json"), built.rootfs)
-        }
-    };
-    let t = Instant::now();
-    let how = share_template(&cache, &state.join("templates/base"))?;
-    println!(
-        "  base template {how} from {} in {:.1}s",
-        cache.1.display(),
-        t.elapsed().as_secs_f64()
-    );
+    common::prepare_base_template(state).await?;
     let mut cfg = NodeConfig::new(state, envd);
     cfg.first_slot = FIRST_SLOT;
     cfg.max_sandboxes = MAX_SANDBOXES;
     cfg.any_free_slots = true;
     let node = Node::open(cfg).await?;
-    let store = node.templates().clone();
-    let t = Instant::now();
-    let base = tokio::task::spawn_blocking(move || store.ensure("base", false)).await??;
-    println!(
-        "  base template ready ({}, {:.1}s)",
-        base.config.builder,
-        t.elapsed().as_secs_f64()
-    );
+    common::ensure_base(&node).await?;
     Ok(Ctx {
         node,
         state: state.to_path_buf(),
     })
 }
 
-/// A built one-layer template in the state dir `state`: its config file and its layer.
-fn one_layer_template(
-    state: &Path,
-    name: &str,
-) -> Option<(std::path::PathBuf, std::path::PathBuf)> {
-    let dir = state.join("templates").join(name);
-    let cfg = dir.join("template.json");
-    let text = std::fs::read_to_string(&cfg).ok()?;
-    let v: serde_json::Value = serde_json::from_str(&text).ok()?;
-    let rootfs = match v.get("layers").and_then(|l| l.as_array()) {
-        Some(layers) if layers.len() == 1 => state.join("layers").join(layers[0].as_str()?),
-        Some(_) => return None,
-        None => dir.join("rootfs"),
-    };
-    rootfs.is_dir().then_some((cfg, rootfs))
-}
-
-/// Put the cached template at `dest` in the older one-directory layout: its config
-/// copied (without its layer list), its layer bind-mounted read-only at `rootfs/`
-/// (instant; a sandbox's overlay only ever reads its lower layer, and the read-only mount
-/// guarantees the operator's copy cannot change). When the bind mount fails, a full copy
-/// (`cp -a --reflink=auto`, ~10-30 s for the 600 MiB rootfs here). Either way, removing
-/// the state dir (`fsutil::remove_tree`) unmounts and deletes it.
-fn share_template(
-    cache: &(std::path::PathBuf, std::path::PathBuf),
-    dest: &Path,
-) -> anyhow::Result<&'static str> {
-    let (cfg, layer) = cache;
-    let rootfs = dest.join("rootfs");
-    std::fs::create_dir_all(&rootfs)?;
-    let mut v: serde_json::Value = serde_json::from_slice(&std::fs::read(cfg)?)?;
-    if let Some(o) = v.as_object_mut() {
-        o.remove("layers");
-    }
-    std::fs::write(dest.join("template.json"), serde_json::to_vec_pretty(&v)?)?;
-    if bind_read_only(layer, &rootfs).is_ok() {
-        return Ok("bind-mounted read-only");
-    }
-    std::fs::remove_dir(&rootfs)?;
-    let st = Command::new("cp")
-        .args(["-a", "--reflink=auto", "-T"])
-        .arg(layer)
-        .arg(&rootfs)
-        .status()?;
-    anyhow::ensure!(st.success(), "copying {}: {st}", layer.display());
-    Ok("copied")
-}
-
-/// Bind `src` on `dst`, then make that mount read-only; verified with statvfs. On any
-/// failure nothing stays mounted.
-fn bind_read_only(src: &Path, dst: &Path) -> anyhow::Result<()> {
-    use std::os::unix::ffi::OsStrExt;
-    let (s, d) = (
-        std::ffi::CString::new(src.as_os_str().as_bytes())?,
-        std::ffi::CString::new(dst.as_os_str().as_bytes())?,
-    );
-    // SAFETY: valid NUL-terminated paths; NULL fstype/data are allowed for binds.
-    if unsafe {
-        libc::mount(
-            s.as_ptr(),
-            d.as_ptr(),
-            std::ptr::null(),
-            libc::MS_BIND,
-            std::ptr::null(),
-        )
-    } != 0
-    {
-        return Err(std::io::Error::last_os_error().into());
-    }
-    let flags = libc::MS_BIND | libc::MS_REMOUNT | libc::MS_RDONLY;
-    // SAFETY: as above; remounts the bind we just made.
-    let r = unsafe {
-        libc::mount(
-            std::ptr::null(),
-            d.as_ptr(),
-            std::ptr::null(),
-            flags,
-            std::ptr::null(),
-        )
-    };
-    let ro = nix::sys::statvfs::statvfs(dst)
-        .is_ok_and(|v| v.flags().contains(nix::sys::statvfs::FsFlags::ST_RDONLY));
-    if r != 0 || !ro {
-        let _ = cubicle_node::fsutil::umount_detach(dst);
-        anyhow::bail!(
-            "could not make the bind mount of {} read-only",
-            src.display()
-        );
-    }
-    Ok(())
-}
-
 // ---------------------------------------------------------------------------------------
 // Helpers.
-
-fn base() -> CreateRequest {
-    CreateRequest {
-        template: "base".into(),
-        timeout: Some(Duration::from_secs(300)),
-        ..Default::default()
-    }
-}
-
-struct Out {
-    out: String,
-    err: String,
-    code: i32,
-}
-
-/// Run `script` under bash through envd as `user` (`None`: the template's default user,
-/// `user`), bounded by `limit`.
-async fn bash(
-    node: &Node,
-    id: &str,
-    user: Option<&str>,
-    script: &str,
-    limit: Duration,
-) -> anyhow::Result<Out> {
-    let client = node.envd(id)?;
-    let spec = ProcessSpec {
-        cmd: "/bin/bash".into(),
-        args: vec!["-c".into(), script.into()],
-        user: user.map(String::from),
-        ..Default::default()
-    };
-    let (mut out, mut err) = (Vec::new(), Vec::new());
-    let end = tokio::time::timeout(
-        limit,
-        client.run(&spec, |ev| match ev {
-            ProcessEvent::Stdout(b) => out.extend(b),
-            ProcessEvent::Stderr(b) => err.extend(b),
-            ProcessEvent::Start(_) => {}
-        }),
-    )
-    .await
-    .map_err(|_| anyhow::anyhow!("{script:?} in {id} did not finish within {limit:?}"))??;
-    Ok(Out {
-        out: String::from_utf8_lossy(&out).into(),
-        err: String::from_utf8_lossy(&err).into(),
-        code: end.exit_code,
-    })
-}
 
 /// The sandbox answers `echo` within [`RESPONSIVE`]; how long it took.
 async fn responsive(node: &Node, id: &str) -> anyhow::Result<Duration> {
@@ -397,19 +180,6 @@ async fn responsive(node: &Node, id: &str) -> anyhow::Result<Duration> {
         o.err
     );
     Ok(t.elapsed())
-}
-
-/// The host still forks and execs.
-fn host_can_fork() -> TestResult {
-    let t = Instant::now();
-    let st = Command::new("true").status()?;
-    anyhow::ensure!(st.success(), "host `true` failed: {st}");
-    anyhow::ensure!(
-        t.elapsed() < Duration::from_secs(2),
-        "host fork+exec took {:?}",
-        t.elapsed()
-    );
-    Ok(())
 }
 
 /// The neighbour and the host are fine.
@@ -425,37 +195,13 @@ async fn unaffected(ctx: &Ctx, b: &SandboxInfo, during: &str) -> TestResult {
     Ok(())
 }
 
-fn slot_of(uid_base: u32) -> u32 {
-    (uid_base - 200_000) / 65536
-}
-
 /// Kill `s` (if still alive), check it is recorded as `want` and that nothing is left.
 async fn kill_and_check(
     ctx: &Ctx,
     s: &SandboxInfo,
     want: DeathReason,
 ) -> anyhow::Result<SandboxInfo> {
-    let t = Instant::now();
-    match ctx.node.kill(&s.id).await {
-        Ok(()) | Err(cubicle_node::Error::SandboxNotFound(_)) => {}
-        Err(e) => return Err(e.into()),
-    }
-    let dead = ctx.node.get(&s.id)?;
-    anyhow::ensure!(
-        dead.state == SandboxState::Dead && dead.death_reason == Some(want),
-        "{}: state {:?}, reason {:?}, want {want}",
-        s.id,
-        dead.state,
-        dead.death_reason
-    );
-    let left = cubicle_node::traces::leftovers(&ctx.state, &s.id, Some(slot_of(s.uid_base)), s.pid);
-    anyhow::ensure!(left.is_empty(), "sandbox {} left traces: {left:?}", s.id);
-    println!(
-        "  {} gone ({want}) in {:.0} ms",
-        s.id,
-        t.elapsed().as_secs_f64() * 1e3
-    );
-    Ok(dead)
+    common::kill_and_check(&ctx.node, &ctx.state, s, want).await
 }
 
 /// Wait until `id` is dead; its info.
@@ -470,11 +216,6 @@ async fn death_of(node: &Node, id: &str, limit: Duration) -> anyhow::Result<Sand
         anyhow::ensure!(t.elapsed() < limit, "{id} did not die within {limit:?}");
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-}
-
-/// Shell-quote for bash.
-fn q(s: &str) -> String {
-    format!("'{}'", s.replace('\'', r"'\''"))
 }
 
 /// `statvfs` free bytes (for unprivileged writers).

@@ -259,6 +259,7 @@ async fn local_user_reads_nothing(envd: PathBuf) -> TestResult {
             (state.join("sandboxes"), 0o700),
             (record.clone(), 0o600),
             (dir.join("init.log"), 0o600),
+            (dir.join("init.pipe"), 0o600),
             (state.join("node.lock"), 0o600),
         ] {
             let got = mode(&p)?;

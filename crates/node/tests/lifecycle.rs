@@ -474,7 +474,9 @@ async fn reopen_adopts_live_and_removes_dead(envd: PathBuf) -> TestResult {
     let first_slot = node.config().first_slot;
     let live = node.create(tiny()).await?;
     let doomed = node.create(tiny()).await?;
-    // Simulate a crash: the node goes away without cleaning; `doomed`'s init dies meanwhile.
+    // Simulate a crash: the node goes away without cleaning (with `live` frozen, as a crash
+    // mid-snapshot or mid-kill leaves it); `doomed`'s init dies meanwhile.
+    cubicle_runtime::Cgroup::handle(&live.id)?.freeze(Duration::from_secs(2))?;
     node.close();
     drop(node);
     let pid = doomed.pid.ok_or_else(|| anyhow::anyhow!("no pid"))?;
@@ -506,7 +508,10 @@ async fn reopen_adopts_live_and_removes_dead(envd: PathBuf) -> TestResult {
         Some(slot_of(doomed.uid_base)),
         doomed.pid,
     )?;
-    let (out, _, _) = sh(&node, &live.id, "id -u").await?;
+    // Adopted and thawed: it answers (a frozen envd would hang this request).
+    let (out, _, _) = tokio::time::timeout(Duration::from_secs(5), sh(&node, &live.id, "id -u"))
+        .await
+        .map_err(|_| anyhow::anyhow!("adopted sandbox still frozen: no answer in 5 s"))??;
     anyhow::ensure!(
         out.trim() == "0",
         "adopted sandbox does not answer: {out:?}"

@@ -6,11 +6,14 @@
 //! 1. wait for the helper's "go" (uid/gid maps written) and receive the prepared mount fds;
 //! 2. become root of its user namespace (`setresgid/setgroups/setresuid` to 0);
 //! 3. new session (detached from the caller's terminal), stdout → the log (stderr);
-//! 4. build the root filesystem and `pivot_root` into it (`rootfs.rs`), with paths relative
-//!    to the sandbox directory (the working directory the helper gave it);
+//! 4. allow ICMP echo sockets for the sandbox's groups (`ping` without CAP_NET_RAW), then
+//!    build the root filesystem and `pivot_root` into it (`rootfs.rs`), with paths
+//!    relative to the sandbox directory (the working directory the helper gave it); create
+//!    the init's listening socket in the ctl directory and make that read-only (`ctl.rs`);
 //! 5. hostname, loopback up, stdin ← /dev/null;
 //! 6. reset signal dispositions, mask and umask; drop capabilities from the bounding set (`capabilities.rs`), install the seccomp
-//!    filter (`seccomp.rs`), mark every other fd close-on-exec;
+//!    filter (`seccomp.rs`), put the listening socket on fd 3 ([`crate::LISTEN_FD`]) and
+//!    mark every other fd close-on-exec;
 //! 7. `execve` the init program.
 //!
 //! Any failure is reported on the status pipe as `error <step>: <reason>` and the child
@@ -22,8 +25,8 @@ use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use crate::cgroup::InnerMounts;
 use crate::helper::{Status, mark, report};
 use crate::seccomp::SeccompPolicy;
-use crate::spec::SandboxSpec;
-use crate::{capabilities, rootfs, sys};
+use crate::spec::{LISTEN_FD, SandboxSpec};
+use crate::{capabilities, ctl, rootfs, sys};
 
 /// Runs the child; never returns.
 pub(crate) fn main(
@@ -34,8 +37,9 @@ pub(crate) fn main(
     out: RawFd,
 ) -> ! {
     // A close-on-exec copy of the status pipe: it closes by itself when execve succeeds.
+    // Above LISTEN_FD, which the init's socket takes just before execve.
     // SAFETY: fcntl with integer arguments.
-    let status = unsafe { libc::fcntl(out, libc::F_DUPFD_CLOEXEC, 3) };
+    let status = unsafe { libc::fcntl(out, libc::F_DUPFD_CLOEXEC, LISTEN_FD + 1) };
     let status = if status < 0 { out } else { status };
     if let Err(msg) = run(spec, cgroup, policy, sock, status) {
         report(status, &Status::Error(msg));
@@ -85,11 +89,22 @@ fn run(
         ));
     }
     let sources: Vec<_> = binds.into_iter().map(|b| b.source).collect();
-    // The helper made the sandbox directory our working directory: its upper, work and
-    // staging directories are reached relative to it, so this process (an unprivileged
-    // host uid) needs no search permission on the state directory above (root's, 0700).
+    // The helper made the sandbox directory our working directory: its upper, work,
+    // staging and ctl directories are reached relative to it, so this process (an
+    // unprivileged host uid) needs no search permission on the state directory above
+    // (root's, 0700).
     let mut here = spec.clone();
     here.sandbox_dir = std::path::PathBuf::from(".");
+    // ICMP echo ("ping") sockets for every group of the sandbox, in its own network
+    // namespace: `ping` works without CAP_NET_RAW, which a sandbox does not get.
+    // Through the host's /proc, before the sandbox's own /proc/sys is read-only.
+    step(
+        "ping_group_range",
+        std::fs::write(
+            "/proc/sys/net/ipv4/ping_group_range",
+            format!("0 {}\n", spec.uid_count.saturating_sub(1)),
+        ),
+    )?;
     let (lower_fds, bind_fds) = fds.split_at(lowers);
     rootfs::execute(
         &rootfs::plan(&here, cgroup),
@@ -99,6 +114,12 @@ fn run(
         status,
     )?;
     drop(fds);
+    // Inside the new root, at the path the sandbox sees, then the ctl mount goes read-only.
+    let listener = match &spec.ctl_socket {
+        Some(name) => Some(ctl::listen_in_sandbox(name).map_err(|e| format!("ctl socket: {e}"))?),
+        None => None,
+    };
+    ctl::seal_in_sandbox().map_err(|e| format!("ctl directory: {e}"))?;
     mark(status, "rootfs_ready");
 
     step("sethostname", {
@@ -133,7 +154,13 @@ fn run(
         "restrict capabilities",
         capabilities::restrict_bounding_set(),
     )?;
-    step("close inherited fds", sys::cloexec_from(3))?;
+    if let Some(l) = listener {
+        step("pass the ctl socket", sys::move_fd_to(l, LISTEN_FD))?;
+    }
+    step(
+        "close inherited fds",
+        sys::cloexec_from(LISTEN_FD as u32 + 1),
+    )?;
     mark(status, "exec");
     step("install seccomp filter", policy.install())?;
     // SAFETY: argv/envp are NULL-terminated arrays of valid C strings that outlive the call.

@@ -43,19 +43,24 @@
 //! `/` = overlay(template, `<sandbox_dir>/upper`); fresh `/proc` with masked files
 //! (`masked_paths.rs`); read-only `/sys` with its own cgroup (as the root, through the
 //! cgroup namespace) read-only at `/sys/fs/cgroup`; a minimal `/dev` with private PTYs;
-//! tmpfs `/run` holding [`ENVD_PATH`] and [`CTL_DIR`]; `/tmp` on the overlay; only `lo` as
+//! tmpfs `/run` holding [`ENVD_PATH`] and [`CTL_DIR`] (both read-only; the init finds
+//! its listening socket on fd [`LISTEN_FD`]); `/tmp` on the overlay; only `lo` as
 //! network interface until the network module adds a veth; root = host `uid_base`.
 //!
 //! # API
 //!
 //! - [`SandboxSpec`] + [`Limits`] + [`BindMount`]: what to create. The agent binary goes
-//!   to [`ENVD_PATH`] (read-only), `<sandbox_dir>/ctl` to [`CTL_DIR`] (read-write).
+//!   to [`ENVD_PATH`] (read-only), `<sandbox_dir>/ctl` to [`CTL_DIR`] (read-only, with
+//!   the socket of [`SandboxSpec::ctl_socket`] in it).
 //! - [`spawn`]`(&spec) -> Sandbox`: blocking, returns once the init program was exec'd.
 //! - [`Sandbox`]: `pid()`, `pidfd()`, `netns_path()`, `is_alive()`, `exit_status()`,
-//!   `wait_timeout()`, `stats()`, `oom_killed()`, `kill()`, `destroy()`, `timings()`.
+//!   `wait_timeout()`, `stats()`, `oom_killed()`, `kill()`, `destroy()`, `stop()`,
+//!   `timings()`, `take_init_log()`/`read_init_log()` (PID 1's output: a FIFO, never a
+//!   host file; [`open_init_log`] reopens it after a restart).
+//! - [`remove_tree`]: removes a directory tree whatever a sandbox left in it.
 //! - [`connect_ctl_socket`]`(ctl_dir, "envd.sock")`: connect to the agent's socket
-//!   WITHOUT following symlinks the sandbox may plant in its ctl directory (a plain
-//!   `connect("<dir>/ctl/envd.sock")` from the host can be redirected to any host socket).
+//!   WITHOUT following symlinks (a plain `connect("<dir>/ctl/envd.sock")` from the host
+//!   could be redirected to any host socket by whoever wrote the ctl directory).
 //! - Reconciliation after a crash: [`list_sandboxes`], [`Sandbox::adopt`],
 //!   [`remove_leftovers`], [`reap_orphans`].
 //! - [`bench::spawn_latency`], [`bench::idle_memory_per_sandbox`]: the create→init-running
@@ -75,7 +80,9 @@ mod ctl;
 mod error;
 mod helper;
 mod id;
+mod init_log;
 pub mod masked_paths;
+mod remove_tree;
 pub mod restore;
 mod rootfs;
 mod sandbox;
@@ -88,12 +95,18 @@ pub mod storage;
 
 pub use attach::attach_binds;
 pub use cgroup::{Cgroup, CgroupStats, CgroupVersion};
-pub use ctl::{connect_ctl_socket, connect_ctl_socket_async, ctl_socket_parts, open_ctl_socket};
+pub use ctl::{
+    connect_ctl_socket, connect_ctl_socket_async, ctl_socket_parts, open_ctl_socket,
+    set_ctl_dir_readonly,
+};
 pub use error::{Error, Result};
 pub use id::SandboxId;
+pub use init_log::{create_init_log, open_init_log};
+pub use remove_tree::remove_tree;
 pub use sandbox::{Sandbox, list_sandboxes, reap_orphans, remove_leftovers, spawn};
 pub use spec::{
-    BindMount, CTL_DIR, DEFAULT_UID_COUNT, ENVD_PATH, Limits, MAX_BINDS, MIN_UID_BASE, SandboxSpec,
+    BindMount, CTL_DIR, DEFAULT_UID_COUNT, ENVD_PATH, LISTEN_FD, Limits, MAX_BINDS, MIN_UID_BASE,
+    SandboxSpec,
 };
 
 /// If this process was started as the sandbox helper (`argv[1]` is the hidden marker),

@@ -4,7 +4,7 @@
 use std::fs;
 use std::io::{Read, Write};
 use std::os::fd::{AsRawFd, OwnedFd};
-use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt, PermissionsExt, chown};
+use std::os::unix::fs::{DirBuilderExt, PermissionsExt, chown};
 use std::os::unix::process::{CommandExt, ExitStatusExt};
 use std::path::{Path, PathBuf};
 use std::process::{Command, ExitStatus, Stdio};
@@ -36,6 +36,8 @@ pub struct Sandbox {
     /// `None`: running; `Some(status)`: exited (status `None` when not our child).
     exit: Mutex<Option<Option<ExitStatus>>>,
     timings: Vec<(String, Duration)>,
+    /// Read end of the init log FIFO, until the caller takes it.
+    init_log: Mutex<Option<OwnedFd>>,
 }
 
 /// Creates a sandbox and returns once its init program has been exec'd.
@@ -66,8 +68,19 @@ pub fn spawn(spec: &SandboxSpec) -> Result<Sandbox> {
     };
     timings.push(("cgroup_created".to_string(), start.elapsed()));
 
+    let (log_reader, log_writer) = match &spec.init_log {
+        Some(p) => match crate::init_log::create_init_log(p) {
+            Ok((r, w)) => (Some(r), Some(w)),
+            Err(e) => {
+                let _ = cgroup.remove();
+                remove_dirs(&created);
+                return Err(io_ctx(|| format!("init log FIFO {}", p.display()))(e));
+            }
+        },
+        None => (None, None),
+    };
     let mut pid = None;
-    match run_helper(spec, start_ns, &mut pid, &mut timings) {
+    match run_helper(spec, log_writer, start_ns, &mut pid, &mut timings) {
         Ok(()) => {}
         Err(e) => {
             let _ = cgroup.kill_all();
@@ -93,6 +106,7 @@ pub fn spawn(spec: &SandboxSpec) -> Result<Sandbox> {
         is_parent: true,
         exit: Mutex::new(None),
         timings,
+        init_log: Mutex::new(log_reader),
     })
 }
 
@@ -152,33 +166,27 @@ fn prepare_dirs_into(spec: &SandboxSpec, created: &mut Vec<PathBuf>) -> Result<(
 }
 
 /// Removes what `spawn` created inside the sandbox directory (not the directory itself,
-/// which belongs to the caller and may hold logs).
+/// which belongs to the caller and may hold logs), whatever the sandbox left in it
+/// ([`crate::remove_tree`]).
 fn remove_layers(dir: &Path) -> Result<()> {
     for sub in ["upper", "work", "ctl", "rootfs"] {
         let p = dir.join(sub);
-        match fs::remove_dir_all(&p) {
-            Ok(()) => {}
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-            Err(e) => return Err(io_ctx(|| format!("remove {}", p.display()))(e)),
-        }
+        crate::remove_tree::remove_tree(&p)
+            .map_err(io_ctx(|| format!("remove {}", p.display())))?;
     }
     Ok(())
 }
 
 fn run_helper(
     spec: &SandboxSpec,
+    writer: Option<OwnedFd>,
     start_ns: u64,
     pid_out: &mut Option<i32>,
     timings: &mut Vec<(String, Duration)>,
 ) -> Result<()> {
-    let log: Stdio = match &spec.log_file {
-        Some(p) => fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .mode(0o600)
-            .open(p)
-            .map_err(io_ctx(|| format!("open log file {}", p.display())))?
-            .into(),
+    // The helper's stderr, which the sandbox child makes PID 1's stdout and stderr.
+    let log: Stdio = match writer {
+        Some(w) => w.into(),
         None => Stdio::null(),
     };
     let mut child = Command::new("/proc/self/exe")
@@ -358,6 +366,27 @@ impl Sandbox {
         &self.timings
     }
 
+    /// The read end of the init log FIFO ([`SandboxSpec::init_log`]) opened by `spawn`,
+    /// for the caller to drain (once: later calls return `None`; so does an adopted
+    /// sandbox — use [`crate::open_init_log`]).
+    pub fn take_init_log(&self) -> Option<OwnedFd> {
+        self.init_log
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take()
+    }
+
+    /// Appends what PID 1 wrote since the last call to `out` without blocking (when the
+    /// init log was not taken); true once every writer is gone (the sandbox ended).
+    pub fn read_init_log(&self, out: &mut Vec<u8>) -> Result<bool> {
+        let guard = self.init_log.lock().unwrap_or_else(|p| p.into_inner());
+        match guard.as_ref() {
+            Some(fd) => crate::init_log::read_available(fd, out)
+                .map_err(io_ctx(|| "read the init log".into())),
+            None => Ok(true),
+        }
+    }
+
     /// Whether the init process is still running.
     pub fn is_alive(&self) -> bool {
         self.poll_exit().is_none()
@@ -438,9 +467,17 @@ impl Sandbox {
     /// directories. Its mounts lived only in its own mount namespace, which is gone once
     /// its last process exited.
     pub fn destroy(self) -> Result<()> {
+        let dir = self.sandbox_dir.clone();
+        self.stop()?;
+        remove_layers(&dir)
+    }
+
+    /// [`destroy`](Self::destroy) without removing the directories: for a caller that
+    /// removes the whole sandbox directory itself (a btrfs subvolume goes in O(1),
+    /// however many files the sandbox wrote).
+    pub fn stop(self) -> Result<()> {
         self.kill()?;
-        self.cgroup.remove()?;
-        remove_layers(&self.sandbox_dir)
+        self.cgroup.remove()
     }
 
     /// Re-attaches to a sandbox left running by an earlier process (e.g. after a node
@@ -469,6 +506,7 @@ impl Sandbox {
             is_parent,
             exit: Mutex::new(None),
             timings: Vec::new(),
+            init_log: Mutex::new(None),
         })
     }
 }

@@ -13,9 +13,15 @@ use crate::error::{Error, Result};
 
 /// Where the agent binary is bind-mounted (read-only) inside every sandbox.
 pub const ENVD_PATH: &str = "/run/cubicle/envd";
-/// Where `<sandbox_dir>/ctl` is bind-mounted (read-write) inside every sandbox; the agent
-/// listens on a Unix socket there and the host reaches it through `<sandbox_dir>/ctl`.
+/// Where `<sandbox_dir>/ctl` is bind-mounted (read-only once the init's socket is in it)
+/// inside every sandbox. The agent's Unix socket ([`SandboxSpec::ctl_socket`]) is there;
+/// the host reaches it through `<sandbox_dir>/ctl`. Read-only so that nothing a sandbox writes lives outside its
+/// overlay (on btrfs, a writable directory of the quota filesystem let it create
+/// subvolumes, each with its own unlimited quota).
 pub const CTL_DIR: &str = "/run/cubicle/ctl";
+/// The descriptor the init program finds [`SandboxSpec::ctl_socket`]'s listening socket
+/// on (systemd's `SD_LISTEN_FDS_START`).
+pub const LISTEN_FD: i32 = 3;
 /// Size of every sandbox's uid/gid range (root inside = `uid_base`, 65535 = `uid_base+65535`).
 pub const DEFAULT_UID_COUNT: u32 = 65536;
 /// Lowest acceptable `uid_base`: host uids below this belong to host users and services.
@@ -109,16 +115,24 @@ pub struct SandboxSpec {
     pub env: Vec<(String, String)>,
     /// The agent binary bind-mounted read-only at [`ENVD_PATH`], if any.
     pub envd_binary: Option<PathBuf>,
-    /// Extra bind mounts (at most [`MAX_BINDS`]). `<sandbox_dir>/ctl` → [`CTL_DIR`] is
-    /// always added and need not be listed.
+    /// Extra bind mounts (at most [`MAX_BINDS`]). `<sandbox_dir>/ctl` → [`CTL_DIR`]
+    /// (read-only before the init runs) is always added and need not be listed.
     pub binds: Vec<BindMount>,
-    /// Host file receiving the init program's stdout and stderr (appended). `None`: /dev/null.
-    pub log_file: Option<PathBuf>,
+    /// A Unix socket the init program serves on: created (listening) as `CTL_DIR/<name>`
+    /// (`<sandbox_dir>/ctl/<name>` on the host) in the sandbox's namespaces before the
+    /// init runs, and passed to it as descriptor [`LISTEN_FD`]. `None`: no socket.
+    pub ctl_socket: Option<String>,
+    /// Host path of a FIFO that receives the init program's stdout and stderr (see
+    /// `init_log.rs`): created (mode 0600) if missing; [`crate::spawn`] returns its read
+    /// end in the [`crate::Sandbox`] ([`crate::Sandbox::take_init_log`]), and
+    /// [`crate::open_init_log`] opens it again later. Never a plain file: the sandbox's
+    /// root can take PID 1's descriptors. `None`: /dev/null.
+    pub init_log: Option<PathBuf>,
 }
 
 impl SandboxSpec {
     /// A spec with default limits (512 MiB, 2 CPUs, 1024 pids), `uid_count` 65536, the id
-    /// as hostname, internet off, no extra mounts and no log file.
+    /// as hostname, internet off, no extra mounts and no init log.
     pub fn new(
         id: impl Into<String>,
         rootfs: impl Into<PathBuf>,
@@ -141,7 +155,8 @@ impl SandboxSpec {
             env: Vec::new(),
             envd_binary: None,
             binds: Vec::new(),
-            log_file: None,
+            ctl_socket: None,
+            init_log: None,
         }
     }
 
@@ -181,6 +196,8 @@ impl SandboxSpec {
                 idmapped: false,
             });
         }
+        // Attached writable: the sandbox child binds the init's socket in it, then makes
+        // it read-only before anything of the tenant runs (`ctl.rs`).
         binds.push(BindMount {
             source: self.ctl_dir(),
             target: PathBuf::from(CTL_DIR),
@@ -305,10 +322,15 @@ impl SandboxSpec {
                 return bad(format!("bind target {} is reserved", b.target.display()));
             }
         }
-        if let Some(log) = &self.log_file
+        if let Some(name) = &self.ctl_socket
+            && (name.is_empty() || name.contains(['/', '\0']) || name == "." || name == "..")
+        {
+            return bad(format!("ctl_socket {name:?} must be a plain file name"));
+        }
+        if let Some(log) = &self.init_log
             && !log.is_absolute()
         {
-            return bad(format!("log_file {} must be absolute", log.display()));
+            return bad(format!("init_log {} must be absolute", log.display()));
         }
         Ok(())
     }
@@ -389,6 +411,7 @@ mod tests {
             b.iter()
                 .any(|b| b.target == Path::new(ENVD_PATH) && b.readonly)
         );
+        // Attached writable; the child seals it once the init's socket is in it.
         assert!(b.iter().any(|b| b.target == Path::new(CTL_DIR)
             && !b.readonly
             && b.source == Path::new("/s/abc123/ctl")));

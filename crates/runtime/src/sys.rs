@@ -9,7 +9,7 @@
 
 use std::ffi::{CStr, CString};
 use std::io;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsRawFd, FromRawFd, IntoRawFd, OwnedFd, RawFd};
 use std::os::unix::ffi::OsStrExt;
 use std::path::Path;
 
@@ -114,11 +114,22 @@ pub fn open_tree_clone_recursive(path: &Path) -> io::Result<OwnedFd> {
     Ok(unsafe { OwnedFd::from_raw_fd(fd as RawFd) })
 }
 
-/// `mount_setattr(fd, "", AT_EMPTY_PATH, {attr_set, userns_fd})` on a detached mount.
+/// `mount_setattr(fd, "", AT_EMPTY_PATH, {attr_set, userns_fd})` on the mount `fd` is
+/// the root of (a detached one, or an attached one opened at its mount point).
 pub fn mount_setattr(fd: &OwnedFd, attr_set: u64, userns_fd: Option<RawFd>) -> io::Result<()> {
+    mount_setattr_clr(fd, attr_set, 0, userns_fd)
+}
+
+/// [`mount_setattr`] that also clears the attributes `attr_clr`.
+pub fn mount_setattr_clr(
+    fd: &OwnedFd,
+    attr_set: u64,
+    attr_clr: u64,
+    userns_fd: Option<RawFd>,
+) -> io::Result<()> {
     let attr = MountAttr {
         attr_set,
-        attr_clr: 0,
+        attr_clr,
         propagation: 0,
         userns_fd: userns_fd.map(|f| f as u64).unwrap_or(0),
     };
@@ -278,6 +289,23 @@ pub fn cloexec_from(first: u32) -> io::Result<()> {
     // SAFETY: plain syscall with integer arguments.
     check(unsafe { libc::syscall(SYS_CLOSE_RANGE, first, u32::MAX, CLOSE_RANGE_CLOEXEC) })?;
     Ok(())
+}
+
+/// Makes `fd` descriptor number `target`, inherited across `execve` (not close-on-exec),
+/// and closes the original (unless it already was `target`).
+pub fn move_fd_to(fd: OwnedFd, target: RawFd) -> io::Result<()> {
+    let raw = fd.into_raw_fd();
+    if raw == target {
+        // SAFETY: fcntl with integer arguments on our descriptor.
+        check_int(unsafe { libc::fcntl(raw, libc::F_SETFD, 0) })?;
+        return Ok(());
+    }
+    // SAFETY: dup2 with two descriptor numbers; dup2 clears FD_CLOEXEC on the copy. The
+    // original is ours to close.
+    let rc = unsafe { libc::dup2(raw, target) };
+    // SAFETY: as above.
+    unsafe { libc::close(raw) };
+    check_int(rc).map(drop)
 }
 
 /// Linux capability sets, version 3 (two 32-bit words per set).

@@ -6,7 +6,7 @@
 //! (`cargo test -p cubicle-runtime --test sandbox -- oom`).
 //!
 //! The template is a busybox-static rootfs built in a temporary directory. Init programs are
-//! `/bin/busybox sh -c SCRIPT` whose output goes to a log file the test reads.
+//! `/bin/busybox sh -c SCRIPT` whose output the test reads from the init log FIFO.
 
 // Tests: a failed unwrap or expect is a failed test (clippy.toml allows them only in #[test] fns).
 #![allow(clippy::unwrap_used, clippy::expect_used)]
@@ -28,6 +28,8 @@ struct Env {
     counter: AtomicU32,
     has_suid_probe: bool,
     has_syscall_probe: bool,
+    /// What each sandbox's PID 1 wrote, by id (read from its init log FIFO).
+    logs: std::sync::Mutex<std::collections::HashMap<String, Vec<u8>>>,
 }
 
 impl Env {
@@ -49,6 +51,7 @@ impl Env {
             counter: AtomicU32::new(0),
             has_suid_probe,
             has_syscall_probe,
+            logs: Default::default(),
         }
     }
 
@@ -69,13 +72,25 @@ impl Env {
                 script.into(),
             ],
         );
-        spec.log_file = Some(self.root.join(format!("{id}.log")));
+        spec.init_log = Some(self.root.join(format!("{id}.pipe")));
         spec.limits.memory_bytes = 128 << 20;
         spec
     }
 
-    fn log(&self, spec: &SandboxSpec) -> String {
-        fs::read_to_string(spec.log_file.as_ref().unwrap()).unwrap_or_default()
+    /// Everything PID 1 wrote so far (its init log FIFO, drained here); once the sandbox
+    /// has ended, waits (up to 5 s) for the last writer to go.
+    fn log(&self, sb: &Sandbox) -> String {
+        let deadline = Instant::now() + Duration::from_secs(5);
+        let mut logs = self.logs.lock().unwrap();
+        let buf = logs.entry(sb.id().to_string()).or_default();
+        loop {
+            let eof = sb.read_init_log(buf).unwrap();
+            if eof || sb.is_alive() || Instant::now() > deadline {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        String::from_utf8_lossy(buf).into_owned()
     }
 
     /// Spawns, waits for init to exit (10 s max), returns the sandbox and its output.
@@ -84,9 +99,9 @@ impl Env {
         assert!(
             sb.wait_timeout(Duration::from_secs(10)),
             "init did not exit; log: {}",
-            self.log(spec)
+            self.log(&sb)
         );
-        let log = self.log(spec);
+        let log = self.log(&sb);
         (sb, log)
     }
 }
@@ -438,27 +453,34 @@ fn devices_and_ctl_bind(env: &Env) {
     let extra = env.root.join("extra-ro");
     fs::create_dir_all(&extra).unwrap();
     fs::write(extra.join("file"), "extra\n").unwrap();
-    // A host socket the sandbox will try to redirect the node to.
-    let host_sock = env.root.join("host-only.sock");
-    let _listener = std::os::unix::net::UnixListener::bind(&host_sock).unwrap();
-    let mut spec = env.spec(&format!(
-        "ln -s {} /run/cubicle/ctl/envd.sock; \
-         head -c 16 /dev/urandom | wc -c; echo x > /dev/null && echo null-ok; \
-         exec 3<>/dev/ptmx && echo ptmx-ok; ls /dev/pts; \
+    let mut spec = env.spec(
+        "head -c 16 /dev/urandom | wc -c; echo x > /dev/null && echo null-ok; \
+         exec 4<>/dev/ptmx && echo ptmx-ok; ls /dev/pts; \
          cat /run/cubicle/envd | head -1; echo x > /run/cubicle/envd || echo envd-ro; \
-         echo from-inside > /run/cubicle/ctl/hello && echo ctl-ok; \
+         echo from-inside > /run/cubicle/ctl/hello || echo ctl-ro; \
+         ln -s /tmp /run/cubicle/ctl/link || echo ctl-ro-link; \
+         test -S /run/cubicle/ctl/envd.sock && echo sock-visible; \
+         readlink /proc/$$/fd/3 | cut -c1-7; \
          cat /opt/extra/file; touch /opt/extra/new || echo extra-ro; \
-         touch /sys/x 2>/dev/null || echo sys-ro; echo end",
-        host_sock.display()
-    ));
+         touch /sys/x 2>/dev/null || echo sys-ro; sleep 2; echo end",
+    );
     spec.envd_binary = Some(envd);
+    spec.ctl_socket = Some("envd.sock".into());
     spec.binds.push(BindMount {
         source: extra,
         target: "/opt/extra".into(),
         readonly: true,
         idmapped: false,
     });
-    let (sb, log) = env.run(&spec);
+    let sb = spawn(&spec).unwrap_or_else(|e| panic!("spawn {}: {e}", spec.id));
+    // The init's listening socket answers from the host while it runs (nobody accepts:
+    // the backlog takes the connection).
+    assert!(sb.connect_ctl("envd.sock").is_ok());
+    assert!(
+        sb.wait_timeout(Duration::from_secs(10)),
+        "init did not exit"
+    );
+    let log = env.log(&sb);
     for want in [
         "16",
         "null-ok",
@@ -466,7 +488,10 @@ fn devices_and_ctl_bind(env: &Env) {
         "ptmx",
         "#!/bin/sh",
         "envd-ro",
-        "ctl-ok",
+        "ctl-ro",
+        "ctl-ro-link",
+        "sock-visible",
+        "socket:",
         "extra",
         "extra-ro",
         "sys-ro",
@@ -477,13 +502,14 @@ fn devices_and_ctl_bind(env: &Env) {
             "missing {want:?}: {log}"
         );
     }
-    assert_eq!(
-        fs::read_to_string(spec.ctl_dir().join("hello")).unwrap(),
-        "from-inside\n"
-    );
-    // The planted symlink would take a naive host connect to the host's socket...
+    assert!(!spec.ctl_dir().join("hello").exists());
+    // A symlink in the ctl directory (written by whoever could) would take a naive host
+    // connect to the host's socket; the runtime's connect refuses it.
+    let host_sock = env.root.join("host-only.sock");
+    let _listener = std::os::unix::net::UnixListener::bind(&host_sock).unwrap();
+    fs::remove_file(spec.ctl_dir().join("envd.sock")).unwrap();
+    symlink(&host_sock, spec.ctl_dir().join("envd.sock")).unwrap();
     assert!(std::os::unix::net::UnixStream::connect(spec.ctl_dir().join("envd.sock")).is_ok());
-    // ...the runtime's connect refuses it.
     let e = sb.connect_ctl("envd.sock").unwrap_err().to_string();
     assert!(e.contains("not a socket"), "{e}");
     destroy_and_check(sb, &spec);
@@ -529,9 +555,9 @@ fn idmapped_binds_at_spawn_and_while_running(env: &Env) {
     assert!(
         sb.wait_timeout(Duration::from_secs(20)),
         "log: {}",
-        env.log(&spec)
+        env.log(&sb)
     );
-    let log = env.log(&spec);
+    let log = env.log(&sb);
     for want in [
         "1000:1000",
         "root-wrote",
@@ -855,12 +881,8 @@ fn base_template_sudo(env: &Env) {
     let t = Instant::now();
     let sb = spawn(&spec).unwrap();
     let spawned = t.elapsed();
-    assert!(
-        sb.wait_timeout(Duration::from_secs(20)),
-        "{}",
-        env.log(&spec)
-    );
-    let log = env.log(&spec);
+    assert!(sb.wait_timeout(Duration::from_secs(20)), "{}", env.log(&sb));
+    let log = env.log(&sb);
     println!("    base template: spawn {spawned:?}");
     for want in ["user", "0", "sudo-ok", "42", "end"] {
         assert!(

@@ -85,51 +85,13 @@ pub fn umount_detach(path: &Path) -> std::io::Result<()> {
 }
 
 /// Remove `dir` recursively, first unmounting anything mounted below it, and never
-/// descending into a directory that lives on another filesystem than `dir` itself
-/// (such a directory is reported as an error instead). Missing `dir` is not an error.
+/// descending into another mount (such a directory is reported as an error instead).
+/// Whatever a sandbox left in it goes: nested btrfs subvolumes, read-only or not,
+/// immutable files, trees deeper than PATH_MAX (`cubicle_runtime::remove_tree`). Missing
+/// `dir` is not an error.
 pub fn remove_tree(dir: &Path) -> Result<()> {
-    let meta = match fs::symlink_metadata(dir) {
-        Ok(m) => m,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
-        Err(e) => return Err(Error::io("stat", dir, e)),
-    };
     unmount_all_under(dir);
-    if !meta.is_dir() {
-        return fs::remove_file(dir).ctx("remove", dir);
-    }
-    let dev = fs::symlink_metadata(dir).ctx("stat", dir)?.dev();
-    remove_dir_same_dev(dir, dev)
-}
-
-fn remove_dir_same_dev(dir: &Path, dev: u64) -> Result<()> {
-    // Undo immutable attributes? Not needed: templates never set them.
-    let entries = fs::read_dir(dir).ctx("readdir", dir)?;
-    for entry in entries {
-        let entry = entry.ctx("readdir", dir)?;
-        let path = entry.path();
-        let m = fs::symlink_metadata(&path).ctx("stat", &path)?;
-        if m.is_dir() {
-            if m.dev() != dev {
-                return Err(Error::io(
-                    "refusing to remove a mounted directory",
-                    &path,
-                    std::io::Error::from(std::io::ErrorKind::ResourceBusy),
-                ));
-            }
-            remove_dir_same_dev(&path, dev)?;
-        } else {
-            match fs::remove_file(&path) {
-                Ok(()) => {}
-                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-                Err(e) => return Err(Error::io("remove", &path, e)),
-            }
-        }
-    }
-    match fs::remove_dir(dir) {
-        Ok(()) => Ok(()),
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
-        Err(e) => Err(Error::io("rmdir", dir, e)),
-    }
+    cubicle_runtime::remove_tree(dir).ctx("remove", dir)
 }
 
 /// Total apparent size in bytes of the regular files below `dir` (hard links counted

@@ -144,6 +144,11 @@ pub struct TemplateConfig {
     /// base`, `built-in`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub source: Option<String>,
+    /// Its files carry no capability a sandbox cannot hold
+    /// (`cubicle_runtime::capabilities::fit_file_capabilities`; templates built before
+    /// that existed are fitted when first used).
+    #[serde(default)]
+    pub file_caps_fitted: bool,
 }
 
 impl TemplateConfig {
@@ -169,6 +174,7 @@ impl TemplateConfig {
             ready_command: None,
             build_id: None,
             source: None,
+            file_caps_fitted: false,
         }
     }
 }
@@ -293,8 +299,15 @@ impl TemplateStore {
         if !cfg_path.exists() {
             return Ok(None);
         }
-        let config: TemplateConfig = fsutil::read_json(&cfg_path)?;
-        self.resolve(dir, config).map(Some)
+        let mut config: TemplateConfig = fsutil::read_json(&cfg_path)?;
+        let template = self.resolve(dir, config.clone())?;
+        if !config.file_caps_fitted {
+            fit_file_caps(&template.lowers(), &mut config);
+            if config.file_caps_fitted {
+                fsutil::write_json_atomic(&cfg_path, &config)?;
+            }
+        }
+        Ok(Some(Template { config, ..template }))
     }
 
     /// The template, building it first if it is a built-in that is not built yet.
@@ -390,6 +403,7 @@ impl TemplateStore {
         };
         config.built_at = unix_now();
         config.size_bytes = fsutil::tree_size(&rootfs);
+        fit_file_caps(&[rootfs.clone()], &mut config);
         let id = layer::digest_of(&[
             b"built-in",
             name.as_bytes(),
@@ -517,6 +531,33 @@ pub fn human_size(bytes: u64) -> String {
     } else {
         format!("{v:.1} {}", UNITS[u])
     }
+}
+
+/// Takes from the files of each of `layers` (a template's directories, bottom first) the capabilities no sandbox process can hold (Debian's
+/// `ping` has `cap_net_raw=ep`, and the kernel refuses to run a file whose capabilities
+/// exceed the bounding set); notes it in `config`. A read-only rootfs (a borrowed copy)
+/// stays as it is, with a warning.
+fn fit_file_caps(layers: &[PathBuf], config: &mut TemplateConfig) {
+    let mut all = true;
+    for rootfs in layers {
+        match cubicle_runtime::capabilities::fit_file_capabilities(rootfs) {
+            Ok(changed) => {
+                for f in &changed {
+                    tracing::info!(template = %config.name, "file capabilities beyond what a sandbox can hold removed from {}", f.display());
+                }
+            }
+            Err(e) => {
+                all = false;
+                tracing::warn!(
+                    template = %config.name,
+                    "cannot fit file capabilities in {} ({e}): programs with capabilities a \
+                     sandbox cannot hold (e.g. ping's cap_net_raw) will not run",
+                    rootfs.display()
+                );
+            }
+        }
+    }
+    config.file_caps_fitted = all;
 }
 
 /// Create the directories and empty files the runtime mounts over (`/run/cubicle/envd`,

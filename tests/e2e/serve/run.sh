@@ -128,6 +128,9 @@ fi
 mkdir -p "$STATE"
 
 WORK=$(mktemp -d /tmp/cubicle-serve-e2e.XXXXXX)
+# netlab/ writes its CA here when it comes up: the egress proxy verifies the lab's HTTPS
+# servers with it when it intercepts a domain with header rules (network.rules).
+export CUBICLE_EGRESS_UPSTREAM_CA=${CUBICLE_EGRESS_UPSTREAM_CA:-$WORK/netlab-ca.pem}
 LOG="$WORK/serve.log"
 IDS="$WORK/sandbox-ids"
 : >"$IDS"

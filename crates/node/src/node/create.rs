@@ -13,7 +13,7 @@ use cubicle_runtime::SandboxId;
 
 use super::inner::{Inner, birth_env, blocking, sandbox_env};
 use super::teardown::spawn_watcher;
-use super::{ENVD_IN_SANDBOX, ENVD_SOCKET_IN_SANDBOX};
+use super::{ENVD_IN_SANDBOX, ENVD_SOCKET};
 use crate::envd_client::{EnvdClient, InitRequest};
 use crate::error::{Error, IoContext, Result};
 use crate::runtime::StartSpec;
@@ -399,6 +399,9 @@ impl Inner {
             .ctx("chmod", &ctl)?;
         fsutil::write_json_atomic(&dir.join("sandbox.json"), record)?;
         let mut binds = write_etc_files(&dir, id, record.uid_base)?;
+        if let Some(ca) = self.runtime.egress().and_then(|e| e.ca_pem()) {
+            binds.extend(write_ca_bundle(&dir, &template.rootfs, &ca)?);
+        }
         binds.extend(crate::template::code_interpreter::bind_for(
             &template.config,
         ));
@@ -440,8 +443,8 @@ impl Inner {
                 let mut argv = vec![
                     ENVD_IN_SANDBOX.into(),
                     "--init".into(),
-                    "--unix-socket".into(),
-                    ENVD_SOCKET_IN_SANDBOX.into(),
+                    "--unix-socket-fd".into(),
+                    cubicle_runtime::LISTEN_FD.to_string(),
                     // envd answers the node on its Unix socket; on TCP only inside the
                     // sandbox (loopback), never on the sandbox's address, which the host
                     // can route to.
@@ -458,6 +461,7 @@ impl Inner {
             env: birth_env(template, &record.access_token),
             binds,
             volumes,
+            ctl_socket: ENVD_SOCKET.into(),
             id,
         }
     }
@@ -513,6 +517,34 @@ fn write_etc_files(dir: &Path, id: &str, uid_base: u32) -> Result<Vec<(PathBuf, 
         out.push((p, PathBuf::from(target), false));
     }
     Ok(out)
+}
+
+/// The sandbox's system CA bundle (Debian's path), and the file in the sandbox's
+/// directory bound over it.
+pub(crate) const CA_BUNDLE_TARGET: &str = "/etc/ssl/certs/ca-certificates.crt";
+pub(crate) const CA_BUNDLE_FILE: &str = "ca-certificates.crt";
+
+/// The template's CA bundle plus the node's egress CA (`ca_pem`), so that the sandbox
+/// trusts the certificates the egress proxy presents for domains with header rules
+/// (docs/network.md). Nothing when the template has no bundle at that path.
+fn write_ca_bundle(
+    dir: &Path,
+    rootfs: &Path,
+    ca_pem: &str,
+) -> Result<Vec<(PathBuf, PathBuf, bool)>> {
+    let template_bundle = rootfs.join(CA_BUNDLE_TARGET.trim_start_matches('/'));
+    let Ok(mut bundle) = std::fs::read_to_string(&template_bundle) else {
+        return Ok(Vec::new());
+    };
+    if !bundle.ends_with('\n') {
+        bundle.push('\n');
+    }
+    bundle.push_str("# Cubicle node egress CA (header rules)\n");
+    bundle.push_str(ca_pem);
+    let p = dir.join(CA_BUNDLE_FILE);
+    std::fs::write(&p, bundle).ctx("write", &p)?;
+    std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o644)).ctx("chmod", &p)?;
+    Ok(vec![(p, PathBuf::from(CA_BUNDLE_TARGET), false)])
 }
 
 /// chown `path` to the sandbox's root (host uid/gid `uid_base`). Only root can; without

@@ -113,7 +113,7 @@ impl Inner {
     }
 
     pub(crate) fn envd_socket(&self, id: &str) -> PathBuf {
-        self.sandbox_dir(id).join("ctl").join("envd.sock")
+        self.sandbox_dir(id).join("ctl").join(super::ENVD_SOCKET)
     }
 
     /// Live counters of a live sandbox's info (OOM kills so far).
@@ -199,6 +199,18 @@ pub(crate) fn sandbox_env(
     env.insert("E2B_SANDBOX".into(), "true".into());
     env.insert("E2B_SANDBOX_ID".into(), id.into());
     env.insert("E2B_TEMPLATE_ID".into(), template.config.name.clone());
+    if template
+        .rootfs
+        .join(super::create::CA_BUNDLE_TARGET.trim_start_matches('/'))
+        .is_file()
+    {
+        // Clients with a CA bundle of their own (Python requests/certifi, Node) use the
+        // system one, which trusts the node's egress CA (header rules, docs/network.md).
+        for k in ["REQUESTS_CA_BUNDLE", "NODE_EXTRA_CA_CERTS"] {
+            env.entry(k.into())
+                .or_insert_with(|| super::create::CA_BUNDLE_TARGET.into());
+        }
+    }
     env
 }
 

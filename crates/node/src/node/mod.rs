@@ -51,8 +51,10 @@ use inner::{Inner, State, blocking, lock_node, now_ms};
 
 /// Path of envd inside the sandbox (where the runtime mounts it).
 pub const ENVD_IN_SANDBOX: &str = cubicle_runtime::ENVD_PATH;
-/// envd's socket inside the sandbox (host side: `<sandbox dir>/ctl/envd.sock`).
-pub use cubicle_proto::ENVD_SOCKET_IN_SANDBOX;
+/// envd's Unix socket: its file name in `<sandbox dir>/ctl` (read-only inside the sandbox,
+/// at `/run/cubicle/ctl`: `cubicle_proto::ENVD_SOCKET_IN_SANDBOX`). The runtime creates it and passes it to envd as descriptor
+/// `cubicle_runtime::LISTEN_FD`.
+pub const ENVD_SOCKET: &str = "envd.sock";
 
 /// The sandboxes of one host. Cheap to clone.
 #[derive(Clone)]

@@ -11,6 +11,14 @@ use crate::node::inner::blocking;
 use crate::sandbox::{NetEvent, NetworkPolicy, SandboxState};
 
 impl Node {
+    /// Installs where the egress proxy gets the values of `${e2b.secrets.NAME}` in
+    /// header rules (the server's secrets store). Without networking: nothing to do.
+    pub fn set_secret_source(&self, source: std::sync::Arc<dyn cubicle_egress::SecretSource>) {
+        if let Some(eg) = self.inner.runtime.egress() {
+            eg.set_secret_source(source);
+        }
+    }
+
     /// Checks what only the node can check about a policy before it is used: that its
     /// DNS servers and egress proxy are addresses sandboxes may reach (the proxy's name
     /// must resolve). The errors are the API's 400 messages.

@@ -398,6 +398,10 @@ impl Inner {
             (dir.join("hosts"), "/etc/hosts".into(), false),
             (dir.join("resolv.conf"), "/etc/resolv.conf".into(), false),
         ];
+        let ca = dir.join(super::create::CA_BUNDLE_FILE);
+        if ca.exists() {
+            binds.push((ca, super::create::CA_BUNDLE_TARGET.into(), false));
+        }
         binds.extend(crate::template::code_interpreter::bind_for(
             &template.config,
         ));

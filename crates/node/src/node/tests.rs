@@ -367,11 +367,11 @@ async fn volumes_in_use_stay_and_outlive_the_node() {
 }
 
 /// envd's socket path (defined in cubicle-proto, which the in-sandbox interpreter also
-/// reads) lies in the directory the runtime mounts `<sandbox dir>/ctl` on.
+/// reads) is the socket the runtime creates in `<sandbox dir>/ctl`, seen where it is mounted.
 #[test]
 fn envd_socket_is_in_the_ctl_dir() {
     assert_eq!(
-        Path::new(ENVD_SOCKET_IN_SANDBOX).parent(),
-        Some(Path::new(cubicle_runtime::CTL_DIR))
+        Path::new(cubicle_proto::ENVD_SOCKET_IN_SANDBOX),
+        Path::new(cubicle_runtime::CTL_DIR).join(ENVD_SOCKET)
     );
 }

@@ -22,6 +22,7 @@ const RTM_GETLINK: u16 = 18;
 const RTM_NEWADDR: u16 = 20;
 const RTM_GETADDR: u16 = 22;
 const RTM_NEWROUTE: u16 = 24;
+const RTM_NEWNEIGH: u16 = 28;
 
 pub(crate) const NLM_F_REQUEST: u16 = 0x1;
 pub(crate) const NLM_F_ACK: u16 = 0x4;
@@ -30,11 +31,14 @@ pub(crate) const NLM_F_EXCL: u16 = 0x200;
 pub(crate) const NLM_F_CREATE: u16 = 0x400;
 /// Attribute type flag of a nested attribute (NLA_F_NESTED).
 pub(crate) const NLA_F_NESTED: u16 = 0x8000;
+const NLM_F_REPLACE: u16 = 0x100;
 
 // Attributes.
+const IFLA_ADDRESS: u16 = 1;
 const IFLA_IFNAME: u16 = 3;
 const IFLA_MTU: u16 = 4;
 const IFLA_LINKINFO: u16 = 18;
+const IFLA_STATS64: u16 = 23;
 const IFLA_NET_NS_FD: u16 = 28;
 const IFLA_INFO_KIND: u16 = 1;
 const IFLA_INFO_DATA: u16 = 2;
@@ -43,8 +47,13 @@ const IFA_ADDRESS: u16 = 1;
 const IFA_LOCAL: u16 = 2;
 const RTA_OIF: u16 = 4;
 const RTA_GATEWAY: u16 = 5;
+const NDA_DST: u16 = 1;
+const NDA_LLADDR: u16 = 2;
 
 const IFF_UP: u32 = 0x1;
+/// No ARP on the link: the kernel neither answers nor learns from ARP there.
+pub(crate) const IFF_NOARP: u32 = 0x80;
+const NUD_PERMANENT: u16 = 0x80;
 const RT_TABLE_MAIN: u8 = 254;
 const RTPROT_BOOT: u8 = 3;
 const RTN_UNICAST: u8 = 1;
@@ -164,6 +173,8 @@ pub(crate) struct Link {
     pub index: i32,
     pub name: String,
     pub kind: Option<String>,
+    /// Packets the link received (`rtnl_link_stats64.rx_packets`), when reported.
+    pub rx_packets: Option<u64>,
 }
 
 fn parse_link(payload: &[u8]) -> Option<Link> {
@@ -173,9 +184,17 @@ fn parse_link(payload: &[u8]) -> Option<Link> {
     let index = i32::from_ne_bytes([payload[4], payload[5], payload[6], payload[7]]);
     let mut name = None;
     let mut kind = None;
+    let mut rx_packets = None;
     for (ty, data) in attrs(&payload[IFINFOMSG_LEN..]) {
         match ty {
             IFLA_IFNAME => name = Some(cstr(data)),
+            // struct rtnl_link_stats64 starts with rx_packets (u64).
+            IFLA_STATS64 => {
+                rx_packets = data
+                    .get(..8)
+                    .and_then(|b| b.try_into().ok())
+                    .map(u64::from_ne_bytes)
+            }
             IFLA_LINKINFO => {
                 for (t, d) in attrs(data) {
                     if t == IFLA_INFO_KIND {
@@ -190,6 +209,7 @@ fn parse_link(payload: &[u8]) -> Option<Link> {
         index,
         name: name?,
         kind,
+        rx_packets,
     })
 }
 
@@ -509,15 +529,18 @@ impl RouteSocket {
         Ok(out)
     }
 
-    /// Creates a veth pair: `host_name` (up) in this socket's namespace and `peer_name`
-    /// (down; set it up with `set_up` from a socket in that namespace) in `peer_netns`.
+    /// Creates a veth pair: `host` (name, MAC; down) in this socket's namespace and
+    /// `peer` (name, MAC; down: set it up with `set_up` from a socket in that namespace)
+    /// in `peer_netns`.
     pub fn create_veth(
         &mut self,
-        host_name: &str,
-        peer_name: &str,
+        host: (&str, [u8; 6]),
+        peer: (&str, [u8; 6]),
         peer_netns: &impl AsRawFd,
         mtu: Option<u32>,
     ) -> io::Result<()> {
+        let (host_name, host_mac) = host;
+        let (peer_name, peer_mac) = peer;
         let mut m = Msg::new(
             RTM_NEWLINK,
             NLM_F_REQUEST | NLM_F_ACK | NLM_F_CREATE | NLM_F_EXCL,
@@ -525,6 +548,7 @@ impl RouteSocket {
         // Down: the caller configures it (IPv6 off) before setting it up.
         m.header(&ifinfomsg(0, 0, 0));
         m.attr_str(IFLA_IFNAME, host_name);
+        m.attr(IFLA_ADDRESS, &host_mac);
         if let Some(mtu) = mtu {
             m.attr_u32(IFLA_MTU, mtu);
         }
@@ -535,6 +559,7 @@ impl RouteSocket {
         // Not IFF_UP here: the kernel opens the peer before linking the pair (ENOTCONN).
         m.header(&ifinfomsg(0, 0, 0));
         m.attr_str(IFLA_IFNAME, peer_name);
+        m.attr(IFLA_ADDRESS, &peer_mac);
         m.attr_u32(IFLA_NET_NS_FD, peer_netns.as_raw_fd() as u32);
         if let Some(mtu) = mtu {
             m.attr_u32(IFLA_MTU, mtu);
@@ -555,13 +580,46 @@ impl RouteSocket {
 
     /// Sets a link up by index.
     pub fn set_up(&mut self, index: i32) -> io::Result<()> {
+        self.set_up_with(index, 0)
+    }
+
+    /// Sets a link up by index, with the link `flags` (e.g. [`IFF_NOARP`]) set as well.
+    pub fn set_up_with(&mut self, index: i32, flags: u32) -> io::Result<()> {
         let mut m = Msg::new(RTM_NEWLINK, NLM_F_REQUEST | NLM_F_ACK);
-        m.header(&ifinfomsg(index, IFF_UP, IFF_UP));
+        m.header(&ifinfomsg(index, IFF_UP | flags, IFF_UP | flags));
+        self.request_ack(m)
+    }
+
+    /// Adds (or replaces) a permanent neighbour entry: `addr` is at `mac` on link `index`.
+    pub fn add_permanent_neighbour(
+        &mut self,
+        index: i32,
+        addr: Ipv4Addr,
+        mac: [u8; 6],
+    ) -> io::Result<()> {
+        let mut m = Msg::new(
+            RTM_NEWNEIGH,
+            NLM_F_REQUEST | NLM_F_ACK | NLM_F_CREATE | NLM_F_REPLACE,
+        );
+        // struct ndmsg: family, pad1, pad2, ifindex, state, flags, type.
+        let mut h = [0u8; 12];
+        h[0] = libc::AF_INET as u8;
+        h[4..8].copy_from_slice(&index.to_ne_bytes());
+        h[8..10].copy_from_slice(&NUD_PERMANENT.to_ne_bytes());
+        h[11] = RTN_UNICAST;
+        m.header(&h);
+        m.attr(NDA_DST, &addr.octets());
+        m.attr(NDA_LLADDR, &mac);
         self.request_ack(m)
     }
 
     /// The index of the link called `name`, if any.
     pub fn link_index(&mut self, name: &str) -> io::Result<Option<i32>> {
+        Ok(self.link(name)?.map(|l| l.index))
+    }
+
+    /// The link called `name` (with its counters), if any.
+    pub fn link(&mut self, name: &str) -> io::Result<Option<Link>> {
         let mut m = Msg::new(RTM_GETLINK, NLM_F_REQUEST);
         m.header(&ifinfomsg(0, 0, 0));
         m.attr_str(IFLA_IFNAME, name);
@@ -569,7 +627,7 @@ impl RouteSocket {
         let mut found = None;
         let r = self.recv_until_done(seq, |ty, payload| {
             if ty == RTM_NEWLINK {
-                found = parse_link(payload).map(|l| l.index);
+                found = parse_link(payload);
                 true
             } else {
                 false

@@ -47,7 +47,9 @@ impl Netns {
 
     /// Wraps an fd that refers to a network namespace, or a pidfd: then the namespace is
     /// that process's, and entering it fails (ESRCH) once the process has exited — no
-    /// reused pid can redirect it, unlike [`Netns::from_pid`].
+    /// reused pid can redirect it, unlike [`Netns::from_pid`]. A pidfd can be entered,
+    /// but not named as a new link's peer namespace (`attach`: netlink's
+    /// `IFLA_NET_NS_FD` takes namespace files only and answers EINVAL).
     pub fn from_fd(fd: OwnedFd) -> Self {
         Netns { fd }
     }

@@ -558,9 +558,20 @@ fn egress_isolation_end_to_end() {
         .unwrap()
         .unwrap();
     assert!(conntrack::count_source(ia.sandbox_ip).unwrap() > 0);
-    world.net.detach(1).unwrap();
+    // As the node does it: whether it sent is read while it lives.
+    assert!(!world.net.never_sent(1), "a sent packets");
+    world.net.detach_with(1, world.net.never_sent(1)).unwrap();
     assert_eq!(conntrack::count_source(ia.sandbox_ip).unwrap(), 0);
     world.net.detach(1).unwrap(); // idempotent
+    // A sandbox that never sent a packet (IPv6 is off on its eth0, so it does not even
+    // announce itself) is seen as such; a detached slot (veth gone) never is.
+    let quiet = TestNs::new("q");
+    world.net.attach(&quiet.ns, 3).unwrap();
+    std::thread::sleep(Duration::from_millis(50));
+    assert!(world.net.never_sent(3), "a quiet sandbox sent packets");
+    world.net.detach_with(3, true).unwrap();
+    assert!(!world.net.never_sent(3));
+    drop(quiet);
     assert!(!sh("ip", &["-o", "link"]).contains(": cbt1@"));
     assert!(try_connect(&a.ns, inet_addr).is_err());
     drop(c);

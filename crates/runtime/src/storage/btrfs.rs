@@ -5,8 +5,10 @@
 //! from linux/btrfs.h.
 
 use std::collections::HashSet;
+use std::ffi::CStr;
 use std::fs::{self, File};
 use std::io;
+use std::os::fd::AsRawFd;
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 
@@ -115,16 +117,26 @@ impl Storage {
         let root = File::open(parent).map_err(io_err(format!("opening {}", parent.display())))?;
         if meta.ino() == 256 {
             // A subvolume: destroying it is O(1), the kernel cleans up in the background.
+            // It fails if the sandbox left subvolumes inside (the seccomp policy and the
+            // read-only ctl directory prevent that, but teardown must not depend on it)
+            // or made it read-only: then the walk that handles those.
             let subvol = File::open(&path)
                 .ok()
                 .and_then(|f| btrfs_subvol_id(&f).ok());
-            btrfs_subvol_destroy(&root, name)
-                .map_err(io_err(format!("deleting subvolume {}", path.display())))?;
+            let cname = crate::sys::cpath(Path::new(name))
+                .map_err(io_err(format!("subvolume name {name:?}")))?;
+            if let Err(e) = btrfs_subvol_destroy_at(&root, &cname) {
+                crate::remove_tree::remove_tree(&path).map_err(io_err(format!(
+                    "deleting subvolume {} ({e}), then removing it entry by entry",
+                    path.display()
+                )))?;
+            }
             if let Some(id) = subvol {
                 let _ = btrfs_qgroup_destroy(&root, id); // else `reconcile` retries
             }
         } else {
-            fs::remove_dir_all(&path).map_err(io_err(format!("removing {}", path.display())))?;
+            crate::remove_tree::remove_tree(&path)
+                .map_err(io_err(format!("removing {}", path.display())))?;
         }
         Ok(())
     }
@@ -132,8 +144,10 @@ impl Storage {
 
 const BTRFS_IOC_SUBVOL_CREATE: u64 = 0x5000_940e;
 const BTRFS_IOC_SNAP_CREATE_V2: u64 = 0x5000_9417;
-const BTRFS_SUBVOL_RDONLY: u64 = 1 << 1;
 const BTRFS_IOC_SNAP_DESTROY: u64 = 0x5000_940f;
+const BTRFS_IOC_SUBVOL_GETFLAGS: u64 = 0x8008_9419;
+pub(super) const BTRFS_IOC_SUBVOL_SETFLAGS: u64 = 0x4008_941a;
+pub(super) const BTRFS_SUBVOL_RDONLY: u64 = 1 << 1;
 const BTRFS_IOC_INO_LOOKUP: u64 = 0xd000_9412;
 const BTRFS_IOC_QGROUP_CREATE: u64 = 0x4010_942a;
 const BTRFS_IOC_QGROUP_LIMIT: u64 = 0x8030_942b;
@@ -184,12 +198,12 @@ const _: () = assert!(std::mem::size_of::<BtrfsVolArgs>() == 4096);
 const _: () = assert!(std::mem::size_of::<BtrfsVolArgsV2>() == 4096);
 const _: () = assert!(std::mem::size_of::<BtrfsInoLookupArgs>() == 4096);
 
-fn vol_args(name: &str) -> io::Result<Box<BtrfsVolArgs>> {
+fn vol_args(name: &[u8]) -> io::Result<Box<BtrfsVolArgs>> {
     let mut a = Box::new(BtrfsVolArgs {
         fd: 0,
         name: [0; 4088],
     });
-    let b = name.as_bytes();
+    let b = name;
     if b.len() >= a.name.len() || b.contains(&0) || b.contains(&b'/') {
         return Err(io::Error::from(io::ErrorKind::InvalidInput));
     }
@@ -197,8 +211,8 @@ fn vol_args(name: &str) -> io::Result<Box<BtrfsVolArgs>> {
     Ok(a)
 }
 
-fn btrfs_subvol_create(parent: &File, name: &str) -> io::Result<()> {
-    let mut a = vol_args(name)?;
+pub(super) fn btrfs_subvol_create(parent: &File, name: &str) -> io::Result<()> {
+    let mut a = vol_args(name.as_bytes())?;
     ioctl(
         parent,
         BTRFS_IOC_SUBVOL_CREATE,
@@ -207,7 +221,6 @@ fn btrfs_subvol_create(parent: &File, name: &str) -> io::Result<()> {
 }
 
 fn btrfs_snap_create(parent: &File, source: &File, name: &str, readonly: bool) -> io::Result<()> {
-    use std::os::fd::AsRawFd;
     let mut a = Box::new(BtrfsVolArgsV2 {
         fd: source.as_raw_fd() as i64,
         transid: 0,
@@ -227,12 +240,34 @@ fn btrfs_snap_create(parent: &File, source: &File, name: &str, readonly: bool) -
     )
 }
 
-fn btrfs_subvol_destroy(parent: &File, name: &str) -> io::Result<()> {
-    let mut a = vol_args(name)?;
+/// Destroys the subvolume `name` in the directory `parent` (`BTRFS_IOC_SNAP_DESTROY`):
+/// fails with ENOTEMPTY while it holds subvolumes, and on a read-only parent.
+pub(crate) fn btrfs_subvol_destroy_at(parent: &impl AsRawFd, name: &CStr) -> io::Result<()> {
+    let mut a = vol_args(name.to_bytes())?;
     ioctl(
         parent,
         BTRFS_IOC_SNAP_DESTROY,
         &mut *a as *mut BtrfsVolArgs as *mut libc::c_void,
+    )
+}
+
+/// Clears the read-only flag of the subvolume whose root directory `root` is (a no-op
+/// when it is writable).
+pub(crate) fn btrfs_subvol_make_writable(root: &impl AsRawFd) -> io::Result<()> {
+    let mut flags: u64 = 0;
+    ioctl(
+        root,
+        BTRFS_IOC_SUBVOL_GETFLAGS,
+        &mut flags as *mut u64 as *mut libc::c_void,
+    )?;
+    if flags & BTRFS_SUBVOL_RDONLY == 0 {
+        return Ok(());
+    }
+    flags &= !BTRFS_SUBVOL_RDONLY;
+    ioctl(
+        root,
+        BTRFS_IOC_SUBVOL_SETFLAGS,
+        &mut flags as *mut u64 as *mut libc::c_void,
     )
 }
 

@@ -13,8 +13,9 @@ use super::QuotaBackend;
 use super::btrfs::btrfs_qgroups_dir;
 use crate::error::{Error, Result, io_err};
 
+use crate::sys::cpath;
 use cubicle_syscalls::fs::{BTRFS_SUPER_MAGIC, XFS_SUPER_MAGIC};
-use cubicle_syscalls::mountinfo::mount_of;
+use cubicle_syscalls::mountinfo::{is_mount_point, mount_of};
 
 /// Unmounts the filesystem mounted at `path` (the quota image of a state directory,
 /// `<state>/sandboxes`, which a node leaves mounted across restarts).
@@ -55,6 +56,41 @@ pub(super) fn mount_source_is_loop_of(root: &Path, image: &Path) -> bool {
     Path::new(backing.trim()) == image
 }
 
+/// Makes the mount at `root` `nosuid,nodev`, first bind-mounting `root` onto itself when
+/// it is not a mount point (a state dir on a host filesystem with project quotas): a
+/// file a sandbox wrote must never be a setuid program or a device node for the host.
+/// Sandboxes see their files through their own mounts (the overlay), which this does not
+/// change. Also applies to images mounted by an older version without these options.
+pub(super) fn harden_mount(root: &Path) -> Result<()> {
+    let c = cpath(root).map_err(io_err(format!("path {}", root.display())))?;
+    // SAFETY: zeroed statvfs is a valid out buffer; c is a valid path.
+    let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
+    // SAFETY: as above.
+    if unsafe { libc::statvfs(c.as_ptr(), &mut st) } != 0 {
+        return Err(io_err(format!("statvfs {}", root.display()))(
+            io::Error::last_os_error(),
+        ));
+    }
+    let want = libc::ST_NOSUID | libc::ST_NODEV;
+    if st.f_flag & want == want {
+        return Ok(());
+    }
+    if !is_mount_point(root).map_err(io_err(format!("reading the mounts of {}", root.display())))? {
+        let fd = crate::sys::open_tree_clone(root)
+            .map_err(io_err(format!("cloning the mount of {}", root.display())))?;
+        crate::sys::move_mount_to(std::os::fd::AsRawFd::as_raw_fd(&fd), root).map_err(io_err(
+            format!("bind-mounting {} onto itself", root.display()),
+        ))?;
+    }
+    let dir = File::open(root).map_err(io_err(format!("opening {}", root.display())))?;
+    crate::sys::mount_setattr(
+        &std::os::fd::OwnedFd::from(dir),
+        crate::sys::MOUNT_ATTR_NOSUID | crate::sys::MOUNT_ATTR_NODEV,
+        None,
+    )
+    .map_err(io_err(format!("making {} nosuid,nodev", root.display())))
+}
+
 /// The quota mechanism usable at `root`, if any.
 pub(super) fn detect(root: &Path) -> Result<Option<QuotaBackend>> {
     let fs_type = cubicle_syscalls::fs::fs_type(root)
@@ -73,7 +109,7 @@ pub(super) fn detect(root: &Path) -> Result<Option<QuotaBackend>> {
     }
 }
 
-fn run(cmd: &str, args: &[&str]) -> Result<()> {
+pub(super) fn run(cmd: &str, args: &[&str]) -> Result<()> {
     let out = Command::new(cmd)
         .args(args)
         .output()
@@ -89,7 +125,7 @@ fn run(cmd: &str, args: &[&str]) -> Result<()> {
     Ok(())
 }
 
-fn path_str(p: &Path) -> Result<&str> {
+pub(super) fn path_str(p: &Path) -> Result<&str> {
     p.to_str().ok_or_else(|| Error::Io {
         context: format!("non-UTF-8 path {}", p.display()),
         source: io::Error::from(io::ErrorKind::InvalidInput),
@@ -120,10 +156,20 @@ pub(super) fn mount_image(image: &Path, root: &Path) -> Result<()> {
     match image_fstype(image)? {
         Some("xfs") => run(
             "mount",
-            &["-t", "xfs", "-o", "loop,prjquota,noatime", img, dir],
+            &[
+                "-t",
+                "xfs",
+                "-o",
+                "loop,prjquota,noatime,nosuid,nodev",
+                img,
+                dir,
+            ],
         ),
         Some("btrfs") => {
-            run("mount", &["-t", "btrfs", "-o", "loop,noatime", img, dir])?;
+            run(
+                "mount",
+                &["-t", "btrfs", "-o", "loop,noatime,nosuid,nodev", img, dir],
+            )?;
             if !btrfs_qgroups_dir(root).is_ok_and(|d| d.exists()) {
                 run("btrfs", &["quota", "enable", dir])?;
             }
@@ -156,7 +202,14 @@ pub(super) fn create_image(image: &Path, root: &Path, size: u64) -> Result<()> {
     run("mkfs.xfs", &["-q", "-f", "-m", "reflink=1", &t])?;
     let xfs_ok = run(
         "mount",
-        &["-t", "xfs", "-o", "loop,prjquota,noatime", &t, &dir],
+        &[
+            "-t",
+            "xfs",
+            "-o",
+            "loop,prjquota,noatime,nosuid,nodev",
+            &t,
+            &dir,
+        ],
     )
     .is_ok();
     if !xfs_ok {
@@ -164,7 +217,10 @@ pub(super) fn create_image(image: &Path, root: &Path, size: u64) -> Result<()> {
         fs::remove_file(&tmp).map_err(io_err(format!("removing {}", tmp.display())))?;
         make(size)?;
         run("mkfs.btrfs", &["-q", "-f", &t])?;
-        run("mount", &["-t", "btrfs", "-o", "loop,noatime", &t, &dir])?;
+        run(
+            "mount",
+            &["-t", "btrfs", "-o", "loop,noatime,nosuid,nodev", &t, &dir],
+        )?;
         if let Err(e) = run("btrfs", &["quota", "enable", &dir]) {
             let _ = run("umount", &[&dir]);
             return Err(e);

@@ -23,7 +23,8 @@
 //! 1. `<state_dir>/sandboxes` already lives on a suitable filesystem (XFS mounted with
 //!    `prjquota`, or btrfs with quotas enabled): use it as is.
 //! 2. Otherwise a sparse image `<state_dir>/storage.img` (default 64 GiB, sparse) is
-//!    loop-mounted at `<state_dir>/sandboxes`: created once (XFS with `reflink=1` if the
+//!    loop-mounted at `<state_dir>/sandboxes` (`nosuid,nodev`, like any filesystem a
+//!    sandbox writes to; `image::harden_mount`): created once (XFS with `reflink=1` if the
 //!    kernel accepts `prjquota`, else btrfs with quotas), re-mounted by `open` after a
 //!    reboot or [`Storage::unmount`]. The loop device is set up by `mount -o loop`, which
 //!    sets autoclear: unmounting releases it, nothing leaks.
@@ -48,7 +49,7 @@ use std::sync::Mutex;
 use crate::SandboxId;
 use crate::error::{Error, Result, io_err};
 
-mod btrfs;
+pub(crate) mod btrfs;
 mod image;
 mod volume_fs;
 mod volumes;
@@ -155,6 +156,7 @@ impl Storage {
                 })?
             }
         };
+        image::harden_mount(&root)?;
         let qgroups_dir = match backend {
             QuotaBackend::BtrfsQgroup => btrfs::btrfs_qgroups_dir(&root)?,
             QuotaBackend::XfsProject => PathBuf::new(),
@@ -447,8 +449,12 @@ pub(super) fn ioctl(f: &impl AsRawFd, req: u64, arg: *mut libc::c_void) -> io::R
 
 #[cfg(test)]
 mod tests {
+    use super::btrfs::{BTRFS_IOC_SUBVOL_SETFLAGS, BTRFS_SUBVOL_RDONLY, btrfs_subvol_create};
+    use super::image::{path_str, run};
     use super::*;
+    use crate::sys::cpath;
     use cubicle_syscalls::mountinfo::mounts;
+    use std::ffi::CString;
     use std::fs::File;
     use std::io::Write;
 
@@ -528,6 +534,7 @@ mod tests {
         let guard = Cleanup {
             state: state.clone(),
         };
+        assert_nosuid_nodev(storage.root());
 
         let quota = 10u64 << 20;
         let dir = storage.create_sandbox_dir(&id("sbone"), quota).unwrap();
@@ -599,7 +606,12 @@ mod tests {
             loop_devices_backed_by(&image).is_empty(),
             "loop device leaked"
         );
+        // An image an older version mounted without nosuid,nodev gets them on open.
+        let root = state.join(SANDBOXES);
+        let (img, dir) = (path_str(&image).unwrap(), path_str(&root).unwrap());
+        run("mount", &["-o", "loop,noatime", img, dir]).unwrap();
         let storage = Storage::open_with(config.clone()).unwrap();
+        assert_nosuid_nodev(storage.root());
         assert!(
             storage.sandbox_dir(&id("sbone")).join("again").exists(),
             "data survives a re-mount"
@@ -706,6 +718,126 @@ mod tests {
         storage.remove_volume_dir("vol-1").unwrap();
         assert!(!vol.exists());
         storage.reconcile(&[]).unwrap();
+        storage.unmount().unwrap();
+        drop(guard);
+    }
+
+    fn assert_nosuid_nodev(p: &Path) {
+        let c = cpath(p).unwrap();
+        // SAFETY: zeroed statvfs is a valid out buffer; c is a valid path.
+        let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
+        // SAFETY: as above.
+        assert_eq!(unsafe { libc::statvfs(c.as_ptr(), &mut st) }, 0);
+        let want = libc::ST_NOSUID | libc::ST_NODEV;
+        assert_eq!(
+            st.f_flag & want,
+            want,
+            "{} is not nosuid,nodev",
+            p.display()
+        );
+    }
+
+    /// Teardown succeeds whatever a tenant left (issue 10): nested subvolumes, read-only
+    /// ones inside each other, immutable and append-only inodes, a tree deeper than
+    /// PATH_MAX, many inodes; nothing is left, and the filesystem gets its space back.
+    #[test]
+    fn removal_survives_what_a_tenant_leaves() {
+        if !is_root() {
+            eprintln!("SKIPPED: needs root (loop-mounts a filesystem image, sets quotas)");
+            return;
+        }
+        let state =
+            std::env::temp_dir().join(format!("cubicle-test-teardown-{}", std::process::id()));
+        let _ = fs::remove_dir_all(&state);
+        let guard = Cleanup {
+            state: state.clone(),
+        };
+        let storage = match Storage::open_with(StorageConfig {
+            state_dir: state.clone(),
+            image_size: 2 << 30,
+        }) {
+            Ok(s) => s,
+            Err(e) if which("mkfs.btrfs").is_none() => {
+                eprintln!("SKIPPED: btrfs-progs missing: {e}");
+                return;
+            }
+            Err(e) => panic!("open: {e}"),
+        };
+        if storage.backend() != QuotaBackend::BtrfsQgroup {
+            eprintln!("SKIPPED: the subvolume cases need the btrfs backend");
+            storage.unmount().unwrap();
+            return;
+        }
+        let dir = storage
+            .create_sandbox_dir(&id("sbhostile"), 256 << 20)
+            .unwrap();
+        let upper = dir.join("upper");
+        fs::create_dir_all(&upper).unwrap();
+        // Nested subvolumes, the inner ones read-only (so is their parent: removing the
+        // innermost needs its parent writable first).
+        let subvol = |parent: &Path, name: &str| {
+            btrfs_subvol_create(&File::open(parent).unwrap(), name).unwrap();
+            parent.join(name)
+        };
+        let set_ro = |p: &Path| {
+            let mut flags = BTRFS_SUBVOL_RDONLY;
+            ioctl(
+                &File::open(p).unwrap(),
+                BTRFS_IOC_SUBVOL_SETFLAGS,
+                &mut flags as *mut u64 as *mut libc::c_void,
+            )
+            .unwrap();
+        };
+        let a = subvol(&upper, "nested");
+        fill(&a.join("data"), 8 << 20);
+        let b = subvol(&a, "deeper");
+        fs::write(b.join("f"), "x").unwrap();
+        set_ro(&b);
+        set_ro(&a);
+        // Immutable and append-only inodes.
+        let pinned = upper.join("pinned");
+        fs::create_dir_all(&pinned).unwrap();
+        fs::write(pinned.join("immutable"), "x").unwrap();
+        fs::write(pinned.join("in-append-only-dir"), "x").unwrap();
+        let set_flags = |p: &Path, f: libc::c_long| {
+            let mut v = f;
+            ioctl(
+                &File::open(p).unwrap(),
+                0x4008_6602, // FS_IOC_SETFLAGS
+                &mut v as *mut libc::c_long as *mut libc::c_void,
+            )
+            .unwrap();
+        };
+        set_flags(&pinned.join("immutable"), 0x10); // FS_IMMUTABLE_FL
+        set_flags(&pinned, 0x20); // FS_APPEND_FL
+        // Deeper than PATH_MAX, and many inodes in one directory.
+        let mut deep = File::open(&upper).unwrap();
+        for _ in 0..600 {
+            let c = CString::new("0123456789").unwrap();
+            // SAFETY: valid dirfd and C string.
+            let rc = unsafe { libc::mkdirat(deep.as_raw_fd(), c.as_ptr(), 0o755) };
+            assert_eq!(rc, 0);
+            deep = File::open(format!("/proc/self/fd/{}/0123456789", deep.as_raw_fd())).unwrap();
+        }
+        drop(deep);
+        let many = upper.join("many");
+        fs::create_dir_all(&many).unwrap();
+        for i in 0..20_000 {
+            File::create(many.join(i.to_string())).unwrap();
+        }
+        let t = std::time::Instant::now();
+        storage.remove_sandbox_dir(&id("sbhostile")).unwrap();
+        eprintln!("removed the hostile sandbox directory in {:?}", t.elapsed());
+        assert!(!dir.exists());
+        let mut left = storage.entries().unwrap();
+        left.retain(|e| !e.starts_with('.'));
+        assert!(left.is_empty(), "left: {left:?}");
+        storage.reconcile(&[]).unwrap();
+        // The space comes back: a new sandbox can use its whole quota.
+        let again = storage.create_sandbox_dir(&id("sbnext"), 64 << 20).unwrap();
+        let (_, err) = fill(&again.join("f"), 32 << 20);
+        assert!(err.is_none(), "{err:?}");
+        storage.remove_sandbox_dir(&id("sbnext")).unwrap();
         storage.unmount().unwrap();
         drop(guard);
     }

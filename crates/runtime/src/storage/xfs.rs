@@ -108,7 +108,8 @@ impl Storage {
             .ok()
             .and_then(|f| fsxattr_get(&f).ok())
             .map(|x| x.fsx_projid);
-        fs::remove_dir_all(path).map_err(io_err(format!("removing {}", path.display())))?;
+        crate::remove_tree::remove_tree(path)
+            .map_err(io_err(format!("removing {}", path.display())))?;
         if let Some(projid) = projid.filter(|&p| p != 0) {
             let root = File::open(&self.root)
                 .map_err(io_err(format!("opening {}", self.root.display())))?;

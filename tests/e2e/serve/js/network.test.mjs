@@ -9,7 +9,8 @@ import { readFileSync } from 'node:fs'
 import { createInterface } from 'node:readline'
 import { after, before, test } from 'node:test'
 import { fileURLToPath } from 'node:url'
-import { Sandbox } from './e2b.mjs'
+import { createHash, randomBytes } from 'node:crypto'
+import { Sandbox, Secret } from './e2b.mjs'
 import { API_KEY, API_URL, TEMPLATE, Tracker } from './helpers.mjs'
 
 const t = new Tracker()
@@ -138,7 +139,7 @@ test('options Cubicle cannot honour are refused by name', async () => {
       network: {
         allowOut: ['x.test'],
         denyOut: ['0.0.0.0/0'],
-        rules: { 'x.test': [{ transform: { headers: { Authorization: 'Bearer x' } } }] },
+        rules: { 'x.test': [{ transform: { headers: { Host: 'y.test' } } }] },
       },
     }),
     /network\.rules/,
@@ -155,4 +156,31 @@ test('the audit trail is in the logs API', async () => {
   const net = logs.filter((l) => l.fields?.logger === 'network').map((l) => l.message)
   assert.ok(net.some((m) => m.includes('dns A allowed.test')), net.join('\n'))
   assert.ok(net.some((m) => m.includes('evil.test') && m.includes('denied')), net.join('\n'))
+})
+
+test('header rules put a secret into HTTP and HTTPS requests, never into the sandbox', async () => {
+  const value = `clear-js-${randomBytes(16).toString('hex')}`
+  const name = `e2e-js-rule-${randomBytes(4).toString('hex')}`
+  const want = createHash('sha256').update(`Bearer ${value}`).digest('hex')
+  const info = await Secret.create(name, value)
+  try {
+    const sbx = await box({
+      network: {
+        rules: { 'allowed.test': [{ transform: { headers: { Authorization: `Bearer ${Secret.fill(name)}` } } }] },
+      },
+    })
+    for (const url of ['http://allowed.test/echo', 'https://allowed.test/echo']) {
+      const r = await sbx.commands.run(`curl -sS ${url}`)
+      assert.equal(JSON.parse(r.stdout).authorization_sha256, want, `${url}: ${r.stdout}`)
+    }
+    // The value is in no file and no process environment of the sandbox.
+    const r = await sbx.commands.run(
+      `grep -rIlF '${value}' / --exclude-dir=proc --exclude-dir=sys --exclude-dir=dev 2>/dev/null; ` +
+        `cat /proc/[0-9]*/environ 2>/dev/null | tr '\\0' '\\n' | grep -cF '${value}'; true`,
+    )
+    assert.ok(!r.stdout.includes(value), r.stdout)
+    assert.equal(r.stdout.trim(), '0')
+  } finally {
+    await Secret.destroy(info.secretId)
+  }
 })

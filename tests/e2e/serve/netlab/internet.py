@@ -20,6 +20,7 @@ file there). Standard library only.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import select
@@ -146,6 +147,11 @@ class Web(BaseHTTPRequestHandler):
             "host": self.headers.get("Host"),
             "sni": getattr(sock, "_cubicle_sni", None),
             "path": self.path,
+            # What a header rule set, as a digest: the value itself must not travel
+            # back into the sandbox (the tests search the sandbox for it).
+            "authorization_sha256": hashlib.sha256(self.headers["Authorization"].encode()).hexdigest()
+            if self.headers.get("Authorization") is not None else None,
+            "authorization_count": len(self.headers.get_all("Authorization") or []),
         }
         self.reply(200, json.dumps(body).encode())
 

@@ -113,6 +113,11 @@ class Lab:
             raise RuntimeError(f"the lab's servers did not start: {line!r}")
         with open(ca) as f:
             ca_pem = f.read()
+        # The egress proxy verifies the servers behind header rules against this CA
+        # too (run.sh points `serve --egress-upstream-ca` at the path).
+        upstream_ca = os.environ.get("CUBICLE_EGRESS_UPSTREAM_CA")
+        if upstream_ca:
+            shutil.copyfile(ca, upstream_ca)
         return {
             "allowed": ALLOWED,
             "evil": EVIL,

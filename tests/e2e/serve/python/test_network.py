@@ -235,6 +235,20 @@ def test_internet_off(internet):
         refused(b.probe(f"get('{lab['evil']}')"), "internet off except allowOut")
 
 
+def test_update_network_connects_a_sandbox_made_without_internet(internet):
+    # It has no veth yet, so the update attaches one. (The node gave netlink the
+    # sandbox's pidfd as the new link's namespace: EINVAL, a 500 schemathesis found.)
+    lab = internet
+    with Box(lab, allow_internet_access=False) as b:
+        assert "eth0" not in b.sh("ip -o link")[1]
+        r = api("PUT", f"/sandboxes/{b.sbx.sandbox_id}/network",
+                json={"allowOut": [lab["allowed"]], "denyOut": ["0.0.0.0/0"]})
+        assert r.status_code == 204, r.text
+        assert "eth0" in b.sh("ip -o link")[1]
+        reached(b.probe(f"get('{lab['allowed']}')"), lab["allowed"])
+        refused(b.probe(f"get('{lab['evil']}')"), "only allowOut after the update")
+
+
 def test_domains_hold_against_bypasses(internet):
     lab = internet
     net = {"allow_out": ["allowed.test", "*.allowed.test"], "deny_out": ["0.0.0.0/0"], "dns_servers": [lab["dns"]]}
@@ -552,7 +566,9 @@ def test_options_cubicle_cannot_honour_are_refused_by_name():
     for kw, needle in [
         ({"network": {"https_ports": [3000]}}, "httpsPorts"),
         ({"network": {"allow_out": ["x.test"], "deny_out": ["0.0.0.0/0"],
-                      "rules": {"x.test": [{"transform": {"headers": {"Authorization": "Bearer x"}}}]}}}, "network.rules"),
+                      "rules": {"x.test": [{"transform": {"headers": {"Host": "y.test"}}}]}}}, "network.rules"),
+        ({"network": {"rules": {"x.test": [{"transform": {"headers": {"A": "${e2b.identity.tokens.aws}"}}}]}}},
+         "identity tokens"),
         ({"network": {"allow_out": ["x.test"]}}, "ALL_TRAFFIC"),
         ({"network": {"deny_out": ["x.test"]}}, "denied CIDR"),
         ({"network": {"allow_out": ["::1"]}}, "IPv6"),
@@ -593,3 +609,88 @@ def test_mask_request_host():
         assert r.text == "8000-masked.test", r.text
     finally:
         s.kill()
+
+
+def test_header_rules_inject_secrets_the_sandbox_never_sees(internet):
+    """Issue 17: `network.rules` with `${e2b.secrets.NAME}`: the node's egress proxy sets
+    the header on HTTP and HTTPS requests to the rule's domain (TLS terminated with the
+    node's CA, which the sandbox trusts), and the value is nowhere in the sandbox, nor in
+    Cubicle's log or database."""
+    import hashlib
+    import secrets as pysecrets
+
+    from e2b import Secret
+
+    lab = internet
+    value = "clear-" + pysecrets.token_hex(20)
+    name = "e2e-rule-" + pysecrets.token_hex(4)
+    want = hashlib.sha256(f"Bearer {value}".encode()).hexdigest()
+    info = Secret.create(name, value)
+    # An unknown secret is refused at create, by name.
+    bad = {"allowed.test": [{"transform": {"headers": {"Authorization": Secret.fill("no-such-" + name)}}}]}
+    with pytest.raises(SandboxException, match="does not exist"):
+        Sandbox.create(TEMPLATE, timeout=60, network={"rules": bad})
+    rules = {"allowed.test": [{"transform": {"headers": {"Authorization": "Bearer " + Secret.fill(name)}}}]}
+    try:
+        with Box(lab, network={"rules": rules}) as b:
+            # HTTP with curl (the sandbox's own Authorization is overridden, not doubled).
+            code, out, err = b.sh("curl -sS -H 'Authorization: mine' http://allowed.test/echo")
+            assert code == 0, err
+            j = json.loads(out)
+            assert j["authorization_sha256"] == want and j["authorization_count"] == 1, j
+            # HTTPS with curl and with Python's ssl (system bundle: it holds the node's CA).
+            code, out, err = b.sh("curl -sS https://allowed.test/echo")
+            assert code == 0, err
+            assert json.loads(out)["authorization_sha256"] == want, out
+            script = (
+                "import http.client, json, ssl\n"
+                "c = http.client.HTTPSConnection('allowed.test', context=ssl.create_default_context())\n"
+                "out = []\n"
+                "for _ in range(3):\n"
+                "    c.request('GET', '/echo'); out.append(json.loads(c.getresponse().read()))\n"
+                "print(json.dumps(out))\n"
+            )
+            b.sbx.files.write("/tmp/keepalive.py", script)
+            code, out, err = b.sh("python3 /tmp/keepalive.py")
+            assert code == 0, err
+            got = json.loads(out)
+            assert [g["authorization_sha256"] for g in got] == [want] * 3, got
+            # Another domain is untouched (and its TLS not intercepted: the lab CA verifies it).
+            code, out, err = b.sh("curl -sS --cacert /tmp/ca.pem https://evil.test/echo")
+            assert code == 0, err
+            assert json.loads(out)["authorization_sha256"] is None, out
+            # The value is nowhere in the sandbox: files, environments of its processes.
+            code, out, err = b.sh(
+                f"grep -rIlF '{value}' / --exclude-dir=proc --exclude-dir=sys --exclude-dir=dev 2>/dev/null;"
+                f" cat /proc/[0-9]*/environ 2>/dev/null | tr '\\0' '\\n' | grep -cF '{value}'; env | grep -cF '{value}'"
+            )
+            assert value not in out, f"the secret's value is inside the sandbox: {out!r}"
+            assert out.split() == ["0", "0"], out
+            sbx_id = b.sbx.sandbox_id
+        # A code-interpreter sandbox (claimed from the warm pool in run.sh's default
+        # run): its bundle trusts the node's CA too, and clients with bundles of their
+        # own (requests/certifi, Node) are pointed at it.
+        ci = Sandbox.create("code-interpreter-v1", timeout=120, network={"rules": rules})
+        record_id(ci.sandbox_id)
+        try:
+            r = ci.commands.run(
+                "python3 -c \"import urllib.request; print(urllib.request.urlopen('https://allowed.test/echo', timeout=10).read().decode())\"",
+                timeout=60,
+            )
+            assert json.loads(r.stdout)["authorization_sha256"] == want, r.stdout
+            r = ci.commands.run("echo $REQUESTS_CA_BUNDLE $NODE_EXTRA_CA_CERTS")
+            assert r.stdout.split() == ["/etc/ssl/certs/ca-certificates.crt"] * 2, r.stdout
+        finally:
+            ci.kill()
+        # Nor in Cubicle's log, database or the sandbox's logs.
+        state = os.environ.get("CUBICLE_E2E_STATE_DIR", "")
+        paths = [os.environ.get("CUBICLE_E2E_SERVE_LOG", "")]
+        if state:
+            paths += [os.path.join(state, f) for f in os.listdir(state) if f.startswith("cubicle.db")]
+            logs = os.path.join(state, "logs")
+            paths += [os.path.join(logs, f) for f in os.listdir(logs) if f.startswith(sbx_id)]
+        for p in filter(None, paths):
+            with open(p, "rb") as f:
+                assert value.encode() not in f.read(), f"the secret's value in clear in {p}"
+    finally:
+        Secret.destroy(info.secret_id)

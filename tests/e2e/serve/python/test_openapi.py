@@ -16,6 +16,7 @@ import json
 import os
 import subprocess
 from pathlib import Path
+from urllib.parse import quote
 
 import pytest
 
@@ -38,7 +39,15 @@ def test_the_description_is_served_and_names_the_routes():
               "/sandboxes/{id}/logs", "/v2/sandboxes/{id}/logs", "/sandboxes/{id}/metrics",
               "/events/sandboxes", "/events/webhooks", "/events/webhooks/{webhookID}", "/metrics",
               "/cubicle/pool", "/health", "/sandboxes/{id}/network", "/cubicle/sandboxes/{id}/netlog",
-              "/snapshots", "/templates/{id}", "/templates", "/default-templates", "/templates/{id}/tags"):
+              "/snapshots", "/templates/{id}", "/templates", "/default-templates", "/templates/{id}/tags",
+              "/v3/templates", "/templates/{id}/files/{hash}", "/v2/templates/{id}/builds/{build}",
+              "/templates/{id}/builds/{build}/status", "/cubicle/templates/{id}/builds/{build}/cancel",
+              "/templates/tags", "/cubicle/templates/gc", "/cubicle/uploads/{token}",
+              "/sandboxes/{id}/pause",
+              "/sandboxes/{id}/resume", "/sandboxes/{id}/snapshots", "/sandboxes/{id}/fork",
+              "/sandboxes/{id}/rollback", "/volumes", "/volumes/{volumeID}",
+              "/volumecontent/{volumeID}/dir", "/volumecontent/{volumeID}/path",
+              "/volumecontent/{volumeID}/file", "/secrets", "/secrets/{s}"):
         assert p in paths, p
     assert spec["components"]["securitySchemes"]["ApiKeyAuth"] == {
         "type": "apiKey", "in": "header", "name": "X-API-KEY"}
@@ -102,6 +111,24 @@ def _clean_up_team(team: str, key: str) -> None:
     if r.status_code == 200:
         for w in r.json():
             api("DELETE", f"/events/webhooks/{w['id']}", key=key)
+    # Snapshots, volumes and secrets the fuzzer made (with its key, before it is revoked).
+    for _ in range(20):
+        r = api("GET", "/snapshots?limit=100", key=key)
+        if r.status_code != 200 or not r.json():
+            break
+        for snap in r.json():
+            # A named snapshot's id is its name, `team/name:tag`: one path segment.
+            d = api("DELETE", f"/templates/{quote(snap['snapshotID'], safe='')}", key=key)
+            assert d.status_code in (204, 404), f"deleting snapshot {snap}: {d.status_code} {d.text}"
+    r = api("GET", "/volumes", key=key)
+    if r.status_code == 200:
+        for v in r.json():
+            d = api("DELETE", f"/volumes/{v['volumeID']}", key=key)
+            assert d.status_code == 204, f"deleting volume {v}: {d.status_code} {d.text}"
+    r = api("GET", "/secrets", key=key)
+    if r.status_code == 200:
+        for sec in r.json():
+            api("DELETE", f"/secrets/{sec['secretID']}", key=key)
     r = api("GET", "/cubicle/api-keys", key=API_KEY)
     assert r.status_code == 200, f"listing API keys: {r.status_code} {r.text}"
     for k in r.json():

@@ -2,8 +2,8 @@
 write-only (no read surface returns one), by id or name, paging, team isolation, and a
 value that never reaches Cubicle's database or log in clear.
 
-Not covered here (not built yet): header injection of `${e2b.secrets.NAME}` by the
-egress proxy (issue 15's proxy is not on main).
+Header injection of `${e2b.secrets.NAME}` by the egress proxy (network rules) is in
+test_network.py (it needs the private internet of netlab/).
 
 Every secret a test makes is deleted in `finally`.
 """

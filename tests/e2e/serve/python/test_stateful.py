@@ -90,6 +90,15 @@ def test_pause_and_resume_keep_processes_memory_and_files(sandboxes: Tracker):
     assert sbx.commands.run(oom_score_adj).stdout.strip() == "500"
     assert sbx.files.read("/home/user/notes.txt") == "before the pause\n"
     assert sbx.commands.run("echo alive").stdout == "alive\n"
+    # envd's socket came back where it was, in a ctl directory read-only again for the
+    # sandbox's root (CRIU needs it writable to bind the socket: docs/checkpoint.md).
+    ctl = sbx.commands.run(
+        "test -S /run/cubicle/ctl/envd.sock && echo socket; "
+        "touch /run/cubicle/ctl/planted 2>&1; mkdir /run/cubicle/ctl/d 2>&1; true",
+        user="root",
+    ).stdout
+    assert ctl.startswith("socket\n"), ctl
+    assert ctl.count("Read-only file system") == 2, ctl
 
 
 def test_class_connect_resumes_and_extends(sandboxes: Tracker):
