@@ -148,6 +148,16 @@ impl LayerStore {
         if self.contains(id) {
             return self.info(id).ok_or_else(|| Error::LayerMissing(id.into()));
         }
+        // No file in a layer carries a capability a sandbox cannot hold (the kernel
+        // refuses to run such a file: Debian's `ping` has cap_net_raw).
+        match cubicle_runtime::capabilities::fit_file_capabilities(staging.path()) {
+            Ok(changed) => {
+                for f in &changed {
+                    tracing::info!(layer = %id, "file capabilities beyond what a sandbox can hold removed from {}", f.display());
+                }
+            }
+            Err(e) => tracing::warn!(layer = %id, "cannot fit file capabilities ({e}): programs with capabilities a sandbox cannot hold will not run"),
+        }
         let info = LayerInfo {
             id: id.to_string(),
             size_bytes: fsutil::tree_size(staging.path()),
