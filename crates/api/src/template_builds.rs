@@ -75,8 +75,6 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
-/// The template routes that need an API key.
-
 /// The template routes (reading templates, their tags and aliases; builds, tags, GC;
 /// `DELETE /templates/{id}` is `routes::delete_template`, shared with snapshots), all
 /// described in `GET /openapi.json`. The caller puts them behind the API key check.

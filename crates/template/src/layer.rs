@@ -156,7 +156,9 @@ impl LayerStore {
                     tracing::info!(layer = %id, "file capabilities beyond what a sandbox can hold removed from {}", f.display());
                 }
             }
-            Err(e) => tracing::warn!(layer = %id, "cannot fit file capabilities ({e}): programs with capabilities a sandbox cannot hold will not run"),
+            Err(e) => {
+                tracing::warn!(layer = %id, "cannot fit file capabilities ({e}): programs with capabilities a sandbox cannot hold will not run")
+            }
         }
         let info = LayerInfo {
             id: id.to_string(),

@@ -403,7 +403,7 @@ impl TemplateStore {
         };
         config.built_at = unix_now();
         config.size_bytes = fsutil::tree_size(&rootfs);
-        fit_file_caps(&[rootfs.clone()], &mut config);
+        fit_file_caps(std::slice::from_ref(&rootfs), &mut config);
         let id = layer::digest_of(&[
             b"built-in",
             name.as_bytes(),
