@@ -164,9 +164,10 @@ struct RequestV3 {
     alias: Option<String>,
     #[serde(default)]
     tags: Vec<String>,
+    #[schema(minimum = 1, maximum = 64)]
     cpu_count: Option<u32>,
     #[serde(rename = "memoryMB")]
-    #[schema(rename = "memoryMB")]
+    #[schema(rename = "memoryMB", minimum = 128, maximum = 1048576)]
     memory_mb: Option<u64>,
 }
 
