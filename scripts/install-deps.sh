@@ -13,6 +13,7 @@ PACKAGES=(
   util-linux procps curl ca-certificates python3 python3-venv
   btrfs-progs
   libnss-myhostname  # names under localhost resolve to loopback: get_host() with serve's default domain
+  docker-registry skopeo  # template e2e: a local OCI registry, and pushing images to it
   gcc libc6-dev  # cubicle-runtime tests compile static C probes (setuid, seccomp)
   debian-archive-keyring  # install-criu.sh verifies the .debs it fetches against it
   chromium  # the dashboard's browser tests (tests/e2e/serve/python/test_dashboard.py, via Playwright)

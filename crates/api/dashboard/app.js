@@ -508,9 +508,12 @@ function templatesView(main) {
     h('p', { class: 'muted', id: 'pool-counters' }));
 
   async function loadTemplates() {
+    // The node's templates every team may use, then the team's own (built with the SDK's
+    // Template builder; E2B's `GET /templates` lists only those).
     let list;
     try {
-      list = (await api('GET', '/templates')).data;
+      const [shared, own] = await Promise.all([api('GET', '/default-templates'), api('GET', '/templates')]);
+      list = [...shared.data, ...own.data];
     } catch (e) {
       if (e instanceof ApiError && (e.status === 404 || e.status === 405)) {
         templates.replaceChildren(h('p', { class: 'muted', id: 'templates-unavailable', text: 'This server does not list templates over its API; `cubicle template list` shows the ones on the host.' }));
@@ -518,12 +521,13 @@ function templatesView(main) {
       }
       throw e;
     }
-    // A template has one build: when and by what it was built, and its size.
+    // Its latest build: its state, when and by what it was built, and its size.
     templates.replaceChildren(h('table', { id: 'template-list' },
-      h('thead', {}, h('tr', {}, ...['Template', 'Aliases', 'Status', 'vCPUs', 'Memory', 'Disk', 'Size', 'Built', 'Build'].map((t) => h('th', { text: t })))),
+      h('thead', {}, h('tr', {}, ...['Template', 'Aliases', 'Owner', 'Status', 'vCPUs', 'Memory', 'Disk', 'Size', 'Built', 'Build'].map((t) => h('th', { text: t })))),
       h('tbody', {}, ...list.map((t) => h('tr', { 'data-id': t.templateID },
         h('td', { class: 'mono', text: t.templateID }),
         h('td', { text: (t.aliases || []).join(', ') }),
+        h('td', { text: t.isDefault || t.public ? 'everyone' : 'your team' }),
         h('td', {}, t.buildStatus ? stateBadge(t.buildStatus) : ''),
         h('td', { class: 'num', text: t.cpuCount ?? '' }),
         h('td', { class: 'num', text: t.memoryMB ? `${t.memoryMB} MiB` : '' }),

@@ -6,7 +6,13 @@ use std::path::PathBuf;
 use std::pin::Pin;
 use std::time::Duration;
 
+use std::collections::HashSet;
+use std::sync::Arc;
+
 use cubicle_node::runtime::SandboxStats;
+use cubicle_node::template::build::{BuildLog, BuildRequest, Cancel, FileResolver};
+use cubicle_node::template::builds::BuildFailure;
+use cubicle_node::template::{TemplateConfig, TemplateStore};
 use cubicle_node::volume::VolumeFs;
 use cubicle_node::{
     CreateRequest, NetEvent, NetworkPolicy, Node, PauseReport, PauseRequest, ResumeOutcome,
@@ -73,6 +79,40 @@ pub trait Backend: Send + Sync + 'static {
     /// The volumes on disk (half-created ones removed).
     fn reconcile_volumes(&self) -> BoxFuture<'_, cubicle_node::Result<Vec<String>>> {
         Box::pin(async { Ok(Vec::new()) })
+    }
+    /// The template store (`None`: this backend cannot build templates).
+    fn templates(&self) -> Option<TemplateStore> {
+        None
+    }
+    /// The owner label of a custom template (`None`: public, e.g. a built-in).
+    fn template_owner(&self, name: &str) -> Option<String> {
+        self.templates().and_then(|t| t.owner(name))
+    }
+    /// Run a template build in this backend's sandboxes.
+    fn run_build(
+        &self,
+        req: BuildRequest,
+        files: Arc<FileResolver>,
+        log: Arc<BuildLog>,
+        cancel: Cancel,
+    ) -> BoxFuture<'static, Result<TemplateConfig, BuildFailure>> {
+        let _ = (req, files, log, cancel);
+        Box::pin(async {
+            Err(BuildFailure {
+                message: "this server cannot build templates".into(),
+                step: None,
+            })
+        })
+    }
+    /// What uses template `name`: ids of its sandboxes that are not dying (running or
+    /// paused), then `snapshot <id>` for its snapshots.
+    fn sandboxes_of(&self, name: &str) -> Vec<String> {
+        let _ = name;
+        Vec::new()
+    }
+    /// Layer ids sandboxes (running or paused) and snapshots use (kept by GC).
+    fn layers_in_use(&self) -> HashSet<String> {
+        HashSet::new()
     }
     /// Checks a policy's DNS servers and egress proxy against the node's rules.
     fn check_network<'a>(
@@ -165,10 +205,6 @@ pub trait Backend: Send + Sync + 'static {
         let _ = id;
         Box::pin(async { Err(unsupported()) })
     }
-    /// The node's built templates (reads the template store: call off the runtime).
-    fn list_templates(&self) -> cubicle_node::Result<Vec<cubicle_node::template::Template>> {
-        Ok(Vec::new())
-    }
 }
 
 fn unsupported() -> cubicle_node::Error {
@@ -215,12 +251,39 @@ impl Backend for Node {
     }
 
     fn template_exists(&self, name: &str) -> cubicle_node::Result<bool> {
-        Ok(self.templates().get(name)?.is_some()
+        if let Some((n, tag)) = name.split_once(':') {
+            return Ok(Node::templates(self).get_tagged(n, Some(tag))?.is_some());
+        }
+        Ok(Node::templates(self).get(name)?.is_some()
             || cubicle_node::template::BUILTINS.contains(&name))
     }
 
-    fn list_templates(&self) -> cubicle_node::Result<Vec<cubicle_node::template::Template>> {
-        self.templates().list()
+    fn templates(&self) -> Option<TemplateStore> {
+        Some(Node::templates(self).clone())
+    }
+
+    fn run_build(
+        &self,
+        req: BuildRequest,
+        files: Arc<FileResolver>,
+        log: Arc<BuildLog>,
+        cancel: Cancel,
+    ) -> BoxFuture<'static, Result<TemplateConfig, BuildFailure>> {
+        let host = cubicle_node::build::NodeBuildHost::new(self.clone());
+        let store = Node::templates(self).clone();
+        Box::pin(async move {
+            cubicle_node::template::build::build(&host, &store, &req, &*files, &log, cancel).await
+        })
+    }
+
+    fn sandboxes_of(&self, name: &str) -> Vec<String> {
+        // A dying sandbox no longer counts (GC keeps its layers until it is gone); a
+        // paused one or a snapshot does (it restores onto the template's layers).
+        Node::template_users(self, name)
+    }
+
+    fn layers_in_use(&self) -> HashSet<String> {
+        Node::layers_in_use(self)
     }
 
     fn create(&self, req: CreateRequest) -> BoxFuture<'_, cubicle_node::Result<SandboxInfo>> {

@@ -18,7 +18,8 @@ pub enum ApiError {
     /// Missing or unknown API key.
     #[error("{0}")]
     Unauthorized(String),
-    /// A valid key that may not do this (e.g. a non-admin team reading `/metrics`).
+    /// A valid key that may not do this (a non-admin team reading `/metrics`, another
+    /// team's template name).
     #[error("{0}")]
     Forbidden(String),
     /// Unknown (or other team's) sandbox, template or route.
@@ -127,7 +128,12 @@ impl From<cubicle_node::Error> for ApiError {
     fn from(e: cubicle_node::Error) -> Self {
         use cubicle_node::Error as N;
         match e {
-            N::TemplateNotFound(name) => ApiError::NotFound(format!("template '{name}' not found")),
+            N::Template(cubicle_node::template::Error::TemplateNotFound(name)) => {
+                ApiError::NotFound(format!("template '{name}' not found"))
+            }
+            N::Template(cubicle_node::template::Error::InvalidRequest(m)) => {
+                ApiError::BadRequest(m)
+            }
             N::SandboxNotFound(id) => ApiError::sandbox_not_found(&id),
             N::VolumeNotFound(id) => ApiError::NotFound(format!("volume '{id}' not found")),
             e @ N::VolumeInUse { .. } => ApiError::Conflict(e.to_string()),
@@ -139,7 +145,10 @@ impl From<cubicle_node::Error> for ApiError {
             N::Checkpoint { what, source } if source.is_no_space() => {
                 ApiError::InsufficientStorage(format!("{what}: {source}"))
             }
+            // The node's own files, or those written through the template crate's
+            // helpers (`sandbox.json`, checkpoint records).
             N::Io { op, path, source }
+            | N::Template(cubicle_node::template::Error::Io { op, path, source })
                 if matches!(
                     source.kind(),
                     std::io::ErrorKind::StorageFull | std::io::ErrorKind::QuotaExceeded

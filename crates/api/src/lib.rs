@@ -44,6 +44,7 @@ pub mod routes;
 pub mod secrets;
 pub mod service;
 pub mod telemetry;
+pub mod template_builds;
 pub mod templates;
 pub mod tls;
 pub mod volume_content;

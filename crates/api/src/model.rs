@@ -167,63 +167,6 @@ pub struct ListedSandbox {
     pub envd_unresponsive_at_pause: Option<bool>,
 }
 
-/// `Template` (list): a template of the node with its one build. Every team may start
-/// sandboxes from it; a team's snapshots are listed by `GET /snapshots`.
-#[derive(Debug, Clone, Serialize, utoipa::ToSchema)]
-#[serde(rename_all = "camelCase")]
-#[schema(as = Template)]
-pub struct TemplateBody {
-    #[serde(rename = "templateID")]
-    pub template_id: String,
-    /// `<name>-<unix seconds it was built>` (a template has one build).
-    #[serde(rename = "buildID")]
-    pub build_id: String,
-    /// Default vCPUs of its sandboxes.
-    pub cpu_count: u32,
-    /// Default memory of its sandboxes, MiB.
-    #[serde(rename = "memoryMB")]
-    pub memory_mb: u64,
-    /// Default disk of its sandboxes, MiB.
-    #[serde(rename = "diskSizeMB")]
-    pub disk_size_mb: u64,
-    /// Always true: every team of the node may use it.
-    pub public: bool,
-    pub aliases: Vec<String>,
-    pub names: Vec<String>,
-    pub created_at: String,
-    pub updated_at: String,
-    /// Always 1.
-    pub build_count: u32,
-    /// Always `ready` (a template being built is not listed).
-    pub build_status: String,
-    /// Cubicle's own: the root file system's size at build time, bytes.
-    pub size_bytes: u64,
-    /// Cubicle's own: the builder that made it (e.g. `tiny/1`).
-    pub builder: String,
-}
-
-impl From<&cubicle_node::template::TemplateConfig> for TemplateBody {
-    fn from(c: &cubicle_node::template::TemplateConfig) -> Self {
-        let built = crate::query::format_time((c.built_at as i64).saturating_mul(1000));
-        TemplateBody {
-            template_id: c.name.clone(),
-            build_id: format!("{}-{}", c.name, c.built_at),
-            cpu_count: c.cpus,
-            memory_mb: c.memory_mb,
-            disk_size_mb: c.disk_mb,
-            public: true,
-            aliases: vec![c.name.clone()],
-            names: vec![c.name.clone()],
-            created_at: built.clone(),
-            updated_at: built,
-            build_count: 1,
-            build_status: "ready".into(),
-            size_bytes: c.size_bytes,
-            builder: c.builder.clone(),
-        }
-    }
-}
-
 /// `SnapshotInfo` (create and list).
 #[derive(Debug, Clone, Serialize, utoipa::ToSchema)]
 pub struct SnapshotInfo {

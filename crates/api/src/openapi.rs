@@ -43,6 +43,10 @@ pub fn base() -> OpenApi {
                 "sandboxes",
                 "Sandboxes: create, list, inspect, keep alive, kill, logs, metrics",
             ),
+            tag(
+                "templates",
+                "Templates (and snapshots, usable as templates): list, inspect, tags, delete",
+            ),
             tag("events", "Lifecycle events and webhooks"),
             tag(
                 "volumes",

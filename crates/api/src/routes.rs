@@ -31,7 +31,7 @@ use crate::error::{ApiError, ApiResult, ErrorBody, json_errors, read_body, unkno
 use crate::events::SandboxEvent;
 use crate::model::{
     ForkResult, ListedSandbox, PoolCounters, Sandbox, SandboxDetail, SandboxLog, SandboxLogEntry,
-    SandboxLogs, SandboxLogsV2, SandboxMetric, SandboxMetrics, SnapshotInfo, TemplateBody,
+    SandboxLogs, SandboxLogsV2, SandboxMetric, SandboxMetrics, SnapshotInfo,
 };
 use crate::query::{Query, format_time};
 use crate::service::ControlPlane;
@@ -66,7 +66,7 @@ fn documented(cp: &Arc<ControlPlane>) -> OpenApiRouter<Arc<ControlPlane>> {
         .routes(routes!(netlog))
         .routes(routes!(list_snapshots))
         .routes(routes!(delete_template))
-        .routes(routes!(list_templates))
+        .merge(crate::template_builds::documented_routes())
         .routes(routes!(pause))
         .routes(routes!(resume))
         .routes(routes!(snapshot))
@@ -83,6 +83,8 @@ fn documented(cp: &Arc<ControlPlane>) -> OpenApiRouter<Arc<ControlPlane>> {
         .merge(authed)
         // Authenticated by the volume's token, not an API key.
         .merge(crate::volume_content::routes())
+        // Authenticated by the upload's signed URL, not an API key.
+        .merge(crate::template_builds::upload_routes())
 }
 
 /// The OpenAPI description of the routes [`router`] serves, as `GET /openapi.json`
@@ -751,23 +753,10 @@ async fn list_snapshots(
     Ok(resp)
 }
 
-/// The node's templates (by name; snapshots, the team's own templates, are listed by
-/// `GET /snapshots`).
-#[utoipa::path(get, path = "/templates", tag = "sandboxes",
-    responses((status = 200, body = Vec<TemplateBody>), (status = 401, response = ErrorBody)))]
-async fn list_templates(State(cp): Cp) -> ApiResult<Response> {
-    let backend = cp.backend().clone();
-    let list = tokio::task::spawn_blocking(move || backend.list_templates())
-        .await
-        .map_err(|e| ApiError::Internal(format!("template list task: {e}")))??;
-    let mut items: Vec<TemplateBody> = list.iter().map(|t| (&t.config).into()).collect();
-    items.sort_by(|a, b| a.template_id.cmp(&b.template_id));
-    Ok(Json(items).into_response())
-}
-
-/// Delete a snapshot of the team (snapshots are usable as templates).
-#[utoipa::path(delete, path = "/templates/{id}", tag = "sandboxes",
-    params(("id" = String, Path, description = "Snapshot id or name")),
+/// Delete a snapshot or a template of the team (snapshots are usable as templates; a
+/// template still used by a sandbox, paused ones included, or a snapshot: 400).
+#[utoipa::path(delete, path = "/templates/{id}", tag = "templates",
+    params(("id" = String, Path, description = "Snapshot id or name, or template name")),
     responses((status = 204, description = "Deleted"), (status = 400, response = ErrorBody),
         (status = 401, response = ErrorBody), (status = 404, response = ErrorBody),
         (status = 409, response = ErrorBody)))]
@@ -776,7 +765,14 @@ async fn delete_template(
     Extension(team): Extension<Team>,
     Path(id): Path<String>,
 ) -> ApiResult<StatusCode> {
-    cp.delete_snapshot(&team, &id).await?;
+    if cp.team_snapshot(&team, &id).is_some() {
+        cp.delete_snapshot(&team, &id).await?;
+    } else if crate::templates::parse(&id).is_err() {
+        // Neither a snapshot nor a well-formed template name: nothing by that name.
+        return Err(ApiError::NotFound(format!("template '{id}' not found")));
+    } else {
+        crate::template_builds::delete_template(&cp, &team, &id).await?;
+    }
     Ok(StatusCode::NO_CONTENT)
 }
 

@@ -39,6 +39,8 @@ pub struct ApiConfig {
     pub limits: Limits,
     /// `domain` returned to SDKs (`None` → `null`: clients use `E2B_SANDBOX_URL`).
     pub domain: Option<String>,
+    /// How template builds reach image registries (mirrors, plain-HTTP registries).
+    pub registry: cubicle_node::template::oci::pull::RegistryOptions,
     /// Where sandbox logs are mirrored (`<state>/logs`).
     pub logs_dir: PathBuf,
     /// How long records and logs of ended sandboxes are kept.
@@ -57,6 +59,7 @@ impl ApiConfig {
         ApiConfig {
             limits: Limits::for_host(),
             domain: None,
+            registry: Default::default(),
             logs_dir,
             retention: Duration::from_secs(24 * 3600),
             keyring: Arc::new(crate::keyring::Keyring::ephemeral()),
@@ -84,6 +87,8 @@ pub struct ControlPlane {
     logs: Arc<LogMirror>,
     /// Called with the id of every sandbox a create hands out (see [`ControlPlane::on_created`]).
     on_created: std::sync::OnceLock<CreatedHook>,
+    /// Template builds (E2B's builder API).
+    pub(crate) builds: crate::template_builds::Builds,
     /// Metrics.
     telemetry: Arc<Telemetry>,
     /// Lifecycle events (stored, logged, delivered to webhooks).
@@ -127,6 +132,7 @@ impl ControlPlane {
             routes: Mutex::new(HashMap::new()),
             metrics: MetricsHistory::default(),
             on_created: std::sync::OnceLock::new(),
+            builds: Default::default(),
             telemetry,
             events,
             webhooks,
@@ -312,6 +318,7 @@ impl ControlPlane {
             cmd.template = Ok(crate::templates::TemplateRef {
                 name: snap.id.clone(),
                 requested: cmd.template_id.clone(),
+                tag: None,
             });
         }
         let tref = cmd.template.clone().map_err(ApiError::from)?;
@@ -325,8 +332,12 @@ impl ControlPlane {
             )));
         }
         // Inline: reads one small file (no hop to the blocking pool on every create).
+        let visible = self
+            .backend
+            .template_owner(&tref.name)
+            .is_none_or(|o| o == team.id.to_string());
         if self.backend.find_snapshot(&tref.name).is_none()
-            && !self.backend.template_exists(&tref.name)?
+            && (!visible || !self.backend.template_exists(&tref.node_ref())?)
         {
             return Err(ApiError::NotFound(format!(
                 "template '{}' not found (built-in templates: base, tiny; build others with `cubicle template build`)",
@@ -412,7 +423,7 @@ impl ControlPlane {
         let info = self
             .backend
             .create(CreateRequest {
-                template: template.name.clone(),
+                template: template.node_ref(),
                 id: None,
                 env_vars: cmd.env_vars,
                 memory_mb: cmd.memory_mb,
@@ -776,7 +787,11 @@ impl ControlPlane {
     }
 
     /// The snapshot of `team` that `name` refers to.
-    fn team_snapshot(&self, team: &Team, name: &str) -> Option<cubicle_node::SnapshotRecord> {
+    pub(crate) fn team_snapshot(
+        &self,
+        team: &Team,
+        name: &str,
+    ) -> Option<cubicle_node::SnapshotRecord> {
         let name = if name.contains('%') {
             crate::query::unescape(name, false).ok()?
         } else {

@@ -1,8 +1,8 @@
 //! Template references as the SDKs send them (`templateID` of create): `base`,
-//! `name:tag`, `namespace/name[:tag]`, possibly percent-encoded. Cubicle templates have
-//! one version, so the tags `default` and `latest` name it and any other tag does not
-//! exist; a namespace (`e2b/base`, `myteam/base`) is accepted and ignored (one node, one
-//! template namespace).
+//! `name:tag`, `namespace/name[:tag]`, possibly percent-encoded. The tags `default` and
+//! `latest` name a template's default build; other tags name builds they were assigned
+//! to (the caller checks that they exist); a namespace (`e2b/base`, `myteam/base`) is
+//! accepted and ignored (one node, one template namespace).
 
 use crate::error::{ApiError, ApiResult};
 use crate::query::unescape;
@@ -14,6 +14,18 @@ pub struct TemplateRef {
     pub name: String,
     /// What the caller wrote, decoded (returned as `alias`).
     pub requested: String,
+    /// A tag other than the default one, if named.
+    pub tag: Option<String>,
+}
+
+impl TemplateRef {
+    /// `name` or `name:tag`, as the node resolves it.
+    pub fn node_ref(&self) -> String {
+        match &self.tag {
+            Some(t) => format!("{}:{t}", self.name),
+            None => self.name.clone(),
+        }
+    }
 }
 
 /// Tags that name a template's only version.
@@ -56,16 +68,21 @@ pub fn parse(raw: &str) -> ApiResult<TemplateRef> {
     if cubicle_node::template::validate_name(name).is_err() {
         return Err(bad());
     }
-    if let Some(tag) = tag
-        && !TAGS.contains(&tag)
-    {
-        return Err(ApiError::NotFound(format!(
-            "template '{name}' has no tag '{tag}' (Cubicle templates have one version, tagged default and latest)"
-        )));
-    }
+    let tag = match tag {
+        Some(t) if TAGS.contains(&t) => None,
+        Some(t) => {
+            // No template has a tag that is not valid: unknown, like any other (E2B
+            // answers 404 for a tag it does not know).
+            cubicle_node::template::builds::validate_tag(t)
+                .map_err(|_| ApiError::NotFound(format!("template '{s}' not found")))?;
+            Some(t.to_string())
+        }
+        None => None,
+    };
     Ok(TemplateRef {
         name: name.to_string(),
         requested: s.to_string(),
+        tag,
     })
 }
 
@@ -86,7 +103,8 @@ mod tests {
         ] {
             assert_eq!(parse(raw).unwrap().name, name, "{raw}");
         }
-        assert!(matches!(parse("base:v2"), Err(ApiError::NotFound(_))));
+        assert_eq!(parse("base:v2").unwrap().node_ref(), "base:v2");
+        assert_eq!(parse("base:latest").unwrap().node_ref(), "base");
         for bad in [
             "", "  ", "Base", "a/b/c", "/base", "ba se", "%zz", "../x", ".hidden",
         ] {

@@ -122,7 +122,7 @@ fn io_error(path: &str, e: io::Error) -> ContentError {
 }
 
 /// A file's bytes as the description names them (`string`, `format: binary`).
-struct FileBytes;
+pub(crate) struct FileBytes;
 
 impl utoipa::PartialSchema for FileBytes {
     fn schema() -> utoipa::openapi::RefOr<utoipa::openapi::schema::Schema> {

@@ -13,6 +13,7 @@ mod apikey_cmd;
 mod bench;
 mod client;
 mod config;
+mod context;
 mod exit;
 mod output;
 mod run;

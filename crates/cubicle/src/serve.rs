@@ -185,6 +185,24 @@ pub struct ServeArgs {
         value_name = "SECS"
     )]
     pub webhook_timeout: f64,
+    /// Registry mirror for template builds, `REGISTRY=MIRROR` (repeatable), e.g.
+    /// `docker.io=http://localhost:5000` (an `http://` mirror is spoken to in plain HTTP).
+    #[arg(
+        long = "registry-mirror",
+        env = "CUBICLE_REGISTRY_MIRROR",
+        value_delimiter = ',',
+        value_name = "REGISTRY=MIRROR"
+    )]
+    pub registry_mirrors: Vec<String>,
+    /// Registry (`host:port`) template builds speak to over plain HTTP (repeatable;
+    /// `localhost` and `127.0.0.1` always are).
+    #[arg(
+        long = "insecure-registry",
+        env = "CUBICLE_INSECURE_REGISTRY",
+        value_delimiter = ',',
+        value_name = "HOST:PORT"
+    )]
+    pub insecure_registries: Vec<String>,
     #[command(flatten)]
     pub network: NetworkArgs,
 }
@@ -432,6 +450,10 @@ pub async fn run(
         api_config.limits.max_disk_mb = disk;
     }
     api_config.domain = Some(domain.advertised.clone());
+    api_config.registry = cubicle_node::template::oci::pull::RegistryOptions::with_mirrors(
+        &args.registry_mirrors,
+        &args.insecure_registries,
+    )?;
     api_config.webhooks = webhooks;
     let cp = ControlPlane::open(Arc::new(node.clone()), store, api_config)
         .await

@@ -425,3 +425,33 @@ fn run_next_to_a_node_fails_at_once_or_uses_its_own_slots() {
     let _ = cubicle_node::fsutil::remove_tree(&state);
     let _ = cubicle_node::fsutil::remove_tree(&other);
 }
+
+/// `template build -f` is a client of the server: against no server it fails, and it
+/// leaves the state directory it was given (by default the operator's) untouched.
+#[test]
+fn dockerfile_build_is_a_client_and_creates_no_store() {
+    let state = state_dir("dfclient");
+    let ctx = state_dir("dfclient-ctx");
+    std::fs::create_dir_all(&ctx).unwrap();
+    std::fs::write(ctx.join("Dockerfile"), "FROM e2bdev/base\nRUN true\n").unwrap();
+    let out = Command::new(BIN)
+        .args(["--state-dir"])
+        .arg(&state)
+        .args(["template", "build", "x", "-f"])
+        .arg(ctx.join("Dockerfile"))
+        .arg(&ctx)
+        // A port nothing listens on: the request fails at once.
+        .args(["--api-url", "http://127.0.0.1:9", "--api-key", "e2b_none"])
+        .env_remove("E2B_API_URL")
+        .env_remove("E2B_API_KEY")
+        .output()
+        .unwrap();
+    std::fs::remove_dir_all(&ctx).unwrap();
+    assert!(!out.status.success(), "no server, yet the build succeeded");
+    assert!(
+        !state.exists(),
+        "`template build -f` created {} ({:?})",
+        state.display(),
+        std::fs::read_dir(&state).map(|d| d.flatten().map(|e| e.file_name()).collect::<Vec<_>>())
+    );
+}

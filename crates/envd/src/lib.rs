@@ -5,6 +5,7 @@
 //! See shared/spec/e2b-compat.md §3.
 
 pub mod auth;
+pub mod build_op;
 /// Connect framing: the codec shared with every client of envd (`cubicle_proto::connect`)
 /// and its server half.
 pub mod connect {

@@ -45,10 +45,16 @@ struct Args {
     /// Require this access token (normally set through POST /init).
     #[arg(long, env = "CUBICLE_ENVD_ACCESS_TOKEN", hide_env_values = true)]
     access_token: Option<String>,
+    /// Run one file operation of a template build (JSON, see build_op.rs) and exit.
+    #[arg(long, hide = true)]
+    build_op: Option<String>,
 }
 
 fn main() -> anyhow::Result<()> {
     let args = Args::parse();
+    if let Some(op) = &args.build_op {
+        return cubicle_envd::build_op::run(op).map_err(anyhow::Error::msg);
+    }
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_env("CUBICLE_ENVD_LOG")

@@ -102,6 +102,15 @@ pub fn by_uid(uid: u32) -> Option<User> {
 }
 
 /// The name of a uid, or the number as text when unknown.
+/// Gid of the group `name`.
+pub fn group_by_name(name: &str) -> Option<u32> {
+    let text = std::fs::read_to_string(group_file()).ok()?;
+    text.lines()
+        .filter_map(parse_group)
+        .find(|g| g.name == name)
+        .map(|g| g.gid)
+}
+
 pub fn user_name(uid: u32) -> String {
     by_uid(uid)
         .map(|u| u.name)

@@ -173,30 +173,7 @@ fn envd_candidates(exe: &Path) -> Vec<PathBuf> {
     out
 }
 
-/// Whether `path` is an ELF64 executable without a program interpreter (static).
-pub fn is_static_elf(path: &Path) -> bool {
-    use std::io::{Read, Seek, SeekFrom};
-    let Ok(mut f) = std::fs::File::open(path) else {
-        return false;
-    };
-    let mut h = [0u8; 64];
-    if f.read_exact(&mut h).is_err() || &h[..4] != b"\x7fELF" || h[4] != 2 {
-        return false;
-    }
-    let phoff = u64::from_le_bytes([h[32], h[33], h[34], h[35], h[36], h[37], h[38], h[39]]);
-    let phentsize = u16::from_le_bytes([h[54], h[55]]) as usize;
-    let phnum = u16::from_le_bytes([h[56], h[57]]) as usize;
-    if phentsize < 4 || phnum > 4096 || f.seek(SeekFrom::Start(phoff)).is_err() {
-        return false;
-    }
-    let mut ph = vec![0u8; phentsize * phnum];
-    if f.read_exact(&mut ph).is_err() {
-        return false;
-    }
-    const PT_INTERP: u32 = 3;
-    !ph.chunks(phentsize)
-        .any(|p| u32::from_le_bytes([p[0], p[1], p[2], p[3]]) == PT_INTERP)
-}
+pub use crate::fsutil::is_static_elf;
 
 #[cfg(test)]
 mod tests {

@@ -16,19 +16,9 @@ pub enum Error {
         #[source]
         source: std::io::Error,
     },
-    /// A template that is not built and is not a built-in.
-    #[error(
-        "template '{0}' not found (built-ins: tiny, base; build one with `cubicle template build NAME`)"
-    )]
-    TemplateNotFound(String),
-    /// Building a template failed.
-    #[error("building template '{name}' failed: {message}")]
-    TemplateBuild {
-        /// Template name.
-        name: String,
-        /// What failed.
-        message: String,
-    },
+    /// The template store or a template build failed.
+    #[error(transparent)]
+    Template(#[from] cubicle_template::Error),
     /// A sandbox id that is not known to this node.
     #[error("sandbox '{0}' not found")]
     SandboxNotFound(String),

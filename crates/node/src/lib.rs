@@ -12,10 +12,10 @@
 //! ```
 
 pub mod bench;
+pub mod build;
 pub mod config;
 pub mod envd_client;
 pub mod error;
-pub mod fsutil;
 pub mod host;
 pub mod host_slots;
 pub mod ids;
@@ -24,13 +24,13 @@ pub mod linux;
 mod node;
 mod pool;
 pub mod procfs;
+pub mod ready;
 mod reaper;
 pub mod reconcile;
 pub mod runtime;
 pub mod sandbox;
 pub mod slots;
 pub mod snapshot;
-pub mod template;
 pub mod traces;
 pub mod volume;
 
@@ -38,11 +38,13 @@ pub use config::{NetworkOptions, NodeConfig, default_state_dir};
 pub use cubicle_egress::policy as network_policy;
 pub use cubicle_egress::{NetEvent, NetworkPolicy, SecretSource, allow_list, check_ca_pem};
 pub use cubicle_runtime::SandboxId;
+pub use cubicle_template as template;
+pub use cubicle_template::fsutil;
 pub use envd_client::{EnvdClient, ProcessEnd, ProcessEvent, ProcessSpec};
 pub use error::{Error, Result};
 pub use node::{
     CHECKPOINT_DIR, Node, PauseReport, PauseRequest, ResumeOutcome, SnapshotReport,
-    SnapshotRequest, records_on_disk, sandboxes_using_template,
+    SnapshotRequest, layers_in_use_on_disk, records_on_disk, sandboxes_using_template,
 };
 pub use pool::{PoolStats, parse_pool_spec};
 pub use sandbox::{

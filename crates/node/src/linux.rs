@@ -173,6 +173,7 @@ fn sandbox_spec(s: &StartSpec) -> SandboxSpec {
         s.uid_base,
         s.init.clone(),
     );
+    spec.layers = s.layers.clone();
     spec.uid_count = s.uid_count;
     spec.hostname = s.hostname.clone();
     spec.limits = Limits {
@@ -400,7 +401,7 @@ impl SandboxRuntime for LinuxRuntime {
             Ok(st) if let Ok(id) = SandboxId::parse(id) => st
                 .remove_sandbox_dir(&id)
                 .map_err(|e| rt_err(&format!("removing {}", dir.display()), e)),
-            _ => crate::fsutil::remove_tree(dir),
+            _ => Ok(crate::fsutil::remove_tree(dir)?),
         }
     }
 

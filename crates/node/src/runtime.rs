@@ -22,6 +22,8 @@ pub struct StartSpec {
     pub id: SandboxId,
     /// Template rootfs (read-only lower layer, owned by host uid 0).
     pub rootfs: PathBuf,
+    /// The template's further layers above `rootfs`, bottom first.
+    pub layers: Vec<PathBuf>,
     /// `<state>/sandboxes/<id>`: the sandbox's private host directory.
     pub sandbox_dir: PathBuf,
     /// The node's slot for this sandbox (uid range and network address derive from it).

@@ -241,6 +241,9 @@ pub struct SandboxRecord {
     /// Volumes mounted in it (a volume a live sandbox mounts cannot be deleted).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub volumes: Vec<VolumeMount>,
+    /// The template's layer ids (what GC must keep while the sandbox runs).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub layers: Vec<String>,
 }
 
 impl SandboxRecord {

@@ -33,6 +33,10 @@ pub struct SnapshotRecord {
     pub template: String,
     /// The template providing the root filesystem.
     pub base_template: String,
+    /// The layer ids of `base_template` the source ran on (kept out of GC while this
+    /// snapshot exists; a rebuild of the template does not change what it restores on).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub layers: Vec<String>,
     /// Memory and processes included (`false`: disk only; a sandbox made from it boots).
     pub memory: bool,
     /// Hidden (a fork's intermediate snapshot): not listed.
@@ -108,7 +112,7 @@ impl SnapshotStore {
 
     /// Records a snapshot.
     pub fn put(&self, r: &SnapshotRecord) -> Result<()> {
-        fsutil::write_json_atomic(&self.path(&r.id), r)
+        Ok(fsutil::write_json_atomic(&self.path(&r.id), r)?)
     }
 
     /// The snapshot with this id, if any.

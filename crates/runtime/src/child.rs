@@ -61,7 +61,10 @@ fn run(
 ) -> Result<(), String> {
     let (msg, fds) = step(
         "wait for helper",
-        sys::recv_with_fds(sock.as_raw_fd(), crate::spec::MAX_BINDS + 1),
+        sys::recv_with_fds(
+            sock.as_raw_fd(),
+            crate::spec::MAX_BINDS + 1 + crate::spec::MAX_LAYERS,
+        ),
     )?;
     if msg != b"go" {
         return Err("helper exited before releasing the sandbox".into());
@@ -77,11 +80,12 @@ fn run(
     }
 
     let binds = spec.all_binds();
-    if fds.len() != binds.len() + 1 {
+    let lowers = spec.lowers().len();
+    if fds.len() != binds.len() + lowers {
         return Err(format!(
             "helper sent {} mounts, expected {}",
             fds.len(),
-            binds.len() + 1
+            binds.len() + lowers
         ));
     }
     let sources: Vec<_> = binds.into_iter().map(|b| b.source).collect();
@@ -101,7 +105,14 @@ fn run(
             format!("0 {}\n", spec.uid_count.saturating_sub(1)),
         ),
     )?;
-    rootfs::execute(&rootfs::plan(&here, cgroup), &fds, &sources, status)?;
+    let (lower_fds, bind_fds) = fds.split_at(lowers);
+    rootfs::execute(
+        &rootfs::plan(&here, cgroup),
+        lower_fds,
+        bind_fds,
+        &sources,
+        status,
+    )?;
     drop(fds);
     // Inside the new root, at the path the sandbox sees, then the ctl mount goes read-only.
     let listener = match &spec.ctl_socket {

@@ -187,9 +187,13 @@ fn release_child(spec: &SandboxSpec, pid: i32, sock: &OwnedFd, out: RawFd) -> Re
 
     let userns = std::fs::File::open(format!("/proc/{pid}/ns/user"))
         .map_err(|e| format!("open child user namespace: {e}"))?;
-    let lower = idmapped_template(&spec.rootfs, userns.as_raw_fd())?;
-
-    let mut fds = vec![lower];
+    // One idmapped, read-only clone per template layer (bottom first), then the bind
+    // sources.
+    let mut fds = spec
+        .lowers()
+        .into_iter()
+        .map(|layer| idmapped_layer(layer, userns.as_raw_fd()))
+        .collect::<Result<Vec<_>, _>>()?;
     for b in spec.all_binds() {
         let fd = sys::open_tree_clone(&b.source)
             .map_err(|e| format!("bind source {}: {e}", b.source.display()))?;
@@ -213,12 +217,10 @@ fn release_child(spec: &SandboxSpec, pid: i32, sock: &OwnedFd, out: RawFd) -> Re
     Ok(())
 }
 
-/// The template rootfs as a detached, read-only, nodev mount whose ids are mapped through
-/// the user namespace `userns` (host uid 0 appears as the sandbox's root).
-pub(crate) fn idmapped_template(
-    rootfs: &std::path::Path,
-    userns: RawFd,
-) -> Result<OwnedFd, String> {
+/// One template layer (the rootfs or a layer above it) as a detached, read-only, nodev
+/// mount whose ids are mapped through the user namespace `userns` (host uid 0 appears as
+/// the sandbox's root).
+pub(crate) fn idmapped_layer(rootfs: &std::path::Path, userns: RawFd) -> Result<OwnedFd, String> {
     let lower =
         sys::open_tree_clone(rootfs).map_err(|e| format!("open_tree {}: {e}", rootfs.display()))?;
     sys::mount_setattr(

@@ -16,7 +16,8 @@
 //! 1. the staging tmpfs and the overlay root, mounted by root of a throwaway user
 //!    namespace with the sandbox's id map (the same creator a fresh sandbox's overlay has:
 //!    mounted by the host's root instead, overlay cannot create its work directory through
-//!    the idmapped layers), over the idmapped template as lower layer;
+//!    the idmapped layers), over the template's idmapped layers as lower layers (each
+//!    attached where a fresh sandbox has it, `rootfs.rs`);
 //! 2. the staging tmpfs's contents (the caller fills them: they were saved at the dump);
 //! 3. one source per external mount, carrying the mount flags the sandbox had (CRIU
 //!    re-creates external bind mounts without their flags: a read-only mask would come
@@ -251,7 +252,8 @@ pub fn prepare_restore_root(
     })
 }
 
-/// The staging tmpfs with the template (idmapped) at `lower` and the overlay at `root`,
+/// The staging tmpfs with the template's layers (idmapped) at `lower`, `lower1`, … and
+/// the overlay at `root`,
 /// both mounted by root of a throwaway user namespace with the sandbox's map, then
 /// attached here.
 fn mount_staging_and_root(
@@ -309,9 +311,14 @@ fn mount_staging_and_root(
         }
         let userns = fs::File::open(format!("/proc/{pid}/ns/user"))
             .map_err(|e| Error::io("open the restore's user namespace", e))?;
-        let lower = crate::helper::idmapped_template(&spec.rootfs, userns.as_raw_fd())
+        let lowers = spec
+            .lowers()
+            .into_iter()
+            .map(|layer| crate::helper::idmapped_layer(layer, userns.as_raw_fd()))
+            .collect::<std::result::Result<Vec<_>, _>>()
             .map_err(Error::Setup)?;
-        sys::send_with_fds(parent_sock.as_raw_fd(), b"go", &[lower.as_raw_fd()])
+        let raw: Vec<RawFd> = lowers.iter().map(|f| f.as_raw_fd()).collect();
+        sys::send_with_fds(parent_sock.as_raw_fd(), b"go", &raw)
             .map_err(|e| Error::io("release the restore's root child", e))?;
         let (msg, fds) = sys::recv_with_fds(parent_sock.as_raw_fd(), 1)
             .map_err(|e| Error::io("receive the restore's root", e))?;
@@ -347,11 +354,18 @@ fn root_child(
     fill_staging: &mut dyn FnMut(&Path) -> Result<()>,
     sock: &OwnedFd,
 ) -> std::result::Result<(), String> {
-    let (msg, fds) = sys::recv_with_fds(sock.as_raw_fd(), 1).map_err(|e| format!("wait: {e}"))?;
+    let layers = spec.lowers().len();
+    let (msg, lower_fds) =
+        sys::recv_with_fds(sock.as_raw_fd(), layers).map_err(|e| format!("wait: {e}"))?;
     if msg != b"go" {
         return Err("parent gave up".into());
     }
-    let lower_fd = fds.into_iter().next().ok_or("no template mount")?;
+    if lower_fds.len() != layers {
+        return Err(format!(
+            "got {} template layer mounts for {layers} layers",
+            lower_fds.len()
+        ));
+    }
     crate::child::become_root()?;
     // Paths relative to the sandbox directory, our working directory (see the caller).
     let mut here = spec.clone();
@@ -371,21 +385,19 @@ fn root_child(
     .map_err(|e| format!("mount the staging tmpfs: {e}"))?;
     fill_staging(&staging).map_err(|e| format!("restore the staging tmpfs: {e}"))?;
     static_staging_dirs(&staging, cgroups).map_err(|e| e.to_string())?;
-    let (lower, root) = (staging.join("lower"), staging.join("root"));
-    for d in [&lower, &root] {
+    let lowers = crate::rootfs::lower_mount_points(spec);
+    let root = staging.join("root");
+    for d in lowers.iter().chain([&root]) {
         fs::DirBuilder::new()
             .mode(0o755)
             .create(d)
             .map_err(|e| format!("mkdir {}: {e}", d.display()))?;
     }
-    sys::move_mount_to(lower_fd.as_raw_fd(), &lower)
-        .map_err(|e| format!("attach idmapped template: {e}"))?;
-    let opts = format!(
-        "lowerdir={},upperdir={},workdir={},userxattr",
-        lower.display(),
-        spec.upper_dir().display(),
-        spec.work_dir().display()
-    );
+    for (fd, target) in lower_fds.iter().zip(&lowers) {
+        sys::move_mount_to(fd.as_raw_fd(), target)
+            .map_err(|e| format!("attach idmapped template layer {}: {e}", target.display()))?;
+    }
+    let opts = crate::rootfs::overlay_options(spec, &lowers);
     sys::mount(
         Some(Path::new("overlay")),
         &root,

@@ -71,8 +71,8 @@ pub(crate) enum Step {
         flags: libc::c_ulong,
         data: Option<String>,
     },
-    /// Attach the helper's idmapped template clone (detached mount fd #0).
-    AttachLower { target: PathBuf },
+    /// Attach the helper's idmapped clone of layer #`index` (0 = the bottom, `rootfs`).
+    AttachLower { index: usize, target: PathBuf },
     /// Bind-mount `source` on `target`, then remount it with `remount` flags if non-zero.
     Bind {
         source: PathBuf,
@@ -94,8 +94,9 @@ pub(crate) enum Step {
     Mark(&'static str),
     /// chdir(root); pivot_root(".", "."); umount2(".", MNT_DETACH); chdir("/").
     Pivot { root: PathBuf },
-    /// Attach bind mount #`index` (detached mount fd #`index + 1`) at `target` (a path
-    /// inside the sandbox, after the pivot), creating a file or directory to match.
+    /// Attach bind mount #`index` (the helper's detached mount of bind `index`) at
+    /// `target` (a path inside the sandbox, after the pivot), creating a file or
+    /// directory to match.
     AttachBind { index: usize, target: PathBuf },
 }
 
@@ -114,43 +115,71 @@ fn inside(root: &Path, p: impl AsRef<Path>) -> PathBuf {
     root.join(p.as_ref().strip_prefix("/").unwrap_or(p.as_ref()))
 }
 
+/// Where each read-only layer of `spec` is attached in the staging tmpfs, bottom first:
+/// layer 0 (`rootfs`) at `lower`, layer i at `lower<i>`. A restore's root uses the same.
+pub(crate) fn lower_mount_points(spec: &SandboxSpec) -> Vec<PathBuf> {
+    let staging = spec.mount_dir();
+    (0..spec.lowers().len())
+        .map(|i| match i {
+            0 => staging.join("lower"),
+            i => staging.join(format!("lower{i}")),
+        })
+        .collect()
+}
+
+/// The overlay's mount options over the layers attached at `lowers` (bottom first, as
+/// [`lower_mount_points`] gives them; overlayfs lists them top first).
+pub(crate) fn overlay_options(spec: &SandboxSpec, lowers: &[PathBuf]) -> String {
+    let lowerdir: Vec<String> = lowers
+        .iter()
+        .rev()
+        .map(|p| p.display().to_string())
+        .collect();
+    format!(
+        "lowerdir={},upperdir={},workdir={},userxattr",
+        lowerdir.join(":"),
+        spec.upper_dir().display(),
+        spec.work_dir().display()
+    )
+}
+
 /// The complete sequence for `spec` on a host whose cgroups are `cgroups`.
 pub(crate) fn plan(spec: &SandboxSpec, cgroups: &InnerMounts) -> Vec<Step> {
     let staging = spec.mount_dir();
-    let lower = staging.join("lower");
     let root = staging.join("root");
+    let lowers = lower_mount_points(spec);
     let mut s = vec![
         Step::MakeRootPrivate,
         tmpfs(staging.clone(), NOSUID | NODEV, "mode=0755"),
-        Step::Dir {
-            path: lower.clone(),
-            mode: 0o755,
-        },
-        Step::Dir {
-            path: staging.join("empty"),
-            mode: 0o555,
-        },
-        Step::Dir {
-            path: root.clone(),
-            mode: 0o755,
-        },
-        Step::AttachLower {
-            target: lower.clone(),
-        },
-        Step::Mount {
-            source: "overlay".into(),
-            target: root.clone(),
-            fstype: "overlay".into(),
-            flags: 0,
-            data: Some(format!(
-                "lowerdir={},upperdir={},workdir={},userxattr",
-                lower.display(),
-                spec.upper_dir().display(),
-                spec.work_dir().display()
-            )),
-        },
-        Step::Mark("overlay_mounted"),
     ];
+    for path in &lowers {
+        s.push(Step::Dir {
+            path: path.clone(),
+            mode: 0o755,
+        });
+    }
+    s.push(Step::Dir {
+        path: staging.join("empty"),
+        mode: 0o555,
+    });
+    s.push(Step::Dir {
+        path: root.clone(),
+        mode: 0o755,
+    });
+    for (index, target) in lowers.iter().enumerate() {
+        s.push(Step::AttachLower {
+            index,
+            target: target.clone(),
+        });
+    }
+    s.push(Step::Mount {
+        source: "overlay".into(),
+        target: root.clone(),
+        fstype: "overlay".into(),
+        flags: 0,
+        data: Some(overlay_options(spec, &lowers)),
+    });
+    s.push(Step::Mark("overlay_mounted"));
     for (d, mode) in [
         ("proc", 0o555),
         ("sys", 0o555),
@@ -348,16 +377,30 @@ fn err(what: impl std::fmt::Display, e: std::io::Error) -> String {
     format!("{what}: {e}")
 }
 
-/// Executes `steps`. `fds[0]` is the idmapped template clone, `fds[1 + i]` the detached
-/// mount of bind `i`; the bind sources are only used in messages.
+/// The helper's detached mounts: the idmapped clone of every layer (bottom first) and
+/// of every bind source, with the bind sources' paths for messages.
+struct Mounts<'a> {
+    lowers: &'a [OwnedFd],
+    binds: &'a [OwnedFd],
+    bind_sources: &'a [PathBuf],
+}
+
+/// Executes `steps`. `lowers[i]` is the idmapped clone of layer `i`, `binds[i]` the
+/// detached mount of bind `i`; the bind sources are only used in messages.
 pub(crate) fn execute(
     steps: &[Step],
-    fds: &[OwnedFd],
+    lowers: &[OwnedFd],
+    binds: &[OwnedFd],
     bind_sources: &[PathBuf],
     status: RawFd,
 ) -> Result<(), String> {
+    let mounts = Mounts {
+        lowers,
+        binds,
+        bind_sources,
+    };
     for step in steps {
-        apply(step, fds, bind_sources, status)?;
+        apply(step, &mounts, status)?;
     }
     Ok(())
 }
@@ -378,12 +421,7 @@ fn mount(
     })
 }
 
-fn apply(
-    step: &Step,
-    fds: &[OwnedFd],
-    bind_sources: &[PathBuf],
-    status: RawFd,
-) -> Result<(), String> {
+fn apply(step: &Step, mounts: &Mounts, status: RawFd) -> Result<(), String> {
     match step {
         Step::MakeRootPrivate => sys::mount(
             None,
@@ -402,10 +440,13 @@ fn apply(
             flags,
             data,
         } => mount(source, target, fstype, *flags, data.as_deref()),
-        Step::AttachLower { target } => {
-            let fd = fds.first().ok_or("helper sent no template mount")?;
+        Step::AttachLower { index, target } => {
+            let fd = mounts
+                .lowers
+                .get(*index)
+                .ok_or("helper sent too few template layers")?;
             sys::move_mount_to(fd.as_raw_fd(), target)
-                .map_err(|e| err("attach idmapped template", e))
+                .map_err(|e| err(format!("attach idmapped template layer {index}"), e))
         }
         Step::Bind {
             source,
@@ -457,10 +498,12 @@ fn apply(
         }
         Step::Pivot { root } => pivot(root),
         Step::AttachBind { index, target } => {
-            let fd = fds
-                .get(index + 1)
+            let fd = mounts
+                .binds
+                .get(*index)
                 .ok_or("helper sent too few bind mounts")?;
-            let source = bind_sources
+            let source = mounts
+                .bind_sources
                 .get(*index)
                 .map(|p| p.display().to_string())
                 .unwrap_or_default();
@@ -587,7 +630,7 @@ mod tests {
         match step {
             Step::Dir { path, .. } | Step::File { path } => Some(path),
             Step::Mount { target, .. }
-            | Step::AttachLower { target }
+            | Step::AttachLower { target, .. }
             | Step::Bind { target, .. }
             | Step::MaskFile { target }
             | Step::MaskDir { target, .. }
@@ -666,6 +709,47 @@ mod tests {
         assert_eq!(
             opts,
             "lowerdir=/s/abc/rootfs/lower,upperdir=/s/abc/upper,workdir=/s/abc/work,userxattr"
+        );
+    }
+
+    /// A template of several layers: every layer is attached (bottom = fd 0) before the
+    /// overlay, which lists them top first.
+    #[test]
+    fn layers_stack_bottom_first_and_overlay_lists_them_top_first() {
+        let mut sp = spec();
+        sp.layers = vec!["/t/l1".into(), "/t/l2".into()];
+        let steps = plan(&sp, &v1());
+        let attached: Vec<_> = steps
+            .iter()
+            .filter_map(|s| match s {
+                Step::AttachLower { index, target } => Some((*index, target.clone())),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(
+            attached,
+            vec![
+                (0, PathBuf::from("/s/abc/rootfs/lower")),
+                (1, PathBuf::from("/s/abc/rootfs/lower1")),
+                (2, PathBuf::from("/s/abc/rootfs/lower2")),
+            ]
+        );
+        let opts = steps
+            .iter()
+            .find_map(|s| match s {
+                Step::Mount {
+                    fstype,
+                    data: Some(d),
+                    ..
+                } if fstype == "overlay" => Some(d.clone()),
+                _ => None,
+            })
+            .unwrap();
+        assert!(
+            opts.starts_with(
+                "lowerdir=/s/abc/rootfs/lower2:/s/abc/rootfs/lower1:/s/abc/rootfs/lower,"
+            ),
+            "{opts}"
         );
     }
 

@@ -30,6 +30,9 @@ pub const MIN_UID_BASE: u32 = 65536;
 pub const DEFAULT_PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
 /// Most extra bind mounts a spec may carry (they travel as fds in one message).
 pub const MAX_BINDS: usize = 16;
+/// Most read-only layers a sandbox's root may stack (`rootfs` plus [`SandboxSpec::layers`]):
+/// each is one idmapped mount per sandbox, and they travel as fds in one message.
+pub const MAX_LAYERS: usize = 48;
 
 /// Resource limits of one sandbox, enforced by its cgroup.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -80,6 +83,13 @@ pub struct SandboxSpec {
     /// Template root filesystem: the overlay's read-only lower layer. Owned by host uid 0;
     /// an idmapped mount makes it appear owned by the sandbox's root.
     pub rootfs: PathBuf,
+    /// Further read-only layers stacked on `rootfs`, bottom first (a template made of
+    /// several content-addressed layers; empty for a single-directory template). Same
+    /// format as overlayfs layers mounted with `userxattr`: whiteouts are 0/0 character
+    /// devices, opaque directories carry `user.overlay.opaque=y`. Each is idmapped like
+    /// `rootfs`; at most [`MAX_LAYERS`] in all.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub layers: Vec<PathBuf>,
     /// Private host directory of this sandbox; `spawn` creates `upper/`, `work/`, `ctl/` and
     /// `rootfs/` (an empty mount point) in it. It and its ancestors must be searchable by
     /// others (mode o+x, e.g. 0711): the sandbox's root (host uid `uid_base`) resolves
@@ -135,6 +145,7 @@ impl SandboxSpec {
             hostname: id.clone(),
             id,
             rootfs: rootfs.into(),
+            layers: Vec::new(),
             sandbox_dir: sandbox_dir.into(),
             uid_base,
             uid_count: DEFAULT_UID_COUNT,
@@ -161,6 +172,13 @@ impl SandboxSpec {
     pub fn ctl_dir(&self) -> PathBuf {
         self.sandbox_dir.join("ctl")
     }
+    /// Every read-only layer of the root, bottom first: `rootfs`, then `layers`.
+    pub fn lowers(&self) -> Vec<&Path> {
+        std::iter::once(self.rootfs.as_path())
+            .chain(self.layers.iter().map(PathBuf::as_path))
+            .collect()
+    }
+
     /// `<sandbox_dir>/rootfs`: empty directory the sandbox mounts its root on (visible only
     /// inside the sandbox's mount namespace).
     pub fn mount_dir(&self) -> PathBuf {
@@ -207,13 +225,23 @@ impl SandboxSpec {
         if !SandboxId::is_valid(&self.id) {
             return bad(format!("id {:?} must match ^[a-z0-9]{{1,32}}$", self.id));
         }
-        for (name, p) in [("rootfs", &self.rootfs), ("sandbox_dir", &self.sandbox_dir)] {
+        let layers = self.layers.iter().map(|p| ("layer", p));
+        for (name, p) in [("rootfs", &self.rootfs), ("sandbox_dir", &self.sandbox_dir)]
+            .into_iter()
+            .chain(layers)
+        {
             if !is_clean_absolute(p) {
                 return bad(format!(
                     "{name} {} must be an absolute path without '..'",
                     p.display()
                 ));
             }
+        }
+        if self.lowers().len() > MAX_LAYERS {
+            return bad(format!(
+                "{} layers: at most {MAX_LAYERS} (rootfs included)",
+                self.lowers().len()
+            ));
         }
         // The overlay mount options list these paths: no separators or escapes.
         let dir = self.sandbox_dir.to_string_lossy();

@@ -86,8 +86,8 @@ if [[ "${CUBICLE_SERVE_E2E_INNER:-}" != "1" ]]; then
   [[ ${CUBICLE_E2E_SKIP_CI:-0} == 1 ]] || templates+=(code-interpreter-v1)
   for t in "${templates[@]}"; do
     # Also when it exists: a built-in made by an older builder is rebuilt (a no-op otherwise).
-    if [[ ! -d "$state/templates/$t/rootfs" || $t == code-interpreter-v1 ]]; then
-      [[ -d "$state/templates/$t/rootfs" ]] || echo "serve-e2e: building template $t in $state (once)"
+    if [[ ! -f "$state/templates/$t/template.json" || $t == code-interpreter-v1 ]]; then
+      [[ -f "$state/templates/$t/template.json" ]] || echo "serve-e2e: building template $t in $state (once)"
       CUBICLE_ENVD_BIN=${CUBICLE_ENVD_BIN:-$ROOT/target/x86_64-unknown-linux-gnu/debug/cubicle-envd} \
         "$bin" template build "$t" --state-dir "$state" \
         || echo "serve-e2e: building template $t failed; tests that use it will fail" >&2

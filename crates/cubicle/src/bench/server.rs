@@ -30,14 +30,15 @@ impl Server {
         if let Some(e) = envd {
             cmd.arg("--envd-binary").arg(e);
         }
-        cmd.args([
-            "--first-slot",
-            &BENCH_FIRST_SLOT.to_string(),
-            "--any-free-slots",
-        ])
-        .args(["serve", "--listen", "127.0.0.1:0"])
-        .arg("--max-timeout")
-        .arg("3600");
+        // A shared machine: CUBICLE_BENCH_FIRST_SLOT keeps two benches' uid ranges apart.
+        let first_slot = std::env::var("CUBICLE_BENCH_FIRST_SLOT")
+            .ok()
+            .and_then(|v| v.parse::<u32>().ok())
+            .unwrap_or(BENCH_FIRST_SLOT);
+        cmd.args(["--first-slot", &first_slot.to_string(), "--any-free-slots"])
+            .args(["serve", "--listen", "127.0.0.1:0"])
+            .arg("--max-timeout")
+            .arg("3600");
         // Build only what the bench uses (base takes a minute the first time).
         if !templates.iter().any(|t| t == "base") {
             cmd.arg("--no-build-templates");

@@ -21,6 +21,7 @@ mod metrics;
 mod netlog;
 mod rest;
 mod shell;
+pub mod templates;
 #[cfg(test)]
 mod testserver;
 mod tty;
@@ -35,7 +36,8 @@ pub use volume::{VolumeArgs, run_volume};
 // For `cubicle bench`, which calls the server as this client does.
 pub(crate) use connect::EnvdClient;
 pub(crate) use http::{BaseUrl, Connection, full as full_body, read_body};
-pub(crate) use rest::{ApiClient, ListFilter, NewSandbox};
+pub use rest::ApiClient;
+pub(crate) use rest::{ListFilter, NewSandbox};
 
 /// Runs one `cubicle sandbox …` command; returns the process exit code.
 pub async fn run(args: SandboxArgs, state_dir: &Path) -> anyhow::Result<i32> {

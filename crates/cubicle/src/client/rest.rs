@@ -191,7 +191,7 @@ impl ApiClient {
 
     /// Sends a request on a fresh connection; returns `(status, headers, body)`; error
     /// statuses become `ClientError::Status`.
-    pub(super) async fn call(
+    pub(crate) async fn call(
         &self,
         method: Method,
         path: &str,

@@ -37,20 +37,39 @@ impl Inner {
     /// What a create asks for, checked: the template (built on first use of a built-in),
     /// the id (the caller's, or a new one), the limits, the timeout.
     pub(crate) async fn plan_create(&self, req: &CreateRequest) -> Result<CreatePlan> {
+        let template = self.resolve_template(&req.template).await?;
+        self.plan_with(req, template)
+    }
+
+    /// The template a create names (`name` or `name:tag`), built first if it is a
+    /// built-in that is not built yet.
+    async fn resolve_template(&self, reference: &str) -> Result<Template> {
         let inner = self;
+        if let Some((name, tag)) = reference.split_once(':') {
+            return inner
+                .templates
+                .get_tagged(name, Some(tag))?
+                .ok_or_else(|| crate::template::Error::TemplateNotFound(reference.into()).into());
+        }
         // A built template is one small file read, done inline; building one (a first
         // use of a built-in) goes to the blocking pool.
-        let template = match inner.templates.get(&req.template)? {
+        let template = match inner.templates.get(reference)? {
             Some(t) => t,
             None => {
                 let store = inner.templates.clone();
-                let name = req.template.clone();
+                let name = reference.to_string();
                 let progress = inner.config.template_progress;
                 tokio::task::spawn_blocking(move || store.ensure(&name, progress))
                     .await
                     .map_err(|e| Error::Runtime(format!("template task: {e}")))??
             }
         };
+        Ok(template)
+    }
+
+    /// [`Inner::plan_create`] for a template value (e.g. a build step's layer stack).
+    pub(crate) fn plan_with(&self, req: &CreateRequest, template: Template) -> Result<CreatePlan> {
+        let inner = self;
         let id = match &req.id {
             Some(id) if let Ok(id) = SandboxId::parse(id) => id,
             Some(id) => {
@@ -306,7 +325,7 @@ impl Inner {
             let (spid, pst) = (init_pid, record.pid_start_time);
             let exit_code = start_command.as_ref().map(|w| w.exit_code());
             let r = blocking(move || {
-                crate::template::ready::wait_http_health(
+                crate::ready::wait_http_health(
                     spid,
                     port,
                     std::time::Duration::from_secs(120),
@@ -322,6 +341,30 @@ impl Inner {
                 )
             })
             .await;
+            if let (Err(e), Some(w)) = (&r, &start_command) {
+                return Err(Error::Runtime(format!(
+                    "{e}; the start command: {}",
+                    w.describe()
+                )));
+            }
+            r?;
+        }
+        if let Some(ready) = template
+            .config
+            .ready_command
+            .as_deref()
+            .filter(|c| !c.trim().is_empty())
+        {
+            // E2B's readyCmd: run (as the default user) until it exits 0.
+            let token = Some(record.access_token.clone()).filter(|t| !t.is_empty());
+            let authed = EnvdClient::new(self.envd_socket(id), token);
+            let exit_code = start_command.as_ref().map(|w| w.exit_code());
+            let r =
+                crate::ready::wait_ready_command(&authed, ready, Duration::from_secs(120), || {
+                    let failed = exit_code.as_ref().and_then(|f| f()).filter(|c| *c != 0);
+                    failed.map(|code| format!("the start command failed (exit code {code})"))
+                })
+                .await;
             if let (Err(e), Some(w)) = (&r, &start_command) {
                 return Err(Error::Runtime(format!(
                     "{e}; the start command: {}",
@@ -362,6 +405,12 @@ impl Inner {
         binds.extend(crate::template::code_interpreter::bind_for(
             &template.config,
         ));
+        binds.extend(
+            template
+                .binds
+                .iter()
+                .map(|(s, t)| (s.clone(), t.clone(), true)),
+        );
         let volumes = self.volume_binds(&record.volumes)?;
         Ok(self.start_spec(record, template, binds, volumes))
     }
@@ -377,6 +426,7 @@ impl Inner {
         let id = record.id.clone();
         StartSpec {
             rootfs: template.rootfs.clone(),
+            layers: template.layers.clone(),
             sandbox_dir: self.sandbox_dir(&id),
             slot: record.slot,
             uid_base: record.uid_base,

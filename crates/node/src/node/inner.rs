@@ -176,6 +176,7 @@ impl Inner {
             envd_unresponsive_at_pause: false,
             base_template: None,
             volumes: Vec::new(),
+            layers: c.layers.clone(),
         };
         customize(&mut record);
         // In the same critical section as the insert: a volume being deleted is never

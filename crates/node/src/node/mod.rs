@@ -33,7 +33,7 @@ use crate::pool::PoolStats;
 use crate::runtime::SandboxRuntime;
 use crate::sandbox::{CreateRequest, DeathReason, SandboxInfo, SandboxRecord, SandboxState};
 use crate::slots::UidSlots;
-use crate::template::TemplateStore;
+use crate::template::{Template, TemplateStore};
 use crate::{fsutil, procfs};
 
 pub(crate) mod create;
@@ -279,6 +279,18 @@ impl Node {
         .map_err(|e| Error::Runtime(format!("create task failed: {e}")))?
     }
 
+    /// Create a sandbox of a template value that need not be in the store (a build step's
+    /// sandbox: the layers built so far). Never claimed from a pool.
+    pub async fn create_from(&self, template: Template, req: CreateRequest) -> Result<SandboxInfo> {
+        let inner = self.inner.clone();
+        tokio::spawn(async move {
+            let plan = inner.plan_with(&req, template)?;
+            inner.create_cold(&req, plan, Instant::now()).await
+        })
+        .await
+        .map_err(|e| Error::Runtime(format!("create task failed: {e}")))?
+    }
+
     /// Pause a running sandbox: with `memory`, its processes and memory go to disk and
     /// come back on [`Node::resume`]; without, only its disk is kept and a resume boots
     /// its template again over it. A paused sandbox has no processes and uses no host
@@ -517,7 +529,8 @@ impl Node {
     }
 }
 
-/// Ids of sandboxes whose records name `template` (to refuse removing a template in use).
+/// Ids of sandboxes whose records name `template`, then its snapshots (`snapshot <id>`):
+/// what keeps it from being removed (a paused sandbox or a snapshot restores onto it).
 pub fn sandboxes_using_template(state_dir: &Path, template: &str) -> Vec<String> {
     let mut out = Vec::new();
     let Ok(rd) = std::fs::read_dir(state_dir.join("sandboxes")) else {
@@ -534,7 +547,33 @@ pub fn sandboxes_using_template(state_dir: &Path, template: &str) -> Vec<String>
             out.push(r.id.into());
         }
     }
+    if state_dir.join("snapshots").is_dir()
+        && let Ok(snaps) = crate::snapshot::SnapshotStore::open(state_dir)
+    {
+        out.extend(
+            snaps
+                .list()
+                .into_iter()
+                .filter(|s| s.base_template == template)
+                .map(|s| format!("snapshot {}", s.id)),
+        );
+    }
     out
+}
+
+/// Layer ids the sandboxes and snapshots on disk use (what `cubicle template gc` keeps
+/// without a running node).
+pub fn layers_in_use_on_disk(state_dir: &Path) -> std::collections::HashSet<String> {
+    let mut used: std::collections::HashSet<String> = records_on_disk(state_dir)
+        .into_iter()
+        .flat_map(|r| r.layers)
+        .collect();
+    if state_dir.join("snapshots").is_dir()
+        && let Ok(snaps) = crate::snapshot::SnapshotStore::open(state_dir)
+    {
+        used.extend(snaps.list().into_iter().flat_map(|s| s.layers));
+    }
+    used
 }
 
 /// Records on disk (for `cubicle sandbox list` without a running node).

@@ -181,7 +181,8 @@ impl Inner {
     fn end(&self, id: &str, record: Option<&SandboxRecord>) -> Result<()> {
         // The busy mark goes whatever happens to the write (e.g. a full disk).
         let written = match record {
-            Some(r) => fsutil::write_json_atomic(&self.sandbox_dir(id).join("sandbox.json"), r),
+            Some(r) => fsutil::write_json_atomic(&self.sandbox_dir(id).join("sandbox.json"), r)
+                .map_err(Error::from),
             None => Ok(()),
         };
         let mut st = self.lock();
@@ -198,12 +199,38 @@ impl Inner {
         written
     }
 
-    /// The template providing `record`'s root filesystem.
+    /// The template providing `record`'s root filesystem, on the very layers the record
+    /// was made on (its upper layer and checkpoint only make sense over those).
     fn rootfs_template(&self, record: &SandboxRecord) -> Result<Template> {
-        let name = record.rootfs_template();
-        self.templates
-            .get(name)?
-            .ok_or_else(|| Error::TemplateNotFound(name.to_string()))
+        self.pinned_template(record.rootfs_template(), &record.layers)
+    }
+
+    /// Template `reference` (`name` or `name:tag`) with its layers pinned to `layers`,
+    /// the layer ids a sandbox or snapshot was made on: a rebuild since then published
+    /// other layers, but the old ones stay in the store while a record names them (GC
+    /// keeps them, see [`Inner::layers_in_use`]). `layers` empty (a record of a template
+    /// of the older layout): the template as it is.
+    pub(crate) fn pinned_template(&self, reference: &str, layers: &[String]) -> Result<Template> {
+        let (name, tag) = match reference.split_once(':') {
+            Some((n, t)) => (n, Some(t)),
+            None => (reference, None),
+        };
+        let template = self
+            .templates
+            .get_tagged(name, tag)?
+            .ok_or_else(|| crate::template::Error::TemplateNotFound(reference.to_string()))?;
+        if layers.is_empty() || template.config.layers == layers {
+            return Ok(template);
+        }
+        let mut config = template.config.clone();
+        config.layers = layers.to_vec();
+        let pinned = self.templates.resolve(template.dir.clone(), config)?;
+        for (id, path) in layers.iter().zip(pinned.lowers()) {
+            if !path.is_dir() {
+                return Err(crate::template::Error::LayerMissing(id.clone()).into());
+            }
+        }
+        Ok(pinned)
     }
 
     fn checkpoint_support(&self) -> Result<()> {
@@ -596,6 +623,7 @@ impl Inner {
             source: id.to_string(),
             template: record.template.clone(),
             base_template: record.rootfs_template().to_string(),
+            layers: record.layers.clone(),
             memory: req.memory,
             hidden,
             created_at_ms: now_ms(),
@@ -653,10 +681,7 @@ impl Inner {
             )));
         }
         let t0 = Instant::now();
-        let template = self
-            .templates
-            .get(&snap.base_template)?
-            .ok_or_else(|| Error::TemplateNotFound(snap.base_template.clone()))?;
+        let template = self.pinned_template(&snap.base_template, &snap.layers)?;
         let _permit = self.pool.create_permits.clone().acquire_owned().await.ok();
         let mut env = snap.env_vars.clone();
         env.extend(req.env_vars.iter().map(|(k, v)| (k.clone(), v.clone())));

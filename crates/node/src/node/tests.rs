@@ -73,7 +73,7 @@ impl SandboxRuntime for FakeRuntime {
         std::fs::create_dir_all(dir).map_err(|e| Error::io("mkdir", dir, e))
     }
     fn remove_dir(&self, _id: &str, dir: &Path) -> Result<()> {
-        fsutil::remove_tree(dir)
+        Ok(fsutil::remove_tree(dir)?)
     }
     fn reconcile_storage(&self, _known: &[String]) -> Result<()> {
         Ok(())
@@ -120,7 +120,7 @@ impl SandboxRuntime for FakeRuntime {
         std::fs::create_dir_all(&d).map_err(|e| Error::io("mkdir", &d, e))
     }
     fn remove_volume(&self, id: &str) -> Result<()> {
-        fsutil::remove_tree(&self.volume_dir(id)?)
+        Ok(fsutil::remove_tree(&self.volume_dir(id)?)?)
     }
 }
 

@@ -152,6 +152,16 @@ impl Inner {
             if live.record.state != SandboxState::Running {
                 continue;
             }
+            if live.record.layers != template.config.layers {
+                // Made from an older build of the template (it was rebuilt since), or
+                // the caller asked for another tag: not what this create wants.
+                drop(st);
+                let inner = self.clone();
+                tokio::spawn(async move {
+                    inner.finish(&id, DeathReason::Killed, false).await;
+                });
+                continue;
+            }
             let init = live.init.clone();
             // The pooled sandbox's envd was born with this token (`birth_env`): the
             // claim's /init presents it to set the user's new one.

@@ -62,8 +62,7 @@ pub async fn prepare_base_template(state: &Path) -> anyhow::Result<()> {
     let t = Instant::now();
     let found = BASE_CACHES
         .iter()
-        .map(|d| Path::new(d).join("templates/base"))
-        .find(|c| c.join("template.json").is_file() && c.join("rootfs").is_dir());
+        .find_map(|d| one_layer_template(Path::new(d), "base"));
     let cache = match found {
         Some(c) => c,
         None => {
@@ -73,18 +72,14 @@ pub async fn prepare_base_template(state: &Path) -> anyhow::Result<()> {
             let store = cubicle_node::template::TemplateStore::open(Path::new(BUILD_CACHE))?;
             let built = tokio::task::spawn_blocking(move || store.ensure("base", false)).await??;
             println!("  base template built in {:.0}s", t.elapsed().as_secs_f64());
-            built
-                .rootfs
-                .parent()
-                .map(Path::to_path_buf)
-                .unwrap_or_default()
+            (built.dir.join("template.json"), built.rootfs)
         }
     };
     let t = Instant::now();
     let how = share_template(&cache, &state.join("templates/base"))?;
     println!(
         "  base template {how} from {} in {:.1}s",
-        cache.display(),
+        cache.1.display(),
         t.elapsed().as_secs_f64()
     );
     Ok(())
@@ -104,31 +99,49 @@ pub async fn ensure_base(node: &Node) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Put the cached template at `dest`: its config copied, its rootfs bind-mounted
-/// read-only (instant; a sandbox's overlay only ever reads its lower layer, and the
-/// read-only mount guarantees the operator's copy cannot change). When the bind mount
-/// fails, a full copy (`cp -a --reflink=auto`, ~10-30 s for the 600 MiB rootfs here).
-/// Either way, removing the state dir (`fsutil::remove_tree`) unmounts and deletes it.
-fn share_template(cache: &Path, dest: &Path) -> anyhow::Result<&'static str> {
+/// A built one-layer template in the state dir `state`: its config file and its layer
+/// (`layers/<id>` for the layered layout, `templates/<name>/rootfs` for the older one).
+fn one_layer_template(state: &Path, name: &str) -> Option<(PathBuf, PathBuf)> {
+    let dir = state.join("templates").join(name);
+    let cfg = dir.join("template.json");
+    let text = std::fs::read_to_string(&cfg).ok()?;
+    let v: serde_json::Value = serde_json::from_str(&text).ok()?;
+    let rootfs = match v.get("layers").and_then(|l| l.as_array()) {
+        Some(layers) if layers.len() == 1 => state.join("layers").join(layers[0].as_str()?),
+        Some(_) => return None,
+        None => dir.join("rootfs"),
+    };
+    rootfs.is_dir().then_some((cfg, rootfs))
+}
+
+/// Put the cached template at `dest` in the older one-directory layout: its config
+/// copied (without its layer list), its layer bind-mounted read-only at `rootfs/`
+/// (instant; a sandbox's overlay only ever reads its lower layer, and the read-only mount
+/// guarantees the operator's copy cannot change). A template built before file
+/// capabilities were fitted to what a sandbox can hold needs its own writable copy (the
+/// node fits it on first use), as does one whose bind mount fails: a full copy
+/// (`cp -a --reflink=auto`, ~10-30 s for the 600 MiB rootfs here). Either way, removing
+/// the state dir (`fsutil::remove_tree`) unmounts and deletes it.
+fn share_template(cache: &(PathBuf, PathBuf), dest: &Path) -> anyhow::Result<&'static str> {
+    let (cfg, layer) = cache;
     let rootfs = dest.join("rootfs");
     std::fs::create_dir_all(&rootfs)?;
-    std::fs::copy(cache.join("template.json"), dest.join("template.json"))?;
-    // A template built before file capabilities were fitted to what a sandbox can hold
-    // needs its own writable copy: the node fits it on first use.
-    let fitted = std::fs::read(cache.join("template.json"))
-        .ok()
-        .and_then(|b| serde_json::from_slice::<serde_json::Value>(&b).ok())
-        .is_some_and(|v| v["fileCapsFitted"] == serde_json::Value::Bool(true));
-    if fitted && bind_read_only(&cache.join("rootfs"), &rootfs).is_ok() {
+    let mut v: serde_json::Value = serde_json::from_slice(&std::fs::read(cfg)?)?;
+    let fitted = v["fileCapsFitted"] == serde_json::Value::Bool(true);
+    if let Some(o) = v.as_object_mut() {
+        o.remove("layers");
+    }
+    std::fs::write(dest.join("template.json"), serde_json::to_vec_pretty(&v)?)?;
+    if fitted && bind_read_only(layer, &rootfs).is_ok() {
         return Ok("bind-mounted read-only");
     }
     std::fs::remove_dir(&rootfs)?;
     let st = Command::new("cp")
-        .args(["-a", "--reflink=auto"])
-        .arg(cache.join("rootfs"))
+        .args(["-a", "--reflink=auto", "-T"])
+        .arg(layer)
         .arg(&rootfs)
         .status()?;
-    anyhow::ensure!(st.success(), "copying {}: {st}", cache.display());
+    anyhow::ensure!(st.success(), "copying {}: {st}", layer.display());
     Ok("copied")
 }
 

@@ -210,7 +210,8 @@ def test_templates_and_keys_pages_list_what_exists(page: Page):
     shot(page, "keys")
 
     page.goto(f"{DASHBOARD}#/templates")
-    listed = api("GET", "/templates").json()
+    # The node's templates (GET /default-templates) and the team's own (E2B's GET /templates).
+    listed = api("GET", "/default-templates").json() + api("GET", "/templates").json()
     names = {a for t in listed for a in t["aliases"]}
     assert {"base", "tiny"} <= names, names
     for t in listed:

@@ -39,7 +39,11 @@ def test_the_description_is_served_and_names_the_routes():
               "/sandboxes/{id}/logs", "/v2/sandboxes/{id}/logs", "/sandboxes/{id}/metrics",
               "/events/sandboxes", "/events/webhooks", "/events/webhooks/{webhookID}", "/metrics",
               "/cubicle/pool", "/health", "/sandboxes/{id}/network", "/cubicle/sandboxes/{id}/netlog",
-              "/snapshots", "/templates/{id}", "/templates", "/sandboxes/{id}/pause",
+              "/snapshots", "/templates/{id}", "/templates", "/default-templates", "/templates/{id}/tags",
+              "/v3/templates", "/templates/{id}/files/{hash}", "/v2/templates/{id}/builds/{build}",
+              "/templates/{id}/builds/{build}/status", "/cubicle/templates/{id}/builds/{build}/cancel",
+              "/templates/tags", "/cubicle/templates/gc", "/cubicle/uploads/{token}",
+              "/sandboxes/{id}/pause",
               "/sandboxes/{id}/resume", "/sandboxes/{id}/snapshots", "/sandboxes/{id}/fork",
               "/sandboxes/{id}/rollback", "/volumes", "/volumes/{volumeID}",
               "/volumecontent/{volumeID}/dir", "/volumecontent/{volumeID}/path",
@@ -90,6 +94,11 @@ def _clean_up_team(team: str, key: str) -> None:
         r = api("GET", "/cubicle/sandboxes", key=API_KEY)
         assert r.status_code == 200, f"listing the host's sandboxes: {r.status_code} {r.text}"
         mine = [s["sandboxID"] for s in r.json() if s["team"] == team]
+        # The operator's view lists running sandboxes only; the fuzzer's may have paused
+        # (autoPause with a short timeout): those are found with the team's own key.
+        p = api("GET", "/v2/sandboxes?state=paused", key=key)
+        if p.status_code == 200:
+            mine += [s["sandboxID"] for s in p.json() if s["sandboxID"] not in mine]
         if not mine:
             break
         for sid in mine:

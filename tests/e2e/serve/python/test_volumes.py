@@ -258,3 +258,48 @@ def test_volume_files_survive_the_sandbox(volumes: Volumes, sandboxes: Tracker):
     assert vol.read_file("/dir/f") == "persisted\n"
     again = sandboxes.create(volume_mounts={"/data": vol}, timeout=300)
     assert again.files.read("/data/dir/f") == "persisted\n"
+
+
+def test_volume_on_a_layered_template(volumes: Volumes, sandboxes: Tracker):
+    """A template built from base (a stack of layers, each an idmapped lower) with a volume
+    mounted over a directory one of its layers made: the volume's bind goes on top of the
+    overlay, the layers stay readable, owners are the same as on `base`."""
+    from e2b import Template
+
+    name = f"e2e-layered-vol-{unique()}"
+    Template.build(
+        Template()
+        .from_base_image()
+        .run_cmd(
+            f"mkdir -p /opt/app/data && echo hidden > /opt/app/data/under.txt && echo {name} > /opt/app/mark",
+            user="root",
+        ),
+        name,
+    )
+    try:
+        state = os.environ.get("CUBICLE_E2E_STATE_DIR")
+        if state:
+            import json
+
+            cfg = json.loads(open(f"{state}/templates/{name}/template.json").read())
+            assert len(cfg["layers"]) >= 2, cfg["layers"]
+        vol = volumes.create()
+        vol.write_file("/from-api.txt", "through the content API")
+        sbx = sandboxes.create(template=name, volume_mounts={"/opt/app/data": vol}, timeout=120)
+        assert sbx.files.read("/opt/app/mark") == f"{name}\n"
+        # The volume hides what the layer had at its mount point.
+        ls = sbx.commands.run("ls /opt/app/data").stdout.split()
+        assert ls == ["from-api.txt"], ls
+        sbx.commands.run("echo by-user > /opt/app/data/user.txt")
+        assert sbx.commands.run("stat -c '%U %u' /opt/app/data/user.txt").stdout.strip() == "user 1000"
+        assert vol.read_file("/user.txt") == "by-user\n"
+        assert vol.get_info("/user.txt").uid == 1000
+        # The layers under the overlay are untouched by the sandbox's writes.
+        sbx.commands.run("echo changed > /opt/app/mark", user="root")
+        sbx.kill()
+        again = sandboxes.create(template=name, timeout=60)
+        assert again.files.read("/opt/app/mark") == f"{name}\n"
+        assert again.commands.run("cat /opt/app/data/under.txt").stdout == "hidden\n"
+        again.kill()
+    finally:
+        api("DELETE", f"/templates/{name}")

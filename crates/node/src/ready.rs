@@ -64,6 +64,40 @@ pub fn wait_http_health(
     }
 }
 
+/// Run `cmd` (`/bin/sh -c`, as the sandbox's default user) until it exits 0, `give_up`
+/// names a reason to stop, or `timeout` passes (E2B's `readyCmd`).
+pub async fn wait_ready_command(
+    envd: &crate::envd_client::EnvdClient,
+    cmd: &str,
+    timeout: Duration,
+    give_up: impl Fn() -> Option<String>,
+) -> Result<()> {
+    let t0 = Instant::now();
+    let spec = crate::envd_client::ProcessSpec {
+        cmd: "/bin/sh".into(),
+        args: vec!["-c".into(), cmd.to_string()],
+        ..Default::default()
+    };
+    loop {
+        let last = match envd.run(&spec, |_| {}).await {
+            Ok(end) if end.exit_code == 0 && end.exited => return Ok(()),
+            Ok(end) => format!("exit code {}", end.exit_code),
+            Err(e) => e.to_string(),
+        };
+        if let Some(why) = give_up() {
+            return Err(Error::Runtime(format!(
+                "{why} before the ready command `{cmd}` succeeded"
+            )));
+        }
+        if t0.elapsed() > timeout {
+            return Err(Error::Runtime(format!(
+                "the ready command `{cmd}` did not succeed within {timeout:?} (last: {last})"
+            )));
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -1,17 +1,41 @@
-//! Templates: a read-only root filesystem plus its config, stored at
-//! `<state>/templates/<name>/{rootfs/,template.json}`.
+//! Templates: a stack of read-only layers plus a config. On disk:
 //!
-//! Two built-ins are built on first use and cached: `tiny` (busybox-static, built in
-//! milliseconds, for tests — see [`tiny`]) and `base` (Debian 12 minbase plus the usual
-//! tools, like E2B's base image — see [`base`]). Every build happens in a temporary
-//! directory next to its destination and is renamed into place, so an interrupted build
-//! never leaves a half template; a per-name lock file keeps two builds of one name apart.
+//! ```text
+//! <state>/layers/<sha256>/            a layer, stored once, shared by every template (layer.rs)
+//! <state>/templates/<name>/template.json   the config of the build tagged `default`,
+//!                                          with its layers (bottom first)
+//! <state>/templates/<name>/tags.json       tag -> build id
+//! <state>/templates/<name>/builds/<id>.json  one build: status, reason, config (builds.rs)
+//! ```
+//!
+//! A template made before layers existed keeps its root filesystem in
+//! `<state>/templates/<name>/rootfs/` and no `layers` in its config; it still works as a
+//! one-layer template, and moves into the layer store the first time another template is
+//! built on it (so that rebuilding it never changes what is built on it).
+//!
+//! Built-ins are built on first use and cached: `tiny` (busybox-static, built in
+//! milliseconds, for tests — see [`tiny`]), `base` (Debian 12 minbase plus the usual
+//! tools, like E2B's base image — see [`base`]) and `code-interpreter-v1`. Custom
+//! templates come from images (`oci/`), from E2B's build steps and from Dockerfiles
+//! (`build/`). Every build writes its layers in temporary directories and publishes the
+//! template with one rename, so an interrupted build never leaves a half template; a
+//! per-name lock file keeps two builds of one name apart.
 
 pub mod base;
+pub mod build;
+pub mod builds;
 pub mod code_interpreter;
+pub mod commit;
+pub mod error;
+pub mod fsutil;
+pub mod gc;
+pub mod layer;
+pub mod oci;
 mod progress;
-pub mod ready;
+pub mod provision;
 pub mod tiny;
+pub mod unpack;
+pub mod view;
 
 use std::collections::BTreeMap;
 use std::fs;
@@ -20,10 +44,11 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use serde::{Deserialize, Serialize};
 
+pub use error::{Error, Result};
+pub use layer::{LayerInfo, LayerStore};
 pub use progress::Progress;
 
-use crate::error::{Error, IoContext, Result};
-use crate::fsutil;
+use crate::error::IoContext;
 
 /// Names of the templates this crate can build by itself.
 pub const BUILTINS: &[&str] = &["tiny", "base", code_interpreter::NAME];
@@ -103,6 +128,22 @@ pub struct TemplateConfig {
     /// Which builder made it (e.g. `tiny/1`).
     #[serde(default)]
     pub builder: String,
+    /// Its layers (ids in `<state>/layers`), bottom first. Empty: a template of the
+    /// older layout, whose only layer is `<state>/templates/<name>/rootfs`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub layers: Vec<String>,
+    /// Shell command run (as the default user, repeatedly, up to 120 s) after the start
+    /// command until it exits 0; the sandbox counts as ready only then (E2B's
+    /// `readyCmd`). `ready_port` is the older, HTTP form of the same wait.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ready_command: Option<String>,
+    /// Id of the build that made this config (custom templates).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub build_id: Option<String>,
+    /// Where it came from, for people (`image docker.io/library/alpine:3`, `template
+    /// base`, `built-in`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub source: Option<String>,
     /// Its files carry no capability a sandbox cannot hold
     /// (`cubicle_runtime::capabilities::fit_file_capabilities`; templates built before
     /// that existed are fitted when first used).
@@ -129,13 +170,17 @@ impl TemplateConfig {
             built_at: 0,
             size_bytes: 0,
             builder: builder.to_string(),
+            layers: Vec::new(),
+            ready_command: None,
+            build_id: None,
+            source: None,
             file_caps_fitted: false,
         }
     }
 }
 
 /// Reads a workdir where an empty string (or `null`) means none.
-pub(crate) fn workdir_or_none<'de, D: serde::Deserializer<'de>>(
+pub fn workdir_or_none<'de, D: serde::Deserializer<'de>>(
     d: D,
 ) -> std::result::Result<Option<String>, D::Error> {
     let w: Option<String> = Option::deserialize(d)?;
@@ -147,16 +192,33 @@ pub(crate) fn workdir_or_none<'de, D: serde::Deserializer<'de>>(
 pub struct Template {
     /// `<state>/templates/<name>`.
     pub dir: PathBuf,
-    /// `<state>/templates/<name>/rootfs` (read-only lower layer).
+    /// Its bottom layer (read-only): `<state>/layers/<id>`, or `<dir>/rootfs` for a
+    /// template of the older layout.
     pub rootfs: PathBuf,
+    /// The layers above `rootfs`, bottom first (empty for a one-layer template).
+    pub layers: Vec<PathBuf>,
     /// Its config.
     pub config: TemplateConfig,
+    /// Host files bind-mounted read-only into sandboxes of this value (host path, path
+    /// inside): a build step's uploaded files. Never stored; empty for stored templates.
+    pub binds: Vec<(PathBuf, PathBuf)>,
+}
+
+impl Template {
+    /// Every layer, bottom first (`rootfs`, then `layers`).
+    pub fn lowers(&self) -> Vec<PathBuf> {
+        std::iter::once(self.rootfs.clone())
+            .chain(self.layers.iter().cloned())
+            .collect()
+    }
 }
 
 /// The template store of one state directory.
 #[derive(Debug, Clone)]
 pub struct TemplateStore {
     root: PathBuf,
+    layers: LayerStore,
+    leases: std::sync::Arc<gc::Leases>,
 }
 
 /// Check a template name: lowercase alphanumerics plus `.`, `_`, `-`, not starting with
@@ -178,11 +240,50 @@ pub fn validate_name(name: &str) -> Result<()> {
 }
 
 impl TemplateStore {
-    /// Open (and create) `<state>/templates`.
+    /// Open (and create) `<state>/templates` and `<state>/layers`.
     pub fn open(state_dir: &Path) -> Result<Self> {
         let root = state_dir.join("templates");
         fs::create_dir_all(&root).ctx("mkdir", &root)?;
-        Ok(TemplateStore { root })
+        let layers = LayerStore::open(state_dir)?;
+        Ok(TemplateStore {
+            root,
+            layers,
+            leases: Default::default(),
+        })
+    }
+
+    /// The layer store.
+    pub fn layers(&self) -> &LayerStore {
+        &self.layers
+    }
+
+    /// A template value for `config` (its layers resolved to paths; errors if one is
+    /// missing). `dir` is the template's directory (for the older layout's `rootfs/`).
+    pub fn resolve(&self, dir: PathBuf, config: TemplateConfig) -> Result<Template> {
+        if config.layers.is_empty() {
+            return Ok(Template {
+                rootfs: dir.join("rootfs"),
+                layers: Vec::new(),
+                dir,
+                config,
+                binds: Vec::new(),
+            });
+        }
+        let mut paths = Vec::with_capacity(config.layers.len());
+        for id in &config.layers {
+            if !layer::valid_id(id) {
+                return Err(Error::LayerMissing(id.clone()));
+            }
+            paths.push(self.layers.path(id));
+        }
+        let rootfs = paths.remove(0);
+        Ok(Template {
+            rootfs,
+            layers: paths,
+            dir,
+            config,
+            binds: Vec::new(),
+        })
     }
 
     /// `<state>/templates`.
@@ -199,18 +300,14 @@ impl TemplateStore {
             return Ok(None);
         }
         let mut config: TemplateConfig = fsutil::read_json(&cfg_path)?;
-        let rootfs = dir.join("rootfs");
+        let template = self.resolve(dir, config.clone())?;
         if !config.file_caps_fitted {
-            fit_file_caps(&rootfs, &mut config);
+            fit_file_caps(&template.lowers(), &mut config);
             if config.file_caps_fitted {
                 fsutil::write_json_atomic(&cfg_path, &config)?;
             }
         }
-        Ok(Some(Template {
-            rootfs,
-            dir,
-            config,
-        }))
+        Ok(Some(Template { config, ..template }))
     }
 
     /// The template, building it first if it is a built-in that is not built yet.
@@ -254,9 +351,7 @@ impl TemplateStore {
             return Err(Error::TemplateNotFound(name.to_string()));
         }
         // Rename first so that the name disappears atomically, then delete.
-        let trash = self
-            .root
-            .join(format!(".trash-{name}-{}", crate::ids::random_suffix(8)));
+        let trash = self.root.join(format!(".trash-{name}-{}", unique_suffix()));
         fs::rename(&dir, &trash).ctx("rename", &dir)?;
         fsutil::remove_tree(&trash)
     }
@@ -292,48 +387,84 @@ impl TemplateStore {
     /// The build itself (the caller holds the name's lock).
     fn build_locked(&self, name: &str, progress: bool) -> Result<Template> {
         self.remove_stale_builds(name);
-        let staging = self
-            .root
-            .join(format!(".build-{name}-{}", crate::ids::random_suffix(8)));
-        let rootfs = staging.join("rootfs");
-        fs::create_dir_all(&rootfs).ctx("mkdir", &rootfs)?;
-        let result = (|| {
-            let p = Progress::new(progress, name);
-            let mut config = match name {
-                "tiny" => tiny::build(&rootfs, &p)?,
-                code_interpreter::NAME => {
-                    let base = self.ensure("base", progress)?;
-                    code_interpreter::build(&rootfs, &base, &p)?
-                }
-                _ => base::build(&rootfs, &p)?,
-            };
-            config.built_at = unix_now();
-            config.size_bytes = fsutil::tree_size(&rootfs);
-            fit_file_caps(&rootfs, &mut config);
-            fsutil::write_json_atomic(&staging.join("template.json"), &config)?;
-            p.finish(&format!(
-                "template '{name}' built ({})",
-                human_size(config.size_bytes)
-            ));
-            Ok(config)
-        })();
-        if let Err(e) = result {
-            let _ = fsutil::remove_tree(&staging);
-            return Err(e);
-        }
-        let dest = self.root.join(name);
-        if dest.exists() {
-            let old = self
-                .root
-                .join(format!(".trash-{name}-{}", crate::ids::random_suffix(8)));
-            fs::rename(&dest, &old).ctx("rename", &dest)?;
-            fs::rename(&staging, &dest).ctx("rename", &staging)?;
-            let _ = fsutil::remove_tree(&old);
-        } else {
-            fs::rename(&staging, &dest).ctx("rename", &staging)?;
-        }
+        // A template of the older layout being replaced: its root filesystem moves into
+        // the layer store first (a running sandbox may still use it; GC decides later).
+        self.adopt_legacy_locked(name)?;
+        let staging = self.layers.staging()?;
+        let rootfs = staging.path().to_path_buf();
+        let p = Progress::new(progress, name);
+        let mut config = match name {
+            "tiny" => tiny::build(&rootfs, &p)?,
+            code_interpreter::NAME => {
+                let base = self.ensure("base", progress)?;
+                code_interpreter::build(&rootfs, &base, &p)?
+            }
+            _ => base::build(&rootfs, &p)?,
+        };
+        config.built_at = unix_now();
+        config.size_bytes = fsutil::tree_size(&rootfs);
+        fit_file_caps(std::slice::from_ref(&rootfs), &mut config);
+        let id = layer::digest_of(&[
+            b"built-in",
+            name.as_bytes(),
+            config.builder.as_bytes(),
+            unique_suffix().as_bytes(),
+        ]);
+        self.layers.store(
+            staging,
+            &id,
+            &format!("built-in {name} ({})", config.builder),
+        )?;
+        config.layers = vec![id];
+        config.source = Some("built-in".into());
+        self.write_default(name, &config)?;
+        p.finish(&format!(
+            "template '{name}' built ({})",
+            human_size(config.size_bytes)
+        ));
         self.get(name)?
             .ok_or_else(|| Error::TemplateNotFound(name.to_string()))
+    }
+
+    /// Write `config` as the `default` build of `name` (`template.json`, atomically).
+    pub(crate) fn write_default(&self, name: &str, config: &TemplateConfig) -> Result<()> {
+        let dir = self.root.join(name);
+        fs::create_dir_all(&dir).ctx("mkdir", &dir)?;
+        fsutil::write_json_atomic(&dir.join("template.json"), config)
+    }
+
+    /// The template, moved into the layer store first if it has the older layout (its
+    /// `rootfs/` becomes a layer). Call before building on it, so that rebuilding it later
+    /// never changes a template built on top.
+    pub fn adopt_legacy(&self, name: &str) -> Result<Template> {
+        validate_name(name)?;
+        let _lock = self.lock(name)?;
+        self.adopt_legacy_locked(name)?;
+        self.get(name)?
+            .ok_or_else(|| Error::TemplateNotFound(name.to_string()))
+    }
+
+    fn adopt_legacy_locked(&self, name: &str) -> Result<()> {
+        let Some(t) = self.get(name)? else {
+            return Ok(());
+        };
+        if !t.config.layers.is_empty() || !t.rootfs.is_dir() {
+            return Ok(());
+        }
+        let mut config = t.config.clone();
+        let id = layer::digest_of(&[
+            b"legacy",
+            name.as_bytes(),
+            config.builder.as_bytes(),
+            &config.built_at.to_le_bytes(),
+        ]);
+        self.layers.adopt(
+            &t.rootfs,
+            &id,
+            &format!("built-in {name} ({})", config.builder),
+        )?;
+        config.layers = vec![id];
+        self.write_default(name, &config)
     }
 
     /// Remove leftovers of interrupted builds/removals of `name` (lock held by caller).
@@ -356,7 +487,7 @@ impl TemplateStore {
     }
 
     /// Exclusive per-name lock, released on drop.
-    fn lock(&self, name: &str) -> Result<fs::File> {
+    pub(crate) fn lock(&self, name: &str) -> Result<fs::File> {
         let path = self.root.join(format!(".{name}.lock"));
         let f = fs::OpenOptions::new()
             .create(true)
@@ -367,6 +498,15 @@ impl TemplateStore {
         cubicle_syscalls::fs::lock_exclusive(&f, true).map_err(|e| Error::io("flock", &path, e))?;
         Ok(f)
     }
+}
+
+/// A suffix unique on this host (pid and clock), for staging and trash directory names.
+pub(crate) fn unique_suffix() -> String {
+    let nanos = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_nanos())
+        .unwrap_or(0);
+    format!("{}-{nanos:x}", std::process::id())
 }
 
 /// Seconds since the Unix epoch.
@@ -393,25 +533,31 @@ pub fn human_size(bytes: u64) -> String {
     }
 }
 
-/// Takes from the files of `rootfs` the capabilities no sandbox process can hold (Debian's
+/// Takes from the files of each of `layers` (a template's directories, bottom first) the capabilities no sandbox process can hold (Debian's
 /// `ping` has `cap_net_raw=ep`, and the kernel refuses to run a file whose capabilities
 /// exceed the bounding set); notes it in `config`. A read-only rootfs (a borrowed copy)
 /// stays as it is, with a warning.
-fn fit_file_caps(rootfs: &Path, config: &mut TemplateConfig) {
-    match cubicle_runtime::capabilities::fit_file_capabilities(rootfs) {
-        Ok(changed) => {
-            for f in &changed {
-                tracing::info!(template = %config.name, "file capabilities beyond what a sandbox can hold removed from {}", f.display());
+fn fit_file_caps(layers: &[PathBuf], config: &mut TemplateConfig) {
+    let mut all = true;
+    for rootfs in layers {
+        match cubicle_runtime::capabilities::fit_file_capabilities(rootfs) {
+            Ok(changed) => {
+                for f in &changed {
+                    tracing::info!(template = %config.name, "file capabilities beyond what a sandbox can hold removed from {}", f.display());
+                }
             }
-            config.file_caps_fitted = true;
+            Err(e) => {
+                all = false;
+                tracing::warn!(
+                    template = %config.name,
+                    "cannot fit file capabilities in {} ({e}): programs with capabilities a \
+                     sandbox cannot hold (e.g. ping's cap_net_raw) will not run",
+                    rootfs.display()
+                );
+            }
         }
-        Err(e) => tracing::warn!(
-            template = %config.name,
-            "cannot fit file capabilities in {} ({e}): programs with capabilities a \
-             sandbox cannot hold (e.g. ping's cap_net_raw) will not run",
-            rootfs.display()
-        ),
     }
+    config.file_caps_fitted = all;
 }
 
 /// Create the directories and empty files the runtime mounts over (`/run/cubicle/envd`,

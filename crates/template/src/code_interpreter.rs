@@ -98,7 +98,7 @@ pub fn find_binary() -> Result<PathBuf> {
     candidates.push(PathBuf::from("/usr/local/bin").join(BIN_NAME));
     candidates
         .iter()
-        .find(|p| p.is_file() && crate::config::is_static_elf(p))
+        .find(|p| p.is_file() && crate::fsutil::is_static_elf(p))
         .cloned()
         .ok_or_else(|| {
             fail(format!(
@@ -229,7 +229,7 @@ mod tests {
         ci.builder = BUILDER.into();
         if let Some((src, dst, ro)) = bind_for(&ci) {
             assert_eq!(dst, PathBuf::from(MOUNT_POINT));
-            assert!(ro && crate::config::is_static_elf(&src));
+            assert!(ro && crate::fsutil::is_static_elf(&src));
         }
     }
 }

@@ -2,8 +2,10 @@
 //! unmounting everything below a directory, and removing a tree without ever crossing
 //! into a mounted filesystem (a stale bind mount of `/dev` must never be emptied).
 
+use std::ffi::CString;
 use std::fs;
 use std::io::Write;
+use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::{MetadataExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 
@@ -116,6 +118,108 @@ pub fn tree_size(dir: &Path) -> u64 {
         }
     }
     total
+}
+
+fn c_path(path: &Path) -> Result<CString> {
+    CString::new(path.as_os_str().as_bytes())
+        .map_err(|_| Error::InvalidRequest(format!("path {} contains a NUL byte", path.display())))
+}
+
+/// `lsetxattr(path, name, value)` (never follows a final symlink).
+pub fn set_xattr(path: &Path, name: &str, value: &[u8]) -> Result<()> {
+    let p = c_path(path)?;
+    let n =
+        CString::new(name).map_err(|_| Error::InvalidRequest(format!("xattr name {name:?}")))?;
+    // SAFETY: valid NUL-terminated strings and a buffer of the given length.
+    let r = unsafe {
+        libc::lsetxattr(
+            p.as_ptr(),
+            n.as_ptr(),
+            value.as_ptr().cast(),
+            value.len(),
+            0,
+        )
+    };
+    if r == 0 {
+        Ok(())
+    } else {
+        Err(Error::io("setxattr", path, std::io::Error::last_os_error()))
+    }
+}
+
+/// `lgetxattr(path, name)`: the value, or `None` if the attribute is absent.
+pub fn get_xattr(path: &Path, name: &str) -> Option<Vec<u8>> {
+    let p = c_path(path).ok()?;
+    let n = CString::new(name).ok()?;
+    let mut buf = vec![0u8; 4096];
+    // SAFETY: valid NUL-terminated strings and a writable buffer of the given length.
+    let r = unsafe { libc::lgetxattr(p.as_ptr(), n.as_ptr(), buf.as_mut_ptr().cast(), buf.len()) };
+    if r < 0 {
+        return None;
+    }
+    buf.truncate(r as usize);
+    Some(buf)
+}
+
+/// Names of the extended attributes of `path` (not following a final symlink).
+pub fn list_xattrs(path: &Path) -> Vec<String> {
+    let Ok(p) = c_path(path) else {
+        return Vec::new();
+    };
+    let mut buf = vec![0u8; 8192];
+    // SAFETY: valid NUL-terminated path and a writable buffer of the given length.
+    let r = unsafe { libc::llistxattr(p.as_ptr(), buf.as_mut_ptr().cast(), buf.len()) };
+    if r <= 0 {
+        return Vec::new();
+    }
+    buf[..r as usize]
+        .split(|b| *b == 0)
+        .filter(|n| !n.is_empty())
+        .map(|n| String::from_utf8_lossy(n).into_owned())
+        .collect()
+}
+
+/// `mknod(path, kind | 0644, makedev(major, minor))` (`kind`: `S_IFCHR`, `S_IFBLK`,
+/// `S_IFIFO`). A 0/0 character device is an overlayfs whiteout.
+pub fn mknod(path: &Path, kind: libc::mode_t, major: u32, minor: u32) -> Result<()> {
+    let p = c_path(path)?;
+    // SAFETY: valid NUL-terminated path; integer arguments.
+    let r = unsafe { libc::mknod(p.as_ptr(), kind | 0o644, libc::makedev(major, minor)) };
+    if r == 0 {
+        Ok(())
+    } else {
+        Err(Error::io("mknod", path, std::io::Error::last_os_error()))
+    }
+}
+
+/// `lchown(path, uid, gid)` (never follows a final symlink).
+pub fn lchown(path: &Path, uid: u32, gid: u32) -> Result<()> {
+    std::os::unix::fs::lchown(path, Some(uid), Some(gid)).map_err(|e| Error::io("chown", path, e))
+}
+
+/// Whether `path` is an ELF64 executable without a program interpreter (static).
+pub fn is_static_elf(path: &Path) -> bool {
+    use std::io::{Read, Seek, SeekFrom};
+    let Ok(mut f) = std::fs::File::open(path) else {
+        return false;
+    };
+    let mut h = [0u8; 64];
+    if f.read_exact(&mut h).is_err() || &h[..4] != b"\x7fELF" || h[4] != 2 {
+        return false;
+    }
+    let phoff = u64::from_le_bytes([h[32], h[33], h[34], h[35], h[36], h[37], h[38], h[39]]);
+    let phentsize = u16::from_le_bytes([h[54], h[55]]) as usize;
+    let phnum = u16::from_le_bytes([h[56], h[57]]) as usize;
+    if phentsize < 4 || phnum > 4096 || f.seek(SeekFrom::Start(phoff)).is_err() {
+        return false;
+    }
+    let mut ph = vec![0u8; phentsize * phnum];
+    if f.read_exact(&mut ph).is_err() {
+        return false;
+    }
+    const PT_INTERP: u32 = 3;
+    !ph.chunks(phentsize)
+        .any(|p| u32::from_le_bytes([p[0], p[1], p[2], p[3]]) == PT_INTERP)
 }
 
 #[cfg(test)]
