@@ -102,6 +102,12 @@ rm -f "$build_json"
 echo "cubicle-envd: ${ENVD_BIN:-<not built>}"
 
 if wants cargo; then
+  # The tests that start sandboxes use the static envd (target/x86_64-unknown-linux-gnu/
+  # debug/cubicle-envd) and build it only when it is missing: build it now, so that a
+  # stale one from an older checkout is never what they run.
+  banner "static envd (scripts/build-envd.sh)"
+  bash scripts/build-envd.sh
+  record "static envd build" $?
   banner "cargo test --workspace --no-fail-fast"
   # The node lifecycle test's create/destroy cycles: 500 as issue 6 asks (~15 s).
   CUBICLE_TEST_CYCLES=${CUBICLE_TEST_CYCLES:-500} cargo test --workspace --no-fail-fast
