@@ -53,6 +53,11 @@ impl Server {
         // Always explicit: an empty spec is no pool at all (serve's default would size
         // one from host memory).
         cmd.arg("--pool").arg(spec.join(","));
+        // The server's access log and lifecycle lines (serve logs at `info`) would bury the
+        // bench's table and cost time on every request: warnings only, unless asked.
+        if std::env::var_os("CUBICLE_LOG").is_none() {
+            cmd.env("CUBICLE_LOG", "warn");
+        }
         cmd.stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
