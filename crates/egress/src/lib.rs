@@ -256,6 +256,36 @@ fn bind_retrying<T>(bind: impl Fn() -> io::Result<T>) -> io::Result<T> {
     }
 }
 
+/// The resolver's UDP socket and its TCP listener, on one port. With port 0 (any free
+/// port) the number the kernel gives the UDP socket may be taken for TCP (by another
+/// listener or a connection's local port): then another pair is tried, instead of
+/// failing the node's start as a busy host once did.
+fn bind_resolver(
+    listen: SocketAddr,
+) -> Result<(std::net::UdpSocket, std::net::TcpListener), EgressError> {
+    let any_port = listen.port() == 0;
+    let mut tries = 0;
+    loop {
+        let udp = bind_retrying(|| std::net::UdpSocket::bind(listen))
+            .map_err(|e| bind_err("resolver (UDP)", listen, e))?;
+        let addr = udp
+            .local_addr()
+            .map_err(|e| EgressError::io("resolver address", e))?;
+        let tcp = if any_port {
+            std::net::TcpListener::bind(addr)
+        } else {
+            bind_retrying(|| std::net::TcpListener::bind(addr))
+        };
+        match tcp {
+            Ok(tcp) => return Ok((udp, tcp)),
+            Err(e) if any_port && e.kind() == io::ErrorKind::AddrInUse && tries < 64 => {
+                tries += 1;
+            }
+            Err(e) => return Err(bind_err("resolver (TCP)", addr, e)),
+        }
+    }
+}
+
 fn bind_err(what: &str, addr: SocketAddr, e: io::Error) -> EgressError {
     EgressError::io(
         format!("binding the egress {what} on {addr} (is another node running here?)"),
@@ -269,13 +299,10 @@ impl Egress {
         config: EgressConfig,
         handle: &tokio::runtime::Handle,
     ) -> Result<Egress, EgressError> {
-        let udp = bind_retrying(|| std::net::UdpSocket::bind(config.dns_listen))
-            .map_err(|e| bind_err("resolver (UDP)", config.dns_listen, e))?;
+        let (udp, dns_tcp) = bind_resolver(config.dns_listen)?;
         let dns_addr = udp
             .local_addr()
             .map_err(|e| EgressError::io("resolver address", e))?;
-        let dns_tcp = bind_retrying(|| std::net::TcpListener::bind(dns_addr))
-            .map_err(|e| bind_err("resolver (TCP)", dns_addr, e))?;
         let proxy = bind_retrying(|| std::net::TcpListener::bind(config.proxy_listen))
             .map_err(|e| bind_err("proxy", config.proxy_listen, e))?;
         let proxy_addr = proxy
