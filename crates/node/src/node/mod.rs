@@ -56,6 +56,11 @@ pub const ENVD_IN_SANDBOX: &str = cubicle_runtime::ENVD_PATH;
 /// `cubicle_runtime::LISTEN_FD`.
 pub const ENVD_SOCKET: &str = "envd.sock";
 
+/// How long a kill waits for a pause, resume, snapshot or rollback of its sandbox under
+/// way before it gives up with a conflict (a large code-interpreter pause under load
+/// takes seconds).
+const KILL_WAITS_FOR_BUSY: Duration = Duration::from_secs(60);
+
 /// The sandboxes of one host. Cheap to clone.
 #[derive(Clone)]
 pub struct Node {
@@ -394,28 +399,34 @@ impl Node {
 
     /// Kill with an explicit reason.
     pub async fn kill_with_reason(&self, id: &str, reason: DeathReason) -> Result<()> {
-        {
-            let mut st = self.inner.lock();
-            let live = st
-                .live
-                .get_mut(id)
-                .ok_or_else(|| Error::SandboxNotFound(id.into()))?;
-            if live.record.state == SandboxState::Creating {
-                // create() notices and tears down itself.
-                live.kill_requested = Some(reason);
-                return Ok(());
-            }
-            if let Some(b) = live.busy {
-                return Err(Error::Conflict(format!(
-                    "sandbox '{id}' is being {}; kill it afterwards",
-                    match b {
-                        stateful::Busy::Pausing => "paused",
-                        stateful::Busy::Resuming => "resumed",
-                        stateful::Busy::Snapshotting => "snapshotted",
-                        stateful::Busy::RollingBack => "rolled back",
+        // A pause, resume, snapshot or rollback under way (e.g. an auto-pause at the end
+        // time) finishes first: a kill is never refused for it, only delayed.
+        let t0 = Instant::now();
+        loop {
+            {
+                let mut st = self.inner.lock();
+                let live = st
+                    .live
+                    .get_mut(id)
+                    .ok_or_else(|| Error::SandboxNotFound(id.into()))?;
+                if live.record.state == SandboxState::Creating {
+                    // create() notices and tears down itself.
+                    live.kill_requested = Some(reason);
+                    return Ok(());
+                }
+                match live.busy {
+                    None => break,
+                    Some(b) if t0.elapsed() >= KILL_WAITS_FOR_BUSY => {
+                        return Err(Error::Conflict(format!(
+                            "sandbox '{id}' is still {} after {} s; kill it afterwards",
+                            b.as_str(),
+                            KILL_WAITS_FOR_BUSY.as_secs()
+                        )));
                     }
-                )));
+                    Some(_) => {}
+                }
             }
+            tokio::time::sleep(Duration::from_millis(20)).await;
         }
         if self.inner.config.async_teardown {
             // Dead now, cleaned up in the background: mark it (state `dying`, reason),

@@ -4,7 +4,8 @@
 //! node's records, slots and states right around it:
 //!
 //! - A sandbox being paused, resumed, snapshotted or rolled back is *busy*: a second such
-//!   operation, a kill or the reaper gets a conflict instead of racing it.
+//!   operation or the reaper gets a conflict instead of racing it; a kill waits for it
+//!   to end (up to a minute), then kills.
 //! - A pause writes `pausing` before the checkpoint and `paused` after it; a paused
 //!   sandbox keeps its directory (disk, checkpoint) and its slot (uid range, address), so
 //!   a resume needs no rewriting. A failed pause leaves it running; a failed resume
@@ -74,7 +75,7 @@ pub(crate) enum Busy {
 }
 
 impl Busy {
-    fn as_str(self) -> &'static str {
+    pub(crate) fn as_str(self) -> &'static str {
         match self {
             Busy::Pausing => "being paused",
             Busy::Resuming => "being resumed",

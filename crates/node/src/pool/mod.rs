@@ -309,8 +309,10 @@ impl Inner {
                 Ok(())
             }
             Err(e) => {
-                inner.pool.lock().members.remove(&id);
+                // A member until it is gone (as above): a start that failed because the
+                // node closed meanwhile is what `Node::wait_refills` waits for.
                 inner.clone().finish(&id, DeathReason::Exited, true).await;
+                inner.pool.lock().members.remove(&id);
                 Err(e)
             }
         }

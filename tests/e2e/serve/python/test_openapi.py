@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import time
 from pathlib import Path
 from urllib.parse import quote
 
@@ -91,6 +92,7 @@ def _clean_up_team(team: str, key: str) -> None:
     a failing listing fails the test instead of leaving sandboxes behind unnoticed."""
     left = []
     for _ in range(20):
+        left = []
         r = api("GET", "/cubicle/sandboxes", key=API_KEY)
         assert r.status_code == 200, f"listing the host's sandboxes: {r.status_code} {r.text}"
         mine = [s["sandboxID"] for s in r.json() if s["team"] == team]
@@ -103,10 +105,11 @@ def _clean_up_team(team: str, key: str) -> None:
             break
         for sid in mine:
             record_id(sid)
-            if api("DELETE", f"/cubicle/sandboxes/{sid}", key=API_KEY).status_code not in (204, 404):
-                left.append(sid)
+            d = api("DELETE", f"/cubicle/sandboxes/{sid}", key=API_KEY)
+            if d.status_code not in (204, 404):
+                left.append((sid, d.status_code, d.text))
         if left:
-            break
+            time.sleep(0.5)
     r = api("GET", "/events/webhooks", key=key)
     if r.status_code == 200:
         for w in r.json():

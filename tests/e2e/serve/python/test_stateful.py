@@ -149,6 +149,34 @@ def test_kill_a_paused_sandbox(sandboxes: Tracker):
     assert Sandbox.kill(sbx.sandbox_id) is False
 
 
+def test_kill_during_a_pause_waits_for_it_and_kills(sandboxes: Tracker):
+    """A kill that arrives while the sandbox is being paused (an auto-pause at its end
+    time, another client's pause) is not refused: it waits for the pause, then kills."""
+    import threading
+
+    sbx = sandboxes.create(timeout=120)
+    # 200 MB that only a checkpoint can keep: the pause takes a while to write them.
+    sbx.commands.run(
+        "python3 -c 'import os,time; b=os.urandom(200<<20); open(\"/tmp/held\",\"w\").close(); time.sleep(10**6)'",
+        background=True, timeout=0)
+    assert poll(lambda: sbx.files.exists("/tmp/held"), timeout=30)
+    paused: list = []
+    t = threading.Thread(target=lambda: paused.append(sbx.pause()))
+    t.start()
+    # Writing 200 MB takes the pause well over a second here (2 s measured): 0.3 s in,
+    # it is under way on the server.
+    time.sleep(0.3)
+    assert t.is_alive(), "the pause ended before the kill could overlap it (too fast to test)"
+    # A request of its own (the SDK's client would queue it behind the pause on its one
+    # pooled connection): it reaches the server while the pause runs.
+    r = api("DELETE", f"/sandboxes/{sbx.sandbox_id}")
+    assert r.status_code == 204, f"{r.status_code} {r.text}"
+    t.join(60)
+    assert paused == [True]
+    with pytest.raises(SandboxNotFoundException):
+        Sandbox.get_info(sbx.sandbox_id)
+
+
 def test_auto_pause_then_auto_resume(sandboxes: Tracker):
     sbx = sandboxes.create(timeout=4, lifecycle={"on_timeout": "pause", "auto_resume": True})
     sbx.commands.run("echo 41 > /tmp/answer")
