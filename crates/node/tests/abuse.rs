@@ -36,11 +36,9 @@
 // Tests: a failed unwrap or expect is a failed test (clippy.toml allows them only in #[test] fns).
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use std::future::Future;
 use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4, TcpListener};
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
-use std::pin::Pin;
 use std::process::Command;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -53,7 +51,7 @@ mod common;
 use common::{base, bash, host_can_fork, q, slot_of};
 
 type TestResult = anyhow::Result<()>;
-type TestFn = fn(Arc<Ctx>) -> Pin<Box<dyn Future<Output = TestResult>>>;
+type TestFn = common::TestFn<Arc<Ctx>>;
 
 const FIRST_SLOT: u32 = 4600;
 const MAX_SANDBOXES: u32 = 16;
@@ -66,20 +64,12 @@ struct Ctx {
 }
 
 fn main() {
-    cubicle_runtime::maybe_run_helper();
-    let filter: Option<String> = std::env::args().skip(1).find(|a| !a.starts_with('-'));
-    if !nix::unistd::geteuid().is_root() {
-        println!(
-            "abuse: SKIPPED — needs root (user namespaces with uid ranges, cgroups, mounts, netns)"
-        );
+    let Some(h) = common::Harness::start(
+        "abuse",
+        "user namespaces with uid ranges, cgroups, mounts, netns",
+        &[],
+    ) else {
         return;
-    }
-    let envd = match common::static_envd() {
-        Ok(p) => p,
-        Err(e) => {
-            eprintln!("abuse: FAILED — no static cubicle-envd: {e}");
-            std::process::exit(1);
-        }
     };
     let tests: Vec<(&str, TestFn)> = vec![
         ("inside_view", |c| Box::pin(inside_view(c))),
@@ -90,21 +80,13 @@ fn main() {
         ("cpu_hog", |c| Box::pin(cpu_hog(c))),
         ("network", |c| Box::pin(network(c))),
     ];
-    let selected: Vec<_> = tests
-        .into_iter()
-        .filter(|(n, _)| filter.as_deref().is_none_or(|f| n.contains(f)))
-        .collect();
-    if selected.is_empty() {
-        println!("abuse: 0 tests match {filter:?}");
+    if !tests.iter().any(|(n, _)| h.selects(n)) {
+        println!("abuse: 0 tests match {:?}", h.filters);
         return;
     }
     let _lock = common::host_lock("abuse");
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-        .expect("tokio runtime");
     let state = PathBuf::from(format!("/tmp/cbabuse-{}", std::process::id()));
-    let ctx = match rt.block_on(setup(&envd, &state)) {
+    let ctx = match h.rt.block_on(setup(&h.envd, &state)) {
         Ok(c) => Arc::new(c),
         Err(e) => {
             println!("abuse: FAILED — setup: {e:#}");
@@ -112,42 +94,28 @@ fn main() {
             std::process::exit(1);
         }
     };
-    let mut failed = 0;
-    for (name, f) in &selected {
-        let t = Instant::now();
-        let mut res = rt.block_on(f(ctx.clone()));
+    let node = ctx.node.clone();
+    let mut verdict = h.run(ctx, tests, |rt| {
         // Whatever happened, the test's sandboxes must be gone before the next one.
-        let left = ctx.node.list();
-        if !left.is_empty() {
-            rt.block_on(ctx.node.kill_all());
-            if res.is_ok() {
-                res = Err(anyhow::anyhow!(
-                    "sandboxes left running: {:?}",
-                    left.iter().map(|i| &i.id).collect::<Vec<_>>()
-                ));
-            }
+        let left = node.list();
+        if left.is_empty() {
+            return Ok(());
         }
-        match res {
-            Ok(()) => println!("test {name} ... ok ({:.1}s)", t.elapsed().as_secs_f64()),
-            Err(e) => {
-                failed += 1;
-                println!("test {name} ... FAILED: {e:#}");
-            }
-        }
-    }
-    ctx.node.close();
-    drop(ctx);
-    rt.shutdown_timeout(Duration::from_secs(2));
+        rt.block_on(node.kill_all());
+        anyhow::bail!(
+            "sandboxes left running: {:?}",
+            left.iter().map(|i| &i.id).collect::<Vec<_>>()
+        )
+    });
+    node.close();
+    drop(node);
+    h.rt.shutdown_timeout(Duration::from_secs(2));
     // Unmount first (the shared template's read-only bind, the quota filesystem) and
     // only delete when nothing is mounted any more.
     if let Some(e) = common::remove_state_dir(&state) {
-        println!("abuse: {e}");
-        failed += 1;
+        verdict.fail(&format!("abuse: {e}"));
     }
-    println!("abuse: {} passed, {failed} failed", selected.len() - failed);
-    if failed > 0 {
-        std::process::exit(1);
-    }
+    verdict.finish();
 }
 
 /// A node on a fresh state dir holding the `base` template (copied from the operator's

@@ -10,6 +10,8 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+mod common;
+
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
@@ -19,30 +21,16 @@ use cubicle_node::template::oci::pull::RegistryOptions;
 use cubicle_node::{CreateRequest, Node, NodeConfig, ProcessEvent, ProcessSpec};
 
 type TestResult = anyhow::Result<()>;
-type TestFn = fn(PathBuf) -> std::pin::Pin<Box<dyn std::future::Future<Output = TestResult>>>;
+type TestFn = common::TestFn<PathBuf>;
 
 fn main() {
-    cubicle_runtime::maybe_run_helper();
-    let filter: Option<String> = std::env::args().skip(1).find(|a| !a.starts_with('-'));
-    if !nix::unistd::geteuid().is_root() {
-        println!("build: SKIPPED — needs root (user namespaces, cgroups, mounts)");
+    let Some(h) = common::Harness::start(
+        "build",
+        "user namespaces, cgroups, mounts",
+        &["/bin/busybox"],
+    ) else {
         return;
-    }
-    if !Path::new("/bin/busybox").exists() {
-        println!("build: SKIPPED — /bin/busybox missing (apt-get install busybox-static)");
-        return;
-    }
-    let envd = match cubicle_node::config::find_envd_binary(None) {
-        Ok(p) => p,
-        Err(e) => {
-            eprintln!("build: FAILED — no static cubicle-envd (scripts/build-envd.sh): {e}");
-            std::process::exit(1);
-        }
     };
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-        .expect("tokio runtime");
     let tests: Vec<(&str, TestFn)> = vec![
         ("steps_build_a_template_that_runs_and_cache", |e| {
             Box::pin(steps_build_a_template_that_runs_and_cache(e))
@@ -57,26 +45,7 @@ fn main() {
             Box::pin(forced_rebuild_keeps_a_running_sandboxs_layers(e))
         }),
     ];
-    let mut failed = 0;
-    let mut ran = 0;
-    for (name, f) in tests {
-        if filter.as_deref().is_some_and(|f| !name.contains(f)) {
-            continue;
-        }
-        ran += 1;
-        let t = Instant::now();
-        match rt.block_on(f(envd.clone())) {
-            Ok(()) => println!("test {name} ... ok ({:.1}s)", t.elapsed().as_secs_f64()),
-            Err(e) => {
-                failed += 1;
-                println!("test {name} ... FAILED: {e:#}");
-            }
-        }
-    }
-    println!("build: {} passed, {failed} failed", ran - failed);
-    if failed > 0 {
-        std::process::exit(1);
-    }
+    h.run(h.envd.clone(), tests, |_| Ok(())).finish();
 }
 
 async fn node(envd: &Path, name: &str, first_slot: u32) -> anyhow::Result<(Node, PathBuf)> {

@@ -22,6 +22,8 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::os::unix::fs::PermissionsExt;
+mod common;
+
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
@@ -29,32 +31,16 @@ use std::time::{Duration, Instant};
 use cubicle_node::{CreateRequest, EnvdClient, Node, NodeConfig, ProcessEvent, ProcessSpec};
 
 type TestResult = anyhow::Result<()>;
-type TestFn = fn(PathBuf) -> std::pin::Pin<Box<dyn std::future::Future<Output = TestResult>>>;
+type TestFn = common::TestFn<PathBuf>;
 
 fn main() {
-    cubicle_runtime::maybe_run_helper();
-    let filter: Option<String> = std::env::args().skip(1).find(|a| !a.starts_with('-'));
-    if !nix::unistd::geteuid().is_root() {
-        println!("host_attacks: SKIPPED — needs root (namespaces, cgroups, setpriv)");
+    let Some(h) = common::Harness::start(
+        "host_attacks",
+        "namespaces, cgroups, setpriv",
+        &["/bin/busybox", "/usr/bin/curl", "/usr/bin/setpriv"],
+    ) else {
         return;
-    }
-    for tool in ["/bin/busybox", "/usr/bin/curl", "/usr/bin/setpriv"] {
-        if !Path::new(tool).exists() {
-            println!("host_attacks: SKIPPED — {tool} missing (busybox-static, curl, util-linux)");
-            return;
-        }
-    }
-    let envd = match cubicle_node::config::find_envd_binary(None) {
-        Ok(p) => p,
-        Err(e) => {
-            eprintln!("host_attacks: FAILED — no static cubicle-envd (scripts/build-envd.sh): {e}");
-            std::process::exit(1);
-        }
     };
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-        .expect("tokio runtime");
     let tests: Vec<(&str, TestFn)> = vec![
         ("host_cannot_reach_envd_or_user_ports", |e| {
             Box::pin(host_cannot_reach_envd_or_user_ports(e))
@@ -66,25 +52,7 @@ fn main() {
             Box::pin(pooled_sandbox_needs_its_token(e))
         }),
     ];
-    let (mut ran, mut failed) = (0, 0);
-    for (name, f) in tests {
-        if filter.as_deref().is_some_and(|f| !name.contains(f)) {
-            continue;
-        }
-        ran += 1;
-        let t = Instant::now();
-        match rt.block_on(f(envd.clone())) {
-            Ok(()) => println!("test {name} ... ok ({:.1}s)", t.elapsed().as_secs_f64()),
-            Err(e) => {
-                failed += 1;
-                println!("test {name} ... FAILED: {e:#}");
-            }
-        }
-    }
-    println!("host_attacks: {} passed, {failed} failed", ran - failed);
-    if failed > 0 {
-        std::process::exit(1);
-    }
+    h.run(h.envd.clone(), tests, |_| Ok(())).finish();
 }
 
 /// A node on a fresh state dir with a free slot range of its own.

@@ -11,6 +11,8 @@
 // Tests: a failed unwrap or expect is a failed test (clippy.toml allows them only in #[test] fns).
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+mod common;
+
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
@@ -19,32 +21,16 @@ use cubicle_node::{
 };
 
 type TestResult = anyhow::Result<()>;
-type TestFn = fn(PathBuf) -> std::pin::Pin<Box<dyn std::future::Future<Output = TestResult>>>;
+type TestFn = common::TestFn<PathBuf>;
 
 fn main() {
-    cubicle_runtime::maybe_run_helper();
-    let filter: Option<String> = std::env::args().skip(1).find(|a| !a.starts_with('-'));
-    if !nix::unistd::geteuid().is_root() {
-        println!(
-            "lifecycle: SKIPPED — needs root (user namespaces with uid ranges, cgroups, mounts)"
-        );
+    let Some(h) = common::Harness::start(
+        "lifecycle",
+        "user namespaces with uid ranges, cgroups, mounts",
+        &["/bin/busybox"],
+    ) else {
         return;
-    }
-    if !Path::new("/bin/busybox").exists() {
-        println!("lifecycle: SKIPPED — /bin/busybox missing (apt-get install busybox-static)");
-        return;
-    }
-    let envd = match static_envd() {
-        Ok(p) => p,
-        Err(e) => {
-            eprintln!("lifecycle: FAILED — no static cubicle-envd: {e}");
-            std::process::exit(1);
-        }
     };
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-        .expect("tokio runtime");
     let tests: Vec<(&str, TestFn)> = vec![
         ("create_run_id_kill_leaves_nothing", |e| {
             Box::pin(create_run_id_kill_leaves_nothing(e))
@@ -71,43 +57,12 @@ fn main() {
             Box::pin(template_start_command_runs(e))
         }),
     ];
-    let mut failed = 0;
-    let mut ran = 0;
-    for (name, f) in tests {
-        if filter.as_deref().is_some_and(|f| !name.contains(f)) {
-            continue;
-        }
-        ran += 1;
-        let t = Instant::now();
-        match rt.block_on(f(envd.clone())) {
-            Ok(()) => println!("test {name} ... ok ({:.1}s)", t.elapsed().as_secs_f64()),
-            Err(e) => {
-                failed += 1;
-                println!("test {name} ... FAILED: {e:#}");
-            }
-        }
-        // A failed test returns early, before its own cleanup: kill what it left.
-        rt.block_on(sweep(&envd));
-    }
-    println!("lifecycle: {} passed, {failed} failed", ran - failed);
-    if failed > 0 {
-        std::process::exit(1);
-    }
-}
-
-/// The static envd next to the test binary's target dir; built if missing.
-fn static_envd() -> anyhow::Result<PathBuf> {
-    if let Ok(p) = cubicle_node::config::find_envd_binary(None) {
-        return Ok(p);
-    }
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../scripts/build-envd.sh");
-    eprintln!(
-        "lifecycle: building the static cubicle-envd with {}",
-        script.display()
-    );
-    let st = std::process::Command::new("bash").arg(&script).status()?;
-    anyhow::ensure!(st.success(), "{} failed: {st}", script.display());
-    Ok(cubicle_node::config::find_envd_binary(None)?)
+    // A failed test returns early, before its own cleanup: kill what it left.
+    h.run(h.envd.clone(), tests, |rt| {
+        rt.block_on(sweep(&h.envd));
+        Ok(())
+    })
+    .finish();
 }
 
 /// A node on a fresh state dir, with its own slot range (so it never collides with

@@ -10,6 +10,8 @@
 // Tests: a failed unwrap or expect is a failed test (clippy.toml allows them only in #[test] fns).
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+mod common;
+
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -19,59 +21,24 @@ use cubicle_node::{CreateRequest, EnvdClient, Node, NodeConfig, ProcessEvent, Pr
 const FIRST_SLOT: u32 = 5800;
 
 fn main() {
-    cubicle_runtime::maybe_run_helper();
-    if !nix::unistd::geteuid().is_root() {
-        println!("pool: SKIPPED — needs root (namespaces, cgroups, mounts)");
+    let Some(h) = common::Harness::start("pool", "namespaces, cgroups, mounts", &["/bin/busybox"])
+    else {
         return;
-    }
-    if !Path::new("/bin/busybox").exists() {
-        println!("pool: SKIPPED — /bin/busybox missing (apt-get install busybox-static)");
-        return;
-    }
+    };
     if cubicle_runtime::network::Network::new(Default::default()).is_err() {
         println!("pool: SKIPPED — no network module (pooled sandboxes have internet on)");
         return;
     }
-    let envd = match cubicle_node::config::find_envd_binary(None) {
-        Ok(p) => p,
-        Err(e) => {
-            eprintln!("pool: FAILED — no static cubicle-envd (scripts/build-envd.sh): {e}");
-            std::process::exit(1);
-        }
-    };
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-        .expect("tokio runtime");
-    let t = Instant::now();
-    let mut failed = 0;
-    for (name, r) in [
-        ("claim_refill_close", rt.block_on(claim_refill_close(&envd))),
-        (
-            "crash_leaves_no_pooled_sandbox",
-            rt.block_on(crash_leaves_no_pooled_sandbox(&envd)),
-        ),
-        (
-            "start_command_pooled",
-            rt.block_on(start_command_pooled(&envd)),
-        ),
-    ] {
-        match r {
-            Ok(()) => println!("test {name} ... ok"),
-            Err(e) => {
-                failed += 1;
-                println!("test {name} ... FAILED: {e:#}");
-            }
-        }
-    }
-    println!(
-        "pool: {} passed, {failed} failed ({:.1}s)",
-        3 - failed,
-        t.elapsed().as_secs_f64()
-    );
-    if failed > 0 {
-        std::process::exit(1);
-    }
+    let tests: Vec<(&str, common::TestFn<PathBuf>)> = vec![
+        ("claim_refill_close", |e| Box::pin(claim_refill_close(e))),
+        ("crash_leaves_no_pooled_sandbox", |e| {
+            Box::pin(crash_leaves_no_pooled_sandbox(e))
+        }),
+        ("start_command_pooled", |e| {
+            Box::pin(start_command_pooled(e))
+        }),
+    ];
+    h.run(h.envd.clone(), tests, |_| Ok(())).finish();
 }
 
 async fn open(envd: &Path, state: &Path, pool: usize) -> anyhow::Result<Node> {
@@ -154,7 +121,8 @@ async fn sh(client: &EnvdClient, script: &str) -> anyhow::Result<String> {
     Ok(String::from_utf8_lossy(&out).into_owned())
 }
 
-async fn claim_refill_close(envd: &Path) -> anyhow::Result<()> {
+async fn claim_refill_close(envd: PathBuf) -> anyhow::Result<()> {
+    let envd = envd.as_path();
     let state = PathBuf::from(format!("/tmp/cbpool-{}-a", std::process::id()));
     let node = open(envd, &state, 2).await?;
     let r = async {
@@ -286,7 +254,8 @@ async fn claim_refill_close(envd: &Path) -> anyhow::Result<()> {
     r
 }
 
-async fn crash_leaves_no_pooled_sandbox(envd: &Path) -> anyhow::Result<()> {
+async fn crash_leaves_no_pooled_sandbox(envd: PathBuf) -> anyhow::Result<()> {
+    let envd = envd.as_path();
     let state = PathBuf::from(format!("/tmp/cbpool-{}-b", std::process::id()));
     let r = async {
         let node = open(envd, &state, 2).await?;
@@ -316,7 +285,8 @@ async fn crash_leaves_no_pooled_sandbox(envd: &Path) -> anyhow::Result<()> {
 /// A template with a start command is pooled with the command running (as its start
 /// user, seeing the sandbox's own id); a create with env vars claims one only when the
 /// template has `late_env`, else it is created cold and its start command sees them.
-async fn start_command_pooled(envd: &Path) -> anyhow::Result<()> {
+async fn start_command_pooled(envd: PathBuf) -> anyhow::Result<()> {
+    let envd = envd.as_path();
     let state = PathBuf::from(format!("/tmp/cbpool-{}-s", std::process::id()));
     let mut cfg = NodeConfig::new(&state, envd);
     cfg.first_slot = FIRST_SLOT + 40;

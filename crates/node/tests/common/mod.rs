@@ -320,3 +320,124 @@ pub async fn kill_and_check(
     );
     Ok(dead)
 }
+
+/// A `harness = false` test's signature: its context in, its verdict out.
+pub type TestFn<C> =
+    fn(C) -> std::pin::Pin<Box<dyn std::future::Future<Output = anyhow::Result<()>>>>;
+
+/// What every sandbox test binary needs before its first test: root, the host `tools`
+/// it names (e.g. `/bin/busybox`), the static envd and a multi-threaded runtime. Prints
+/// `<suite>: SKIPPED — …` and returns `None` without root or a tool (`needs` says what
+/// root is for); exits 1 when there is no static envd (a broken build, not a skip).
+/// The command line's non-flag arguments are the name filters.
+pub struct Harness {
+    /// The suite's name, printed before each verdict line.
+    pub suite: &'static str,
+    /// The static envd.
+    pub envd: PathBuf,
+    /// The runtime the tests run on.
+    pub rt: tokio::runtime::Runtime,
+    /// Substrings of the test names to run (all when empty).
+    pub filters: Vec<String>,
+}
+
+impl Harness {
+    /// See [`Harness`].
+    pub fn start(suite: &'static str, needs: &str, tools: &[&str]) -> Option<Harness> {
+        cubicle_runtime::maybe_run_helper();
+        if !nix::unistd::geteuid().is_root() {
+            println!("{suite}: SKIPPED — needs root ({needs})");
+            return None;
+        }
+        if let Some(t) = tools.iter().find(|t| !Path::new(t).exists()) {
+            println!(
+                "{suite}: SKIPPED — {t} missing (apt-get install busybox-static curl util-linux)"
+            );
+            return None;
+        }
+        let envd = match static_envd() {
+            Ok(p) => p,
+            Err(e) => {
+                println!("{suite}: FAILED — no static cubicle-envd (scripts/build-envd.sh): {e:#}");
+                std::process::exit(1);
+            }
+        };
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .enable_all()
+            .build()
+            .expect("tokio runtime");
+        let filters = std::env::args()
+            .skip(1)
+            .filter(|a| !a.starts_with('-'))
+            .collect();
+        Some(Harness {
+            suite,
+            envd,
+            rt,
+            filters,
+        })
+    }
+
+    /// Whether the command line selects the test `name`.
+    pub fn selects(&self, name: &str) -> bool {
+        self.filters.is_empty() || self.filters.iter().any(|f| name.contains(f.as_str()))
+    }
+
+    /// Runs the selected `tests` one after the other, each given `ctx` (cloned), then
+    /// `after` (a check and clean-up that runs whatever the test did; its error fails a
+    /// test that passed); prints a line per test. [`Verdict::finish`] prints the summary.
+    pub fn run<C: Clone>(
+        &self,
+        ctx: C,
+        tests: Vec<(&str, TestFn<C>)>,
+        after: impl Fn(&tokio::runtime::Runtime) -> anyhow::Result<()>,
+    ) -> Verdict {
+        let mut v = Verdict {
+            suite: self.suite,
+            ran: 0,
+            failed: 0,
+        };
+        for (name, f) in tests {
+            if !self.selects(name) {
+                continue;
+            }
+            v.ran += 1;
+            let t = Instant::now();
+            let res = self.rt.block_on(f(ctx.clone()));
+            let res = res.and(after(&self.rt));
+            match res {
+                Ok(()) => println!("test {name} ... ok ({:.1}s)", t.elapsed().as_secs_f64()),
+                Err(e) => v.fail(&format!("test {name} ... FAILED: {e:#}")),
+            }
+        }
+        v
+    }
+}
+
+/// What a suite's tests came to.
+pub struct Verdict {
+    suite: &'static str,
+    ran: usize,
+    failed: usize,
+}
+
+impl Verdict {
+    /// One more failure (a test's, or the suite's own clean-up's), printed.
+    pub fn fail(&mut self, line: &str) {
+        self.failed += 1;
+        println!("{line}");
+    }
+
+    /// Prints `<suite>: N passed, M failed` and exits 1 if something failed.
+    pub fn finish(self) {
+        println!(
+            "{}: {} passed, {} failed",
+            self.suite,
+            self.ran.saturating_sub(self.failed),
+            self.failed
+        );
+        if self.failed > 0 {
+            std::process::exit(1);
+        }
+    }
+}

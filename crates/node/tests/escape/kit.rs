@@ -315,6 +315,48 @@ static void report(const char *name, long ret, int err) {
 #define TRY(name, call) do { errno = 0; long r_ = (long)(call); report((name), r_, errno); } while (0)
 "#;
 
+/// The C program of a write-attempt attack: `head` (includes, helpers), then a `main`
+/// that opens each of `writes` (`(name, path, data)`) for writing and reports the
+/// write's result under `name`, then runs `tail` (more C statements).
+pub fn write_attempts(head: &str, writes: &[(&str, &str, &str)], tail: &str) -> String {
+    let mut src = format!(
+        "{head}
+static void try_write(const char *name, const char *path, const char *data) {{
+    int fd = open(path, O_WRONLY);
+    if (fd < 0) {{ report(name, -1, errno); return; }}
+    long n = write(fd, data, strlen(data));
+    report(name, n, errno);
+}}
+int main(void) {{
+"
+    );
+    for (name, path, data) in writes {
+        let data = data.replace('\n', "\\n");
+        src.push_str(&format!(
+            "    try_write(\"{name}\", \"{path}\", \"{data}\");\n"
+        ));
+    }
+    src.push_str(tail);
+    src.push_str("    return 0;\n}\n");
+    src
+}
+
+/// Runs the program of [`write_attempts`] as root in `sb` (under the attack's `name`)
+/// and expects every write to fail with one of `errnos`.
+pub async fn expect_writes_refused(
+    sb: &Sandbox,
+    name: &str,
+    program: &str,
+    writes: &[(&str, &str, &str)],
+    errnos: &[i32],
+) -> anyhow::Result<Out> {
+    let out = sb.c(As::Root, name, program, &[]).await?;
+    for (w, _, _) in writes {
+        out.expect_errno(w, errnos)?;
+    }
+    Ok(out)
+}
+
 /// Reads a whole host file, empty when missing (for before/after comparisons).
 pub fn read_or_empty(p: &Path) -> Vec<u8> {
     std::fs::read(p).unwrap_or_default()

@@ -40,37 +40,19 @@ const FIRST_SLOT: u32 = 4700;
 const MAX_SANDBOXES: u32 = 16;
 
 fn main() {
-    cubicle_runtime::maybe_run_helper();
-    let filters: Vec<String> = std::env::args()
-        .skip(1)
-        .filter(|a| !a.starts_with('-'))
-        .collect();
-    if !nix::unistd::geteuid().is_root() {
-        println!("escape: SKIPPED — needs root (user namespaces, cgroups, mounts, netns)");
+    let Some(h) = common::Harness::start("escape", "user namespaces, cgroups, mounts, netns", &[])
+    else {
         return;
-    }
-    let selected: Vec<&kit::Attack> = attacks::ALL
-        .iter()
-        .filter(|a| filters.is_empty() || filters.iter().any(|f| a.name.contains(f.as_str())))
-        .collect();
-    if selected.is_empty() {
-        println!("escape: 0 attacks match {filters:?}");
-        return;
-    }
-    let envd = match common::static_envd() {
-        Ok(p) => p,
-        Err(e) => {
-            println!("escape: FAILED — no static cubicle-envd: {e}");
-            std::process::exit(1);
-        }
     };
+    let selected: Vec<&kit::Attack> = attacks::ALL.iter().filter(|a| h.selects(a.name)).collect();
+    if selected.is_empty() {
+        println!("escape: 0 attacks match {:?}", h.filters);
+        return;
+    }
+    let common::Harness { envd, rt, .. } = h;
     let _lock = common::host_lock("escape");
     // A marker left by an earlier, escaped run would hide this run's escape.
     let _ = std::fs::remove_file(host::MARKER);
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-        .expect("tokio runtime");
     let state = PathBuf::from(format!("/tmp/cbescape-{}", std::process::id()));
     let ctx = match rt.block_on(setup(&envd, &state)) {
         Ok(c) => Arc::new(c),

@@ -17,46 +17,49 @@ pub const ATTACK: Attack = Attack {
     run: |c| Box::pin(run(c)),
 };
 
-const PROGRAM: &str = r#"
-#include <sys/sysmacros.h>
-static void try_write(const char *name, const char *path, const char *data) {
-    int fd = open(path, O_WRONLY);
-    if (fd < 0) { report(name, -1, errno); return; }
-    long n = write(fd, data, strlen(data));
-    report(name, n, errno);
-}
-int main(void) {
-    try_write("core_pattern", "/proc/sys/kernel/core_pattern", "|/tmp/cubicle-escape-agent\n");
-    try_write("modprobe", "/proc/sys/kernel/modprobe", "/tmp/cubicle-escape-agent\n");
-    try_write("drop_caches", "/proc/sys/vm/drop_caches", "3\n");
-    try_write("panic", "/proc/sys/kernel/panic", "1\n");
-    try_write("hostname", "/proc/sys/kernel/hostname", "escaped\n");
-    try_write("ip_forward", "/proc/sys/net/ipv4/ip_forward", "1\n");
-    try_write("ping_group_range", "/proc/sys/net/ipv4/ping_group_range", "0 0\n");
-    struct stat st;
+/// The host-wide knobs a write would change: (name, path, data).
+const WRITES: &[(&str, &str, &str)] = &[
+    (
+        "core_pattern",
+        "/proc/sys/kernel/core_pattern",
+        "|/tmp/cubicle-escape-agent\n",
+    ),
+    (
+        "modprobe",
+        "/proc/sys/kernel/modprobe",
+        "/tmp/cubicle-escape-agent\n",
+    ),
+    ("drop_caches", "/proc/sys/vm/drop_caches", "3\n"),
+    ("panic", "/proc/sys/kernel/panic", "1\n"),
+    ("hostname", "/proc/sys/kernel/hostname", "escaped\n"),
+    ("ip_forward", "/proc/sys/net/ipv4/ip_forward", "1\n"),
+    (
+        "ping_group_range",
+        "/proc/sys/net/ipv4/ping_group_range",
+        "0 0\n",
+    ),
+];
+
+/// After the writes: where `/proc/sysrq-trigger` points.
+const SYSRQ: &str = r#"    struct stat st;
     TRY("stat_sysrq", stat("/proc/sysrq-trigger", &st));
     if (stat("/proc/sysrq-trigger", &st) == 0)
         printf("sysrq_dev=%u:%u\nsysrq_chr=%d\n", major(st.st_rdev), minor(st.st_rdev), S_ISCHR(st.st_mode));
-    return 0;
-}
 "#;
 
 async fn run(ctx: Arc<Ctx>) -> TestResult {
     let sb = ctx.sandbox(false).await?;
-    let out = sb.c(As::Root, "proc_sys_writes", PROGRAM, &[]).await?;
-    for name in [
-        "core_pattern",
-        "modprobe",
-        "drop_caches",
-        "panic",
-        "hostname",
-        "ip_forward",
-        "ping_group_range",
-    ] {
-        // EACCES: the host's root owns them, unmapped in the sandbox; ENOENT: a kernel
-        // without the knob (e.g. `modprobe` without module support).
-        out.expect_errno(name, &[EROFS, EACCES, EPERM, ENOENT])?;
-    }
+    let program = write_attempts("#include <sys/sysmacros.h>", WRITES, SYSRQ);
+    // EACCES: the host's root owns them, unmapped in the sandbox; ENOENT: a kernel
+    // without the knob (e.g. `modprobe` without module support).
+    let out = expect_writes_refused(
+        &sb,
+        "proc_sys_writes",
+        &program,
+        WRITES,
+        &[EROFS, EACCES, EPERM, ENOENT],
+    )
+    .await?;
     // A kernel without magic SysRq has no /proc/sysrq-trigger at all.
     let no_sysrq = out.expect_errno("stat_sysrq", &[ENOENT]).is_ok();
     anyhow::ensure!(
