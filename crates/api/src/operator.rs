@@ -27,7 +27,7 @@ use utoipa_axum::router::OpenApiRouter;
 use utoipa_axum::routes;
 
 use crate::error::{ApiError, ApiResult, ErrorBody, read_body};
-use crate::model::{CLIENT_ID, ENVD_VERSION};
+use crate::model::ListedSandbox;
 use crate::query::format_time;
 use crate::service::ControlPlane;
 
@@ -239,28 +239,11 @@ async fn api_key_revoke(
 
 /// A sandbox in the operator's view: E2B's listed sandbox plus its team.
 #[derive(Debug, Serialize, utoipa::ToSchema)]
-#[serde(rename_all = "camelCase")]
 pub struct HostSandbox {
     /// The team that created it.
     pub team: String,
-    #[serde(rename = "templateID")]
-    pub template_id: String,
-    #[serde(rename = "sandboxID")]
-    pub sandbox_id: String,
-    #[serde(rename = "clientID")]
-    pub client_id: &'static str,
-    pub started_at: String,
-    pub end_at: String,
-    pub cpu_count: u32,
-    #[serde(rename = "memoryMB")]
-    pub memory_mb: u64,
-    #[serde(rename = "diskSizeMB")]
-    pub disk_size_mb: u64,
-    pub state: &'static str,
-    pub envd_version: &'static str,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub alias: Option<String>,
-    pub metadata: BTreeMap<String, String>,
+    #[serde(flatten)]
+    pub sandbox: ListedSandbox,
 }
 
 fn operator_only(cp: &ControlPlane, team: &Team) -> ApiResult<()> {
@@ -304,25 +287,12 @@ async fn all_sandboxes(
             continue;
         };
         // Paused ones too: they hold disk and a slot, and the operator kills them as well.
-        let state = match info.state {
-            SandboxState::Running | SandboxState::Creating => "running",
-            SandboxState::Pausing | SandboxState::Paused => "paused",
-            SandboxState::Dying | SandboxState::Dead => continue,
-        };
+        if matches!(info.state, SandboxState::Dying | SandboxState::Dead) {
+            continue;
+        }
         out.push(HostSandbox {
             team: teams.get(&row.team_id).cloned().unwrap_or_default(),
-            template_id: row.template_id,
-            sandbox_id: row.id,
-            client_id: CLIENT_ID,
-            started_at: format_time(row.started_at),
-            end_at: format_time(info.end_at_ms as i64),
-            cpu_count: row.cpu_count,
-            memory_mb: row.memory_mb,
-            disk_size_mb: row.disk_mb,
-            state,
-            envd_version: ENVD_VERSION,
-            alias: row.alias,
-            metadata: row.metadata,
+            sandbox: cp.listed(row, &info),
         });
     }
     Ok(Json(out))

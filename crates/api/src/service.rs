@@ -458,16 +458,7 @@ impl ControlPlane {
             death_reason: None,
             ended_at: None,
         };
-        let r2 = row.clone();
-        if let Err(e) = self.store.call(move |s| s.insert_sandbox(&r2)).await {
-            // Never leave a sandbox nobody can see.
-            let _ = self.backend.kill(&info.id).await;
-            return Err(e.into());
-        }
-        lock(&self.routes).insert(row.id.clone(), row.traffic_access_token.clone());
-        if let Some(hook) = self.on_created.get() {
-            hook(&row.id);
-        }
+        self.register_new(&row, &info.id).await?;
         self.telemetry.created(info.claimed, t0.elapsed());
         let mut data = serde_json::Map::new();
         data.insert(
@@ -874,15 +865,7 @@ impl ControlPlane {
             death_reason: None,
             ended_at: None,
         };
-        let r2 = row.clone();
-        if let Err(e) = self.store.call(move |s| s.insert_sandbox(&r2)).await {
-            let _ = self.backend.kill(&info.id).await;
-            return Err(e.into());
-        }
-        lock(&self.routes).insert(row.id.clone(), row.traffic_access_token.clone());
-        if let Some(hook) = self.on_created.get() {
-            hook(&row.id);
-        }
+        self.register_new(&row, &info.id).await?;
         let mut data = serde_json::Map::new();
         data.insert("source".into(), "fork".into());
         data.insert("parent".into(), parent.id.clone().into());
@@ -991,24 +974,45 @@ impl ControlPlane {
         };
         let items = live
             .into_iter()
-            .map(|(row, info)| ListedSandbox {
-                template_id: row.template_id.clone(),
-                sandbox_id: row.id.clone(),
-                client_id: CLIENT_ID,
-                started_at: format_time(row.started_at),
-                end_at: format_time(end_at(&info)),
-                cpu_count: row.cpu_count,
-                memory_mb: row.memory_mb,
-                disk_size_mb: row.disk_mb,
-                state: state_word(info.state),
-                envd_version: ENVD_VERSION,
-                alias: row.alias,
-                metadata: row.metadata,
-                envd_unresponsive_at_pause: info.envd_unresponsive_at_pause.then_some(true),
-                volume_mounts: self.mount_bodies(&info.volumes),
-            })
+            .map(|(row, info)| self.listed(row, &info))
             .collect();
         Ok((items, next))
+    }
+
+    /// Records a sandbox the node just made (create, fork): its row, its route and the
+    /// created hook. If the row cannot be written the sandbox is killed: never a sandbox
+    /// nobody can see.
+    async fn register_new(&self, row: &SandboxRow, id: &str) -> ApiResult<()> {
+        let r2 = row.clone();
+        if let Err(e) = self.store.call(move |s| s.insert_sandbox(&r2)).await {
+            let _ = self.backend.kill(id).await;
+            return Err(e.into());
+        }
+        lock(&self.routes).insert(row.id.clone(), row.traffic_access_token.clone());
+        if let Some(hook) = self.on_created.get() {
+            hook(&row.id);
+        }
+        Ok(())
+    }
+
+    /// A sandbox as E2B lists it (`ListedSandbox`), from its row and the node's view.
+    pub(crate) fn listed(&self, row: SandboxRow, info: &SandboxInfo) -> ListedSandbox {
+        ListedSandbox {
+            template_id: row.template_id,
+            sandbox_id: row.id,
+            client_id: CLIENT_ID,
+            started_at: format_time(row.started_at),
+            end_at: format_time(end_at(info)),
+            cpu_count: row.cpu_count,
+            memory_mb: row.memory_mb,
+            disk_size_mb: row.disk_mb,
+            state: state_word(info.state),
+            envd_version: ENVD_VERSION,
+            alias: row.alias,
+            metadata: row.metadata,
+            envd_unresponsive_at_pause: info.envd_unresponsive_at_pause.then_some(true),
+            volume_mounts: self.mount_bodies(&info.volumes),
+        }
     }
 
     // ---- logs ----
