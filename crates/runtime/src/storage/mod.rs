@@ -642,27 +642,10 @@ mod tests {
     /// also keeps their quota ids), owner and mode as asked, removal frees the space.
     #[test]
     fn volumes_have_their_own_quota_and_outlive_reconciliation() {
-        if !is_root() {
-            eprintln!("SKIPPED: needs root (loop-mounts a filesystem image, sets quotas)");
+        let Some((storage, guard)) = test_storage("volumes") else {
             return;
-        }
-        let state =
-            std::env::temp_dir().join(format!("cubicle-test-volumes-{}", std::process::id()));
-        let _ = fs::remove_dir_all(&state);
-        let guard = Cleanup {
-            state: state.clone(),
         };
-        let storage = match Storage::open_with(StorageConfig {
-            state_dir: state.clone(),
-            image_size: 2 << 30,
-        }) {
-            Ok(s) => s,
-            Err(e) if which("mkfs.btrfs").is_none() => {
-                eprintln!("SKIPPED: btrfs-progs missing: {e}");
-                return;
-            }
-            Err(e) => panic!("open: {e}"),
-        };
+        let state = guard.state.clone();
         let quota = 10u64 << 20;
         let vol = storage
             .create_volume_dir("vol-1", quota, 1000, 1000, 0o755)
@@ -742,26 +725,8 @@ mod tests {
     /// PATH_MAX, many inodes; nothing is left, and the filesystem gets its space back.
     #[test]
     fn removal_survives_what_a_tenant_leaves() {
-        if !is_root() {
-            eprintln!("SKIPPED: needs root (loop-mounts a filesystem image, sets quotas)");
+        let Some((storage, guard)) = test_storage("teardown") else {
             return;
-        }
-        let state =
-            std::env::temp_dir().join(format!("cubicle-test-teardown-{}", std::process::id()));
-        let _ = fs::remove_dir_all(&state);
-        let guard = Cleanup {
-            state: state.clone(),
-        };
-        let storage = match Storage::open_with(StorageConfig {
-            state_dir: state.clone(),
-            image_size: 2 << 30,
-        }) {
-            Ok(s) => s,
-            Err(e) if which("mkfs.btrfs").is_none() => {
-                eprintln!("SKIPPED: btrfs-progs missing: {e}");
-                return;
-            }
-            Err(e) => panic!("open: {e}"),
         };
         if storage.backend() != QuotaBackend::BtrfsQgroup {
             eprintln!("SKIPPED: the subvolume cases need the btrfs backend");
@@ -897,6 +862,32 @@ mod tests {
                 .map(|d| d.join(bin))
                 .find(|p| p.exists())
         })
+    }
+
+    /// A fresh 2 GiB quota filesystem in a temporary state dir named after `name`, and
+    /// the guard that removes it; `None` (after saying why) without root or btrfs-progs.
+    fn test_storage(name: &str) -> Option<(Storage, Cleanup)> {
+        if !is_root() {
+            eprintln!("SKIPPED: needs root (loop-mounts a filesystem image, sets quotas)");
+            return None;
+        }
+        let state =
+            std::env::temp_dir().join(format!("cubicle-test-{name}-{}", std::process::id()));
+        let _ = fs::remove_dir_all(&state);
+        let guard = Cleanup {
+            state: state.clone(),
+        };
+        match Storage::open_with(StorageConfig {
+            state_dir: state,
+            image_size: 2 << 30,
+        }) {
+            Ok(s) => Some((s, guard)),
+            Err(e) if which("mkfs.btrfs").is_none() => {
+                eprintln!("SKIPPED: btrfs-progs missing: {e}");
+                None
+            }
+            Err(e) => panic!("open: {e}"),
+        }
     }
 
     /// Unmounts anything under the test state dir and removes it, even on panic.
