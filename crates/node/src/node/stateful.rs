@@ -743,34 +743,13 @@ impl Inner {
         blocking(move || rt.clone_snapshot(&name, &i2, &d2, disk)).await?;
         // The copy holds the source's log: this sandbox starts its own.
         let _ = std::fs::remove_file(dir.join("init.log"));
-        let spec = self.prepare_sandbox_dir(&record, template)?;
-        let rt = self.runtime.clone();
-        let started = if snap.memory {
-            let ck = dir.join(CHECKPOINT_DIR);
-            blocking(move || rt.restore(&spec, &ck)).await?
-        } else {
-            blocking(move || rt.start(&spec)).await?
-        };
-        record.pid = Some(started.pid);
-        record.pid_start_time = procfs::start_time(started.pid);
-        record.runtime = started.state.clone();
-        fsutil::write_json_atomic(&dir.join("sandbox.json"), &record)?;
-        self.update_record(&record)?;
-        let (pid, pst) = (started.pid, record.pid_start_time);
-        EnvdClient::new(self.envd_socket(&id), None)
-            .wait_ready(self.config.envd_ready_timeout, move || {
-                procfs::is_alive(pid, pst)
+        let pid = self
+            .start_from_copy(&mut record, template, snap, |r| {
+                // Its pid on record before envd answers: a crash meanwhile leaves a
+                // sandbox the next open can find and remove.
+                fsutil::write_json_atomic(&dir.join("sandbox.json"), r)?;
+                self.update_record(r)
             })
-            .await?;
-        // A restored envd still has the source's token and environment: give it ours. A
-        // booted one was born with ours (`birth_env`).
-        let token = if snap.memory {
-            snap.access_token.clone()
-        } else {
-            record.access_token.clone()
-        };
-        EnvdClient::new(self.envd_socket(&id), Some(token))
-            .init(&InitRequest::for_record(&record))
             .await?;
         if !snap.memory
             && let Some(cmd) = template
@@ -953,32 +932,8 @@ impl Inner {
         })
         .await?;
         let _ = std::fs::write(dir.join("init.log"), log);
-        let spec = self.prepare_sandbox_dir(record, &template)?;
-        let rt = self.runtime.clone();
-        let started = if snap.memory {
-            let ck = dir.join(CHECKPOINT_DIR);
-            blocking(move || rt.restore(&spec, &ck)).await?
-        } else {
-            blocking(move || rt.start(&spec)).await?
-        };
-        record.pid = Some(started.pid);
-        record.pid_start_time = procfs::start_time(started.pid);
-        record.runtime = started.state;
-        let (pid, pst) = (started.pid, record.pid_start_time);
-        EnvdClient::new(self.envd_socket(&id), None)
-            .wait_ready(self.config.envd_ready_timeout, move || {
-                procfs::is_alive(pid, pst)
-            })
-            .await?;
-        // The snapshot's envd knew the token of that time; make sure it knows today's. A
-        // booted one was born with today's (`birth_env`).
-        let token = if snap.memory {
-            snap.access_token.clone()
-        } else {
-            record.access_token.clone()
-        };
-        EnvdClient::new(self.envd_socket(&id), Some(token))
-            .init(&InitRequest::for_record(record))
+        let pid = self
+            .start_from_copy(record, &template, snap, |_| Ok(()))
             .await?;
         record.state = SandboxState::Running;
         record.pause_mode = None;
@@ -987,7 +942,49 @@ impl Inner {
             record.end_at_ms = now_ms() + record.timeout_ms.max(60_000);
         }
         discard_checkpoint(dir.join(CHECKPOINT_DIR));
-        Ok(started.pid)
+        Ok(pid)
+    }
+
+    /// Starts `record`'s sandbox from the copy of `snap` already in its directory:
+    /// restores its processes (a snapshot with memory) or boots it, calls `started`
+    /// with the record holding the new init, waits for envd, and gives envd the
+    /// record's token and environment (a restored envd still has the snapshot's; a
+    /// booted one was born with the record's, `birth_env`). Returns the init's pid.
+    async fn start_from_copy(
+        &self,
+        record: &mut SandboxRecord,
+        template: &Template,
+        snap: &SnapshotRecord,
+        started: impl FnOnce(&SandboxRecord) -> Result<()>,
+    ) -> Result<i32> {
+        let id = record.id.clone();
+        let spec = self.prepare_sandbox_dir(record, template)?;
+        let rt = self.runtime.clone();
+        let init = if snap.memory {
+            let ck = self.sandbox_dir(&id).join(CHECKPOINT_DIR);
+            blocking(move || rt.restore(&spec, &ck)).await?
+        } else {
+            blocking(move || rt.start(&spec)).await?
+        };
+        record.pid = Some(init.pid);
+        record.pid_start_time = procfs::start_time(init.pid);
+        record.runtime = init.state;
+        started(record)?;
+        let (pid, pst) = (init.pid, record.pid_start_time);
+        EnvdClient::new(self.envd_socket(&id), None)
+            .wait_ready(self.config.envd_ready_timeout, move || {
+                procfs::is_alive(pid, pst)
+            })
+            .await?;
+        let token = if snap.memory {
+            snap.access_token.clone()
+        } else {
+            record.access_token.clone()
+        };
+        EnvdClient::new(self.envd_socket(&id), Some(token))
+            .init(&InitRequest::for_record(record))
+            .await?;
+        Ok(init.pid)
     }
 }
 
