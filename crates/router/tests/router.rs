@@ -200,6 +200,23 @@ async fn unknown_sandbox_is_the_exact_502() {
             body_text(resp).await,
             r#"{"sandboxId":"nosuchsandbox","message":"The sandbox was not found","code":502}"#
         );
+        // Without a body the connection stays open for the next request...
+        let resp = send(addr, request("GET", "/health", &hdrs(&r), empty())).await;
+        assert!(!resp.headers().contains_key("connection"));
+        // ...with one, refused unread, the answer says the connection closes, so that
+        // a client does not pool it and send its next request into a closed socket.
+        let resp = send(
+            addr,
+            request(
+                "POST",
+                "/process.Process/Start",
+                &hdrs(&r),
+                full(b"{}".to_vec()),
+            ),
+        )
+        .await;
+        assert_eq!(resp.status(), 502);
+        assert_eq!(resp.headers()["connection"], "close");
     }
 }
 
