@@ -488,6 +488,20 @@ mod tests {
         out
     }
 
+    /// The kernel detaches an autoclear loop device after its last user is gone, from a
+    /// workqueue: shortly after the unmount, not within it (seconds under load).
+    fn assert_loop_device_released(image: &Path) {
+        let t = std::time::Instant::now();
+        while !loop_devices_backed_by(image).is_empty() {
+            assert!(
+                t.elapsed() < std::time::Duration::from_secs(10),
+                "loop device leaked: {:?}",
+                loop_devices_backed_by(image)
+            );
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+    }
+
     /// Writes 1 MiB chunks until an error; returns (bytes written, error).
     fn fill(path: &Path, max: u64) -> (u64, Option<io::Error>) {
         let mut f = File::create(path).unwrap();
@@ -602,10 +616,7 @@ mod tests {
         let storage = Storage::open_with(config.clone()).unwrap();
         assert!(storage.sandbox_dir(&id("sbone")).join("again").exists());
         storage.unmount().unwrap();
-        assert!(
-            loop_devices_backed_by(&image).is_empty(),
-            "loop device leaked"
-        );
+        assert_loop_device_released(&image);
         // An image an older version mounted without nosuid,nodev gets them on open.
         let root = state.join(SANDBOXES);
         let (img, dir) = (path_str(&image).unwrap(), path_str(&root).unwrap());
@@ -624,10 +635,7 @@ mod tests {
         storage.remove_sandbox_dir(&id("sbone")).unwrap();
         storage.unmount().unwrap();
         drop(guard);
-        assert!(
-            loop_devices_backed_by(&image).is_empty(),
-            "loop device leaked"
-        );
+        assert_loop_device_released(&image);
         assert!(
             !mounts()
                 .unwrap()
