@@ -1,16 +1,26 @@
-//! cubicle-store: the control plane's durable metadata in one SQLite file
-//! (`<state>/cubicle.db`, WAL mode, so `cubicle apikey …` can use it while the server runs).
+//! cubicle-store: the control plane's durable metadata, in one SQLite file
+//! (`<state>/cubicle.db`, WAL mode, so `cubicle apikey …` can use it while the server runs)
+//! or in PostgreSQL (`postgres://…`: a cluster's shared state, docs/cluster.md).
 //!
 //! What it holds: teams, API keys (only their SHA-256; the plaintext is shown once),
 //! sandbox records (owner team, template, metadata, tokens needed to route, limits,
 //! timestamps, state and death reason), create idempotency keys, volume records (owner,
 //! name, size), secrets (name, metadata, version, and the value sealed by the control
-//! plane: encrypted, never stored in clear), sandbox lifecycle events and the teams'
-//! webhooks (with the secrets that sign their deliveries). Environment-variable
-//! *values* are never stored (they may be secrets): only their names.
+//! plane: encrypted, never stored in clear), sandbox lifecycle events, the teams'
+//! webhooks (with the secrets that sign their deliveries), and the cluster's
+//! coordination: nodes with their leases and fencing epochs, which node owns each
+//! sandbox, placements reserved on a node ([`Store::register_node`] and the rest of
+//! `nodes.rs`). Environment-variable *values* are never stored (they may be secrets):
+//! only their names.
 //!
-//! Every method blocks (SQLite I/O). Async callers use [`Store::call`], which runs the
-//! closure on tokio's blocking pool, never on a runtime thread.
+//! Both engines share everything but their migrations: each query is written once in
+//! SQL both accept, and `db.rs` runs it on the engine at hand ([`Store::open_url`]
+//! picks it). Every store test runs on both (`testdb.rs`).
+//!
+//! Every method blocks (database I/O). Async callers use [`Store::call`], which runs the
+//! closure on tokio's blocking pool, never on a runtime thread; [`Store::read`] is for
+//! short point reads right on the calling thread (safe on a runtime thread with either
+//! engine).
 //!
 //! ```no_run
 //! # fn demo() -> cubicle_store::Result<()> {
