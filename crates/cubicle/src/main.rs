@@ -15,6 +15,7 @@ mod client;
 mod config;
 mod context;
 mod exit;
+mod node_cmd;
 mod output;
 mod run;
 mod sandbox_cmd;
@@ -94,6 +95,11 @@ enum Command {
     Apikey {
         #[command(subcommand)]
         command: Option<apikey_cmd::ApikeyCommand>,
+    },
+    /// The cluster's nodes, from its database (docs/cluster.md).
+    Node {
+        #[command(subcommand)]
+        command: node_cmd::NodeCommand,
     },
     /// Install `cubicle serve` as a systemd service (sandboxes survive its restarts).
     Service {
@@ -314,5 +320,6 @@ async fn dispatch(cli: Cli) -> anyhow::Result<i32> {
             let dir = cli.state_dir.clone();
             tokio::task::spawn_blocking(move || apikey_cmd::run(&dir, command)).await?
         }
+        Command::Node { command } => tokio::task::spawn_blocking(move || node_cmd::run(command)).await?,
     }
 }
