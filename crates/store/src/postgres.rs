@@ -191,7 +191,7 @@ impl PgPool {
 
     /// Runs `f` with a connection of the pool (waiting for one when all are busy).
     pub(crate) fn with<T>(&self, f: impl FnOnce(&mut PgConn) -> Result<T>) -> Result<T> {
-        let mut conn = {
+        let conn = {
             let mut st = self.idle.lock().unwrap_or_else(|p| p.into_inner());
             loop {
                 if let Some(c) = st.idle.pop() {
@@ -212,19 +212,42 @@ impl PgPool {
                 st = self.freed.wait(st).unwrap_or_else(|p| p.into_inner());
             }
         };
-        let r = f(&mut conn);
-        let mut st = self.lock();
-        if conn.client.is_closed() {
+        // Given back (or forgotten, when broken) even if `f` panics.
+        let mut out = Checkout {
+            pool: self,
+            conn: Some(conn),
+        };
+        match out.conn.as_mut() {
+            Some(c) => f(c),
+            None => Err(Error::Task("no connection".to_string())),
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, PoolState> {
+        self.idle.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+/// A connection out of the pool; goes back on drop.
+struct Checkout<'a> {
+    pool: &'a PgPool,
+    conn: Option<PgConn>,
+}
+
+impl Drop for Checkout<'_> {
+    fn drop(&mut self) {
+        let Some(conn) = self.conn.take() else {
+            return;
+        };
+        let mut st = self.pool.lock();
+        // A connection that broke, or that a panic left inside a transaction, is not
+        // reused.
+        if conn.client.is_closed() || std::thread::panicking() {
             st.open -= 1;
         } else {
             st.idle.push(conn);
         }
         drop(st);
-        self.freed.notify_one();
-        r
-    }
-
-    fn lock(&self) -> std::sync::MutexGuard<'_, PoolState> {
-        self.idle.lock().unwrap_or_else(|p| p.into_inner())
+        self.pool.freed.notify_one();
     }
 }
