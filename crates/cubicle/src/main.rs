@@ -320,6 +320,8 @@ async fn dispatch(cli: Cli) -> anyhow::Result<i32> {
             let dir = cli.state_dir.clone();
             tokio::task::spawn_blocking(move || apikey_cmd::run(&dir, command)).await?
         }
-        Command::Node { command } => tokio::task::spawn_blocking(move || node_cmd::run(command)).await?,
+        Command::Node { command } => {
+            tokio::task::spawn_blocking(move || node_cmd::run(command)).await?
+        }
     }
 }

@@ -65,7 +65,14 @@ fn secs(ms: i64) -> String {
 fn table(nodes: &[NodeRow], now: i64) -> String {
     output::table(
         [
-            "NODE", "STATE", "EPOCH", "RENEWED", "LEASE", "SANDBOXES", "CPU", "MEMORY MIB",
+            "NODE",
+            "STATE",
+            "EPOCH",
+            "RENEWED",
+            "LEASE",
+            "SANDBOXES",
+            "CPU",
+            "MEMORY MIB",
             "ADDRESS",
         ],
         nodes.iter().map(|n| {
@@ -118,7 +125,16 @@ mod tests {
         };
         let t = table(&[n.clone()], 10_000);
         let line = t.lines().nth(1).unwrap();
-        for want in ["n1", "active", "3", "2.0s ago", "8.0s left", "4/100", "8/16", "2048/32768"] {
+        for want in [
+            "n1",
+            "active",
+            "3",
+            "2.0s ago",
+            "8.0s left",
+            "4/100",
+            "8/16",
+            "2048/32768",
+        ] {
             assert!(line.contains(want), "{want} in {line}");
         }
         let t = table(&[n], 20_000);

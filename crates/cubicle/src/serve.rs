@@ -784,7 +784,10 @@ mod tests {
             "postgres://cubicle:***@db:5432/cubicle"
         );
         assert_eq!(redact_password("postgres://u@db/x"), "postgres://u@db/x");
-        assert_eq!(redact_password("/var/lib/cubicle/cubicle.db"), "/var/lib/cubicle/cubicle.db");
+        assert_eq!(
+            redact_password("/var/lib/cubicle/cubicle.db"),
+            "/var/lib/cubicle/cubicle.db"
+        );
     }
 
     #[test]

@@ -269,9 +269,7 @@ impl Conn<'_> {
     ) -> Result<T> {
         let begin = match (self.dialect(), isolation) {
             (Dialect::Sqlite, _) => "BEGIN IMMEDIATE",
-            (Dialect::Postgres, Isolation::ReadCommitted) => {
-                "BEGIN ISOLATION LEVEL READ COMMITTED"
-            }
+            (Dialect::Postgres, Isolation::ReadCommitted) => "BEGIN ISOLATION LEVEL READ COMMITTED",
         };
         let mut attempt = 0;
         loop {

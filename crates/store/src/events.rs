@@ -108,9 +108,8 @@ impl Store {
 
     /// Deletes events recorded before `before` (unix ms); returns how many.
     pub fn purge_events(&self, before: i64) -> Result<usize> {
-        let n = self.with_conn(|c| {
-            c.execute("DELETE FROM sandbox_events WHERE at < ?1", args![before])
-        })?;
+        let n = self
+            .with_conn(|c| c.execute("DELETE FROM sandbox_events WHERE at < ?1", args![before]))?;
         Ok(n as usize)
     }
 }

@@ -300,10 +300,7 @@ impl Store {
     }
 
     /// Runs `f` inside a transaction (see [`Conn::transaction`]).
-    pub(crate) fn transaction<T>(
-        &self,
-        f: impl FnMut(&mut Conn<'_>) -> Result<T>,
-    ) -> Result<T> {
+    pub(crate) fn transaction<T>(&self, f: impl FnMut(&mut Conn<'_>) -> Result<T>) -> Result<T> {
         self.with_conn(|c| c.transaction(Isolation::ReadCommitted, f))
     }
 
@@ -530,7 +527,10 @@ mod tests {
         let s = Store::open_url(&url).unwrap();
         assert_eq!(s.dialect(), Dialect::Postgres);
         let applied: i64 = s
-            .with_conn(|c| c.query_one("SELECT COUNT(*) FROM schema_version", &[])?.get(0))
+            .with_conn(|c| {
+                c.query_one("SELECT COUNT(*) FROM schema_version", &[])?
+                    .get(0)
+            })
             .unwrap();
         assert_eq!(applied, SCHEMA_VERSION);
         s.with_conn(|c| c.execute("INSERT INTO schema_version VALUES (999, 0)", &[]))
@@ -576,8 +576,13 @@ mod tests {
         assert!(path.exists());
         let s = Store::open_url(path.to_str().unwrap()).unwrap();
         assert_eq!(s.schema_version().unwrap(), SCHEMA_VERSION);
-        assert!(matches!(Store::open_url("mysql://x/y"), Err(Error::Invalid(_))));
-        let err = Store::open_url("postgres://nobody@127.0.0.1:1/x").err().unwrap();
+        assert!(matches!(
+            Store::open_url("mysql://x/y"),
+            Err(Error::Invalid(_))
+        ));
+        let err = Store::open_url("postgres://nobody@127.0.0.1:1/x")
+            .err()
+            .unwrap();
         assert!(err.to_string().contains("database"), "{err}");
         std::fs::remove_dir_all(&dir).unwrap();
     }

@@ -361,7 +361,10 @@ impl Store {
                     .iter()
                     .map(|r| Ok((r.get(0)?, r.get(1)?)))
                     .collect::<Result<Vec<_>>>()?;
-                tx.execute("DELETE FROM placements WHERE node_id = ?1", args![id.as_str()])?;
+                tx.execute(
+                    "DELETE FROM placements WHERE node_id = ?1",
+                    args![id.as_str()],
+                )?;
                 out.push(LostNode {
                     id,
                     epoch: r.get(1)?,
@@ -598,7 +601,9 @@ impl Store {
                 return Ok(None);
             };
             let (node, epoch): (Option<String>, Option<i64>) = (r.get(0)?, r.get(1)?);
-            Ok(node.zip(epoch).map(|(node_id, epoch)| SandboxOwner { node_id, epoch }))
+            Ok(node
+                .zip(epoch)
+                .map(|(node_id, epoch)| SandboxOwner { node_id, epoch }))
         })
     }
 
@@ -676,12 +681,19 @@ mod tests {
             assert_eq!((lease.epoch, lease.expires_at), (1, 11_000));
             let other = s.register_node(&reg("n2", 10), 1_000, LEASE).unwrap();
             let p = s.place_sandbox("sb1", "base", NEED, 1_000, 60_000).unwrap();
-            s.commit_placement(&p, &sandbox("sb1", team), 1_001).unwrap();
+            s.commit_placement(&p, &sandbox("sb1", team), 1_001)
+                .unwrap();
             let owner = s.sandbox_owner("sb1").unwrap().unwrap();
             assert_eq!(owner.node_id, p.node_id);
             // Renewing in time keeps it alive past the first expiry.
             let lease = s
-                .renew_lease(&lease, 9_000, LEASE, &["base".into()], &serde_json::json!({}))
+                .renew_lease(
+                    &lease,
+                    9_000,
+                    LEASE,
+                    &["base".into()],
+                    &serde_json::json!({}),
+                )
                 .unwrap();
             assert_eq!(lease.expires_at, 19_000);
             s.renew_lease(&other, 9_000, LEASE, &[], &serde_json::json!({}))
@@ -816,7 +828,11 @@ mod tests {
             let won: Vec<Vec<String>> = handles.into_iter().map(|h| h.join().unwrap()).collect();
             let mut all: Vec<&String> = won.iter().flatten().collect();
             all.sort();
-            assert_eq!(all.len(), ids.len(), "each sandbox won exactly once: {won:?}");
+            assert_eq!(
+                all.len(),
+                ids.len(),
+                "each sandbox won exactly once: {won:?}"
+            );
             all.dedup();
             assert_eq!(all.len(), ids.len(), "no sandbox won twice: {won:?}");
             for (n, w) in nodes.iter().zip(&won) {
@@ -847,7 +863,8 @@ mod tests {
                         barrier.wait();
                         let mut placed = Vec::new();
                         for i in 0..per_replica {
-                            match store.place_sandbox(&format!("r{r}-{i}"), "base", NEED, 1, 60_000) {
+                            match store.place_sandbox(&format!("r{r}-{i}"), "base", NEED, 1, 60_000)
+                            {
                                 Ok(p) => placed.push(p),
                                 Err(Error::NoCapacity(_)) => {}
                                 Err(e) => panic!("placement failed: {e}"),

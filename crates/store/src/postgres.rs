@@ -82,7 +82,9 @@ impl PgConn {
     pub(crate) fn execute(&mut self, sql: &str, args: &[Value]) -> Result<u64> {
         let st = self.statement(sql)?;
         let params: Vec<&(dyn ToSql + Sync)> = args.iter().map(|v| v as _).collect();
-        Ok(futures_executor::block_on(self.client.execute(&st, &params))?)
+        Ok(futures_executor::block_on(
+            self.client.execute(&st, &params),
+        )?)
     }
 
     pub(crate) fn query(&mut self, sql: &str, args: &[Value]) -> Result<Vec<Row>> {
@@ -104,11 +106,14 @@ fn read_row(r: &tokio_postgres::Row) -> Result<Row> {
         let v = if *t == Type::INT8 {
             r.try_get::<_, Option<i64>>(i)?.map(Value::Int)
         } else if *t == Type::INT4 {
-            r.try_get::<_, Option<i32>>(i)?.map(|n| Value::Int(n.into()))
+            r.try_get::<_, Option<i32>>(i)?
+                .map(|n| Value::Int(n.into()))
         } else if *t == Type::INT2 {
-            r.try_get::<_, Option<i16>>(i)?.map(|n| Value::Int(n.into()))
+            r.try_get::<_, Option<i16>>(i)?
+                .map(|n| Value::Int(n.into()))
         } else if *t == Type::BOOL {
-            r.try_get::<_, Option<bool>>(i)?.map(|b| Value::Int(b.into()))
+            r.try_get::<_, Option<bool>>(i)?
+                .map(|b| Value::Int(b.into()))
         } else if *t == Type::BYTEA {
             r.try_get::<_, Option<Vec<u8>>>(i)?.map(Value::Blob)
         } else if [Type::TEXT, Type::VARCHAR, Type::BPCHAR, Type::NAME].contains(t) {

@@ -164,8 +164,10 @@ impl Store {
     /// Whether a secret row with this id exists (any team): ids must be unique.
     pub fn secret_id_taken(&self, id: &str) -> Result<bool> {
         self.with_conn(|c| {
-            Ok(c.query_opt("SELECT 1 FROM secrets WHERE id = ?1", args![id])?
-                .is_some())
+            Ok(
+                c.query_opt("SELECT 1 FROM secrets WHERE id = ?1", args![id])?
+                    .is_some(),
+            )
         })
     }
 }

@@ -67,7 +67,9 @@ pub(crate) fn fresh_database_url() -> Option<String> {
     admin
         .with(|c| c.batch(&format!("CREATE DATABASE {name}")))
         .expect("CREATE DATABASE");
-    let (base, _) = server.rsplit_once('/').expect("the server URL names a database");
+    let (base, _) = server
+        .rsplit_once('/')
+        .expect("the server URL names a database");
     Some(format!("{base}/{name}"))
 }
 

@@ -38,7 +38,13 @@ impl Store {
         let r = self.with_conn(|c| {
             c.execute(
                 &format!("INSERT INTO volumes ({COLUMNS}) VALUES (?1, ?2, ?3, ?4, ?5)"),
-                args![v.id.as_str(), v.team_id, v.name.as_str(), v.size_mb, v.created_at],
+                args![
+                    v.id.as_str(),
+                    v.team_id,
+                    v.name.as_str(),
+                    v.size_mb,
+                    v.created_at
+                ],
             )
         });
         match r {
