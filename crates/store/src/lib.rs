@@ -256,7 +256,7 @@ impl Store {
             backend: Arc::new(Backend::Postgres(pool)),
             read_view: false,
         };
-        store.with_conn(|c| schema::migrate(c))?;
+        store.with_conn(schema::migrate)?;
         Ok(store)
     }
 
@@ -331,7 +331,7 @@ impl Store {
 
     /// Schema version of the open database.
     pub fn schema_version(&self) -> Result<i64> {
-        self.with_conn(|c| schema::current_version(c))
+        self.with_conn(schema::current_version)
     }
 }
 
