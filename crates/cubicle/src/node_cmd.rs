@@ -123,7 +123,7 @@ mod tests {
             cpu_used: 8,
             memory_mb_used: 2048,
         };
-        let t = table(&[n.clone()], 10_000);
+        let t = table(std::slice::from_ref(&n), 10_000);
         let line = t.lines().nth(1).unwrap();
         for want in [
             "n1",
