@@ -17,6 +17,7 @@ PACKAGES=(
   gcc libc6-dev  # cubicle-runtime tests compile static C probes (setuid, seccomp)
   debian-archive-keyring  # install-criu.sh verifies the .debs it fetches against it
   chromium  # the dashboard's browser tests (tests/e2e/serve/python/test_dashboard.py, via Playwright)
+  postgresql  # the store's PostgreSQL tests and the cluster's: private clusters (scripts/pg-test-cluster.sh)
 )
 
 missing=()
@@ -43,6 +44,12 @@ else
   fi
   echo "install-deps: installing ${missing[*]}"
   export DEBIAN_FRONTEND=noninteractive
+  # Tests start their own private PostgreSQL clusters: the package must not create (and
+  # start) a system-wide one. Debian's createcluster.conf reads this directory.
+  if [[ " ${missing[*]} " == *" postgresql "* ]]; then
+    mkdir -p /etc/postgresql-common/createcluster.d
+    echo "create_main_cluster = false" >/etc/postgresql-common/createcluster.d/cubicle-no-main-cluster.conf
+  fi
   apt-get update -qq
   apt-get install -y -qq --no-install-recommends "${missing[@]}"
 fi

@@ -8,7 +8,8 @@
 #      and `cargo clippy --workspace --all-targets -- -D warnings` (the workspace lints:
 #      Cargo.toml, clippy.toml); either failing fails the run;
 #   3. build the workspace;
-#   4. `cargo test --workspace` (as root: tests that need root run);
+#   4. `cargo test --workspace` (as root: tests that need root run; the store's tests
+#      on SQLite and on a private PostgreSQL cluster each, PostgreSQL required);
 #   5. the envd end-to-end suites with the real SDKs, each inside its own network +
 #      mount namespace next to a development-mode cubicle-envd
 #      (tests/e2e/envd-host.sh): pytest (sync + async Python SDK), then node --test
@@ -110,7 +111,10 @@ if wants cargo; then
   record "static envd build" $?
   banner "cargo test --workspace --no-fail-fast"
   # The node lifecycle test's create/destroy cycles: 500 as issue 6 asks (~15 s).
-  CUBICLE_TEST_CYCLES=${CUBICLE_TEST_CYCLES:-500} cargo test --workspace --no-fail-fast
+  # The store's tests run on SQLite and on a private PostgreSQL cluster they start
+  # (scripts/pg-test-cluster.sh): here PostgreSQL is required, never skipped.
+  CUBICLE_REQUIRE_POSTGRES=1 \
+    CUBICLE_TEST_CYCLES=${CUBICLE_TEST_CYCLES:-500} cargo test --workspace --no-fail-fast
   record "cargo test --workspace" $?
 fi
 

@@ -1,5 +1,6 @@
-//! `cubicle apikey [create|list|revoke]`: API keys in the store of `--state-dir`,
-//! directly (no server needed; works while `cubicle serve` runs — SQLite in WAL mode).
+//! `cubicle apikey [create|list|revoke]`: API keys in the store of `--state-dir`, or in
+//! the database `--database` names (as `cubicle serve --database`), directly (no server
+//! needed; works while `cubicle serve` runs — SQLite in WAL mode, or PostgreSQL).
 //! Without a subcommand it prints the admin key `cubicle serve` created (kept in
 //! `<state>/admin-api-key`, mode 0600: readable by root only), since the server prints
 //! it only once, when it creates it.
@@ -31,14 +32,28 @@ fn fmt_ms(ms: Option<i64>) -> String {
         .unwrap_or_else(|| "-".into())
 }
 
-pub fn run(state_dir: &std::path::Path, cmd: Option<ApikeyCommand>) -> anyhow::Result<i32> {
+/// The store `cubicle serve` uses: `database` (`--database`), else `<state>/cubicle.db`.
+fn open_store(state_dir: &std::path::Path, database: Option<&str>) -> anyhow::Result<Store> {
+    match database {
+        Some(url) => Store::open_url(url).context("opening the database --database names"),
+        None => {
+            let db = state_dir.join("cubicle.db");
+            Store::open(&db).with_context(|| format!("opening {}", db.display()))
+        }
+    }
+}
+
+pub fn run(
+    state_dir: &std::path::Path,
+    database: Option<&str>,
+    cmd: Option<ApikeyCommand>,
+) -> anyhow::Result<i32> {
     let Some(cmd) = cmd else {
-        return show_admin_key(state_dir);
+        return show_admin_key(state_dir, database);
     };
     std::fs::create_dir_all(state_dir)
         .with_context(|| format!("creating {}", state_dir.display()))?;
-    let db = state_dir.join("cubicle.db");
-    let store = Store::open(&db).with_context(|| format!("opening {}", db.display()))?;
+    let store = open_store(state_dir, database)?;
     match cmd {
         ApikeyCommand::Create { team } => {
             let team = store.ensure_team(&team)?;
@@ -74,7 +89,7 @@ pub fn run(state_dir: &std::path::Path, cmd: Option<ApikeyCommand>) -> anyhow::R
 }
 
 /// Prints the admin key (stdout) if it still authenticates.
-fn show_admin_key(state_dir: &std::path::Path) -> anyhow::Result<i32> {
+fn show_admin_key(state_dir: &std::path::Path, database: Option<&str>) -> anyhow::Result<i32> {
     let path = state_dir.join(crate::serve::ADMIN_KEY_FILE);
     let key = match std::fs::read_to_string(&path) {
         Ok(k) => k.trim().to_string(),
@@ -88,8 +103,7 @@ fn show_admin_key(state_dir: &std::path::Path) -> anyhow::Result<i32> {
         ),
         Err(e) => return Err(e).with_context(|| format!("reading {}", path.display())),
     };
-    let db = state_dir.join("cubicle.db");
-    let store = Store::open(&db).with_context(|| format!("opening {}", db.display()))?;
+    let store = open_store(state_dir, database)?;
     if store.authenticate(&key)?.is_none() {
         anyhow::bail!(
             "the admin key in {} was revoked: the next start of `cubicle serve` makes a new one (or: cubicle apikey create --team admin)",

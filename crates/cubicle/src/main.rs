@@ -15,6 +15,7 @@ mod client;
 mod config;
 mod context;
 mod exit;
+mod node_cmd;
 mod output;
 mod run;
 mod sandbox_cmd;
@@ -92,8 +93,16 @@ enum Command {
     /// Print the admin API key (no subcommand); create, list and revoke keys (in the
     /// state directory's database).
     Apikey {
+        /// The database `cubicle serve --database` uses (default: `<state>/cubicle.db`).
+        #[arg(long, env = "CUBICLE_DATABASE", value_name = "URL", global = true)]
+        database: Option<String>,
         #[command(subcommand)]
         command: Option<apikey_cmd::ApikeyCommand>,
+    },
+    /// The cluster's nodes, from its database (docs/cluster.md).
+    Node {
+        #[command(subcommand)]
+        command: node_cmd::NodeCommand,
     },
     /// Install `cubicle serve` as a systemd service (sandboxes survive its restarts).
     Service {
@@ -310,9 +319,13 @@ async fn dispatch(cli: Cli) -> anyhow::Result<i32> {
         Command::Serve(args) => serve::run(opts, args, cli.log_format).await,
         Command::Service { command } => service_cmd::run(&cli.state_dir, command),
         Command::Bench(args) => bench::run(args, cli.envd_binary.as_ref()).await,
-        Command::Apikey { command } => {
+        Command::Apikey { database, command } => {
             let dir = cli.state_dir.clone();
-            tokio::task::spawn_blocking(move || apikey_cmd::run(&dir, command)).await?
+            tokio::task::spawn_blocking(move || apikey_cmd::run(&dir, database.as_deref(), command))
+                .await?
+        }
+        Command::Node { command } => {
+            tokio::task::spawn_blocking(move || node_cmd::run(command)).await?
         }
     }
 }

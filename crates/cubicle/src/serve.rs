@@ -115,6 +115,11 @@ pub struct ServeArgs {
     /// tokens. Default: `<state>/secrets.key`, made on first start.
     #[arg(long, env = "CUBICLE_SECRETS_KEY_FILE", value_name = "FILE")]
     pub secrets_key_file: Option<std::path::PathBuf>,
+    /// Where the control plane keeps its records: `postgres://USER@HOST/DATABASE` (a
+    /// PostgreSQL server, the shared state of a cluster: docs/cluster.md), or
+    /// `sqlite://PATH` / a path. Default: the SQLite file `<state>/cubicle.db`.
+    #[arg(long, env = "CUBICLE_DATABASE", value_name = "URL")]
+    pub database: Option<String>,
     /// Size of a volume whose create names none, in MiB.
     #[arg(
         long,
@@ -400,13 +405,16 @@ pub async fn run(
         }
     }
 
-    let db = state_dir.join("cubicle.db");
+    let db = match &args.database {
+        Some(url) => url.clone(),
+        None => state_dir.join("cubicle.db").display().to_string(),
+    };
     let store = {
         let db2 = db.clone();
-        tokio::task::spawn_blocking(move || Store::open(&db2))
+        tokio::task::spawn_blocking(move || Store::open_url(&db2))
             .await
             .context("store task")?
-            .with_context(|| format!("opening {}", db.display()))?
+            .with_context(|| format!("opening the database {}", redact_password(&db)))?
     };
     let (key, key_created) = {
         let (store, dir) = (store.clone(), state_dir.clone());
@@ -708,6 +716,20 @@ async fn shutdown_signal() -> &'static str {
 
 /// The admin key: the one in `<state>/admin-api-key` if it still authenticates, else a
 /// new one for team `admin` (written there, mode 0600); `true` when it is new.
+/// A database URL as it may be logged: without the password (`postgres://u:***@h/db`).
+fn redact_password(url: &str) -> String {
+    let Some((scheme, rest)) = url.split_once("://") else {
+        return url.to_string();
+    };
+    match rest.split_once('@') {
+        Some((auth, host)) if auth.contains(':') => {
+            let user = auth.split_once(':').map_or(auth, |(u, _)| u);
+            format!("{scheme}://{user}:***@{host}")
+        }
+        _ => url.to_string(),
+    }
+}
+
 fn admin_key(store: &Store, state_dir: &Path) -> anyhow::Result<(String, bool)> {
     let path = state_dir.join(ADMIN_KEY_FILE);
     if let Ok(text) = std::fs::read_to_string(&path) {
@@ -753,7 +775,20 @@ pub fn read_admin_key(state_dir: &Path) -> anyhow::Result<String> {
 
 #[cfg(test)]
 mod tests {
-    use super::SandboxDomain;
+    use super::{SandboxDomain, redact_password};
+
+    #[test]
+    fn database_urls_are_logged_without_password() {
+        assert_eq!(
+            redact_password("postgres://cubicle:s3cret@db:5432/cubicle"),
+            "postgres://cubicle:***@db:5432/cubicle"
+        );
+        assert_eq!(redact_password("postgres://u@db/x"), "postgres://u@db/x");
+        assert_eq!(
+            redact_password("/var/lib/cubicle/cubicle.db"),
+            "/var/lib/cubicle/cubicle.db"
+        );
+    }
 
     #[test]
     fn sandbox_domain() {

@@ -2,8 +2,7 @@
 //! JSON body as served, plus the columns the queries filter on), kept for a retention
 //! period and then purged.
 
-use rusqlite::params;
-
+use crate::db::{Value, args};
 use crate::{Result, Store};
 
 /// One stored event.
@@ -43,58 +42,75 @@ pub struct EventQuery {
 impl Store {
     /// Records an event.
     pub fn insert_event(&self, e: &EventRow) -> Result<()> {
-        self.conn().execute(
-            "INSERT INTO sandbox_events (id, team_id, sandbox_id, type, at, body)
-             VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
-            params![e.id, e.team_id, e.sandbox_id, e.kind, e.at, e.body],
-        )?;
+        self.with_conn(|c| {
+            c.execute(
+                "INSERT INTO sandbox_events (id, team_id, sandbox_id, type, at, body)
+                 VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
+                args![
+                    e.id.as_str(),
+                    e.team_id,
+                    e.sandbox_id.as_str(),
+                    e.kind.as_str(),
+                    e.at,
+                    e.body.as_str()
+                ],
+            )
+        })?;
         Ok(())
     }
 
     /// The events matching `q`, in recording order (or its reverse).
     pub fn events(&self, q: &EventQuery) -> Result<Vec<EventRow>> {
         let mut sql = String::from(
-            "SELECT id, team_id, sandbox_id, type, at, body FROM sandbox_events WHERE team_id = ?",
+            "SELECT id, team_id, sandbox_id, type, at, body FROM sandbox_events WHERE team_id = ?1",
         );
-        let mut args: Vec<rusqlite::types::Value> = vec![q.team_id.into()];
+        let mut args: Vec<Value> = vec![q.team_id.into()];
+        let placeholder = |args: &mut Vec<Value>, v: Value| {
+            args.push(v);
+            format!("?{}", args.len())
+        };
         if let Some(sid) = &q.sandbox_id {
-            sql.push_str(" AND sandbox_id = ?");
-            args.push(sid.clone().into());
+            let p = placeholder(&mut args, sid.clone().into());
+            sql.push_str(&format!(" AND sandbox_id = {p}"));
         }
         if !q.kinds.is_empty() {
-            sql.push_str(" AND type IN (");
-            sql.push_str(&vec!["?"; q.kinds.len()].join(", "));
-            sql.push(')');
-            args.extend(q.kinds.iter().map(|k| k.clone().into()));
+            let ps: Vec<String> = q
+                .kinds
+                .iter()
+                .map(|k| placeholder(&mut args, k.clone().into()))
+                .collect();
+            sql.push_str(&format!(" AND type IN ({})", ps.join(", ")));
         }
         sql.push_str(if q.ascending {
             " ORDER BY seq ASC"
         } else {
             " ORDER BY seq DESC"
         });
-        sql.push_str(" LIMIT ? OFFSET ?");
-        args.push((q.limit.min(i64::MAX as u64) as i64).into());
-        args.push((q.offset.min(i64::MAX as u64) as i64).into());
-        let conn = self.conn();
-        let mut st = conn.prepare(&sql)?;
-        let rows = st.query_map(rusqlite::params_from_iter(args), |r| {
-            Ok(EventRow {
-                id: r.get(0)?,
-                team_id: r.get(1)?,
-                sandbox_id: r.get(2)?,
-                kind: r.get(3)?,
-                at: r.get(4)?,
-                body: r.get(5)?,
-            })
-        })?;
-        Ok(rows.collect::<rusqlite::Result<_>>()?)
+        let limit = placeholder(&mut args, q.limit.into());
+        let offset = placeholder(&mut args, q.offset.into());
+        sql.push_str(&format!(" LIMIT {limit} OFFSET {offset}"));
+        self.with_conn(|c| {
+            c.query(&sql, &args)?
+                .iter()
+                .map(|r| {
+                    Ok(EventRow {
+                        id: r.get(0)?,
+                        team_id: r.get(1)?,
+                        sandbox_id: r.get(2)?,
+                        kind: r.get(3)?,
+                        at: r.get(4)?,
+                        body: r.get(5)?,
+                    })
+                })
+                .collect()
+        })
     }
 
     /// Deletes events recorded before `before` (unix ms); returns how many.
     pub fn purge_events(&self, before: i64) -> Result<usize> {
-        Ok(self
-            .conn()
-            .execute("DELETE FROM sandbox_events WHERE at < ?1", params![before])?)
+        let n = self
+            .with_conn(|c| c.execute("DELETE FROM sandbox_events WHERE at < ?1", args![before]))?;
+        Ok(n as usize)
     }
 }
 
@@ -115,7 +131,10 @@ mod tests {
 
     #[test]
     fn filters_orders_pages_and_purges() {
-        let s = Store::open_in_memory().unwrap();
+        crate::testdb::each_backend(filters_orders_pages_and_purges_on);
+    }
+
+    fn filters_orders_pages_and_purges_on(s: &Store) {
         let a = s.ensure_team("a").unwrap().id;
         let b = s.ensure_team("b").unwrap().id;
         s.insert_event(&ev(a, "s1", "sandbox.lifecycle.created", 10))

@@ -3,8 +3,7 @@
 //! within [`IDEMPOTENCY_TTL_MS`] gets the same sandbox, a repeat with another body is a
 //! conflict. Keys are per team.
 
-use rusqlite::{OptionalExtension, params};
-
+use crate::db::args;
 use crate::{Result, Store, now_ms};
 
 /// How long a key is remembered: 24 h.
@@ -32,35 +31,38 @@ impl Store {
         key: &str,
         request_hash: &str,
     ) -> Result<IdempotencyClaim> {
-        let mut conn = self.conn();
-        let tx = conn.transaction_with_behavior(rusqlite::TransactionBehavior::Immediate)?;
         let now = now_ms();
-        tx.execute(
-            "DELETE FROM idempotency_keys WHERE expires_at < ?1",
-            params![now],
-        )?;
-        let existing: Option<(String, Option<String>)> = tx
-            .query_row(
-                "SELECT request_hash, sandbox_id FROM idempotency_keys WHERE team_id = ?1 AND key = ?2",
-                params![team_id, key],
-                |r| Ok((r.get(0)?, r.get(1)?)),
-            )
-            .optional()?;
-        let claim = match existing {
-            Some((h, _)) if h != request_hash => IdempotencyClaim::Mismatch,
-            Some((_, Some(id))) => IdempotencyClaim::Done(id),
-            Some((_, None)) => IdempotencyClaim::InFlight,
-            None => {
-                tx.execute(
-                    "INSERT INTO idempotency_keys (team_id, key, request_hash, sandbox_id, created_at, expires_at)
-                     VALUES (?1, ?2, ?3, NULL, ?4, ?5)",
-                    params![team_id, key, request_hash, now, now + IDEMPOTENCY_TTL_MS],
-                )?;
-                IdempotencyClaim::Claimed
+        // The insert is the claim: of concurrent claimers (several replicas), exactly
+        // one inserts; the others read what it stored.
+        self.transaction(|tx| {
+            tx.execute(
+                "DELETE FROM idempotency_keys WHERE expires_at < ?1",
+                args![now],
+            )?;
+            let inserted = tx.execute(
+                "INSERT INTO idempotency_keys (team_id, key, request_hash, sandbox_id, created_at, expires_at)
+                 VALUES (?1, ?2, ?3, NULL, ?4, ?5) ON CONFLICT (team_id, key) DO NOTHING",
+                args![team_id, key, request_hash, now, now + IDEMPOTENCY_TTL_MS],
+            )?;
+            if inserted > 0 {
+                return Ok(IdempotencyClaim::Claimed);
             }
-        };
-        tx.commit()?;
-        Ok(claim)
+            let existing = tx.query_opt(
+                "SELECT request_hash, sandbox_id FROM idempotency_keys WHERE team_id = ?1 AND key = ?2",
+                args![team_id, key],
+            )?;
+            Ok(match existing {
+                None => IdempotencyClaim::InFlight, // released in between: the client retries
+                Some(r) => {
+                    let (h, id): (String, Option<String>) = (r.get(0)?, r.get(1)?);
+                    match id {
+                        _ if h != request_hash => IdempotencyClaim::Mismatch,
+                        Some(id) => IdempotencyClaim::Done(id),
+                        None => IdempotencyClaim::InFlight,
+                    }
+                }
+            })
+        })
     }
 
     /// Attach the created sandbox to a claimed key.
@@ -70,19 +72,23 @@ impl Store {
         key: &str,
         sandbox_id: &str,
     ) -> Result<()> {
-        self.conn().execute(
-            "UPDATE idempotency_keys SET sandbox_id = ?1 WHERE team_id = ?2 AND key = ?3",
-            params![sandbox_id, team_id, key],
-        )?;
+        self.with_conn(|c| {
+            c.execute(
+                "UPDATE idempotency_keys SET sandbox_id = ?1 WHERE team_id = ?2 AND key = ?3",
+                args![sandbox_id, team_id, key],
+            )
+        })?;
         Ok(())
     }
 
     /// Forget a claimed key whose create failed (a retry may try again).
     pub fn release_idempotency_key(&self, team_id: i64, key: &str) -> Result<()> {
-        self.conn().execute(
-            "DELETE FROM idempotency_keys WHERE team_id = ?1 AND key = ?2 AND sandbox_id IS NULL",
-            params![team_id, key],
-        )?;
+        self.with_conn(|c| {
+            c.execute(
+                "DELETE FROM idempotency_keys WHERE team_id = ?1 AND key = ?2 AND sandbox_id IS NULL",
+                args![team_id, key],
+            )
+        })?;
         Ok(())
     }
 }
@@ -93,7 +99,10 @@ mod tests {
 
     #[test]
     fn claim_complete_repeat_mismatch() {
-        let s = Store::open_in_memory().unwrap();
+        crate::testdb::each_backend(claim_complete_repeat_mismatch_on);
+    }
+
+    fn claim_complete_repeat_mismatch_on(s: &Store) {
         let a = s.ensure_team("a").unwrap();
         let b = s.ensure_team("b").unwrap();
         assert_eq!(
@@ -127,14 +136,16 @@ mod tests {
 
     #[test]
     fn expired_keys_are_forgotten() {
-        let s = Store::open_in_memory().unwrap();
+        crate::testdb::each_backend(expired_keys_are_forgotten_on);
+    }
+
+    fn expired_keys_are_forgotten_on(s: &Store) {
         let a = s.ensure_team("a").unwrap();
         assert_eq!(
             s.claim_idempotency_key(a.id, "k", "h1").unwrap(),
             IdempotencyClaim::Claimed
         );
-        s.conn()
-            .execute("UPDATE idempotency_keys SET expires_at = 0", [])
+        s.with_conn(|c| c.execute("UPDATE idempotency_keys SET expires_at = 0", &[]))
             .unwrap();
         assert_eq!(
             s.claim_idempotency_key(a.id, "k", "h2").unwrap(),

@@ -4,9 +4,9 @@
 //! brute-forced, and it lets authentication be one indexed lookup.
 
 use rand::RngCore;
-use rusqlite::{OptionalExtension, params};
 use sha2::{Digest, Sha256};
 
+use crate::db::{Row, args};
 use crate::{Error, Result, Store, now_ms};
 
 /// Every key starts with this.
@@ -109,7 +109,7 @@ fn validate_team_name(name: &str) -> Result<()> {
     }
 }
 
-fn key_info(r: &rusqlite::Row<'_>) -> rusqlite::Result<ApiKeyInfo> {
+fn key_info(r: &Row) -> Result<ApiKeyInfo> {
     Ok(ApiKeyInfo {
         id: r.get(0)?,
         team_id: r.get(1)?,
@@ -121,6 +121,14 @@ fn key_info(r: &rusqlite::Row<'_>) -> rusqlite::Result<ApiKeyInfo> {
     })
 }
 
+fn team(r: &Row) -> Result<Team> {
+    Ok(Team {
+        id: r.get(0)?,
+        name: r.get(1)?,
+        created_at: r.get(2)?,
+    })
+}
+
 const KEY_COLUMNS: &str =
     "k.id, k.team_id, t.name, k.prefix, k.created_at, k.last_used_at, k.revoked_at";
 
@@ -128,82 +136,65 @@ impl Store {
     /// The team called `name`, created if missing.
     pub fn ensure_team(&self, name: &str) -> Result<Team> {
         validate_team_name(name)?;
-        let conn = self.conn();
-        conn.execute(
-            "INSERT OR IGNORE INTO teams (name, created_at) VALUES (?1, ?2)",
-            params![name, now_ms()],
-        )?;
-        Ok(conn.query_row(
-            "SELECT id, name, created_at FROM teams WHERE name = ?1",
-            params![name],
-            |r| {
-                Ok(Team {
-                    id: r.get(0)?,
-                    name: r.get(1)?,
-                    created_at: r.get(2)?,
-                })
-            },
-        )?)
+        self.with_conn(|c| {
+            c.execute(
+                "INSERT INTO teams (name, created_at) VALUES (?1, ?2) ON CONFLICT (name) DO NOTHING",
+                args![name, now_ms()],
+            )?;
+            team(&c.query_one(
+                "SELECT id, name, created_at FROM teams WHERE name = ?1",
+                args![name],
+            )?)
+        })
     }
 
     /// The team with id `id`.
     pub fn team(&self, id: i64) -> Result<Option<Team>> {
-        Ok(self
-            .conn()
-            .query_row(
+        self.with_conn(|c| {
+            c.query_opt(
                 "SELECT id, name, created_at FROM teams WHERE id = ?1",
-                params![id],
-                |r| {
-                    Ok(Team {
-                        id: r.get(0)?,
-                        name: r.get(1)?,
-                        created_at: r.get(2)?,
-                    })
-                },
-            )
-            .optional()?)
+                args![id],
+            )?
+            .as_ref()
+            .map(team)
+            .transpose()
+        })
     }
 
     /// The team called `name`, if it exists.
     pub fn team_by_name(&self, name: &str) -> Result<Option<Team>> {
-        Ok(self
-            .conn()
-            .query_row(
+        self.with_conn(|c| {
+            c.query_opt(
                 "SELECT id, name, created_at FROM teams WHERE name = ?1",
-                params![name],
-                |r| {
-                    Ok(Team {
-                        id: r.get(0)?,
-                        name: r.get(1)?,
-                        created_at: r.get(2)?,
-                    })
-                },
-            )
-            .optional()?)
+                args![name],
+            )?
+            .as_ref()
+            .map(team)
+            .transpose()
+        })
     }
 
     /// Number of teams.
     pub fn team_count(&self) -> Result<i64> {
-        Ok(self
-            .conn()
-            .query_row("SELECT COUNT(*) FROM teams", [], |r| r.get(0))?)
+        self.with_conn(|c| c.query_one("SELECT COUNT(*) FROM teams", &[])?.get(0))
     }
 
     /// A new key for team `team_id`. The plaintext is returned once and never stored.
     pub fn create_api_key(&self, team_id: i64) -> Result<ApiKey> {
         let plaintext = new_key();
         let prefix = plaintext[..DISPLAY_PREFIX_LEN].to_string();
-        let conn = self.conn();
-        conn.execute(
-            "INSERT INTO api_keys (team_id, key_hash, prefix, created_at) VALUES (?1, ?2, ?3, ?4)",
-            params![team_id, hash_key(&plaintext), prefix, now_ms()],
-        )?;
-        let id = conn.last_insert_rowid();
-        let info = conn.query_row(
-            &format!("SELECT {KEY_COLUMNS} FROM api_keys k JOIN teams t ON t.id = k.team_id WHERE k.id = ?1"),
-            params![id],
-            key_info,
-        )?;
+        let info = self.with_conn(|c| {
+            let id: i64 = c
+                .query_one(
+                    "INSERT INTO api_keys (team_id, key_hash, prefix, created_at) VALUES (?1, ?2, ?3, ?4) RETURNING id",
+                    args![team_id, hash_key(&plaintext), prefix, now_ms()],
+                )?
+                .get(0)?;
+            key_info(&c.query_one(
+                &format!("SELECT {KEY_COLUMNS} FROM api_keys k JOIN teams t ON t.id = k.team_id WHERE k.id = ?1"),
+                args![id],
+            )?)
+        })?;
         Ok(ApiKey { plaintext, info })
     }
 
@@ -225,56 +216,67 @@ impl Store {
         if !is_well_formed_key(key) {
             return Ok(None);
         }
-        let conn = self.conn();
-        let found = conn
-            .query_row(
+        let row = self.with_conn(|c| {
+            c.query_opt(
                 "SELECT k.id, k.last_used_at, t.id, t.name, t.created_at FROM api_keys k JOIN teams t ON t.id = k.team_id
                  WHERE k.key_hash = ?1 AND k.revoked_at IS NULL",
-                params![hash_key(key)],
-                |r| {
-                    Ok(FoundKey {
-                        key_id: r.get(0)?,
-                        last_used_at: r.get(1)?,
-                        team: Team {
-                            id: r.get(2)?,
-                            name: r.get(3)?,
-                            created_at: r.get(4)?,
-                        },
-                    })
-                },
+                args![hash_key(key)],
             )
-            .optional()?;
-        Ok(found)
+        })?;
+        row.map(|r| {
+            Ok(FoundKey {
+                key_id: r.get(0)?,
+                last_used_at: r.get(1)?,
+                team: Team {
+                    id: r.get(2)?,
+                    name: r.get(3)?,
+                    created_at: r.get(4)?,
+                },
+            })
+        })
+        .transpose()
     }
 
     /// Records that key `key_id` was used now (unless it was within the last minute).
     pub fn record_key_use(&self, key_id: i64) -> Result<()> {
         let now = now_ms();
-        self.conn().execute(
-            "UPDATE api_keys SET last_used_at = ?1 WHERE id = ?2 AND (last_used_at IS NULL OR last_used_at < ?3)",
-            params![now, key_id, now - KEY_USE_GRANULARITY_MS],
-        )?;
+        self.with_conn(|c| {
+            c.execute(
+                "UPDATE api_keys SET last_used_at = ?1 WHERE id = ?2 AND (last_used_at IS NULL OR last_used_at < ?3)",
+                args![now, key_id, now - KEY_USE_GRANULARITY_MS],
+            )
+        })?;
         Ok(())
     }
 
     /// All keys, oldest first.
     pub fn list_api_keys(&self) -> Result<Vec<ApiKeyInfo>> {
-        let conn = self.conn();
-        let mut st = conn.prepare(&format!(
-            "SELECT {KEY_COLUMNS} FROM api_keys k JOIN teams t ON t.id = k.team_id ORDER BY k.id"
-        ))?;
-        let rows = st.query_map([], key_info)?;
-        Ok(rows.collect::<rusqlite::Result<Vec<_>>>()?)
+        self.with_conn(|c| {
+            c.query(
+                &format!(
+                    "SELECT {KEY_COLUMNS} FROM api_keys k JOIN teams t ON t.id = k.team_id ORDER BY k.id"
+                ),
+                &[],
+            )?
+            .iter()
+            .map(key_info)
+            .collect()
+        })
     }
 
     /// Keys of one team, oldest first.
     pub fn team_api_keys(&self, team_id: i64) -> Result<Vec<ApiKeyInfo>> {
-        let conn = self.conn();
-        let mut st = conn.prepare(&format!(
-            "SELECT {KEY_COLUMNS} FROM api_keys k JOIN teams t ON t.id = k.team_id WHERE k.team_id = ?1 ORDER BY k.id"
-        ))?;
-        let rows = st.query_map(params![team_id], key_info)?;
-        Ok(rows.collect::<rusqlite::Result<Vec<_>>>()?)
+        self.with_conn(|c| {
+            c.query(
+                &format!(
+                    "SELECT {KEY_COLUMNS} FROM api_keys k JOIN teams t ON t.id = k.team_id WHERE k.team_id = ?1 ORDER BY k.id"
+                ),
+                args![team_id],
+            )?
+            .iter()
+            .map(key_info)
+            .collect()
+        })
     }
 
     /// Revoke the one unrevoked key whose display prefix starts with `prefix` (at least
@@ -326,10 +328,12 @@ impl Store {
             }
         };
         let now = now_ms();
-        self.conn().execute(
-            "UPDATE api_keys SET revoked_at = ?1 WHERE id = ?2",
-            params![now, key.id],
-        )?;
+        self.with_conn(|c| {
+            c.execute(
+                "UPDATE api_keys SET revoked_at = ?1 WHERE id = ?2",
+                args![now, key.id],
+            )
+        })?;
         Ok(ApiKeyInfo {
             revoked_at: Some(now),
             ..key
@@ -340,90 +344,96 @@ impl Store {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::testdb::each_backend;
 
     #[test]
     fn keys_are_hashed_and_authenticate_their_team() {
-        let s = Store::open_in_memory().unwrap();
-        let a = s.ensure_team("a").unwrap();
-        let b = s.ensure_team("b").unwrap();
-        assert_eq!(s.ensure_team("a").unwrap(), a);
-        let ka = s.create_api_key(a.id).unwrap();
-        let kb = s.create_api_key(b.id).unwrap();
-        assert!(is_well_formed_key(&ka.plaintext), "{}", ka.plaintext);
-        assert_ne!(ka.plaintext, kb.plaintext);
-        assert_eq!(s.authenticate(&ka.plaintext).unwrap(), Some(a.clone()));
-        assert_eq!(s.authenticate(&kb.plaintext).unwrap(), Some(b));
-        assert_eq!(
-            s.authenticate("e2b_0000000000000000000000000000000000000000")
-                .unwrap(),
-            None
-        );
-        assert_eq!(s.authenticate("").unwrap(), None);
-        assert_eq!(s.authenticate("nonsense").unwrap(), None);
-        // The plaintext is nowhere in the database.
-        let n: i64 = s
-            .conn()
-            .query_row(
-                "SELECT COUNT(*) FROM api_keys WHERE key_hash = ?1 OR prefix = ?1",
-                params![ka.plaintext],
-                |r| r.get(0),
-            )
-            .unwrap();
-        assert_eq!(n, 0);
-        let listed = s.list_api_keys().unwrap();
-        assert_eq!(listed.len(), 2);
-        assert!(listed[0].last_used_at.is_some());
-        assert_eq!(listed[0].prefix, &ka.plaintext[..12]);
+        each_backend(|s| {
+            let a = s.ensure_team("a").unwrap();
+            let b = s.ensure_team("b").unwrap();
+            assert_eq!(s.ensure_team("a").unwrap(), a);
+            let ka = s.create_api_key(a.id).unwrap();
+            let kb = s.create_api_key(b.id).unwrap();
+            assert!(is_well_formed_key(&ka.plaintext), "{}", ka.plaintext);
+            assert_ne!(ka.plaintext, kb.plaintext);
+            assert_eq!(s.authenticate(&ka.plaintext).unwrap(), Some(a.clone()));
+            assert_eq!(s.authenticate(&kb.plaintext).unwrap(), Some(b));
+            assert_eq!(
+                s.authenticate("e2b_0000000000000000000000000000000000000000")
+                    .unwrap(),
+                None
+            );
+            assert_eq!(s.authenticate("").unwrap(), None);
+            assert_eq!(s.authenticate("nonsense").unwrap(), None);
+            // The plaintext is nowhere in the database.
+            let n: i64 = s
+                .with_conn(|c| {
+                    c.query_one(
+                        "SELECT COUNT(*) FROM api_keys WHERE key_hash = ?1 OR prefix = ?1",
+                        args![ka.plaintext.as_str()],
+                    )?
+                    .get(0)
+                })
+                .unwrap();
+            assert_eq!(n, 0);
+            let listed = s.list_api_keys().unwrap();
+            assert_eq!(listed.len(), 2);
+            assert!(listed[0].last_used_at.is_some());
+            assert_eq!(listed[0].prefix, &ka.plaintext[..12]);
+        });
     }
 
     #[test]
     fn revocation_by_prefix() {
-        let s = Store::open_in_memory().unwrap();
-        let t = s.ensure_team("admin").unwrap();
-        let k = s.create_api_key(t.id).unwrap();
-        assert!(matches!(s.revoke_api_key("e2b_"), Err(Error::Invalid(_))));
-        assert!(matches!(
-            s.revoke_api_key("e2b_0\u{1b}×íZ\u{87078}v»Ä"),
-            Err(Error::NotFound(_))
-        ));
-        assert!(matches!(
-            s.revoke_api_key("e2b_zzzzzzzz"),
-            Err(Error::NotFound(_))
-        ));
-        let r = s.revoke_api_key(&k.plaintext[..10]).unwrap();
-        assert!(r.revoked_at.is_some());
-        assert_eq!(s.authenticate(&k.plaintext).unwrap(), None);
-        assert!(matches!(
-            s.revoke_api_key(&k.plaintext),
-            Err(Error::NotFound(_))
-        ));
+        each_backend(|s| {
+            let t = s.ensure_team("admin").unwrap();
+            let k = s.create_api_key(t.id).unwrap();
+            assert!(matches!(s.revoke_api_key("e2b_"), Err(Error::Invalid(_))));
+            assert!(matches!(
+                s.revoke_api_key("e2b_0\u{1b}×íZ\u{87078}v»Ä"),
+                Err(Error::NotFound(_))
+            ));
+            assert!(matches!(
+                s.revoke_api_key("e2b_zzzzzzzz"),
+                Err(Error::NotFound(_))
+            ));
+            let r = s.revoke_api_key(&k.plaintext[..10]).unwrap();
+            assert!(r.revoked_at.is_some());
+            assert_eq!(s.authenticate(&k.plaintext).unwrap(), None);
+            assert!(matches!(
+                s.revoke_api_key(&k.plaintext),
+                Err(Error::NotFound(_))
+            ));
+        });
     }
 
     #[test]
     fn a_team_sees_and_revokes_only_its_own_keys() {
-        let s = Store::open_in_memory().unwrap();
-        let a = s.ensure_team("a").unwrap();
-        let b = s.ensure_team("b").unwrap();
-        let ka = s.create_api_key(a.id).unwrap();
-        let kb = s.create_api_key(b.id).unwrap();
-        let listed: Vec<_> = s.team_api_keys(a.id).unwrap();
-        assert_eq!(listed.len(), 1);
-        assert_eq!(listed[0].prefix, ka.info.prefix);
-        assert!(matches!(
-            s.revoke_team_api_key(a.id, &kb.info.prefix),
-            Err(Error::NotFound(_))
-        ));
-        assert!(s.authenticate(&kb.plaintext).unwrap().is_some());
-        let r = s.revoke_team_api_key(b.id, &kb.info.prefix).unwrap();
-        assert_eq!(r.team_name, "b");
-        assert!(s.authenticate(&kb.plaintext).unwrap().is_none());
+        each_backend(|s| {
+            let a = s.ensure_team("a").unwrap();
+            let b = s.ensure_team("b").unwrap();
+            let ka = s.create_api_key(a.id).unwrap();
+            let kb = s.create_api_key(b.id).unwrap();
+            let listed: Vec<_> = s.team_api_keys(a.id).unwrap();
+            assert_eq!(listed.len(), 1);
+            assert_eq!(listed[0].prefix, ka.info.prefix);
+            assert!(matches!(
+                s.revoke_team_api_key(a.id, &kb.info.prefix),
+                Err(Error::NotFound(_))
+            ));
+            assert!(s.authenticate(&kb.plaintext).unwrap().is_some());
+            let r = s.revoke_team_api_key(b.id, &kb.info.prefix).unwrap();
+            assert_eq!(r.team_name, "b");
+            assert!(s.authenticate(&kb.plaintext).unwrap().is_none());
+        });
     }
 
     #[test]
     fn bad_team_names_are_refused() {
-        let s = Store::open_in_memory().unwrap();
-        assert!(s.ensure_team("").is_err());
-        assert!(s.ensure_team("a b").is_err());
-        assert!(s.ensure_team(&"x".repeat(65)).is_err());
+        each_backend(|s| {
+            assert!(s.ensure_team("").is_err());
+            assert!(s.ensure_team("a b").is_err());
+            assert!(s.ensure_team(&"x".repeat(65)).is_err());
+        });
     }
 }

@@ -1,16 +1,26 @@
-//! cubicle-store: the control plane's durable metadata in one SQLite file
-//! (`<state>/cubicle.db`, WAL mode, so `cubicle apikey …` can use it while the server runs).
+//! cubicle-store: the control plane's durable metadata, in one SQLite file
+//! (`<state>/cubicle.db`, WAL mode, so `cubicle apikey …` can use it while the server runs)
+//! or in PostgreSQL (`postgres://…`: a cluster's shared state, docs/cluster.md).
 //!
 //! What it holds: teams, API keys (only their SHA-256; the plaintext is shown once),
 //! sandbox records (owner team, template, metadata, tokens needed to route, limits,
 //! timestamps, state and death reason), create idempotency keys, volume records (owner,
 //! name, size), secrets (name, metadata, version, and the value sealed by the control
-//! plane: encrypted, never stored in clear), sandbox lifecycle events and the teams'
-//! webhooks (with the secrets that sign their deliveries). Environment-variable
-//! *values* are never stored (they may be secrets): only their names.
+//! plane: encrypted, never stored in clear), sandbox lifecycle events, the teams'
+//! webhooks (with the secrets that sign their deliveries), and the cluster's
+//! coordination: nodes with their leases and fencing epochs, which node owns each
+//! sandbox, placements reserved on a node ([`Store::register_node`] and the rest of
+//! `nodes.rs`). Environment-variable *values* are never stored (they may be secrets):
+//! only their names.
 //!
-//! Every method blocks (SQLite I/O). Async callers use [`Store::call`], which runs the
-//! closure on tokio's blocking pool, never on a runtime thread.
+//! Both engines share everything but their migrations: each query is written once in
+//! SQL both accept, and `db.rs` runs it on the engine at hand ([`Store::open_url`]
+//! picks it). Every store test runs on both (`testdb.rs`).
+//!
+//! Every method blocks (database I/O). Async callers use [`Store::call`], which runs the
+//! closure on tokio's blocking pool, never on a runtime thread; [`Store::read`] is for
+//! short point reads right on the calling thread (safe on a runtime thread with either
+//! engine).
 //!
 //! ```no_run
 //! # fn demo() -> cubicle_store::Result<()> {
@@ -23,22 +33,34 @@
 
 #![forbid(unsafe_code)]
 
+mod db;
 mod events;
 mod idempotency;
 mod keys;
+mod nodes;
+mod postgres;
 mod sandboxes;
 mod schema;
 mod secrets;
+#[cfg(test)]
+pub(crate) mod testdb;
 mod volumes;
 mod webhooks;
 
 use std::path::Path;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
 
+pub use db::Dialect;
+use db::{Conn, Isolation};
 pub use events::{EventQuery, EventRow};
 pub use idempotency::{IDEMPOTENCY_TTL_MS, IdempotencyClaim};
 pub use keys::{ApiKey, ApiKeyInfo, FoundKey, KEY_PREFIX, Team, hash_key, is_well_formed_key};
+pub use nodes::{
+    LostNode, NODE_LOST_REASON, NodeCapacity, NodeLease, NodeRegistration, NodeRow, NodeState,
+    Placement, Resources, SandboxOwner,
+};
 pub use sandboxes::{SandboxRow, SandboxRowState};
+pub use schema::SCHEMA_VERSION;
 pub use secrets::SecretRow;
 pub use volumes::VolumeRow;
 pub use webhooks::WebhookRow;
@@ -49,6 +71,12 @@ pub enum Error {
     /// SQLite failed.
     #[error("database: {0}")]
     Sqlite(#[from] rusqlite::Error),
+    /// PostgreSQL failed (or could not be reached).
+    #[error("database: {}", postgres_message(.0))]
+    Postgres(#[from] tokio_postgres::Error),
+    /// A column did not hold what the code expected (a schema the code does not match).
+    #[error("database record: {0}")]
+    Column(String),
     /// A JSON column could not be encoded or decoded.
     #[error("database record: {0}")]
     Json(#[from] serde_json::Error),
@@ -71,6 +99,21 @@ pub enum Error {
     /// The request is malformed.
     #[error("{0}")]
     Invalid(String),
+    /// A node acted with a lease epoch that is no longer current: it was declared lost
+    /// (or registered again) since. It must stop acting on what it owned and register
+    /// anew.
+    #[error(
+        "node '{node}' acted with lease epoch {epoch}, which is no longer current (declared lost or re-registered): register again"
+    )]
+    Fenced {
+        /// The node.
+        node: String,
+        /// The stale epoch it presented.
+        epoch: i64,
+    },
+    /// No node has room (or the asked one has none) for a placement.
+    #[error("{0}")]
+    NoCapacity(String),
     /// The blocking task running the query failed.
     #[error("database task: {0}")]
     Task(String),
@@ -86,26 +129,94 @@ pub enum Error {
     },
 }
 
+/// PostgreSQL's own message (with its detail) rather than tokio-postgres' generic "db
+/// error".
+fn postgres_message(e: &tokio_postgres::Error) -> String {
+    match e.as_db_error() {
+        Some(db) => match db.detail() {
+            Some(d) => format!("{} ({d})", db.message()),
+            None => db.message().to_string(),
+        },
+        None => e.to_string(),
+    }
+}
+
+impl Error {
+    /// A unique or primary key was already taken.
+    pub(crate) fn is_unique_violation(&self) -> bool {
+        match self {
+            Error::Sqlite(rusqlite::Error::SqliteFailure(e, _)) => {
+                e.code == rusqlite::ErrorCode::ConstraintViolation
+            }
+            Error::Postgres(e) => {
+                e.code() == Some(&tokio_postgres::error::SqlState::UNIQUE_VIOLATION)
+            }
+            _ => false,
+        }
+    }
+
+    /// The transaction lost a race (serialization failure, deadlock) and may simply be
+    /// run again.
+    pub(crate) fn is_retryable(&self) -> bool {
+        use tokio_postgres::error::SqlState;
+        match self {
+            Error::Postgres(e) => matches!(
+                e.code(),
+                Some(c) if *c == SqlState::T_R_SERIALIZATION_FAILURE || *c == SqlState::T_R_DEADLOCK_DETECTED
+            ),
+            _ => false,
+        }
+    }
+}
+
 /// Result alias.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
-/// A handle on the database. Cheap to clone; one connection behind a mutex (SQLite
-/// serialises writers anyway, and every statement here is short).
+/// Where the data lives.
+enum Backend {
+    /// One connection behind a mutex (SQLite serialises writers anyway, and every
+    /// statement here is short), plus a read-only one for [`Store::read`] (the same one
+    /// for an in-memory database, which a second connection could not see).
+    Sqlite {
+        writer: Arc<Mutex<rusqlite::Connection>>,
+        reader: Arc<Mutex<rusqlite::Connection>>,
+    },
+    /// A pool of connections to a PostgreSQL server.
+    Postgres(Arc<postgres::PgPool>),
+}
+
+/// A handle on the database. Cheap to clone.
 #[derive(Clone)]
 pub struct Store {
-    conn: Arc<Mutex<rusqlite::Connection>>,
-    /// A second, read-only connection for [`Store::read`] (the same one for an in-memory
-    /// database, which a second connection could not see).
-    reader: Arc<Mutex<rusqlite::Connection>>,
+    backend: Arc<Backend>,
+    /// This handle is [`Store::read`]'s view (SQLite: the read-only connection).
+    read_view: bool,
 }
 
 impl Store {
-    /// Open (creating if needed) the database at `path`, switch it to WAL mode and apply
-    /// pending migrations.
+    /// Open the database `url` names: `postgres://…` / `postgresql://…` (a PostgreSQL
+    /// server, e.g. a cluster's shared state), `sqlite://PATH` or a plain path (a SQLite
+    /// file, as [`Store::open`]). Migrations are applied either way.
+    pub fn open_url(url: &str) -> Result<Store> {
+        if url.starts_with("postgres://") || url.starts_with("postgresql://") {
+            Self::open_postgres(url)
+        } else {
+            let path = url.strip_prefix("sqlite://").unwrap_or(url);
+            if path.is_empty() || path.contains("://") {
+                return Err(Error::Invalid(format!(
+                    "database '{url}': give postgres://USER@HOST/DATABASE, sqlite://PATH or a file path"
+                )));
+            }
+            Self::open(Path::new(path))
+        }
+    }
+
+    /// Open (creating if needed) the SQLite database at `path`, switch it to WAL mode
+    /// and apply pending migrations.
     pub fn open(path: &Path) -> Result<Store> {
         restrict_to_owner(path)?;
         let conn = rusqlite::Connection::open(path)?;
-        let mut store = Self::setup(conn)?;
+        let writer = Self::setup_sqlite(conn)?;
         // After setup: the file exists and is in WAL mode, so this reader never blocks
         // on the writer, nor the writer on it.
         let reader = rusqlite::Connection::open_with_flags(
@@ -113,16 +224,43 @@ impl Store {
             rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY | rusqlite::OpenFlags::SQLITE_OPEN_NO_MUTEX,
         )?;
         reader.busy_timeout(std::time::Duration::from_secs(1))?;
-        store.reader = Arc::new(Mutex::new(reader));
+        Ok(Store {
+            backend: Arc::new(Backend::Sqlite {
+                writer: Arc::new(Mutex::new(writer)),
+                reader: Arc::new(Mutex::new(reader)),
+            }),
+            read_view: false,
+        })
+    }
+
+    /// A private in-memory SQLite database (tests). Its one connection serves reads
+    /// too (a second connection could not see it).
+    pub fn open_in_memory() -> Result<Store> {
+        let conn = Arc::new(Mutex::new(Self::setup_sqlite(
+            rusqlite::Connection::open_in_memory()?,
+        )?));
+        Ok(Store {
+            backend: Arc::new(Backend::Sqlite {
+                writer: conn.clone(),
+                reader: conn,
+            }),
+            read_view: false,
+        })
+    }
+
+    /// Connect to PostgreSQL at `url` and apply pending migrations (under an advisory
+    /// lock, so replicas starting together migrate once).
+    pub fn open_postgres(url: &str) -> Result<Store> {
+        let pool = postgres::PgPool::connect(url)?;
+        let store = Store {
+            backend: Arc::new(Backend::Postgres(pool)),
+            read_view: false,
+        };
+        store.with_conn(schema::migrate)?;
         Ok(store)
     }
 
-    /// A private in-memory database (tests).
-    pub fn open_in_memory() -> Result<Store> {
-        Self::setup(rusqlite::Connection::open_in_memory()?)
-    }
-
-    fn setup(mut conn: rusqlite::Connection) -> Result<Store> {
+    fn setup_sqlite(conn: rusqlite::Connection) -> Result<rusqlite::Connection> {
         conn.busy_timeout(std::time::Duration::from_secs(10))?;
         // WAL: readers never block the writer, and a second process (the CLI) can work
         // on the file while the server runs. NORMAL sync is durable across app crashes.
@@ -132,16 +270,38 @@ impl Store {
         // Deleted rows (revoked keys, ended sandboxes' tokens) are overwritten, not left
         // in free pages.
         conn.pragma_update(None, "secure_delete", "ON")?;
-        schema::migrate(&mut conn)?;
-        let conn = Arc::new(Mutex::new(conn));
-        Ok(Store {
-            reader: conn.clone(),
-            conn,
-        })
+        schema::migrate(&mut Conn::Sqlite(&conn))?;
+        Ok(conn)
     }
 
-    pub(crate) fn conn(&self) -> MutexGuard<'_, rusqlite::Connection> {
-        self.conn.lock().unwrap_or_else(|p| p.into_inner())
+    /// Which engine this store uses.
+    pub fn dialect(&self) -> Dialect {
+        match &*self.backend {
+            Backend::Sqlite { .. } => Dialect::Sqlite,
+            Backend::Postgres(_) => Dialect::Postgres,
+        }
+    }
+
+    /// Runs `f` with a connection (SQLite: the writer or, in a read view, the reader;
+    /// PostgreSQL: one of the pool).
+    pub(crate) fn with_conn<T>(&self, f: impl FnOnce(&mut Conn<'_>) -> Result<T>) -> Result<T> {
+        match &*self.backend {
+            Backend::Sqlite { writer, reader } => {
+                let guard = if self.read_view {
+                    reader.lock()
+                } else {
+                    writer.lock()
+                }
+                .unwrap_or_else(|p| p.into_inner());
+                f(&mut Conn::Sqlite(&guard))
+            }
+            Backend::Postgres(pool) => pool.with(|c| f(&mut Conn::Postgres(c))),
+        }
+    }
+
+    /// Runs `f` inside a transaction (see [`Conn::transaction`]).
+    pub(crate) fn transaction<T>(&self, f: impl FnMut(&mut Conn<'_>) -> Result<T>) -> Result<T> {
+        self.with_conn(|c| c.transaction(Isolation::ReadCommitted, f))
     }
 
     /// Run `f` on the blocking pool (for async callers).
@@ -156,21 +316,22 @@ impl Store {
             .map_err(|e| Error::Task(e.to_string()))?
     }
 
-    /// Run the read-only `f` right here, on the read connection: for point reads on the
-    /// request path (an API key, one sandbox row), where a hop to the blocking pool costs
-    /// more than the query. WAL mode: a read never waits for a writer. Writes through the
-    /// view `f` gets fail (the connection is read-only).
+    /// Run the read-only `f` right here: for point reads on the request path (an API
+    /// key, one sandbox row), where a hop to the blocking pool costs more than the query.
+    /// SQLite: on the read connection (WAL mode: a read never waits for a writer; writes
+    /// through the view `f` gets fail, the connection is read-only). PostgreSQL: on a
+    /// pooled connection, waiting on this thread for one round trip.
     pub fn read<T>(&self, f: impl FnOnce(&Store) -> Result<T>) -> Result<T> {
         let view = Store {
-            conn: self.reader.clone(),
-            reader: self.reader.clone(),
+            backend: self.backend.clone(),
+            read_view: true,
         };
         f(&view)
     }
 
     /// Schema version of the open database.
     pub fn schema_version(&self) -> Result<i64> {
-        schema::current_version(&self.conn())
+        self.with_conn(schema::current_version)
     }
 }
 
@@ -232,8 +393,7 @@ mod tests {
             Some("admin".into())
         );
         let mode: String = s
-            .conn()
-            .query_row("PRAGMA journal_mode", [], |r| r.get(0))
+            .with_conn(|c| c.query_one("PRAGMA journal_mode", &[])?.get(0))
             .unwrap();
         assert_eq!(mode, "wal");
         // A second handle (another process, e.g. `cubicle apikey`) sees the same data.
@@ -331,12 +491,12 @@ mod tests {
         let gone = s.sandbox("gone").unwrap().unwrap();
         assert_eq!(gone.traffic_access_token, None);
         let cols: Vec<String> = s
-            .conn()
-            .prepare("SELECT name FROM pragma_table_info('sandboxes')")
-            .unwrap()
-            .query_map([], |r| r.get(0))
-            .unwrap()
-            .collect::<rusqlite::Result<_>>()
+            .with_conn(|c| {
+                c.query("SELECT name FROM pragma_table_info('sandboxes')", &[])?
+                    .iter()
+                    .map(|r| r.get(0))
+                    .collect()
+            })
             .unwrap();
         assert!(!cols.iter().any(|c| c == "envd_access_token"), "{cols:?}");
         drop(s);
@@ -345,6 +505,85 @@ mod tests {
         let has = |needle: &[u8]| raw.windows(needle.len()).any(|w| w == needle);
         assert!(!has(b"envd-secret") && !has(b"traffic-gone"));
         assert!(has(b"traffic-live"));
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// PostgreSQL: migrations apply once (also when two stores open a fresh database at
+    /// the same time), survive reopening, and a newer schema is refused.
+    #[test]
+    fn postgres_migrations_apply_once_and_newer_is_refused() {
+        let Some(url) = testdb::fresh_database_url() else {
+            return;
+        };
+        let opens: Vec<_> = (0..4)
+            .map(|_| {
+                let url = url.clone();
+                std::thread::spawn(move || Store::open_url(&url).map(|s| s.schema_version()))
+            })
+            .collect();
+        for o in opens {
+            assert_eq!(o.join().unwrap().unwrap().unwrap(), SCHEMA_VERSION);
+        }
+        let s = Store::open_url(&url).unwrap();
+        assert_eq!(s.dialect(), Dialect::Postgres);
+        let applied: i64 = s
+            .with_conn(|c| {
+                c.query_one("SELECT COUNT(*) FROM schema_version", &[])?
+                    .get(0)
+            })
+            .unwrap();
+        assert_eq!(applied, SCHEMA_VERSION);
+        s.with_conn(|c| c.execute("INSERT INTO schema_version VALUES (999, 0)", &[]))
+            .unwrap();
+        assert!(matches!(
+            Store::open_url(&url),
+            Err(Error::SchemaTooNew { found: 999, .. })
+        ));
+    }
+
+    /// The request path's inline read runs on a tokio worker thread: with PostgreSQL it
+    /// must not panic (as the sync `postgres` crate would), and async callers' `call`
+    /// works too.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn postgres_reads_work_on_runtime_threads() {
+        let Some(s) = testdb::postgres_store() else {
+            return;
+        };
+        let t = s.call(|s| s.ensure_team("t")).await.unwrap();
+        let k = s.call(move |s| s.create_api_key(t.id)).await.unwrap();
+        let found = s.read(|r| r.find_key(&k.plaintext)).unwrap().unwrap();
+        assert_eq!(found.team.name, "t");
+        // Many at once from many tasks (the pool hands out and takes back connections).
+        let tasks: Vec<_> = (0..64)
+            .map(|_| {
+                let (s, key) = (s.clone(), k.plaintext.clone());
+                tokio::spawn(async move { s.read(|r| r.find_key(&key)).map(|f| f.is_some()) })
+            })
+            .collect();
+        for t in tasks {
+            assert!(t.await.unwrap().unwrap());
+        }
+    }
+
+    /// What the URL names decides the engine; nonsense is refused with a hint.
+    #[test]
+    fn open_url_picks_the_engine() {
+        let dir = std::env::temp_dir().join(format!("cubicle-store-url-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("c.db");
+        let s = Store::open_url(&format!("sqlite://{}", path.display())).unwrap();
+        assert_eq!(s.dialect(), Dialect::Sqlite);
+        assert!(path.exists());
+        let s = Store::open_url(path.to_str().unwrap()).unwrap();
+        assert_eq!(s.schema_version().unwrap(), SCHEMA_VERSION);
+        assert!(matches!(
+            Store::open_url("mysql://x/y"),
+            Err(Error::Invalid(_))
+        ));
+        let err = Store::open_url("postgres://nobody@127.0.0.1:1/x")
+            .err()
+            .unwrap();
+        assert!(err.to_string().contains("database"), "{err}");
         std::fs::remove_dir_all(&dir).unwrap();
     }
 

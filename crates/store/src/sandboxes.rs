@@ -5,8 +5,7 @@
 
 use std::collections::BTreeMap;
 
-use rusqlite::{OptionalExtension, params};
-
+use crate::db::{Conn, Row, args};
 use crate::{Result, Store};
 
 /// Stored lifecycle state.
@@ -77,125 +76,127 @@ const COLUMNS: &str = "id, team_id, template_id, alias, metadata, env_var_names,
     traffic_access_token, allow_internet, cpu_count, memory_mb, disk_mb, started_at, end_at,
     state, death_reason, ended_at";
 
-fn row(r: &rusqlite::Row<'_>) -> rusqlite::Result<(SandboxRow, String, String)> {
+fn row(r: &Row) -> Result<SandboxRow> {
     let metadata: String = r.get(4)?;
     let env: String = r.get(5)?;
     let state: String = r.get(13)?;
-    Ok((
-        SandboxRow {
-            id: r.get(0)?,
-            team_id: r.get(1)?,
-            template_id: r.get(2)?,
-            alias: r.get(3)?,
-            metadata: BTreeMap::new(),
-            env_var_names: Vec::new(),
-            traffic_access_token: r.get(6)?,
-            allow_internet: r.get(7)?,
-            cpu_count: r.get(8)?,
-            memory_mb: r.get::<_, i64>(9)? as u64,
-            disk_mb: r.get::<_, i64>(10)? as u64,
-            started_at: r.get(11)?,
-            end_at: r.get(12)?,
-            state: SandboxRowState::parse(&state),
-            death_reason: r.get(14)?,
-            ended_at: r.get(15)?,
-        },
-        metadata,
-        env,
-    ))
+    Ok(SandboxRow {
+        id: r.get(0)?,
+        team_id: r.get(1)?,
+        template_id: r.get(2)?,
+        alias: r.get(3)?,
+        metadata: serde_json::from_str(&metadata)?,
+        env_var_names: serde_json::from_str(&env)?,
+        traffic_access_token: r.get(6)?,
+        allow_internet: r.get(7)?,
+        cpu_count: r.get(8)?,
+        memory_mb: r.get(9)?,
+        disk_mb: r.get(10)?,
+        started_at: r.get(11)?,
+        end_at: r.get(12)?,
+        state: SandboxRowState::parse(&state),
+        death_reason: r.get(14)?,
+        ended_at: r.get(15)?,
+    })
 }
 
-fn decode(raw: (SandboxRow, String, String)) -> Result<SandboxRow> {
-    let (mut s, metadata, env) = raw;
-    s.metadata = serde_json::from_str(&metadata)?;
-    s.env_var_names = serde_json::from_str(&env)?;
-    Ok(s)
+/// Inserts `s`, owned by node `owner` (`(node id, epoch)`) when given.
+pub(crate) fn insert(c: &mut Conn<'_>, s: &SandboxRow, owner: Option<(&str, i64)>) -> Result<()> {
+    c.execute(
+        &format!("INSERT INTO sandboxes ({COLUMNS}, node_id, node_epoch) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16, ?17, ?18)"),
+        args![
+            s.id.as_str(),
+            s.team_id,
+            s.template_id.as_str(),
+            s.alias.as_deref(),
+            serde_json::to_string(&s.metadata)?,
+            serde_json::to_string(&s.env_var_names)?,
+            s.traffic_access_token.as_deref(),
+            s.allow_internet,
+            s.cpu_count,
+            s.memory_mb,
+            s.disk_mb,
+            s.started_at,
+            s.end_at,
+            s.state.as_str(),
+            s.death_reason.as_deref(),
+            s.ended_at,
+            owner.map(|o| o.0),
+            owner.map(|o| o.1),
+        ],
+    )?;
+    Ok(())
 }
 
 impl Store {
-    /// Insert a new sandbox record.
+    /// Insert a new sandbox record (owned by no node: the single host; a cluster's
+    /// creates go through [`Store::commit_placement`]).
     pub fn insert_sandbox(&self, s: &SandboxRow) -> Result<()> {
-        self.conn().execute(
-            &format!("INSERT INTO sandboxes ({COLUMNS}) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16)"),
-            params![
-                s.id,
-                s.team_id,
-                s.template_id,
-                s.alias,
-                serde_json::to_string(&s.metadata)?,
-                serde_json::to_string(&s.env_var_names)?,
-                s.traffic_access_token,
-                s.allow_internet,
-                s.cpu_count,
-                s.memory_mb as i64,
-                s.disk_mb as i64,
-                s.started_at,
-                s.end_at,
-                s.state.as_str(),
-                s.death_reason,
-                s.ended_at,
-            ],
-        )?;
-        Ok(())
+        self.with_conn(|c| insert(c, s, None))
     }
 
     /// A sandbox by id, whatever its state or team.
     pub fn sandbox(&self, id: &str) -> Result<Option<SandboxRow>> {
-        let raw = self
-            .conn()
-            .query_row(
+        self.with_conn(|c| {
+            c.query_opt(
                 &format!("SELECT {COLUMNS} FROM sandboxes WHERE id = ?1"),
-                params![id],
-                row,
-            )
-            .optional()?;
-        raw.map(decode).transpose()
+                args![id],
+            )?
+            .as_ref()
+            .map(row)
+            .transpose()
+        })
     }
 
     /// Running sandboxes of one team (`Some`) or of every team (`None`).
     pub fn running_sandboxes(&self, team_id: Option<i64>) -> Result<Vec<SandboxRow>> {
-        let conn = self.conn();
-        let mut st = conn.prepare(&format!(
-            "SELECT {COLUMNS} FROM sandboxes WHERE state = 'running' AND (?1 IS NULL OR team_id = ?1) ORDER BY started_at, id"
-        ))?;
-        let raws = st
-            .query_map(params![team_id], row)?
-            .collect::<rusqlite::Result<Vec<_>>>()?;
-        raws.into_iter().map(decode).collect()
+        self.with_conn(|c| {
+            c.query(
+                &format!(
+                    "SELECT {COLUMNS} FROM sandboxes WHERE state = 'running' AND (CAST(?1 AS BIGINT) IS NULL OR team_id = ?1) ORDER BY started_at, id"
+                ),
+                args![team_id],
+            )?
+            .iter()
+            .map(row)
+            .collect()
+        })
     }
 
     /// Record a new end time.
     pub fn set_end_at(&self, id: &str, end_at: i64) -> Result<()> {
-        self.conn().execute(
-            "UPDATE sandboxes SET end_at = ?1 WHERE id = ?2",
-            params![end_at, id],
-        )?;
+        self.with_conn(|c| {
+            c.execute(
+                "UPDATE sandboxes SET end_at = ?1 WHERE id = ?2",
+                args![end_at, id],
+            )
+        })?;
         Ok(())
     }
 
     /// Mark a sandbox ended (no-op if it already is), forgetting its traffic token.
     /// Returns whether it changed.
     pub fn mark_ended(&self, id: &str, reason: &str, ended_at: i64) -> Result<bool> {
-        let n = self.conn().execute(
-            "UPDATE sandboxes SET state = 'ended', death_reason = ?1, ended_at = ?2, traffic_access_token = NULL WHERE id = ?3 AND state = 'running'",
-            params![reason, ended_at, id],
-        )?;
+        let n = self.with_conn(|c| {
+            c.execute(
+                "UPDATE sandboxes SET state = 'ended', death_reason = ?1, ended_at = ?2, traffic_access_token = NULL WHERE id = ?3 AND state = 'running'",
+                args![reason, ended_at, id],
+            )
+        })?;
         Ok(n > 0)
     }
 
     /// Delete records of sandboxes that ended before `before_ms`; returns their ids.
     pub fn purge_ended(&self, before_ms: i64) -> Result<Vec<String>> {
-        let conn = self.conn();
-        let mut st =
-            conn.prepare("SELECT id FROM sandboxes WHERE state = 'ended' AND ended_at < ?1")?;
-        let ids = st
-            .query_map(params![before_ms], |r| r.get::<_, String>(0))?
-            .collect::<rusqlite::Result<Vec<_>>>()?;
-        conn.execute(
-            "DELETE FROM sandboxes WHERE state = 'ended' AND ended_at < ?1",
-            params![before_ms],
-        )?;
-        Ok(ids)
+        self.with_conn(|c| {
+            c.query(
+                "DELETE FROM sandboxes WHERE state = 'ended' AND ended_at < ?1 RETURNING id",
+                args![before_ms],
+            )?
+            .iter()
+            .map(|r| r.get(0))
+            .collect()
+        })
     }
 }
 
@@ -226,7 +227,10 @@ mod tests {
 
     #[test]
     fn sandbox_roundtrip_and_lifecycle() {
-        let s = Store::open_in_memory().unwrap();
+        crate::testdb::each_backend(sandbox_roundtrip_and_lifecycle_on);
+    }
+
+    fn sandbox_roundtrip_and_lifecycle_on(s: &Store) {
         let a = s.ensure_team("a").unwrap();
         let b = s.ensure_team("b").unwrap();
         let one = sample("one", a.id, 1000);

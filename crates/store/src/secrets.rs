@@ -5,8 +5,7 @@
 
 use std::collections::BTreeMap;
 
-use rusqlite::{OptionalExtension, params};
-
+use crate::db::{Row, args};
 use crate::{Error, Result, Store};
 
 /// One secret as stored (without its sealed value).
@@ -30,71 +29,63 @@ pub struct SecretRow {
 
 const COLUMNS: &str = "id, team_id, name, version, metadata, created_at, updated_at";
 
-fn row(r: &rusqlite::Row<'_>) -> rusqlite::Result<(SecretRow, String)> {
-    Ok((
-        SecretRow {
-            id: r.get(0)?,
-            team_id: r.get(1)?,
-            name: r.get(2)?,
-            version: r.get(3)?,
-            metadata: BTreeMap::new(),
-            created_at: r.get(5)?,
-            updated_at: r.get(6)?,
-        },
-        r.get(4)?,
-    ))
-}
-
-fn decode((mut s, metadata): (SecretRow, String)) -> Result<SecretRow> {
-    s.metadata = serde_json::from_str(&metadata)?;
-    Ok(s)
+fn row(r: &Row) -> Result<SecretRow> {
+    let metadata: String = r.get(4)?;
+    Ok(SecretRow {
+        id: r.get(0)?,
+        team_id: r.get(1)?,
+        name: r.get(2)?,
+        version: r.get(3)?,
+        metadata: serde_json::from_str(&metadata)?,
+        created_at: r.get(5)?,
+        updated_at: r.get(6)?,
+    })
 }
 
 impl Store {
     /// Inserts a secret with its sealed first value; a name the team already uses is a
     /// [`Error::Conflict`].
     pub fn insert_secret(&self, s: &SecretRow, sealed: &[u8]) -> Result<()> {
-        let r = self.conn().execute(
-            &format!(
-                "INSERT INTO secrets ({COLUMNS}, sealed) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8)"
-            ),
-            params![
-                s.id,
-                s.team_id,
-                s.name,
-                s.version,
-                serde_json::to_string(&s.metadata)?,
-                s.created_at,
-                s.updated_at,
-                sealed
-            ],
-        );
+        let metadata = serde_json::to_string(&s.metadata)?;
+        let r = self.with_conn(|c| {
+            c.execute(
+                &format!(
+                    "INSERT INTO secrets ({COLUMNS}, sealed) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8)"
+                ),
+                args![
+                    s.id.as_str(),
+                    s.team_id,
+                    s.name.as_str(),
+                    s.version,
+                    metadata,
+                    s.created_at,
+                    s.updated_at,
+                    sealed
+                ],
+            )
+        });
         match r {
-            Err(rusqlite::Error::SqliteFailure(e, _))
-                if e.code == rusqlite::ErrorCode::ConstraintViolation =>
-            {
-                Err(Error::Conflict(format!(
-                    "Secret with name '{}' already exists",
-                    s.name
-                )))
-            }
-            r => r.map(drop).map_err(Error::from),
+            Err(e) if e.is_unique_violation() => Err(Error::Conflict(format!(
+                "Secret with name '{}' already exists",
+                s.name
+            ))),
+            r => r.map(drop),
         }
     }
 
     /// A team's secret by id (`sec_…`) or canonical name.
     pub fn secret(&self, team_id: i64, id_or_name: &str) -> Result<Option<SecretRow>> {
-        let raw = self
-            .conn()
-            .query_row(
+        self.with_conn(|c| {
+            c.query_opt(
                 &format!(
                     "SELECT {COLUMNS} FROM secrets WHERE team_id = ?1 AND (id = ?2 OR name = ?2)"
                 ),
-                params![team_id, id_or_name],
-                row,
-            )
-            .optional()?;
-        raw.map(decode).transpose()
+                args![team_id, id_or_name],
+            )?
+            .as_ref()
+            .map(row)
+            .transpose()
+        })
     }
 
     /// A team's secrets ordered by name, `limit` of them after the name `after`.
@@ -104,14 +95,17 @@ impl Store {
         after: Option<&str>,
         limit: usize,
     ) -> Result<Vec<SecretRow>> {
-        let conn = self.conn();
-        let mut st = conn.prepare(&format!(
-            "SELECT {COLUMNS} FROM secrets WHERE team_id = ?1 AND (?2 IS NULL OR name > ?2) ORDER BY name LIMIT ?3"
-        ))?;
-        let raws = st
-            .query_map(params![team_id, after, limit as i64], row)?
-            .collect::<rusqlite::Result<Vec<_>>>()?;
-        raws.into_iter().map(decode).collect()
+        self.with_conn(|c| {
+            c.query(
+                &format!(
+                    "SELECT {COLUMNS} FROM secrets WHERE team_id = ?1 AND (CAST(?2 AS TEXT) IS NULL OR name > ?2) ORDER BY name LIMIT ?3"
+                ),
+                args![team_id, after, limit as i64],
+            )?
+            .iter()
+            .map(row)
+            .collect()
+        })
     }
 
     /// Replaces a secret's sealed value (version + 1) and, when given, its metadata.
@@ -125,12 +119,14 @@ impl Store {
         now: i64,
     ) -> Result<Option<SecretRow>> {
         let metadata = metadata.map(serde_json::to_string).transpose()?;
-        let n = self.conn().execute(
-            "UPDATE secrets SET sealed = ?1, version = version + 1, updated_at = ?2,
-                 metadata = COALESCE(?3, metadata)
-             WHERE team_id = ?4 AND id = ?5",
-            params![sealed, now, metadata, team_id, id],
-        )?;
+        let n = self.with_conn(|c| {
+            c.execute(
+                "UPDATE secrets SET sealed = ?1, version = version + 1, updated_at = ?2,
+                     metadata = COALESCE(?3, metadata)
+                 WHERE team_id = ?4 AND id = ?5",
+                args![sealed, now, metadata, team_id, id],
+            )
+        })?;
         if n == 0 {
             return Ok(None);
         }
@@ -144,34 +140,35 @@ impl Store {
         team_id: i64,
         name: &str,
     ) -> Result<Option<(String, i64, Vec<u8>)>> {
-        Ok(self
-            .conn()
-            .query_row(
+        self.with_conn(|c| {
+            c.query_opt(
                 "SELECT id, version, sealed FROM secrets WHERE team_id = ?1 AND name = ?2",
-                params![team_id, name],
-                |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)),
-            )
-            .optional()?)
+                args![team_id, name],
+            )?
+            .map(|r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))
+            .transpose()
+        })
     }
 
     /// Deletes a secret; returns whether it existed.
     pub fn delete_secret(&self, team_id: i64, id: &str) -> Result<bool> {
-        let n = self.conn().execute(
-            "DELETE FROM secrets WHERE team_id = ?1 AND id = ?2",
-            params![team_id, id],
-        )?;
+        let n = self.with_conn(|c| {
+            c.execute(
+                "DELETE FROM secrets WHERE team_id = ?1 AND id = ?2",
+                args![team_id, id],
+            )
+        })?;
         Ok(n > 0)
     }
 
     /// Whether a secret row with this id exists (any team): ids must be unique.
     pub fn secret_id_taken(&self, id: &str) -> Result<bool> {
-        Ok(self
-            .conn()
-            .query_row("SELECT 1 FROM secrets WHERE id = ?1", params![id], |_| {
-                Ok(())
-            })
-            .optional()?
-            .is_some())
+        self.with_conn(|c| {
+            Ok(
+                c.query_opt("SELECT 1 FROM secrets WHERE id = ?1", args![id])?
+                    .is_some(),
+            )
+        })
     }
 }
 
@@ -181,7 +178,10 @@ mod tests {
 
     #[test]
     fn create_update_list_delete() {
-        let s = Store::open_in_memory().unwrap();
+        crate::testdb::each_backend(create_update_list_delete_on);
+    }
+
+    fn create_update_list_delete_on(s: &Store) {
         let t = s.ensure_team("t").unwrap();
         let row = |id: &str, name: &str| SecretRow {
             id: id.into(),

@@ -2,8 +2,7 @@
 //! volume's files are the node's (`cubicle_node::volume`); its content-API token is
 //! derived from the id and the server's key, never stored.
 
-use rusqlite::{OptionalExtension, params};
-
+use crate::db::{Row, args};
 use crate::{Error, Result, Store};
 
 /// One volume as stored.
@@ -23,12 +22,12 @@ pub struct VolumeRow {
 
 const COLUMNS: &str = "id, team_id, name, size_mb, created_at";
 
-fn row(r: &rusqlite::Row<'_>) -> rusqlite::Result<VolumeRow> {
+fn row(r: &Row) -> Result<VolumeRow> {
     Ok(VolumeRow {
         id: r.get(0)?,
         team_id: r.get(1)?,
         name: r.get(2)?,
-        size_mb: r.get::<_, i64>(3)? as u64,
+        size_mb: r.get(3)?,
         created_at: r.get(4)?,
     })
 }
@@ -36,64 +35,71 @@ fn row(r: &rusqlite::Row<'_>) -> rusqlite::Result<VolumeRow> {
 impl Store {
     /// Inserts a volume record; a name the team already uses is a [`Error::Conflict`].
     pub fn insert_volume(&self, v: &VolumeRow) -> Result<()> {
-        let r = self.conn().execute(
-            &format!("INSERT INTO volumes ({COLUMNS}) VALUES (?1, ?2, ?3, ?4, ?5)"),
-            params![v.id, v.team_id, v.name, v.size_mb as i64, v.created_at],
-        );
+        let r = self.with_conn(|c| {
+            c.execute(
+                &format!("INSERT INTO volumes ({COLUMNS}) VALUES (?1, ?2, ?3, ?4, ?5)"),
+                args![
+                    v.id.as_str(),
+                    v.team_id,
+                    v.name.as_str(),
+                    v.size_mb,
+                    v.created_at
+                ],
+            )
+        });
         match r {
-            Err(rusqlite::Error::SqliteFailure(e, _))
-                if e.code == rusqlite::ErrorCode::ConstraintViolation =>
-            {
-                Err(Error::Conflict(format!(
-                    "Volume with name '{}' already exists",
-                    v.name
-                )))
-            }
-            r => r.map(drop).map_err(Error::from),
+            Err(e) if e.is_unique_violation() => Err(Error::Conflict(format!(
+                "Volume with name '{}' already exists",
+                v.name
+            ))),
+            r => r.map(drop),
         }
     }
 
     /// A volume by id, whatever its team.
     pub fn volume(&self, id: &str) -> Result<Option<VolumeRow>> {
-        Ok(self
-            .conn()
-            .query_row(
+        self.with_conn(|c| {
+            c.query_opt(
                 &format!("SELECT {COLUMNS} FROM volumes WHERE id = ?1"),
-                params![id],
-                row,
-            )
-            .optional()?)
+                args![id],
+            )?
+            .as_ref()
+            .map(row)
+            .transpose()
+        })
     }
 
     /// A team's volume by name.
     pub fn volume_by_name(&self, team_id: i64, name: &str) -> Result<Option<VolumeRow>> {
-        Ok(self
-            .conn()
-            .query_row(
+        self.with_conn(|c| {
+            c.query_opt(
                 &format!("SELECT {COLUMNS} FROM volumes WHERE team_id = ?1 AND name = ?2"),
-                params![team_id, name],
-                row,
-            )
-            .optional()?)
+                args![team_id, name],
+            )?
+            .as_ref()
+            .map(row)
+            .transpose()
+        })
     }
 
     /// A team's volumes (every team's with `None`), oldest first.
     pub fn volumes(&self, team_id: Option<i64>) -> Result<Vec<VolumeRow>> {
-        let conn = self.conn();
-        let mut st = conn.prepare(&format!(
-            "SELECT {COLUMNS} FROM volumes WHERE (?1 IS NULL OR team_id = ?1) ORDER BY created_at, id"
-        ))?;
-        let rows = st
-            .query_map(params![team_id], row)?
-            .collect::<rusqlite::Result<Vec<_>>>()?;
-        Ok(rows)
+        self.with_conn(|c| {
+            c.query(
+                &format!(
+                    "SELECT {COLUMNS} FROM volumes WHERE (CAST(?1 AS BIGINT) IS NULL OR team_id = ?1) ORDER BY created_at, id"
+                ),
+                args![team_id],
+            )?
+            .iter()
+            .map(row)
+            .collect()
+        })
     }
 
     /// Deletes a volume record; returns whether it existed.
     pub fn delete_volume(&self, id: &str) -> Result<bool> {
-        let n = self
-            .conn()
-            .execute("DELETE FROM volumes WHERE id = ?1", params![id])?;
+        let n = self.with_conn(|c| c.execute("DELETE FROM volumes WHERE id = ?1", args![id]))?;
         Ok(n > 0)
     }
 }
@@ -104,7 +110,10 @@ mod tests {
 
     #[test]
     fn names_are_unique_per_team() {
-        let s = Store::open_in_memory().unwrap();
+        crate::testdb::each_backend(names_are_unique_per_team_on);
+    }
+
+    fn names_are_unique_per_team_on(s: &Store) {
         let a = s.ensure_team("a").unwrap();
         let b = s.ensure_team("b").unwrap();
         let v = |id: &str, team: i64, name: &str| VolumeRow {

@@ -2,8 +2,7 @@
 //! secret each delivery is signed with. The secret must be kept in clear (it signs), so
 //! it is never returned by the API, only used by the deliverer.
 
-use rusqlite::{OptionalExtension, params};
-
+use crate::db::{Row, args};
 use crate::{Error, Result, Store};
 
 /// One webhook.
@@ -29,61 +28,62 @@ pub struct WebhookRow {
 
 const COLUMNS: &str = "id, team_id, name, url, enabled, events, secret, created_at";
 
-fn row(r: &rusqlite::Row<'_>) -> rusqlite::Result<(WebhookRow, String)> {
-    Ok((
-        WebhookRow {
-            id: r.get(0)?,
-            team_id: r.get(1)?,
-            name: r.get(2)?,
-            url: r.get(3)?,
-            enabled: r.get::<_, i64>(4)? != 0,
-            events: Vec::new(),
-            secret: r.get(6)?,
-            created_at: r.get(7)?,
-        },
-        r.get(5)?,
-    ))
-}
-
-fn decode((mut w, events): (WebhookRow, String)) -> Result<WebhookRow> {
-    w.events = serde_json::from_str(&events)?;
-    Ok(w)
+fn row(r: &Row) -> Result<WebhookRow> {
+    let events: String = r.get(5)?;
+    Ok(WebhookRow {
+        id: r.get(0)?,
+        team_id: r.get(1)?,
+        name: r.get(2)?,
+        url: r.get(3)?,
+        enabled: r.get(4)?,
+        events: serde_json::from_str(&events)?,
+        secret: r.get(6)?,
+        created_at: r.get(7)?,
+    })
 }
 
 impl Store {
     /// Adds a webhook.
     pub fn insert_webhook(&self, w: &WebhookRow) -> Result<()> {
-        self.conn().execute(
-            &format!("INSERT INTO webhooks ({COLUMNS}) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8)"),
-            params![
-                w.id,
-                w.team_id,
-                w.name,
-                w.url,
-                w.enabled as i64,
-                serde_json::to_string(&w.events)?,
-                w.secret,
-                w.created_at
-            ],
-        )?;
+        let events = serde_json::to_string(&w.events)?;
+        self.with_conn(|c| {
+            c.execute(
+                &format!(
+                    "INSERT INTO webhooks ({COLUMNS}) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8)"
+                ),
+                args![
+                    w.id.as_str(),
+                    w.team_id,
+                    w.name.as_str(),
+                    w.url.as_str(),
+                    w.enabled,
+                    events,
+                    w.secret.as_str(),
+                    w.created_at
+                ],
+            )
+        })?;
         Ok(())
     }
 
     /// Replaces a webhook's fields (matched by id and team).
     pub fn update_webhook(&self, w: &WebhookRow) -> Result<()> {
-        let n = self.conn().execute(
-            "UPDATE webhooks SET name = ?3, url = ?4, enabled = ?5, events = ?6, secret = ?7
-             WHERE id = ?1 AND team_id = ?2",
-            params![
-                w.id,
-                w.team_id,
-                w.name,
-                w.url,
-                w.enabled as i64,
-                serde_json::to_string(&w.events)?,
-                w.secret
-            ],
-        )?;
+        let events = serde_json::to_string(&w.events)?;
+        let n = self.with_conn(|c| {
+            c.execute(
+                "UPDATE webhooks SET name = ?3, url = ?4, enabled = ?5, events = ?6, secret = ?7
+                 WHERE id = ?1 AND team_id = ?2",
+                args![
+                    w.id.as_str(),
+                    w.team_id,
+                    w.name.as_str(),
+                    w.url.as_str(),
+                    w.enabled,
+                    events,
+                    w.secret.as_str()
+                ],
+            )
+        })?;
         if n == 0 {
             return Err(Error::NotFound(format!("webhook '{}' not found", w.id)));
         }
@@ -92,33 +92,41 @@ impl Store {
 
     /// Removes a webhook of `team_id`; `false` if there was none.
     pub fn delete_webhook(&self, team_id: i64, id: &str) -> Result<bool> {
-        Ok(self.conn().execute(
-            "DELETE FROM webhooks WHERE id = ?1 AND team_id = ?2",
-            params![id, team_id],
-        )? > 0)
+        let n = self.with_conn(|c| {
+            c.execute(
+                "DELETE FROM webhooks WHERE id = ?1 AND team_id = ?2",
+                args![id, team_id],
+            )
+        })?;
+        Ok(n > 0)
     }
 
     /// One webhook of `team_id`.
     pub fn webhook(&self, team_id: i64, id: &str) -> Result<Option<WebhookRow>> {
-        self.conn()
-            .query_row(
+        self.with_conn(|c| {
+            c.query_opt(
                 &format!("SELECT {COLUMNS} FROM webhooks WHERE id = ?1 AND team_id = ?2"),
-                params![id, team_id],
-                row,
-            )
-            .optional()?
-            .map(decode)
+                args![id, team_id],
+            )?
+            .as_ref()
+            .map(row)
             .transpose()
+        })
     }
 
     /// Webhooks of `team_id`, or of every team, oldest first.
     pub fn webhooks(&self, team_id: Option<i64>) -> Result<Vec<WebhookRow>> {
-        let conn = self.conn();
-        let mut st = conn.prepare(&format!(
-            "SELECT {COLUMNS} FROM webhooks WHERE ?1 IS NULL OR team_id = ?1 ORDER BY created_at, id"
-        ))?;
-        let rows = st.query_map(params![team_id], row)?;
-        rows.map(|r| decode(r?)).collect()
+        self.with_conn(|c| {
+            c.query(
+                &format!(
+                    "SELECT {COLUMNS} FROM webhooks WHERE CAST(?1 AS BIGINT) IS NULL OR team_id = ?1 ORDER BY created_at, id"
+                ),
+                args![team_id],
+            )?
+            .iter()
+            .map(row)
+            .collect()
+        })
     }
 }
 
@@ -128,7 +136,10 @@ mod tests {
 
     #[test]
     fn crud_is_per_team() {
-        let s = Store::open_in_memory().unwrap();
+        crate::testdb::each_backend(crud_is_per_team_on);
+    }
+
+    fn crud_is_per_team_on(s: &Store) {
         let a = s.ensure_team("a").unwrap().id;
         let b = s.ensure_team("b").unwrap().id;
         let mut w = WebhookRow {

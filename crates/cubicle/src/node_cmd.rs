@@ -1,0 +1,143 @@
+//! `cubicle node list`: the cluster's nodes as the shared database records them (state,
+//! fencing epoch, lease age, load, sandboxes), read straight from PostgreSQL — no
+//! server needed. docs/cluster.md.
+
+use anyhow::Context;
+use clap::Subcommand;
+use cubicle_store::{NodeRow, Store};
+
+use crate::output::{self, FormatArg};
+
+/// Node subcommands.
+#[derive(Subcommand, Debug)]
+pub enum NodeCommand {
+    /// List the cluster's nodes: state, epoch, lease, load and sandboxes.
+    List {
+        /// The cluster's database (`postgres://USER@HOST/DATABASE`).
+        #[arg(long, env = "CUBICLE_DATABASE", value_name = "URL")]
+        database: String,
+        #[command(flatten)]
+        format: FormatArg,
+    },
+}
+
+pub fn run(cmd: NodeCommand) -> anyhow::Result<i32> {
+    match cmd {
+        NodeCommand::List { database, format } => {
+            let store = Store::open_url(&database).context("opening the cluster's database")?;
+            let now = cubicle_store::now_ms();
+            let nodes = store.nodes(now)?;
+            if format.is_json() {
+                let rows: Vec<serde_json::Value> = nodes.iter().map(|n| json(n, now)).collect();
+                print!("{}", output::json(&rows)?);
+            } else {
+                print!("{}", table(&nodes, now));
+            }
+            Ok(0)
+        }
+    }
+}
+
+fn json(n: &NodeRow, now: i64) -> serde_json::Value {
+    serde_json::json!({
+        "nodeID": n.id,
+        "address": n.address,
+        "state": n.state.as_str(),
+        "epoch": n.epoch,
+        "renewedMsAgo": now - n.renewed_at,
+        "leaseExpiresInMs": n.lease_expires_at - now,
+        "sandboxes": n.sandboxes,
+        "maxSandboxes": n.capacity.max_sandboxes,
+        "cpuUsed": n.cpu_used,
+        "cpuCount": n.capacity.cpu_count,
+        "memoryMBUsed": n.memory_mb_used,
+        "memoryMB": n.capacity.memory_mb,
+        "templates": n.templates,
+        "poolState": n.pool_state,
+    })
+}
+
+/// Seconds with one decimal (`2.5s`).
+fn secs(ms: i64) -> String {
+    format!("{:.1}s", ms as f64 / 1000.0)
+}
+
+fn table(nodes: &[NodeRow], now: i64) -> String {
+    output::table(
+        [
+            "NODE",
+            "STATE",
+            "EPOCH",
+            "RENEWED",
+            "LEASE",
+            "SANDBOXES",
+            "CPU",
+            "MEMORY MIB",
+            "ADDRESS",
+        ],
+        nodes.iter().map(|n| {
+            let left = n.lease_expires_at - now;
+            [
+                n.id.clone(),
+                n.state.as_str().to_string(),
+                n.epoch.to_string(),
+                format!("{} ago", secs(now - n.renewed_at)),
+                if left > 0 {
+                    format!("{} left", secs(left))
+                } else {
+                    format!("expired {} ago", secs(-left))
+                },
+                format!("{}/{}", n.sandboxes, n.capacity.max_sandboxes),
+                format!("{}/{}", n.cpu_used, n.capacity.cpu_count),
+                format!("{}/{}", n.memory_mb_used, n.capacity.memory_mb),
+                n.address.clone(),
+            ]
+        }),
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use cubicle_store::{NodeCapacity, NodeState};
+
+    #[test]
+    fn table_shows_state_lease_and_load() {
+        let n = NodeRow {
+            id: "n1".into(),
+            address: "http://10.0.0.5:3001".into(),
+            state: NodeState::Active,
+            epoch: 3,
+            capacity: NodeCapacity {
+                cpu_count: 16,
+                memory_mb: 32768,
+                max_sandboxes: 100,
+            },
+            templates: vec!["base".into()],
+            pool_state: serde_json::json!({}),
+            registered_at: 0,
+            renewed_at: 8_000,
+            lease_expires_at: 18_000,
+            lost_at: None,
+            sandboxes: 4,
+            cpu_used: 8,
+            memory_mb_used: 2048,
+        };
+        let t = table(std::slice::from_ref(&n), 10_000);
+        let line = t.lines().nth(1).unwrap();
+        for want in [
+            "n1",
+            "active",
+            "3",
+            "2.0s ago",
+            "8.0s left",
+            "4/100",
+            "8/16",
+            "2048/32768",
+        ] {
+            assert!(line.contains(want), "{want} in {line}");
+        }
+        let t = table(&[n], 20_000);
+        assert!(t.contains("expired 2.0s ago"), "{t}");
+    }
+}
