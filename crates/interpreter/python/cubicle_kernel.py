@@ -159,11 +159,17 @@ class Output(io.TextIOBase):
         if not isinstance(s, str):
             raise TypeError(f"write() argument must be str, not {type(s).__name__}")
         if s:
-            self._kernel.buffer_output(self.name, s)
+            if os.getpid() != self._kernel.pid:
+                # A forked child (multiprocessing): no flusher thread there; the pipe
+                # on this fd is the parent's, which sends what arrives.
+                os.write(self._fd, s.encode("utf-8", "replace"))
+            else:
+                self._kernel.buffer_output(self.name, s)
         return len(s)
 
     def flush(self):
-        self._kernel.flush_output()
+        if os.getpid() == self._kernel.pid:
+            self._kernel.flush_output()
 
 
 class Kernel:
@@ -188,6 +194,12 @@ class Kernel:
 
         # Everything touching iopub or the output buffers holds this lock.
         self.lock = threading.RLock()
+        self.pid = os.getpid()
+        self.main_thread = threading.get_ident()
+        # An interrupt that came while the main thread was sending a multipart message
+        # (raised once the message is out, so no half message is left on the socket).
+        self.in_send = False
+        self.interrupt_pending = False
         self.parent = b"{}"
         self.buffers = {"stdout": [], "stderr": []}
         self.first_buffered = None
@@ -213,9 +225,30 @@ class Kernel:
     # ---- iopub and output ----
 
     def publish(self, msg_type, content, parent=None):
-        frames = self.wire.pack(msg_type, content, self.parent if parent is None else parent)
+        if os.getpid() != self.pid:
+            return  # display() in a forked child: its sockets are the parent's
+        frames = [b"kernel." + msg_type.encode()] + self.wire.pack(
+            msg_type, content, self.parent if parent is None else parent
+        )
         with self.lock:
-            self.iopub.send_multipart([b"kernel." + msg_type.encode()] + frames)
+            if threading.get_ident() != self.main_thread:
+                self.iopub.send_multipart(frames)
+                return
+            self.in_send = True
+            try:
+                self.iopub.send_multipart(frames)
+            finally:
+                self.in_send = False
+            if self.interrupt_pending:
+                self.interrupt_pending = False
+                raise KeyboardInterrupt
+
+    def on_sigint(self, signum, frame):
+        """SIGINT while code runs: KeyboardInterrupt, deferred while a message is sent."""
+        if self.in_send:
+            self.interrupt_pending = True
+        else:
+            raise KeyboardInterrupt
 
     def buffer_output(self, name, text):
         with self.lock:
@@ -381,7 +414,8 @@ class Kernel:
         shell._last_traceback = None
         result = None
         try:
-            signal.signal(signal.SIGINT, signal.default_int_handler)
+            self.interrupt_pending = False
+            signal.signal(signal.SIGINT, self.on_sigint)
             try:
                 result = shell.run_cell(code, store_history=store_history, silent=silent)
             finally:

@@ -62,6 +62,21 @@ def test_fd_level_output_of_subprocesses_and_c_code(ci: Sandbox):
     assert "sub-err\n" in "".join(ex.logs.stderr)
 
 
+def test_output_of_forked_children(ci: Sandbox):
+    ex = ci.run_code(
+        "from multiprocessing import Pool\n"
+        "def sq(x):\n"
+        "    print('child', x)\n"
+        "    return x * x\n"
+        "with Pool(2) as p:\n"
+        "    r = p.map(sq, [1, 2, 3])\n"
+        "r"
+    )
+    assert ex.error is None, ex.error
+    assert ex.text == "[1, 4, 9]"
+    assert sorted("".join(ex.logs.stdout).splitlines()) == ["child 1", "child 2", "child 3"]
+
+
 def test_subprocess_output_arrives_while_the_cell_runs(ci: Sandbox):
     seen: list[tuple[float, str]] = []
     t0 = time.monotonic()
