@@ -136,6 +136,7 @@ class Output(io.TextIOBase):
     def __init__(self, kernel, name, fd):
         super().__init__()
         self._kernel, self.name, self._fd = kernel, name, fd
+        self._child = []  # text written by a forked child, not yet on the pipe
 
     @property
     def encoding(self):
@@ -160,16 +161,25 @@ class Output(io.TextIOBase):
             raise TypeError(f"write() argument must be str, not {type(s).__name__}")
         if s:
             if os.getpid() != self._kernel.pid:
-                # A forked child (multiprocessing): no flusher thread there; the pipe
-                # on this fd is the parent's, which sends what arrives.
-                os.write(self._fd, s.encode("utf-8", "replace"))
+                # A forked child (multiprocessing): no flusher thread there; whole lines
+                # go to the pipe on this fd (the parent's, which sends what arrives).
+                self._child.append(s)
+                if "\n" in s:
+                    self._write_child()
             else:
                 self._kernel.buffer_output(self.name, s)
         return len(s)
 
+    def _write_child(self):
+        data, self._child[:] = "".join(self._child).encode("utf-8", "replace"), []
+        while data:
+            data = data[os.write(self._fd, data) :]
+
     def flush(self):
         if os.getpid() == self._kernel.pid:
             self._kernel.flush_output()
+        elif self._child:
+            self._write_child()
 
 
 class Kernel:
