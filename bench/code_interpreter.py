@@ -10,7 +10,9 @@ measures on the `code-interpreter-v1` template:
                           then `--pace` seconds of pause, so that a warm pool refills:
                           run the server with `--pool code-interpreter-v1=N`)
 
-and prints p50 / p90 / p99 / max in milliseconds. Run it through the e2e launcher:
+and prints p50 / p90 / p99 / max in milliseconds, and the CPU time per `run_code("1+1")`
+of the Python kernel process (all its threads: `os.times()` in the kernel) and of
+`cubicle-interpreter` (its parent: `/proc/<ppid>/stat`) over the timed runs. Run it through the e2e launcher:
 
     sudo tests/e2e/serve/run.sh -- tests/e2e/.venv/bin/python bench/code_interpreter.py [--runs 500] [--creates 10] [--pace 3]
 
@@ -40,6 +42,19 @@ def report(name, xs):
     )
 
 
+# Run in the kernel: its own CPU seconds and its parent's (the interpreter), and its kind.
+CPU_PROBE = """
+import os as __o
+__t = __o.times()
+__s = open(f"/proc/{__o.getppid()}/stat").read().rsplit(")", 1)[1].split()
+(__t.user + __t.system, (int(__s[11]) + int(__s[12])) / __o.sysconf("SC_CLK_TCK"), type(get_ipython()).__module__)
+"""
+
+
+def cpu(s):
+    return eval(s.run_code(CPU_PROBE).text)  # noqa: S307 - a tuple literal from our own probe
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--runs", type=int, default=500)
@@ -53,15 +68,19 @@ def main():
         for _ in range(20):
             assert s.run_code("1+1").text == "2"
         rt = []
+        k0, i0, kind = cpu(s)
         for _ in range(a.runs):
             t0 = time.perf_counter()
             ex = s.run_code("1+1")
             rt.append((time.perf_counter() - t0) * 1000)
             assert ex.text == "2"
+        k1, i1, _ = cpu(s)
     finally:
         s.kill()
     if rt:
         report('run_code("1+1")', rt)
+        n = len(rt) + 1
+        print(f"CPU per run_code: kernel ({kind}) {(k1 - k0) / n * 1000:.2f} ms, interpreter {(i1 - i0) / n * 1000:.2f} ms")
 
     cf = []
     for _ in range(a.creates):

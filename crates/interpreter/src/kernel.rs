@@ -50,10 +50,17 @@ pub struct Launcher {
 
 impl Launcher {
     /// Kernels found in the kernelspec directories `dirs` (each holding `<name>/kernel.json`;
-    /// the first spec of a language wins), plus Deno's built-in kernel for JavaScript and
-    /// TypeScript when `deno` is given.
-    pub fn discover(dirs: &[PathBuf], deno: Option<&str>, runtime_dir: PathBuf) -> Launcher {
+    /// a spec named in `prefer` wins its language, else the first one in search order and
+    /// name order), plus Deno's built-in kernel for JavaScript and TypeScript when `deno`
+    /// is given.
+    pub fn discover(
+        dirs: &[PathBuf],
+        prefer: &[String],
+        deno: Option<&str>,
+        runtime_dir: PathBuf,
+    ) -> Launcher {
         let mut specs = BTreeMap::new();
+        let mut preferred = std::collections::BTreeSet::new();
         for dir in dirs {
             let Ok(rd) = std::fs::read_dir(dir) else {
                 continue;
@@ -64,7 +71,14 @@ impl Launcher {
                 let Some((lang, spec)) = read_spec(&d) else {
                     continue;
                 };
-                specs.entry(lang).or_insert(spec);
+                let named = d
+                    .file_name()
+                    .is_some_and(|n| prefer.iter().any(|p| n == p.as_str()));
+                if named && preferred.insert(lang.clone()) {
+                    specs.insert(lang, spec);
+                } else {
+                    specs.entry(lang).or_insert(spec);
+                }
             }
         }
         if let Some(deno) = deno {
@@ -495,7 +509,12 @@ mod tests {
             "broken",
             r#"{"argv": ["x"], "language": "broken"}"#,
         );
-        let l = Launcher::discover(&[venv.clone(), system], Some("/d/deno"), root.clone());
+        let l = Launcher::discover(
+            &[venv.clone(), system.clone()],
+            &[],
+            Some("/d/deno"),
+            root.clone(),
+        );
         assert_eq!(
             l.languages(),
             ["java", "javascript", "python", "r", "typescript"]
@@ -510,6 +529,14 @@ mod tests {
         assert_eq!(java.env["A"], "1");
         assert!(!l.specs["r"].interrupt_message);
         assert!(l.specs["javascript"].late_outputs && l.specs["typescript"].interrupt_message);
+        // A preferred spec wins its language wherever it is found.
+        let l = Launcher::discover(
+            &[venv.clone(), system],
+            &["python-other".to_string()],
+            None,
+            root.clone(),
+        );
+        assert_eq!(l.specs["python"].argv[0], "/other/python");
         std::fs::remove_dir_all(&root).unwrap();
     }
 }

@@ -42,6 +42,10 @@ struct Args {
         default_value = "/usr/local/share/jupyter/kernels,/usr/share/jupyter/kernels"
     )]
     kernel_dirs: Vec<PathBuf>,
+    /// Kernelspec names (directory names) that win their language over the others, e.g.
+    /// `python3-ipykernel` for ipykernel instead of the template's `cubicle_kernel`.
+    #[arg(long = "kernel", value_delimiter = ',')]
+    kernels: Vec<String>,
     /// Deno binary for JavaScript/TypeScript kernels (ignored if missing).
     #[arg(long, default_value = "/usr/local/bin/deno")]
     deno: String,
@@ -100,7 +104,7 @@ async fn main() -> anyhow::Result<()> {
     let deno = std::path::Path::new(&args.deno)
         .is_file()
         .then_some(args.deno.as_str());
-    let launcher = kernel::Launcher::discover(&dirs, deno, runtime_dir.clone());
+    let launcher = kernel::Launcher::discover(&dirs, &args.kernels, deno, runtime_dir.clone());
     tracing::info!("kernels: {}", launcher.languages().join(", "));
     let cwd = if std::path::Path::new(&args.cwd).is_dir() {
         args.cwd.clone()

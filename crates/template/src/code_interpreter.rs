@@ -6,8 +6,10 @@
 //! (R with IRkernel, whose kernelspec lands in `/usr/share/jupyter/kernels/ir`, and
 //! Debian's JDK for Java), `python3 -m venv` at [`VENV`] and `pip install`
 //! [`PIP_PACKAGES`] inside a private chroot (Debian's mirror and PyPI must be reachable),
-//! register the kernels (`ipykernel`, `bash_kernel`; `jjava` installs its own spec into
-//! the venv, its jar included, so nothing is fetched at run time), `npm install -g deno`
+//! register the kernels (`bash_kernel`; ipykernel as `python3-ipykernel`; `jjava` installs
+//! its own spec into the venv, its jar included, so nothing is fetched at run time), install
+//! Cubicle's own Python kernel ([`KERNEL_PY`], `cubicle_kernel` in the venv's
+//! site-packages) as the `python3` kernelspec, `npm install -g deno`
 //! (JavaScript/TypeScript via `deno jupyter --kernel`), and copy the statically
 //! linked `cubicle-interpreter` binary into `/usr/local/bin`.
 //!
@@ -39,7 +41,13 @@ pub const VENV: &str = "/opt/cubicle/venv";
 /// copy in `/usr/local/bin` (made at build time) is the fallback.
 pub const MOUNT_POINT: &str = "/run/cubicle/interpreter";
 /// Builder tag of templates made here (`TemplateConfig::builder`).
-pub const BUILDER: &str = "code-interpreter/3";
+pub const BUILDER: &str = "code-interpreter/4";
+/// Cubicle's Python kernel (one file, pyzmq + IPython's `InteractiveShell`, see
+/// docs/interpreter.md): module `cubicle_kernel` in the venv, kernelspec `python3`.
+pub const KERNEL_PY: &str = include_str!("../../interpreter/python/cubicle_kernel.py");
+/// Kernelspec name of ipykernel, kept installed as the fallback Python kernel
+/// (`cubicle-interpreter --kernel python3-ipykernel` selects it).
+pub const IPYKERNEL_SPEC: &str = "python3-ipykernel";
 /// The interpreter's port (E2B's).
 pub const READY_PORT: u16 = 49999;
 /// Deno (npm package `deno`), whose `deno jupyter --kernel` runs JavaScript/TypeScript.
@@ -135,7 +143,7 @@ pub fn build(rootfs: &Path, base: &super::Template, p: &Progress) -> Result<Temp
          rm -rf \"$R\"/var/lib/apt/lists/*\n\
          chroot \"$R\" python3 -m venv {VENV}\n\
          chroot \"$R\" {VENV}/bin/pip install --no-cache-dir --disable-pip-version-check -q {pkgs}\n\
-         chroot \"$R\" {VENV}/bin/python -m ipykernel install --prefix {VENV} >/dev/null\n\
+         chroot \"$R\" {VENV}/bin/python -m ipykernel install --prefix {VENV} --name {IPYKERNEL_SPEC} >/dev/null\n\
          chroot \"$R\" {VENV}/bin/python -m bash_kernel.install --prefix {VENV} >/dev/null\n\
          chroot \"$R\" {VENV}/bin/python -c 'import matplotlib.pyplot, pandas, numpy, PIL.Image, e2b_charts'\n\
          test -f \"$R\"{VENV}/share/jupyter/kernels/java/kernel.json\n\
@@ -174,6 +182,8 @@ pub fn build(rootfs: &Path, base: &super::Template, p: &Progress) -> Result<Temp
         other => other,
     })?;
 
+    install_kernel(rootfs)?;
+
     p.stage("installing cubicle-interpreter");
     let dest = rootfs.join("usr/local/bin").join(BIN_NAME);
     fs::copy(&bin, &dest).ctx("copy", &dest)?;
@@ -199,6 +209,34 @@ pub fn build(rootfs: &Path, base: &super::Template, p: &Progress) -> Result<Temp
     cfg.late_env = true;
     cfg.ready_port = Some(READY_PORT);
     Ok(cfg)
+}
+
+/// Install [`KERNEL_PY`] into the venv's site-packages and register it as the `python3`
+/// kernelspec (ipykernel's is [`IPYKERNEL_SPEC`]; the interpreter takes the first spec of a
+/// language in name order, so `python3` wins).
+fn install_kernel(rootfs: &Path) -> Result<()> {
+    let lib = rootfs.join(VENV.trim_start_matches('/')).join("lib");
+    let site = fs::read_dir(&lib)
+        .ctx("read_dir", &lib)?
+        .flatten()
+        .map(|e| e.path().join("site-packages"))
+        .find(|p| p.is_dir())
+        .ok_or_else(|| fail(format!("no site-packages under {}", lib.display())))?;
+    let module = site.join("cubicle_kernel.py");
+    fs::write(&module, KERNEL_PY).ctx("write", &module)?;
+    let spec_dir = rootfs
+        .join(VENV.trim_start_matches('/'))
+        .join("share/jupyter/kernels/python3");
+    fs::create_dir_all(&spec_dir).ctx("mkdir", &spec_dir)?;
+    let spec = serde_json::json!({
+        "argv": [format!("{VENV}/bin/python"), "-m", "cubicle_kernel", "-f", "{connection_file}"],
+        "display_name": "Python 3 (cubicle_kernel)",
+        "language": "python",
+        "interrupt_mode": "signal",
+    });
+    let path = spec_dir.join("kernel.json");
+    fs::write(&path, format!("{spec:#}\n")).ctx("write", &path)?;
+    Ok(())
 }
 
 /// The bind mount (host binary → [`MOUNT_POINT`], read-only) for a sandbox of a template
