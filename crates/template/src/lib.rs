@@ -31,6 +31,7 @@ pub mod fsutil;
 pub mod gc;
 pub mod layer;
 pub mod oci;
+pub mod pack;
 mod progress;
 pub mod provision;
 pub mod tiny;
