@@ -600,6 +600,26 @@ impl Inner {
         ))
     }
 
+    pub(crate) async fn release_moved(&self, id: &str) -> Result<()> {
+        let record = self.begin(id, Busy::Moving, &[SandboxState::Paused])?;
+        let (rt, i2, dir) = (self.runtime.clone(), id.to_string(), self.sandbox_dir(id));
+        // A paused sandbox has no processes, cgroup or network interface: only its
+        // directory and slot go. (No runtime teardown: on a shared host the node that
+        // took the sandbox over has a cgroup of the same name.)
+        if let Err(e) = blocking(move || rt.remove_dir(&i2, &dir)).await {
+            let _ = self.end(id, None);
+            return Err(e);
+        }
+        {
+            let mut st = self.lock();
+            st.live.remove(id);
+            st.slots.release(record.slot);
+        }
+        self.changed.notify_one();
+        tracing::info!(sandbox = %id, "paused sandbox released: it moved to another node");
+        Ok(())
+    }
+
     /// After a snapshot: push it when the node publishes snapshots (in the background;
     /// a failure is logged, the snapshot stays local).
     pub(crate) fn publish_snapshot(self: &Arc<Self>, snap: &SnapshotRecord) {
@@ -664,11 +684,18 @@ impl Node {
     }
 
     /// Publishes paused sandbox `id` (its record and directory: disk and memory), and
-    /// its template when the bucket lacks it. It stays paused here; whoever resumes it
-    /// elsewhere kills this copy (one owner: the cluster's leases).
+    /// its template when the bucket lacks it. It stays paused here until
+    /// [`Node::release_moved`] (once another node took it: one owner at a time).
     pub async fn push_paused(&self, id: &str) -> Result<MoveReport> {
         let (inner, id) = (self.inner.clone(), id.to_string());
         spawn(async move { inner.push_paused(&id).await }).await
+    }
+
+    /// Forgets paused sandbox `id` after another node took it over (its directory and
+    /// slot are freed; nothing is killed and no death is recorded: it lives on there).
+    pub async fn release_moved(&self, id: &str) -> Result<()> {
+        let (inner, id) = (self.inner.clone(), id.to_string());
+        spawn(async move { inner.release_moved(&id).await }).await
     }
 
     /// Takes paused sandbox `id` from the object store onto this node (a slot of its
