@@ -44,7 +44,7 @@ pub use cubicle_template::fsutil;
 pub use envd_client::{EnvdClient, ProcessEnd, ProcessEvent, ProcessSpec};
 pub use error::{Error, Result};
 pub use node::{
-    BlobRef, CHECKPOINT_DIR, MoveReport, Node, ObjectStoreConfig, PauseReport, PauseRequest,
+    BlobRef, CHECKPOINT_DIR, MoveReport, Mover, Node, ObjectStoreConfig, PauseReport, PauseRequest,
     PausedManifest, ResumeOutcome, SnapshotManifest, SnapshotReport, SnapshotRequest,
     TemplateManifest, layers_in_use_on_disk, records_on_disk, sandboxes_using_template,
 };

@@ -48,8 +48,12 @@ pub enum Error {
         source: object_store::Error,
     },
     /// A key that is not there.
-    #[error("object store {url}: no object {key}")]
-    NotFound { url: String, key: String },
+    #[error("object store {url}: {op} {key}: no such object")]
+    NotFound {
+        url: String,
+        op: &'static str,
+        key: String,
+    },
     /// A blob whose content does not match its digest (damaged in the store or on the
     /// way): nothing was installed from it.
     #[error(
@@ -99,6 +103,9 @@ impl std::fmt::Debug for Bucket {
     }
 }
 
+/// Longest one request to the store may take.
+const REQUEST_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(600);
+
 /// Bytes per part of a multipart upload.
 const PART_BYTES: usize = 16 << 20;
 
@@ -147,7 +154,12 @@ impl Bucket {
             }
             // reqwest's TLS needs a process-wide provider; ours is ring (as everywhere).
             let _ = rustls::crypto::ring::default_provider().install_default();
-            let mut b = object_store::aws::AmazonS3Builder::from_env().with_bucket_name(bucket);
+            // Completing a large multipart upload can take the server a while (it
+            // assembles the parts): allow it rather than retry into a vanished upload.
+            let options = object_store::ClientOptions::new().with_timeout(REQUEST_TIMEOUT);
+            let mut b = object_store::aws::AmazonS3Builder::from_env()
+                .with_bucket_name(bucket)
+                .with_client_options(options);
             let endpoint = std::env::var("AWS_ENDPOINT_URL_S3")
                 .or_else(|_| std::env::var("AWS_ENDPOINT_URL"))
                 .or_else(|_| std::env::var("AWS_ENDPOINT"))
@@ -175,7 +187,7 @@ impl Bucket {
 
     fn key(&self, key: &str) -> ObjPath {
         match &self.prefix {
-            Some(p) => p.clone().join(ObjPath::from(key).as_ref()),
+            Some(p) => ObjPath::from(format!("{p}/{key}")),
             None => ObjPath::from(key),
         }
     }
@@ -183,7 +195,7 @@ impl Bucket {
     fn store_err(&self, op: &'static str, key: &str) -> impl FnOnce(object_store::Error) -> Error {
         let (url, key) = (self.url.clone(), key.to_string());
         move |source| match source {
-            object_store::Error::NotFound { .. } => Error::NotFound { url, key },
+            object_store::Error::NotFound { .. } => Error::NotFound { url, op, key },
             source => Error::Store {
                 url,
                 op,
@@ -293,7 +305,16 @@ impl Bucket {
                 actual,
             });
         }
-        w.finish().await.map_err(self.store_err("put", &key))?;
+        if let Err(e) = w.finish().await {
+            // A completion retried after a slow first answer finds the upload gone
+            // although the object is complete: what counts is that the blob is there
+            // (its content is what the digest says: nobody writes other content there).
+            if self.exists(&key).await? {
+                tracing::debug!(%key, "upload completion reported {e}, but the blob is there");
+                return Ok(true);
+            }
+            return Err(self.store_err("put", &key)(e));
+        }
         Ok(true)
     }
 

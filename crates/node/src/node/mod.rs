@@ -44,7 +44,8 @@ pub(crate) mod stateful;
 pub(crate) mod teardown;
 
 pub use moving::{
-    BlobRef, MoveReport, ObjectStoreConfig, PausedManifest, SnapshotManifest, TemplateManifest,
+    BlobRef, MoveReport, Mover, ObjectStoreConfig, PausedManifest, SnapshotManifest,
+    TemplateManifest,
 };
 pub use stateful::{
     CHECKPOINT_DIR, DISCARDED_CHECKPOINT_PREFIX, PauseReport, PauseRequest, ResumeOutcome,

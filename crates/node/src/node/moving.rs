@@ -40,7 +40,7 @@ use super::stateful::{Busy, CHECKPOINT_DIR, DISCARDED_CHECKPOINT_PREFIX};
 use crate::error::{Error, IoContext, Result};
 use crate::sandbox::{PauseMode, SandboxInfo, SandboxRecord, SandboxState};
 use crate::snapshot::SnapshotRecord;
-use crate::template::{TemplateConfig, layer};
+use crate::template::{TemplateConfig, TemplateStore, layer};
 use crate::{fsutil, ids};
 
 /// Format of the manifests this version writes (and the only one it reads).
@@ -154,27 +154,34 @@ impl Drop for Scratch {
     }
 }
 
-impl Inner {
-    pub(crate) fn object_store(&self) -> Option<&ObjectStoreConfig> {
-        self.object_store.get()
+/// Packs, uploads, downloads and unpacks for one bucket, with a scratch directory for
+/// the archives on their way. The node uses one; `cubicle template push|pull` uses one
+/// on a state directory without a running node.
+#[derive(Debug, Clone)]
+pub struct Mover {
+    bucket: Bucket,
+    scratch_dir: PathBuf,
+}
+
+impl Mover {
+    /// A mover for `bucket` whose scratch files go to `<state_dir>/objstore-tmp`.
+    pub fn new(bucket: Bucket, state_dir: &std::path::Path) -> Self {
+        Mover {
+            bucket,
+            scratch_dir: state_dir.join(SCRATCH),
+        }
     }
 
-    fn bucket(&self) -> Result<Bucket> {
-        self.object_store()
-            .map(|c| c.bucket.clone())
-            .ok_or_else(|| {
-                Error::Unsupported(
-                    "this node has no object store (start it with --object-store URL)".into(),
-                )
-            })
+    /// The bucket.
+    pub fn bucket(&self) -> &Bucket {
+        &self.bucket
     }
 
     fn scratch(&self, what: &str) -> Result<Scratch> {
-        let dir = self.config.state_dir.join(SCRATCH);
-        std::fs::create_dir_all(&dir).ctx("mkdir", &dir)?;
+        let dir = &self.scratch_dir;
+        std::fs::create_dir_all(dir).ctx("mkdir", dir)?;
         use std::os::unix::fs::PermissionsExt;
-        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o700))
-            .ctx("chmod", &dir)?;
+        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700)).ctx("chmod", dir)?;
         Ok(Scratch(
             dir.join(format!("{what}-{}.tar", ids::random_suffix(12))),
         ))
@@ -203,15 +210,9 @@ impl Inner {
     }
 
     /// Uploads `file` as `blob` unless the bucket has it; adds to `report`.
-    async fn upload(
-        &self,
-        bucket: &Bucket,
-        file: &Scratch,
-        blob: &BlobRef,
-        report: &mut MoveReport,
-    ) -> Result<()> {
+    async fn upload(&self, file: &Scratch, blob: &BlobRef, report: &mut MoveReport) -> Result<()> {
         let t = Instant::now();
-        if bucket.put_blob(&blob.digest, &file.0).await? {
+        if self.bucket.put_blob(&blob.digest, &file.0).await? {
             report.blobs_moved += 1;
             report.bytes_moved += blob.size;
         }
@@ -222,27 +223,24 @@ impl Inner {
     /// Downloads `blob` into a scratch file, verified against its digest.
     async fn download(
         &self,
-        bucket: &Bucket,
         blob: &BlobRef,
         what: &str,
         report: &mut MoveReport,
     ) -> Result<Scratch> {
         let file = self.scratch(what)?;
         let t = Instant::now();
-        let n = bucket.get_blob(&blob.digest, &file.0).await?;
+        let n = self.bucket.get_blob(&blob.digest, &file.0).await?;
         report.transfer += t.elapsed();
         report.blobs_moved += 1;
         report.bytes_moved += n;
         Ok(file)
     }
 
-    // ---- templates ----
-
-    pub(crate) async fn push_template(&self, name: &str) -> Result<MoveReport> {
+    /// Publishes template `name` of `store`: its config and every layer the bucket lacks.
+    pub async fn push_template(&self, store: &TemplateStore, name: &str) -> Result<MoveReport> {
         let t0 = Instant::now();
-        let bucket = self.bucket()?;
-        let template = self
-            .templates
+        let bucket = &self.bucket;
+        let template = store
             .get(name)?
             .ok_or_else(|| crate::template::Error::TemplateNotFound(name.into()))?;
         let mut config = template.config.clone();
@@ -270,7 +268,7 @@ impl Inner {
                 continue;
             }
             let (file, blob) = self.pack(path, "layer", |_| false).await?;
-            self.upload(&bucket, &file, &blob, &mut report).await?;
+            self.upload(&file, &blob, &mut report).await?;
             blobs.push(blob);
         }
         let manifest = TemplateManifest {
@@ -285,11 +283,16 @@ impl Inner {
         Ok(report)
     }
 
-    /// Pulls template `name`; `Ok(None)` when the bucket has none of that name.
-    pub(crate) async fn pull_template(&self, name: &str) -> Result<Option<MoveReport>> {
+    /// Fetches template `name` into `store` (the layers it lacks) and installs it;
+    /// `Ok(None)` when the bucket has no template of that name.
+    pub async fn pull_template(
+        &self,
+        store: &TemplateStore,
+        name: &str,
+    ) -> Result<Option<MoveReport>> {
         let t0 = Instant::now();
         crate::template::validate_name(name)?;
-        let bucket = self.bucket()?;
+        let bucket = &self.bucket;
         let key = template_key(name);
         let Some(m) = bucket.get_json::<TemplateManifest>(&key).await? else {
             return Ok(None);
@@ -305,12 +308,12 @@ impl Inner {
         }
         let mut report = MoveReport::default();
         for (id, blob) in m.config.layers.iter().zip(&m.layers) {
-            if self.templates.layers().contains(id) {
+            if store.layers().contains(id) {
                 continue;
             }
-            let file = self.download(&bucket, blob, "layer", &mut report).await?;
+            let file = self.download(blob, "layer", &mut report).await?;
             let (store, id, source) = (
-                self.templates.clone(),
+                store.clone(),
                 id.clone(),
                 format!("object store {} sha256:{}", bucket.url(), blob.digest),
             );
@@ -323,13 +326,37 @@ impl Inner {
             })
             .await?;
         }
-        let store = self.templates.clone();
+        let store = store.clone();
         let config = m.config.clone();
         blocking(move || Ok(store.install(&config)?)).await?;
         report.took = t0.elapsed();
         tracing::info!(template = %name, bucket = %bucket.url(), blobs = report.blobs_moved,
             bytes = report.bytes_moved, took_ms = report.took.as_millis() as u64, "template pulled");
         Ok(Some(report))
+    }
+}
+
+impl Inner {
+    pub(crate) fn object_store(&self) -> Option<&ObjectStoreConfig> {
+        self.object_store.get()
+    }
+
+    fn mover(&self) -> Result<Mover> {
+        self.object_store()
+            .map(|c| Mover::new(c.bucket.clone(), &self.config.state_dir))
+            .ok_or_else(|| {
+                Error::Unsupported(
+                    "this node has no object store (start it with --object-store URL)".into(),
+                )
+            })
+    }
+
+    pub(crate) async fn push_template(&self, name: &str) -> Result<MoveReport> {
+        self.mover()?.push_template(&self.templates, name).await
+    }
+
+    pub(crate) async fn pull_template(&self, name: &str) -> Result<Option<MoveReport>> {
+        self.mover()?.pull_template(&self.templates, name).await
     }
 
     /// Makes sure template `name` with `layers` (empty: any build) is here, pulling it
@@ -366,7 +393,8 @@ impl Inner {
 
     pub(crate) async fn push_snapshot(&self, name: &str) -> Result<MoveReport> {
         let t0 = Instant::now();
-        let bucket = self.bucket()?;
+        let mover = self.mover()?;
+        let bucket = mover.bucket().clone();
         let snap = self
             .snapshots
             .find(name)
@@ -375,8 +403,8 @@ impl Inner {
             .await?;
         let dir = self.runtime.snapshot_dir(&snap.storage_name())?;
         let mut report = MoveReport::default();
-        let (file, blob) = self.pack(dir, "snapshot", skip_in_sandbox_dir).await?;
-        self.upload(&bucket, &file, &blob, &mut report).await?;
+        let (file, blob) = mover.pack(dir, "snapshot", skip_in_sandbox_dir).await?;
+        mover.upload(&file, &blob, &mut report).await?;
         let manifest = SnapshotManifest {
             format: FORMAT,
             record: snap.clone(),
@@ -399,7 +427,8 @@ impl Inner {
         if !SandboxId::is_valid(id) {
             return Ok(None);
         }
-        let bucket = self.bucket()?;
+        let mover = self.mover()?;
+        let bucket = mover.bucket().clone();
         let key = snapshot_key(id);
         let Some(m) = bucket.get_json::<SnapshotManifest>(&key).await? else {
             return Ok(None);
@@ -417,9 +446,7 @@ impl Inner {
         self.ensure_template_here(&m.record.base_template, &m.record.layers)
             .await?;
         let mut report = MoveReport::default();
-        let file = self
-            .download(&bucket, &m.data, "snapshot", &mut report)
-            .await?;
+        let file = mover.download(&m.data, "snapshot", &mut report).await?;
         // Unpacked into a scratch sandbox directory (quota, reconciled away after a
         // crash), then sealed as the snapshot and the scratch removed.
         let scratch_id = ids::new_sandbox_id();
@@ -462,19 +489,21 @@ impl Inner {
 
     pub(crate) async fn push_paused(&self, id: &str) -> Result<MoveReport> {
         let t0 = Instant::now();
-        let bucket = self.bucket()?;
+        let mover = self.mover()?;
+        let bucket = mover.bucket().clone();
         let record = self.begin(id, Busy::Moving, &[SandboxState::Paused])?;
         let packed = async {
             self.ensure_template_published(&bucket, record.rootfs_template())
                 .await?;
-            self.pack(self.sandbox_dir(id), "paused", skip_in_sandbox_dir)
+            mover
+                .pack(self.sandbox_dir(id), "paused", skip_in_sandbox_dir)
                 .await
         }
         .await;
         let _ = self.end(id, None);
         let (file, blob) = packed?;
         let mut report = MoveReport::default();
-        self.upload(&bucket, &file, &blob, &mut report).await?;
+        mover.upload(&file, &blob, &mut report).await?;
         let manifest = PausedManifest {
             format: FORMAT,
             record,
@@ -489,7 +518,8 @@ impl Inner {
 
     pub(crate) async fn pull_paused(&self, id: &str) -> Result<(SandboxInfo, MoveReport)> {
         let t0 = Instant::now();
-        let bucket = self.bucket()?;
+        let mover = self.mover()?;
+        let bucket = mover.bucket().clone();
         let sid = SandboxId::parse(id).map_err(|e| Error::InvalidRequest(e.to_string()))?;
         let key = paused_key(id);
         let m = bucket
@@ -515,9 +545,7 @@ impl Inner {
         self.ensure_template_here(m.record.rootfs_template(), &m.record.layers)
             .await?;
         let mut report = MoveReport::default();
-        let file = self
-            .download(&bucket, &m.data, "paused", &mut report)
-            .await?;
+        let file = mover.download(&m.data, "paused", &mut report).await?;
         // A slot of this node (its uid range and address), held busy until complete.
         let mut record = m.record.clone();
         {
