@@ -485,6 +485,11 @@ pub fn format_utc(secs: u64) -> String {
     )
 }
 
+fn mover(os: &ObjectStoreArg, state_dir: &Path) -> anyhow::Result<cubicle_node::Mover> {
+    let bucket = cubicle_node::objstore::Bucket::open(&os.url)?;
+    Ok(cubicle_node::Mover::new(bucket, state_dir))
+}
+
 #[cfg(test)]
 mod tests {
     use super::format_utc;
@@ -495,9 +500,4 @@ mod tests {
         assert_eq!(format_utc(951_782_400), "2000-02-29 00:00:00");
         assert_eq!(format_utc(1_796_038_282), "2026-11-30 11:31:22");
     }
-}
-
-fn mover(os: &ObjectStoreArg, state_dir: &Path) -> anyhow::Result<cubicle_node::Mover> {
-    let bucket = cubicle_node::objstore::Bucket::open(&os.url)?;
-    Ok(cubicle_node::Mover::new(bucket, state_dir))
 }

@@ -440,6 +440,14 @@ async fn steps(a: &Node, b: &Node, sb: &Path, url: &str, with_base: bool) -> any
 async fn base_resume_latency(a: &Node, b: &Node) -> anyhow::Result<()> {
     let s = a.create(common::base()).await?;
     sh(a, &s.id, "echo base > /root/mark").await?;
+    // For comparison: the same sandbox paused and resumed on its own node.
+    let full = PauseRequest {
+        memory: true,
+        require_healthy_guest: true,
+    };
+    a.pause(&s.id, full).await?;
+    let local = a.resume(&s.id, Duration::from_secs(120), true).await?;
+    println!("  base: resume on the same node: {:?}", local.took);
     a.pause(
         &s.id,
         PauseRequest {

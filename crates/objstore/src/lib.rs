@@ -45,7 +45,7 @@ pub enum Error {
         op: &'static str,
         key: String,
         #[source]
-        source: object_store::Error,
+        source: Box<object_store::Error>,
     },
     /// A key that is not there.
     #[error("object store {url}: {op} {key}: no such object")]
@@ -200,7 +200,7 @@ impl Bucket {
                 url,
                 op,
                 key,
-                source,
+                source: Box::new(source),
             },
         }
     }
