@@ -9,6 +9,8 @@
 #                                installed with `npm ci`
 #   tests/e2e/.venv-schemathesis schemathesis (tests/e2e/schemathesis-requirements.txt):
 #                                fuzzes the server from its OpenAPI description
+#   tests/e2e/.venv-s3           moto's S3-compatible server (tests/e2e/s3-requirements.txt)
+#                                for the object-store tests (crates/node/tests/moving.rs)
 #
 # Idempotent: each part is skipped when a stamp shows it was installed from the
 # same pin file and the SDK reports the expected version.
@@ -57,6 +59,22 @@ else
   "$ST_VENV/bin/pip" install --disable-pip-version-check -q -r "$ST_REQ"
   echo "$st_want" >"$st_stamp"
   echo "install-test-deps: installed $("$ST_VENV/bin/schemathesis" --version 2>/dev/null | head -n1)"
+fi
+
+# --- S3-compatible test server (its own venv) -------------------------------------
+S3_VENV="$E2E/.venv-s3"
+S3_REQ="$E2E/s3-requirements.txt"
+s3_stamp="$S3_VENV/.cubicle-deps"
+s3_want="$(hash_of "$S3_REQ")"
+if [[ -x "$S3_VENV/bin/moto_server" && -f "$s3_stamp" && "$(cat "$s3_stamp")" == "$s3_want" ]]; then
+  echo "install-test-deps: s3 test server venv up to date"
+else
+  echo "install-test-deps: creating $S3_VENV"
+  rm -rf "$S3_VENV"
+  "$PYTHON" -m venv "$S3_VENV"
+  "$S3_VENV/bin/pip" install --disable-pip-version-check -q -r "$S3_REQ"
+  echo "$s3_want" >"$s3_stamp"
+  echo "install-test-deps: installed moto $("$S3_VENV/bin/python" -c "import importlib.metadata as m; print(m.version('moto'))")"
 fi
 
 # --- JavaScript -----------------------------------------------------------

@@ -67,7 +67,8 @@ t_start=$(date +%s)
 banner "dependencies"
 bash scripts/install-deps.sh
 record "install-deps" $?
-if wants python || wants js || wants serve; then
+# (cargo: the object-store tests start moto's S3 server from tests/e2e/.venv-s3.)
+if wants python || wants js || wants serve || wants cargo; then
   bash scripts/install-test-deps.sh
   record "install-test-deps" $?
 fi

@@ -42,6 +42,7 @@ pub use criu::{Criu, DEFAULT_CRIU};
 pub use dump::{DUMP_LOG, DumpReport, DumpRequest, dump};
 pub use error::{Error, Result};
 pub use meta::{META_FILE, Meta, Stdio};
+pub use rebase::rebase_owners;
 pub use restore::{RESTORE_LOG, RestoreRequest, Restored, restore};
 
 /// If this process was started as a helper of this crate or of `cubicle-runtime`

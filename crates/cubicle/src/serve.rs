@@ -166,6 +166,15 @@ pub struct ServeArgs {
     /// network, e.g. 127.0.0.1:9464). On the main listener `/metrics` needs an admin key.
     #[arg(long, env = "CUBICLE_METRICS_LISTEN", value_name = "ADDR:PORT")]
     pub metrics_listen: Option<SocketAddr>,
+    /// Object store that templates, snapshots and paused sandboxes move through between
+    /// nodes (docs/cluster.md, "Moving state"): `s3://bucket/prefix` (endpoint, region,
+    /// credentials from the AWS_* environment variables) or `file:///dir`. A create
+    /// naming a template or snapshot this node lacks fetches it from there. Unset: none.
+    #[arg(long, env = "CUBICLE_OBJECT_STORE", value_name = "URL")]
+    pub object_store: Option<String>,
+    /// Push every snapshot to the object store once it is taken.
+    #[arg(long, env = "CUBICLE_PUBLISH_SNAPSHOTS", requires = "object_store")]
+    pub publish_snapshots: bool,
     /// Webhook deliveries: attempts after a failed one (E2B: 3).
     #[arg(
         long,
@@ -390,6 +399,14 @@ pub async fn run(
         .with_context(|| format!("opening the node on {}", state_dir.display()))?;
     let report = node.reconcile_report();
     tracing::info!(?report, "node reconciled");
+    if let Some(url) = &args.object_store {
+        let bucket = cubicle_node::objstore::Bucket::open(url)?;
+        node.set_object_store(cubicle_node::ObjectStoreConfig {
+            bucket,
+            publish_snapshots: args.publish_snapshots,
+        });
+        tracing::info!(object_store = %url, "object store set");
+    }
 
     if !args.no_build_templates {
         for name in DEFAULT_TEMPLATES {

@@ -87,6 +87,37 @@ pub enum TemplateCommand {
     },
     /// Remove layers no template, running sandbox or recent build needs.
     Gc,
+    /// Publish a template to the object store (its config and every layer the store
+    /// lacks), so that every node can use it (docs/cluster.md, "Moving state").
+    Push {
+        /// Template name.
+        name: String,
+        /// The object store.
+        #[command(flatten)]
+        store: ObjectStoreArg,
+    },
+    /// Fetch a template from the object store into this state directory (the layers it
+    /// lacks, each checked against its digest) and install it.
+    Pull {
+        /// Template name.
+        name: String,
+        /// The object store.
+        #[command(flatten)]
+        store: ObjectStoreArg,
+    },
+}
+
+/// Which object store (`push`, `pull`).
+#[derive(clap::Args, Debug)]
+pub struct ObjectStoreArg {
+    /// `s3://bucket/prefix` (endpoint, region and credentials from the AWS_* environment
+    /// variables) or `file:///dir`.
+    #[arg(
+        long = "object-store",
+        env = "CUBICLE_OBJECT_STORE",
+        value_name = "URL"
+    )]
+    pub url: String,
 }
 
 /// Where the server is (for `build -f`).
@@ -146,6 +177,32 @@ pub async fn run(state_dir: &Path, cmd: TemplateCommand) -> anyhow::Result<i32> 
     let store = TemplateStore::open(state_dir)
         .with_context(|| format!("opening {}", state_dir.display()))?;
     match cmd {
+        TemplateCommand::Push { name, store: os } => {
+            let mover = mover(&os, state_dir)?;
+            let r = mover.push_template(&store, &name).await?;
+            println!(
+                "{name} pushed to {}: {} layer(s) uploaded ({}) in {:.1}s",
+                os.url,
+                r.blobs_moved,
+                human_size(r.bytes_moved),
+                r.took.as_secs_f64()
+            );
+            return Ok(0);
+        }
+        TemplateCommand::Pull { name, store: os } => {
+            let mover = mover(&os, state_dir)?;
+            let Some(r) = mover.pull_template(&store, &name).await? else {
+                bail!("no template '{name}' in {}", os.url);
+            };
+            println!(
+                "{name} pulled from {}: {} layer(s) downloaded ({}) in {:.1}s",
+                os.url,
+                r.blobs_moved,
+                human_size(r.bytes_moved),
+                r.took.as_secs_f64()
+            );
+            return Ok(0);
+        }
         // (`file: None` here: `-f` returned above.)
         TemplateCommand::Build { name, force, .. } => {
             let t = tokio::task::spawn_blocking(move || store.build(&name, force, true)).await??;
@@ -426,6 +483,11 @@ pub fn format_utc(secs: u64) -> String {
         rem % 3600 / 60,
         rem % 60
     )
+}
+
+fn mover(os: &ObjectStoreArg, state_dir: &Path) -> anyhow::Result<cubicle_node::Mover> {
+    let bucket = cubicle_node::objstore::Bucket::open(&os.url)?;
+    Ok(cubicle_node::Mover::new(bucket, state_dir))
 }
 
 #[cfg(test)]

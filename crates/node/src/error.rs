@@ -78,6 +78,12 @@ pub enum Error {
     /// This node cannot do it (e.g. no CRIU installed); the message says what to do.
     #[error("{0}")]
     Unsupported(String),
+    /// The object store failed (or holds a damaged blob: nothing was installed).
+    #[error(transparent)]
+    ObjectStore(#[from] cubicle_objstore::Error),
+    /// What was asked for is neither on this node nor in the object store.
+    #[error("{0}")]
+    NotPublished(String),
     /// A snapshot that does not exist.
     #[error("snapshot '{0}' not found")]
     SnapshotNotFound(String),

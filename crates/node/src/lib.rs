@@ -37,14 +37,16 @@ pub mod volume;
 pub use config::{NetworkOptions, NodeConfig, default_state_dir};
 pub use cubicle_egress::policy as network_policy;
 pub use cubicle_egress::{NetEvent, NetworkPolicy, SecretSource, allow_list, check_ca_pem};
+pub use cubicle_objstore as objstore;
 pub use cubicle_runtime::SandboxId;
 pub use cubicle_template as template;
 pub use cubicle_template::fsutil;
 pub use envd_client::{EnvdClient, ProcessEnd, ProcessEvent, ProcessSpec};
 pub use error::{Error, Result};
 pub use node::{
-    CHECKPOINT_DIR, Node, PauseReport, PauseRequest, ResumeOutcome, SnapshotReport,
-    SnapshotRequest, layers_in_use_on_disk, records_on_disk, sandboxes_using_template,
+    BlobRef, CHECKPOINT_DIR, MoveReport, Mover, Node, ObjectStoreConfig, PauseReport, PauseRequest,
+    PausedManifest, ResumeOutcome, SnapshotManifest, SnapshotReport, SnapshotRequest,
+    TemplateManifest, layers_in_use_on_disk, records_on_disk, sandboxes_using_template,
 };
 pub use pool::{PoolStats, parse_pool_spec};
 pub use sandbox::{

@@ -673,6 +673,14 @@ impl SandboxRuntime for LinuxRuntime {
         Ok(())
     }
 
+    fn seal_snapshot(&self, id: &str, snapshot: &str) -> Result<()> {
+        let st = self.storage()?;
+        let id = SandboxId::parse(id).map_err(|e| rt_err("sandbox directory", e))?;
+        st.snapshot_sandbox_dir(&id, snapshot)
+            .map(drop)
+            .map_err(|e| rt_err(&format!("snapshot {snapshot} of {id}"), e))
+    }
+
     fn snapshot_dir(&self, snapshot: &str) -> Result<std::path::PathBuf> {
         Ok(self.storage()?.root().join(snapshot))
     }

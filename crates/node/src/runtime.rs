@@ -257,6 +257,16 @@ pub trait SandboxRuntime: Send + Sync + 'static {
         ))
     }
 
+    /// Makes snapshot `snapshot` a copy-on-write copy of the directory of sandbox `id`,
+    /// which runs nothing (a snapshot pulled from the object store is unpacked into a
+    /// scratch sandbox directory first, then sealed as a snapshot with this).
+    fn seal_snapshot(&self, id: &str, snapshot: &str) -> Result<()> {
+        let _ = (id, snapshot);
+        Err(crate::error::Error::Unsupported(
+            "this runtime has no snapshots".into(),
+        ))
+    }
+
     /// The directory of snapshot `snapshot`.
     fn snapshot_dir(&self, snapshot: &str) -> Result<std::path::PathBuf> {
         let _ = snapshot;

@@ -31,6 +31,7 @@ pub mod fsutil;
 pub mod gc;
 pub mod layer;
 pub mod oci;
+pub mod pack;
 mod progress;
 pub mod provision;
 pub mod tiny;
@@ -422,6 +423,27 @@ impl TemplateStore {
             "template '{name}' built ({})",
             human_size(config.size_bytes)
         ));
+        self.get(name)?
+            .ok_or_else(|| Error::TemplateNotFound(name.to_string()))
+    }
+
+    /// Installs `config` (a template another node built, whose layers are all in this
+    /// store now) as the `default` build of its name, replacing what was there.
+    pub fn install(&self, config: &TemplateConfig) -> Result<Template> {
+        let name = config.name.as_str();
+        validate_name(name)?;
+        if config.layers.is_empty() {
+            return Err(Error::InvalidRequest(format!(
+                "template '{name}' names no layers"
+            )));
+        }
+        for id in &config.layers {
+            if !self.layers.contains(id) {
+                return Err(Error::LayerMissing(id.clone()));
+            }
+        }
+        let _lock = self.lock(name)?;
+        self.write_default(name, config)?;
         self.get(name)?
             .ok_or_else(|| Error::TemplateNotFound(name.to_string()))
     }

@@ -30,7 +30,7 @@ use crate::fsutil;
 /// Prefix of an OCI whiteout file name.
 const WHITEOUT_PREFIX: &str = ".wh.";
 /// Name of the OCI opaque-directory marker.
-const OPAQUE_MARKER: &str = ".wh..wh..opq";
+pub const OPAQUE_MARKER: &str = ".wh..wh..opq";
 /// The overlayfs xattr (userxattr mode) that makes a directory opaque.
 pub const OPAQUE_XATTR: &str = "user.overlay.opaque";
 

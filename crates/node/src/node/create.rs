@@ -55,6 +55,15 @@ impl Inner {
         // use of a built-in) goes to the blocking pool.
         let template = match inner.templates.get(reference)? {
             Some(t) => t,
+            // Not here: published by another node? (Only with an object store.)
+            None if inner.object_store().is_some()
+                && inner.pull_template(reference).await?.is_some() =>
+            {
+                inner
+                    .templates
+                    .get(reference)?
+                    .ok_or_else(|| crate::template::Error::TemplateNotFound(reference.into()))?
+            }
             None => {
                 let store = inner.templates.clone();
                 let name = reference.to_string();

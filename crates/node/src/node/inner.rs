@@ -52,6 +52,9 @@ pub(crate) struct Inner {
     pub(crate) snapshots: crate::snapshot::SnapshotStore,
     /// Called before a sandbox is checkpointed or stopped (see `Node::on_checkpoint`).
     pub(crate) on_checkpoint: std::sync::OnceLock<CheckpointHook>,
+    /// The object store templates, snapshots and paused sandboxes move through
+    /// (`moving.rs`); unset: none.
+    pub(crate) object_store: std::sync::OnceLock<super::moving::ObjectStoreConfig>,
 }
 
 /// Called with a sandbox's id before it is checkpointed or stopped (`Node::on_checkpoint`).

@@ -38,10 +38,15 @@ use crate::{fsutil, procfs};
 
 pub(crate) mod create;
 pub(crate) mod inner;
+pub(crate) mod moving;
 mod network;
 pub(crate) mod stateful;
 pub(crate) mod teardown;
 
+pub use moving::{
+    BlobRef, MoveReport, Mover, ObjectStoreConfig, PausedManifest, SnapshotManifest,
+    TemplateManifest,
+};
 pub use stateful::{
     CHECKPOINT_DIR, DISCARDED_CHECKPOINT_PREFIX, PauseReport, PauseRequest, ResumeOutcome,
     SnapshotReport, SnapshotRequest,
@@ -130,6 +135,7 @@ impl Node {
             pool: crate::pool::Pool::new(&config),
             snapshots: crate::snapshot::SnapshotStore::open(&state_dir)?,
             on_checkpoint: std::sync::OnceLock::new(),
+            object_store: std::sync::OnceLock::new(),
             config,
         });
         let node = Node { inner };
@@ -261,7 +267,16 @@ impl Node {
         let inner = self.inner.clone();
         tokio::spawn(async move {
             let t0 = Instant::now();
-            if let Some(snap) = inner.snapshots.find(&req.template).filter(|s| !s.hidden) {
+            let mut snap = inner.snapshots.find(&req.template).filter(|s| !s.hidden);
+            if snap.is_none()
+                && inner.object_store().is_some()
+                && crate::template::validate_name(&req.template).is_ok()
+                && inner.templates.get(&req.template)?.is_none()
+            {
+                // A snapshot taken on another node and published?
+                snap = inner.pull_snapshot(&req.template).await?.map(|(s, _)| s);
+            }
+            if let Some(snap) = snap {
                 let id = match &req.id {
                     Some(id) if let Ok(id) = SandboxId::parse(id) => id,
                     Some(id) => {

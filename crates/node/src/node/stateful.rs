@@ -72,6 +72,8 @@ pub(crate) enum Busy {
     Resuming,
     Snapshotting,
     RollingBack,
+    /// Pushed to or pulled from the object store (`moving.rs`).
+    Moving,
 }
 
 impl Busy {
@@ -81,6 +83,7 @@ impl Busy {
             Busy::Resuming => "being resumed",
             Busy::Snapshotting => "being snapshotted",
             Busy::RollingBack => "being rolled back",
+            Busy::Moving => "being moved through the object store",
         }
     }
 }
@@ -147,7 +150,12 @@ fn conflict(id: &str, why: &str) -> Error {
 
 impl Inner {
     /// Marks `id` busy with `what` if its state is one of `allowed`; returns its record.
-    fn begin(&self, id: &str, what: Busy, allowed: &[SandboxState]) -> Result<SandboxRecord> {
+    pub(super) fn begin(
+        &self,
+        id: &str,
+        what: Busy,
+        allowed: &[SandboxState],
+    ) -> Result<SandboxRecord> {
         let mut st = self.lock();
         let live = st
             .live
@@ -179,7 +187,7 @@ impl Inner {
     }
 
     /// Ends a busy period; with `record`, stores it (memory and disk).
-    fn end(&self, id: &str, record: Option<&SandboxRecord>) -> Result<()> {
+    pub(super) fn end(&self, id: &str, record: Option<&SandboxRecord>) -> Result<()> {
         // The busy mark goes whatever happens to the write (e.g. a full disk).
         let written = match record {
             Some(r) => fsutil::write_json_atomic(&self.sandbox_dir(id).join("sandbox.json"), r)
@@ -565,8 +573,11 @@ impl Inner {
         let res = self.snapshot_busy(&record, req, hidden, t0).await;
         self.end(id, None)?;
         match &res {
-            Ok(r) => tracing::info!(sandbox = %id, snapshot = %r.snapshot.id,
-                frozen_us = r.frozen.as_micros() as u64, total_us = r.total.as_micros() as u64, "snapshot taken"),
+            Ok(r) => {
+                tracing::info!(sandbox = %id, snapshot = %r.snapshot.id,
+                    frozen_us = r.frozen.as_micros() as u64, total_us = r.total.as_micros() as u64, "snapshot taken");
+                self.publish_snapshot(&r.snapshot);
+            }
             Err(e) => tracing::warn!(sandbox = %id, "snapshot failed: {e}"),
         }
         res
