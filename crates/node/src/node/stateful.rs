@@ -86,7 +86,7 @@ impl Busy {
 }
 
 /// How to pause.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone, Copy, serde::Serialize, serde::Deserialize)]
 pub struct PauseRequest {
     /// Keep memory and processes (`full`); false: disk only.
     pub memory: bool,
@@ -95,7 +95,7 @@ pub struct PauseRequest {
 }
 
 /// How a pause went.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
 pub struct PauseReport {
     /// How long the sandbox was stopped before its processes were gone (0 for a
     /// filesystem pause).
@@ -109,7 +109,7 @@ pub struct PauseReport {
 }
 
 /// What [`Node::resume`](super::Node::resume) found and did.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
 pub struct ResumeOutcome {
     /// The sandbox now.
     pub info: SandboxInfo,
@@ -120,7 +120,7 @@ pub struct ResumeOutcome {
 }
 
 /// What to snapshot.
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone, Default, serde::Serialize, serde::Deserialize)]
 pub struct SnapshotRequest {
     /// Names it answers to besides its id (e.g. `team/name:tag`).
     pub names: Vec<String>,
@@ -131,7 +131,7 @@ pub struct SnapshotRequest {
 }
 
 /// How a snapshot went.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
 pub struct SnapshotReport {
     /// The snapshot.
     pub snapshot: SnapshotRecord,
