@@ -19,12 +19,16 @@
 #      namespace with state dir /var/lib/cubicle-e2e (templates built once per machine),
 #      the Python (sync + async) and JS SDKs run against it with only E2B_API_URL,
 #      E2B_SANDBOX_URL, E2B_API_KEY set, then the server is stopped and the host checked
-#      for leftovers.
+#      for leftovers;
+#   7. the cluster roles check (tests/e2e/cluster/run.sh): one `cubicle node` and one API
+#      replica (`cubicle serve --node`) in a private network namespace, the Python SDK's
+#      core paths through the replica, then the node killed (E2B-shaped errors).
 # Every suite runs even if an earlier one failed; the exit status is non-zero if
 # any step failed. Each runner prints its own summary; a recap follows at the end.
 #
 # Environment knobs (all optional):
-#   CUBICLE_TEST_SUITES   space-separated subset of "lint cargo python js serve" (default: all)
+#   CUBICLE_TEST_SUITES   space-separated subset of "lint cargo python js serve cluster"
+#                         (default: all)
 #   CUBICLE_PYTEST_ARGS   extra pytest arguments (e.g. "-k files -x")
 #   CUBICLE_E2E_TIMEOUT   per-e2e-suite time limit in seconds (default 1200)
 #   CUBICLE_SERVE_E2E_TIMEOUT  time limit of the whole serve suite (default 5400: the first
@@ -40,7 +44,7 @@ for fd in /proc/$$/fd/*; do
   fd=${fd##*/}
   if ((fd > 2 && fd != 255)); then eval "exec $fd>&-" 2>/dev/null || true; fi
 done
-SUITES=${CUBICLE_TEST_SUITES:-lint cargo python js serve}
+SUITES=${CUBICLE_TEST_SUITES:-lint cargo python js serve cluster}
 E2E_TIMEOUT=${CUBICLE_E2E_TIMEOUT:-1200}
 
 if [[ $(id -u) -ne 0 ]]; then
@@ -68,7 +72,7 @@ banner "dependencies"
 bash scripts/install-deps.sh
 record "install-deps" $?
 # (cargo: the object-store tests start moto's S3 server from tests/e2e/.venv-s3.)
-if wants python || wants js || wants serve || wants cargo; then
+if wants python || wants js || wants serve || wants cluster || wants cargo; then
   bash scripts/install-test-deps.sh
   record "install-test-deps" $?
 fi
@@ -156,6 +160,24 @@ if wants serve; then
       CUBICLE_ENVD_BIN="$ROOT/target/x86_64-unknown-linux-gnu/debug/cubicle-envd" \
       timeout --kill-after=90 "${CUBICLE_SERVE_E2E_TIMEOUT:-5400}" tests/e2e/serve/run.sh
     record "e2e serve" $?
+  fi
+fi
+
+if wants cluster; then
+  banner "e2e cluster (cubicle node + an API replica, e2b python)"
+  if [[ $build_rc -ne 0 ]]; then
+    echo "skipped: the workspace did not build"
+    record "e2e cluster" 1
+  elif ! bash scripts/build-envd.sh; then
+    record "e2e cluster (static envd build)" 1
+  else
+    # The serve suite's state dir (its templates are built there; the serve suite's
+    # server has stopped by now) on its own slots (21000+, serve's are 20000+).
+    CUBICLE_BIN="$ROOT/target/debug/cubicle" \
+      CUBICLE_ENVD_BIN="$ROOT/target/x86_64-unknown-linux-gnu/debug/cubicle-envd" \
+      CUBICLE_E2E_STATE_DIR=/var/lib/cubicle-e2e \
+      timeout --kill-after=30 "${CUBICLE_E2E_TIMEOUT}" tests/e2e/cluster/run.sh
+    record "e2e cluster" $?
   fi
 fi
 

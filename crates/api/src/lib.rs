@@ -28,6 +28,7 @@
 #![forbid(unsafe_code)]
 
 pub mod backend;
+pub mod cluster;
 pub mod commands;
 pub mod dashboard;
 pub mod error;

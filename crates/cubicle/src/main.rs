@@ -16,6 +16,7 @@ mod config;
 mod context;
 mod exit;
 mod node_cmd;
+mod node_serve;
 mod output;
 mod run;
 mod sandbox_cmd;
@@ -90,6 +91,11 @@ enum Command {
     },
     /// Run the E2B-compatible server: REST API and data plane on one listener.
     Serve(serve::ServeArgs),
+    /// Run one sandbox host of a cluster (no subcommand): a node serving the node-side
+    /// API that API replicas (`cubicle serve --node http://HOST:PORT`) call; `list`: the
+    /// cluster's nodes, from its database (docs/cluster.md).
+    #[command(args_conflicts_with_subcommands = true, subcommand_negates_reqs = true)]
+    Node(node_serve::NodeCli),
     /// Print the admin API key (no subcommand); create, list and revoke keys (in the
     /// state directory's database).
     Apikey {
@@ -98,11 +104,6 @@ enum Command {
         database: Option<String>,
         #[command(subcommand)]
         command: Option<apikey_cmd::ApikeyCommand>,
-    },
-    /// The cluster's nodes, from its database (docs/cluster.md).
-    Node {
-        #[command(subcommand)]
-        command: node_cmd::NodeCommand,
     },
     /// Install `cubicle serve` as a systemd service (sandboxes survive its restarts).
     Service {
@@ -146,6 +147,8 @@ impl Command {
             | Command::Local { .. }
             | Command::Serve(_)
             | Command::Service { .. } => true,
+            // Running a node does; `cubicle node list` reads the database.
+            Command::Node(cli) => cli.command.is_none(),
             Command::Template { command } => {
                 !matches!(command, template_cmd::TemplateCommand::List)
             }
@@ -195,7 +198,7 @@ fn parse_cli() -> Cli {
 }
 
 fn init_logging(cli: &Cli) {
-    let default = if matches!(cli.command, Command::Serve(_)) {
+    let default = if matches!(cli.command, Command::Serve(_) | Command::Node(_)) {
         "info"
     } else {
         "warn"
@@ -317,15 +320,16 @@ async fn dispatch(cli: Cli) -> anyhow::Result<i32> {
         Command::Volume(args) => client::run_volume(args, &cli.state_dir).await,
         Command::Local { command } => sandbox_cmd::run(&opts, command).await,
         Command::Serve(args) => serve::run(opts, args, cli.log_format).await,
+        Command::Node(cli) => match cli.command {
+            None => node_serve::run(opts, cli.run).await,
+            Some(command) => tokio::task::spawn_blocking(move || node_cmd::run(command)).await?,
+        },
         Command::Service { command } => service_cmd::run(&cli.state_dir, command),
         Command::Bench(args) => bench::run(args, cli.envd_binary.as_ref()).await,
         Command::Apikey { database, command } => {
             let dir = cli.state_dir.clone();
             tokio::task::spawn_blocking(move || apikey_cmd::run(&dir, database.as_deref(), command))
                 .await?
-        }
-        Command::Node { command } => {
-            tokio::task::spawn_blocking(move || node_cmd::run(command)).await?
         }
     }
 }

@@ -217,6 +217,20 @@ pub struct ServeArgs {
         value_name = "HOST:PORT"
     )]
     pub insecure_registries: Vec<String>,
+    /// Run as an API replica of a cluster: no node in this process; sandboxes are
+    /// created on these `cubicle node`s (comma-separated or repeated), and the data plane
+    /// relays to the node that runs each sandbox. Needs --node-token-file. The node
+    /// options of this command (pools, network, slots) then do not apply.
+    #[arg(
+        long = "node",
+        env = "CUBICLE_NODES",
+        value_delimiter = ',',
+        value_name = "http://HOST:PORT"
+    )]
+    pub nodes: Vec<String>,
+    /// The cluster's node token (the file `cubicle node --node-token-file` reads).
+    #[arg(long, env = "CUBICLE_NODE_TOKEN_FILE", value_name = "FILE")]
+    pub node_token_file: Option<PathBuf>,
     #[command(flatten)]
     pub network: NetworkArgs,
 }
@@ -354,73 +368,103 @@ pub async fn run(
         _ => None,
     };
     let state_dir = &env.state_dir;
-    let envd = cubicle_node::config::find_envd_binary(env.envd_binary.clone())?;
-    let mut config = env.config(envd);
-    config.template_progress = log_format == crate::LogFormat::Text;
-    config.default_timeout = Duration::from_secs(args.default_timeout);
-    config.pool = match &args.pool {
-        Some(p) => p.clone(),
-        // Only when base will be there at ready time (built now, or already): a pool
-        // must not make a `--no-build-templates` start build it in the background.
-        None if !args.no_build_templates
-            || state_dir.join("templates/base/template.json").exists() =>
-        {
-            default_pool(cubicle_node::host::memory_total())
-        }
-        None => BTreeMap::new(),
-    };
-    config.pool_memory_mb = args.pool_memory_mb;
-    config.network = args.network.options();
-    if !config.pool.is_empty() {
-        tracing::info!(pool = ?config.pool, "warm pools");
-    }
-    // Template builds are counted from the first one on (the default templates below
-    // are built before the metrics exist: they are kept until then).
-    let builds = Arc::new(std::sync::Mutex::new(BuildSink::Early(Vec::new())));
-    {
-        let builds = builds.clone();
-        cubicle_node::template::observe_builds(Box::new(move |name, ok, took| {
-            tracing::info!(
-                template = name,
-                ok,
-                seconds = took.as_secs_f64(),
-                "template build finished"
+    // An API replica of a cluster: the sandboxes live on `cubicle node`s.
+    let remote = if args.nodes.is_empty() {
+        None
+    } else {
+        let Some(token_file) = &args.node_token_file else {
+            anyhow::bail!(
+                "--node needs --node-token-file (the file the nodes read the cluster's node token from)"
             );
-            match &mut *builds.lock().unwrap_or_else(|p| p.into_inner()) {
-                BuildSink::Early(v) => v.push((ok, took)),
-                BuildSink::Ready(t) => t.template_build(ok, took),
-            }
-        }));
-    }
-    // DELETE answers once the sandbox is dead; cgroups/veth/quota go in the background.
-    config.async_teardown = true;
-    let node = Node::open(config)
-        .await
-        .with_context(|| format!("opening the node on {}", state_dir.display()))?;
-    let report = node.reconcile_report();
-    tracing::info!(?report, "node reconciled");
-    if let Some(url) = &args.object_store {
-        let bucket = cubicle_node::objstore::Bucket::open(url)?;
-        node.set_object_store(cubicle_node::ObjectStoreConfig {
-            bucket,
-            publish_snapshots: args.publish_snapshots,
-        });
-        tracing::info!(object_store = %url, "object store set");
-    }
-
-    if !args.no_build_templates {
-        for name in DEFAULT_TEMPLATES {
-            let store = node.templates().clone();
-            let built = store.get(name)?.is_some();
-            if !built {
-                tracing::info!("building template '{name}' (first start only)…");
-                let name = name.to_string();
-                tokio::task::spawn_blocking(move || store.ensure(&name, true))
-                    .await
-                    .context("template build task")??;
+        };
+        let token = crate::node_serve::read_node_token(token_file)?;
+        create_state_dir(state_dir)?;
+        let cfg = cubicle_api::cluster::RemoteConfig::new(args.nodes.clone(), token.clone());
+        let remote = cubicle_api::cluster::RemoteBackend::connect(cfg)
+            .await
+            .map_err(|e| anyhow::anyhow!("connecting to the nodes: {e}"))?;
+        for (node, down) in remote.nodes() {
+            match down {
+                None => tracing::info!(%node, "node answers"),
+                Some(why) => tracing::warn!(%node, "node does not answer yet: {why}"),
             }
         }
-    }
+        let relay = cubicle_router::Relay::new(&token, &RouterConfig::default())
+            .map_err(|e| anyhow::anyhow!("{e}"))?;
+        Some((remote, relay))
+    };
+    let (node, builds, adopted) = if remote.is_some() {
+        (None, None, 0)
+    } else {
+        let envd = cubicle_node::config::find_envd_binary(env.envd_binary.clone())?;
+        let mut config = env.config(envd);
+        config.template_progress = log_format == crate::LogFormat::Text;
+        config.default_timeout = Duration::from_secs(args.default_timeout);
+        config.pool = match &args.pool {
+            Some(p) => p.clone(),
+            // Only when base will be there at ready time (built now, or already): a pool
+            // must not make a `--no-build-templates` start build it in the background.
+            None if !args.no_build_templates
+                || state_dir.join("templates/base/template.json").exists() =>
+            {
+                default_pool(cubicle_node::host::memory_total())
+            }
+            None => BTreeMap::new(),
+        };
+        config.pool_memory_mb = args.pool_memory_mb;
+        config.network = args.network.options();
+        if !config.pool.is_empty() {
+            tracing::info!(pool = ?config.pool, "warm pools");
+        }
+        // Template builds are counted from the first one on (the default templates below
+        // are built before the metrics exist: they are kept until then).
+        let builds = Arc::new(std::sync::Mutex::new(BuildSink::Early(Vec::new())));
+        {
+            let builds = builds.clone();
+            cubicle_node::template::observe_builds(Box::new(move |name, ok, took| {
+                tracing::info!(
+                    template = name,
+                    ok,
+                    seconds = took.as_secs_f64(),
+                    "template build finished"
+                );
+                match &mut *builds.lock().unwrap_or_else(|p| p.into_inner()) {
+                    BuildSink::Early(v) => v.push((ok, took)),
+                    BuildSink::Ready(t) => t.template_build(ok, took),
+                }
+            }));
+        }
+        // DELETE answers once the sandbox is dead; cgroups/veth/quota go in the background.
+        config.async_teardown = true;
+        let node = Node::open(config)
+            .await
+            .with_context(|| format!("opening the node on {}", state_dir.display()))?;
+        let report = node.reconcile_report();
+        tracing::info!(?report, "node reconciled");
+        if let Some(url) = &args.object_store {
+            let bucket = cubicle_node::objstore::Bucket::open(url)?;
+            node.set_object_store(cubicle_node::ObjectStoreConfig {
+                bucket,
+                publish_snapshots: args.publish_snapshots,
+            });
+            tracing::info!(object_store = %url, "object store set");
+        }
+
+        if !args.no_build_templates {
+            for name in DEFAULT_TEMPLATES {
+                let store = node.templates().clone();
+                let built = store.get(name)?.is_some();
+                if !built {
+                    tracing::info!("building template '{name}' (first start only)…");
+                    let name = name.to_string();
+                    tokio::task::spawn_blocking(move || store.ensure(&name, true))
+                        .await
+                        .context("template build task")??;
+                }
+            }
+        }
+        (Some(node), Some(builds), report.adopted.len())
+    };
 
     let db = match &args.database {
         Some(url) => url.clone(),
@@ -471,7 +515,7 @@ pub async fn run(
     api_config.limits.max_timeout = Duration::from_secs(args.max_timeout);
     // A create's `diskSizeMB` is capped by the filesystem the writable layers live on.
     let disk = cubicle_node::host::stats(&state_dir.join("sandboxes")).disk_total >> 20;
-    if disk > 0 {
+    if disk > 0 && remote.is_none() {
         api_config.limits.max_disk_mb = disk;
     }
     api_config.domain = Some(domain.advertised.clone());
@@ -480,15 +524,22 @@ pub async fn run(
         &args.insecure_registries,
     )?;
     api_config.webhooks = webhooks;
-    let cp = ControlPlane::open(Arc::new(node.clone()), store, api_config)
+    let backend: Arc<dyn cubicle_api::Backend> = match (&node, &remote) {
+        (Some(node), _) => Arc::new(node.clone()),
+        (None, Some((remote, _))) => Arc::new(remote.clone()),
+        (None, None) => anyhow::bail!("neither a node nor --node"),
+    };
+    let cp = ControlPlane::open(backend, store, api_config)
         .await
         .map_err(|e| anyhow::anyhow!("starting the control plane: {e}"))?;
     // Header rules' `${e2b.secrets.NAME}`: the egress proxy reads values from the store.
-    node.set_secret_source(Arc::new(cubicle_api::secrets::StoreSecrets(
-        Arc::downgrade(&cp),
-    )));
+    if let Some(node) = &node {
+        node.set_secret_source(Arc::new(cubicle_api::secrets::StoreSecrets(
+            Arc::downgrade(&cp),
+        )));
+    }
     let telemetry = cp.telemetry().clone();
-    {
+    if let Some(builds) = &builds {
         let mut sink = builds.lock().unwrap_or_else(|p| p.into_inner());
         if let BuildSink::Early(v) = &*sink {
             for (ok, took) in v {
@@ -498,6 +549,7 @@ pub async fn run(
         *sink = BuildSink::Ready(telemetry.clone());
     }
     let upkeep = cp.spawn_upkeep(Duration::from_secs(1));
+    let poller = remote.as_ref().map(|(r, _)| r.spawn_poller());
 
     let data_plane = DataPlane::new(
         Arc::new(ApiResolver::new(cp.clone())),
@@ -506,8 +558,9 @@ pub async fn run(
             ..Default::default()
         },
     );
-    {
+    if let Some(node) = &node {
         // The first command in a new sandbox should not pay for the router's connection.
+        // (A node of a cluster does this itself.)
         let dp = data_plane.clone();
         cp.on_created(Box::new(move |id: &str| {
             let (dp, id) = (dp.clone(), id.to_string());
@@ -525,9 +578,10 @@ pub async fn run(
         .layer(axum::middleware::from_fn(
             move |req: Request, next: Next| {
                 let (dp, t) = (data_plane.clone(), telemetry.clone());
+                let remote = remote.clone();
                 async move {
                     if dp.wants(&req) {
-                        dataplane(&dp, &t, req).await
+                        dataplane(&dp, remote.as_ref(), &t, req).await
                     } else {
                         next.run(req).await
                     }
@@ -572,7 +626,8 @@ pub async fn run(
         tls = tls.is_some(),
         domain = %domain.advertised,
         state_dir = %state_dir.display(),
-        adopted = report.adopted.len(),
+        adopted,
+        nodes = args.nodes.len(),
         "serving the API and the router on {url}, sandbox ports at {scheme}://<port>-<id>.{}",
         domain.advertised
     );
@@ -619,9 +674,14 @@ pub async fn run(
         }
     }
     upkeep.abort();
-    node.settle(Duration::from_secs(10)).await;
-    node.close();
-    node.wait_refills(Duration::from_secs(60)).await;
+    if let Some(p) = poller {
+        p.abort();
+    }
+    if let Some(node) = node {
+        node.settle(Duration::from_secs(10)).await;
+        node.close();
+        node.wait_refills(Duration::from_secs(60)).await;
+    }
     Ok(0)
 }
 
@@ -681,13 +741,28 @@ impl SandboxDomain {
 /// metrics; the first `process.Process/Start` of each sandbox is timed.
 async fn dataplane(
     dp: &DataPlane,
+    remote: Option<&(cubicle_api::cluster::RemoteBackend, cubicle_router::Relay)>,
     t: &cubicle_api::telemetry::Telemetry,
     req: Request,
 ) -> axum::response::Response {
     let t0 = Instant::now();
     let target = dp.target_of(&req);
     let route = dataplane_route(target.as_ref().map(|(_, p)| *p), req.uri().path());
-    let mut resp = dp.handle(req).await;
+    let mut resp = match remote {
+        None => dp.handle(req).await,
+        // A replica: admitted here (routes, tokens, auto-resume through the control
+        // plane), entered on the node that runs the sandbox.
+        Some((remote, relay)) => match dp.admit(req).await {
+            Ok((a, req)) => match remote.node_of(&a.target.id) {
+                Some(node) => relay.forward(req, &a, &node).await,
+                None => cubicle_router::RouterError::SandboxNotFound {
+                    id: a.target.id.clone(),
+                }
+                .into_response(),
+            },
+            Err(e) => e.into_response(),
+        },
+    };
     if let Some((id, _)) = target {
         let id = id.to_string();
         if route == "sandbox:envd/process.Process/Start" && resp.status().is_success() {
@@ -697,6 +772,16 @@ async fn dataplane(
     }
     resp.extensions_mut().insert(RouteLabel(route.into()));
     resp
+}
+
+/// Makes the state directory of a replica (its database and keys), mode 0700.
+fn create_state_dir(dir: &Path) -> anyhow::Result<()> {
+    use std::os::unix::fs::DirBuilderExt;
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(dir)
+        .with_context(|| format!("creating {}", dir.display()))
 }
 
 /// How many connections the server may hold in all: half the limit on open files (the
@@ -715,7 +800,7 @@ fn max_connections() -> usize {
         .max(64)
 }
 
-async fn shutdown_signal() -> &'static str {
+pub(crate) async fn shutdown_signal() -> &'static str {
     use tokio::signal::unix::{SignalKind, signal};
     let mut term = match signal(SignalKind::terminate()) {
         Ok(s) => s,

@@ -73,7 +73,7 @@ pub struct Started {
 }
 
 /// Usage counters of one sandbox.
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub struct SandboxStats {
     /// Memory in use (cgroup), bytes.

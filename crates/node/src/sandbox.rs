@@ -14,7 +14,9 @@ use serde::{Deserialize, Serialize};
 pub use cubicle_egress::{NetEvent, NetworkPolicy};
 
 /// Ask the node for a sandbox. `None` fields take the template's (or node's) default.
-#[derive(Debug, Clone, Default)]
+/// Serializable for the node-side API of a cluster (`cubicle node`).
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(default, rename_all = "camelCase")]
 pub struct CreateRequest {
     /// Template name (`tiny`, `base`, …).
     pub template: String,
@@ -276,7 +278,7 @@ impl InitPidfd {
 }
 
 /// What callers see of a sandbox.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub struct SandboxInfo {
     /// Sandbox id.

@@ -129,7 +129,29 @@ impl DataPlane {
     }
 
     async fn forward(&self, req: Request) -> Result<Response, RouterError> {
-        let (target, port) = match routing::route(&req, self.inner.domain.as_deref())? {
+        let (a, req) = self.admit(req).await?;
+        self.send(req, &a.target.id, a.port, a.host).await
+    }
+
+    /// Where `req` goes and whether it may: the sandbox (resumed first when it is paused
+    /// with auto-resume) and port it names, after the checks that need the control
+    /// plane's knowledge (internal envd routes, upgrades to envd, the traffic token).
+    /// `cubicle serve` sends the request on itself; an API replica of a cluster relays it
+    /// to the node that runs the sandbox ([`crate::Relay`]), whose own data plane enters
+    /// the sandbox.
+    /// Returns the request back for sending.
+    pub async fn admit(&self, req: Request) -> Result<(Admitted, Request), RouterError> {
+        // Only the head is looked at (and held across the resume of a paused sandbox,
+        // which a request with its body could not be: the body is not `Sync`).
+        let (parts, body) = req.into_parts();
+        let head = Request::from_parts(parts, ());
+        let a = self.admit_head(&head).await?;
+        let (parts, ()) = head.into_parts();
+        Ok((a, Request::from_parts(parts, body)))
+    }
+
+    async fn admit_head(&self, req: &axum::http::Request<()>) -> Result<Admitted, RouterError> {
+        let (target, port) = match routing::route(req, self.inner.domain.as_deref())? {
             Route::Port { id, port } => {
                 let target = match self.inner.resolver.resolve(&id) {
                     Some(t) => t,
@@ -137,7 +159,7 @@ impl DataPlane {
                 };
                 (target, port)
             }
-            Route::Presigned => (self.presigned_target(&req)?, ENVD_PORT),
+            Route::Presigned => (self.presigned_target(req)?, ENVD_PORT),
         };
         if port == ENVD_PORT {
             if routing::is_envd_internal(req.uri().path()) {
@@ -154,14 +176,18 @@ impl DataPlane {
                         .into(),
                 ));
             }
-            self.send(req, &target.id, port, None).await
+            Ok(Admitted {
+                target,
+                port,
+                host: None,
+            })
         } else {
             check_traffic_token(&target, req.headers())?;
             let host = target
                 .mask_request_host
                 .as_deref()
                 .map(|m| m.replace("${PORT}", &port.to_string()));
-            self.send(req, &target.id, port, host).await
+            Ok(Admitted { target, port, host })
         }
     }
 
@@ -198,7 +224,10 @@ impl DataPlane {
     }
 
     /// The one running sandbox whose envd token signed this `/files` URL.
-    fn presigned_target(&self, req: &Request) -> Result<SandboxTarget, RouterError> {
+    fn presigned_target<B>(
+        &self,
+        req: &axum::http::Request<B>,
+    ) -> Result<SandboxTarget, RouterError> {
         let op = presign::operation(req.method()).ok_or_else(|| {
             RouterError::Unauthorized("presigned file URLs allow only GET and POST".into())
         })?;
@@ -240,74 +269,110 @@ impl DataPlane {
         port: u16,
         host: Option<String>,
     ) -> Result<Response, RouterError> {
-        let (mut parts, body) = req.into_parts();
-        let upgrade = routing::is_upgrade(&parts.headers);
-        let client_upgrade = if upgrade {
-            parts.extensions.remove::<hyper::upgrade::OnUpgrade>()
-        } else {
-            None
-        };
-
-        let path_and_query = parts.uri.path_and_query().map_or("/", |pq| pq.as_str());
-        let uri: Uri = format!("http://{}{}", upstream_authority(id, port), path_and_query)
-            .parse()
-            .map_err(|e| RouterError::BadRequest(format!("invalid request target: {e}")))?;
-        let mut headers = std::mem::take(&mut parts.headers);
-        routing::strip_hop_by_hop(&mut headers, upgrade);
-        if let Some(h) = host.and_then(|h| HeaderValue::from_str(&h).ok()) {
-            headers.insert(header::HOST, h);
-        }
-        if !headers.contains_key(header::HOST) {
-            headers.insert(header::HOST, HeaderValue::from_static("localhost"));
-        }
-        let mut up = axum::http::Request::new(body);
-        *up.method_mut() = parts.method;
-        *up.uri_mut() = uri;
-        *up.version_mut() = Version::HTTP_11;
-        *up.headers_mut() = headers;
-
-        let mut resp = match self.inner.client.request(up).await {
+        let authority = upstream_authority(id, port);
+        let (up, client_upgrade) = upstream_request(req, &authority, host)?;
+        let resp = match self.inner.client.request(up).await {
             Ok(resp) => resp,
             Err(e) => return Err(self.classify(e, id, port)),
         };
-
-        if resp.status() == StatusCode::SWITCHING_PROTOCOLS {
-            let Some(client_upgrade) = client_upgrade else {
-                return Err(RouterError::Upstream {
-                    id: id.to_owned(),
-                    port,
-                    detail: "the sandbox switched protocols without being asked to".into(),
-                });
-            };
-            let upstream_upgrade = hyper::upgrade::on(&mut resp);
-            let (mut parts, _) = resp.into_parts();
-            routing::strip_hop_by_hop(&mut parts.headers, true);
-            let (id, port_) = (id.to_owned(), port);
-            let idle = self.inner.tunnel_idle_timeout;
-            tokio::spawn(async move {
-                let (client, upstream) = match tokio::try_join!(client_upgrade, upstream_upgrade) {
-                    Ok(pair) => pair,
-                    Err(e) => {
-                        tracing::debug!(sandbox = %id, port = port_, "upgrade failed: {e}");
-                        return;
-                    }
-                };
-                let mut client = TokioIo::new(client);
-                let mut upstream = TokioIo::new(upstream);
-                if let Err(e) =
-                    crate::tunnel::copy_until_idle(&mut client, &mut upstream, idle).await
-                {
-                    tracing::debug!(sandbox = %id, port = port_, "upgraded connection ended: {e}");
-                }
-            });
-            return Ok(Response::from_parts(parts, Body::empty()));
-        }
-
-        let (mut parts, body) = resp.into_parts();
-        routing::strip_hop_by_hop(&mut parts.headers, false);
-        parts.version = Version::HTTP_11;
-        Ok(Response::from_parts(parts, Body::new(body)))
+        relay_response(
+            resp,
+            client_upgrade,
+            self.inner.tunnel_idle_timeout,
+            id,
+            port,
+        )
     }
+}
+
+/// The request to send upstream: `req` re-targeted at `http://<authority>` over
+/// HTTP/1.1, hop-by-hop headers removed (upgrade headers kept for an upgrade), with
+/// `Host: host` when given (else the client's, else `localhost`). Also returns the
+/// client side of an upgrade, when `req` asks for one.
+pub(crate) fn upstream_request(
+    req: Request,
+    authority: &str,
+    host: Option<String>,
+) -> Result<(Request, Option<hyper::upgrade::OnUpgrade>), RouterError> {
+    let (mut parts, body) = req.into_parts();
+    let upgrade = routing::is_upgrade(&parts.headers);
+    let client_upgrade = if upgrade {
+        parts.extensions.remove::<hyper::upgrade::OnUpgrade>()
+    } else {
+        None
+    };
+    let path_and_query = parts.uri.path_and_query().map_or("/", |pq| pq.as_str());
+    let uri: Uri = format!("http://{authority}{path_and_query}")
+        .parse()
+        .map_err(|e| RouterError::BadRequest(format!("invalid request target: {e}")))?;
+    let mut headers = std::mem::take(&mut parts.headers);
+    routing::strip_hop_by_hop(&mut headers, upgrade);
+    if let Some(h) = host.and_then(|h| HeaderValue::from_str(&h).ok()) {
+        headers.insert(header::HOST, h);
+    }
+    if !headers.contains_key(header::HOST) {
+        headers.insert(header::HOST, HeaderValue::from_static("localhost"));
+    }
+    let mut up = axum::http::Request::new(body);
+    *up.method_mut() = parts.method;
+    *up.uri_mut() = uri;
+    *up.version_mut() = Version::HTTP_11;
+    *up.headers_mut() = headers;
+    Ok((up, client_upgrade))
+}
+
+/// The upstream answer, handed back to the client: streamed, or on `101` both sides
+/// upgraded and bytes copied both ways until either closes or nothing moves for `idle`.
+pub(crate) fn relay_response(
+    mut resp: hyper::Response<hyper::body::Incoming>,
+    client_upgrade: Option<hyper::upgrade::OnUpgrade>,
+    idle: std::time::Duration,
+    id: &str,
+    port: u16,
+) -> Result<Response, RouterError> {
+    if resp.status() == StatusCode::SWITCHING_PROTOCOLS {
+        let Some(client_upgrade) = client_upgrade else {
+            return Err(RouterError::Upstream {
+                id: id.to_owned(),
+                port,
+                detail: "the sandbox switched protocols without being asked to".into(),
+            });
+        };
+        let upstream_upgrade = hyper::upgrade::on(&mut resp);
+        let (mut parts, _) = resp.into_parts();
+        routing::strip_hop_by_hop(&mut parts.headers, true);
+        let (id, port_) = (id.to_owned(), port);
+        tokio::spawn(async move {
+            let (client, upstream) = match tokio::try_join!(client_upgrade, upstream_upgrade) {
+                Ok(pair) => pair,
+                Err(e) => {
+                    tracing::debug!(sandbox = %id, port = port_, "upgrade failed: {e}");
+                    return;
+                }
+            };
+            let mut client = TokioIo::new(client);
+            let mut upstream = TokioIo::new(upstream);
+            if let Err(e) = crate::tunnel::copy_until_idle(&mut client, &mut upstream, idle).await {
+                tracing::debug!(sandbox = %id, port = port_, "upgraded connection ended: {e}");
+            }
+        });
+        return Ok(Response::from_parts(parts, Body::empty()));
+    }
+    let (mut parts, body) = resp.into_parts();
+    routing::strip_hop_by_hop(&mut parts.headers, false);
+    parts.version = Version::HTTP_11;
+    Ok(Response::from_parts(parts, Body::new(body)))
+}
+
+/// A request the data plane let through ([`DataPlane::admit`]).
+#[derive(Debug, Clone)]
+pub struct Admitted {
+    /// The sandbox (running).
+    pub target: SandboxTarget,
+    /// The port inside it.
+    pub port: u16,
+    /// `Host` to send to that port (`maskRequestHost`), when not the client's.
+    pub host: Option<String>,
 }
 
 impl DataPlane {

@@ -47,6 +47,15 @@ pub enum RouterError {
     /// A bug or an impossible state on our side.
     #[error("{0}")]
     Internal(String),
+    /// A cluster's API replica could not reach the node that runs the sandbox.
+    #[error(
+        "node {node} (which runs sandbox {id}) is unreachable: {detail}; check that `cubicle node` runs there and that this replica can reach it"
+    )]
+    NodeUnreachable {
+        node: String,
+        id: String,
+        detail: String,
+    },
 }
 
 fn json_string(s: &str) -> String {
@@ -60,7 +69,8 @@ impl RouterError {
             RouterError::BadRequest(_) => StatusCode::BAD_REQUEST,
             RouterError::SandboxNotFound { .. }
             | RouterError::PortNotOpen { .. }
-            | RouterError::Upstream { .. } => StatusCode::BAD_GATEWAY,
+            | RouterError::Upstream { .. }
+            | RouterError::NodeUnreachable { .. } => StatusCode::BAD_GATEWAY,
             RouterError::Forbidden(_) => StatusCode::FORBIDDEN,
             RouterError::Unauthorized(_) => StatusCode::UNAUTHORIZED,
             RouterError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
@@ -96,6 +106,7 @@ impl RouterError {
         match &self {
             RouterError::PortNotOpen { .. }
             | RouterError::Upstream { .. }
+            | RouterError::NodeUnreachable { .. }
             | RouterError::Internal(_) => {
                 tracing::debug!(error = %self, "data plane error")
             }

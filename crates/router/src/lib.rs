@@ -67,12 +67,14 @@ mod dataplane;
 mod drain;
 mod error;
 mod presign;
+mod relay;
 mod routing;
 pub mod server;
 mod tunnel;
 
-pub use dataplane::DataPlane;
+pub use dataplane::{Admitted, DataPlane};
 pub use error::RouterError;
+pub use relay::{NODE_TOKEN_HEADER, Relay};
 pub use routing::ENVD_PORT;
 pub use server::{ClientAddr, ServerLimits};
 

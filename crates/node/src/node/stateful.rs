@@ -89,7 +89,7 @@ impl Busy {
 }
 
 /// How to pause.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone, Copy, serde::Serialize, serde::Deserialize)]
 pub struct PauseRequest {
     /// Keep memory and processes (`full`); false: disk only.
     pub memory: bool,
@@ -98,7 +98,7 @@ pub struct PauseRequest {
 }
 
 /// How a pause went.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
 pub struct PauseReport {
     /// How long the sandbox was stopped before its processes were gone (0 for a
     /// filesystem pause).
@@ -112,7 +112,7 @@ pub struct PauseReport {
 }
 
 /// What [`Node::resume`](super::Node::resume) found and did.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
 pub struct ResumeOutcome {
     /// The sandbox now.
     pub info: SandboxInfo,
@@ -123,7 +123,7 @@ pub struct ResumeOutcome {
 }
 
 /// What to snapshot.
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone, Default, serde::Serialize, serde::Deserialize)]
 pub struct SnapshotRequest {
     /// Names it answers to besides its id (e.g. `team/name:tag`).
     pub names: Vec<String>,
@@ -134,7 +134,7 @@ pub struct SnapshotRequest {
 }
 
 /// How a snapshot went.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
 pub struct SnapshotReport {
     /// The snapshot.
     pub snapshot: SnapshotRecord,

@@ -41,7 +41,7 @@ pub(super) struct PoolState {
 }
 
 /// Pool counters.
-#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct PoolStats {
     /// Ready sandboxes per template.
     pub ready: BTreeMap<String, usize>,

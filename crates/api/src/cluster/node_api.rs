@@ -1,0 +1,347 @@
+//! The node-side API `cubicle node` serves (see [`super`]): the operations of the
+//! [`Backend`] trait over HTTP for the replicas, and the node's end of the data plane
+//! (the node's own [`DataPlane`] over a [`NodeResolver`], reached by relayed requests).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::{
+    Json, Router,
+    extract::{Path, Query, Request, State},
+    http::{StatusCode, header},
+    middleware::Next,
+    response::{IntoResponse, Response},
+    routing::{delete, get, post},
+};
+use cubicle_node::{
+    CreateRequest, NetworkPolicy, Node, PauseRequest, SandboxState, SnapshotRequest,
+};
+use cubicle_router::{DataPlane, NODE_TOKEN_HEADER, SandboxResolver, SandboxTarget};
+use serde::Deserialize;
+
+use super::{NodeStatus, WireError, WireHost, WireResult, WireTimeout, token_matches};
+use crate::backend::Backend;
+
+/// The node's sandboxes as its own data plane sees them: every running one (the replica
+/// already checked the client's right to reach it; traffic tokens live in the
+/// control plane and are checked there).
+pub struct NodeResolver {
+    node: Node,
+}
+
+impl NodeResolver {
+    /// Over `node`.
+    pub fn new(node: Node) -> Self {
+        NodeResolver { node }
+    }
+}
+
+fn target(info: &cubicle_node::SandboxInfo) -> Option<SandboxTarget> {
+    if info.state != SandboxState::Running || info.busy {
+        return None;
+    }
+    Some(SandboxTarget {
+        id: info.id.to_string(),
+        envd_socket: info.envd_socket.clone(),
+        init_pidfd: info.init_pidfd.as_ref().map(|p| p.fd().clone()),
+        envd_access_token: Some(info.access_token.clone()),
+        traffic_access_token: None,
+        mask_request_host: info.mask_request_host.clone(),
+    })
+}
+
+impl SandboxResolver for NodeResolver {
+    fn resolve(&self, id: &str) -> Option<SandboxTarget> {
+        target(&self.node.peek(id).ok()?)
+    }
+
+    fn running(&self) -> Vec<SandboxTarget> {
+        self.node.list().iter().filter_map(target).collect()
+    }
+}
+
+#[derive(Clone)]
+struct NodeApi {
+    node: Node,
+    dp: DataPlane,
+}
+
+/// What the entry of every request needs: the data plane and the token.
+#[derive(Clone)]
+struct Guard {
+    dp: DataPlane,
+    token: Arc<str>,
+}
+
+/// The node-side API over `node`, its data plane `dp` (built over a [`NodeResolver`]),
+/// accepting `token`.
+pub fn node_router(node: Node, dp: DataPlane, token: &str) -> Router {
+    let st = NodeApi {
+        node,
+        dp: dp.clone(),
+    };
+    let api = Router::new()
+        .route("/status", get(status))
+        .route("/templates/exists", get(template_exists))
+        .route("/network/check", post(check_network))
+        .route("/sandboxes", post(create))
+        .route("/sandboxes/{id}", get(info).delete(kill))
+        .route("/sandboxes/{id}/timeout", post(set_timeout))
+        .route("/sandboxes/{id}/stats", get(stats))
+        .route("/sandboxes/{id}/network", post(update_network))
+        .route(
+            "/sandboxes/{id}/network-log",
+            get(network_log).delete(forget_network_log),
+        )
+        .route("/sandboxes/{id}/pause", post(pause))
+        .route("/sandboxes/{id}/resume", post(resume))
+        .route("/sandboxes/{id}/snapshot", post(snapshot))
+        .route("/sandboxes/{id}/fork", post(fork))
+        .route("/sandboxes/{id}/rollback", post(rollback))
+        .route("/snapshots/{id}", delete(delete_snapshot))
+        .with_state(st);
+    authenticated(api, dp, token)
+}
+
+/// `api` under `/node/v1/`, behind the node token, with relayed data-plane requests
+/// (those carrying `cubicle-node-token`) handed to `dp` (public for tests of the guard).
+pub fn authenticated(api: Router, dp: DataPlane, token: &str) -> Router {
+    let g = Guard {
+        dp,
+        token: token.into(),
+    };
+    Router::new()
+        .nest(super::PREFIX, api)
+        .layer(axum::middleware::from_fn_with_state(g, entry))
+}
+
+fn unauthorized(what: &str) -> Response {
+    (
+        StatusCode::UNAUTHORIZED,
+        Json(serde_json::json!({
+            "code": 401,
+            "message": format!("{what}: this is a cubicle node; only API replicas with the cluster's node token may call it"),
+        })),
+    )
+        .into_response()
+}
+
+/// Every request: a relayed data-plane request (node token header) goes to the data
+/// plane; anything else must carry the bearer token.
+async fn entry(State(st): State<Guard>, mut req: Request, next: Next) -> Response {
+    if let Some(given) = req.headers_mut().remove(NODE_TOKEN_HEADER) {
+        let ok = token_matches(&st.token, given.to_str().unwrap_or(""));
+        if !ok {
+            return unauthorized("wrong node token");
+        }
+        return st.dp.handle(req).await;
+    }
+    let verdict = match req
+        .headers()
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+    {
+        Some(t) if token_matches(&st.token, t.trim()) => None,
+        Some(_) => Some("wrong node token"),
+        None => Some("missing Authorization: Bearer <node token>"),
+    };
+    match verdict {
+        None => next.run(req).await,
+        Some(why) => unauthorized(why),
+    }
+}
+
+fn fail(e: cubicle_node::Error) -> Response {
+    let w = WireError::from_node(&e);
+    let status = StatusCode::from_u16(w.code).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+    (status, Json(w)).into_response()
+}
+
+fn answer<T: serde::Serialize>(r: cubicle_node::Result<T>) -> Response {
+    match r {
+        Ok(v) => Json(v).into_response(),
+        Err(e) => fail(e),
+    }
+}
+
+async fn blocking<T: Send + 'static>(
+    f: impl FnOnce() -> cubicle_node::Result<T> + Send + 'static,
+) -> cubicle_node::Result<T> {
+    tokio::task::spawn_blocking(f)
+        .await
+        .unwrap_or_else(|e| Err(cubicle_node::Error::Runtime(format!("task failed: {e}"))))
+}
+
+async fn status(State(st): State<NodeApi>) -> Response {
+    let node = st.node.clone();
+    let r = blocking(move || {
+        let host = cubicle_node::host::stats(&node.config().state_dir);
+        Ok(NodeStatus {
+            sandboxes: node.list(),
+            pool: node.pool_stats(),
+            host: WireHost::from(&host),
+            max_sandboxes: node.config().max_sandboxes,
+            snapshots: node.snapshots(),
+            layers_in_use: Backend::layers_in_use(&node).into_iter().collect(),
+        })
+    })
+    .await;
+    answer(r)
+}
+
+#[derive(Deserialize)]
+struct NameQuery {
+    name: String,
+}
+
+async fn template_exists(State(st): State<NodeApi>, Query(q): Query<NameQuery>) -> Response {
+    let node = st.node.clone();
+    answer(blocking(move || Backend::template_exists(&node, &q.name)).await)
+}
+
+async fn check_network(State(st): State<NodeApi>, Json(p): Json<NetworkPolicy>) -> Response {
+    answer(st.node.check_network(&p).await)
+}
+
+async fn create(State(st): State<NodeApi>, Json(req): Json<CreateRequest>) -> Response {
+    let r = st.node.create(req).await;
+    if let Ok(info) = &r {
+        // The first command should not pay for the data plane's connection to envd.
+        let (dp, id) = (st.dp.clone(), info.id.to_string());
+        tokio::spawn(async move { dp.prewarm(&id).await });
+    }
+    answer(r)
+}
+
+async fn info(State(st): State<NodeApi>, Path(id): Path<String>) -> Response {
+    answer(st.node.get(&id))
+}
+
+async fn kill(State(st): State<NodeApi>, Path(id): Path<String>) -> Response {
+    match st.node.kill(&id).await {
+        Ok(()) => StatusCode::NO_CONTENT.into_response(),
+        Err(e) => fail(e),
+    }
+}
+
+async fn set_timeout(
+    State(st): State<NodeApi>,
+    Path(id): Path<String>,
+    Json(t): Json<WireTimeout>,
+) -> Response {
+    let node = st.node.clone();
+    answer(
+        blocking(move || {
+            node.set_timeout(&id, Duration::from_millis(t.timeout_ms))?;
+            node.peek(&id)
+        })
+        .await,
+    )
+}
+
+async fn stats(State(st): State<NodeApi>, Path(id): Path<String>) -> Response {
+    let node = st.node.clone();
+    answer(blocking(move || node.stats(&id)).await)
+}
+
+async fn update_network(
+    State(st): State<NodeApi>,
+    Path(id): Path<String>,
+    Json(p): Json<NetworkPolicy>,
+) -> Response {
+    answer(st.node.update_network(&id, p).await)
+}
+
+#[derive(Deserialize)]
+struct LogQuery {
+    #[serde(default)]
+    after: u64,
+    #[serde(default)]
+    limit: Option<usize>,
+}
+
+async fn network_log(
+    State(st): State<NodeApi>,
+    Path(id): Path<String>,
+    Query(q): Query<LogQuery>,
+) -> Response {
+    let events = st
+        .node
+        .network_log(&id, q.after, q.limit.unwrap_or(usize::MAX))
+        .await;
+    Json(events).into_response()
+}
+
+async fn forget_network_log(State(st): State<NodeApi>, Path(id): Path<String>) -> Response {
+    st.node.forget_network_log(&id);
+    StatusCode::NO_CONTENT.into_response()
+}
+
+async fn pause(
+    State(st): State<NodeApi>,
+    Path(id): Path<String>,
+    Json(req): Json<PauseRequest>,
+) -> Response {
+    answer(st.node.pause(&id, req).await)
+}
+
+async fn resume(
+    State(st): State<NodeApi>,
+    Path(id): Path<String>,
+    Json(t): Json<WireTimeout>,
+) -> Response {
+    answer(
+        st.node
+            .resume(&id, Duration::from_millis(t.timeout_ms), t.memory)
+            .await,
+    )
+}
+
+async fn snapshot(
+    State(st): State<NodeApi>,
+    Path(id): Path<String>,
+    Json(req): Json<SnapshotRequest>,
+) -> Response {
+    answer(st.node.snapshot(&id, req).await)
+}
+
+async fn fork(
+    State(st): State<NodeApi>,
+    Path(id): Path<String>,
+    Json(t): Json<WireTimeout>,
+) -> Response {
+    let r = st
+        .node
+        .fork(&id, t.count, Duration::from_millis(t.timeout_ms))
+        .await
+        .map(|v| {
+            v.into_iter()
+                .map(|r| match r {
+                    Ok(info) => WireResult::Ok(info),
+                    Err(e) => WireResult::Err(WireError::from_node(&e)),
+                })
+                .collect::<Vec<_>>()
+        });
+    answer(r)
+}
+
+#[derive(Deserialize)]
+struct RollbackBody {
+    snapshot: String,
+}
+
+async fn rollback(
+    State(st): State<NodeApi>,
+    Path(id): Path<String>,
+    Json(b): Json<RollbackBody>,
+) -> Response {
+    answer(st.node.rollback(&id, &b.snapshot).await)
+}
+
+async fn delete_snapshot(State(st): State<NodeApi>, Path(id): Path<String>) -> Response {
+    match st.node.delete_snapshot(&id).await {
+        Ok(()) => StatusCode::NO_CONTENT.into_response(),
+        Err(e) => fail(e),
+    }
+}

@@ -1,0 +1,844 @@
+//! [`RemoteBackend`]: the [`Backend`] of an API replica, calling `cubicle node`s over
+//! their node-side API ([`super::node_api`]).
+//!
+//! The trait's synchronous reads (`get`, `peek`, `pool`, `host`, `snapshots`, …) are
+//! answered from a cache of each node's `GET /node/v1/status`, polled every
+//! `poll_interval` and updated by every call that changes a sandbox (create, kill,
+//! timeout, pause, resume, …), so the data plane's hot path (`peek` per request) does no
+//! I/O. The synchronous calls the trait documents as blocking (`set_timeout`, `stats`,
+//! `template_exists`) make their HTTP call in place (`block_in_place`: the replica runs
+//! on tokio's multi-threaded runtime). The trait itself is unchanged.
+//!
+//! Placement (several nodes): among nodes that answered their last poll, one with a
+//! ready warm-pool sandbox of the template first, then the most free memory per sandbox
+//! slot left; the choice and its reason are logged. Real placement over PostgreSQL
+//! (leases, ownership) comes with the cluster's database.
+//!
+//! Not over the wire yet: template builds (`templates()` is `None`: builds are refused
+//! with "this server cannot build templates"; build templates on each node with
+//! `cubicle template build`), volumes, the sandboxes' envd logs (`log_path` names no
+//! file on the replica), and secrets in egress header rules (the node has no store).
+
+use std::collections::{HashMap, HashSet};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use hyper::{Method, Request, StatusCode, header};
+use hyper_util::{
+    client::legacy::{Client, connect::HttpConnector},
+    rt::{TokioExecutor, TokioTimer},
+};
+use serde::de::DeserializeOwned;
+
+use cubicle_node::runtime::SandboxStats;
+use cubicle_node::{
+    CreateRequest, NetEvent, NetworkPolicy, PauseReport, PauseRequest, ResumeOutcome, SandboxInfo,
+    SnapshotRecord, SnapshotReport, SnapshotRequest,
+};
+
+use super::{NodeStatus, WireError, WireResult, WireTimeout};
+use crate::backend::{Backend, BoxFuture};
+
+/// How a replica reaches its nodes.
+#[derive(Debug, Clone)]
+pub struct RemoteConfig {
+    /// Node addresses, `http://host:port` or `host:port`.
+    pub nodes: Vec<String>,
+    /// The shared node token.
+    pub token: String,
+    /// How often each node's status is polled.
+    pub poll_interval: Duration,
+    /// Limit on one call to a node (creates and checkpoints get `long_timeout`).
+    pub timeout: Duration,
+    /// Limit on calls that may take long (create, pause, resume, snapshot, fork).
+    pub long_timeout: Duration,
+}
+
+impl RemoteConfig {
+    /// Defaults: poll every 500 ms, 10 s per call, 10 min for slow ones.
+    pub fn new(nodes: Vec<String>, token: String) -> Self {
+        RemoteConfig {
+            nodes,
+            token,
+            poll_interval: Duration::from_millis(500),
+            timeout: Duration::from_secs(10),
+            long_timeout: Duration::from_secs(600),
+        }
+    }
+}
+
+/// The backend of an API replica. Cheap to clone.
+#[derive(Clone)]
+pub struct RemoteBackend {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    nodes: Vec<NodeLink>,
+    client: Client<HttpConnector, Full<Bytes>>,
+    auth: String,
+    cfg: RemoteConfig,
+    cache: Mutex<HashMap<String, Entry>>,
+}
+
+struct NodeLink {
+    /// `host:port`.
+    addr: String,
+    /// Its last status; `None` until it first answered.
+    status: Mutex<Option<NodeStatus>>,
+    /// Whether its last poll answered, and the error if not.
+    down: Mutex<Option<String>>,
+}
+
+struct Entry {
+    node: usize,
+    info: SandboxInfo,
+    /// When this replica last learnt something about it (a poll that started earlier
+    /// must not undo a create or kill that happened after).
+    at: Instant,
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+fn unreachable(addr: &str, why: impl std::fmt::Display) -> cubicle_node::Error {
+    cubicle_node::Error::Runtime(format!(
+        "node {addr} is unreachable: {why}; check that `cubicle node` runs there and that this replica can reach it"
+    ))
+}
+
+impl RemoteBackend {
+    /// A backend over the nodes of `cfg`; polls each once (at least one must answer).
+    pub async fn connect(cfg: RemoteConfig) -> Result<Self, cubicle_node::Error> {
+        if cfg.nodes.is_empty() {
+            return Err(cubicle_node::Error::InvalidRequest(
+                "no node address given (--node http://HOST:PORT)".into(),
+            ));
+        }
+        let nodes = cfg
+            .nodes
+            .iter()
+            .map(|n| {
+                let a = n.trim();
+                let a = a.strip_prefix("http://").unwrap_or(a).trim_end_matches('/');
+                if a.is_empty() || a.contains('/') || n.trim().starts_with("https://") {
+                    return Err(cubicle_node::Error::InvalidRequest(format!(
+                        "node address '{n}' is not http://HOST:PORT (https between replicas and nodes is not supported yet)"
+                    )));
+                }
+                Ok(NodeLink {
+                    addr: a.to_string(),
+                    status: Mutex::new(None),
+                    down: Mutex::new(None),
+                })
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        let mut http = HttpConnector::new();
+        http.set_nodelay(true);
+        http.set_connect_timeout(Some(Duration::from_secs(3)));
+        let client = Client::builder(TokioExecutor::new())
+            .pool_timer(TokioTimer::new())
+            .pool_idle_timeout(Duration::from_secs(60))
+            .build(http);
+        let rb = RemoteBackend {
+            inner: Arc::new(Inner {
+                nodes,
+                client,
+                auth: format!("Bearer {}", cfg.token),
+                cfg,
+                cache: Mutex::new(HashMap::new()),
+            }),
+        };
+        rb.poll_all().await;
+        let up = rb
+            .inner
+            .nodes
+            .iter()
+            .filter(|n| lock(&n.down).is_none())
+            .count();
+        if up == 0 {
+            let why: Vec<String> = rb
+                .inner
+                .nodes
+                .iter()
+                .map(|n| format!("{}: {}", n.addr, lock(&n.down).clone().unwrap_or_default()))
+                .collect();
+            return Err(cubicle_node::Error::Runtime(format!(
+                "no node answered: {}",
+                why.join("; ")
+            )));
+        }
+        Ok(rb)
+    }
+
+    /// Keeps the cache current in the background (until the task is aborted).
+    pub fn spawn_poller(&self) -> tokio::task::JoinHandle<()> {
+        let rb = self.clone();
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(rb.inner.cfg.poll_interval);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                tick.tick().await;
+                rb.poll_all().await;
+            }
+        })
+    }
+
+    /// The address (`host:port`) of the node that runs sandbox `id`.
+    pub fn node_of(&self, id: &str) -> Option<String> {
+        let i = lock(&self.inner.cache).get(id)?.node;
+        Some(self.inner.nodes[i].addr.clone())
+    }
+
+    /// The nodes and whether they answered their last poll (`None`) or why not.
+    pub fn nodes(&self) -> Vec<(String, Option<String>)> {
+        self.inner
+            .nodes
+            .iter()
+            .map(|n| (n.addr.clone(), lock(&n.down).clone()))
+            .collect()
+    }
+
+    async fn poll_all(&self) {
+        let polls = (0..self.inner.nodes.len()).map(|i| self.poll(i));
+        futures_util::future::join_all(polls).await;
+    }
+
+    async fn poll(&self, i: usize) {
+        let t0 = Instant::now();
+        let link = &self.inner.nodes[i];
+        match self
+            .call::<NodeStatus>(i, Method::GET, "/status", None, false)
+            .await
+        {
+            Ok(st) => {
+                {
+                    let mut cache = lock(&self.inner.cache);
+                    let present: HashSet<&str> =
+                        st.sandboxes.iter().map(|s| s.id.as_str()).collect();
+                    cache.retain(|id, e| e.node != i || e.at > t0 || present.contains(id.as_str()));
+                    for s in &st.sandboxes {
+                        match cache.get_mut(s.id.as_str()) {
+                            Some(e) if e.at > t0 => {}
+                            _ => {
+                                cache.insert(
+                                    s.id.to_string(),
+                                    Entry {
+                                        node: i,
+                                        info: s.clone(),
+                                        at: t0,
+                                    },
+                                );
+                            }
+                        }
+                    }
+                }
+                *lock(&link.status) = Some(st);
+                if let Some(was) = lock(&link.down).take() {
+                    tracing::info!(node = %link.addr, "node answers again (was: {was})");
+                }
+            }
+            Err(e) => {
+                let mut down = lock(&link.down);
+                if down.is_none() {
+                    tracing::warn!(node = %link.addr, "node does not answer: {e}");
+                }
+                *down = Some(e.to_string());
+            }
+        }
+    }
+
+    /// One call to node `i`: JSON in, JSON out, node errors turned back into theirs.
+    async fn call<T: DeserializeOwned>(
+        &self,
+        i: usize,
+        method: Method,
+        path: &str,
+        body: Option<Vec<u8>>,
+        long: bool,
+    ) -> cubicle_node::Result<T> {
+        let addr = &self.inner.nodes[i].addr;
+        let uri = format!("http://{addr}{}{path}", super::PREFIX);
+        let mut req = Request::builder()
+            .method(method)
+            .uri(&uri)
+            .header(header::AUTHORIZATION, &self.inner.auth);
+        if body.is_some() {
+            req = req.header(header::CONTENT_TYPE, "application/json");
+        }
+        let req = req
+            .body(Full::new(Bytes::from(body.unwrap_or_default())))
+            .map_err(|e| cubicle_node::Error::Runtime(format!("request to node {addr}: {e}")))?;
+        let limit = if long {
+            self.inner.cfg.long_timeout
+        } else {
+            self.inner.cfg.timeout
+        };
+        let exchange = async {
+            let resp = self.inner.client.request(req).await.map_err(|e| {
+                let mut d = e.to_string();
+                let mut src = std::error::Error::source(&e);
+                while let Some(s) = src {
+                    d.push_str(": ");
+                    d.push_str(&s.to_string());
+                    src = s.source();
+                }
+                unreachable(addr, d)
+            })?;
+            let status = resp.status();
+            let bytes = resp
+                .into_body()
+                .collect()
+                .await
+                .map_err(|e| unreachable(addr, format!("reading its answer: {e}")))?
+                .to_bytes();
+            Ok::<_, cubicle_node::Error>((status, bytes))
+        };
+        let (status, bytes) = tokio::time::timeout(limit, exchange)
+            .await
+            .map_err(|_| unreachable(addr, format!("no answer within {limit:?}")))??;
+        if status == StatusCode::UNAUTHORIZED {
+            return Err(cubicle_node::Error::Runtime(format!(
+                "node {addr} refused this replica's node token (401): give the replica and the node the same --node-token-file"
+            )));
+        }
+        if !status.is_success() {
+            return Err(match serde_json::from_slice::<WireError>(&bytes) {
+                Ok(w) => w.into_node(),
+                Err(_) => cubicle_node::Error::Runtime(format!(
+                    "node {addr} answered {status}: {}",
+                    String::from_utf8_lossy(&bytes[..bytes.len().min(512)])
+                )),
+            });
+        }
+        let bytes = if bytes.is_empty() {
+            Bytes::from_static(b"null")
+        } else {
+            bytes
+        };
+        serde_json::from_slice(&bytes).map_err(|e| {
+            cubicle_node::Error::Runtime(format!("node {addr} answered something unreadable: {e}"))
+        })
+    }
+
+    /// Node index of sandbox `id`, or not found.
+    fn owner(&self, id: &str) -> cubicle_node::Result<usize> {
+        lock(&self.inner.cache)
+            .get(id)
+            .map(|e| e.node)
+            .ok_or_else(|| cubicle_node::Error::SandboxNotFound(id.to_string()))
+    }
+
+    fn remember(&self, node: usize, info: SandboxInfo) {
+        lock(&self.inner.cache).insert(
+            info.id.to_string(),
+            Entry {
+                node,
+                info,
+                at: Instant::now(),
+            },
+        );
+    }
+
+    /// Re-reads sandbox `id` from its node into the cache (gone: removed).
+    async fn refresh(&self, node: usize, id: &str) {
+        match self
+            .call::<SandboxInfo>(node, Method::GET, &format!("/sandboxes/{id}"), None, false)
+            .await
+        {
+            Ok(info) => self.remember(node, info),
+            Err(cubicle_node::Error::SandboxNotFound(_)) => {
+                lock(&self.inner.cache).remove(id);
+            }
+            Err(_) => {}
+        }
+    }
+
+    /// Where a create of `template` goes, and why.
+    fn place(&self, template: &str) -> cubicle_node::Result<(usize, String)> {
+        let live: HashMap<usize, usize> = {
+            let cache = lock(&self.inner.cache);
+            let mut m = HashMap::new();
+            for e in cache.values() {
+                if e.info.state != cubicle_node::SandboxState::Dead {
+                    *m.entry(e.node).or_insert(0) += 1;
+                }
+            }
+            m
+        };
+        let mut best: Option<(usize, (bool, u64), String)> = None;
+        let mut skipped = Vec::new();
+        for (i, n) in self.inner.nodes.iter().enumerate() {
+            if let Some(why) = lock(&n.down).clone() {
+                skipped.push(format!("{} down ({why})", n.addr));
+                continue;
+            }
+            let Some(st) = lock(&n.status).clone() else {
+                continue;
+            };
+            let used = live.get(&i).copied().unwrap_or(0);
+            let slots = (st.max_sandboxes as usize).saturating_sub(used);
+            if slots == 0 {
+                skipped.push(format!("{} full ({used} sandboxes)", n.addr));
+                continue;
+            }
+            let warm = st.pool.ready.get(template).copied().unwrap_or(0) > 0;
+            let free = st.host.memory_available >> 20;
+            let key = (warm, free);
+            let why = format!(
+                "{}: {} warm {template} sandbox(es), {free} MiB free, {used} of {} slots used",
+                n.addr,
+                st.pool.ready.get(template).copied().unwrap_or(0),
+                st.max_sandboxes
+            );
+            if best.as_ref().is_none_or(|(_, k, _)| key > *k) {
+                best = Some((i, key, why));
+            }
+        }
+        match best {
+            Some((i, _, why)) => {
+                let why = if skipped.is_empty() {
+                    why
+                } else {
+                    format!("{why}; skipped {}", skipped.join(", "))
+                };
+                Ok((i, why))
+            }
+            None => Err(cubicle_node::Error::Capacity(format!(
+                "no node can take a sandbox now: {}",
+                if skipped.is_empty() {
+                    "none has answered yet".to_string()
+                } else {
+                    skipped.join(", ")
+                }
+            ))),
+        }
+    }
+
+    /// Runs a blocking trait method's call in place.
+    fn block<T>(&self, f: impl std::future::Future<Output = T>) -> T {
+        tokio::task::block_in_place(|| tokio::runtime::Handle::current().block_on(f))
+    }
+
+    fn json<T: serde::Serialize>(v: &T) -> Option<Vec<u8>> {
+        serde_json::to_vec(v).ok()
+    }
+
+    fn statuses(&self) -> Vec<NodeStatus> {
+        self.inner
+            .nodes
+            .iter()
+            .filter_map(|n| lock(&n.status).clone())
+            .collect()
+    }
+}
+
+impl Backend for RemoteBackend {
+    fn template_exists(&self, name: &str) -> cubicle_node::Result<bool> {
+        let path = format!("/templates/exists?name={}", percent_encode(name));
+        self.block(async {
+            let (mut answered, mut last) = (false, None);
+            for i in 0..self.inner.nodes.len() {
+                match self.call::<bool>(i, Method::GET, &path, None, false).await {
+                    Ok(true) => return Ok(true),
+                    Ok(false) => answered = true,
+                    Err(e) => last = Some(e),
+                }
+            }
+            match last {
+                // Malformed names are refused by every node alike; with no node
+                // answering, "not found" would be a lie: say why.
+                Some(e) if !answered || matches!(e, cubicle_node::Error::Template(_)) => Err(e),
+                _ => Ok(false),
+            }
+        })
+    }
+
+    fn create(&self, req: CreateRequest) -> BoxFuture<'_, cubicle_node::Result<SandboxInfo>> {
+        Box::pin(async move {
+            let (node, why) = self.place(&req.template)?;
+            let t0 = Instant::now();
+            let info: SandboxInfo = self
+                .call(node, Method::POST, "/sandboxes", Self::json(&req), true)
+                .await?;
+            tracing::info!(
+                sandbox = %info.id,
+                template = %req.template,
+                node = %self.inner.nodes[node].addr,
+                claimed = info.claimed,
+                ms = t0.elapsed().as_secs_f64() * 1000.0,
+                "placed on {why}"
+            );
+            self.remember(node, info.clone());
+            Ok(info)
+        })
+    }
+
+    fn kill<'a>(&'a self, id: &'a str) -> BoxFuture<'a, cubicle_node::Result<()>> {
+        Box::pin(async move {
+            let node = self.owner(id)?;
+            self.call::<()>(
+                node,
+                Method::DELETE,
+                &format!("/sandboxes/{id}"),
+                None,
+                true,
+            )
+            .await?;
+            self.refresh(node, id).await;
+            Ok(())
+        })
+    }
+
+    fn get(&self, id: &str) -> cubicle_node::Result<SandboxInfo> {
+        lock(&self.inner.cache)
+            .get(id)
+            .map(|e| e.info.clone())
+            .ok_or_else(|| cubicle_node::Error::SandboxNotFound(id.to_string()))
+    }
+
+    fn set_timeout(&self, id: &str, timeout: Duration) -> cubicle_node::Result<()> {
+        let node = self.owner(id)?;
+        let body = WireTimeout {
+            timeout_ms: timeout.as_millis() as u64,
+            ..Default::default()
+        };
+        let info: SandboxInfo = self.block(self.call(
+            node,
+            Method::POST,
+            &format!("/sandboxes/{id}/timeout"),
+            Self::json(&body),
+            false,
+        ))?;
+        self.remember(node, info);
+        Ok(())
+    }
+
+    fn stats(&self, id: &str) -> cubicle_node::Result<SandboxStats> {
+        let node = self.owner(id)?;
+        self.block(self.call(
+            node,
+            Method::GET,
+            &format!("/sandboxes/{id}/stats"),
+            None,
+            false,
+        ))
+    }
+
+    fn log_path(&self, id: &str) -> std::path::PathBuf {
+        // The envd log stays on the node (not served over the node API yet).
+        std::path::PathBuf::from("/nonexistent/cubicle-remote-node").join(id)
+    }
+
+    fn pool(&self) -> cubicle_node::PoolStats {
+        let mut p = cubicle_node::PoolStats::default();
+        for st in self.statuses() {
+            for (k, v) in st.pool.ready {
+                *p.ready.entry(k).or_insert(0) += v;
+            }
+            for (k, v) in st.pool.target {
+                *p.target.entry(k).or_insert(0) += v;
+            }
+            p.claims += st.pool.claims;
+            p.misses += st.pool.misses;
+            p.refills += st.pool.refills;
+        }
+        p
+    }
+
+    fn host(&self) -> cubicle_node::host::HostStats {
+        let mut h = cubicle_node::host::HostStats::default();
+        for st in self.statuses() {
+            h.cpus += st.host.cpus;
+            h.memory_total += st.host.memory_total;
+            h.memory_available += st.host.memory_available;
+            h.disk_total += st.host.disk_total;
+            h.disk_available += st.host.disk_available;
+        }
+        h
+    }
+
+    fn sandboxes_of(&self, name: &str) -> Vec<String> {
+        let cache = lock(&self.inner.cache);
+        let mut v: Vec<String> = cache
+            .values()
+            .filter(|e| e.info.template == name && e.info.state != cubicle_node::SandboxState::Dead)
+            .map(|e| e.info.id.to_string())
+            .collect();
+        drop(cache);
+        for st in self.statuses() {
+            for s in st.snapshots {
+                if s.template == name || s.base_template == name {
+                    v.push(format!("snapshot {}", s.id));
+                }
+            }
+        }
+        v
+    }
+
+    fn layers_in_use(&self) -> HashSet<String> {
+        self.statuses()
+            .into_iter()
+            .flat_map(|s| s.layers_in_use)
+            .collect()
+    }
+
+    fn check_network<'a>(
+        &'a self,
+        policy: &'a NetworkPolicy,
+    ) -> BoxFuture<'a, cubicle_node::Result<()>> {
+        Box::pin(async move {
+            // Every node applies the same rules: ask one that answers.
+            let node = (0..self.inner.nodes.len())
+                .find(|i| lock(&self.inner.nodes[*i].down).is_none())
+                .unwrap_or(0);
+            self.call(
+                node,
+                Method::POST,
+                "/network/check",
+                Self::json(policy),
+                false,
+            )
+            .await
+        })
+    }
+
+    fn update_network<'a>(
+        &'a self,
+        id: &'a str,
+        policy: NetworkPolicy,
+    ) -> BoxFuture<'a, cubicle_node::Result<()>> {
+        Box::pin(async move {
+            let node = self.owner(id)?;
+            self.call::<()>(
+                node,
+                Method::POST,
+                &format!("/sandboxes/{id}/network"),
+                Self::json(&policy),
+                false,
+            )
+            .await?;
+            self.refresh(node, id).await;
+            Ok(())
+        })
+    }
+
+    fn network_log<'a>(
+        &'a self,
+        id: &'a str,
+        after: u64,
+        limit: usize,
+    ) -> BoxFuture<'a, Vec<NetEvent>> {
+        Box::pin(async move {
+            let Ok(node) = self.owner(id) else {
+                return Vec::new();
+            };
+            let path = format!("/sandboxes/{id}/network-log?after={after}&limit={limit}");
+            self.call(node, Method::GET, &path, None, false)
+                .await
+                .unwrap_or_else(|e| {
+                    tracing::warn!(sandbox = %id, "network log: {e}");
+                    Vec::new()
+                })
+        })
+    }
+
+    fn forget_network_log(&self, id: &str) {
+        let Ok(node) = self.owner(id) else {
+            return;
+        };
+        let (rb, id) = (self.clone(), id.to_string());
+        tokio::spawn(async move {
+            let path = format!("/sandboxes/{id}/network-log");
+            if let Err(e) = rb
+                .call::<()>(node, Method::DELETE, &path, None, false)
+                .await
+            {
+                tracing::debug!(sandbox = %id, "forgetting the network log: {e}");
+            }
+        });
+    }
+
+    fn pause<'a>(
+        &'a self,
+        id: &'a str,
+        req: PauseRequest,
+    ) -> BoxFuture<'a, cubicle_node::Result<PauseReport>> {
+        Box::pin(async move {
+            let node = self.owner(id)?;
+            let r = self
+                .call(
+                    node,
+                    Method::POST,
+                    &format!("/sandboxes/{id}/pause"),
+                    Self::json(&req),
+                    true,
+                )
+                .await;
+            self.refresh(node, id).await;
+            r
+        })
+    }
+
+    fn resume<'a>(
+        &'a self,
+        id: &'a str,
+        timeout: Duration,
+        memory: bool,
+    ) -> BoxFuture<'a, cubicle_node::Result<ResumeOutcome>> {
+        Box::pin(async move {
+            let node = self.owner(id)?;
+            let body = WireTimeout {
+                timeout_ms: timeout.as_millis() as u64,
+                memory,
+                count: 0,
+            };
+            let r: cubicle_node::Result<ResumeOutcome> = self
+                .call(
+                    node,
+                    Method::POST,
+                    &format!("/sandboxes/{id}/resume"),
+                    Self::json(&body),
+                    true,
+                )
+                .await;
+            match &r {
+                Ok(out) => self.remember(node, out.info.clone()),
+                Err(_) => self.refresh(node, id).await,
+            }
+            r
+        })
+    }
+
+    fn snapshot<'a>(
+        &'a self,
+        id: &'a str,
+        req: SnapshotRequest,
+    ) -> BoxFuture<'a, cubicle_node::Result<SnapshotReport>> {
+        Box::pin(async move {
+            let node = self.owner(id)?;
+            let r = self
+                .call(
+                    node,
+                    Method::POST,
+                    &format!("/sandboxes/{id}/snapshot"),
+                    Self::json(&req),
+                    true,
+                )
+                .await;
+            self.poll(node).await;
+            r
+        })
+    }
+
+    fn fork<'a>(
+        &'a self,
+        id: &'a str,
+        count: usize,
+        timeout: Duration,
+    ) -> BoxFuture<'a, cubicle_node::Result<Vec<cubicle_node::Result<SandboxInfo>>>> {
+        Box::pin(async move {
+            let node = self.owner(id)?;
+            let body = WireTimeout {
+                timeout_ms: timeout.as_millis() as u64,
+                memory: false,
+                count,
+            };
+            let v: Vec<WireResult<SandboxInfo>> = self
+                .call(
+                    node,
+                    Method::POST,
+                    &format!("/sandboxes/{id}/fork"),
+                    Self::json(&body),
+                    true,
+                )
+                .await?;
+            let out = v
+                .into_iter()
+                .map(|r| match r {
+                    WireResult::Ok(info) => {
+                        self.remember(node, info.clone());
+                        Ok(info)
+                    }
+                    WireResult::Err(e) => Err(e.into_node()),
+                })
+                .collect();
+            self.refresh(node, id).await;
+            Ok(out)
+        })
+    }
+
+    fn rollback<'a>(
+        &'a self,
+        id: &'a str,
+        snapshot: &'a str,
+    ) -> BoxFuture<'a, cubicle_node::Result<Duration>> {
+        Box::pin(async move {
+            let node = self.owner(id)?;
+            let body = serde_json::json!({ "snapshot": snapshot });
+            let r = self
+                .call(
+                    node,
+                    Method::POST,
+                    &format!("/sandboxes/{id}/rollback"),
+                    Self::json(&body),
+                    true,
+                )
+                .await;
+            self.refresh(node, id).await;
+            r
+        })
+    }
+
+    fn snapshots(&self) -> Vec<SnapshotRecord> {
+        self.statuses()
+            .into_iter()
+            .flat_map(|s| s.snapshots)
+            .collect()
+    }
+
+    fn find_snapshot(&self, name: &str) -> Option<SnapshotRecord> {
+        self.snapshots().into_iter().find(|s| s.answers_to(name))
+    }
+
+    fn delete_snapshot<'a>(&'a self, id: &'a str) -> BoxFuture<'a, cubicle_node::Result<()>> {
+        Box::pin(async move {
+            let node = self
+                .inner
+                .nodes
+                .iter()
+                .position(|n| {
+                    lock(&n.status)
+                        .as_ref()
+                        .is_some_and(|s| s.snapshots.iter().any(|r| r.id == id))
+                })
+                .ok_or_else(|| cubicle_node::Error::SnapshotNotFound(id.to_string()))?;
+            self.call::<()>(
+                node,
+                Method::DELETE,
+                &format!("/snapshots/{id}"),
+                None,
+                false,
+            )
+            .await?;
+            self.poll(node).await;
+            Ok(())
+        })
+    }
+}
+
+/// `name` for a query string (template names may hold `:` and `/`).
+fn percent_encode(name: &str) -> String {
+    let mut out = String::with_capacity(name.len());
+    for b in name.bytes() {
+        if b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.' | b'~') {
+            out.push(b as char);
+        } else {
+            out.push_str(&format!("%{b:02X}"));
+        }
+    }
+    out
+}

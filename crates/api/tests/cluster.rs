@@ -1,0 +1,239 @@
+//! The cluster's role split without sandboxes: the node-side API's guard (token on the
+//! API and on relayed data-plane requests) and an API replica whose node is unreachable
+//! (clear errors in E2B's shape, on the REST API and on the data plane).
+
+// Tests: a failed unwrap or expect is a failed test (clippy.toml allows them only in #[test] fns).
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::{
+    Json, Router,
+    body::Body,
+    http::{Method, Request, StatusCode},
+    routing::get,
+};
+use cubicle_api::cluster::{NodeStatus, RemoteBackend, RemoteConfig, authenticated};
+use cubicle_router::{
+    DataPlane, NODE_TOKEN_HEADER, Relay, RouterConfig, SandboxResolver, SandboxTarget,
+};
+use serde_json::Value;
+use tower::ServiceExt;
+
+const TOKEN: &str = "0123456789abcdef0123456789abcdef-node-token";
+
+/// A resolver that knows one fake sandbox (for presigned lookups and routing).
+struct OneSandbox;
+
+impl SandboxResolver for OneSandbox {
+    fn resolve(&self, id: &str) -> Option<SandboxTarget> {
+        (id == "sbx1").then(|| SandboxTarget {
+            id: "sbx1".into(),
+            envd_socket: "/nonexistent/envd.sock".into(),
+            init_pidfd: None,
+            envd_access_token: None,
+            traffic_access_token: None,
+            mask_request_host: None,
+        })
+    }
+    fn running(&self) -> Vec<SandboxTarget> {
+        Vec::new()
+    }
+}
+
+struct NoSandbox;
+
+impl SandboxResolver for NoSandbox {
+    fn resolve(&self, _: &str) -> Option<SandboxTarget> {
+        None
+    }
+    fn running(&self) -> Vec<SandboxTarget> {
+        Vec::new()
+    }
+}
+
+fn guarded() -> Router {
+    let api = Router::new().route("/status", get(|| async { Json(NodeStatus::default()) }));
+    let dp = DataPlane::new(Arc::new(NoSandbox), RouterConfig::default());
+    authenticated(api, dp, TOKEN)
+}
+
+async fn send(app: &Router, req: Request<Body>) -> (StatusCode, Value) {
+    let resp = app.clone().oneshot(req).await.unwrap();
+    let status = resp.status();
+    let bytes = axum::body::to_bytes(resp.into_body(), 1 << 20)
+        .await
+        .unwrap();
+    (
+        status,
+        serde_json::from_slice(&bytes).unwrap_or(Value::Null),
+    )
+}
+
+fn status_req(auth: Option<&str>) -> Request<Body> {
+    let mut r = Request::builder().uri("/node/v1/status");
+    if let Some(a) = auth {
+        r = r.header("authorization", a);
+    }
+    r.body(Body::empty()).unwrap()
+}
+
+#[tokio::test]
+async fn node_api_needs_the_token() {
+    let app = guarded();
+    for auth in [None, Some("Bearer wrong"), Some(TOKEN), Some("Basic abc")] {
+        let (status, body) = send(&app, status_req(auth)).await;
+        assert_eq!(status, StatusCode::UNAUTHORIZED, "{auth:?}");
+        assert_eq!(body["code"], 401, "{body}");
+        assert!(
+            body["message"].as_str().unwrap().contains("node token"),
+            "{body}"
+        );
+    }
+    let (status, body) = send(&app, status_req(Some(&format!("Bearer {TOKEN}")))).await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    assert!(body["sandboxes"].is_array(), "{body}");
+
+    // Relayed data-plane requests: the token is in its own header (the client's
+    // Authorization belongs to the sandbox's port), checked, then removed.
+    let dp_req = |token: &str| {
+        Request::builder()
+            .uri("/health")
+            .header("e2b-sandbox-id", "sbx1")
+            .header("e2b-sandbox-port", "49983")
+            .header(NODE_TOKEN_HEADER, token)
+            .body(Body::empty())
+            .unwrap()
+    };
+    let (status, body) = send(&app, dp_req("wrong")).await;
+    assert_eq!(
+        (status, body["code"].clone()),
+        (StatusCode::UNAUTHORIZED, 401.into())
+    );
+    // With the token it reaches the node's data plane, which knows no such sandbox.
+    let (status, body) = send(&app, dp_req(TOKEN)).await;
+    assert_eq!(status, StatusCode::BAD_GATEWAY, "{body}");
+    assert_eq!(body["message"], "The sandbox was not found", "{body}");
+    // Without any token, a data-plane-looking request is refused too.
+    let req = Request::builder()
+        .uri("/health")
+        .header("e2b-sandbox-id", "sbx1")
+        .header("e2b-sandbox-port", "49983")
+        .body(Body::empty())
+        .unwrap();
+    assert_eq!(send(&app, req).await.0, StatusCode::UNAUTHORIZED);
+}
+
+/// A node-side API on a free port; returns its address and a handle that stops it.
+async fn fake_node() -> (String, tokio::task::JoinHandle<()>) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    let api = Router::new()
+        .route(
+            "/status",
+            get(|| async {
+                Json(NodeStatus {
+                    max_sandboxes: 10,
+                    ..Default::default()
+                })
+            }),
+        )
+        .route("/templates/exists", get(|| async { Json(true) }));
+    let dp = DataPlane::new(Arc::new(NoSandbox), RouterConfig::default());
+    let app = authenticated(api, dp, TOKEN);
+    let h = tokio::spawn(async move {
+        let _ = axum::serve(listener, app).await;
+    });
+    (addr, h)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replica_with_a_wrong_token_or_no_node_says_why() {
+    let (addr, h) = fake_node().await;
+    let mut cfg = RemoteConfig::new(vec![format!("http://{addr}")], "wrong-token".into());
+    cfg.poll_interval = Duration::from_millis(50);
+    let e = RemoteBackend::connect(cfg)
+        .await
+        .err()
+        .expect("a wrong token must fail");
+    assert!(e.to_string().contains("401"), "{e}");
+    assert!(e.to_string().contains("--node-token-file"), "{e}");
+    h.abort();
+    let e = RemoteBackend::connect(RemoteConfig::new(
+        vec![format!("http://{addr}")],
+        TOKEN.into(),
+    ))
+    .await
+    .err()
+    .expect("no node answering must fail");
+    assert!(e.to_string().contains("unreachable"), "{e}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replica_with_an_unreachable_node_answers_in_e2b_shape() {
+    let (addr, h) = fake_node().await;
+    let mut cfg = RemoteConfig::new(vec![format!("http://{addr}")], TOKEN.into());
+    cfg.poll_interval = Duration::from_millis(50);
+    let remote = RemoteBackend::connect(cfg).await.unwrap();
+    let poller = remote.spawn_poller();
+    let dir = std::env::temp_dir().join(format!("cubicle-cluster-test-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let store = cubicle_store::Store::open_in_memory().unwrap();
+    let team = store.ensure_team("a").unwrap();
+    let key = store.create_api_key(team.id).unwrap().plaintext;
+    let cp = cubicle_api::ControlPlane::open(
+        Arc::new(remote.clone()),
+        store,
+        cubicle_api::ApiConfig::new(dir.join("logs")),
+    )
+    .await
+    .unwrap();
+    let app = cubicle_api::router(cp);
+
+    // The node goes away; the replica notices at its next poll.
+    h.abort();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(
+        remote.nodes()[0].1.is_some(),
+        "the node should be marked down"
+    );
+    let req = Request::builder()
+        .method(Method::POST)
+        .uri("/sandboxes")
+        .header("x-api-key", &key)
+        .header("content-type", "application/json")
+        .body(Body::from(r#"{"templateID":"base"}"#))
+        .unwrap();
+    let (status, body) = send(&app, req).await;
+    assert!(status.is_server_error(), "{status} {body}");
+    assert_eq!(body["code"], status.as_u16(), "{body}");
+    let msg = body["message"].as_str().unwrap();
+    assert!(msg.contains(&addr) && msg.contains("unreachable"), "{msg}");
+
+    // The data plane's relay to a node that is gone: 502 in E2B's shape, naming it.
+    let relay = Relay::new(TOKEN, &RouterConfig::default()).unwrap();
+    let dp = DataPlane::new(Arc::new(OneSandbox), RouterConfig::default());
+    let req = Request::builder()
+        .uri("/health")
+        .header("e2b-sandbox-id", "sbx1")
+        .header("e2b-sandbox-port", "49983")
+        .body(Body::empty())
+        .unwrap();
+    let (a, req) = dp.admit(req).await.unwrap();
+    let resp = relay.forward(req, &a, &addr).await;
+    assert_eq!(resp.status(), StatusCode::BAD_GATEWAY);
+    let bytes = axum::body::to_bytes(resp.into_body(), 1 << 20)
+        .await
+        .unwrap();
+    let body: Value = serde_json::from_slice(&bytes).unwrap();
+    assert_eq!(body["code"], 502, "{body}");
+    let msg = body["message"].as_str().unwrap();
+    assert!(
+        msg.contains(&addr) && msg.contains("sbx1") && msg.contains("unreachable"),
+        "{msg}"
+    );
+    poller.abort();
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -1,0 +1,174 @@
+//! `cubicle node`: one sandbox host of a cluster. Runs a node (runtime, warm pools,
+//! templates, network) and serves the node-side API (`cubicle_api::cluster::node_api`)
+//! that API replicas (`cubicle serve --node http://HOST:PORT`) call: the `Backend`
+//! operations under `/node/v1/`, and the node's end of the data plane (relayed SDK
+//! requests enter the sandbox through the same router as in `cubicle serve`).
+//!
+//! Every caller must present the cluster's node token (`--node-token-file`, the same file
+//! on replicas and nodes): `Authorization: Bearer` on the API, `cubicle-node-token` on
+//! relayed data-plane requests. Plain HTTP/1.1: run it on a private network (TLS or mTLS
+//! between replicas and nodes is not built yet). See docs/cluster.md, "Roles".
+//!
+//! Prints `cubicle node: ready on http://ADDR` to stdout when it serves.
+
+use std::collections::BTreeMap;
+use std::io::Write;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context;
+use cubicle_node::Node;
+use cubicle_router::{DataPlane, RouterConfig};
+
+use crate::serve::{DEFAULT_TEMPLATES, NetworkArgs, default_pool};
+
+/// `cubicle node`: run the node (no subcommand), or a subcommand about the cluster's
+/// nodes (`crate::node_cmd`: `list`).
+#[derive(clap::Args, Debug)]
+pub struct NodeCli {
+    #[command(subcommand)]
+    pub command: Option<crate::node_cmd::NodeCommand>,
+    #[command(flatten)]
+    pub run: NodeArgs,
+}
+
+/// `cubicle node` options.
+#[derive(clap::Args, Debug)]
+pub struct NodeArgs {
+    /// Address of the node-side API (replicas connect here; keep it on a private network).
+    #[arg(
+        long,
+        env = "CUBICLE_NODE_LISTEN",
+        default_value = "127.0.0.1:3100",
+        value_name = "ADDR:PORT"
+    )]
+    pub listen: SocketAddr,
+    /// File holding the cluster's node token (at least 32 characters; the same file on
+    /// every replica and node), e.g. made with `head -c 32 /dev/urandom | base64`.
+    #[arg(long, env = "CUBICLE_NODE_TOKEN_FILE", value_name = "FILE")]
+    pub node_token_file: PathBuf,
+    /// Timeout of sandboxes whose create names none, in seconds.
+    #[arg(long, default_value_t = 300, value_name = "SECS")]
+    pub default_timeout: u64,
+    /// Do not build the default templates (tiny, base) before reporting ready.
+    #[arg(long)]
+    pub no_build_templates: bool,
+    /// Warm pools, e.g. `tiny=4,base=8` (as `cubicle serve --pool`).
+    #[arg(long, env = "CUBICLE_POOL", value_name = "TEMPLATE=N,…",
+          value_parser = cubicle_node::parse_pool_spec)]
+    pub pool: Option<BTreeMap<String, usize>>,
+    /// Host memory all pooled sandboxes together may use, in MiB.
+    #[arg(
+        long,
+        env = "CUBICLE_POOL_MEMORY_MB",
+        default_value_t = 1024,
+        value_name = "MIB"
+    )]
+    pub pool_memory_mb: u64,
+    #[command(flatten)]
+    pub network: NetworkArgs,
+}
+
+/// Reads the node token from `path` (trimmed; refused when short).
+pub fn read_node_token(path: &Path) -> anyhow::Result<String> {
+    let text = std::fs::read_to_string(path)
+        .with_context(|| format!("reading the node token from {}", path.display()))?;
+    let token = text.trim().to_string();
+    if token.len() < 32 || token.bytes().any(|b| !b.is_ascii_graphic()) {
+        anyhow::bail!(
+            "the node token in {} must be at least 32 printable characters without spaces (e.g. `head -c 32 /dev/urandom | base64 > {}`)",
+            path.display(),
+            path.display()
+        );
+    }
+    Ok(token)
+}
+
+pub async fn run(env: crate::sandbox_cmd::NodeOpts, args: NodeArgs) -> anyhow::Result<i32> {
+    let token = read_node_token(&args.node_token_file)?;
+    let state_dir = &env.state_dir;
+    let envd = cubicle_node::config::find_envd_binary(env.envd_binary.clone())?;
+    let mut config = env.config(envd);
+    config.default_timeout = Duration::from_secs(args.default_timeout.max(1));
+    config.pool = match &args.pool {
+        Some(p) => p.clone(),
+        None if !args.no_build_templates
+            || state_dir.join("templates/base/template.json").exists() =>
+        {
+            default_pool(cubicle_node::host::memory_total())
+        }
+        None => BTreeMap::new(),
+    };
+    config.pool_memory_mb = args.pool_memory_mb;
+    config.network = args.network.options();
+    config.async_teardown = true;
+    let node = Node::open(config)
+        .await
+        .with_context(|| format!("opening the node on {}", state_dir.display()))?;
+    tracing::info!(report = ?node.reconcile_report(), "node reconciled");
+    if !args.no_build_templates {
+        for name in DEFAULT_TEMPLATES {
+            let store = node.templates().clone();
+            if store.get(name)?.is_none() {
+                tracing::info!("building template '{name}' (first start only)…");
+                let name = name.to_string();
+                tokio::task::spawn_blocking(move || store.ensure(&name, true))
+                    .await
+                    .context("template build task")??;
+            }
+        }
+    }
+
+    let dp = DataPlane::new(
+        Arc::new(cubicle_api::cluster::NodeResolver::new(node.clone())),
+        RouterConfig::default(),
+    );
+    {
+        let dp = dp.clone();
+        node.on_checkpoint(Box::new(move |id: &str| {
+            let n = dp.disconnect(id);
+            tracing::debug!(sandbox = %id, connections = n, "closed the router's connections");
+        }));
+    }
+    let app = cubicle_api::cluster::node_router(node.clone(), dp, &token);
+    let listener = tokio::net::TcpListener::bind(args.listen)
+        .await
+        .with_context(|| format!("listening on {}", args.listen))?;
+    let addr = listener.local_addr()?;
+    {
+        let mut out = std::io::stdout().lock();
+        writeln!(out, "cubicle node: ready on http://{addr}")?;
+        out.flush()?;
+    }
+    tracing::info!(listen = %addr, state_dir = %state_dir.display(), "serving the node-side API");
+    let (stop_tx, mut stop_rx) = tokio::sync::watch::channel(false);
+    let server = cubicle_router::server::serve(
+        listener,
+        app,
+        cubicle_router::ServerLimits {
+            // Replicas multiplex many clients over their connections to a node.
+            max_connections_per_client: 1 << 16,
+            ..Default::default()
+        },
+        None,
+        async move {
+            let _ = stop_rx.changed().await;
+        },
+    );
+    let mut server = std::pin::pin!(server);
+    crate::sd_notify::notify("READY=1\nSTATUS=serving");
+    tokio::select! {
+        () = &mut server => {}
+        sig = crate::serve::shutdown_signal() => {
+            tracing::info!("{sig}: stopping (sandboxes keep running; the next start adopts them)");
+            let _ = stop_tx.send(true);
+            let _ = tokio::time::timeout(Duration::from_secs(5), &mut server).await;
+        }
+    }
+    node.settle(Duration::from_secs(10)).await;
+    node.close();
+    node.wait_refills(Duration::from_secs(60)).await;
+    Ok(0)
+}

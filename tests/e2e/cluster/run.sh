@@ -1,0 +1,91 @@
+#!/usr/bin/env bash
+# End-to-end check of the cluster's role split (docs/cluster.md, "Roles") with the official
+# Python SDK: one `cubicle node` and one API replica (`cubicle serve --node …`), on
+# distinct addresses (node 127.0.0.2, replica 127.0.0.1) of a private network namespace;
+# sdk_core.py drives the replica only (create, commands.run streaming, files read/write,
+# upload/download through presigned URLs, list, kill) and then checks that the replica
+# answers E2B-shaped errors when the node is gone.
+#
+#   tests/e2e/cluster/run.sh
+#
+# Environment (optional): CUBICLE_BIN, CUBICLE_ENVD_BIN (as tests/e2e/serve/run.sh),
+# CUBICLE_E2E_STATE_DIR (node's state dir, default /var/lib/cubicle-e2e-cluster; the
+# replica's is that + "-replica"), CUBICLE_E2E_FIRST_SLOT (default 21000). The node's
+# state dir needs the `base` template (built on the host network on first use).
+set -uo pipefail
+ROOT=$(cd "$(dirname "$0")/../../.." && pwd)
+SELF="$ROOT/tests/e2e/cluster/run.sh"
+BIN=${CUBICLE_BIN:-$ROOT/target/debug/cubicle}
+export CUBICLE_ENVD_BIN=${CUBICLE_ENVD_BIN:-$ROOT/target/x86_64-unknown-linux-gnu/debug/cubicle-envd}
+STATE=${CUBICLE_E2E_STATE_DIR:-/var/lib/cubicle-e2e-cluster}
+SLOT=${CUBICLE_E2E_FIRST_SLOT:-21000}
+PY="$ROOT/tests/e2e/.venv/bin/python"
+
+if [[ "${CUBICLE_CLUSTER_E2E_INNER:-}" != "1" ]]; then
+  export CUBICLE_CLUSTER_E2E_INNER=1
+  for t in tiny base; do
+    [[ -f "$STATE/templates/$t/template.json" ]] || "$BIN" template build "$t" --state-dir "$STATE" || exit 1
+  done
+  exec unshare --net -- "$SELF" "$@"
+fi
+ip link set lo up
+
+WORK=$(mktemp -d /tmp/cubicle-cluster-e2e.XXXXXX)
+TOKEN="$WORK/node-token"
+head -c 32 /dev/urandom | base64 > "$TOKEN"
+chmod 600 "$TOKEN"
+NODE_PID= REPLICA_PID=
+cleanup() {
+  [[ -n $REPLICA_PID ]] && kill -TERM "$REPLICA_PID" 2>/dev/null && wait "$REPLICA_PID" 2>/dev/null
+  [[ -n $NODE_PID ]] && kill -TERM "$NODE_PID" 2>/dev/null && wait "$NODE_PID" 2>/dev/null
+  REPLICA_PID= NODE_PID=
+  # What the node leaves (async teardown of killed sandboxes) is cleaned by a local kill.
+  for id in $("$BIN" local list --state-dir "$STATE" --first-slot "$SLOT" --any-free-slots 2>/dev/null | awk 'NR>1{print $1}'); do
+    "$BIN" local kill "$id" --state-dir "$STATE" --first-slot "$SLOT" --any-free-slots >/dev/null 2>&1
+  done
+}
+trap cleanup EXIT
+
+wait_line() { # file pattern seconds
+  for _ in $(seq 1 $(( $3 * 10 ))); do
+    grep -q "$2" "$1" 2>/dev/null && return 0
+    sleep 0.1
+  done
+  echo "cluster-e2e: no '$2' in $1 within $3 s:" >&2; tail -30 "$1" >&2; return 1
+}
+
+"$BIN" node --state-dir "$STATE" --first-slot "$SLOT" --max-sandboxes 200 --any-free-slots \
+  --listen 127.0.0.2:3100 --node-token-file "$TOKEN" --pool base=1 --no-build-templates \
+  --dns-upstream 203.0.113.53 >"$WORK/node.out" 2>"$WORK/node.log" &
+NODE_PID=$!
+wait_line "$WORK/node.out" "cubicle node: ready" 300 || exit 1
+
+"$BIN" serve --state-dir "$STATE-replica" --listen 127.0.0.1:0 \
+  --node http://127.0.0.2:3100 --node-token-file "$TOKEN" \
+  >"$WORK/replica.out" 2>"$WORK/replica.log" &
+REPLICA_PID=$!
+wait_line "$WORK/replica.out" "cubicle: ready" 60 || exit 1
+eval "$(grep '^export ' "$WORK/replica.out")"
+[[ -n ${E2B_API_KEY:-} ]] || export E2B_API_KEY=$("$BIN" apikey --state-dir "$STATE-replica")
+export CUBICLE_NODE_PID=$NODE_PID
+
+"$PY" "$ROOT/tests/e2e/cluster/sdk_core.py"
+rc=$?
+if [[ $rc -ne 0 || -n ${CUBICLE_E2E_KEEP_LOG:-} ]]; then
+  echo "--- node log (tail)"; tail -40 "$WORK/node.log"
+  echo "--- replica log (tail)"; tail -40 "$WORK/replica.log"
+fi
+grep -h "placed on" "$WORK/replica.log" | head -3
+NODE_PID=  # sdk_core.py killed it (SIGKILL: its sandboxes outlive it, as they do a crash)
+cleanup
+REPLICA_PID=
+trap - EXIT
+# The leftovers of the killed node were removed by `cubicle local kill`: nothing may be left.
+left=$("$BIN" local list --state-dir "$STATE" --first-slot "$SLOT" --any-free-slots 2>/dev/null | awk 'NR>1')
+if [[ -n $left ]] || compgen -G "$STATE/sandboxes/*/" >/dev/null || ip -o link show | grep -q ' cbs'; then
+  echo "cluster-e2e: left behind: ${left:-sandbox directories or veths}" >&2
+  ls "$STATE/sandboxes" >&2; ip -o link show | grep ' cbs' >&2
+  rc=1
+fi
+rm -rf "$WORK"
+exit $rc
