@@ -176,7 +176,7 @@ if wants cluster; then
     CUBICLE_BIN="$ROOT/target/debug/cubicle" \
       CUBICLE_ENVD_BIN="$ROOT/target/x86_64-unknown-linux-gnu/debug/cubicle-envd" \
       CUBICLE_E2E_STATE_DIR=/var/lib/cubicle-e2e \
-      timeout --kill-after=30 "${CUBICLE_E2E_TIMEOUT}" tests/e2e/cluster/run.sh
+      timeout --kill-after=30 "$E2E_TIMEOUT" tests/e2e/cluster/run.sh
     record "e2e cluster" $?
   fi
 fi
