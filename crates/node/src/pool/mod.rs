@@ -259,8 +259,18 @@ impl Inner {
     ) -> Result<()> {
         let inner = self;
         let id = ids::new_sandbox_id();
-        // A member before it is live, so `list` never shows a sandbox being made for the pool.
-        inner.pool.lock().members.insert(id.clone());
+        // A member before it is live, so `list` never shows a sandbox being made for the
+        // pool. Not once the node is closed: checked under the pool's lock, so that either
+        // `Node::wait_refills` (which reads the members after `close`) sees this one, or
+        // this one sees the close (the refill loop's own check is a template lookup
+        // earlier, and a close in between let a sandbox be made after the wait).
+        {
+            let mut ps = inner.pool.lock();
+            if inner.closed.load(std::sync::atomic::Ordering::SeqCst) {
+                return Ok(());
+            }
+            ps.members.insert(id.clone());
+        }
         let record = match inner.reserve(&id, template, |r| {
             r.end_at_ms = r.created_at_ms + POOLED_END_MS;
         }) {
