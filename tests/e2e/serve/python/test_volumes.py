@@ -431,3 +431,23 @@ def test_snapshot_fork_and_rollback_with_a_volume(volumes: Volumes, sandboxes: T
         assert sbx.files.read("/mnt/data/from-child.txt") == "child"
     finally:
         Sandbox.delete_snapshot(snap.snapshot_id)
+
+
+def test_pooled_sandbox_with_a_volume_pauses(volumes: Volumes, sandboxes: Tracker):
+    """A pooled sandbox gets its volume attached after its start (`attach.rs`), not from
+    its spec: the checkpoint finds it and the restore mounts it again all the same."""
+    template = "code-interpreter-v1"
+    before = api("GET", "/cubicle/pool").json()
+    if not before.get("target", {}).get(template):
+        pytest.skip("the server runs no code-interpreter pool (CUBICLE_E2E_SERVE_ARGS)")
+    vol = volumes.create()
+    sbx = sandboxes.create(template, volume_mounts={"/mnt/pooled": vol}, timeout=300)
+    after = api("GET", "/cubicle/pool").json()
+    assert after["claims"] == before["claims"] + 1, (before, after)
+    start_writer(sbx, 8792, "/mnt/pooled/log.txt")
+    n1, pid = read_writer(sbx, 8792)
+    assert sbx.pause() is True
+    sbx.connect(timeout=300)
+    assert read_writer(sbx, 8792) == (n1 + 1, pid)
+    assert vol.read_file("/log.txt") == lines(n1 + 1)
+    assert vol.get_info("/log.txt").uid == 1000
