@@ -320,6 +320,9 @@ impl Inner {
         // The exit watcher would take the end of the processes for a death.
         self.stop_watcher(&id);
         self.disconnect(&id);
+        // Where a pause's time goes (logged): the node's own steps (envd's health, the
+        // record, closing connections) before the runtime's phases.
+        let before_checkpoint = t0.elapsed();
         let rt = self.runtime.clone();
         let res = if req.memory {
             blocking(move || {
@@ -362,11 +365,18 @@ impl Inner {
         record.envd_unresponsive_at_pause = !healthy;
         record.pid = None;
         record.pid_start_time = None;
+        let phases = std::iter::once(("checkpoint_called".to_string(), before_checkpoint))
+            .chain(
+                info.phases
+                    .into_iter()
+                    .map(|(name, d)| (name, d + before_checkpoint)),
+            )
+            .collect();
         Ok(PauseReport {
             frozen: info.frozen,
             total: t0.elapsed(),
             bytes: info.bytes,
-            phases: info.phases,
+            phases,
         })
     }
 
