@@ -65,7 +65,7 @@ fn build_rootfs(t: &Path) {
         .find(|p| Path::new(p).exists())
         .expect("busybox-static is not installed");
     fs::copy(busybox, t.join("bin/busybox")).unwrap();
-    for applet in ["sh", "cat", "sleep", "echo", "ls"] {
+    for applet in ["sh", "cat", "sleep", "echo", "ls", "mv"] {
         symlink("busybox", t.join("bin").join(applet)).unwrap();
     }
     fs::write(t.join("etc/passwd"), "root:x:0:0:root:/root:/bin/sh\n").unwrap();
@@ -95,8 +95,10 @@ fn lo_up(pid: i32) -> cubicle_checkpoint::Result<()> {
 }
 
 /// The counter script: a shell variable counts in memory (only a restored process has
-/// it), the count goes to `/tmp/count` (overlay) and `/run/count` (tmpfs) every 50 ms.
-const COUNTER: &str = "i=0; echo tmpfs-data > /run/kept; while true; do i=$((i+1)); echo $i > /tmp/count; echo $i > /run/count; sleep 0.05; done";
+/// it), the count goes to `/tmp/count` (overlay) and `/run/count` (tmpfs) every 50 ms,
+/// each written aside and renamed (a pause between `>`'s truncation and the write would
+/// leave the file empty).
+const COUNTER: &str = "i=0; echo tmpfs-data > /run/kept; while true; do i=$((i+1)); echo $i > /tmp/count.new; mv /tmp/count.new /tmp/count; echo $i > /run/count.new; mv /run/count.new /run/count; sleep 0.05; done";
 
 /// The count in `file` of the sandbox (retrying: the script rewrites it every 50 ms).
 fn read_count(sb_pid: i32, file: &str) -> u64 {
