@@ -451,3 +451,28 @@ def test_pooled_sandbox_with_a_volume_pauses(volumes: Volumes, sandboxes: Tracke
     assert read_writer(sbx, 8792) == (n1 + 1, pid)
     assert vol.read_file("/log.txt") == lines(n1 + 1)
     assert vol.get_info("/log.txt").uid == 1000
+
+
+def test_read_only_volume_stays_read_only_across_a_pause(volumes: Volumes, sandboxes: Tracker):
+    """The restore makes the volume's mount with the flags it had: read-only stays."""
+    vol = volumes.create()
+    vol.write_file("/kept.txt", "kept")
+    r = api(
+        "POST",
+        "/v2/sandboxes",
+        json={
+            "templateID": "base",
+            "timeout": 300,
+            "volumeMounts": [{"name": vol.name, "path": "/mnt/ro", "readOnly": True}],
+        },
+    )
+    assert r.status_code == 201, r.text
+    sid = r.json()["sandboxID"]
+    sandboxes.track(sid)
+    sbx = Sandbox.connect(sid)
+    assert sbx.pause() is True
+    sbx.connect(timeout=300)
+    assert sbx.files.read("/mnt/ro/kept.txt") == "kept"
+    res = sbx.commands.run("{ echo x > /mnt/ro/new; } 2>&1; true", user="root")
+    assert "Read-only file system" in res.stdout, res
+    assert not vol.exists("/new")
