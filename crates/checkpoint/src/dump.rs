@@ -80,12 +80,12 @@ fn dump_in(criu: &Criu, cg: &Cgroup, mut req: DumpRequest<'_>, t0: Instant) -> R
         .filter(|e| present.contains(&e.mountpoint))
         .collect();
     let stdio = stdio_of(req.init_pid).map_err(cleanup)?;
+    let mut phases = vec![("inspected".to_string(), t0.elapsed())];
     let outside = wait_outside_connections(cg, req.init_pid, OUTSIDE_WAIT);
     if !outside.is_empty() {
         tracing::warn!(sandbox = %spec.id, ?outside, "connections from outside the sandbox are still open; dumping anyway");
     }
-
-    let mut phases = Vec::new();
+    phases.push(("outside_closed".to_string(), t0.elapsed()));
     cg.freeze(FREEZE_TIMEOUT).map_err(|e| cleanup(e.into()))?;
     let t_frozen = Instant::now();
     phases.push(("frozen".to_string(), t0.elapsed()));

@@ -6,7 +6,8 @@
 //!
 //! The sandboxes run busybox scripts on a busybox-static template; each test checks what a
 //! user would: processes and their memory carry on, files and tmpfs contents are back,
-//! a copy on another uid range runs as that range, nothing is left behind.
+//! a copy on another uid range runs as that range, a volume (idmapped bind) is mounted
+//! again with its open files, nothing is left behind.
 
 // Tests: a failed unwrap or expect is a failed test (harness = false: no #[test] fns).
 #![allow(clippy::unwrap_used, clippy::expect_used)]
@@ -64,7 +65,7 @@ fn build_rootfs(t: &Path) {
         .find(|p| Path::new(p).exists())
         .expect("busybox-static is not installed");
     fs::copy(busybox, t.join("bin/busybox")).unwrap();
-    for applet in ["sh", "cat", "sleep", "echo", "ls"] {
+    for applet in ["sh", "cat", "sleep", "echo", "ls", "mv"] {
         symlink("busybox", t.join("bin").join(applet)).unwrap();
     }
     fs::write(t.join("etc/passwd"), "root:x:0:0:root:/root:/bin/sh\n").unwrap();
@@ -94,8 +95,10 @@ fn lo_up(pid: i32) -> cubicle_checkpoint::Result<()> {
 }
 
 /// The counter script: a shell variable counts in memory (only a restored process has
-/// it), the count goes to `/tmp/count` (overlay) and `/run/count` (tmpfs) every 50 ms.
-const COUNTER: &str = "i=0; echo tmpfs-data > /run/kept; while true; do i=$((i+1)); echo $i > /tmp/count; echo $i > /run/count; sleep 0.05; done";
+/// it), the count goes to `/tmp/count` (overlay) and `/run/count` (tmpfs) every 50 ms,
+/// each written aside and renamed (a pause between `>`'s truncation and the write would
+/// leave the file empty).
+const COUNTER: &str = "i=0; echo tmpfs-data > /run/kept; while true; do i=$((i+1)); echo $i > /tmp/count.new; mv /tmp/count.new /tmp/count; echo $i > /run/count.new; mv /run/count.new /run/count; sleep 0.05; done";
 
 /// The count in `file` of the sandbox (retrying: the script rewrites it every 50 ms).
 fn read_count(sb_pid: i32, file: &str) -> u64 {
@@ -276,6 +279,85 @@ fn fork_to_another_uid_range(env: &Env) {
     sb.destroy().unwrap();
 }
 
+/// A volume (a host directory bind-mounted idmapped, as the node mounts volumes) across a
+/// pause: the script holds a file of the volume open for appending and counts into it.
+/// While paused the host adds a file to the volume; after the resume the same process
+/// goes on appending through its restored descriptor, sees the new file, and what the
+/// sandbox's root creates then is stored as uid 0 in the volume (the mount is idmapped
+/// again; unmapped, the sandbox's root could not even write the root-owned directory).
+fn volume_across_pause(env: &Env) {
+    let vol = env.root.join("volume");
+    fs::create_dir_all(&vol).unwrap();
+    fs::set_permissions(&vol, fs::Permissions::from_mode(0o755)).unwrap();
+    let script = "exec 3>>/mnt/vol/log; i=0; while true; do i=$((i+1)); echo $i >&3; \
+                  echo $i > /tmp/count; [ -e /mnt/vol/go ] && echo $i > /mnt/vol/made-after; \
+                  sleep 0.05; done";
+    let mut spec = env.spec(script);
+    spec.binds.push(cubicle_runtime::BindMount {
+        source: vol.clone(),
+        target: "/mnt/vol".into(),
+        readonly: false,
+        idmapped: true,
+    });
+    let sb = spawn(&spec).unwrap();
+    let log = vol.join("log");
+    wait_for(&log);
+    assert_eq!(fs::metadata(&log).unwrap().uid(), 0, "idmapped at spawn");
+    let dir = spec.sandbox_dir.join("checkpoint");
+    dump(
+        &env.criu,
+        DumpRequest {
+            spec: &spec,
+            init_pid: sb.pid(),
+            dir: &dir,
+            leave_running: false,
+            while_frozen: None,
+        },
+    )
+    .unwrap_or_else(|e| panic!("dump: {e}"));
+    assert!(
+        sb.wait_timeout(Duration::from_secs(5)),
+        "the paused sandbox still runs"
+    );
+    let at_pause = fs::read_to_string(&log).unwrap().lines().count();
+    // Not in the checkpoint: the resume sees the volume as it is then.
+    fs::write(vol.join("go"), "").unwrap();
+    let mut net = lo_up;
+    let r = restore(
+        &env.criu,
+        RestoreRequest {
+            spec: &spec,
+            dir: &dir,
+            stdio: None,
+            on_namespaces: &mut net,
+        },
+    )
+    .unwrap_or_else(|e| panic!("restore: {e}"));
+    let sb2 = Sandbox::adopt(&spec.id, &spec.sandbox_dir).unwrap();
+    let made = wait_for(&vol.join("made-after"));
+    assert_eq!(
+        fs::metadata(vol.join("made-after")).unwrap().uid(),
+        0,
+        "the volume is idmapped again after the restore"
+    );
+    let text = fs::read_to_string(&log).unwrap();
+    let counts: Vec<u64> = text.lines().map(|l| l.parse().unwrap()).collect();
+    // One process counting on through one descriptor: 1, 2, 3, … without a restart.
+    assert!(counts.len() > at_pause, "nothing appended after the resume");
+    assert!(
+        counts.iter().enumerate().all(|(i, n)| *n == i as u64 + 1),
+        "the log is not one continued count: {text}"
+    );
+    assert!(made.trim().parse::<usize>().unwrap() > at_pause);
+    let mi = fs::read_to_string(format!("/proc/{}/mountinfo", r.pid)).unwrap();
+    let line = mi
+        .lines()
+        .find(|l| l.split(' ').nth(4) == Some("/mnt/vol"))
+        .unwrap_or_else(|| panic!("/mnt/vol not mounted after restore:\n{mi}"));
+    assert!(line.contains("idmapped"), "{line}");
+    sb2.destroy().unwrap();
+}
+
 type Test = (&'static str, fn(&Env));
 const TESTS: &[Test] = &[
     (
@@ -283,6 +365,7 @@ const TESTS: &[Test] = &[
         pause_and_resume_keeps_memory_and_files,
     ),
     ("fork_to_another_uid_range", fork_to_another_uid_range),
+    ("volume_across_pause", volume_across_pause),
 ];
 
 fn main() {

@@ -567,6 +567,7 @@ impl SandboxRuntime for LinuxRuntime {
                 phases: Vec::new(),
             });
         }
+        let t0 = std::time::Instant::now();
         let report = cubicle_checkpoint::dump(
             criu,
             cubicle_checkpoint::DumpRequest {
@@ -578,14 +579,17 @@ impl SandboxRuntime for LinuxRuntime {
             },
         )
         .map_err(|e| ck_err(format!("{what} {id}"), e))?;
+        let mut phases = report.phases;
         if !c.leave_running {
             self.release(id, c.start.slot)?;
+            // Killing the dumped tree's leftovers, removing the cgroup and the veth.
+            phases.push(("released".to_string(), t0.elapsed()));
         }
         Ok(crate::runtime::CheckpointInfo {
             frozen: report.frozen,
             total: report.total,
             bytes: report.bytes,
-            phases: report.phases,
+            phases,
         })
     }
 

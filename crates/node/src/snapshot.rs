@@ -68,6 +68,10 @@ pub struct SnapshotRecord {
     /// Bytes the checkpoint wrote.
     #[serde(default)]
     pub bytes: u64,
+    /// The source's volumes when taken: a sandbox made from the snapshot mounts them
+    /// (their content is not in the snapshot; it sees them as they are then).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub volumes: Vec<crate::sandbox::VolumeMount>,
 }
 
 impl SnapshotRecord {

@@ -54,21 +54,7 @@ pub fn attach_binds(
     }
     let mut mounts: Vec<OwnedFd> = Vec::with_capacity(binds.len());
     for b in binds {
-        let fd = sys::open_tree_clone(&b.source)
-            .map_err(|e| Error::io(format!("bind source {}", b.source.display()), e))?;
-        let mut attrs = sys::MOUNT_ATTR_NOSUID | sys::MOUNT_ATTR_NODEV;
-        if b.readonly {
-            attrs |= sys::MOUNT_ATTR_RDONLY;
-        }
-        let ns = if b.idmapped {
-            attrs |= sys::MOUNT_ATTR_IDMAP;
-            Some(userns.as_raw_fd())
-        } else {
-            None
-        };
-        sys::mount_setattr(&fd, attrs, ns)
-            .map_err(|e| Error::io(format!("bind source {} attributes", b.source.display()), e))?;
-        mounts.push(fd);
+        mounts.push(crate::helper::bind_source(b, userns.as_raw_fd())?);
     }
     let pidfd_raw = pidfd.as_raw_fd();
     std::thread::scope(|s| {

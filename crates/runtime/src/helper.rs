@@ -35,7 +35,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::cgroup::Cgroup;
 use crate::seccomp;
-use crate::spec::SandboxSpec;
+use crate::spec::{BindMount, SandboxSpec};
 use crate::sys;
 
 /// argv[1] that turns the current binary into the sandbox helper.
@@ -195,26 +195,36 @@ fn release_child(spec: &SandboxSpec, pid: i32, sock: &OwnedFd, out: RawFd) -> Re
         .map(|layer| idmapped_layer(layer, userns.as_raw_fd()))
         .collect::<Result<Vec<_>, _>>()?;
     for b in spec.all_binds() {
-        let fd = sys::open_tree_clone(&b.source)
-            .map_err(|e| format!("bind source {}: {e}", b.source.display()))?;
-        let mut attrs = sys::MOUNT_ATTR_NOSUID | sys::MOUNT_ATTR_NODEV;
-        if b.readonly {
-            attrs |= sys::MOUNT_ATTR_RDONLY;
-        }
-        let userns_fd = if b.idmapped {
-            attrs |= sys::MOUNT_ATTR_IDMAP;
-            Some(userns.as_raw_fd())
-        } else {
-            None
-        };
-        sys::mount_setattr(&fd, attrs, userns_fd)
-            .map_err(|e| format!("bind source {} attributes: {e}", b.source.display()))?;
-        fds.push(fd);
+        fds.push(bind_source(&b, userns.as_raw_fd()).map_err(|e| e.to_string())?);
     }
     mark(out, "mounts_prepared");
     let raw: Vec<RawFd> = fds.iter().map(|f| f.as_raw_fd()).collect();
     sys::send_with_fds(sock.as_raw_fd(), b"go", &raw).map_err(|e| format!("release child: {e}"))?;
     Ok(())
+}
+
+/// A detached clone of bind `b`'s source, nosuid and nodev (read-only if `b` says so),
+/// its owners mapped through the user namespace `userns` when `b.idmapped` (a volume: the
+/// sandbox's uid N reads and writes the volume's uid N). The one way a bind mount of a
+/// sandbox is made: at spawn (here), on a running sandbox (`attach.rs`) and for a restore
+/// (`restore.rs`, with the restore's user namespace, which has the sandbox's id map).
+pub(crate) fn bind_source(b: &BindMount, userns: RawFd) -> crate::error::Result<OwnedFd> {
+    use crate::error::Error;
+    let fd = sys::open_tree_clone(&b.source)
+        .map_err(|e| Error::io(format!("bind source {}", b.source.display()), e))?;
+    let mut attrs = sys::MOUNT_ATTR_NOSUID | sys::MOUNT_ATTR_NODEV;
+    if b.readonly {
+        attrs |= sys::MOUNT_ATTR_RDONLY;
+    }
+    let ns = if b.idmapped {
+        attrs |= sys::MOUNT_ATTR_IDMAP;
+        Some(userns)
+    } else {
+        None
+    };
+    sys::mount_setattr(&fd, attrs, ns)
+        .map_err(|e| Error::io(format!("bind source {} attributes", b.source.display()), e))?;
+    Ok(fd)
 }
 
 /// One template layer (the rootfs or a layer above it) as a detached, read-only, nodev

@@ -33,7 +33,7 @@ use std::path::{Path, PathBuf};
 use crate::cgroup::{Cgroup, InnerMounts};
 use crate::error::{Error, Result};
 use crate::rootfs::{Step, plan};
-use crate::spec::SandboxSpec;
+use crate::spec::{BindMount, SandboxSpec};
 use crate::sys;
 
 /// Where a mount of the sandbox comes from (outside its mount namespace).
@@ -51,12 +51,16 @@ pub enum ExternalSource {
     Device(PathBuf),
     /// `/dev/null` bound read-only over a masked file.
     NullMask,
-    /// A bind mount of the spec (the agent binary, the ctl directory, extra binds).
+    /// A bind mount of the spec (the agent binary, the ctl directory, extra binds,
+    /// volumes).
     Bind {
         /// Host path.
         source: PathBuf,
         /// Read-only (always also nosuid, nodev).
         readonly: bool,
+        /// Idmapped into the sandbox's user namespace (a volume): a restore maps it
+        /// through its own user namespace, which has the sandbox's id map.
+        idmapped: bool,
     },
 }
 
@@ -140,6 +144,7 @@ pub(crate) fn external_mounts_for(spec: &SandboxSpec, cgroups: &InnerMounts) -> 
                     ExternalSource::Bind {
                         source: b.source.clone(),
                         readonly: b.readonly,
+                        idmapped: b.idmapped,
                     },
                 ),
                 None => continue,
@@ -185,7 +190,7 @@ pub fn prepare_restore_root(
     let cg = Cgroup::handle(&spec.id)?;
     let known = external_mounts_for(spec, &cg.inner_mounts());
     let staging = spec.mount_dir();
-    mount_staging_and_root(spec, &cg.inner_mounts(), fill_staging)?;
+    let userns = mount_staging_and_root(spec, &cg.inner_mounts(), fill_staging)?;
 
     // Searchable by all: CRIU binds these from inside the sandbox's user namespace. The
     // directory only exists in the caller's private mount namespace.
@@ -222,17 +227,19 @@ pub fn prepare_restore_root(
                 bind_with_flags(&staging.join(dir), &p, *flags as libc::c_ulong)?;
                 p
             }
-            ExternalSource::Bind { source, readonly } => {
+            ExternalSource::Bind {
+                source,
+                readonly,
+                idmapped,
+            } => {
                 let p = src_dir.join(i.to_string());
-                let fd = sys::open_tree_clone(source)
-                    .map_err(|e| Error::io(format!("bind source {}", source.display()), e))?;
-                let mut attrs = sys::MOUNT_ATTR_NOSUID | sys::MOUNT_ATTR_NODEV;
-                if *readonly {
-                    attrs |= sys::MOUNT_ATTR_RDONLY;
-                }
-                sys::mount_setattr(&fd, attrs, None).map_err(|e| {
-                    Error::io(format!("bind source {} attributes", source.display()), e)
-                })?;
+                let bind = BindMount {
+                    source: source.clone(),
+                    target: mp.clone(),
+                    readonly: *readonly,
+                    idmapped: *idmapped,
+                };
+                let fd = crate::helper::bind_source(&bind, userns.as_raw_fd())?;
                 if source.is_dir() {
                     make_dir(&p, 0o755)?;
                 } else {
@@ -255,12 +262,13 @@ pub fn prepare_restore_root(
 /// The staging tmpfs with the template's layers (idmapped) at `lower`, `lower1`, … and
 /// the overlay at `root`,
 /// both mounted by root of a throwaway user namespace with the sandbox's map, then
-/// attached here.
+/// attached here. Returns that user namespace (the descriptor keeps it alive after its
+/// process is gone): the volumes' sources are idmapped through it.
 fn mount_staging_and_root(
     spec: &SandboxSpec,
     cgroups: &InnerMounts,
     fill_staging: &mut dyn FnMut(&Path) -> Result<()>,
-) -> Result<()> {
+) -> Result<fs::File> {
     let staging = spec.mount_dir();
     let (parent_sock, child_sock) =
         cubicle_syscalls::socket::seqpacket_pair().map_err(|e| Error::io("socketpair", e))?;
@@ -303,7 +311,7 @@ fn mount_staging_and_root(
     }
     let pid = pid as i32;
     drop(child_sock);
-    let res = (|| -> Result<()> {
+    let res = (|| -> Result<fs::File> {
         let map = format!("0 {} {}\n", spec.uid_base, spec.uid_count);
         for file in ["uid_map", "gid_map"] {
             let path = format!("/proc/{pid}/{file}");
@@ -333,7 +341,8 @@ fn mount_staging_and_root(
                 format!("attach the staging tmpfs at {}", staging.display()),
                 e,
             )
-        })
+        })?;
+        Ok(userns)
     })();
     if res.is_err() {
         // SAFETY: kill with integer arguments.
@@ -509,6 +518,12 @@ mod tests {
             readonly: true,
             idmapped: false,
         });
+        s.binds.push(BindMount {
+            source: "/volumes/v1".into(),
+            target: "/mnt/vol".into(),
+            readonly: false,
+            idmapped: true,
+        });
         s
     }
 
@@ -554,21 +569,33 @@ mod tests {
             find(&l, ENVD_PATH),
             ExternalSource::Bind {
                 source: "/usr/bin/cubicle-envd".into(),
-                readonly: true
+                readonly: true,
+                idmapped: false
             }
         );
         assert_eq!(
             find(&l, CTL_DIR),
             ExternalSource::Bind {
                 source: "/s/abc/ctl".into(),
-                readonly: false
+                readonly: false,
+                idmapped: false
             }
         );
         assert_eq!(
             find(&l, "/opt/data"),
             ExternalSource::Bind {
                 source: "/data".into(),
-                readonly: true
+                readonly: true,
+                idmapped: false
+            }
+        );
+        // A volume: idmapped again on restore (its owners are the sandbox's ids).
+        assert_eq!(
+            find(&l, "/mnt/vol"),
+            ExternalSource::Bind {
+                source: "/volumes/v1".into(),
+                readonly: false,
+                idmapped: true
             }
         );
         // Mounts of the sandbox's own filesystems (proc, sysfs, devpts, cgroup, the

@@ -3,9 +3,12 @@
 run.sh calls this in steps around stopping and starting `cubicle serve`:
 
     durability.py setup STATE_FILE IDS_FILE   a paused sandbox (a process counting in its
-                                              memory) and a snapshot of another one
+                                              memory, logging each count to a file it
+                                              holds open in a volume the sandbox mounts)
+                                              and a snapshot of another one
     durability.py check STATE_FILE            both still there, as they were
-    durability.py finish STATE_FILE           resume the paused one (the count goes on),
+    durability.py finish STATE_FILE           resume the paused one (the count goes on,
+                                              its open file in the volume still written),
                                               a sandbox from the snapshot, then remove all
 
 STATE_FILE carries the ids (and what the counter said) from one step to the next."""
@@ -16,14 +19,17 @@ import json
 import sys
 import time
 
-from e2b import Sandbox, SandboxState
+from e2b import Sandbox, SandboxState, Volume
 
 COUNTER = r"""
 import http.server, itertools, os
 count = itertools.count(1)
+log = open("/mnt/vol/log.txt", "a", buffering=1)
 class H(http.server.BaseHTTPRequestHandler):
     def do_GET(self):
-        body = f"{next(count)} {os.getpid()}".encode()
+        n = next(count)
+        log.write(f"{n}\n")
+        body = f"{n} {os.getpid()}".encode()
         self.send_response(200); self.send_header("Content-Length", str(len(body))); self.end_headers()
         self.wfile.write(body)
     def log_message(self, *a): pass
@@ -41,7 +47,13 @@ def counter(sbx: Sandbox) -> tuple[int, int]:
 
 
 def setup(state_file: str, ids_file: str) -> None:
-    paused = Sandbox.create("base", metadata={"e2e": "durability"}, timeout=600)
+    vol = Volume.create(f"durability-{int(time.time() * 1000)}")
+    paused = Sandbox.create(
+        "base",
+        metadata={"e2e": "durability"},
+        timeout=600,
+        volume_mounts={"/mnt/vol": vol},
+    )
     source = Sandbox.create("base", timeout=600)
     with open(ids_file, "a") as f:
         f.write(f"{paused.sandbox_id}\n{source.sandbox_id}\n")
@@ -54,7 +66,13 @@ def setup(state_file: str, ids_file: str) -> None:
     snap = source.create_snapshot()
     source.kill()
     json.dump(
-        {"paused": paused.sandbox_id, "n": n, "pid": pid, "snapshot": snap.snapshot_id},
+        {
+            "paused": paused.sandbox_id,
+            "n": n,
+            "pid": pid,
+            "snapshot": snap.snapshot_id,
+            "volume": vol.volume_id,
+        },
         open(state_file, "w"),
     )
     print(f"durability: paused {paused.sandbox_id} (counter at {n}), snapshot {snap.snapshot_id}")
@@ -76,6 +94,10 @@ def finish(state_file: str) -> None:
     assert Sandbox.get_info(s["paused"]).state == SandboxState.RUNNING
     assert counter(sbx) == (s["n"] + 1, s["pid"]), "the process came back with its memory"
     assert sbx.files.read("/home/user/kept.txt") == "paused with me"
+    # The counter's log in the volume, written before the pause and, through the same
+    # restored descriptor, after the resume.
+    vol = Volume.connect(s["volume"])
+    assert vol.read_file("/log.txt") == "".join(f"{i}\n" for i in range(1, s["n"] + 2))
     child = Sandbox.create(s["snapshot"], timeout=120)
     try:
         assert child.files.read("/home/user/snap.txt") == "in the snapshot"
@@ -83,6 +105,7 @@ def finish(state_file: str) -> None:
         child.kill()
     assert Sandbox.kill(s["paused"]) is True
     assert Sandbox.delete_snapshot(s["snapshot"]) is True
+    assert Volume.destroy(s["volume"]) is True
     print("durability: resumed, counted on, sandbox from the snapshot works, all removed")
 
 

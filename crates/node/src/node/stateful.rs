@@ -304,14 +304,8 @@ impl Inner {
                 "envd of sandbox {id} does not answer; not pausing (the sandbox keeps running)"
             )));
         }
-        refuse_volumes(record)?;
         let template = self.rootfs_template(record)?;
-        let spec = self.start_spec(
-            record,
-            &template,
-            self.binds_of(record, &template),
-            Vec::new(),
-        );
+        let spec = self.checkpoint_spec(record, &template)?;
         let dir = self.sandbox_dir(&id).join(CHECKPOINT_DIR);
         if dir.exists() {
             fsutil::remove_tree(&dir)?;
@@ -326,6 +320,9 @@ impl Inner {
         // The exit watcher would take the end of the processes for a death.
         self.stop_watcher(&id);
         self.disconnect(&id);
+        // Where a pause's time goes (logged): the node's own steps (envd's health, the
+        // record, closing connections) before the runtime's phases.
+        let before_checkpoint = t0.elapsed();
         let rt = self.runtime.clone();
         let res = if req.memory {
             blocking(move || {
@@ -368,11 +365,18 @@ impl Inner {
         record.envd_unresponsive_at_pause = !healthy;
         record.pid = None;
         record.pid_start_time = None;
+        let phases = std::iter::once(("checkpoint_called".to_string(), before_checkpoint))
+            .chain(
+                info.phases
+                    .into_iter()
+                    .map(|(name, d)| (name, d + before_checkpoint)),
+            )
+            .collect();
         Ok(PauseReport {
             frozen: info.frozen,
             total: t0.elapsed(),
             bytes: info.bytes,
-            phases: info.phases,
+            phases,
         })
     }
 
@@ -393,6 +397,19 @@ impl Inner {
                 live.init.as_ref(),
             ));
         }
+    }
+
+    /// The sandbox `record` as it was started, for a checkpoint: its mounts decide what
+    /// the dump marks external. Its volumes are among them: their content stays in the
+    /// volume (not in the checkpoint), and a restore mounts the same volume directories
+    /// again, idmapped as at create.
+    fn checkpoint_spec(
+        &self,
+        record: &SandboxRecord,
+        template: &Template,
+    ) -> Result<crate::runtime::StartSpec> {
+        let volumes = self.volume_binds(&record.volumes)?;
+        Ok(self.start_spec(record, template, self.binds_of(record, template), volumes))
     }
 
     /// The extra bind mounts of a sandbox (what `prepare_sandbox_dir` adds besides the
@@ -595,14 +612,8 @@ impl Inner {
             .pid
             .filter(|p| procfs::is_alive(*p, record.pid_start_time))
             .ok_or_else(|| Error::SandboxNotFound(id.to_string()))?;
-        refuse_volumes(record)?;
         let template = self.rootfs_template(record)?;
-        let spec = self.start_spec(
-            record,
-            &template,
-            self.binds_of(record, &template),
-            Vec::new(),
-        );
+        let spec = self.checkpoint_spec(record, &template)?;
         let snap_id = ids::new_sandbox_id();
         let storage_name = crate::snapshot::storage_name(&snap_id);
         let dir = self.sandbox_dir(&id).join(CHECKPOINT_DIR);
@@ -649,6 +660,7 @@ impl Inner {
             access_token: record.access_token.clone(),
             uid_base: record.uid_base,
             bytes: info.bytes,
+            volumes: record.volumes.clone(),
         };
         if let Err(e) = self.snapshots.put(&snap) {
             let rt = self.runtime.clone();
@@ -685,13 +697,10 @@ impl Inner {
         id: SandboxId,
         timeout: Duration,
     ) -> Result<SandboxInfo> {
-        if !req.volumes.is_empty() {
-            return Err(Error::Unsupported(format!(
-                "volumeMounts on a sandbox made from snapshot '{}' are not supported yet \
-                 (create it from a template to mount volumes)",
-                snap.id
-            )));
-        }
+        let volumes = snapshot_volumes(req, snap)?;
+        // Every volume must still exist (one deleted since the snapshot is the caller's
+        // error, not a failed start).
+        self.volume_binds(&volumes)?;
         let t0 = Instant::now();
         let template = self.pinned_template(&snap.base_template, &snap.layers)?;
         let _permit = self.pool.create_permits.clone().acquire_owned().await.ok();
@@ -717,6 +726,7 @@ impl Inner {
             r.timeout_ms = timeout.as_millis() as u64;
             r.default_user = snap.default_user.clone();
             r.default_workdir = snap.default_workdir.clone();
+            r.volumes = volumes;
         })?;
         match self
             .bring_up_from_snapshot(record, &template, snap, t0)
@@ -825,7 +835,6 @@ impl Inner {
                 .map(|l| l.record.clone())
                 .ok_or_else(|| Error::SandboxNotFound(id.into()))?
         };
-        refuse_volumes(&source)?;
         if source.state == SandboxState::Paused {
             return Err(conflict(
                 id,
@@ -999,16 +1008,125 @@ impl Inner {
     }
 }
 
-/// Volumes are idmapped bind mounts of host directories that outlive the sandbox; a
-/// checkpoint (pause, snapshot, fork, rollback) of a sandbox that mounts one is not
-/// supported yet: refused before anything is stopped.
-fn refuse_volumes(record: &SandboxRecord) -> Result<()> {
-    if record.volumes.is_empty() {
-        return Ok(());
+/// The volumes a sandbox made from `snap` mounts: the snapshot's (it remembers the
+/// source's `volumeMounts`, as its environment and limits), unless the create names its
+/// own. A snapshot with memory holds processes that had files of those volumes open at
+/// those paths: it takes exactly the snapshot's mounts (or none named).
+fn snapshot_volumes(
+    req: &CreateRequest,
+    snap: &SnapshotRecord,
+) -> Result<Vec<crate::sandbox::VolumeMount>> {
+    if req.volumes.is_empty() {
+        return Ok(snap.volumes.clone());
     }
-    Err(Error::Unsupported(format!(
-        "sandbox {} mounts volumes: pause, snapshots, fork and rollback of a sandbox with \
-         volumeMounts are not supported yet (kill it instead; the volumes keep their files)",
-        record.id
-    )))
+    crate::volume::check_mounts(&req.volumes)?;
+    if snap.memory {
+        let key = |v: &[crate::sandbox::VolumeMount]| {
+            let mut v: Vec<_> = v
+                .iter()
+                .map(|m| (m.path.clone(), m.volume_id.clone(), m.read_only))
+                .collect();
+            v.sort();
+            v
+        };
+        if key(&req.volumes) != key(&snap.volumes) {
+            return Err(Error::InvalidRequest(format!(
+                "snapshot '{}' holds running processes that use the volumes it was taken \
+                 with ({}); a sandbox made from it mounts those same volumes at the same \
+                 paths: leave volumeMounts out (or repeat them exactly)",
+                snap.id,
+                describe_mounts(&snap.volumes)
+            )));
+        }
+    }
+    Ok(req.volumes.clone())
+}
+
+fn describe_mounts(v: &[crate::sandbox::VolumeMount]) -> String {
+    if v.is_empty() {
+        return "none".into();
+    }
+    v.iter()
+        .map(|m| format!("{} at {}", m.volume_id, m.path))
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::sandbox::VolumeMount;
+
+    fn mount(id: &str, path: &str) -> VolumeMount {
+        VolumeMount {
+            volume_id: id.into(),
+            path: path.into(),
+            read_only: false,
+        }
+    }
+
+    fn snap(memory: bool, volumes: Vec<VolumeMount>) -> SnapshotRecord {
+        let mut s: SnapshotRecord = serde_json::from_value(serde_json::json!({
+            "id": "s1", "source": "a", "template": "base", "baseTemplate": "base",
+            "memory": memory, "createdAtMs": 1, "memoryMb": 512, "cpus": 1, "diskMb": 1024,
+            "internet": true, "defaultUser": "user", "accessToken": "t", "uidBase": 65536,
+        }))
+        .unwrap();
+        s.volumes = volumes;
+        s
+    }
+
+    fn req(volumes: Vec<VolumeMount>) -> CreateRequest {
+        CreateRequest {
+            volumes,
+            ..Default::default()
+        }
+    }
+
+    /// A sandbox made from a snapshot mounts the snapshot's volumes unless the create
+    /// names its own; with memory, only the very same mounts are accepted.
+    #[test]
+    fn a_snapshot_brings_its_volumes() {
+        let v = vec![mount("vol-a", "/mnt/a"), mount("vol-b", "/mnt/b")];
+        assert_eq!(
+            snapshot_volumes(&req(vec![]), &snap(true, v.clone())).unwrap(),
+            v
+        );
+        let mut same = v.clone();
+        same.reverse();
+        assert_eq!(
+            snapshot_volumes(&req(same.clone()), &snap(true, v.clone())).unwrap(),
+            same
+        );
+        for other in [
+            vec![mount("vol-a", "/mnt/a")],
+            vec![mount("vol-a", "/mnt/a"), mount("vol-b", "/mnt/elsewhere")],
+            vec![mount("vol-a", "/mnt/a"), mount("vol-c", "/mnt/b")],
+        ] {
+            match snapshot_volumes(&req(other.clone()), &snap(true, v.clone())) {
+                Err(Error::InvalidRequest(m)) => {
+                    assert!(m.contains("vol-a at /mnt/a, vol-b at /mnt/b"), "{m}")
+                }
+                r => panic!("{other:?} accepted: {r:?}"),
+            }
+        }
+        // No memory, no processes holding the volumes' files: any mounts.
+        let other = vec![mount("vol-c", "/data")];
+        assert_eq!(
+            snapshot_volumes(&req(other.clone()), &snap(false, v.clone())).unwrap(),
+            other
+        );
+        assert_eq!(
+            snapshot_volumes(&req(vec![]), &snap(false, v.clone())).unwrap(),
+            v
+        );
+        // A snapshot of a sandbox without volumes, created with some (without memory).
+        assert_eq!(
+            snapshot_volumes(&req(other.clone()), &snap(false, vec![])).unwrap(),
+            other
+        );
+        assert!(
+            snapshot_volumes(&req(vec![mount("x", "relative")]), &snap(false, vec![])).is_err()
+        );
+    }
 }

@@ -2,7 +2,10 @@
 API (found through E2B_VOLUME_API_URL, which `cubicle serve` prints: its own listener),
 mounts at create (by name), owners as sandboxes see them, several sandboxes at once,
 read-only mounts (Cubicle's `readOnly`), the size limit and what a tenant tries against
-it, team isolation, and that a mounted volume cannot be deleted.
+it, team isolation, that a mounted volume cannot be deleted, and volumes across pause
+and resume (both modes), snapshots, sandboxes made from them, fork and rollback: the
+volume is mounted again, idmapped as at create, a process's open file in it still
+writable, and its content is the volume's as it is then (never copied into a checkpoint).
 
 Every volume a test makes is deleted in `finally`; every sandbox is killed by the
 tracker.
@@ -16,7 +19,7 @@ from typing import Iterator, List
 
 import pytest
 
-from e2b import Sandbox, Volume
+from e2b import Sandbox, SandboxState, Volume
 from e2b.exceptions import (
     AuthenticationException,
     NotFoundException,
@@ -25,7 +28,7 @@ from e2b.exceptions import (
     VolumePathNotFoundException,
 )
 
-from conftest import API_KEY, KEY_B, Tracker, api, record_id, unique
+from conftest import API_KEY, KEY_B, Tracker, api, poll, record_id, unique
 
 pytestmark = pytest.mark.skipif(
     not os.environ.get("E2B_VOLUME_API_URL"),
@@ -303,3 +306,173 @@ def test_volume_on_a_layered_template(volumes: Volumes, sandboxes: Tracker):
         again.kill()
     finally:
         api("DELETE", f"/templates/{name}")
+
+
+# A process holding a file of the volume open (append mode, as a log): each HTTP request
+# appends "line <n>" through that one descriptor and answers "<n> <pid>". Only a process
+# restored with its memory and its open file can go on with the next line.
+WRITER = r"""
+import http.server, itertools, os, sys
+log = open(sys.argv[2], "a", buffering=1)
+count = itertools.count(1)
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        n = next(count)
+        log.write(f"line {n}\n")
+        body = f"{n} {os.getpid()}".encode()
+        self.send_response(200); self.send_header("Content-Length", str(len(body))); self.end_headers()
+        self.wfile.write(body)
+    def log_message(self, *a): pass
+http.server.ThreadingHTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
+"""
+
+
+def start_writer(sbx: Sandbox, port: int, path: str) -> None:
+    sbx.files.write("/tmp/writer.py", WRITER)
+    sbx.commands.run(f"python3 /tmp/writer.py {port} {path}", background=True, timeout=0)
+    poll(lambda: sbx.commands.run(f"curl -sf localhost:{port} || true").stdout.strip(), timeout=20)
+
+
+def read_writer(sbx: Sandbox, port: int) -> tuple[int, int]:
+    out = sbx.commands.run(f"curl -sf localhost:{port}").stdout.split()
+    return int(out[0]), int(out[1])
+
+
+def lines(n: int) -> str:
+    return "".join(f"line {i}\n" for i in range(1, n + 1))
+
+
+def test_pause_and_resume_with_a_volume(volumes: Volumes, sandboxes: Tracker):
+    vol = volumes.create()
+    sbx = sandboxes.create(volume_mounts={"/mnt/data": vol}, timeout=300)
+    sbx.files.write("/home/user/rootfs.txt", "on the rootfs")
+    sbx.files.write("/mnt/data/vol.txt", "on the volume")
+    start_writer(sbx, 8790, "/mnt/data/log.txt")
+    n1, pid = read_writer(sbx, 8790)
+    assert vol.read_file("/log.txt") == lines(n1)
+
+    assert sbx.pause() is True
+    assert Sandbox.get_info(sbx.sandbox_id).state == SandboxState.PAUSED
+    # A paused sandbox still uses its volume.
+    with pytest.raises(VolumeException) as e:
+        Volume.destroy(vol.volume_id)
+    assert "in use" in str(e.value)
+    # The volume is not in the checkpoint: what happens to it meanwhile, the resumed
+    # sandbox sees.
+    vol.write_file("/while-paused.txt", "written while paused")
+
+    sbx.connect(timeout=300)
+    n2, pid2 = read_writer(sbx, 8790)
+    assert (pid2, n2) == (pid, n1 + 1), "the writer came back with its memory"
+    # ...and its descriptor of the volume's file still writes there.
+    assert vol.read_file("/log.txt") == lines(n2)
+    assert sbx.files.read("/home/user/rootfs.txt") == "on the rootfs"
+    assert sbx.files.read("/mnt/data/vol.txt") == "on the volume"
+    assert sbx.files.read("/mnt/data/while-paused.txt") == "written while paused"
+    # Mounted again as at create: idmapped (the sandbox's `user` writes as uid 1000,
+    # stored as 1000 in the volume) and writable.
+    sbx.commands.run("echo after > /mnt/data/after.txt")
+    owners = sbx.commands.run("stat -c '%u' /mnt/data/after.txt /mnt/data/log.txt").stdout.split()
+    assert owners == ["1000", "1000"], owners
+    assert vol.get_info("/after.txt").uid == 1000
+    assert vol.read_file("/after.txt") == "after\n"
+
+    # A filesystem pause: the processes go, the volume is mounted at the boot.
+    assert sbx.pause(mode="filesystem") is True
+    vol.write_file("/fs-paused.txt", "written during a filesystem pause")
+    sbx.connect(timeout=300)
+    assert sbx.files.read("/mnt/data/fs-paused.txt") == "written during a filesystem pause"
+    assert sbx.files.read("/home/user/rootfs.txt") == "on the rootfs"
+    assert sbx.commands.run("curl -sf localhost:8790 || echo gone").stdout.strip() == "gone"
+    sbx.commands.run("echo by-the-boot >> /mnt/data/log.txt")
+    assert vol.read_file("/log.txt") == lines(n2) + "by-the-boot\n"
+    assert vol.get_info("/log.txt").uid == 1000
+
+
+def test_snapshot_fork_and_rollback_with_a_volume(volumes: Volumes, sandboxes: Tracker):
+    """A snapshot remembers its source's volume mounts: a sandbox made from it (and a
+    fork) mounts the same volumes, whose content is theirs as it is then (shared with
+    the source, never copied); a rollback restores the disk and processes, not the
+    volume."""
+    vol = volumes.create()
+    sbx = sandboxes.create(volume_mounts={"/mnt/data": vol}, timeout=300)
+    sbx.files.write("/home/user/rootfs.txt", "snapshotted")
+    start_writer(sbx, 8791, "/mnt/data/log.txt")
+    n0, pid = read_writer(sbx, 8791)
+    snap = sbx.create_snapshot()
+    try:
+        child = sandboxes.create(snap.snapshot_id, timeout=120)
+        mounts = Sandbox.get_info(child.sandbox_id).volume_mounts
+        assert [(m["name"], m["path"]) for m in mounts] == [(vol.name, "/mnt/data")]
+        n1, pid1 = read_writer(child, 8791)
+        assert (pid1, n1) == (pid, n0 + 1), "the child starts from the snapshot's memory"
+        assert vol.read_file("/log.txt") == lines(n0 + 1)
+        child.files.write("/mnt/data/from-child.txt", "child")
+        assert sbx.files.read("/mnt/data/from-child.txt") == "child"
+        assert child.commands.run("stat -c '%u' /mnt/data/from-child.txt").stdout.strip() == "1000"
+        # A snapshot with memory holds processes using those volumes at those paths.
+        with pytest.raises(Exception) as e:
+            sandboxes.create(snap.snapshot_id, volume_mounts={"/mnt/elsewhere": vol}, timeout=60)
+        assert "volumes it was taken with" in str(e.value), e.value
+
+        forks = sbx.fork(count=1, timeout=120)
+        assert len(forks) == 1 and isinstance(forks[0], Sandbox), forks
+        fork = forks[0]
+        sandboxes.track(fork.sandbox_id)
+        assert fork.files.read("/mnt/data/from-child.txt") == "child"
+        assert read_writer(fork, 8791)[1] == pid
+
+        sbx.files.write("/home/user/rootfs.txt", "changed")
+        r = api("POST", f"/sandboxes/{sbx.sandbox_id}/rollback", json={"snapshotID": snap.snapshot_id})
+        assert r.status_code == 200, r.text
+        assert sbx.files.read("/home/user/rootfs.txt") == "snapshotted"
+        assert read_writer(sbx, 8791) == (n0 + 1, pid)
+        # The volume is not rolled back.
+        assert sbx.files.read("/mnt/data/from-child.txt") == "child"
+    finally:
+        Sandbox.delete_snapshot(snap.snapshot_id)
+
+
+def test_pooled_sandbox_with_a_volume_pauses(volumes: Volumes, sandboxes: Tracker):
+    """A pooled sandbox gets its volume attached after its start (`attach.rs`), not from
+    its spec: the checkpoint finds it and the restore mounts it again all the same."""
+    template = "code-interpreter-v1"
+    before = api("GET", "/cubicle/pool").json()
+    if not before.get("target", {}).get(template):
+        pytest.skip("the server runs no code-interpreter pool (CUBICLE_E2E_SERVE_ARGS)")
+    vol = volumes.create()
+    sbx = sandboxes.create(template, volume_mounts={"/mnt/pooled": vol}, timeout=300)
+    after = api("GET", "/cubicle/pool").json()
+    assert after["claims"] == before["claims"] + 1, (before, after)
+    start_writer(sbx, 8792, "/mnt/pooled/log.txt")
+    n1, pid = read_writer(sbx, 8792)
+    assert sbx.pause() is True
+    sbx.connect(timeout=300)
+    assert read_writer(sbx, 8792) == (n1 + 1, pid)
+    assert vol.read_file("/log.txt") == lines(n1 + 1)
+    assert vol.get_info("/log.txt").uid == 1000
+
+
+def test_read_only_volume_stays_read_only_across_a_pause(volumes: Volumes, sandboxes: Tracker):
+    """The restore makes the volume's mount with the flags it had: read-only stays."""
+    vol = volumes.create()
+    vol.write_file("/kept.txt", "kept")
+    r = api(
+        "POST",
+        "/v2/sandboxes",
+        json={
+            "templateID": "base",
+            "timeout": 300,
+            "volumeMounts": [{"name": vol.name, "path": "/mnt/ro", "readOnly": True}],
+        },
+    )
+    assert r.status_code == 201, r.text
+    sid = r.json()["sandboxID"]
+    sandboxes.track(sid)
+    sbx = Sandbox.connect(sid)
+    assert sbx.pause() is True
+    sbx.connect(timeout=300)
+    assert sbx.files.read("/mnt/ro/kept.txt") == "kept"
+    res = sbx.commands.run("{ echo x > /mnt/ro/new; } 2>&1; true", user="root")
+    assert "Read-only file system" in res.stdout, res
+    assert not vol.exists("/new")
