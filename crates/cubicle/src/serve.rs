@@ -231,8 +231,9 @@ pub struct ServeArgs {
     /// The cluster's node token (the file `cubicle node --node-token-file` reads).
     #[arg(long, env = "CUBICLE_NODE_TOKEN_FILE", value_name = "FILE")]
     pub node_token_file: Option<PathBuf>,
+    // TLS to the nodes (boxed: keeps `Command`'s variants of similar size).
     #[command(flatten)]
-    pub node_tls: crate::cluster_tls::NodeClientTls,
+    pub node_tls: Box<crate::cluster_tls::NodeClientTls>,
     #[command(flatten)]
     pub network: NetworkArgs,
 }

@@ -187,10 +187,15 @@ fn roots(path: Option<&Path>) -> Result<rustls::RootCertStore> {
 pub(crate) fn connector(p: &Parsed) -> Result<Option<tokio_postgres_rustls::MakeRustlsConnect>> {
     let verifier: Arc<dyn ServerCertVerifier> = match p.mode {
         SslMode::Plain => return Ok(None),
-        SslMode::Require => Arc::new(Lenient {
-            chain: None,
-            provider: provider(),
-        }),
+        SslMode::Require => {
+            tracing::warn!(
+                "database: sslmode=require encrypts but does not check the server's certificate; use sslmode=verify-full&sslrootcert=CA.pem"
+            );
+            Arc::new(Lenient {
+                chain: None,
+                provider: provider(),
+            })
+        }
         SslMode::VerifyCa | SslMode::VerifyFull => {
             let webpki = WebPkiServerVerifier::builder_with_provider(
                 Arc::new(roots(p.root_cert.as_deref())?),
