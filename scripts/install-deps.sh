@@ -18,6 +18,8 @@ PACKAGES=(
   debian-archive-keyring  # install-criu.sh verifies the .debs it fetches against it
   chromium  # the dashboard's browser tests (tests/e2e/serve/python/test_dashboard.py, via Playwright)
   postgresql  # the store's PostgreSQL tests and the cluster's: private clusters (scripts/pg-test-cluster.sh)
+  openssl  # the cluster e2e suite over TLS makes its CA and certificates with it
+  systemd  # systemd-analyze verify checks deploy/systemd's units (scripts/check-deploy.py)
 )
 
 missing=()

@@ -11,6 +11,8 @@
 #                                fuzzes the server from its OpenAPI description
 #   tests/e2e/.venv-s3           moto's S3-compatible server (tests/e2e/s3-requirements.txt)
 #                                for the object-store tests (crates/node/tests/moving.rs)
+#   tests/e2e/.venv-deploy       kubernetes-validate (tests/e2e/deploy-requirements.txt):
+#                                scripts/check-deploy.py checks deploy/ offline
 #
 # Idempotent: each part is skipped when a stamp shows it was installed from the
 # same pin file and the SDK reports the expected version.
@@ -75,6 +77,22 @@ else
   "$S3_VENV/bin/pip" install --disable-pip-version-check -q -r "$S3_REQ"
   echo "$s3_want" >"$s3_stamp"
   echo "install-test-deps: installed moto $("$S3_VENV/bin/python" -c "import importlib.metadata as m; print(m.version('moto'))")"
+fi
+
+# --- Kubernetes schema validation (its own venv) ------------------------------------
+DP_VENV="$E2E/.venv-deploy"
+DP_REQ="$E2E/deploy-requirements.txt"
+dp_stamp="$DP_VENV/.cubicle-deps"
+dp_want="$(hash_of "$DP_REQ")"
+if [[ -x "$DP_VENV/bin/python" && -f "$dp_stamp" && "$(cat "$dp_stamp")" == "$dp_want" ]]; then
+  echo "install-test-deps: deploy check venv up to date"
+else
+  echo "install-test-deps: creating $DP_VENV"
+  rm -rf "$DP_VENV"
+  "$PYTHON" -m venv "$DP_VENV"
+  "$DP_VENV/bin/pip" install --disable-pip-version-check -q -r "$DP_REQ"
+  echo "$dp_want" >"$dp_stamp"
+  echo "install-test-deps: installed kubernetes-validate $("$DP_VENV/bin/python" -c "import importlib.metadata as m; print(m.version('kubernetes-validate'))")"
 fi
 
 # --- JavaScript -----------------------------------------------------------

@@ -5,10 +5,13 @@
 # outside the directory is touched; `stop` removes it.
 #
 #   scripts/pg-test-cluster.sh start [--owner PID] [--listen ADDR] [--port N]
+#                                    [--ssl-cert PEM --ssl-key PEM]
 #       prints `dir=DIR`, `port=N` and `url=postgres://postgres@…/postgres` (the
 #       maintenance database: create your own in it). With --owner, a watcher stops
 #       and removes the cluster once process PID has exited (tests need no teardown
 #       hook). --listen ADDR also serves TCP on ADDR:PORT (default: Unix socket only).
+#       --ssl-cert/--ssl-key: ssl=on with that certificate and key (copied into the
+#       cluster's directory); TCP clients may then use sslmode=require|verify-full.
 #   scripts/pg-test-cluster.sh stop DIR
 #
 # Uses Debian's `postgresql` package (scripts/install-deps.sh installs it). As root, the
@@ -40,12 +43,14 @@ stop() {
 }
 
 start() {
-  local owner="" listen="" port=""
+  local owner="" listen="" port="" ssl_cert="" ssl_key=""
   while (($#)); do
     case $1 in
       --owner) owner=$2; shift 2 ;;
       --listen) listen=$2; shift 2 ;;
       --port) port=$2; shift 2 ;;
+      --ssl-cert) ssl_cert=$2; shift 2 ;;
+      --ssl-key) ssl_key=$2; shift 2 ;;
       *) echo "pg-test-cluster: unknown option $1" >&2; exit 2 ;;
     esac
   done
@@ -65,10 +70,19 @@ start() {
     rm -rf "$dir"
     exit 1
   fi
+  local ssl_opts=""
+  if [[ -n "$ssl_cert" || -n "$ssl_key" ]]; then
+    [[ -n "$ssl_cert" && -n "$ssl_key" ]] || { echo "pg-test-cluster: --ssl-cert and --ssl-key go together" >&2; rm -rf "$dir"; exit 2; }
+    # The server reads its key only when the owner alone can (0600, owned by it).
+    install -m 0644 "$ssl_cert" "$dir/data/server.crt"
+    install -m 0600 "$ssl_key" "$dir/data/server.key"
+    if [[ $(id -u) -eq 0 ]]; then chown postgres: "$dir/data/server.crt" "$dir/data/server.key"; fi
+    ssl_opts="-c ssl=on -c ssl_cert_file=server.crt -c ssl_key_file=server.key"
+  fi
   # Durability is not wanted here: no fsync, no full-page writes. Many connections: each
   # test store keeps a small pool, and tests run in parallel.
   if ! as_owner "$bin/pg_ctl" -D "$dir/data" -l "$dir/server.log" -w -t 30 \
-      -o "-p $port -k $dir -c listen_addresses='${listen}' -c fsync=off -c synchronous_commit=off -c full_page_writes=off -c max_connections=400 -c shared_buffers=32MB" \
+      -o "-p $port -k $dir -c listen_addresses='${listen}' -c fsync=off -c synchronous_commit=off -c full_page_writes=off -c max_connections=400 -c shared_buffers=32MB $ssl_opts" \
       start >/dev/null; then
     cat "$dir/server.log" >&2 || true
     rm -rf "$dir"
@@ -89,5 +103,5 @@ start() {
 case ${1:-} in
   start) shift; start "$@" ;;
   stop) stop "${2:?usage: pg-test-cluster.sh stop DIR}" ;;
-  *) echo "usage: pg-test-cluster.sh start [--owner PID] [--listen ADDR] [--port N] | stop DIR" >&2; exit 2 ;;
+  *) echo "usage: pg-test-cluster.sh start [--owner PID] [--listen ADDR] [--port N] [--ssl-cert PEM --ssl-key PEM] | stop DIR" >&2; exit 2 ;;
 esac

@@ -22,12 +22,16 @@
 #      for leftovers;
 #   7. the cluster roles check (tests/e2e/cluster/run.sh): one `cubicle node` and one API
 #      replica (`cubicle serve --node`) in a private network namespace, the Python SDK's
-#      core paths through the replica, then the node killed (E2B-shaped errors).
+#      core paths through the replica, then the node killed (E2B-shaped errors); then
+#      the same over mutual TLS between replica and node (CUBICLE_E2E_CLUSTER_TLS=1);
+#   8. the deployment recipes (scripts/check-deploy.py): deploy/kubernetes validated
+#      against Kubernetes' OpenAPI schemas, flags checked against the CLI, deploy/systemd
+#      units through systemd-analyze verify.
 # Every suite runs even if an earlier one failed; the exit status is non-zero if
 # any step failed. Each runner prints its own summary; a recap follows at the end.
 #
 # Environment knobs (all optional):
-#   CUBICLE_TEST_SUITES   space-separated subset of "lint cargo python js serve cluster"
+#   CUBICLE_TEST_SUITES   space-separated subset of "lint cargo python js serve cluster deploy"
 #                         (default: all)
 #   CUBICLE_PYTEST_ARGS   extra pytest arguments (e.g. "-k files -x")
 #   CUBICLE_E2E_TIMEOUT   per-e2e-suite time limit in seconds (default 1200)
@@ -44,7 +48,7 @@ for fd in /proc/$$/fd/*; do
   fd=${fd##*/}
   if ((fd > 2 && fd != 255)); then eval "exec $fd>&-" 2>/dev/null || true; fi
 done
-SUITES=${CUBICLE_TEST_SUITES:-lint cargo python js serve cluster}
+SUITES=${CUBICLE_TEST_SUITES:-lint cargo python js serve cluster deploy}
 E2E_TIMEOUT=${CUBICLE_E2E_TIMEOUT:-1200}
 
 if [[ $(id -u) -ne 0 ]]; then
@@ -72,7 +76,7 @@ banner "dependencies"
 bash scripts/install-deps.sh
 record "install-deps" $?
 # (cargo: the object-store tests start moto's S3 server from tests/e2e/.venv-s3.)
-if wants python || wants js || wants serve || wants cluster || wants cargo; then
+if wants python || wants js || wants serve || wants cluster || wants cargo || wants deploy; then
   bash scripts/install-test-deps.sh
   record "install-test-deps" $?
 fi
@@ -178,6 +182,23 @@ if wants cluster; then
       CUBICLE_E2E_STATE_DIR=/var/lib/cubicle-e2e \
       timeout --kill-after=30 "$E2E_TIMEOUT" tests/e2e/cluster/run.sh
     record "e2e cluster" $?
+    # The same over mutual TLS between replica and node (docs/cluster.md, "Deploying").
+    CUBICLE_E2E_CLUSTER_TLS=1 CUBICLE_BIN="$ROOT/target/debug/cubicle" \
+      CUBICLE_ENVD_BIN="$ROOT/target/x86_64-unknown-linux-gnu/debug/cubicle-envd" \
+      CUBICLE_E2E_STATE_DIR=/var/lib/cubicle-e2e \
+      timeout --kill-after=30 "$E2E_TIMEOUT" tests/e2e/cluster/run.sh
+    record "e2e cluster over mutual TLS" $?
+  fi
+fi
+
+if wants deploy; then
+  banner "deploy (Kubernetes manifests and systemd units, checked offline)"
+  if [[ $build_rc -ne 0 ]]; then
+    echo "skipped: the workspace did not build"
+    record "deploy check" 1
+  else
+    tests/e2e/.venv-deploy/bin/python scripts/check-deploy.py --cubicle "$ROOT/target/debug/cubicle"
+    record "deploy check (scripts/check-deploy.py)" $?
   fi
 fi
 

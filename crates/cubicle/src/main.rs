@@ -12,6 +12,7 @@
 mod apikey_cmd;
 mod bench;
 mod client;
+mod cluster_tls;
 mod config;
 mod context;
 mod exit;

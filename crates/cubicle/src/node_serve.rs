@@ -6,10 +6,12 @@
 //!
 //! Every caller must present the cluster's node token (`--node-token-file`, the same file
 //! on replicas and nodes): `Authorization: Bearer` on the API, `cubicle-node-token` on
-//! relayed data-plane requests. Plain HTTP/1.1: run it on a private network (TLS or mTLS
-//! between replicas and nodes is not built yet). See docs/cluster.md, "Roles".
+//! relayed data-plane requests. Plain HTTP/1.1 on a private network, or TLS (optionally
+//! mutual) with `--tls-cert/--tls-key[/--tls-client-ca]` (`crate::cluster_tls`). See
+//! docs/cluster.md, "Roles" and "Deploying".
 //!
-//! Prints `cubicle node: ready on http://ADDR` to stdout when it serves.
+//! Prints `cubicle node: ready on http://ADDR` (`https://` with TLS) to stdout when it
+//! serves.
 
 use std::collections::BTreeMap;
 use std::io::Write;
@@ -69,6 +71,8 @@ pub struct NodeArgs {
     pub pool_memory_mb: u64,
     #[command(flatten)]
     pub network: NetworkArgs,
+    #[command(flatten)]
+    pub tls: crate::cluster_tls::NodeListenTls,
 }
 
 /// Reads the node token from `path` (trimmed; refused when short).
@@ -88,6 +92,7 @@ pub fn read_node_token(path: &Path) -> anyhow::Result<String> {
 
 pub async fn run(env: crate::sandbox_cmd::NodeOpts, args: NodeArgs) -> anyhow::Result<i32> {
     let token = read_node_token(&args.node_token_file)?;
+    let tls = args.tls.acceptor()?;
     let state_dir = &env.state_dir;
     let envd = cubicle_node::config::find_envd_binary(env.envd_binary.clone())?;
     let mut config = env.config(envd);
@@ -139,10 +144,11 @@ pub async fn run(env: crate::sandbox_cmd::NodeOpts, args: NodeArgs) -> anyhow::R
     let addr = listener.local_addr()?;
     {
         let mut out = std::io::stdout().lock();
-        writeln!(out, "cubicle node: ready on http://{addr}")?;
+        let scheme = if tls.is_some() { "https" } else { "http" };
+        writeln!(out, "cubicle node: ready on {scheme}://{addr}")?;
         out.flush()?;
     }
-    tracing::info!(listen = %addr, state_dir = %state_dir.display(), "serving the node-side API");
+    tracing::info!(listen = %addr, tls = tls.is_some(), state_dir = %state_dir.display(), "serving the node-side API");
     let (stop_tx, mut stop_rx) = tokio::sync::watch::channel(false);
     let server = cubicle_router::server::serve(
         listener,
@@ -152,7 +158,7 @@ pub async fn run(env: crate::sandbox_cmd::NodeOpts, args: NodeArgs) -> anyhow::R
             max_connections_per_client: 1 << 16,
             ..Default::default()
         },
-        None,
+        tls,
         async move {
             let _ = stop_rx.changed().await;
         },

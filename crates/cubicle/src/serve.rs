@@ -231,6 +231,9 @@ pub struct ServeArgs {
     /// The cluster's node token (the file `cubicle node --node-token-file` reads).
     #[arg(long, env = "CUBICLE_NODE_TOKEN_FILE", value_name = "FILE")]
     pub node_token_file: Option<PathBuf>,
+    // TLS to the nodes (boxed: keeps `Command`'s variants of similar size).
+    #[command(flatten)]
+    pub node_tls: Box<crate::cluster_tls::NodeClientTls>,
     #[command(flatten)]
     pub network: NetworkArgs,
 }
@@ -379,7 +382,9 @@ pub async fn run(
         };
         let token = crate::node_serve::read_node_token(token_file)?;
         create_state_dir(state_dir)?;
-        let cfg = cubicle_api::cluster::RemoteConfig::new(args.nodes.clone(), token.clone());
+        let node_tls = args.node_tls.config(&args.nodes)?;
+        let mut cfg = cubicle_api::cluster::RemoteConfig::new(args.nodes.clone(), token.clone());
+        cfg.tls = node_tls.clone();
         let remote = cubicle_api::cluster::RemoteBackend::connect(cfg)
             .await
             .map_err(|e| anyhow::anyhow!("connecting to the nodes: {e}"))?;
@@ -389,8 +394,9 @@ pub async fn run(
                 Some(why) => tracing::warn!(%node, "node does not answer yet: {why}"),
             }
         }
-        let relay = cubicle_router::Relay::new(&token, &RouterConfig::default())
-            .map_err(|e| anyhow::anyhow!("{e}"))?;
+        let relay =
+            cubicle_router::Relay::with_tls(&token, &RouterConfig::default(), node_tls.as_ref())
+                .map_err(|e| anyhow::anyhow!("{e}"))?;
         Some((remote, relay))
     };
     let (node, builds, adopted) = if remote.is_some() {

@@ -74,7 +74,7 @@ mod tunnel;
 
 pub use dataplane::{Admitted, DataPlane};
 pub use error::RouterError;
-pub use relay::{NODE_TOKEN_HEADER, Relay};
+pub use relay::{NODE_TOKEN_HEADER, NodeConnector, NodeTls, Relay, node_connector};
 pub use routing::ENVD_PORT;
 pub use server::{ClientAddr, ServerLimits};
 

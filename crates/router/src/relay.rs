@@ -10,8 +10,11 @@
 //! the client used: a `<port>-<id>.<domain>` host or a presigned URL; the client's `Host`
 //! passes through unchanged), and [`NODE_TOKEN_HEADER`] with the shared secret between
 //! replicas and nodes, which the node checks and removes before anything reaches the
-//! sandbox. Connections to nodes are plain HTTP/1.1, pooled per node.
+//! sandbox. Connections to nodes are HTTP/1.1, pooled per node: plain, or TLS when the
+//! replica is given [`NodeTls`] (`https://` node addresses; `--node-ca`), then also with
+//! a client certificate when the nodes require one (mutual TLS).
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use axum::{
@@ -20,6 +23,7 @@ use axum::{
     http::{HeaderValue, header::HeaderName},
     response::Response,
 };
+use hyper_rustls::{FixedServerNameResolver, HttpsConnector, HttpsConnectorBuilder};
 use hyper_util::{
     client::legacy::{Client, connect::HttpConnector},
     rt::{TokioExecutor, TokioTimer},
@@ -33,33 +37,90 @@ use crate::routing::{SANDBOX_ID_HEADER, SANDBOX_PORT_HEADER};
 /// `Authorization`, which belongs to the client's request to the sandbox's port).
 pub const NODE_TOKEN_HEADER: &str = "cubicle-node-token";
 
+/// TLS from a replica to its nodes: the client configuration (trust anchors — the
+/// cluster's CA — and the replica's client certificate when nodes require one), and the
+/// name every node's certificate is checked against when not the host of its address
+/// (one certificate shared by all nodes, e.g. `cubicle-node`, while they are reached by
+/// IP address).
+#[derive(Clone, Debug)]
+pub struct NodeTls {
+    /// The rustls client configuration (no ALPN: the connector sets HTTP/1.1).
+    pub config: Arc<rustls::ClientConfig>,
+    /// Checked against the nodes' certificates instead of the address's host.
+    pub server_name: Option<rustls::pki_types::ServerName<'static>>,
+}
+
+/// The connector of a replica's connections to nodes: `https://` addresses through
+/// `tls` (without it, no TLS configuration: `http://` only).
+pub type NodeConnector = HttpsConnector<HttpConnector>;
+
+/// Builds the connector for connections to nodes.
+pub fn node_connector(
+    tls: Option<&NodeTls>,
+    connect_timeout: Duration,
+) -> Result<NodeConnector, RouterError> {
+    let mut http = HttpConnector::new();
+    http.set_nodelay(true);
+    http.set_connect_timeout(Some(connect_timeout));
+    http.enforce_http(false);
+    let config = match tls {
+        Some(t) => (*t.config).clone(),
+        // An https:// address without TLS set up fails the handshake (no trust anchors);
+        // the replica refuses such addresses before it gets here.
+        None => rustls::ClientConfig::builder_with_provider(Arc::new(
+            rustls::crypto::ring::default_provider(),
+        ))
+        .with_safe_default_protocol_versions()
+        .map_err(|e| RouterError::Internal(format!("TLS configuration: {e}")))?
+        .with_root_certificates(rustls::RootCertStore::empty())
+        .with_no_client_auth(),
+    };
+    let b = HttpsConnectorBuilder::new()
+        .with_tls_config(config)
+        .https_or_http();
+    let b = match tls.and_then(|t| t.server_name.clone()) {
+        Some(name) => b.with_server_name_resolver(FixedServerNameResolver::new(name)),
+        None => b,
+    };
+    Ok(b.enable_http1().wrap_connector(http))
+}
+
 /// Relays admitted data-plane requests to nodes. Cheap to clone.
 #[derive(Clone)]
 pub struct Relay {
-    client: Client<HttpConnector, Body>,
+    client: Client<NodeConnector, Body>,
     token: HeaderValue,
     tunnel_idle_timeout: Duration,
+    /// `https` when the nodes are reached over TLS.
+    scheme: &'static str,
 }
 
 impl Relay {
-    /// A relay that authenticates to nodes with `token`.
+    /// A relay that authenticates to nodes with `token`, over plain HTTP.
     pub fn new(token: &str, config: &crate::RouterConfig) -> Result<Self, RouterError> {
+        Self::with_tls(token, config, None)
+    }
+
+    /// A relay that authenticates to nodes with `token`, over TLS when `tls` is given.
+    pub fn with_tls(
+        token: &str,
+        config: &crate::RouterConfig,
+        tls: Option<&NodeTls>,
+    ) -> Result<Self, RouterError> {
         let mut token = HeaderValue::from_str(token).map_err(|_| {
             RouterError::Internal("the node token is not a valid header value".into())
         })?;
         token.set_sensitive(true);
-        let mut http = HttpConnector::new();
-        http.set_nodelay(true);
-        http.set_connect_timeout(Some(config.connect_timeout));
         let client = Client::builder(TokioExecutor::new())
             .pool_timer(TokioTimer::new())
             .pool_idle_timeout(config.pool_idle_timeout)
             .set_host(false)
-            .build(http);
+            .build(node_connector(tls, config.connect_timeout)?);
         Ok(Relay {
             client,
             token,
             tunnel_idle_timeout: config.tunnel_idle_timeout,
+            scheme: if tls.is_some() { "https" } else { "http" },
         })
     }
 
@@ -74,6 +135,12 @@ impl Relay {
 
     async fn send(&self, req: Request, a: &Admitted, node: &str) -> Result<Response, RouterError> {
         let (mut up, client_upgrade) = upstream_request(req, node, None)?;
+        if self.scheme != "http" {
+            let mut parts = up.uri().clone().into_parts();
+            parts.scheme = Some(axum::http::uri::Scheme::HTTPS);
+            *up.uri_mut() = axum::http::Uri::from_parts(parts)
+                .map_err(|e| RouterError::BadRequest(format!("invalid request target: {e}")))?;
+        }
         let h = up.headers_mut();
         let id = HeaderValue::from_str(&a.target.id)
             .map_err(|_| RouterError::Internal("sandbox id is not a header value".into()))?;

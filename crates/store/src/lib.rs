@@ -38,6 +38,7 @@ mod events;
 mod idempotency;
 mod keys;
 mod nodes;
+mod pg_tls;
 mod postgres;
 mod sandboxes;
 mod schema;
@@ -137,7 +138,23 @@ fn postgres_message(e: &tokio_postgres::Error) -> String {
             Some(d) => format!("{} ({d})", db.message()),
             None => db.message().to_string(),
         },
-        None => e.to_string(),
+        None => {
+            // tokio-postgres' own text is generic ("error performing TLS handshake"):
+            // the reason is in its sources.
+            let mut msg = e.to_string();
+            let mut src = std::error::Error::source(e);
+            while let Some(s) = src {
+                msg.push_str(": ");
+                msg.push_str(&s.to_string());
+                src = s.source();
+            }
+            if msg.contains("TLS handshake") {
+                msg.push_str(
+                    " (the server's certificate must chain to the URL's sslrootcert and, with sslmode=verify-full, name its host)",
+                );
+            }
+            msg
+        }
     }
 }
 

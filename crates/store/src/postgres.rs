@@ -44,6 +44,15 @@ fn runtime() -> Result<&'static tokio::runtime::Runtime> {
     .map_err(|e| Error::Task(format!("starting the PostgreSQL runtime: {e}")))
 }
 
+/// Drives one connection's socket until it ends.
+async fn drive<F: std::future::Future<Output = std::result::Result<(), tokio_postgres::Error>>>(
+    connection: F,
+) {
+    if let Err(e) = connection.await {
+        tracing::debug!("PostgreSQL connection ended: {e}");
+    }
+}
+
 /// One open connection and its prepared statements.
 pub(crate) struct PgConn {
     client: Client,
@@ -51,15 +60,26 @@ pub(crate) struct PgConn {
 }
 
 impl PgConn {
-    fn connect(config: &tokio_postgres::Config) -> Result<PgConn> {
+    fn connect(
+        config: &tokio_postgres::Config,
+        tls: &Option<tokio_postgres_rustls::MakeRustlsConnect>,
+    ) -> Result<PgConn> {
         let config = config.clone();
+        let tls = tls.clone();
         let task = runtime()?.spawn(async move {
-            let (client, connection) = config.connect(NoTls).await?;
-            tokio::spawn(async move {
-                if let Err(e) = connection.await {
-                    tracing::debug!("PostgreSQL connection ended: {e}");
+            // The connection future's type depends on the connector: spawned per case.
+            let client = match tls {
+                None => {
+                    let (client, connection) = config.connect(NoTls).await?;
+                    tokio::spawn(drive(connection));
+                    client
                 }
-            });
+                Some(tls) => {
+                    let (client, connection) = config.connect(tls).await?;
+                    tokio::spawn(drive(connection));
+                    client
+                }
+            };
             Ok::<_, tokio_postgres::Error>(client)
         });
         let client = futures_executor::block_on(task)
@@ -165,6 +185,8 @@ impl ToSql for Value {
 /// The connections of one store.
 pub(crate) struct PgPool {
     config: tokio_postgres::Config,
+    /// TLS (`sslmode=require|verify-ca|verify-full`, `crate::pg_tls`), or plain.
+    tls: Option<tokio_postgres_rustls::MakeRustlsConnect>,
     idle: Mutex<PoolState>,
     freed: Condvar,
 }
@@ -178,14 +200,17 @@ impl PgPool {
     /// Checks the URL and opens the first connection (so that a wrong URL, password or
     /// database fails at start-up, with the server's reason).
     pub(crate) fn connect(url: &str) -> Result<Arc<PgPool>> {
-        let config = tokio_postgres::Config::from_str(url).map_err(|e| {
+        let parsed = crate::pg_tls::parse(url)?;
+        let config = tokio_postgres::Config::from_str(&parsed.url).map_err(|e| {
             Error::Invalid(format!(
-                "database URL: {e} (expected postgres://USER[:PASSWORD]@HOST[:PORT]/DATABASE)"
+                "database URL: {e} (expected postgres://USER[:PASSWORD]@HOST[:PORT]/DATABASE[?sslmode=verify-full&sslrootcert=CA.pem])"
             ))
         })?;
-        let first = PgConn::connect(&config)?;
+        let tls = crate::pg_tls::connector(&parsed)?;
+        let first = PgConn::connect(&config, &tls)?;
         Ok(Arc::new(PgPool {
             config,
+            tls,
             idle: Mutex::new(PoolState {
                 idle: vec![first],
                 open: 1,
@@ -205,7 +230,7 @@ impl PgPool {
                 if st.open < MAX_CONNECTIONS {
                     st.open += 1;
                     drop(st);
-                    match PgConn::connect(&self.config) {
+                    match PgConn::connect(&self.config, &self.tls) {
                         Ok(c) => break c,
                         Err(e) => {
                             self.lock().open -= 1;

@@ -12,6 +12,10 @@
 # CUBICLE_E2E_STATE_DIR (node's state dir, default /var/lib/cubicle-e2e-cluster; the
 # replica's is that + "-replica"), CUBICLE_E2E_FIRST_SLOT (default 21000). The node's
 # state dir needs the `base` template (built on the host network on first use).
+# CUBICLE_E2E_CLUSTER_TLS=1: the same over mutual TLS between replica and node (a CA made
+# here with openssl; the node serves --tls-cert/--tls-key and requires a client
+# certificate from --tls-client-ca; the replica names it https:// with --node-ca and
+# --node-client-cert/--node-client-key).
 set -uo pipefail
 ROOT=$(cd "$(dirname "$0")/../../.." && pwd)
 SELF="$ROOT/tests/e2e/cluster/run.sh"
@@ -54,14 +58,30 @@ wait_line() { # file pattern seconds
   echo "cluster-e2e: no '$2' in $1 within $3 s:" >&2; tail -30 "$1" >&2; return 1
 }
 
+NODE_TLS=() REPLICA_TLS=() SCHEME=http
+if [[ -n ${CUBICLE_E2E_CLUSTER_TLS:-} ]]; then
+  cert() { # name CA-name usage SAN: a key and a certificate the CA signed (self-signed CA without one)
+    local n=$1 ca=$2 usage=$3 san=$4 ext=(-addext "basicConstraints=critical,CA:TRUE")
+    [[ -n $ca ]] && ext=(-CA "$WORK/$ca.pem" -CAkey "$WORK/$ca.key" -addext "basicConstraints=critical,CA:FALSE"
+                        -addext "extendedKeyUsage=$usage" -addext "subjectAltName=$san")
+    openssl req -x509 -newkey ec -pkeyopt ec_paramgen_curve:P-256 -nodes -days 2 -subj "/CN=$n" \
+      -keyout "$WORK/$n.key" -out "$WORK/$n.pem" "${ext[@]}" 2>/dev/null
+  }
+  cert ca "" "" "" && cert node ca serverAuth IP:127.0.0.2 && cert replica ca clientAuth DNS:replica ||
+    { echo "cluster-e2e: openssl could not make the test certificates" >&2; exit 1; }
+  NODE_TLS=(--tls-cert "$WORK/node.pem" --tls-key "$WORK/node.key" --tls-client-ca "$WORK/ca.pem")
+  REPLICA_TLS=(--node-ca "$WORK/ca.pem" --node-client-cert "$WORK/replica.pem" --node-client-key "$WORK/replica.key")
+  SCHEME=https
+fi
+
 "$BIN" node --state-dir "$STATE" --first-slot "$SLOT" --max-sandboxes 200 --any-free-slots \
   --listen 127.0.0.2:3100 --node-token-file "$TOKEN" --pool base=1 --no-build-templates \
-  --dns-upstream 203.0.113.53 >"$WORK/node.out" 2>"$WORK/node.log" &
+  --dns-upstream 203.0.113.53 "${NODE_TLS[@]}" >"$WORK/node.out" 2>"$WORK/node.log" &
 NODE_PID=$!
-wait_line "$WORK/node.out" "cubicle node: ready" 300 || exit 1
+wait_line "$WORK/node.out" "cubicle node: ready on $SCHEME://" 300 || exit 1
 
 "$BIN" serve --state-dir "$STATE-replica" --listen 127.0.0.1:0 \
-  --node http://127.0.0.2:3100 --node-token-file "$TOKEN" \
+  --node "$SCHEME://127.0.0.2:3100" --node-token-file "$TOKEN" "${REPLICA_TLS[@]}" \
   >"$WORK/replica.out" 2>"$WORK/replica.log" &
 REPLICA_PID=$!
 wait_line "$WORK/replica.out" "cubicle: ready" 60 || exit 1

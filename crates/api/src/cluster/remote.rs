@@ -27,7 +27,7 @@ use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use hyper::{Method, Request, StatusCode, header};
 use hyper_util::{
-    client::legacy::{Client, connect::HttpConnector},
+    client::legacy::Client,
     rt::{TokioExecutor, TokioTimer},
 };
 use serde::de::DeserializeOwned;
@@ -44,10 +44,13 @@ use crate::backend::{Backend, BoxFuture};
 /// How a replica reaches its nodes.
 #[derive(Debug, Clone)]
 pub struct RemoteConfig {
-    /// Node addresses, `http://host:port` or `host:port`.
+    /// Node addresses, `http://host:port` or `host:port` (`https://host:port` with
+    /// `tls`).
     pub nodes: Vec<String>,
     /// The shared node token.
     pub token: String,
+    /// TLS to the nodes (then every address is `https://`).
+    pub tls: Option<cubicle_router::NodeTls>,
     /// How often each node's status is polled.
     pub poll_interval: Duration,
     /// Limit on one call to a node (creates and checkpoints get `long_timeout`).
@@ -62,6 +65,7 @@ impl RemoteConfig {
         RemoteConfig {
             nodes,
             token,
+            tls: None,
             poll_interval: Duration::from_millis(500),
             timeout: Duration::from_secs(10),
             long_timeout: Duration::from_secs(600),
@@ -77,8 +81,10 @@ pub struct RemoteBackend {
 
 struct Inner {
     nodes: Vec<NodeLink>,
-    client: Client<HttpConnector, Full<Bytes>>,
+    client: Client<cubicle_router::NodeConnector, Full<Bytes>>,
     auth: String,
+    /// `http` or `https` (with `cfg.tls`).
+    scheme: &'static str,
     cfg: RemoteConfig,
     cache: Mutex<HashMap<String, Entry>>,
 }
@@ -105,9 +111,40 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 }
 
 fn unreachable(addr: &str, why: impl std::fmt::Display) -> cubicle_node::Error {
+    let why = why.to_string();
+    if why.contains("certificate") {
+        return cubicle_node::Error::Runtime(format!(
+            "node {addr}: TLS handshake failed: {why}; the node's certificate must chain to the replica's --node-ca and name the node's address (or --node-server-name), and with --tls-client-ca on the node the replica needs --node-client-cert/--node-client-key"
+        ));
+    }
     cubicle_node::Error::Runtime(format!(
         "node {addr} is unreachable: {why}; check that `cubicle node` runs there and that this replica can reach it"
     ))
+}
+
+/// `host:port` of a node address given as `SCHEME://HOST:PORT` or `HOST:PORT`, whose
+/// scheme must be the replica's (`https` exactly when TLS to the nodes is set up).
+fn node_authority(n: &str, scheme: &str) -> Result<String, cubicle_node::Error> {
+    let t = n.trim();
+    let (given, rest) = match t.split_once("://") {
+        Some((s, rest)) => (Some(s), rest),
+        None => (None, t),
+    };
+    let a = rest.trim_end_matches('/');
+    if a.is_empty() || a.contains('/') || given.is_some_and(|g| g != "http" && g != "https") {
+        return Err(cubicle_node::Error::InvalidRequest(format!(
+            "node address '{n}' is not {scheme}://HOST:PORT"
+        )));
+    }
+    match given {
+        Some("https") if scheme != "https" => Err(cubicle_node::Error::InvalidRequest(format!(
+            "node address '{n}' is https:// but TLS to the nodes is not set up (all node addresses https://, with --node-ca for the cluster's CA)"
+        ))),
+        Some("http") if scheme == "https" => Err(cubicle_node::Error::InvalidRequest(format!(
+            "node address '{n}' is http:// while other nodes are reached over TLS: give every node as https:// (or none)"
+        ))),
+        _ => Ok(a.to_string()),
+    }
 }
 
 impl RemoteBackend {
@@ -118,36 +155,31 @@ impl RemoteBackend {
                 "no node address given (--node http://HOST:PORT)".into(),
             ));
         }
+        let scheme = if cfg.tls.is_some() { "https" } else { "http" };
         let nodes = cfg
             .nodes
             .iter()
             .map(|n| {
-                let a = n.trim();
-                let a = a.strip_prefix("http://").unwrap_or(a).trim_end_matches('/');
-                if a.is_empty() || a.contains('/') || n.trim().starts_with("https://") {
-                    return Err(cubicle_node::Error::InvalidRequest(format!(
-                        "node address '{n}' is not http://HOST:PORT (https between replicas and nodes is not supported yet)"
-                    )));
-                }
+                let a = node_authority(n, scheme)?;
                 Ok(NodeLink {
                     addr: a.to_string(),
                     status: Mutex::new(None),
                     down: Mutex::new(None),
                 })
             })
-            .collect::<Result<Vec<_>, _>>()?;
-        let mut http = HttpConnector::new();
-        http.set_nodelay(true);
-        http.set_connect_timeout(Some(Duration::from_secs(3)));
+            .collect::<Result<Vec<_>, cubicle_node::Error>>()?;
+        let connector = cubicle_router::node_connector(cfg.tls.as_ref(), Duration::from_secs(3))
+            .map_err(|e| cubicle_node::Error::Runtime(e.to_string()))?;
         let client = Client::builder(TokioExecutor::new())
             .pool_timer(TokioTimer::new())
             .pool_idle_timeout(Duration::from_secs(60))
-            .build(http);
+            .build(connector);
         let rb = RemoteBackend {
             inner: Arc::new(Inner {
                 nodes,
                 client,
                 auth: format!("Bearer {}", cfg.token),
+                scheme,
                 cfg,
                 cache: Mutex::new(HashMap::new()),
             }),
@@ -261,7 +293,7 @@ impl RemoteBackend {
         long: bool,
     ) -> cubicle_node::Result<T> {
         let addr = &self.inner.nodes[i].addr;
-        let uri = format!("http://{addr}{}{path}", super::PREFIX);
+        let uri = format!("{}://{addr}{}{path}", self.inner.scheme, super::PREFIX);
         let mut req = Request::builder()
             .method(method)
             .uri(&uri)
