@@ -4,11 +4,13 @@
 # in that directory (and TCP only when asked), trust authentication, no fsync. Nothing
 # outside the directory is touched; `stop` removes it.
 #
-#   scripts/pg-test-cluster.sh start [--owner PID] [--listen ADDR] [--port N]
+#   scripts/pg-test-cluster.sh start [--owner PID] [--listen ADDR] [--port N] [--trust-net CIDR]
 #       prints `dir=DIR`, `port=N` and `url=postgres://postgres@…/postgres` (the
 #       maintenance database: create your own in it). With --owner, a watcher stops
 #       and removes the cluster once process PID has exited (tests need no teardown
-#       hook). --listen ADDR also serves TCP on ADDR:PORT (default: Unix socket only).
+#       hook). --listen ADDR also serves TCP on ADDR:PORT (default: Unix socket only);
+#       --trust-net CIDR lets clients from that network in (default: only the host's own
+#       addresses), e.g. test nodes in network namespaces of their own.
 #   scripts/pg-test-cluster.sh stop DIR
 #
 # Uses Debian's `postgresql` package (scripts/install-deps.sh installs it). As root, the
@@ -40,9 +42,10 @@ stop() {
 }
 
 start() {
-  local owner="" listen="" port=""
+  local owner="" listen="" port="" trust_net=""
   while (($#)); do
     case $1 in
+      --trust-net) trust_net=$2; shift 2 ;;
       --owner) owner=$2; shift 2 ;;
       --listen) listen=$2; shift 2 ;;
       --port) port=$2; shift 2 ;;
@@ -64,6 +67,9 @@ start() {
     cat "$dir/initdb.log" >&2
     rm -rf "$dir"
     exit 1
+  fi
+  if [[ -n "$trust_net" ]]; then
+    echo "host all all $trust_net trust" >> "$dir/data/pg_hba.conf"
   fi
   # Durability is not wanted here: no fsync, no full-page writes. Many connections: each
   # test store keeps a small pool, and tests run in parallel.
@@ -89,5 +95,5 @@ start() {
 case ${1:-} in
   start) shift; start "$@" ;;
   stop) stop "${2:?usage: pg-test-cluster.sh stop DIR}" ;;
-  *) echo "usage: pg-test-cluster.sh start [--owner PID] [--listen ADDR] [--port N] | stop DIR" >&2; exit 2 ;;
+  *) echo "usage: pg-test-cluster.sh start [--owner PID] [--listen ADDR] [--port N] [--trust-net CIDR] | stop DIR" >&2; exit 2 ;;
 esac

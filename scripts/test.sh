@@ -22,7 +22,9 @@
 #      for leftovers;
 #   7. the cluster roles check (tests/e2e/cluster/run.sh): one `cubicle node` and one API
 #      replica (`cubicle serve --node`) in a private network namespace, the Python SDK's
-#      core paths through the replica, then the node killed (E2B-shaped errors).
+#      core paths through the replica, then the node killed (E2B-shaped errors); then
+#      tests/e2e/cluster/run_db.sh: three nodes in network namespaces of their own and
+#      two replicas over a private PostgreSQL (placement, lost nodes, fencing, drain).
 # Every suite runs even if an earlier one failed; the exit status is non-zero if
 # any step failed. Each runner prints its own summary; a recap follows at the end.
 #
@@ -178,6 +180,12 @@ if wants cluster; then
       CUBICLE_E2E_STATE_DIR=/var/lib/cubicle-e2e \
       timeout --kill-after=30 "$E2E_TIMEOUT" tests/e2e/cluster/run.sh
     record "e2e cluster" $?
+    # Three nodes and two replicas coordinated through PostgreSQL (leases, placement,
+    # lost nodes, fencing, drain), `tiny` sandboxes, slots 22200+.
+    CUBICLE_BIN="$ROOT/target/debug/cubicle" \
+      CUBICLE_ENVD_BIN="$ROOT/target/x86_64-unknown-linux-gnu/debug/cubicle-envd" \
+      timeout --kill-after=30 "$E2E_TIMEOUT" tests/e2e/cluster/run_db.sh
+    record "e2e cluster (database)" $?
   fi
 fi
 

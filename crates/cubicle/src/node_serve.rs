@@ -69,6 +69,9 @@ pub struct NodeArgs {
     pub pool_memory_mb: u64,
     #[command(flatten)]
     pub network: NetworkArgs,
+    /// Membership of a cluster through its database (`--database`, `--advertise`, …).
+    #[command(flatten)]
+    pub cluster: crate::node_lease::LeaseArgs,
 }
 
 /// Reads the node token from `path` (trimmed; refused when short).
@@ -137,6 +140,8 @@ pub async fn run(env: crate::sandbox_cmd::NodeOpts, args: NodeArgs) -> anyhow::R
         .await
         .with_context(|| format!("listening on {}", args.listen))?;
     let addr = listener.local_addr()?;
+    // With --database: registered (and its own sandboxes adopted) before it says ready.
+    let lease = crate::node_lease::join(&node, &args.cluster, addr).await?;
     {
         let mut out = std::io::stdout().lock();
         writeln!(out, "cubicle node: ready on http://{addr}")?;
@@ -166,6 +171,11 @@ pub async fn run(env: crate::sandbox_cmd::NodeOpts, args: NodeArgs) -> anyhow::R
             let _ = stop_tx.send(true);
             let _ = tokio::time::timeout(Duration::from_secs(5), &mut server).await;
         }
+    }
+    if let Some(lease) = lease {
+        // The lease runs out by itself: the cluster declares the node lost unless it
+        // comes back (and adopts its sandboxes) first.
+        lease.abort();
     }
     node.settle(Duration::from_secs(10)).await;
     node.close();

@@ -546,18 +546,13 @@ impl Store {
         Ok(n > 0)
     }
 
-    /// Records the sandbox created under placement `p` (its row, `s.id == p.sandbox_id`),
-    /// owned by `p`'s node under `p`'s epoch, and drops the reservation — unless the
-    /// node was declared lost or registered again meanwhile ([`Error::Fenced`]) or the
-    /// reservation expired ([`Error::Conflict`]): then the caller must discard the
-    /// sandbox it created.
+    /// Records the sandbox created under placement `p` (its row `s`), owned by `p`'s
+    /// node under `p`'s epoch, and drops the reservation — unless the node was declared
+    /// lost or registered again meanwhile ([`Error::Fenced`]) or the reservation expired
+    /// ([`Error::Conflict`]): then the caller must discard the sandbox it created.
+    /// `s.id` may differ from `p.sandbox_id`: a replica reserves under a key of its own
+    /// before the node names the sandbox (a warm-pool claim hands out an id it chose).
     pub fn commit_placement(&self, p: &Placement, s: &SandboxRow, now: i64) -> Result<()> {
-        if s.id != p.sandbox_id {
-            return Err(Error::Invalid(format!(
-                "placement is for '{}', not '{}'",
-                p.sandbox_id, s.id
-            )));
-        }
         self.transaction(|tx| {
             check_epoch(tx, &p.node_id, p.node_epoch)?;
             let n = tx.execute(
