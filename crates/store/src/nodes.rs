@@ -667,6 +667,32 @@ mod tests {
         memory_mb: 512,
     };
 
+    /// A replica reserves under a key of its own; the node names the sandbox (a
+    /// warm-pool claim): the commit records that sandbox, owned, and the reservation is
+    /// gone (the capacity is counted once, by the sandbox).
+    #[test]
+    fn commit_under_a_reservation_key_records_the_named_sandbox() {
+        each_backend(|s| {
+            let team = s.ensure_team("t").unwrap().id;
+            s.register_node(&reg("n1", 1), 1_000, LEASE).unwrap();
+            let p = s
+                .place_sandbox("key1", "base", NEED, 1_000, 60_000)
+                .unwrap();
+            s.commit_placement(&p, &sandbox("pooled1", team), 1_001)
+                .unwrap();
+            let owner = s.sandbox_owner("pooled1").unwrap().unwrap();
+            assert_eq!((owner.node_id.as_str(), owner.epoch), ("n1", p.node_epoch));
+            assert!(!s.release_placement("key1").unwrap(), "reservation dropped");
+            let n = s.node("n1", 1_002).unwrap().unwrap();
+            assert_eq!(n.sandboxes, 1);
+            // The node is full now (one sandbox at most).
+            assert!(matches!(
+                s.place_sandbox("key2", "base", NEED, 1_002, 60_000),
+                Err(Error::NoCapacity(_))
+            ));
+        });
+    }
+
     /// Register, renew, lose the lease, be fenced, register again.
     #[test]
     fn lease_expiry_fences_the_node_and_reports_its_sandboxes() {

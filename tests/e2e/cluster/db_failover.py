@@ -199,6 +199,32 @@ resumed = connect("r1", on["n3"][0])
 check("a paused sandbox of the drained node resumes on connect, files intact",
       resumed.files.read("/tmp/after-loss") == "still here")
 
+# --- node restart: n3 (draining, paused sandboxes, one resumed) adopts what it owns ----
+n3_before = nodes()["n3"]
+work = os.environ["CUBICLE_E2E_WORK"]
+os.kill(int(os.environ["CUBICLE_N3_PID"]), signal.SIGTERM)
+t1 = time.monotonic()
+while time.monotonic() - t1 < 60:
+    try:
+        if open(f"/proc/{os.environ['CUBICLE_N3_PID']}/stat").read().split(") ")[1][0] == "Z":
+            break
+        time.sleep(0.1)
+    except (FileNotFoundError, ProcessLookupError):
+        break
+with open(f"{work}/n3.out", "a") as out, open(f"{work}/n3.log", "a") as log:
+    p = subprocess.Popen(json.loads(os.environ["CUBICLE_N3_CMD"]), stdout=out, stderr=log, start_new_session=True)
+open(f"{work}/n3.pid", "w").write(str(p.pid))
+t1 = time.monotonic()
+while time.monotonic() - t1 < 30 and open(f"{work}/n3.out").read().count("cubicle node: ready") < 2:
+    time.sleep(0.1)
+n3_after = nodes()["n3"]
+check("a restarted node registers under a new epoch and stays draining",
+      n3_after["epoch"] == n3_before["epoch"] + 1 and n3_after["state"] == "draining", (n3_before, n3_after))
+adopted = connect("r2", on["n3"][0])
+check("its sandboxes are adopted: a resumed one still serves files, a paused one stays paused",
+      adopted.files.read("/tmp/after-loss") == "still here"
+      and httpx.get(f"{R['r1'][0]}/sandboxes/{on['n3'][1]}", headers={"X-API-KEY": KEY}).json().get("state") == "paused")
+
 for s in after + late + [resumed]:
     try:
         s.kill()

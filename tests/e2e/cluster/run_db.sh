@@ -48,6 +48,7 @@ in_ns() { nsenter --net="/run/netns/$NS_PREFIX-$1" -- "${@:2}"; }
 
 cleanup() {
   for p in $R1_PID $R2_PID $SINGLE_PID; do kill -TERM "$p" 2>/dev/null && wait "$p" 2>/dev/null; done
+  [[ -f "$WORK/n3.pid" ]] && NODE_PID[3]=$(cat "$WORK/n3.pid")
   for i in 1 2 3; do
     p=${NODE_PID[$i]:-}
     [[ -n $p ]] && kill -TERM "$p" 2>/dev/null && wait "$p" 2>/dev/null
@@ -100,16 +101,18 @@ PG_DIR=$PG_dir
 DB=$PG_tcp_url
 export CUBICLE_E2E_DB=$DB
 
-start_node() { # i
-  local i=$1
-  # (nsenter itself, not a shell function's subshell: $! must be the node's pid)
-  nsenter --net="/run/netns/$NS_PREFIX-n$i" -- "$BIN" node --state-dir "$STATE-n$i" --first-slot $((SLOT + i * 200)) --max-sandboxes 100 --any-free-slots \
-    --listen "10.79.0.1$i:3100" --node-token-file "$TOKEN" --pool tiny=1 --no-build-templates \
-    --dns-upstream 203.0.113.53 --database "$DB" --node-name "n$i" --capacity-cpus 64 --capacity-memory-mb 65536 \
-    >>"$WORK/n$i.out" 2>>"$WORK/n$i.log" &
-  NODE_PID[$i]=$!
+node_cmd() { # i: the command line of node i, NUL-separated
+  printf '%s\0' nsenter --net="/run/netns/$NS_PREFIX-n$1" -- "$BIN" node --state-dir "$STATE-n$1" \
+    --first-slot $((SLOT + $1 * 200)) --max-sandboxes 100 --any-free-slots \
+    --listen "10.79.0.1$1:3100" --node-token-file "$TOKEN" --pool tiny=1 --no-build-templates \
+    --dns-upstream 203.0.113.53 --database "$DB" --node-name "n$1" --capacity-cpus 64 --capacity-memory-mb 65536
 }
-for i in 1 2 3; do start_node $i; done
+for i in 1 2 3; do
+  mapfile -d '' cmd < <(node_cmd $i)
+  # (nsenter itself, not a subshell: $! must be the node's pid)
+  "${cmd[@]}" >>"$WORK/n$i.out" 2>>"$WORK/n$i.log" &
+  NODE_PID[$i]=$!
+done
 for i in 1 2 3; do wait_line "$WORK/n$i.out" "cubicle node: ready" 60 || exit 1; done
 
 start_replica() { # n -> sets R<n>_PID
@@ -134,7 +137,9 @@ export E2B_API_KEY=$(env_of r1 E2B_API_KEY)
 export CUBICLE_SINGLE_KEY=$(env_of single E2B_API_KEY)
 [[ -n $CUBICLE_SINGLE_KEY ]] || CUBICLE_SINGLE_KEY=$("$BIN" apikey --state-dir "$STATE-single")
 export CUBICLE_BIN=$BIN CUBICLE_NODE_TOKEN_FILE=$TOKEN CUBICLE_NS_PREFIX=$NS_PREFIX
-export CUBICLE_N1_PID=${NODE_PID[1]}
+export CUBICLE_N1_PID=${NODE_PID[1]} CUBICLE_N3_PID=${NODE_PID[3]} CUBICLE_E2E_WORK=$WORK
+# db_failover.py restarts node 3 with this command line (and writes its new pid).
+export CUBICLE_N3_CMD=$(node_cmd 3 | "$PY" -c 'import json,sys; print(json.dumps(sys.stdin.read().split("\0")[:-1]))')
 
 "$PY" "$ROOT/tests/e2e/cluster/db_failover.py"
 rc=$?
@@ -172,6 +177,7 @@ for name in ("r1", "r2"):
 PYEOF
 grep -h "fenced\|reconciled with the cluster" "$WORK/n2.log" | cut -c1-240 | tail -3
 NODE_PID[1]=  # SIGKILLed by db_failover.py
+[[ -f "$WORK/n3.pid" ]] && NODE_PID[3]=$(cat "$WORK/n3.pid")  # restarted by it
 cleanup
 trap - EXIT
 left=""
