@@ -415,17 +415,34 @@ impl Store {
         })
     }
 
-    /// Every node with its load at `now`, by name.
+    /// Every node with its load at `now`, by name (one query: placement reads this on
+    /// every create).
     pub fn nodes(&self, now: i64) -> Result<Vec<NodeRow>> {
         self.with_conn(|c| {
             let rows = c.query(
-                &format!("SELECT {NODE_COLUMNS} FROM nodes ORDER BY id"),
-                &[],
+                &format!(
+                    "SELECT {NODE_COLUMNS}, CAST(COALESCE(u.cnt, 0) AS BIGINT),
+                            CAST(COALESCE(u.cpu, 0) AS BIGINT), CAST(COALESCE(u.mem, 0) AS BIGINT)
+                     FROM nodes LEFT JOIN (
+                         SELECT node_id AS owner, COUNT(*) AS cnt, SUM(cpu_count) AS cpu,
+                                SUM(memory_mb) AS mem
+                         FROM (SELECT node_id, cpu_count, memory_mb FROM sandboxes
+                               WHERE state = 'running' AND node_id IS NOT NULL
+                               UNION ALL
+                               SELECT node_id, cpu_count, memory_mb FROM placements
+                               WHERE expires_at > ?1) x
+                         GROUP BY node_id) u ON u.owner = nodes.id
+                     ORDER BY id"
+                ),
+                args![now],
             )?;
             rows.iter()
                 .map(|r| {
-                    let id: String = r.get(0)?;
-                    let u = usage(c, &id, now)?;
+                    let u = Usage {
+                        sandboxes: r.get(13)?,
+                        cpu: r.get(14)?,
+                        memory_mb: r.get(15)?,
+                    };
                     node_row(r, u)
                 })
                 .collect()

@@ -330,6 +330,12 @@ impl ClusterDb {
             ms = t0.elapsed().as_secs_f64() * 1000.0,
             "placed on {why}"
         );
+        if let Some((_, row)) = lock(&self.nodes).get_mut(&p.node_id) {
+            // Until the next read: the next create's log line counts this one.
+            row.sandboxes += 1;
+            row.cpu_used += u64::from(info.cpus);
+            row.memory_mb_used += info.memory_mb;
+        }
         lock(&self.pending).insert(info.id.to_string(), p);
         rb.remember(i, info.clone());
         Ok(info)
@@ -364,7 +370,7 @@ impl ClusterDb {
             .collect();
         others.sort();
         format!(
-            "node {name} ({}) through the cluster's database: template {template} {}, fewest sandboxes first ({} of {} at the last read, {}/{} vCPUs, {}/{} MiB); others: {}",
+            "node {name} ({}) through the cluster's database: template {template} {}, fewest sandboxes first ({} of {} sandboxes, {}/{} vCPUs, {}/{} MiB as this replica last saw it); others: {}",
             n.address,
             if n.templates.iter().any(|t| t == template) {
                 "present"
