@@ -69,6 +69,12 @@ impl ApiConfig {
     }
 }
 
+/// A node error that says nothing about the sandbox's life (in a cluster: its node does
+/// not answer, or the database did not): the sandbox is not recorded as dead for it.
+fn fate_unknown(e: &cubicle_node::Error) -> bool {
+    !matches!(e, cubicle_node::Error::SandboxNotFound(_))
+}
+
 /// A sandbox id can only be one of ours if it looks like one.
 fn plausible_id(id: &str) -> bool {
     cubicle_node::SandboxId::is_valid(id)
@@ -144,6 +150,11 @@ impl ControlPlane {
         for row in rows {
             match cp.backend.peek(&row.id) {
                 Ok(info) if is_live(info.state) => {
+                    lock(&cp.routes).insert(row.id.clone(), row.traffic_access_token.clone());
+                }
+                Err(e) if fate_unknown(&e) => {
+                    // Its node (of a cluster) does not answer now: kept, checked again.
+                    tracing::warn!(sandbox = %row.id, "cannot check the sandbox now: {e}");
                     lock(&cp.routes).insert(row.id.clone(), row.traffic_access_token.clone());
                 }
                 other => {
@@ -571,6 +582,7 @@ impl ControlPlane {
         };
         match self.backend.peek(id) {
             Ok(info) if is_live(info.state) => Ok((row, info)),
+            Err(e) if fate_unknown(&e) => Err(e.into()),
             other => {
                 self.mark_dead(id, other.as_ref().ok()).await;
                 Err(ApiError::sandbox_not_found(id))
@@ -973,6 +985,9 @@ impl ControlPlane {
         for row in rows {
             match self.backend.peek(&row.id) {
                 Ok(info) if is_live(info.state) => live.push((row, info)),
+                Err(e) if fate_unknown(&e) => {
+                    tracing::debug!(sandbox = %row.id, "not listed: {e}");
+                }
                 other => self.mark_dead(&row.id, other.as_ref().ok()).await,
             }
         }
@@ -1204,6 +1219,7 @@ impl ControlPlane {
                         self.sync_logs(&id).await;
                     }
                 }
+                Err(e) if fate_unknown(&e) => {}
                 other => self.mark_dead(&id, other.as_ref().ok()).await,
             }
         }
