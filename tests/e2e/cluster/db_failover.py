@@ -225,6 +225,34 @@ check("its sandboxes are adopted: a resumed one still serves files, a paused one
       adopted.files.read("/tmp/after-loss") == "still here"
       and httpx.get(f"{R['r1'][0]}/sandboxes/{on['n3'][1]}", headers={"X-API-KEY": KEY}).json().get("state") == "paused")
 
+# --- replica restart: replica 2 comes back and serves what exists -----------------------
+r2_pid = int(os.environ["CUBICLE_R2_PID"])
+os.kill(r2_pid, signal.SIGTERM)
+t1 = time.monotonic()
+while time.monotonic() - t1 < 30:
+    try:
+        if open(f"/proc/{r2_pid}/stat").read().split(") ")[1][0] == "Z":
+            break
+        time.sleep(0.1)
+    except (FileNotFoundError, ProcessLookupError):
+        break
+with open(f"{work}/r2b.out", "w") as out, open(f"{work}/r2.log", "a") as log:
+    p = subprocess.Popen(json.loads(os.environ["CUBICLE_R2_CMD"]), stdout=out, stderr=log, start_new_session=True)
+open(f"{work}/r2.pid", "w").write(str(p.pid))
+t1 = time.monotonic()
+while time.monotonic() - t1 < 30 and "cubicle: ready" not in open(f"{work}/r2b.out").read():
+    time.sleep(0.1)
+url = [l.split("=", 1)[1].strip() for l in open(f"{work}/r2b.out") if l.startswith("export E2B_API_URL=")]
+check("replica 2 restarts", bool(url), open(f"{work}/r2b.out").read())
+if url:
+    R["r2"] = (url[0], url[0])
+    again = connect("r2", late[0].sandbox_id)
+    again.files.write("/tmp/z", "after restart")
+    check("the restarted replica serves a sandbox made before (via the other replica)",
+          again.files.read("/tmp/z") == "after restart")
+    ids_r2 = {s.sandbox_id for s in Sandbox.list(api_key=KEY, api_url=R["r2"][0]).next_items()}
+    check("and lists the cluster's sandboxes", {s.sandbox_id for s in late} <= ids_r2, ids_r2)
+
 for s in after + late + [resumed]:
     try:
         s.kill()

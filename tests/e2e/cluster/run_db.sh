@@ -10,7 +10,8 @@
 # (its link down in its namespace): both are declared lost within 10 s, their sandboxes
 # reported ended (event reason node_lost), creates land on node 3; node 2's link comes back:
 # it was fenced, registers under a new epoch and no longer serves its old sandboxes;
-# node 3 is drained: its sandboxes paused, new creates elsewhere. Nothing is left behind.
+# node 3 is drained: its sandboxes paused, new creates elsewhere; node 3 and replica 2 are
+# restarted and adopt / serve what exists. Nothing is left behind.
 #
 #   tests/e2e/cluster/run_db.sh
 #
@@ -46,12 +47,19 @@ R1_PID= R2_PID= SINGLE_PID= PG_DIR=
 
 in_ns() { nsenter --net="/run/netns/$NS_PREFIX-$1" -- "${@:2}"; }
 
+stop() { # pid: SIGTERM, then wait until it is gone (also for processes db_failover.py started)
+  kill -TERM "$1" 2>/dev/null || return 0
+  wait "$1" 2>/dev/null
+  for _ in $(seq 1 300); do kill -0 "$1" 2>/dev/null || return 0; sleep 0.1; done
+}
+
 cleanup() {
-  for p in $R1_PID $R2_PID $SINGLE_PID; do kill -TERM "$p" 2>/dev/null && wait "$p" 2>/dev/null; done
-  [[ -f "$WORK/n3.pid" ]] && NODE_PID[3]=$(cat "$WORK/n3.pid")
+  [[ -f "$WORK/r2.pid" ]] && R2_PID=$(cat "$WORK/r2.pid") && rm -f "$WORK/r2.pid"
+  [[ -f "$WORK/n3.pid" ]] && NODE_PID[3]=$(cat "$WORK/n3.pid") && rm -f "$WORK/n3.pid"
+  for p in $R1_PID $R2_PID $SINGLE_PID; do stop "$p"; done
   for i in 1 2 3; do
     p=${NODE_PID[$i]:-}
-    [[ -n $p ]] && kill -TERM "$p" 2>/dev/null && wait "$p" 2>/dev/null
+    [[ -n $p ]] && stop "$p"
   done
   R1_PID= R2_PID= SINGLE_PID=
   NODE_PID=()
@@ -115,9 +123,13 @@ for i in 1 2 3; do
 done
 for i in 1 2 3; do wait_line "$WORK/n$i.out" "cubicle node: ready" 60 || exit 1; done
 
-start_replica() { # n -> sets R<n>_PID
-  "$BIN" --log-format json serve --state-dir "$STATE-r$1" --listen "10.79.0.1:0" --database "$DB" --node-token-file "$TOKEN" \
-    >"$WORK/r$1.out" 2>"$WORK/r$1.log" &
+replica_cmd() { # n: the command line of replica n, NUL-separated
+  printf '%s\0' "$BIN" --log-format json serve --state-dir "$STATE-r$1" --listen "10.79.0.1:0" --database "$DB" \
+    --node-token-file "$TOKEN"
+}
+start_replica() { # n
+  mapfile -d '' cmd < <(replica_cmd $1)
+  "${cmd[@]}" >"$WORK/r$1.out" 2>"$WORK/r$1.log" &
 }
 start_replica 1; R1_PID=$!
 start_replica 2; R2_PID=$!
@@ -138,6 +150,8 @@ export CUBICLE_SINGLE_KEY=$(env_of single E2B_API_KEY)
 [[ -n $CUBICLE_SINGLE_KEY ]] || CUBICLE_SINGLE_KEY=$("$BIN" apikey --state-dir "$STATE-single")
 export CUBICLE_BIN=$BIN CUBICLE_NODE_TOKEN_FILE=$TOKEN CUBICLE_NS_PREFIX=$NS_PREFIX
 export CUBICLE_N1_PID=${NODE_PID[1]} CUBICLE_N3_PID=${NODE_PID[3]} CUBICLE_E2E_WORK=$WORK
+export CUBICLE_R2_PID=$R2_PID
+export CUBICLE_R2_CMD=$(replica_cmd 2 | "$PY" -c 'import json,sys; print(json.dumps(sys.stdin.read().split("\0")[:-1]))')
 # db_failover.py restarts node 3 with this command line (and writes its new pid).
 export CUBICLE_N3_CMD=$(node_cmd 3 | "$PY" -c 'import json,sys; print(json.dumps(sys.stdin.read().split("\0")[:-1]))')
 
@@ -177,7 +191,7 @@ for name in ("r1", "r2"):
 PYEOF
 grep -h "fenced\|reconciled with the cluster" "$WORK/n2.log" | cut -c1-240 | tail -3
 NODE_PID[1]=  # SIGKILLed by db_failover.py
-[[ -f "$WORK/n3.pid" ]] && NODE_PID[3]=$(cat "$WORK/n3.pid")  # restarted by it
+# (node 3 and replica 2 were restarted by it: cleanup reads their pid files)
 cleanup
 trap - EXIT
 left=""
