@@ -3,7 +3,7 @@
 //! placement and drain").
 //!
 //! - **Nodes** come from the `nodes` table (`cubicle node --database …` registers and
-//!   renews there), re-read every [`Coordination::period`]: a new node is linked (and
+//!   renews there), re-read every [`PERIOD`]: a new node is linked (and
 //!   polled as a `--node` one is), a lost one — or one that moved to another address —
 //!   is retired: no longer polled or placed on, its sandboxes forgotten.
 //! - **Placement.** A create reserves capacity with [`Store::place_sandbox`] (under a
@@ -58,15 +58,8 @@ pub struct ClusterDb {
     nodes: Mutex<HashMap<String, (usize, NodeRow)>>,
 }
 
-/// The background work of a coordinated replica.
-pub struct Coordination;
-
-impl Coordination {
-    /// How often the node list is re-read and lost nodes are expired.
-    pub fn period() -> Duration {
-        Duration::from_secs(1)
-    }
-}
+/// How often a coordinated replica re-reads the node list and expires lost nodes.
+pub const PERIOD: Duration = Duration::from_secs(1);
 
 fn db_err(e: cubicle_store::Error) -> cubicle_node::Error {
     match e {
@@ -117,7 +110,7 @@ impl RemoteBackend {
     }
 }
 
-/// Re-reads the nodes and expires lost ones every [`Coordination::period`] until the
+/// Re-reads the nodes and expires lost ones every [`PERIOD`] until the
 /// task is aborted or the control plane is gone.
 pub fn spawn(rb: RemoteBackend, cp: Weak<ControlPlane>) -> tokio::task::JoinHandle<()> {
     tokio::spawn(async move {
@@ -126,7 +119,7 @@ pub fn spawn(rb: RemoteBackend, cp: Weak<ControlPlane>) -> tokio::task::JoinHand
         };
         let mut failing = false;
         loop {
-            tokio::time::sleep(Coordination::period()).await;
+            tokio::time::sleep(PERIOD).await;
             let Some(cp) = cp.upgrade() else { return };
             let r = async {
                 db.expire(&rb, &cp).await?;
@@ -351,10 +344,9 @@ impl ClusterDb {
     /// Why node `name` took a create of `template` (from the rows last read).
     fn why(&self, name: &str, template: &str) -> String {
         let nodes = lock(&self.nodes);
-        let Some((i, n)) = nodes.get(name) else {
+        let Some((_, n)) = nodes.get(name) else {
             return format!("node {name}");
         };
-        let _ = i;
         let mut others: Vec<String> = nodes
             .values()
             .filter(|(_, o)| o.id != name)
