@@ -78,7 +78,7 @@ cleanup() {
   [[ -n $PG_DIR ]] && "$ROOT/scripts/pg-test-cluster.sh" stop "$PG_DIR" >/dev/null 2>&1
   PG_DIR=
 }
-trap cleanup EXIT
+trap 'cleanup; rm -rf "$WORK"' EXIT
 
 wait_line() { # file pattern seconds
   for _ in $(seq 1 $(( $3 * 10 ))); do
