@@ -45,9 +45,6 @@ VERSIONS = ["1.30.0", "1.37.0"]
 # registration, replicas taking their nodes from the database) and the moving of
 # state between nodes (h19e: the node's object store). Remove each once the CLI has it.
 PENDING = {
-    ("node", "--advertise"),
-    ("node", "--node-name"),
-    ("node", "CUBICLE_DATABASE"),
     ("node", "CUBICLE_OBJECT_STORE"),
 }
 

@@ -4,12 +4,14 @@
 # in that directory (and TCP only when asked), trust authentication, no fsync. Nothing
 # outside the directory is touched; `stop` removes it.
 #
-#   scripts/pg-test-cluster.sh start [--owner PID] [--listen ADDR] [--port N]
+#   scripts/pg-test-cluster.sh start [--owner PID] [--listen ADDR] [--port N] [--trust-net CIDR]
 #                                    [--ssl-cert PEM --ssl-key PEM]
 #       prints `dir=DIR`, `port=N` and `url=postgres://postgres@…/postgres` (the
 #       maintenance database: create your own in it). With --owner, a watcher stops
 #       and removes the cluster once process PID has exited (tests need no teardown
-#       hook). --listen ADDR also serves TCP on ADDR:PORT (default: Unix socket only).
+#       hook). --listen ADDR also serves TCP on ADDR:PORT (default: Unix socket only);
+#       --trust-net CIDR lets clients from that network in (default: only the host's own
+#       addresses), e.g. test nodes in network namespaces of their own.
 #       --ssl-cert/--ssl-key: ssl=on with that certificate and key (copied into the
 #       cluster's directory); TCP clients may then use sslmode=require|verify-full.
 #   scripts/pg-test-cluster.sh stop DIR
@@ -43,9 +45,10 @@ stop() {
 }
 
 start() {
-  local owner="" listen="" port="" ssl_cert="" ssl_key=""
+  local owner="" listen="" port="" trust_net="" ssl_cert="" ssl_key=""
   while (($#)); do
     case $1 in
+      --trust-net) trust_net=$2; shift 2 ;;
       --owner) owner=$2; shift 2 ;;
       --listen) listen=$2; shift 2 ;;
       --port) port=$2; shift 2 ;;
@@ -69,6 +72,9 @@ start() {
     cat "$dir/initdb.log" >&2
     rm -rf "$dir"
     exit 1
+  fi
+  if [[ -n "$trust_net" ]]; then
+    echo "host all all $trust_net trust" >> "$dir/data/pg_hba.conf"
   fi
   local ssl_opts=""
   if [[ -n "$ssl_cert" || -n "$ssl_key" ]]; then
@@ -103,5 +109,5 @@ start() {
 case ${1:-} in
   start) shift; start "$@" ;;
   stop) stop "${2:?usage: pg-test-cluster.sh stop DIR}" ;;
-  *) echo "usage: pg-test-cluster.sh start [--owner PID] [--listen ADDR] [--port N] [--ssl-cert PEM --ssl-key PEM] | stop DIR" >&2; exit 2 ;;
+  *) echo "usage: pg-test-cluster.sh start [--owner PID] [--listen ADDR] [--port N] [--trust-net CIDR] [--ssl-cert PEM --ssl-key PEM] | stop DIR" >&2; exit 2 ;;
 esac

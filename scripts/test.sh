@@ -24,6 +24,8 @@
 #      replica (`cubicle serve --node`) in a private network namespace, the Python SDK's
 #      core paths through the replica, then the node killed (E2B-shaped errors); then
 #      the same over mutual TLS between replica and node (CUBICLE_E2E_CLUSTER_TLS=1);
+#      tests/e2e/cluster/run_db.sh: three nodes in network namespaces of their own and
+#      two replicas over a private PostgreSQL (placement, lost nodes, fencing, drain);
 #   8. the deployment recipes (scripts/check-deploy.py): deploy/kubernetes validated
 #      against Kubernetes' OpenAPI schemas, flags checked against the CLI, deploy/systemd
 #      units through systemd-analyze verify.
@@ -188,6 +190,12 @@ if wants cluster; then
       CUBICLE_E2E_STATE_DIR=/var/lib/cubicle-e2e \
       timeout --kill-after=30 "$E2E_TIMEOUT" tests/e2e/cluster/run.sh
     record "e2e cluster over mutual TLS" $?
+    # Three nodes and two replicas coordinated through PostgreSQL (leases, placement,
+    # lost nodes, fencing, drain), `tiny` sandboxes, slots 22200+.
+    CUBICLE_BIN="$ROOT/target/debug/cubicle" \
+      CUBICLE_ENVD_BIN="$ROOT/target/x86_64-unknown-linux-gnu/debug/cubicle-envd" \
+      timeout --kill-after=30 "$E2E_TIMEOUT" tests/e2e/cluster/run_db.sh
+    record "e2e cluster (database)" $?
   fi
 fi
 

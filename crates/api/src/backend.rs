@@ -29,6 +29,17 @@ pub trait Backend: Send + Sync + 'static {
     fn template_exists(&self, name: &str) -> cubicle_node::Result<bool>;
     /// Create a sandbox; returns once it is ready.
     fn create(&self, req: CreateRequest) -> BoxFuture<'_, cubicle_node::Result<SandboxInfo>>;
+    /// Records the row of a sandbox this backend just made (create, fork) in `store`.
+    /// Blocking. A replica coordinated through the cluster's database commits the
+    /// create's placement instead (the row owned by its node, the reservation dropped);
+    /// an error means the sandbox must not be kept.
+    fn record_new(
+        &self,
+        store: &cubicle_store::Store,
+        row: &cubicle_store::SandboxRow,
+    ) -> cubicle_store::Result<()> {
+        store.insert_sandbox(row)
+    }
     /// Kill a sandbox.
     fn kill<'a>(&'a self, id: &'a str) -> BoxFuture<'a, cubicle_node::Result<()>>;
     /// A live or recently dead sandbox.

@@ -69,6 +69,12 @@ impl ApiConfig {
     }
 }
 
+/// A node error that says nothing about the sandbox's life (in a cluster: its node does
+/// not answer, or the database did not): the sandbox is not recorded as dead for it.
+fn fate_unknown(e: &cubicle_node::Error) -> bool {
+    !matches!(e, cubicle_node::Error::SandboxNotFound(_))
+}
+
 /// A sandbox id can only be one of ours if it looks like one.
 fn plausible_id(id: &str) -> bool {
     cubicle_node::SandboxId::is_valid(id)
@@ -93,6 +99,8 @@ pub struct ControlPlane {
     telemetry: Arc<Telemetry>,
     /// Lifecycle events (stored, logged, delivered to webhooks).
     events: Events,
+    /// One of several replicas over one database ([`ControlPlane::set_shared`]).
+    shared: std::sync::atomic::AtomicBool,
     /// The teams' webhooks.
     webhooks: Arc<Webhooks>,
 }
@@ -136,11 +144,17 @@ impl ControlPlane {
             telemetry,
             events,
             webhooks,
+            shared: Default::default(),
         });
         let rows = cp.store.call(|s| s.running_sandboxes(None)).await?;
         for row in rows {
             match cp.backend.peek(&row.id) {
                 Ok(info) if is_live(info.state) => {
+                    lock(&cp.routes).insert(row.id.clone(), row.traffic_access_token.clone());
+                }
+                Err(e) if fate_unknown(&e) => {
+                    // Its node (of a cluster) does not answer now: kept, checked again.
+                    tracing::warn!(sandbox = %row.id, "cannot check the sandbox now: {e}");
                     lock(&cp.routes).insert(row.id.clone(), row.traffic_access_token.clone());
                 }
                 other => {
@@ -272,9 +286,44 @@ impl ControlPlane {
             .collect()
     }
 
-    /// The traffic token of a live API sandbox (`None` = unknown to the API).
+    /// The traffic token of a live API sandbox (`None` = unknown to the API). A replica
+    /// of a cluster also learns here, from the database, the sandboxes created through
+    /// the other replicas.
     pub fn route(&self, id: &str) -> Option<Option<String>> {
-        lock(&self.routes).get(id).cloned()
+        if let Some(r) = lock(&self.routes).get(id).cloned() {
+            return Some(r);
+        }
+        if !self.shared.load(std::sync::atomic::Ordering::Relaxed) || !plausible_id(id) {
+            return None;
+        }
+        let row = self.store.read(|s| s.sandbox(id)).ok()??;
+        (row.state == SandboxRowState::Running).then(|| {
+            lock(&self.routes).insert(row.id.clone(), row.traffic_access_token.clone());
+            row.traffic_access_token
+        })
+    }
+
+    /// Makes this control plane one of several replicas over one database: sandboxes
+    /// created through the others are routed too (see [`ControlPlane::route`]).
+    pub fn set_shared(&self) {
+        self.shared
+            .store(true, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Sandboxes the cluster ended without this replica's doing (their node was lost;
+    /// `(id, team)` as the store reported them): the `killed` event with `reason`, and
+    /// gone from the routes.
+    pub async fn reported_ended(&self, sandboxes: &[(String, i64)], reason: &str) {
+        for (id, _) in sandboxes {
+            lock(&self.routes).remove(id);
+            self.metrics.forget(id);
+            let id2 = id.clone();
+            match self.store.call(move |s| s.sandbox(&id2)).await {
+                Ok(Some(row)) => self.ended(&row, reason),
+                Ok(None) => {}
+                Err(e) => tracing::warn!(sandbox = %id, "reading an ended sandbox: {e}"),
+            }
+        }
     }
 
     // ---- auth ----
@@ -494,8 +543,10 @@ impl ControlPlane {
             .unwrap_or("lost")
             .to_string();
         // The first to notice records the end (kill() has done so already).
+        // (Not when its row is ended already: another replica of a cluster recorded it.)
         if lock(&self.routes).remove(id).is_some()
             && let Ok(Some(row)) = self.store.read(|s| s.sandbox(id))
+            && row.state == SandboxRowState::Running
         {
             self.ended(&row, &reason);
         }
@@ -531,6 +582,7 @@ impl ControlPlane {
         };
         match self.backend.peek(id) {
             Ok(info) if is_live(info.state) => Ok((row, info)),
+            Err(e) if fate_unknown(&e) => Err(e.into()),
             other => {
                 self.mark_dead(id, other.as_ref().ok()).await;
                 Err(ApiError::sandbox_not_found(id))
@@ -891,10 +943,7 @@ impl ControlPlane {
     /// its create-time timeout. `None` if it is not one, or the resume failed.
     pub async fn auto_resume(&self, id: &str) -> Option<SandboxInfo> {
         let info = self.backend.peek(id).ok()?;
-        if !is_paused(info.state)
-            || !info.lifecycle.auto_resume
-            || !lock(&self.routes).contains_key(id)
-        {
+        if !is_paused(info.state) || !info.lifecycle.auto_resume || self.route(id).is_none() {
             return None;
         }
         let timeout = Duration::from_millis(info.timeout_ms.max(1000))
@@ -936,6 +985,9 @@ impl ControlPlane {
         for row in rows {
             match self.backend.peek(&row.id) {
                 Ok(info) if is_live(info.state) => live.push((row, info)),
+                Err(e) if fate_unknown(&e) => {
+                    tracing::debug!(sandbox = %row.id, "not listed: {e}");
+                }
                 other => self.mark_dead(&row.id, other.as_ref().ok()).await,
             }
         }
@@ -983,8 +1035,8 @@ impl ControlPlane {
     /// created hook. If the row cannot be written the sandbox is killed: never a sandbox
     /// nobody can see.
     async fn register_new(&self, row: &SandboxRow, id: &str) -> ApiResult<()> {
-        let r2 = row.clone();
-        if let Err(e) = self.store.call(move |s| s.insert_sandbox(&r2)).await {
+        let (r2, backend) = (row.clone(), self.backend.clone());
+        if let Err(e) = self.store.call(move |s| backend.record_new(s, &r2)).await {
             let _ = self.backend.kill(id).await;
             return Err(e.into());
         }
@@ -1167,6 +1219,7 @@ impl ControlPlane {
                         self.sync_logs(&id).await;
                     }
                 }
+                Err(e) if fate_unknown(&e) => {}
                 other => self.mark_dead(&id, other.as_ref().ok()).await,
             }
         }

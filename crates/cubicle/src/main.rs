@@ -17,12 +17,14 @@ mod config;
 mod context;
 mod exit;
 mod node_cmd;
+mod node_lease;
 mod node_serve;
 mod output;
 mod run;
 mod sandbox_cmd;
 mod sd_notify;
 mod serve;
+mod serve_cluster;
 mod service_cmd;
 mod template_cmd;
 

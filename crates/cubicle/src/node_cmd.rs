@@ -1,6 +1,7 @@
 //! `cubicle node list`: the cluster's nodes as the shared database records them (state,
 //! fencing epoch, lease age, load, sandboxes), read straight from PostgreSQL — no
-//! server needed. docs/cluster.md.
+//! server needed. `cubicle node drain NAME`: no new placements on that node, and its
+//! running sandboxes paused (through its node-side API). docs/cluster.md.
 
 use anyhow::Context;
 use clap::Subcommand;
@@ -19,6 +20,21 @@ pub enum NodeCommand {
         #[command(flatten)]
         format: FormatArg,
     },
+    /// Drain a node: no new sandboxes are placed on it, and its running sandboxes are
+    /// paused (memory and processes kept; they stay listed, as paused).
+    Drain {
+        /// The node's name (as `cubicle node list` shows it).
+        name: String,
+        /// The cluster's database (`postgres://USER@HOST/DATABASE`).
+        #[arg(long, env = "CUBICLE_DATABASE", value_name = "URL")]
+        database: String,
+        /// The cluster's node token (to ask the node to pause its sandboxes).
+        #[arg(long, env = "CUBICLE_NODE_TOKEN_FILE", value_name = "FILE")]
+        node_token_file: std::path::PathBuf,
+        /// Undo a drain: the node takes new sandboxes again (paused ones stay paused).
+        #[arg(long)]
+        cancel: bool,
+    },
 }
 
 pub fn run(cmd: NodeCommand) -> anyhow::Result<i32> {
@@ -34,6 +50,39 @@ pub fn run(cmd: NodeCommand) -> anyhow::Result<i32> {
                 print!("{}", table(&nodes, now));
             }
             Ok(0)
+        }
+        NodeCommand::Drain {
+            name,
+            database,
+            node_token_file,
+            cancel,
+        } => {
+            let store = Store::open_url(&database).context("opening the cluster's database")?;
+            if cancel {
+                store.set_node_draining(&name, false)?;
+                println!("node {name}: active (takes new sandboxes again)");
+                return Ok(0);
+            }
+            let token = crate::node_serve::read_node_token(&node_token_file)?;
+            // A blocking thread of the runtime (see main): the node calls run on it.
+            let report = tokio::runtime::Handle::current()
+                .block_on(cubicle_api::cluster::coordination::drain(
+                    &store, &name, &token,
+                ))
+                .map_err(|e| anyhow::anyhow!("draining node '{name}': {e}"))?;
+            println!(
+                "node {name}: draining (no new sandboxes); paused {}, already paused {}, failed {}",
+                report.paused.len(),
+                report.already_paused.len(),
+                report.failed.len()
+            );
+            for (id, ms) in &report.paused {
+                println!("  paused {id} ({ms} ms)");
+            }
+            for (id, why) in &report.failed {
+                println!("  not paused {id}: {why}");
+            }
+            Ok(if report.failed.is_empty() { 0 } else { 1 })
         }
     }
 }

@@ -73,6 +73,9 @@ pub struct NodeArgs {
     pub network: NetworkArgs,
     #[command(flatten)]
     pub tls: crate::cluster_tls::NodeListenTls,
+    /// Membership of a cluster through its database (`--database`, `--advertise`, …).
+    #[command(flatten)]
+    pub cluster: crate::node_lease::LeaseArgs,
 }
 
 /// Reads the node token from `path` (trimmed; refused when short).
@@ -142,6 +145,8 @@ pub async fn run(env: crate::sandbox_cmd::NodeOpts, args: NodeArgs) -> anyhow::R
         .await
         .with_context(|| format!("listening on {}", args.listen))?;
     let addr = listener.local_addr()?;
+    // With --database: registered (and its own sandboxes adopted) before it says ready.
+    let lease = crate::node_lease::join(&node, &args.cluster, addr).await?;
     {
         let mut out = std::io::stdout().lock();
         let scheme = if tls.is_some() { "https" } else { "http" };
@@ -172,6 +177,11 @@ pub async fn run(env: crate::sandbox_cmd::NodeOpts, args: NodeArgs) -> anyhow::R
             let _ = stop_tx.send(true);
             let _ = tokio::time::timeout(Duration::from_secs(5), &mut server).await;
         }
+    }
+    if let Some(lease) = lease {
+        // The lease runs out by itself: the cluster declares the node lost unless it
+        // comes back (and adopts its sandboxes) first.
+        lease.abort();
     }
     node.settle(Duration::from_secs(10)).await;
     node.close();

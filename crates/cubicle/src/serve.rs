@@ -228,7 +228,9 @@ pub struct ServeArgs {
         value_name = "http://HOST:PORT"
     )]
     pub nodes: Vec<String>,
-    /// The cluster's node token (the file `cubicle node --node-token-file` reads).
+    /// The cluster's node token (the file `cubicle node --node-token-file` reads). With
+    /// --database and no --node: an API replica coordinated through the cluster's
+    /// database (nodes, placement and ownership from there; docs/cluster.md).
     #[arg(long, env = "CUBICLE_NODE_TOKEN_FILE", value_name = "FILE")]
     pub node_token_file: Option<PathBuf>,
     // TLS to the nodes (boxed: keeps `Command`'s variants of similar size).
@@ -372,7 +374,13 @@ pub async fn run(
     };
     let state_dir = &env.state_dir;
     // An API replica of a cluster: the sandboxes live on `cubicle node`s.
-    let remote = if args.nodes.is_empty() {
+    let mut early_store = None;
+    let remote = if args.nodes.is_empty() && args.node_token_file.is_some() {
+        // Coordinated through the cluster's database.
+        let (remote, relay, store) = crate::serve_cluster::connect(&args, state_dir).await?;
+        early_store = Some(store);
+        Some((remote, relay))
+    } else if args.nodes.is_empty() {
         None
     } else {
         let Some(token_file) = &args.node_token_file else {
@@ -476,7 +484,9 @@ pub async fn run(
         Some(url) => url.clone(),
         None => state_dir.join("cubicle.db").display().to_string(),
     };
-    let store = {
+    let store = if let Some(store) = early_store.take() {
+        store
+    } else {
         let db2 = db.clone();
         tokio::task::spawn_blocking(move || Store::open_url(&db2))
             .await
@@ -556,6 +566,9 @@ pub async fn run(
     }
     let upkeep = cp.spawn_upkeep(Duration::from_secs(1));
     let poller = remote.as_ref().map(|(r, _)| r.spawn_poller());
+    let coordination = remote
+        .as_ref()
+        .and_then(|(r, _)| crate::serve_cluster::start(r, &cp));
 
     let data_plane = DataPlane::new(
         Arc::new(ApiResolver::new(cp.clone())),
@@ -683,6 +696,9 @@ pub async fn run(
     if let Some(p) = poller {
         p.abort();
     }
+    if let Some(c) = coordination {
+        c.abort();
+    }
     if let Some(node) = node {
         node.settle(Duration::from_secs(10)).await;
         node.close();
@@ -781,7 +797,7 @@ async fn dataplane(
 }
 
 /// Makes the state directory of a replica (its database and keys), mode 0700.
-fn create_state_dir(dir: &Path) -> anyhow::Result<()> {
+pub(crate) fn create_state_dir(dir: &Path) -> anyhow::Result<()> {
     use std::os::unix::fs::DirBuilderExt;
     std::fs::DirBuilder::new()
         .recursive(true)
@@ -825,7 +841,7 @@ pub(crate) async fn shutdown_signal() -> &'static str {
 /// The admin key: the one in `<state>/admin-api-key` if it still authenticates, else a
 /// new one for team `admin` (written there, mode 0600); `true` when it is new.
 /// A database URL as it may be logged: without the password (`postgres://u:***@h/db`).
-fn redact_password(url: &str) -> String {
+pub(crate) fn redact_password(url: &str) -> String {
     let Some((scheme, rest)) = url.split_once("://") else {
         return url.to_string();
     };

@@ -415,17 +415,34 @@ impl Store {
         })
     }
 
-    /// Every node with its load at `now`, by name.
+    /// Every node with its load at `now`, by name (one query: placement reads this on
+    /// every create).
     pub fn nodes(&self, now: i64) -> Result<Vec<NodeRow>> {
         self.with_conn(|c| {
             let rows = c.query(
-                &format!("SELECT {NODE_COLUMNS} FROM nodes ORDER BY id"),
-                &[],
+                &format!(
+                    "SELECT {NODE_COLUMNS}, CAST(COALESCE(u.cnt, 0) AS BIGINT),
+                            CAST(COALESCE(u.cpu, 0) AS BIGINT), CAST(COALESCE(u.mem, 0) AS BIGINT)
+                     FROM nodes LEFT JOIN (
+                         SELECT node_id AS owner, COUNT(*) AS cnt, SUM(cpu_count) AS cpu,
+                                SUM(memory_mb) AS mem
+                         FROM (SELECT node_id, cpu_count, memory_mb FROM sandboxes
+                               WHERE state = 'running' AND node_id IS NOT NULL
+                               UNION ALL
+                               SELECT node_id, cpu_count, memory_mb FROM placements
+                               WHERE expires_at > ?1) x
+                         GROUP BY node_id) u ON u.owner = nodes.id
+                     ORDER BY id"
+                ),
+                args![now],
             )?;
             rows.iter()
                 .map(|r| {
-                    let id: String = r.get(0)?;
-                    let u = usage(c, &id, now)?;
+                    let u = Usage {
+                        sandboxes: r.get(13)?,
+                        cpu: r.get(14)?,
+                        memory_mb: r.get(15)?,
+                    };
                     node_row(r, u)
                 })
                 .collect()
@@ -546,18 +563,13 @@ impl Store {
         Ok(n > 0)
     }
 
-    /// Records the sandbox created under placement `p` (its row, `s.id == p.sandbox_id`),
-    /// owned by `p`'s node under `p`'s epoch, and drops the reservation — unless the
-    /// node was declared lost or registered again meanwhile ([`Error::Fenced`]) or the
-    /// reservation expired ([`Error::Conflict`]): then the caller must discard the
-    /// sandbox it created.
+    /// Records the sandbox created under placement `p` (its row `s`), owned by `p`'s
+    /// node under `p`'s epoch, and drops the reservation — unless the node was declared
+    /// lost or registered again meanwhile ([`Error::Fenced`]) or the reservation expired
+    /// ([`Error::Conflict`]): then the caller must discard the sandbox it created.
+    /// `s.id` may differ from `p.sandbox_id`: a replica reserves under a key of its own
+    /// before the node names the sandbox (a warm-pool claim hands out an id it chose).
     pub fn commit_placement(&self, p: &Placement, s: &SandboxRow, now: i64) -> Result<()> {
-        if s.id != p.sandbox_id {
-            return Err(Error::Invalid(format!(
-                "placement is for '{}', not '{}'",
-                p.sandbox_id, s.id
-            )));
-        }
         self.transaction(|tx| {
             check_epoch(tx, &p.node_id, p.node_epoch)?;
             let n = tx.execute(
@@ -671,6 +683,32 @@ mod tests {
         cpu_count: 2,
         memory_mb: 512,
     };
+
+    /// A replica reserves under a key of its own; the node names the sandbox (a
+    /// warm-pool claim): the commit records that sandbox, owned, and the reservation is
+    /// gone (the capacity is counted once, by the sandbox).
+    #[test]
+    fn commit_under_a_reservation_key_records_the_named_sandbox() {
+        each_backend(|s| {
+            let team = s.ensure_team("t").unwrap().id;
+            s.register_node(&reg("n1", 1), 1_000, LEASE).unwrap();
+            let p = s
+                .place_sandbox("key1", "base", NEED, 1_000, 60_000)
+                .unwrap();
+            s.commit_placement(&p, &sandbox("pooled1", team), 1_001)
+                .unwrap();
+            let owner = s.sandbox_owner("pooled1").unwrap().unwrap();
+            assert_eq!((owner.node_id.as_str(), owner.epoch), ("n1", p.node_epoch));
+            assert!(!s.release_placement("key1").unwrap(), "reservation dropped");
+            let n = s.node("n1", 1_002).unwrap().unwrap();
+            assert_eq!(n.sandboxes, 1);
+            // The node is full now (one sandbox at most).
+            assert!(matches!(
+                s.place_sandbox("key2", "base", NEED, 1_002, 60_000),
+                Err(Error::NoCapacity(_))
+            ));
+        });
+    }
 
     /// Register, renew, lose the lease, be fenced, register again.
     #[test]

@@ -10,11 +10,16 @@
 //! replica relaying an admitted SDK request ([`cubicle_router::Relay`]); the node's own
 //! [`cubicle_router::DataPlane`] enters the sandbox.
 //!
+//! With the cluster's database, [`coordination`] takes the node list from the `nodes`
+//! table, places creates through reservations there, routes by ownership and reports
+//! the sandboxes of lost nodes (docs/cluster.md, "Leases, placement and drain").
+//!
 //! Errors cross the wire as `{"code": <status>, "message": …, "kind": …, "subject": …}`
 //! (E2B's shape plus the node error's kind), and are turned back into the same
 //! [`cubicle_node::Error`] variant on the replica, so the API answers exactly what
 //! `cubicle serve` would.
 
+pub mod coordination;
 pub mod node_api;
 pub mod remote;
 

@@ -9,10 +9,11 @@
 //! `template_exists`) make their HTTP call in place (`block_in_place`: the replica runs
 //! on tokio's multi-threaded runtime). The trait itself is unchanged.
 //!
-//! Placement (several nodes): among nodes that answered their last poll, one with a
-//! ready warm-pool sandbox of the template first, then the most free memory per sandbox
-//! slot left; the choice and its reason are logged. Real placement over PostgreSQL
-//! (leases, ownership) comes with the cluster's database.
+//! Placement (several nodes given with `--node`): among nodes that answered their last
+//! poll, one with a ready warm-pool sandbox of the template first, then the most free
+//! memory per sandbox slot left; the choice and its reason are logged. With the
+//! cluster's database the node list, placement and ownership come from there instead
+//! ([`super::coordination`]).
 //!
 //! Not over the wire yet: template builds (`templates()` is `None`: builds are refused
 //! with "this server cannot build templates"; build templates on each node with
@@ -20,7 +21,8 @@
 //! file on the replica), and secrets in egress header rules (the node has no store).
 
 use std::collections::{HashMap, HashSet};
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, OnceLock, RwLock};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -79,35 +81,78 @@ pub struct RemoteBackend {
     inner: Arc<Inner>,
 }
 
-struct Inner {
-    nodes: Vec<NodeLink>,
+pub(super) struct Inner {
+    /// Every node this replica has known (indices are stable: links are only added;
+    /// a node that left the cluster is retired, not removed).
+    nodes: RwLock<Vec<Arc<NodeLink>>>,
     client: Client<cubicle_router::NodeConnector, Full<Bytes>>,
     auth: String,
     /// `http` or `https` (with `cfg.tls`).
     scheme: &'static str,
     cfg: RemoteConfig,
-    cache: Mutex<HashMap<String, Entry>>,
+    pub(super) cache: Mutex<HashMap<String, Entry>>,
+    /// Placement and ownership through the cluster's database (replicas started with
+    /// `--database` and no `--node`).
+    pub(super) cluster: OnceLock<Arc<super::coordination::ClusterDb>>,
 }
 
-struct NodeLink {
+pub(super) struct NodeLink {
     /// `host:port`.
-    addr: String,
+    pub(super) addr: String,
+    /// Its name in the cluster's database (`None` for a `--node` address).
+    pub(super) name: Option<String>,
     /// Its last status; `None` until it first answered.
     status: Mutex<Option<NodeStatus>>,
     /// Whether its last poll answered, and the error if not.
     down: Mutex<Option<String>>,
+    /// Left the cluster (lost, or moved to another address): not polled, not placed on.
+    pub(super) retired: AtomicBool,
 }
 
-struct Entry {
-    node: usize,
+pub(super) struct Entry {
+    pub(super) node: usize,
     info: SandboxInfo,
     /// When this replica last learnt something about it (a poll that started earlier
     /// must not undo a create or kill that happened after).
     at: Instant,
 }
 
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+pub(super) fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// `host:port` of a node address as the cluster's database has it (`http://host:port`,
+/// `https://host:port` or `host:port`); the scheme this replica uses is its own (TLS to
+/// every node, or to none).
+pub(super) fn host_port(n: &str) -> cubicle_node::Result<String> {
+    let t = n.trim();
+    let a = t
+        .strip_prefix("http://")
+        .or_else(|| t.strip_prefix("https://"))
+        .unwrap_or(t)
+        .trim_end_matches('/');
+    if a.is_empty() || a.contains('/') {
+        return Err(cubicle_node::Error::InvalidRequest(format!(
+            "node address '{n}' is not http(s)://HOST:PORT"
+        )));
+    }
+    Ok(a.to_string())
+}
+
+impl NodeLink {
+    pub(super) fn new(addr: String, name: Option<String>) -> Self {
+        NodeLink {
+            addr,
+            name,
+            status: Mutex::new(None),
+            down: Mutex::new(None),
+            retired: AtomicBool::new(false),
+        }
+    }
+
+    pub(super) fn retired(&self) -> bool {
+        self.retired.load(Ordering::Relaxed)
+    }
 }
 
 fn unreachable(addr: &str, why: impl std::fmt::Display) -> cubicle_node::Error {
@@ -159,42 +204,14 @@ impl RemoteBackend {
         let nodes = cfg
             .nodes
             .iter()
-            .map(|n| {
-                let a = node_authority(n, scheme)?;
-                Ok(NodeLink {
-                    addr: a.to_string(),
-                    status: Mutex::new(None),
-                    down: Mutex::new(None),
-                })
-            })
-            .collect::<Result<Vec<_>, cubicle_node::Error>>()?;
-        let connector = cubicle_router::node_connector(cfg.tls.as_ref(), Duration::from_secs(3))
-            .map_err(|e| cubicle_node::Error::Runtime(e.to_string()))?;
-        let client = Client::builder(TokioExecutor::new())
-            .pool_timer(TokioTimer::new())
-            .pool_idle_timeout(Duration::from_secs(60))
-            .build(connector);
-        let rb = RemoteBackend {
-            inner: Arc::new(Inner {
-                nodes,
-                client,
-                auth: format!("Bearer {}", cfg.token),
-                scheme,
-                cfg,
-                cache: Mutex::new(HashMap::new()),
-            }),
-        };
+            .map(|n| node_authority(n, scheme).map(|a| Arc::new(NodeLink::new(a, None))))
+            .collect::<Result<Vec<_>, _>>()?;
+        let rb = Self::with_links(cfg, nodes)?;
         rb.poll_all().await;
-        let up = rb
-            .inner
-            .nodes
-            .iter()
-            .filter(|n| lock(&n.down).is_none())
-            .count();
+        let links = rb.links();
+        let up = links.iter().filter(|n| lock(&n.down).is_none()).count();
         if up == 0 {
-            let why: Vec<String> = rb
-                .inner
-                .nodes
+            let why: Vec<String> = links
                 .iter()
                 .map(|n| format!("{}: {}", n.addr, lock(&n.down).clone().unwrap_or_default()))
                 .collect();
@@ -204,6 +221,56 @@ impl RemoteBackend {
             )));
         }
         Ok(rb)
+    }
+
+    /// A backend over `links` (no call made yet).
+    pub(super) fn with_links(
+        cfg: RemoteConfig,
+        links: Vec<Arc<NodeLink>>,
+    ) -> Result<Self, cubicle_node::Error> {
+        let scheme = if cfg.tls.is_some() { "https" } else { "http" };
+        let connector = cubicle_router::node_connector(cfg.tls.as_ref(), Duration::from_secs(3))
+            .map_err(|e| cubicle_node::Error::Runtime(e.to_string()))?;
+        let client = Client::builder(TokioExecutor::new())
+            .pool_timer(TokioTimer::new())
+            .pool_idle_timeout(Duration::from_secs(60))
+            .build(connector);
+        Ok(RemoteBackend {
+            inner: Arc::new(Inner {
+                nodes: RwLock::new(links),
+                client,
+                auth: format!("Bearer {}", cfg.token),
+                scheme,
+                cfg,
+                cache: Mutex::new(HashMap::new()),
+                cluster: OnceLock::new(),
+            }),
+        })
+    }
+
+    /// Node `i`'s link.
+    pub(super) fn link(&self, i: usize) -> Arc<NodeLink> {
+        self.inner.nodes.read().unwrap_or_else(|p| p.into_inner())[i].clone()
+    }
+
+    /// Every link, by index.
+    pub(super) fn links(&self) -> Vec<Arc<NodeLink>> {
+        self.inner
+            .nodes
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
+    /// Adds a link; returns its index.
+    pub(super) fn add_link(&self, link: NodeLink) -> usize {
+        let mut v = self.inner.nodes.write().unwrap_or_else(|p| p.into_inner());
+        v.push(Arc::new(link));
+        v.len() - 1
+    }
+
+    pub(super) fn inner(&self) -> &Inner {
+        &self.inner
     }
 
     /// Keeps the cache current in the background (until the task is aborted).
@@ -221,27 +288,30 @@ impl RemoteBackend {
 
     /// The address (`host:port`) of the node that runs sandbox `id`.
     pub fn node_of(&self, id: &str) -> Option<String> {
-        let i = lock(&self.inner.cache).get(id)?.node;
-        Some(self.inner.nodes[i].addr.clone())
+        let i = self.owner(id).ok()?;
+        Some(self.link(i).addr.clone())
     }
 
     /// The nodes and whether they answered their last poll (`None`) or why not.
     pub fn nodes(&self) -> Vec<(String, Option<String>)> {
-        self.inner
-            .nodes
+        self.links()
             .iter()
+            .filter(|n| !n.retired())
             .map(|n| (n.addr.clone(), lock(&n.down).clone()))
             .collect()
     }
 
-    async fn poll_all(&self) {
-        let polls = (0..self.inner.nodes.len()).map(|i| self.poll(i));
+    pub(super) async fn poll_all(&self) {
+        let links = self.links();
+        let polls = (0..links.len())
+            .filter(|i| !links[*i].retired())
+            .map(|i| self.poll(i));
         futures_util::future::join_all(polls).await;
     }
 
-    async fn poll(&self, i: usize) {
+    pub(super) async fn poll(&self, i: usize) {
         let t0 = Instant::now();
-        let link = &self.inner.nodes[i];
+        let link = self.link(i);
         match self
             .call::<NodeStatus>(i, Method::GET, "/status", None, false)
             .await
@@ -284,7 +354,7 @@ impl RemoteBackend {
     }
 
     /// One call to node `i`: JSON in, JSON out, node errors turned back into theirs.
-    async fn call<T: DeserializeOwned>(
+    pub(super) async fn call<T: DeserializeOwned>(
         &self,
         i: usize,
         method: Method,
@@ -292,7 +362,8 @@ impl RemoteBackend {
         body: Option<Vec<u8>>,
         long: bool,
     ) -> cubicle_node::Result<T> {
-        let addr = &self.inner.nodes[i].addr;
+        let link = self.link(i);
+        let addr = &link.addr;
         let uri = format!("{}://{addr}{}{path}", self.inner.scheme, super::PREFIX);
         let mut req = Request::builder()
             .method(method)
@@ -356,15 +427,20 @@ impl RemoteBackend {
         })
     }
 
-    /// Node index of sandbox `id`, or not found.
+    /// Node index of sandbox `id`, or not found. With the cluster's database, a sandbox
+    /// this replica has not seen yet (created through another replica a moment ago) is
+    /// looked up there: its owner's node.
     fn owner(&self, id: &str) -> cubicle_node::Result<usize> {
-        lock(&self.inner.cache)
-            .get(id)
-            .map(|e| e.node)
-            .ok_or_else(|| cubicle_node::Error::SandboxNotFound(id.to_string()))
+        if let Some(e) = lock(&self.inner.cache).get(id) {
+            return Ok(e.node);
+        }
+        match self.inner.cluster.get() {
+            Some(db) => db.owner_link(self, id),
+            None => Err(cubicle_node::Error::SandboxNotFound(id.to_string())),
+        }
     }
 
-    fn remember(&self, node: usize, info: SandboxInfo) {
+    pub(super) fn remember(&self, node: usize, info: SandboxInfo) {
         lock(&self.inner.cache).insert(
             info.id.to_string(),
             Entry {
@@ -391,6 +467,7 @@ impl RemoteBackend {
 
     /// Where a create of `template` goes, and why.
     fn place(&self, template: &str) -> cubicle_node::Result<(usize, String)> {
+        let links = self.links();
         let live: HashMap<usize, usize> = {
             let cache = lock(&self.inner.cache);
             let mut m = HashMap::new();
@@ -403,7 +480,10 @@ impl RemoteBackend {
         };
         let mut best: Option<(usize, (bool, u64), String)> = None;
         let mut skipped = Vec::new();
-        for (i, n) in self.inner.nodes.iter().enumerate() {
+        for (i, n) in links.iter().enumerate() {
+            if n.retired() {
+                continue;
+            }
             if let Some(why) = lock(&n.down).clone() {
                 skipped.push(format!("{} down ({why})", n.addr));
                 continue;
@@ -451,7 +531,7 @@ impl RemoteBackend {
     }
 
     /// Runs a blocking trait method's call in place.
-    fn block<T>(&self, f: impl std::future::Future<Output = T>) -> T {
+    pub(super) fn block<T>(&self, f: impl std::future::Future<Output = T>) -> T {
         tokio::task::block_in_place(|| tokio::runtime::Handle::current().block_on(f))
     }
 
@@ -459,10 +539,14 @@ impl RemoteBackend {
         serde_json::to_vec(v).ok()
     }
 
+    pub(super) fn json_body<T: serde::Serialize>(v: &T) -> Option<Vec<u8>> {
+        Self::json(v)
+    }
+
     fn statuses(&self) -> Vec<NodeStatus> {
-        self.inner
-            .nodes
+        self.links()
             .iter()
+            .filter(|n| !n.retired())
             .filter_map(|n| lock(&n.status).clone())
             .collect()
     }
@@ -470,10 +554,17 @@ impl RemoteBackend {
 
 impl Backend for RemoteBackend {
     fn template_exists(&self, name: &str) -> cubicle_node::Result<bool> {
+        if let Some(db) = self.inner.cluster.get()
+            && db.has_template(name)
+        {
+            // A node reported it with its last lease renewal.
+            return Ok(true);
+        }
         let path = format!("/templates/exists?name={}", percent_encode(name));
         self.block(async {
             let (mut answered, mut last) = (false, None);
-            for i in 0..self.inner.nodes.len() {
+            let links = self.links();
+            for i in (0..links.len()).filter(|i| !links[*i].retired()) {
                 match self.call::<bool>(i, Method::GET, &path, None, false).await {
                     Ok(true) => return Ok(true),
                     Ok(false) => answered = true,
@@ -491,6 +582,9 @@ impl Backend for RemoteBackend {
 
     fn create(&self, req: CreateRequest) -> BoxFuture<'_, cubicle_node::Result<SandboxInfo>> {
         Box::pin(async move {
+            if let Some(db) = self.inner.cluster.get() {
+                return db.clone().create(self, req).await;
+            }
             let (node, why) = self.place(&req.template)?;
             let t0 = Instant::now();
             let info: SandboxInfo = self
@@ -499,7 +593,7 @@ impl Backend for RemoteBackend {
             tracing::info!(
                 sandbox = %info.id,
                 template = %req.template,
-                node = %self.inner.nodes[node].addr,
+                node = %self.link(node).addr,
                 claimed = info.claimed,
                 ms = t0.elapsed().as_secs_f64() * 1000.0,
                 "placed on {why}"
@@ -526,10 +620,25 @@ impl Backend for RemoteBackend {
     }
 
     fn get(&self, id: &str) -> cubicle_node::Result<SandboxInfo> {
-        lock(&self.inner.cache)
-            .get(id)
-            .map(|e| e.info.clone())
-            .ok_or_else(|| cubicle_node::Error::SandboxNotFound(id.to_string()))
+        if let Some(e) = lock(&self.inner.cache).get(id) {
+            return Ok(e.info.clone());
+        }
+        match self.inner.cluster.get() {
+            // Not seen here yet: ask its owner (through the database).
+            Some(db) => db.fetch(self, id),
+            None => Err(cubicle_node::Error::SandboxNotFound(id.to_string())),
+        }
+    }
+
+    fn record_new(
+        &self,
+        store: &cubicle_store::Store,
+        row: &cubicle_store::SandboxRow,
+    ) -> cubicle_store::Result<()> {
+        match self.inner.cluster.get() {
+            Some(db) => db.commit(self, store, row),
+            None => store.insert_sandbox(row),
+        }
     }
 
     fn set_timeout(&self, id: &str, timeout: Duration) -> cubicle_node::Result<()> {
@@ -623,9 +732,20 @@ impl Backend for RemoteBackend {
         policy: &'a NetworkPolicy,
     ) -> BoxFuture<'a, cubicle_node::Result<()>> {
         Box::pin(async move {
+            // Only DNS servers and an egress proxy are checked (against rules every node
+            // shares): nothing to ask a node about otherwise.
+            if policy.dns_servers.is_none() && policy.egress_proxy.is_none() {
+                return Ok(());
+            }
             // Every node applies the same rules: ask one that answers.
-            let node = (0..self.inner.nodes.len())
-                .find(|i| lock(&self.inner.nodes[*i].down).is_none())
+            let links = self.links();
+            if links.is_empty() {
+                return Err(cubicle_node::Error::Capacity(
+                    "no node has joined the cluster yet".into(),
+                ));
+            }
+            let node = (0..links.len())
+                .find(|i| !links[*i].retired() && lock(&links[*i].down).is_none())
                 .unwrap_or(0);
             self.call(
                 node,
@@ -839,8 +959,7 @@ impl Backend for RemoteBackend {
     fn delete_snapshot<'a>(&'a self, id: &'a str) -> BoxFuture<'a, cubicle_node::Result<()>> {
         Box::pin(async move {
             let node = self
-                .inner
-                .nodes
+                .links()
                 .iter()
                 .position(|n| {
                     lock(&n.status)
