@@ -69,6 +69,12 @@ pub struct NodeArgs {
         value_name = "MIB"
     )]
     pub pool_memory_mb: u64,
+    /// Object store shared by the cluster's nodes (`s3://bucket/prefix` with the AWS_*
+    /// environment variables, or `file:///dir`): templates and snapshots this node lacks
+    /// come from there, and every sandbox it pauses is published there so that another
+    /// node can resume it (docs/cluster.md, "Moving sandboxes between nodes").
+    #[arg(long, env = "CUBICLE_OBJECT_STORE", value_name = "URL")]
+    pub object_store: Option<String>,
     #[command(flatten)]
     pub network: NetworkArgs,
     #[command(flatten)]
@@ -116,6 +122,9 @@ pub async fn run(env: crate::sandbox_cmd::NodeOpts, args: NodeArgs) -> anyhow::R
         .await
         .with_context(|| format!("opening the node on {}", state_dir.display()))?;
     tracing::info!(report = ?node.reconcile_report(), "node reconciled");
+    if let Some(url) = &args.object_store {
+        set_object_store(&node, url).await?;
+    }
     if !args.no_build_templates {
         for name in DEFAULT_TEMPLATES {
             let store = node.templates().clone();
@@ -187,4 +196,19 @@ pub async fn run(env: crate::sandbox_cmd::NodeOpts, args: NodeArgs) -> anyhow::R
     node.close();
     node.wait_refills(Duration::from_secs(60)).await;
     Ok(0)
+}
+
+/// Uses the object store at `url` (paused sandboxes are published at pause), and
+/// releases the paused sandboxes that moved to other nodes while this one was away.
+async fn set_object_store(node: &Node, url: &str) -> anyhow::Result<()> {
+    let bucket = cubicle_node::objstore::Bucket::open(url)?;
+    node.set_object_store(cubicle_node::ObjectStoreConfig {
+        bucket,
+        publish_snapshots: false,
+        publish_paused: true,
+    });
+    let released = node.release_moved_away().await;
+    tracing::info!(object_store = %url, identity = %node.identity()?, released = ?released,
+        "object store set");
+    Ok(())
 }
