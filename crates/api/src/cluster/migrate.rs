@@ -155,34 +155,33 @@ impl RemoteBackend {
         self.remember(to, info);
     }
 
-    /// Tells node `from` to release its copy of `id`; when it cannot be told now, it is
-    /// told when a poll sees it again.
+    /// Tells node `from` to release its copy of `id` (now, or when a poll sees it again).
+    /// The move is remembered until a poll of `from` no longer lists `id`: a poll that
+    /// started before the release must not route it back there.
     async fn release_on(&self, id: &str, from: usize) {
-        if !self.is_down(from) {
-            let r = self
-                .call::<()>(
-                    from,
-                    Method::POST,
-                    &format!("/sandboxes/{id}/release"),
-                    None,
-                    false,
-                )
-                .await;
-            match r {
-                Ok(()) | Err(cubicle_node::Error::SandboxNotFound(_)) => {
-                    lock(&self.inner.moved).remove(id);
-                    return;
-                }
-                Err(e) => tracing::info!(sandbox = %id, node = %self.addr(from),
-                    "the old node will release its copy later: {e}"),
-            }
-        }
         lock(&self.inner.moved).insert(id.to_string(), from);
+        if self.is_down(from) {
+            return;
+        }
+        let r = self
+            .call::<()>(
+                from,
+                Method::POST,
+                &format!("/sandboxes/{id}/release"),
+                None,
+                false,
+            )
+            .await;
+        match r {
+            Ok(()) | Err(cubicle_node::Error::SandboxNotFound(_)) => {}
+            Err(e) => tracing::info!(sandbox = %id, node = %self.addr(from),
+                "the old node will release its copy later: {e}"),
+        }
     }
 
     /// The sandboxes node `node` still lists although they moved away from it (kept out
-    /// of the cache: they run elsewhere); each is released there in the background. Ids
-    /// it no longer lists are forgotten.
+    /// of the cache: they run elsewhere); each is released there in the background. Moves
+    /// away from it of ids it no longer lists are forgotten.
     pub(super) fn moved_away_from(&self, node: usize, st: &NodeStatus) -> HashSet<String> {
         let listed: HashSet<&str> = st.sandboxes.iter().map(|s| s.id.as_str()).collect();
         let mut away = HashSet::new();
@@ -214,7 +213,6 @@ impl RemoteBackend {
                     Ok(()) | Err(cubicle_node::Error::SandboxNotFound(_)) => {
                         tracing::info!(sandbox = %id, node = %rb.addr(node),
                             "the node that came back released its copy of the moved sandbox");
-                        lock(&rb.inner.moved).remove(&id);
                     }
                     Err(e) => tracing::warn!(sandbox = %id, node = %rb.addr(node),
                         "releasing the moved sandbox's old copy: {e}"),
