@@ -76,8 +76,9 @@ impl RemoteBackend {
     /// Why a paused sandbox of node `node` must resume elsewhere, if it must.
     fn why_move(&self, node: usize) -> Option<String> {
         let link = self.link(node);
-        if let Some(why) = lock(&link.down).clone() {
-            return Some(format!("node {} is unreachable ({why})", link.addr));
+        if lock(&link.down).is_some() {
+            // (Why is in the placement's reason: "skipped … down (…)".)
+            return Some(format!("node {} is unreachable", link.addr));
         }
         if lock(&link.status).as_ref().is_some_and(|s| s.draining) {
             return Some(format!("node {} is draining", link.addr));
