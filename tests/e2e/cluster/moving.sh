@@ -160,6 +160,8 @@ if [[ -n $left_a$left_b ]] || compgen -G "$STATE_A/sandboxes/*/" >/dev/null \
   ls "$STATE_A/sandboxes" "$STATE_B/sandboxes" >&2; ip -o link show | grep ' cbs' >&2
   rc=1
 fi
+trap - EXIT
+rm -rf "$WORK"
 # The nodes keep their quota filesystems (<state>/storage.img on <state>/sandboxes)
 # mounted after they stop; with no sandbox left, release them (the next start re-mounts).
 for s in "$STATE_A" "$STATE_B"; do
