@@ -142,6 +142,9 @@ impl RemoteBackend {
             .inspect_err(|e| {
                 tracing::warn!(sandbox = %id, to = %self.addr(to), "taking the sandbox over failed: {e}");
             })?;
+        // Remembered as moved before it is routed to `to`: a poll of `from` that starts
+        // from here on must not route it back there.
+        lock(&self.inner.moved).insert(id.to_string(), from);
         self.record_owner(to, taken.outcome.info.clone());
         self.release_on(id, from).await;
         tracing::info!(sandbox = %id, from = %self.addr(from), to = %self.addr(to),
@@ -156,11 +159,9 @@ impl RemoteBackend {
         self.remember(to, info);
     }
 
-    /// Tells node `from` to release its copy of `id` (now, or when a poll sees it again).
-    /// The move is remembered until a poll of `from` no longer lists `id`: a poll that
-    /// started before the release must not route it back there.
+    /// Tells node `from` to release its copy of `id` (now, or when a poll sees it again:
+    /// the move is remembered in `moved` until a poll of `from` no longer lists `id`).
     async fn release_on(&self, id: &str, from: usize) {
-        lock(&self.inner.moved).insert(id.to_string(), from);
         if self.is_down(from) {
             return;
         }
