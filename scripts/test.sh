@@ -26,6 +26,8 @@
 #      the same over mutual TLS between replica and node (CUBICLE_E2E_CLUSTER_TLS=1);
 #      tests/e2e/cluster/run_db.sh: three nodes in network namespaces of their own and
 #      two replicas over a private PostgreSQL (placement, lost nodes, fencing, drain);
+#      alongside them, tests/e2e/cluster/moving.sh: two nodes sharing moto as their
+#      object store, a paused sandbox resumed on the other node (node SIGKILLed, drained);
 #   8. the deployment recipes (scripts/check-deploy.py): deploy/kubernetes validated
 #      against Kubernetes' OpenAPI schemas, flags checked against the CLI, deploy/systemd
 #      units through systemd-analyze verify.
@@ -179,6 +181,14 @@ if wants cluster; then
   else
     # The serve suite's state dir (its templates are built there; the serve suite's
     # server has stopped by now) on its own slots (21000+, serve's are 20000+).
+    # Moving paused sandboxes between nodes (two nodes, moto as S3) runs alongside, on
+    # its own state dirs (/var/lib/cubicle-e2e-moving-*) and slots (23000+).
+    moving_log=$(mktemp /tmp/cubicle-moving-e2e.XXXXXX)
+    CUBICLE_BIN="$ROOT/target/debug/cubicle" \
+      CUBICLE_ENVD_BIN="$ROOT/target/x86_64-unknown-linux-gnu/debug/cubicle-envd" \
+      CUBICLE_E2E_STATE_DIR=/var/lib/cubicle-e2e \
+      timeout --kill-after=30 "$E2E_TIMEOUT" tests/e2e/cluster/moving.sh >"$moving_log" 2>&1 &
+    moving_pid=$!
     CUBICLE_BIN="$ROOT/target/debug/cubicle" \
       CUBICLE_ENVD_BIN="$ROOT/target/x86_64-unknown-linux-gnu/debug/cubicle-envd" \
       CUBICLE_E2E_STATE_DIR=/var/lib/cubicle-e2e \
@@ -196,6 +206,12 @@ if wants cluster; then
       CUBICLE_ENVD_BIN="$ROOT/target/x86_64-unknown-linux-gnu/debug/cubicle-envd" \
       timeout --kill-after=30 "$E2E_TIMEOUT" tests/e2e/cluster/run_db.sh
     record "e2e cluster (database)" $?
+    wait "$moving_pid"
+    moving_rc=$?
+    banner "e2e cluster: moving sandboxes between nodes (two nodes, moto, e2b python)"
+    cat "$moving_log"
+    rm -f "$moving_log"
+    record "e2e cluster moving" $moving_rc
   fi
 fi
 

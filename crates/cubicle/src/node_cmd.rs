@@ -35,6 +35,21 @@ pub enum NodeCommand {
         #[arg(long)]
         cancel: bool,
     },
+    /// Drain a node with migration (by its address; `drain` marks it in the database):
+    /// it pauses every sandbox with its memory and
+    /// publishes it to the object store, and refuses resumes from then on, so each
+    /// sandbox resumes on another node at its next connect (docs/cluster.md, "Moving
+    /// sandboxes between nodes"). The node needs `--object-store`.
+    Evacuate {
+        /// The node's address (`http://HOST:PORT`, its `--listen`).
+        #[arg(long, value_name = "URL")]
+        node: String,
+        /// File holding the cluster's node token.
+        #[arg(long, env = "CUBICLE_NODE_TOKEN_FILE", value_name = "FILE")]
+        node_token_file: std::path::PathBuf,
+        #[command(flatten)]
+        format: FormatArg,
+    },
 }
 
 pub fn run(cmd: NodeCommand) -> anyhow::Result<i32> {
@@ -81,6 +96,33 @@ pub fn run(cmd: NodeCommand) -> anyhow::Result<i32> {
             }
             for (id, why) in &report.failed {
                 println!("  not paused {id}: {why}");
+            }
+            Ok(if report.failed.is_empty() { 0 } else { 1 })
+        }
+        NodeCommand::Evacuate {
+            node,
+            node_token_file,
+            format,
+        } => {
+            let token = crate::node_serve::read_node_token(&node_token_file)?;
+            let report = tokio::runtime::Handle::current()
+                .block_on(cubicle_api::cluster::moving_api::request_drain(
+                    &node, &token,
+                ))
+                .with_context(|| format!("draining node {node}"))?;
+            if format.is_json() {
+                print!("{}", output::json(&report)?);
+            } else {
+                println!(
+                    "node {node} drains: {} paused, {} published, {} failed ({:.0} ms)",
+                    report.paused.len(),
+                    report.published.len(),
+                    report.failed.len(),
+                    report.took_ms
+                );
+                for (id, why) in &report.failed {
+                    println!("  {id}: {why}");
+                }
             }
             Ok(if report.failed.is_empty() { 0 } else { 1 })
         }

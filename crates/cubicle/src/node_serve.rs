@@ -69,6 +69,12 @@ pub struct NodeArgs {
         value_name = "MIB"
     )]
     pub pool_memory_mb: u64,
+    /// Object store shared by the cluster's nodes (`s3://bucket/prefix` with the AWS_*
+    /// environment variables, or `file:///dir`): templates and snapshots this node lacks
+    /// come from there, and every sandbox it pauses is published there so that another
+    /// node can resume it (docs/cluster.md, "Moving sandboxes between nodes").
+    #[arg(long, env = "CUBICLE_OBJECT_STORE", value_name = "URL")]
+    pub object_store: Option<String>,
     #[command(flatten)]
     pub network: NetworkArgs,
     #[command(flatten)]
@@ -116,15 +122,19 @@ pub async fn run(env: crate::sandbox_cmd::NodeOpts, args: NodeArgs) -> anyhow::R
         .await
         .with_context(|| format!("opening the node on {}", state_dir.display()))?;
     tracing::info!(report = ?node.reconcile_report(), "node reconciled");
+    if let Some(url) = &args.object_store {
+        set_object_store(&node, url).await?;
+    }
     if !args.no_build_templates {
         for name in DEFAULT_TEMPLATES {
             let store = node.templates().clone();
-            if store.get(name)?.is_none() {
+            if store.get(name)?.is_none() && !pulled_from_object_store(&node, name).await {
                 tracing::info!("building template '{name}' (first start only)…");
-                let name = name.to_string();
-                tokio::task::spawn_blocking(move || store.ensure(&name, true))
+                let n = name.to_string();
+                tokio::task::spawn_blocking(move || store.ensure(&n, true))
                     .await
                     .context("template build task")??;
+                publish_in_background(&node, name);
             }
         }
     }
@@ -187,4 +197,62 @@ pub async fn run(env: crate::sandbox_cmd::NodeOpts, args: NodeArgs) -> anyhow::R
     node.close();
     node.wait_refills(Duration::from_secs(60)).await;
     Ok(0)
+}
+
+/// Uses the object store at `url` (paused sandboxes are published at pause), and
+/// releases the paused sandboxes that moved to other nodes while this one was away.
+async fn set_object_store(node: &Node, url: &str) -> anyhow::Result<()> {
+    let bucket = cubicle_node::objstore::Bucket::open(url)?;
+    node.set_object_store(cubicle_node::ObjectStoreConfig {
+        bucket,
+        publish_snapshots: false,
+        publish_paused: true,
+    });
+    let released = node.release_moved_away().await;
+    tracing::info!(object_store = %url, identity = %node.identity()?, released = ?released,
+        "object store set");
+    Ok(())
+}
+
+/// With an object store: a default template the bucket has is pulled rather than built
+/// (the cluster's nodes then share its layers, and paused sandboxes move without it).
+async fn pulled_from_object_store(node: &Node, name: &str) -> bool {
+    if node.object_store().is_none() {
+        return false;
+    }
+    match node.pull_template(name).await {
+        Ok(r) => {
+            tracing::info!(
+                template = name,
+                bytes = r.bytes_moved,
+                took_ms = r.took.as_millis() as u64,
+                "template pulled from the object store"
+            );
+            true
+        }
+        Err(cubicle_node::Error::NotPublished(_)) => false,
+        Err(e) => {
+            tracing::warn!(
+                template = name,
+                "pulling the template failed (building it): {e}"
+            );
+            false
+        }
+    }
+}
+
+/// With an object store: a template this node built is published for the other nodes, in
+/// the background (a failure is logged; they build their own).
+fn publish_in_background(node: &Node, name: &str) {
+    if node.object_store().is_none() {
+        return;
+    }
+    let (node, name) = (node.clone(), name.to_string());
+    tokio::spawn(async move {
+        match node.push_template(&name).await {
+            Ok(r) => tracing::info!(template = %name, bytes = r.bytes_moved,
+                took_ms = r.took.as_millis() as u64, "template published to the object store"),
+            Err(e) => tracing::warn!(template = %name, "publishing the template failed: {e}"),
+        }
+    });
 }

@@ -460,6 +460,7 @@ pub async fn run(
             node.set_object_store(cubicle_node::ObjectStoreConfig {
                 bucket,
                 publish_snapshots: args.publish_snapshots,
+                publish_paused: false,
             });
             tracing::info!(object_store = %url, "object store set");
         }

@@ -164,9 +164,13 @@ pub(crate) async fn reconcile(inner: &Arc<Inner>) -> Result<ReconcileReport> {
         // A crash in the middle of a resume leaves restored processes, their cgroup and
         // veth behind while the record still says paused: stop them, the checkpoint is
         // still there and the next resume starts from it again.
+        // (Not one published since it paused and not resumed since: on a host shared by
+        // two nodes, a cgroup of its name is the node's that took it over.)
         let rt = inner.runtime.clone();
         let (id, slot) = (r.id.clone(), r.slot);
-        if let Err(e) = blocking(move || rt.stop(&id, slot)).await {
+        let published =
+            crate::node::handover::is_marked_published(&inner.sandbox_dir(r.id.as_str()));
+        if !published && let Err(e) = blocking(move || rt.stop(&id, slot)).await {
             tracing::warn!(sandbox = %r.id, "clearing a half-resumed paused sandbox: {e}");
         }
         if !inner.lock().slots.reserve(r.slot) {

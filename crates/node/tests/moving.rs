@@ -185,6 +185,7 @@ async fn open_node(envd: &Path, state: &Path, first_slot: u32, url: &str) -> any
     node.set_object_store(ObjectStoreConfig {
         bucket: Bucket::open(url)?,
         publish_snapshots: false,
+        publish_paused: false,
     });
     Ok(node)
 }

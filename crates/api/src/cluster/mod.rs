@@ -20,6 +20,8 @@
 //! `cubicle serve` would.
 
 pub mod coordination;
+mod migrate;
+pub mod moving_api;
 pub mod node_api;
 pub mod remote;
 
@@ -53,6 +55,9 @@ pub struct NodeStatus {
     pub snapshots: Vec<cubicle_node::SnapshotRecord>,
     /// Layer ids its sandboxes and snapshots use.
     pub layers_in_use: Vec<String>,
+    /// It drains (`moving_api`): no creates, and its paused sandboxes resume elsewhere.
+    #[serde(default)]
+    pub draining: bool,
 }
 
 /// [`cubicle_node::host::HostStats`] on the wire (without the per-mode CPU times).

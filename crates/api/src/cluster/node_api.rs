@@ -76,6 +76,7 @@ struct Guard {
 /// The node-side API over `node`, its data plane `dp` (built over a [`NodeResolver`]),
 /// accepting `token`.
 pub fn node_router(node: Node, dp: DataPlane, token: &str) -> Router {
+    let moving = super::moving_api::routes(node.clone());
     let st = NodeApi {
         node,
         dp: dp.clone(),
@@ -99,7 +100,8 @@ pub fn node_router(node: Node, dp: DataPlane, token: &str) -> Router {
         .route("/sandboxes/{id}/fork", post(fork))
         .route("/sandboxes/{id}/rollback", post(rollback))
         .route("/snapshots/{id}", delete(delete_snapshot))
-        .with_state(st);
+        .with_state(st)
+        .merge(moving);
     authenticated(api, dp, token)
 }
 
@@ -152,13 +154,13 @@ async fn entry(State(st): State<Guard>, mut req: Request, next: Next) -> Respons
     }
 }
 
-fn fail(e: cubicle_node::Error) -> Response {
+pub(super) fn fail(e: cubicle_node::Error) -> Response {
     let w = WireError::from_node(&e);
     let status = StatusCode::from_u16(w.code).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
     (status, Json(w)).into_response()
 }
 
-fn answer<T: serde::Serialize>(r: cubicle_node::Result<T>) -> Response {
+pub(super) fn answer<T: serde::Serialize>(r: cubicle_node::Result<T>) -> Response {
     match r {
         Ok(v) => Json(v).into_response(),
         Err(e) => fail(e),
@@ -184,6 +186,7 @@ async fn status(State(st): State<NodeApi>) -> Response {
             max_sandboxes: node.config().max_sandboxes,
             snapshots: node.snapshots(),
             layers_in_use: Backend::layers_in_use(&node).into_iter().collect(),
+            draining: super::moving_api::is_draining(&node),
         })
     })
     .await;
@@ -291,6 +294,14 @@ async fn resume(
     Path(id): Path<String>,
     Json(t): Json<WireTimeout>,
 ) -> Response {
+    if super::moving_api::is_draining(&st.node)
+        && st
+            .node
+            .peek(&id)
+            .is_ok_and(|i| i.state == SandboxState::Paused)
+    {
+        return fail(super::moving_api::draining_error(&st.node));
+    }
     answer(
         st.node
             .resume(&id, Duration::from_millis(t.timeout_ms), t.memory)

@@ -78,7 +78,7 @@ impl RemoteConfig {
 /// The backend of an API replica. Cheap to clone.
 #[derive(Clone)]
 pub struct RemoteBackend {
-    inner: Arc<Inner>,
+    pub(super) inner: Arc<Inner>,
 }
 
 pub(super) struct Inner {
@@ -94,6 +94,11 @@ pub(super) struct Inner {
     /// Placement and ownership through the cluster's database (replicas started with
     /// `--database` and no `--node`).
     pub(super) cluster: OnceLock<Arc<super::coordination::ClusterDb>>,
+    /// Sandboxes that moved to another node while the one they left still lists them:
+    /// id → that node (`super::migrate`).
+    pub(super) moved: Mutex<HashMap<String, usize>>,
+    /// Held while a sandbox moves (moves are rare: one at a time).
+    pub(super) move_lock: tokio::sync::Mutex<()>,
 }
 
 pub(super) struct NodeLink {
@@ -102,9 +107,9 @@ pub(super) struct NodeLink {
     /// Its name in the cluster's database (`None` for a `--node` address).
     pub(super) name: Option<String>,
     /// Its last status; `None` until it first answered.
-    status: Mutex<Option<NodeStatus>>,
+    pub(super) status: Mutex<Option<NodeStatus>>,
     /// Whether its last poll answered, and the error if not.
-    down: Mutex<Option<String>>,
+    pub(super) down: Mutex<Option<String>>,
     /// Left the cluster (lost, or moved to another address): not polled, not placed on.
     pub(super) retired: AtomicBool,
 }
@@ -244,6 +249,8 @@ impl RemoteBackend {
                 cfg,
                 cache: Mutex::new(HashMap::new()),
                 cluster: OnceLock::new(),
+                moved: Mutex::new(HashMap::new()),
+                move_lock: tokio::sync::Mutex::new(()),
             }),
         })
     }
@@ -317,12 +324,16 @@ impl RemoteBackend {
             .await
         {
             Ok(st) => {
+                let moved_away = self.moved_away_from(i, &st);
                 {
                     let mut cache = lock(&self.inner.cache);
                     let present: HashSet<&str> =
                         st.sandboxes.iter().map(|s| s.id.as_str()).collect();
                     cache.retain(|id, e| e.node != i || e.at > t0 || present.contains(id.as_str()));
                     for s in &st.sandboxes {
+                        if moved_away.contains(s.id.as_str()) {
+                            continue;
+                        }
                         match cache.get_mut(s.id.as_str()) {
                             Some(e) if e.at > t0 => {}
                             _ => {
@@ -430,7 +441,7 @@ impl RemoteBackend {
     /// Node index of sandbox `id`, or not found. With the cluster's database, a sandbox
     /// this replica has not seen yet (created through another replica a moment ago) is
     /// looked up there: its owner's node.
-    fn owner(&self, id: &str) -> cubicle_node::Result<usize> {
+    pub(super) fn owner(&self, id: &str) -> cubicle_node::Result<usize> {
         if let Some(e) = lock(&self.inner.cache).get(id) {
             return Ok(e.node);
         }
@@ -452,7 +463,7 @@ impl RemoteBackend {
     }
 
     /// Re-reads sandbox `id` from its node into the cache (gone: removed).
-    async fn refresh(&self, node: usize, id: &str) {
+    pub(super) async fn refresh(&self, node: usize, id: &str) {
         match self
             .call::<SandboxInfo>(node, Method::GET, &format!("/sandboxes/{id}"), None, false)
             .await
@@ -467,6 +478,15 @@ impl RemoteBackend {
 
     /// Where a create of `template` goes, and why.
     fn place(&self, template: &str) -> cubicle_node::Result<(usize, String)> {
+        self.place_except(template, None)
+    }
+
+    /// Where a sandbox of `template` goes, never on node `except`, and why.
+    pub(super) fn place_except(
+        &self,
+        template: &str,
+        except: Option<usize>,
+    ) -> cubicle_node::Result<(usize, String)> {
         let links = self.links();
         let live: HashMap<usize, usize> = {
             let cache = lock(&self.inner.cache);
@@ -488,9 +508,16 @@ impl RemoteBackend {
                 skipped.push(format!("{} down ({why})", n.addr));
                 continue;
             }
+            if except == Some(i) {
+                continue;
+            }
             let Some(st) = lock(&n.status).clone() else {
                 continue;
             };
+            if st.draining {
+                skipped.push(format!("{} draining", n.addr));
+                continue;
+            }
             let used = live.get(&i).copied().unwrap_or(0);
             let slots = (st.max_sandboxes as usize).saturating_sub(used);
             if slots == 0 {
@@ -530,12 +557,41 @@ impl RemoteBackend {
         }
     }
 
+    /// Resumes sandbox `id` on node `node` (its owner).
+    pub(super) async fn resume_on(
+        &self,
+        node: usize,
+        id: &str,
+        timeout: Duration,
+        memory: bool,
+    ) -> cubicle_node::Result<ResumeOutcome> {
+        let body = WireTimeout {
+            timeout_ms: timeout.as_millis() as u64,
+            memory,
+            count: 0,
+        };
+        let r: cubicle_node::Result<ResumeOutcome> = self
+            .call(
+                node,
+                Method::POST,
+                &format!("/sandboxes/{id}/resume"),
+                Self::json(&body),
+                true,
+            )
+            .await;
+        match &r {
+            Ok(out) => self.remember(node, out.info.clone()),
+            Err(_) => self.refresh(node, id).await,
+        }
+        r
+    }
+
     /// Runs a blocking trait method's call in place.
     pub(super) fn block<T>(&self, f: impl std::future::Future<Output = T>) -> T {
         tokio::task::block_in_place(|| tokio::runtime::Handle::current().block_on(f))
     }
 
-    fn json<T: serde::Serialize>(v: &T) -> Option<Vec<u8>> {
+    pub(super) fn json<T: serde::Serialize>(v: &T) -> Option<Vec<u8>> {
         serde_json::to_vec(v).ok()
     }
 
@@ -841,28 +897,8 @@ impl Backend for RemoteBackend {
         timeout: Duration,
         memory: bool,
     ) -> BoxFuture<'a, cubicle_node::Result<ResumeOutcome>> {
-        Box::pin(async move {
-            let node = self.owner(id)?;
-            let body = WireTimeout {
-                timeout_ms: timeout.as_millis() as u64,
-                memory,
-                count: 0,
-            };
-            let r: cubicle_node::Result<ResumeOutcome> = self
-                .call(
-                    node,
-                    Method::POST,
-                    &format!("/sandboxes/{id}/resume"),
-                    Self::json(&body),
-                    true,
-                )
-                .await;
-            match &r {
-                Ok(out) => self.remember(node, out.info.clone()),
-                Err(_) => self.refresh(node, id).await,
-            }
-            r
-        })
+        // On its node, or on another one when that node is gone, draining or full.
+        Box::pin(self.resume_or_move(id, timeout, memory))
     }
 
     fn snapshot<'a>(

@@ -37,12 +37,14 @@ use crate::template::{Template, TemplateStore};
 use crate::{fsutil, procfs};
 
 pub(crate) mod create;
+pub(crate) mod handover;
 pub(crate) mod inner;
 pub(crate) mod moving;
 mod network;
 pub(crate) mod stateful;
 pub(crate) mod teardown;
 
+pub use handover::{OwnerRecord, TakeoverReport, identity_of};
 pub use moving::{
     BlobRef, MoveReport, Mover, ObjectStoreConfig, PausedManifest, SnapshotManifest,
     TemplateManifest,
@@ -316,19 +318,39 @@ impl Node {
     /// its template again over it. A paused sandbox has no processes and uses no host
     /// memory; it keeps its id, slot (address, uid range) and token, and no end time
     /// applies to it. A failed pause leaves it running and says why.
+    /// With an object store that publishes paused sandboxes, it is pushed before this
+    /// returns (`handover.rs`), so that another node can take it over.
     pub async fn pause(&self, id: &str, req: PauseRequest) -> Result<PauseReport> {
-        let (inner, id) = (self.inner.clone(), id.to_string());
-        tokio::spawn(async move { inner.pause(&id, req).await })
+        let (inner, i2) = (self.inner.clone(), id.to_string());
+        let report = tokio::spawn(async move { inner.pause(&i2, req).await })
             .await
-            .map_err(|e| Error::Runtime(format!("pause task failed: {e}")))?
+            .map_err(|e| Error::Runtime(format!("pause task failed: {e}")))??;
+        self.publish_after_pause(id).await;
+        Ok(report)
     }
 
     /// Resume a paused sandbox with end time now + `timeout` (`memory: false` boots it
     /// from its disk even if its memory was kept). A running one only gets its end time
     /// extended (never shortened). A failed resume leaves it paused and says why.
+    /// A sandbox this node published that moved to another node since is refused (and
+    /// released here: `handover.rs`).
     pub async fn resume(&self, id: &str, timeout: Duration, memory: bool) -> Result<ResumeOutcome> {
-        let (inner, id) = (self.inner.clone(), id.to_string());
-        tokio::spawn(async move { inner.resume(&id, timeout, memory).await })
+        self.check_still_owner(id).await?;
+        if self.peek(id).is_ok_and(|i| i.state == SandboxState::Paused) {
+            self.forget_published(id);
+        }
+        self.resume_here(id, timeout, memory).await
+    }
+
+    /// [`Node::resume`] without the owner check.
+    pub(crate) async fn resume_here(
+        &self,
+        id: &str,
+        timeout: Duration,
+        memory: bool,
+    ) -> Result<ResumeOutcome> {
+        let (inner, i2) = (self.inner.clone(), id.to_string());
+        tokio::spawn(async move { inner.resume(&i2, timeout, memory).await })
             .await
             .map_err(|e| Error::Runtime(format!("resume task failed: {e}")))?
     }

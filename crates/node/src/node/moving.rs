@@ -56,6 +56,9 @@ pub struct ObjectStoreConfig {
     pub bucket: Bucket,
     /// Push every snapshot (not a fork's hidden one) once it is taken.
     pub publish_snapshots: bool,
+    /// Push every sandbox once it is paused, so that another node can take it over
+    /// (`cubicle node` does; `handover.rs`).
+    pub publish_paused: bool,
 }
 
 /// What a push or pull moved.

@@ -1,0 +1,226 @@
+//! The replica's side of moving sandboxes between nodes (docs/cluster.md, "Moving
+//! sandboxes between nodes"): a resume (`connect`, the older resume route, the router's
+//! auto-resume — all [`Backend::resume`]) of a sandbox paused on a node that is gone,
+//! draining or full resumes it on another node instead.
+//!
+//! 1. Another node is chosen with the create's rules ([`RemoteBackend::place_except`]:
+//!    answering, not draining, a free slot; warm pool, then free memory).
+//! 2. The old node publishes the sandbox when it answers (`POST …/push`; nothing moves
+//!    when it did at pause, as `cubicle node --object-store` does); when it is gone, the
+//!    copy it published at pause is used.
+//! 3. The new node takes it over (`POST …/takeover`: pull, owner record in the bucket,
+//!    resume) — from then on the old node refuses to resume it (`handover.rs` in
+//!    cubicle-node).
+//! 4. The old node releases its copy (`POST …/release`), now or, when it cannot be
+//!    reached, as soon as a poll sees it again ([`RemoteBackend::moved_away_from`]); a node
+//!    that restarts releases such copies itself before it serves.
+//! 5. The new owner is recorded in this replica's map (the cache every call routes by).
+//!    With the cluster database (leases, `claim_sandbox`) it is recorded there too.
+//!
+//! Moves are serialized on the replica (one at a time; a second resume of the same
+//! sandbox waits and finds it moved).
+
+use std::collections::HashSet;
+use std::time::{Duration, Instant};
+
+use hyper::Method;
+
+use cubicle_node::{ResumeOutcome, SandboxState, TakeoverReport};
+
+use super::NodeStatus;
+use super::remote::{RemoteBackend, lock};
+use crate::backend::Backend;
+
+impl RemoteBackend {
+    /// [`Backend::resume`] on a replica: on the sandbox's node, or on another one when
+    /// that node is gone, draining or full.
+    pub(super) async fn resume_or_move(
+        &self,
+        id: &str,
+        timeout: Duration,
+        memory: bool,
+    ) -> cubicle_node::Result<ResumeOutcome> {
+        let from = self.owner(id)?;
+        let paused = self.get(id).is_ok_and(|i| i.state == SandboxState::Paused);
+        if !paused {
+            return self.resume_on(from, id, timeout, memory).await;
+        }
+        if let Some(why) = self.why_move(from) {
+            return self.move_and_resume(id, from, timeout, memory, why).await;
+        }
+        match self.resume_on(from, id, timeout, memory).await {
+            Err(cubicle_node::Error::Capacity(m)) => {
+                let why = format!("node {} answered: {m}", self.addr(from));
+                self.move_and_resume(id, from, timeout, memory, why).await
+            }
+            Err(e) => {
+                // Gone since its last poll? Ask again.
+                self.poll(from).await;
+                match self.why_move(from) {
+                    Some(why) => self.move_and_resume(id, from, timeout, memory, why).await,
+                    None => Err(e),
+                }
+            }
+            ok => ok,
+        }
+    }
+
+    fn addr(&self, node: usize) -> String {
+        self.link(node).addr.clone()
+    }
+
+    fn is_down(&self, node: usize) -> bool {
+        lock(&self.link(node).down).is_some()
+    }
+
+    /// Why a paused sandbox of node `node` must resume elsewhere, if it must.
+    fn why_move(&self, node: usize) -> Option<String> {
+        let link = self.link(node);
+        if lock(&link.down).is_some() {
+            // (Why is in the placement's reason: "skipped … down (…)".)
+            return Some(format!("node {} is unreachable", link.addr));
+        }
+        if lock(&link.status).as_ref().is_some_and(|s| s.draining) {
+            return Some(format!("node {} is draining", link.addr));
+        }
+        None
+    }
+
+    async fn move_and_resume(
+        &self,
+        id: &str,
+        from: usize,
+        timeout: Duration,
+        memory: bool,
+        why: String,
+    ) -> cubicle_node::Result<ResumeOutcome> {
+        let _one_at_a_time = self.inner.move_lock.lock().await;
+        // Another resume may have moved it while this one waited.
+        let owner = self.owner(id)?;
+        if owner != from {
+            return self.resume_on(owner, id, timeout, memory).await;
+        }
+        let t0 = Instant::now();
+        let template = self.get(id)?.template;
+        let (to, there) = self.place_except(&template, Some(from)).map_err(|e| {
+            cubicle_node::Error::Capacity(format!(
+                "sandbox {id} cannot resume: {why}, and no other node can take it ({e})"
+            ))
+        })?;
+        tracing::info!(sandbox = %id, from = %self.addr(from), to = %self.addr(to),
+            "moving the paused sandbox: {why}; to {there}");
+        if !self.is_down(from) {
+            // Its node publishes it now unless it did at pause (then nothing moves).
+            let pushed = self
+                .call::<super::moving_api::WireMove>(
+                    from,
+                    Method::POST,
+                    &format!("/sandboxes/{id}/push"),
+                    None,
+                    true,
+                )
+                .await;
+            if let Err(e) = pushed {
+                tracing::warn!(sandbox = %id, node = %self.addr(from),
+                    "publishing from the old node failed (using the copy it published at pause): {e}");
+            }
+        }
+        let body = super::WireTimeout {
+            timeout_ms: timeout.as_millis() as u64,
+            memory,
+            count: 0,
+        };
+        let taken: TakeoverReport = self
+            .call(
+                to,
+                Method::POST,
+                &format!("/sandboxes/{id}/takeover"),
+                Self::json(&body),
+                true,
+            )
+            .await
+            .inspect_err(|e| {
+                tracing::warn!(sandbox = %id, to = %self.addr(to), "taking the sandbox over failed: {e}");
+            })?;
+        // Remembered as moved before it is routed to `to`: a poll of `from` that starts
+        // from here on must not route it back there.
+        lock(&self.inner.moved).insert(id.to_string(), from);
+        self.record_owner(to, taken.outcome.info.clone());
+        self.release_on(id, from).await;
+        tracing::info!(sandbox = %id, from = %self.addr(from), to = %self.addr(to),
+            bytes = taken.bytes, pull_ms = taken.pull_ms, resume_ms = taken.outcome.took.as_secs_f64() * 1000.0,
+            took_ms = t0.elapsed().as_secs_f64() * 1000.0, "sandbox resumed on another node");
+        Ok(taken.outcome)
+    }
+
+    /// Records `to` as the owner of sandbox `id` (this replica's map; where the cluster's
+    /// database is shared, `claim_sandbox` belongs here too).
+    fn record_owner(&self, to: usize, info: cubicle_node::SandboxInfo) {
+        self.remember(to, info);
+    }
+
+    /// Tells node `from` to release its copy of `id` (now, or when a poll sees it again:
+    /// the move is remembered in `moved` until a poll of `from` no longer lists `id`).
+    async fn release_on(&self, id: &str, from: usize) {
+        if self.is_down(from) {
+            return;
+        }
+        let r = self
+            .call::<()>(
+                from,
+                Method::POST,
+                &format!("/sandboxes/{id}/release"),
+                None,
+                false,
+            )
+            .await;
+        match r {
+            Ok(()) | Err(cubicle_node::Error::SandboxNotFound(_)) => {}
+            Err(e) => tracing::info!(sandbox = %id, node = %self.addr(from),
+                "the old node will release its copy later: {e}"),
+        }
+    }
+
+    /// The sandboxes node `node` still lists although they moved away from it (kept out
+    /// of the cache: they run elsewhere); each is released there in the background. Moves
+    /// away from it of ids it no longer lists are forgotten.
+    pub(super) fn moved_away_from(&self, node: usize, st: &NodeStatus) -> HashSet<String> {
+        let listed: HashSet<&str> = st.sandboxes.iter().map(|s| s.id.as_str()).collect();
+        let mut away = HashSet::new();
+        lock(&self.inner.moved).retain(|id, from| {
+            if *from != node {
+                return true;
+            }
+            if listed.contains(id.as_str()) {
+                away.insert(id.clone());
+                true
+            } else {
+                false
+            }
+        });
+        for id in &away {
+            let (rb, id) = (self.clone(), id.clone());
+            tokio::spawn(async move {
+                // The poll marks the node up only after this returns: call directly.
+                let r = rb
+                    .call::<()>(
+                        node,
+                        Method::POST,
+                        &format!("/sandboxes/{id}/release"),
+                        None,
+                        false,
+                    )
+                    .await;
+                match r {
+                    Ok(()) | Err(cubicle_node::Error::SandboxNotFound(_)) => {
+                        tracing::info!(sandbox = %id, node = %rb.addr(node),
+                            "the node that came back released its copy of the moved sandbox");
+                    }
+                    Err(e) => tracing::warn!(sandbox = %id, node = %rb.addr(node),
+                        "releasing the moved sandbox's old copy: {e}"),
+                }
+            });
+        }
+        away
+    }
+}
