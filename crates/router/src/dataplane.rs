@@ -108,23 +108,9 @@ impl DataPlane {
 
     /// Forwards `req` to its sandbox port; every failure is answered in E2B's shapes.
     pub async fn handle(&self, req: Request) -> Response {
-        let has_body = routing::has_body(req.headers());
         match self.forward(req).await {
             Ok(resp) => resp,
-            Err(e) => {
-                let mut resp = e.into_response();
-                // Refused before its body was read (a paused or unknown sandbox): hyper
-                // closes such a connection after the answer, and a client that put it
-                // back in its pool would send its next request into a closed socket
-                // ("connection closed before message completed"). Say it will close.
-                if has_body {
-                    resp.headers_mut().insert(
-                        axum::http::header::CONNECTION,
-                        axum::http::HeaderValue::from_static("close"),
-                    );
-                }
-                resp
-            }
+            Err(e) => e.into_response(),
         }
     }
 

@@ -180,16 +180,6 @@ pub fn is_upgrade(headers: &HeaderMap) -> bool {
             .any(|t| t.trim().eq_ignore_ascii_case("upgrade"))
 }
 
-/// Whether the request carries a body (HTTP/1.1 framing: a non-zero `Content-Length` or
-/// any `Transfer-Encoding`).
-pub fn has_body(headers: &HeaderMap) -> bool {
-    headers.contains_key(header::TRANSFER_ENCODING)
-        || headers
-            .get(header::CONTENT_LENGTH)
-            .and_then(|v| v.to_str().ok())
-            .is_some_and(|v| v.trim() != "0")
-}
-
 /// Hop-by-hop headers (RFC 9110 §7.6.1) plus `Expect` (our server already answered it).
 const HOP_BY_HOP: &[HeaderName] = &[
     header::CONNECTION,

@@ -12,6 +12,10 @@
 //! * TLS when given an acceptor (`cubicle serve --tls-cert/--tls-key`): the handshake
 //!   runs on the connection's own task and must finish within the header-read timeout;
 //! * every request carries its client's address ([`ClientAddr`], for the access log);
+//! * an error answered to a request whose body was not read to its end (refused before
+//!   reading it: bad credentials, a paused or unknown sandbox) says `Connection: close`:
+//!   hyper closes such a connection after the answer, and a client that put it back in
+//!   its pool would send its next request into a closed socket;
 //! * graceful shutdown: stop accepting, let open requests finish.
 //!
 //! Upgraded connections (WebSocket tunnels to user ports) leave hyper's hands; the data
@@ -20,7 +24,10 @@
 use std::collections::HashMap;
 use std::future::Future;
 use std::net::{IpAddr, SocketAddr};
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
 use std::time::Duration;
 
 use axum::body::Body;
@@ -187,7 +194,27 @@ async fn serve_connection<Io>(
     let service = hyper::service::service_fn(move |mut req: hyper::Request<Incoming>| {
         let mut app = app.clone();
         req.extensions_mut().insert(ClientAddr(peer));
-        async move { tower_service::Service::call(&mut app, req.map(Body::new)).await }
+        async move {
+            let read = Arc::new(AtomicBool::new(false));
+            let has_body = !hyper::body::Body::is_end_stream(req.body());
+            let req = req.map(|inner| {
+                Body::new(Tracked {
+                    inner,
+                    read: read.clone(),
+                })
+            });
+            let mut resp = tower_service::Service::call(&mut app, req).await?;
+            if has_body
+                && (resp.status().is_client_error() || resp.status().is_server_error())
+                && !read.load(Ordering::Acquire)
+            {
+                resp.headers_mut().insert(
+                    axum::http::header::CONNECTION,
+                    axum::http::HeaderValue::from_static("close"),
+                );
+            }
+            Ok::<_, std::convert::Infallible>(resp)
+        }
     });
     let conn = hyper::server::conn::http1::Builder::new()
         .timer(TokioTimer::new())
@@ -211,6 +238,36 @@ async fn serve_connection<Io>(
                 }
             }
         }
+    }
+}
+
+/// A request body that records whether it was read to its end.
+struct Tracked {
+    inner: Incoming,
+    read: Arc<AtomicBool>,
+}
+
+impl hyper::body::Body for Tracked {
+    type Data = bytes::Bytes;
+    type Error = hyper::Error;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<hyper::body::Frame<bytes::Bytes>, hyper::Error>>> {
+        let frame = Pin::new(&mut self.inner).poll_frame(cx);
+        if matches!(frame, Poll::Ready(None)) || self.inner.is_end_stream() {
+            self.read.store(true, Ordering::Release);
+        }
+        frame
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> hyper::body::SizeHint {
+        self.inner.size_hint()
     }
 }
 

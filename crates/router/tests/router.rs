@@ -218,6 +218,18 @@ async fn unknown_sandbox_is_the_exact_502() {
         assert_eq!(resp.status(), 502);
         assert_eq!(resp.headers()["connection"], "close");
     }
+    // The same for any error answered without reading the body (here the REST side's
+    // stand-in, which never reads it), and not for one without a body.
+    let resp = send(
+        addr,
+        request("POST", "/sandboxes", &[], full(b"{}".to_vec())),
+    )
+    .await;
+    assert_eq!(resp.status(), 418);
+    assert_eq!(resp.headers()["connection"], "close");
+    let resp = send(addr, request("GET", "/sandboxes", &[], empty())).await;
+    assert_eq!(resp.status(), 418);
+    assert!(!resp.headers().contains_key("connection"));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
