@@ -39,6 +39,7 @@
 #                         (default: all)
 #   CUBICLE_PYTEST_ARGS   extra pytest arguments (e.g. "-k files -x")
 #   CUBICLE_E2E_TIMEOUT   per-e2e-suite time limit in seconds (default 1200)
+#   CUBICLE_TEST_MIN_FREE_GB  free space required before starting (default 6)
 #   CUBICLE_SERVE_E2E_TIMEOUT  time limit of the whole serve suite (default 5400: the first
 #                         run on a machine builds the `base` template)
 set -uo pipefail
@@ -59,6 +60,18 @@ if [[ $(id -u) -ne 0 ]]; then
   echo "scripts/test.sh must run as root (namespaces, setuid test users): sudo scripts/test.sh" >&2
   exit 1
 fi
+
+# A full run needs room: the workspace build (several GB of target/), the templates under
+# /var/lib/cubicle-e2e (~3 GB on first use) and the sandboxes' quota images. Running out
+# midway fails tests far from the cause, so say it first.
+need_gb=${CUBICLE_TEST_MIN_FREE_GB:-6}
+for d in "$ROOT" /var/lib; do
+  free_gb=$(($(df --output=avail -k "$d" | tail -1) / 1048576))
+  if ((free_gb < need_gb)); then
+    echo "scripts/test.sh: only ${free_gb} GB free on the filesystem of $d; a full run needs at least ${need_gb} GB (free some, e.g. target/debug/incremental, or set CUBICLE_TEST_MIN_FREE_GB)" >&2
+    exit 1
+  fi
+done
 
 # rustup installs cargo under the invoking user's home; keep it reachable under sudo.
 if ! command -v cargo >/dev/null 2>&1; then
