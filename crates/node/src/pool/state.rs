@@ -34,6 +34,10 @@ pub(super) struct PoolState {
     pub(super) last_miss: BTreeMap<String, Instant>,
     /// When a create last claimed from a pool.
     pub(super) last_claim: Option<Instant>,
+    /// Time between the last two claims (claims back to back: demand outruns a pause).
+    pub(super) claim_gap: Option<std::time::Duration>,
+    /// The last memory estimate per pooled sandbox, and when it was measured.
+    pub(super) estimate: Option<(u64, Instant)>,
     /// Counters (for tests and the bench).
     pub(super) claims: u64,
     pub(super) misses: u64,
