@@ -42,7 +42,7 @@
 //! it (up to 4× the configured size), a minute without misses lowers it back; the sum of
 //! all pooled sandboxes' measured memory stays under `pool_memory_mb`.
 
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
@@ -493,10 +493,12 @@ async fn refill(weak: Weak<Inner>, main: tokio::runtime::Handle) {
     // Sandboxes being made, at most [`REFILL_PARALLEL`]. Never dropped with one in
     // flight (that would cancel it halfway): a close waits for them, and each removes
     // its own sandbox when it sees the close.
-    let mut making: tokio::task::JoinSet<(String, Result<()>)> = tokio::task::JoinSet::new();
+    let mut making: tokio::task::JoinSet<Result<()>> = tokio::task::JoinSet::new();
+    // Which template each one in flight is for (not a member until it has started).
+    let mut inflight: HashMap<tokio::task::Id, String> = HashMap::new();
     loop {
-        while let Some(done) = making.try_join_next() {
-            if let Some(wait) = refill_done(done, &mut failures) {
+        while let Some(done) = making.try_join_next_with_id() {
+            if let Some(wait) = refill_done(done, &mut inflight, &mut failures) {
                 tokio::time::sleep(wait).await;
             }
         }
@@ -527,13 +529,19 @@ async fn refill(weak: Weak<Inner>, main: tokio::runtime::Handle) {
                     ps.target.insert(name, base);
                 }
             }
-            // The set, not the members: a refill just spawned is not a member yet.
-            if making.len() >= REFILL_PARALLEL || (members + 1) * est > budget {
+            // In flight counts as made: a refill just spawned is not a member yet.
+            let in_flight = |n: &str| inflight.values().filter(|v| *v == n).count();
+            if making.len() >= REFILL_PARALLEL
+                || (members + making.len() as u64 + 1) * est > budget
+            {
                 None
             } else {
                 ps.target
                     .iter()
-                    .map(|(n, t)| (n.clone(), *t, ps.ready.get(n).map_or(0, VecDeque::len)))
+                    .map(|(n, t)| {
+                        let r = ps.ready.get(n).map_or(0, VecDeque::len) + in_flight(n);
+                        (n.clone(), *t, r)
+                    })
                     .filter(|(_, t, r)| r < t)
                     .min_by_key(|(_, t, r)| (r * 1000) / (*t).max(1))
                     .map(|(n, _, _)| n)
@@ -566,8 +574,8 @@ async fn refill(weak: Weak<Inner>, main: tokio::runtime::Handle) {
             tokio::select! {
                 _ = wake.notified() => {}
                 _ = tokio::time::sleep(Duration::from_secs(1)) => {}
-                Some(done) = making.join_next() => {
-                    if let Some(wait) = refill_done(done, &mut failures) {
+                Some(done) = making.join_next_with_id() => {
+                    if let Some(wait) = refill_done(done, &mut inflight, &mut failures) {
                         tokio::time::sleep(wait).await;
                     }
                 }
@@ -598,33 +606,35 @@ async fn refill(weak: Weak<Inner>, main: tokio::runtime::Handle) {
             return;
         };
         let main = main.clone();
-        making.spawn(async move {
+        let task = making.spawn(async move {
             let r = inner.fill_one(&template, &main).await;
             drop(permit);
-            (name, r)
+            r
         });
+        inflight.insert(task.id(), name);
     }
 }
 
 /// Books a finished refill; after a failure, how long to back off (capacity, a broken
 /// template: the wait doubles with each failure in a row).
 fn refill_done(
-    done: std::result::Result<(String, Result<()>), tokio::task::JoinError>,
+    done: std::result::Result<(tokio::task::Id, Result<()>), tokio::task::JoinError>,
+    inflight: &mut HashMap<tokio::task::Id, String>,
     failures: &mut u32,
 ) -> Option<Duration> {
-    match done {
-        Ok((_, Ok(()))) => {
+    let (id, result) = match done {
+        Ok((id, r)) => (id, r.map_err(|e| e.to_string())),
+        Err(e) => (e.id(), Err(format!("refill task failed: {e}"))),
+    };
+    let name = inflight.remove(&id).unwrap_or_default();
+    match result {
+        Ok(()) => {
             *failures = 0;
             None
         }
-        Ok((name, Err(e))) => {
-            *failures += 1;
-            tracing::warn!(template = %name, "pool refill failed: {e}");
-            Some(Duration::from_millis(100 << (*failures).min(6)))
-        }
         Err(e) => {
             *failures += 1;
-            tracing::warn!("pool refill task failed: {e}");
+            tracing::warn!(template = %name, "pool refill failed: {e}");
             Some(Duration::from_millis(100 << (*failures).min(6)))
         }
     }
