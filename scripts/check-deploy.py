@@ -44,9 +44,7 @@ VERSIONS = ["1.30.0", "1.37.0"]
 # (subcommand, flag or variable): added by the cluster's coordination work (h19d: node
 # registration, replicas taking their nodes from the database) and the moving of
 # state between nodes (h19e: the node's object store). Remove each once the CLI has it.
-PENDING = {
-    ("node", "CUBICLE_OBJECT_STORE"),
-}
+PENDING: set[tuple[str, str]] = set()
 
 
 # What every unit keeps from `cubicle service unit` (readiness, a stop that spares the

@@ -602,6 +602,23 @@ impl Store {
         })
     }
 
+    /// Sandbox `sandbox_id` moves to node `node_id` (under lease epoch `epoch`): a replica
+    /// resumed it there from the object store because its owner was gone, draining or
+    /// full, and the old node released its copy. Unlike [`Store::claim_sandbox`] it takes
+    /// the sandbox from whichever node owned it. `Ok(false)` when the sandbox has ended;
+    /// [`Error::Fenced`] when `epoch` is not the node's current one.
+    pub fn transfer_sandbox(&self, sandbox_id: &str, node_id: &str, epoch: i64) -> Result<bool> {
+        self.transaction(|tx| {
+            check_epoch(tx, node_id, epoch)?;
+            let n = tx.execute(
+                "UPDATE sandboxes SET node_id = ?2, node_epoch = ?3
+                 WHERE id = ?1 AND state = 'running'",
+                args![sandbox_id, node_id, epoch],
+            )?;
+            Ok(n > 0)
+        })
+    }
+
     /// Who owns sandbox `sandbox_id` (`None`: nobody, or no such sandbox).
     pub fn sandbox_owner(&self, sandbox_id: &str) -> Result<Option<SandboxOwner>> {
         self.with_conn(|c| {
@@ -833,6 +850,36 @@ mod tests {
     /// Many replicas (separate handles, each with its own connections) claim the same
     /// unowned sandboxes at once: every sandbox ends up with exactly one owner, and
     /// exactly one claimer was told it won.
+    #[test]
+    fn a_moved_sandbox_changes_owner_under_the_new_nodes_epoch() {
+        each_backend(|s| {
+            let team = s.ensure_team("t").unwrap().id;
+            let e1 = s.register_node(&reg("n1", 10), 0, LEASE).unwrap().epoch;
+            let e2 = s.register_node(&reg("n2", 10), 0, LEASE).unwrap().epoch;
+            s.insert_sandbox(&sandbox("sb", team)).unwrap();
+            assert!(s.claim_sandbox("sb", "n1", e1).unwrap());
+            // claim_sandbox never takes another node's sandbox; a move does.
+            assert!(!s.claim_sandbox("sb", "n2", e2).unwrap());
+            assert!(s.transfer_sandbox("sb", "n2", e2).unwrap());
+            let owner = s.sandbox_owner("sb").unwrap().unwrap();
+            assert_eq!((owner.node_id.as_str(), owner.epoch), ("n2", e2));
+            assert!(s.node_sandboxes("n1").unwrap().is_empty());
+            assert_eq!(s.node_sandboxes("n2").unwrap(), vec!["sb".to_string()]);
+            // Under a stale epoch (n2 registered again since): fenced, nothing changes.
+            let e2b = s.register_node(&reg("n2", 10), 0, LEASE).unwrap().epoch;
+            assert!(matches!(
+                s.transfer_sandbox("sb", "n2", e2),
+                Err(Error::Fenced { .. })
+            ));
+            assert!(s.transfer_sandbox("sb", "n1", e1).unwrap());
+            assert!(s.transfer_sandbox("sb", "n2", e2b).unwrap());
+            // An ended sandbox stays where it ended.
+            assert!(s.mark_ended("sb", "killed", 1).unwrap());
+            assert!(!s.transfer_sandbox("sb", "n1", e1).unwrap());
+            assert_eq!(s.sandbox_owner("sb").unwrap().unwrap().node_id, "n2");
+        });
+    }
+
     #[test]
     fn concurrent_claims_give_a_sandbox_one_owner() {
         each_shared_backend(|open| {

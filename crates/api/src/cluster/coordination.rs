@@ -255,6 +255,33 @@ impl ClusterDb {
         self.link_of(rb, &owner.node_id).ok_or_else(not_found)
     }
 
+    /// Records that sandbox `id` now runs on link `to` (it moved there from a node that
+    /// was gone, draining or full), under that node's current epoch: other replicas route
+    /// to it, and the old node's reconciliation no longer counts it as its own.
+    pub(super) async fn transfer(
+        &self,
+        rb: &RemoteBackend,
+        id: &str,
+        to: usize,
+    ) -> cubicle_node::Result<()> {
+        let name = rb.link(to).name.clone().ok_or_else(|| {
+            cubicle_node::Error::Runtime(format!(
+                "node {} is not in the cluster's database",
+                rb.link(to).addr
+            ))
+        })?;
+        let epoch = lock(&self.nodes)
+            .get(&name)
+            .map(|(_, r)| r.epoch)
+            .ok_or_else(|| cubicle_node::Error::Runtime(format!("node {name} left the cluster")))?;
+        let (sid, n) = (id.to_string(), name.clone());
+        let moved = blocking(&self.store, move |s| s.transfer_sandbox(&sid, &n, epoch)).await?;
+        if !moved {
+            tracing::warn!(sandbox = %id, node = %name, "the moved sandbox has ended in the cluster's database meanwhile");
+        }
+        Ok(())
+    }
+
     /// Sandbox `id` from its owner's node (it was created through another replica).
     pub(super) fn fetch(&self, rb: &RemoteBackend, id: &str) -> cubicle_node::Result<SandboxInfo> {
         let i = self.owner_link(rb, id)?;

@@ -145,7 +145,7 @@ impl RemoteBackend {
         // Remembered as moved before it is routed to `to`: a poll of `from` that starts
         // from here on must not route it back there.
         lock(&self.inner.moved).insert(id.to_string(), from);
-        self.record_owner(to, taken.outcome.info.clone());
+        self.record_owner(id, to, taken.outcome.info.clone()).await;
         self.release_on(id, from).await;
         tracing::info!(sandbox = %id, from = %self.addr(from), to = %self.addr(to),
             bytes = taken.bytes, pull_ms = taken.pull_ms, resume_ms = taken.outcome.took.as_secs_f64() * 1000.0,
@@ -153,10 +153,18 @@ impl RemoteBackend {
         Ok(taken.outcome)
     }
 
-    /// Records `to` as the owner of sandbox `id` (this replica's map; where the cluster's
-    /// database is shared, `claim_sandbox` belongs here too).
-    fn record_owner(&self, to: usize, info: cubicle_node::SandboxInfo) {
+    /// Records `to` as the owner of sandbox `id`: this replica's map, and the cluster's
+    /// database where it is shared (other replicas route by it, and nodes reconcile
+    /// against it). A failure to record it there is logged: the sandbox runs on `to`
+    /// either way, and this replica routes there.
+    async fn record_owner(&self, id: &str, to: usize, info: cubicle_node::SandboxInfo) {
         self.remember(to, info);
+        if let Some(db) = self.inner.cluster.get().cloned()
+            && let Err(e) = db.transfer(self, id, to).await
+        {
+            tracing::error!(sandbox = %id, to = %self.addr(to),
+                "recording the move in the cluster's database failed: {e}");
+        }
     }
 
     /// Tells node `from` to release its copy of `id` (now, or when a poll sees it again:

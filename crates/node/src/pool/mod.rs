@@ -531,8 +531,7 @@ async fn refill(weak: Weak<Inner>, main: tokio::runtime::Handle) {
             }
             // In flight counts as made: a refill just spawned is not a member yet.
             let in_flight = |n: &str| inflight.values().filter(|v| *v == n).count();
-            if making.len() >= REFILL_PARALLEL
-                || (members + making.len() as u64 + 1) * est > budget
+            if making.len() >= REFILL_PARALLEL || (members + making.len() as u64 + 1) * est > budget
             {
                 None
             } else {
