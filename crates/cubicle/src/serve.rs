@@ -704,6 +704,7 @@ pub async fn run(
         node.settle(Duration::from_secs(10)).await;
         node.close();
         node.wait_refills(Duration::from_secs(60)).await;
+        node.release_storage().await;
     }
     Ok(0)
 }

@@ -819,4 +819,14 @@ impl SandboxRuntime for LinuxRuntime {
             eg.shutdown();
         }
     }
+
+    fn release_storage(&self) {
+        if let Ok(st) = &self.storage {
+            match st.release() {
+                Ok(true) => tracing::info!(path = %st.root().display(), "unmounted the sandboxes' quota filesystem"),
+                Ok(false) => {}
+                Err(e) => tracing::info!("the sandboxes' quota filesystem stays mounted: {e}"),
+            }
+        }
+    }
 }

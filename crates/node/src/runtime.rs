@@ -204,6 +204,10 @@ pub trait SandboxRuntime: Send + Sync + 'static {
     /// sandboxes keep running.
     fn close(&self) {}
 
+    /// After the node closed with no sandbox left: unmounts the quota filesystem the
+    /// runtime mounted (best effort; the next start mounts it again).
+    fn release_storage(&self) {}
+
     /// The egress layer, when this runtime has one.
     fn egress(&self) -> Option<cubicle_egress::Egress> {
         None

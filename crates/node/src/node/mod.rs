@@ -571,6 +571,23 @@ impl Node {
         }
     }
 
+    /// After [`Node::close`] and [`Node::wait_refills`]: when no sandbox runs any more
+    /// (none adopted or left running for the next start, no teardown or refill under
+    /// way), unmounts the sandboxes' quota filesystem, so that a stopped server leaves
+    /// no mount behind; paused sandboxes and snapshots stay in its image. With sandboxes
+    /// still running it stays: they live on it, and the next start adopts them.
+    pub async fn release_storage(&self) {
+        use std::sync::atomic::Ordering::SeqCst;
+        let idle = self.inner.closed.load(SeqCst)
+            && self.inner.lock().live.is_empty()
+            && self.inner.pool.members().is_empty()
+            && self.inner.pool.teardowns.load(SeqCst) == 0;
+        if idle {
+            let inner = self.inner.clone();
+            let _ = tokio::task::spawn_blocking(move || inner.runtime.release_storage()).await;
+        }
+    }
+
     /// Host memory used by a sandbox's cgroup, in bytes.
     pub fn memory_usage(&self, id: &str) -> Option<u64> {
         self.inner.runtime.memory_usage(id)

@@ -325,6 +325,16 @@ impl Storage {
         }
     }
 
+    /// Unmounts the image if this storage mounted it (a node that stops with no sandbox
+    /// left: its next start mounts it again). `Ok(false)` when it was not ours to
+    /// unmount; an error (e.g. busy) leaves it mounted.
+    pub fn release(&self) -> Result<bool> {
+        if !self.image_mounted {
+            return Ok(false);
+        }
+        unmount_path(&self.root).map(|()| true)
+    }
+
     /// Unmounts the image this storage mounted (for tests and uninstall). Every sandbox
     /// directory must be unused. The loop device is released by the kernel (autoclear).
     pub fn unmount(self) -> Result<()> {
