@@ -77,6 +77,13 @@ cleanup() {
   done
   [[ -n $PG_DIR ]] && "$ROOT/scripts/pg-test-cluster.sh" stop "$PG_DIR" >/dev/null 2>&1
   PG_DIR=
+  # A SIGKILLed node (and `local kill`) leaves its quota filesystem mounted; with no
+  # sandbox left in it, release it (the next start mounts it again).
+  for s in "$STATE"-n1 "$STATE"-n2 "$STATE"-n3 "$STATE-single"; do
+    if mountpoint -q "$s/sandboxes" && [[ -z "$(ls -A "$s/sandboxes" 2>/dev/null | grep -v '^\.')" ]]; then
+      umount "$s/sandboxes" 2>/dev/null || echo "cluster-db-e2e: could not unmount $s/sandboxes" >&2
+    fi
+  done
 }
 trap 'cleanup; rm -rf "$WORK"' EXIT
 
