@@ -823,7 +823,9 @@ impl SandboxRuntime for LinuxRuntime {
     fn release_storage(&self) {
         if let Ok(st) = &self.storage {
             match st.release() {
-                Ok(true) => tracing::info!(path = %st.root().display(), "unmounted the sandboxes' quota filesystem"),
+                Ok(true) => {
+                    tracing::info!(path = %st.root().display(), "unmounted the sandboxes' quota filesystem")
+                }
                 Ok(false) => {}
                 Err(e) => tracing::info!("the sandboxes' quota filesystem stays mounted: {e}"),
             }

@@ -77,15 +77,18 @@ cleanup() {
   done
   [[ -n $PG_DIR ]] && "$ROOT/scripts/pg-test-cluster.sh" stop "$PG_DIR" >/dev/null 2>&1
   PG_DIR=
-  # A SIGKILLed node (and `local kill`) leaves its quota filesystem mounted; with no
-  # sandbox left in it, release it (the next start mounts it again).
+}
+# A SIGKILLed node (and `cubicle local`) leaves its quota filesystem mounted; with no
+# sandbox left in it, release it (the next start mounts it again). Last of all: the
+# leftover check's `local list` mounts it too.
+release_mounts() {
   for s in "$STATE"-n1 "$STATE"-n2 "$STATE"-n3 "$STATE-single"; do
     if mountpoint -q "$s/sandboxes" && [[ -z "$(ls -A "$s/sandboxes" 2>/dev/null | grep -v '^\.')" ]]; then
       umount "$s/sandboxes" 2>/dev/null || echo "cluster-db-e2e: could not unmount $s/sandboxes" >&2
     fi
   done
 }
-trap 'cleanup; rm -rf "$WORK"' EXIT
+trap 'cleanup; release_mounts; rm -rf "$WORK"' EXIT
 
 wait_line() { # file pattern seconds
   for _ in $(seq 1 $(( $3 * 10 ))); do
@@ -215,6 +218,7 @@ if [[ -n $left ]]; then
   echo "cluster-db-e2e: left behind:$left" >&2
   rc=1
 fi
+release_mounts
 rm -rf "$WORK"
 "$PY" -c "import sys,time; print(f'cluster-db-e2e: suite took {time.time() - float(sys.argv[1]):.1f} s')" "$T_START"
 exit $rc

@@ -45,8 +45,22 @@ impl RemoteBackend {
         if !paused {
             return self.resume_on(from, id, timeout, memory).await;
         }
+        if self.is_down(from) {
+            // Down at its last poll, which may be stale (a node that just restarted).
+            self.poll(from).await;
+        }
         if let Some(why) = self.why_move(from) {
-            return self.move_and_resume(id, from, timeout, memory, why).await;
+            let moved = self.move_and_resume(id, from, timeout, memory, why).await;
+            return match moved {
+                // A draining node that answers still has it: better resumed there than
+                // not at all (no other node could take it, e.g. no object store).
+                Err(e) if !self.is_down(from) => {
+                    tracing::warn!(sandbox = %id, node = %self.addr(from),
+                        "moving failed ({e}); resuming it where it is");
+                    self.resume_on(from, id, timeout, memory).await
+                }
+                other => other,
+            };
         }
         match self.resume_on(from, id, timeout, memory).await {
             Err(cubicle_node::Error::Capacity(m)) => {
