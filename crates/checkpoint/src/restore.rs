@@ -7,12 +7,15 @@
 //! 1. enters a private mount namespace with the kernel-feature cache on `/run`;
 //! 2. builds the root and the external mounts' sources (`cubicle_runtime::restore`),
 //!    writing the saved staging tmpfs back;
-//! 3. reports `ok <sources as JSON>` on its status pipe (or `error <message>`) and execs
-//!    `criu swrk` on the RPC socket it inherited.
+//! 3. reports `ok <sources as JSON>` on its status pipe (or `error <message>`), leaves
+//!    behind a *mounter* (a detached single-threaded process of its own, waiting on a
+//!    socket shared with the caller) and execs `criu swrk` on the RPC socket it inherited.
 //!
 //! The caller then sends the restore request and answers CRIU's notifications: at
 //! `setup-namespaces` (the sandbox's namespaces exist, nothing is restored in them yet)
-//! it connects the new network namespace ([`RestoreRequest::on_namespaces`]); at
+//! it has the mounter mount the overlay root from the sandbox's own user namespace
+//! (`cubicle_runtime::restore::mount_restore_overlay`: setuid programs work only then),
+//! then connects the new network namespace ([`RestoreRequest::on_namespaces`]); at
 //! `pre-resume` (everything restored, nothing running yet) it makes the ctl directory
 //! read-only again (`cubicle_runtime::set_ctl_dir_readonly`: CRIU needs it writable to bind the
 //! init's socket there again). CRIU
@@ -21,7 +24,7 @@
 
 use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader, Read, Write};
-use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio as ProcStdio};
@@ -43,6 +46,9 @@ pub const RESTORE_LOG: &str = "criu-restore.log";
 
 /// Where the helper mounts the external mounts' sources (on its private `/run` tmpfs).
 const SOURCES_DIR: &str = "/run/cubicle-restore";
+
+/// The fd number of the mounter's socket in the helper (see the module documentation).
+const FD_MOUNTER: RawFd = 5;
 
 /// How long a restore may take before it is given up.
 const RESTORE_TIMEOUT: Duration = Duration::from_secs(60);
@@ -145,6 +151,8 @@ fn restore_in(
     let dir = req.dir;
     let (ours, theirs) =
         cubicle_syscalls::socket::seqpacket_pair().map_err(|e| Error::io("socketpair", e))?;
+    let (mounter, mounter_theirs) =
+        cubicle_syscalls::socket::seqpacket_pair().map_err(|e| Error::io("socketpair", e))?;
     let helper_req = HelperRequest {
         spec: spec.clone(),
         dir: dir.to_path_buf(),
@@ -160,7 +168,10 @@ fn restore_in(
         .stdin(ProcStdio::piped())
         .stdout(ProcStdio::piped())
         .stderr(ProcStdio::piped());
-    let mut fds = vec![(theirs.as_raw_fd(), FD_RPC)];
+    let mut fds = vec![
+        (theirs.as_raw_fd(), FD_RPC),
+        (mounter_theirs.as_raw_fd(), FD_MOUNTER),
+    ];
     if let Some(s) = &req.stdio {
         fds.push((s.as_raw_fd(), FD_STDIO));
     }
@@ -170,6 +181,7 @@ fn restore_in(
         .spawn()
         .map_err(|e| Error::io("start the restore helper (/proc/self/exe)", e))?;
     drop(theirs);
+    drop(mounter_theirs);
     let body = serde_json::to_vec(&helper_req).map_err(|e| Error::Image {
         dir: dir.to_path_buf(),
         message: format!("encode the helper request: {e}"),
@@ -275,6 +287,7 @@ fn restore_in(
     let res = criu::converse(&ours, &rq, &mut |script, pid| match script {
         "setup-namespaces" => {
             init_pid = Some(pid);
+            mount_overlay(&mounter, pid)?;
             on_ns(pid)
         }
         // CRIU re-bound the init's socket in the ctl directory, which it was given
@@ -286,6 +299,8 @@ fn restore_in(
         _ => Ok(()),
     });
     drop(ours);
+    // The mounter, if it was not needed, exits on this end of its socket closing.
+    drop(mounter);
     let t_criu = t0.elapsed();
     let (status, stderr) = criu::finish(child);
     let log = criu::log_tail(dir, RESTORE_LOG, 6);
@@ -315,6 +330,103 @@ fn restore_in(
             ("total".into(), t0.elapsed()),
         ],
     })
+}
+
+/// Has the helper's mounter mount the overlay root from the namespaces of the restored
+/// init `pid`, and waits for it.
+fn mount_overlay(mounter: &OwnedFd, pid: i32) -> Result<()> {
+    let mut sock = std::fs::File::from(
+        mounter
+            .try_clone()
+            .map_err(|e| Error::io("duplicate the mounter's socket", e))?,
+    );
+    sock.write_all(pid.to_string().as_bytes())
+        .map_err(|e| Error::io("ask the restore's mounter for the root", e))?;
+    let mut buf = [0u8; 4096];
+    let n = sock
+        .read(&mut buf)
+        .map_err(|e| Error::io("wait for the restore's mounter", e))?;
+    match std::str::from_utf8(&buf[..n]).unwrap_or("") {
+        "ok" => Ok(()),
+        reply => Err(Error::Criu {
+            action: "restore",
+            message: match reply.strip_prefix("error ") {
+                Some(m) => m.to_string(),
+                None => "the restore's mounter exited without mounting the root".into(),
+            },
+            log: String::new(),
+        }),
+    }
+}
+
+/// Leaves the mounter behind (the helper is single-threaded): a grandchild, so that CRIU,
+/// which becomes the helper, has no child it does not know. It keeps only its socket.
+fn start_mounter(spec: &SandboxSpec) -> std::result::Result<(), String> {
+    // SAFETY: fork in a single-threaded process.
+    let child = unsafe { libc::fork() };
+    if child < 0 {
+        return Err(format!(
+            "fork the restore's mounter: {}",
+            std::io::Error::last_os_error()
+        ));
+    }
+    if child == 0 {
+        // SAFETY: as above (the child is single-threaded too).
+        let code = match unsafe { libc::fork() } {
+            0 => mounter_main(spec),
+            n if n > 0 => 0,
+            _ => 1,
+        };
+        // SAFETY: leave without running the helper's destructors.
+        unsafe { libc::_exit(code) };
+    }
+    let mut status = 0;
+    // SAFETY: waitpid on our own child with a valid out pointer.
+    unsafe { libc::waitpid(child, &mut status, 0) };
+    // SAFETY: close of an integer descriptor: CRIU must not hold the mounter's socket.
+    unsafe { libc::close(FD_MOUNTER) };
+    if libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0 {
+        Ok(())
+    } else {
+        Err("fork the restore's mounter: its parent failed".into())
+    }
+}
+
+/// The mounter: waits for the restored init's pid, mounts the overlay root from its
+/// namespaces, answers `ok` or `error <message>`; exits when the caller's end closes.
+fn mounter_main(spec: &SandboxSpec) -> i32 {
+    // SAFETY: plain descriptor calls: nothing but the socket stays open (CRIU's RPC
+    // socket held here would keep it from seeing the caller hang up), stdio to /dev/null.
+    unsafe {
+        let null = libc::open(c"/dev/null".as_ptr(), libc::O_RDWR);
+        for fd in 0..3 {
+            libc::dup2(null, fd);
+        }
+        if null > 2 {
+            libc::close(null);
+        }
+        libc::close(FD_RPC);
+        libc::close(FD_STDIO);
+    }
+    // SAFETY: FD_MOUNTER was placed by the caller and is owned by this process alone.
+    let mut sock = unsafe { std::fs::File::from_raw_fd(FD_MOUNTER) };
+    let mut buf = [0u8; 32];
+    let n = match sock.read(&mut buf) {
+        Ok(n) if n > 0 => n,
+        _ => return 0,
+    };
+    let reply = match std::str::from_utf8(&buf[..n])
+        .ok()
+        .and_then(|s| s.parse().ok())
+    {
+        Some(pid) => match cubicle_runtime::restore::mount_restore_overlay(spec, pid) {
+            Ok(()) => "ok".to_string(),
+            Err(e) => format!("error {e}"),
+        },
+        None => "error the mounter got no pid".to_string(),
+    };
+    let _ = sock.write_all(reply.as_bytes());
+    0
 }
 
 /// Entry point of the restore helper process; never returns.
@@ -381,6 +493,7 @@ fn helper_run() -> std::result::Result<Never, String> {
             libc::close(null);
         }
     }
+    start_mounter(&req.spec)?;
     let err = Command::new(&req.criu)
         .arg("swrk")
         .arg(FD_RPC.to_string())
