@@ -7,10 +7,11 @@
 //! 1. enters a private mount namespace with the kernel-feature cache on `/run`;
 //! 2. builds the root and the external mounts' sources (`cubicle_runtime::restore`),
 //!    writing the saved staging tmpfs back;
-//! 3. reports `ok <sources as JSON>` on its status pipe (or `error <message>`), leaves
-//!    behind a *mounter* (a detached single-threaded process of its own, waiting on a
-//!    socket shared with the caller) and execs `criu swrk` on the RPC socket it inherited.
+//! 3. reports `ok <sources as JSON>` on its status pipe (or `error <message>`) and execs
+//!    `criu swrk` on the RPC socket it inherited.
 //!
+//! Beside it the caller starts a *mounter* ([`MOUNTER_ARG`], the current binary again,
+//! single-threaded, its child), which waits on its stdin for the restored init's pid.
 //! The caller then sends the restore request and answers CRIU's notifications: at
 //! `setup-namespaces` (the sandbox's namespaces exist, nothing is restored in them yet)
 //! it has the mounter mount the overlay root from the sandbox's own user namespace
@@ -24,7 +25,7 @@
 
 use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader, Read, Write};
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio as ProcStdio};
@@ -47,8 +48,8 @@ pub const RESTORE_LOG: &str = "criu-restore.log";
 /// Where the helper mounts the external mounts' sources (on its private `/run` tmpfs).
 const SOURCES_DIR: &str = "/run/cubicle-restore";
 
-/// The fd number of the mounter's socket in the helper (see the module documentation).
-const FD_MOUNTER: RawFd = 5;
+/// argv[1] that turns the current binary into the restore's mounter.
+pub const MOUNTER_ARG: &str = "__cubicle-checkpoint-restore-mounter__";
 
 /// How long a restore may take before it is given up.
 const RESTORE_TIMEOUT: Duration = Duration::from_secs(60);
@@ -151,8 +152,6 @@ fn restore_in(
     let dir = req.dir;
     let (ours, theirs) =
         cubicle_syscalls::socket::seqpacket_pair().map_err(|e| Error::io("socketpair", e))?;
-    let (mounter, mounter_theirs) =
-        cubicle_syscalls::socket::seqpacket_pair().map_err(|e| Error::io("socketpair", e))?;
     let helper_req = HelperRequest {
         spec: spec.clone(),
         dir: dir.to_path_buf(),
@@ -168,10 +167,8 @@ fn restore_in(
         .stdin(ProcStdio::piped())
         .stdout(ProcStdio::piped())
         .stderr(ProcStdio::piped());
-    let mut fds = vec![
-        (theirs.as_raw_fd(), FD_RPC),
-        (mounter_theirs.as_raw_fd(), FD_MOUNTER),
-    ];
+    let mut mounter = Mounter::start(spec)?;
+    let mut fds = vec![(theirs.as_raw_fd(), FD_RPC)];
     if let Some(s) = &req.stdio {
         fds.push((s.as_raw_fd(), FD_STDIO));
     }
@@ -181,7 +178,6 @@ fn restore_in(
         .spawn()
         .map_err(|e| Error::io("start the restore helper (/proc/self/exe)", e))?;
     drop(theirs);
-    drop(mounter_theirs);
     let body = serde_json::to_vec(&helper_req).map_err(|e| Error::Image {
         dir: dir.to_path_buf(),
         message: format!("encode the helper request: {e}"),
@@ -287,7 +283,7 @@ fn restore_in(
     let res = criu::converse(&ours, &rq, &mut |script, pid| match script {
         "setup-namespaces" => {
             init_pid = Some(pid);
-            mount_overlay(&mounter, pid)?;
+            mounter.mount(pid)?;
             on_ns(pid)
         }
         // CRIU re-bound the init's socket in the ctl directory, which it was given
@@ -299,7 +295,6 @@ fn restore_in(
         _ => Ok(()),
     });
     drop(ours);
-    // The mounter, if it was not needed, exits on this end of its socket closing.
     drop(mounter);
     let t_criu = t0.elapsed();
     let (status, stderr) = criu::finish(child);
@@ -332,101 +327,106 @@ fn restore_in(
     })
 }
 
-/// Has the helper's mounter mount the overlay root from the namespaces of the restored
-/// init `pid`, and waits for it.
-fn mount_overlay(mounter: &OwnedFd, pid: i32) -> Result<()> {
-    let mut sock = std::fs::File::from(
-        mounter
-            .try_clone()
-            .map_err(|e| Error::io("duplicate the mounter's socket", e))?,
-    );
-    sock.write_all(pid.to_string().as_bytes())
-        .map_err(|e| Error::io("ask the restore's mounter for the root", e))?;
-    let mut buf = [0u8; 4096];
-    let n = sock
-        .read(&mut buf)
-        .map_err(|e| Error::io("wait for the restore's mounter", e))?;
-    match std::str::from_utf8(&buf[..n]).unwrap_or("") {
-        "ok" => Ok(()),
-        reply => Err(Error::Criu {
+/// The restore's mounter, seen from the caller: a child that gets the spec (a JSON line)
+/// at once and the restored init's pid (a line) at `setup-namespaces`, and answers `ok`
+/// or `error <message>`. A separate process because entering a user namespace takes a
+/// single-threaded one; the caller's child, so that the caller reaps it.
+struct Mounter {
+    child: std::process::Child,
+    stdin: Option<std::process::ChildStdin>,
+    stdout: Option<BufReader<std::process::ChildStdout>>,
+}
+
+impl Mounter {
+    fn start(spec: &SandboxSpec) -> Result<Mounter> {
+        let mut child = Command::new("/proc/self/exe")
+            .arg0("cubicle-restore-mounter")
+            .arg(MOUNTER_ARG)
+            .env_clear()
+            .stdin(ProcStdio::piped())
+            .stdout(ProcStdio::piped())
+            .stderr(ProcStdio::null())
+            .spawn()
+            .map_err(|e| Error::io("start the restore's mounter (/proc/self/exe)", e))?;
+        let mut stdin = child.stdin.take();
+        let stdout = child.stdout.take().map(BufReader::new);
+        let mut line = serde_json::to_vec(spec).map_err(|e| Error::Image {
+            dir: spec.sandbox_dir.clone(),
+            message: format!("encode the mounter's spec: {e}"),
+        })?;
+        line.push(b'\n');
+        if let Some(s) = stdin.as_mut() {
+            // A mounter gone already fails at `mount`, with its own message.
+            let _ = s.write_all(&line);
+        }
+        Ok(Mounter {
+            child,
+            stdin,
+            stdout,
+        })
+    }
+
+    /// Mounts the overlay root from the namespaces of the restored init `pid`.
+    fn mount(&mut self, pid: i32) -> Result<()> {
+        let gone = || Error::Criu {
             action: "restore",
-            message: match reply.strip_prefix("error ") {
-                Some(m) => m.to_string(),
-                None => "the restore's mounter exited without mounting the root".into(),
-            },
+            message: "the restore's mounter exited without mounting the root".into(),
             log: String::new(),
-        }),
-    }
-}
-
-/// Leaves the mounter behind (the helper is single-threaded): a grandchild, so that CRIU,
-/// which becomes the helper, has no child it does not know. It keeps only its socket.
-fn start_mounter(spec: &SandboxSpec) -> std::result::Result<(), String> {
-    // SAFETY: fork in a single-threaded process.
-    let child = unsafe { libc::fork() };
-    if child < 0 {
-        return Err(format!(
-            "fork the restore's mounter: {}",
-            std::io::Error::last_os_error()
-        ));
-    }
-    if child == 0 {
-        // SAFETY: as above (the child is single-threaded too).
-        let code = match unsafe { libc::fork() } {
-            0 => mounter_main(spec),
-            n if n > 0 => 0,
-            _ => 1,
         };
-        // SAFETY: leave without running the helper's destructors.
-        unsafe { libc::_exit(code) };
-    }
-    let mut status = 0;
-    // SAFETY: waitpid on our own child with a valid out pointer.
-    unsafe { libc::waitpid(child, &mut status, 0) };
-    // SAFETY: close of an integer descriptor: CRIU must not hold the mounter's socket.
-    unsafe { libc::close(FD_MOUNTER) };
-    if libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0 {
-        Ok(())
-    } else {
-        Err("fork the restore's mounter: its parent failed".into())
+        let (Some(stdin), Some(stdout)) = (self.stdin.as_mut(), self.stdout.as_mut()) else {
+            return Err(gone());
+        };
+        stdin
+            .write_all(format!("{pid}\n").as_bytes())
+            .map_err(|_| gone())?;
+        let mut reply = String::new();
+        stdout.read_line(&mut reply).map_err(|_| gone())?;
+        match reply.trim_end() {
+            "ok" => Ok(()),
+            r => match r.strip_prefix("error ") {
+                Some(m) => Err(Error::Criu {
+                    action: "restore",
+                    message: m.to_string(),
+                    log: String::new(),
+                }),
+                None => Err(gone()),
+            },
+        }
     }
 }
 
-/// The mounter: waits for the restored init's pid, mounts the overlay root from its
-/// namespaces, answers `ok` or `error <message>`; exits when the caller's end closes.
-fn mounter_main(spec: &SandboxSpec) -> i32 {
-    // SAFETY: plain descriptor calls: nothing but the socket stays open (CRIU's RPC
-    // socket held here would keep it from seeing the caller hang up), stdio to /dev/null.
-    unsafe {
-        let null = libc::open(c"/dev/null".as_ptr(), libc::O_RDWR);
-        for fd in 0..3 {
-            libc::dup2(null, fd);
-        }
-        if null > 2 {
-            libc::close(null);
-        }
-        libc::close(FD_RPC);
-        libc::close(FD_STDIO);
+impl Drop for Mounter {
+    /// Ends it (asked or not, it exits on the end of its input) and reaps it.
+    fn drop(&mut self) {
+        drop(self.stdin.take());
+        drop(self.stdout.take());
+        let _ = self.child.wait();
     }
-    // SAFETY: FD_MOUNTER was placed by the caller and is owned by this process alone.
-    let mut sock = unsafe { std::fs::File::from_raw_fd(FD_MOUNTER) };
-    let mut buf = [0u8; 32];
-    let n = match sock.read(&mut buf) {
-        Ok(n) if n > 0 => n,
-        _ => return 0,
+}
+
+/// Entry point of the mounter (see [`Mounter`]); never returns.
+pub(crate) fn mounter_main() -> ! {
+    let mut lines = std::io::stdin().lock().lines();
+    let spec: Option<SandboxSpec> = lines
+        .next()
+        .and_then(|l| l.ok())
+        .and_then(|l| serde_json::from_str(&l).ok());
+    let pid: Option<i32> = lines
+        .next()
+        .and_then(|l| l.ok())
+        .and_then(|l| l.trim().parse().ok());
+    let (Some(spec), Some(pid)) = (spec, pid) else {
+        // Not needed (the restore failed before its namespaces existed).
+        std::process::exit(0);
     };
-    let reply = match std::str::from_utf8(&buf[..n])
-        .ok()
-        .and_then(|s| s.parse().ok())
-    {
-        Some(pid) => match cubicle_runtime::restore::mount_restore_overlay(spec, pid) {
-            Ok(()) => "ok".to_string(),
-            Err(e) => format!("error {e}"),
-        },
-        None => "error the mounter got no pid".to_string(),
+    let reply = match cubicle_runtime::restore::mount_restore_overlay(&spec, pid) {
+        Ok(()) => "ok".to_string(),
+        Err(e) => format!("error {}", e.to_string().replace('\n', " ")),
     };
-    let _ = sock.write_all(reply.as_bytes());
-    0
+    let mut out = std::io::stdout().lock();
+    let _ = writeln!(out, "{reply}");
+    let _ = out.flush();
+    std::process::exit(0);
 }
 
 /// Entry point of the restore helper process; never returns.
@@ -493,7 +493,6 @@ fn helper_run() -> std::result::Result<Never, String> {
             libc::close(null);
         }
     }
-    start_mounter(&req.spec)?;
     let err = Command::new(&req.criu)
         .arg("swrk")
         .arg(FD_RPC.to_string())
