@@ -49,9 +49,12 @@ pub use restore::{RESTORE_LOG, RestoreRequest, Restored, restore};
 /// (`argv[1]` is a hidden marker), runs it and exits; otherwise returns at once. Call it
 /// first in `main()`, before any thread is started.
 pub fn maybe_run_helper() {
-    let mut args = std::env::args_os();
-    if args.nth(1).as_deref() == Some(std::ffi::OsStr::new(restore::HELPER_ARG)) {
+    let arg = std::env::args_os().nth(1);
+    if arg.as_deref() == Some(std::ffi::OsStr::new(restore::HELPER_ARG)) {
         restore::helper_main();
+    }
+    if arg.as_deref() == Some(std::ffi::OsStr::new(restore::MOUNTER_ARG)) {
+        restore::mounter_main();
     }
     cubicle_runtime::maybe_run_helper();
 }

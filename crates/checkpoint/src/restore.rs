@@ -10,9 +10,13 @@
 //! 3. reports `ok <sources as JSON>` on its status pipe (or `error <message>`) and execs
 //!    `criu swrk` on the RPC socket it inherited.
 //!
+//! Beside it the caller starts a *mounter* ([`MOUNTER_ARG`], the current binary again,
+//! single-threaded, its child), which waits on its stdin for the restored init's pid.
 //! The caller then sends the restore request and answers CRIU's notifications: at
 //! `setup-namespaces` (the sandbox's namespaces exist, nothing is restored in them yet)
-//! it connects the new network namespace ([`RestoreRequest::on_namespaces`]); at
+//! it has the mounter mount the overlay root from the sandbox's own user namespace
+//! (`cubicle_runtime::restore::mount_restore_overlay`: setuid programs work only then),
+//! then connects the new network namespace ([`RestoreRequest::on_namespaces`]); at
 //! `pre-resume` (everything restored, nothing running yet) it makes the ctl directory
 //! read-only again (`cubicle_runtime::set_ctl_dir_readonly`: CRIU needs it writable to bind the
 //! init's socket there again). CRIU
@@ -43,6 +47,9 @@ pub const RESTORE_LOG: &str = "criu-restore.log";
 
 /// Where the helper mounts the external mounts' sources (on its private `/run` tmpfs).
 const SOURCES_DIR: &str = "/run/cubicle-restore";
+
+/// argv[1] that turns the current binary into the restore's mounter.
+pub const MOUNTER_ARG: &str = "__cubicle-checkpoint-restore-mounter__";
 
 /// How long a restore may take before it is given up.
 const RESTORE_TIMEOUT: Duration = Duration::from_secs(60);
@@ -160,6 +167,7 @@ fn restore_in(
         .stdin(ProcStdio::piped())
         .stdout(ProcStdio::piped())
         .stderr(ProcStdio::piped());
+    let mut mounter = Mounter::start(spec)?;
     let mut fds = vec![(theirs.as_raw_fd(), FD_RPC)];
     if let Some(s) = &req.stdio {
         fds.push((s.as_raw_fd(), FD_STDIO));
@@ -275,6 +283,7 @@ fn restore_in(
     let res = criu::converse(&ours, &rq, &mut |script, pid| match script {
         "setup-namespaces" => {
             init_pid = Some(pid);
+            mounter.mount(pid)?;
             on_ns(pid)
         }
         // CRIU re-bound the init's socket in the ctl directory, which it was given
@@ -286,6 +295,7 @@ fn restore_in(
         _ => Ok(()),
     });
     drop(ours);
+    drop(mounter);
     let t_criu = t0.elapsed();
     let (status, stderr) = criu::finish(child);
     let log = criu::log_tail(dir, RESTORE_LOG, 6);
@@ -315,6 +325,108 @@ fn restore_in(
             ("total".into(), t0.elapsed()),
         ],
     })
+}
+
+/// The restore's mounter, seen from the caller: a child that gets the spec (a JSON line)
+/// at once and the restored init's pid (a line) at `setup-namespaces`, and answers `ok`
+/// or `error <message>`. A separate process because entering a user namespace takes a
+/// single-threaded one; the caller's child, so that the caller reaps it.
+struct Mounter {
+    child: std::process::Child,
+    stdin: Option<std::process::ChildStdin>,
+    stdout: Option<BufReader<std::process::ChildStdout>>,
+}
+
+impl Mounter {
+    fn start(spec: &SandboxSpec) -> Result<Mounter> {
+        let mut child = Command::new("/proc/self/exe")
+            .arg0("cubicle-restore-mounter")
+            .arg(MOUNTER_ARG)
+            .env_clear()
+            .stdin(ProcStdio::piped())
+            .stdout(ProcStdio::piped())
+            .stderr(ProcStdio::null())
+            .spawn()
+            .map_err(|e| Error::io("start the restore's mounter (/proc/self/exe)", e))?;
+        let mut stdin = child.stdin.take();
+        let stdout = child.stdout.take().map(BufReader::new);
+        let mut line = serde_json::to_vec(spec).map_err(|e| Error::Image {
+            dir: spec.sandbox_dir.clone(),
+            message: format!("encode the mounter's spec: {e}"),
+        })?;
+        line.push(b'\n');
+        if let Some(s) = stdin.as_mut() {
+            // A mounter gone already fails at `mount`, with its own message.
+            let _ = s.write_all(&line);
+        }
+        Ok(Mounter {
+            child,
+            stdin,
+            stdout,
+        })
+    }
+
+    /// Mounts the overlay root from the namespaces of the restored init `pid`.
+    fn mount(&mut self, pid: i32) -> Result<()> {
+        let gone = || Error::Criu {
+            action: "restore",
+            message: "the restore's mounter exited without mounting the root".into(),
+            log: String::new(),
+        };
+        let (Some(stdin), Some(stdout)) = (self.stdin.as_mut(), self.stdout.as_mut()) else {
+            return Err(gone());
+        };
+        stdin
+            .write_all(format!("{pid}\n").as_bytes())
+            .map_err(|_| gone())?;
+        let mut reply = String::new();
+        stdout.read_line(&mut reply).map_err(|_| gone())?;
+        match reply.trim_end() {
+            "ok" => Ok(()),
+            r => match r.strip_prefix("error ") {
+                Some(m) => Err(Error::Criu {
+                    action: "restore",
+                    message: m.to_string(),
+                    log: String::new(),
+                }),
+                None => Err(gone()),
+            },
+        }
+    }
+}
+
+impl Drop for Mounter {
+    /// Ends it (asked or not, it exits on the end of its input) and reaps it.
+    fn drop(&mut self) {
+        drop(self.stdin.take());
+        drop(self.stdout.take());
+        let _ = self.child.wait();
+    }
+}
+
+/// Entry point of the mounter (see [`Mounter`]); never returns.
+pub(crate) fn mounter_main() -> ! {
+    let mut lines = std::io::stdin().lock().lines();
+    let spec: Option<SandboxSpec> = lines
+        .next()
+        .and_then(|l| l.ok())
+        .and_then(|l| serde_json::from_str(&l).ok());
+    let pid: Option<i32> = lines
+        .next()
+        .and_then(|l| l.ok())
+        .and_then(|l| l.trim().parse().ok());
+    let (Some(spec), Some(pid)) = (spec, pid) else {
+        // Not needed (the restore failed before its namespaces existed).
+        std::process::exit(0);
+    };
+    let reply = match cubicle_runtime::restore::mount_restore_overlay(&spec, pid) {
+        Ok(()) => "ok".to_string(),
+        Err(e) => format!("error {}", e.to_string().replace('\n', " ")),
+    };
+    let mut out = std::io::stdout().lock();
+    let _ = writeln!(out, "{reply}");
+    let _ = out.flush();
+    std::process::exit(0);
 }
 
 /// Entry point of the restore helper process; never returns.

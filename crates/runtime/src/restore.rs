@@ -13,11 +13,11 @@
 //! [`prepare_restore_root`] builds, in the caller's private mount namespace, what a
 //! restore needs before CRIU runs:
 //!
-//! 1. the staging tmpfs and the overlay root, mounted by root of a throwaway user
-//!    namespace with the sandbox's id map (the same creator a fresh sandbox's overlay has:
-//!    mounted by the host's root instead, overlay cannot create its work directory through
-//!    the idmapped layers), over the template's idmapped layers as lower layers (each
-//!    attached where a fresh sandbox has it, `rootfs.rs`);
+//! 1. the staging tmpfs, mounted by root of a throwaway user namespace with the
+//!    sandbox's id map, with the template's idmapped layers attached where a fresh
+//!    sandbox has them (`rootfs.rs`); the overlay over them comes later, from the
+//!    restored sandbox's own user namespace ([`mount_restore_overlay`], at CRIU's
+//!    `setup-namespaces`), so that setuid programs work in it;
 //! 2. the staging tmpfs's contents (the caller fills them: they were saved at the dump);
 //! 3. one source per external mount, carrying the mount flags the sandbox had (CRIU
 //!    re-creates external bind mounts without their flags: a read-only mask would come
@@ -260,8 +260,8 @@ pub fn prepare_restore_root(
 }
 
 /// The staging tmpfs with the template's layers (idmapped) at `lower`, `lower1`, … and
-/// the overlay at `root`,
-/// both mounted by root of a throwaway user namespace with the sandbox's map, then
+/// an empty `root` for [`mount_restore_overlay`],
+/// mounted by root of a throwaway user namespace with the sandbox's map, then
 /// attached here. Returns that user namespace (the descriptor keeps it alive after its
 /// process is gone): the volumes' sources are idmapped through it.
 fn mount_staging_and_root(
@@ -355,7 +355,80 @@ fn mount_staging_and_root(
     res
 }
 
-/// In the throwaway user namespace: staging tmpfs, lower, overlay; the whole tree goes
+/// Mounts the overlay root of a sandbox being restored at `root` of its staging tmpfs,
+/// from inside the user and mount namespaces CRIU made for it: `pid` is the restored
+/// init's host pid at CRIU's `setup-namespaces` (namespaces made, nothing restored in them
+/// yet, its mount namespace a copy of the one [`prepare_restore_root`] filled). CRIU binds
+/// its `--root` from that mount namespace, so the sandbox's `/` is this overlay.
+///
+/// Why not earlier, with the rest of the root: the kernel honours setuid bits only on a
+/// mount whose filesystem belongs to the caller's user namespace or an ancestor of it
+/// (`mnt_may_suid`). An overlay mounted by root of the throwaway user namespace would make
+/// `sudo` and every setuid program of the restored sandbox fail; one mounted by the host's
+/// root cannot create its work directory through the idmapped layers. Mounted here it
+/// belongs to the sandbox's user namespace, as a fresh sandbox's does.
+///
+/// The caller must be single-threaded (it enters a user namespace) and running as the
+/// host's root; a throwaway process, as it stays in the sandbox's namespaces.
+pub fn mount_restore_overlay(spec: &SandboxSpec, pid: i32) -> Result<()> {
+    let open = |path: String, flags: libc::c_int| {
+        let c = std::ffi::CString::new(path.clone())
+            .map_err(|_| Error::Setup(format!("path with a NUL byte: {path}")))?;
+        // SAFETY: open of a NUL-terminated path; the result is checked.
+        let fd = unsafe { libc::open(c.as_ptr(), flags | libc::O_CLOEXEC) };
+        if fd < 0 {
+            return Err(Error::io(
+                format!("open {path}"),
+                std::io::Error::last_os_error(),
+            ));
+        }
+        // SAFETY: a fresh descriptor we own.
+        Ok(unsafe { <OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd) })
+    };
+    // The sandbox directory as the init's mount namespace has it (the host root's view:
+    // the state directory above is 0700), opened before leaving the host's user namespace.
+    let dir = open(
+        format!("/proc/{pid}/root{}", spec.sandbox_dir.display()),
+        libc::O_PATH | libc::O_DIRECTORY,
+    )?;
+    let userns = open(format!("/proc/{pid}/ns/user"), libc::O_RDONLY)?;
+    let mntns = open(format!("/proc/{pid}/ns/mnt"), libc::O_RDONLY)?;
+    for (ns, flag, what) in [
+        (&userns, libc::CLONE_NEWUSER, "user"),
+        (&mntns, libc::CLONE_NEWNS, "mount"),
+    ] {
+        // SAFETY: setns on an open namespace descriptor (single-threaded caller).
+        if unsafe { libc::setns(ns.as_raw_fd(), flag) } < 0 {
+            return Err(Error::io(
+                format!("enter the {what} namespace of the restored init {pid}"),
+                std::io::Error::last_os_error(),
+            ));
+        }
+    }
+    // SAFETY: fchdir on an open directory descriptor.
+    if unsafe { libc::fchdir(dir.as_raw_fd()) } < 0 {
+        return Err(Error::io(
+            format!("enter {}", spec.sandbox_dir.display()),
+            std::io::Error::last_os_error(),
+        ));
+    }
+    crate::child::become_root().map_err(Error::Setup)?;
+    // Paths relative to the sandbox directory, our working directory.
+    let mut here = spec.clone();
+    here.sandbox_dir = PathBuf::from(".");
+    let lowers = crate::rootfs::lower_mount_points(&here);
+    let opts = crate::rootfs::overlay_options(&here, &lowers);
+    sys::mount(
+        Some(Path::new("overlay")),
+        &here.mount_dir().join("root"),
+        Some(c"overlay"),
+        0,
+        Some(&opts),
+    )
+    .map_err(|e| Error::io(format!("mount the restore's overlay ({opts})"), e))
+}
+
+/// In the throwaway user namespace: staging tmpfs and lower layers; the whole tree goes
 /// back to the parent as one detached mount.
 fn root_child(
     spec: &SandboxSpec,
@@ -406,15 +479,8 @@ fn root_child(
         sys::move_mount_to(fd.as_raw_fd(), target)
             .map_err(|e| format!("attach idmapped template layer {}: {e}", target.display()))?;
     }
-    let opts = crate::rootfs::overlay_options(spec, &lowers);
-    sys::mount(
-        Some(Path::new("overlay")),
-        &root,
-        Some(c"overlay"),
-        0,
-        Some(&opts),
-    )
-    .map_err(|e| format!("mount overlay ({opts}): {e}"))?;
+    // No overlay at `root` yet: [`mount_restore_overlay`] mounts it from the restored
+    // sandbox's own user namespace once CRIU has made it.
     let tree = sys::open_tree_clone_recursive(&staging)
         .map_err(|e| format!("clone the staging tree: {e}"))?;
     sys::send_with_fds(sock.as_raw_fd(), b"root", &[tree.as_raw_fd() as RawFd])

@@ -270,6 +270,35 @@ def test_fork(sandboxes: Tracker):
     assert r.status_code == 200
 
 
+SUDO_CHECK = "sudo -n id -u"
+
+
+def assert_sudo_works(sbx, where: str) -> None:
+    """`sudo` (setuid root) works for the default user, as in any fresh sandbox."""
+    r = sbx.commands.run(f"{SUDO_CHECK} 2>&1; true")
+    assert r.stdout == "0\n", f"sudo {where}: {r.stdout!r}"
+
+
+def test_setuid_programs_work_after_resume_in_forks_and_from_snapshots(sandboxes: Tracker):
+    """A restored sandbox's root filesystem honours setuid bits like a fresh one's: `sudo`
+    works after a resume, in a fork and in a sandbox made from a memory snapshot (the
+    kernel ignores setuid on a mount owned by a user namespace that is not the caller's
+    or an ancestor of it)."""
+    sbx = sandboxes.create(timeout=300)
+    assert_sudo_works(sbx, "after create")
+    assert sbx.pause() is True
+    sbx.connect(timeout=300)
+    assert_sudo_works(sbx, "after pause and resume")
+    forks = sbx.fork(count=1, timeout=120)
+    for f in forks:
+        sandboxes.track(f.sandbox_id)
+        assert_sudo_works(f, "in a fork")
+    snap = sbx.create_snapshot()
+    child = sandboxes.create(snap.snapshot_id, timeout=120)
+    assert_sudo_works(child, "in a sandbox made from a memory snapshot")
+    assert_sudo_works(sbx, "in the snapshot's source")
+
+
 def test_fork_of_a_paused_sandbox_conflicts(sandboxes: Tracker):
     sbx = sandboxes.create(timeout=120)
     sbx.pause()
