@@ -100,15 +100,25 @@ async fn tls_node(
     let cfg = cubicle_api::tls::server_config_with_client_ca(cert, key, client_ca).unwrap();
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap().to_string();
-    let api = Router::new().route(
-        "/status",
-        get(|| async {
-            Json(NodeStatus {
-                max_sandboxes: 10,
-                ..Default::default()
-            })
-        }),
-    );
+    let api = Router::new()
+        .route(
+            "/status",
+            get(|| async {
+                Json(NodeStatus {
+                    max_sandboxes: 10,
+                    ..Default::default()
+                })
+            }),
+        )
+        .route(
+            "/drain",
+            axum::routing::post(|| async {
+                Json(cubicle_api::cluster::moving_api::DrainReport {
+                    took_ms: 1.0,
+                    ..Default::default()
+                })
+            }),
+        );
     let dp = DataPlane::new(Arc::new(NoSandbox), RouterConfig::default());
     let app = authenticated(api, dp, TOKEN);
     let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(cfg));
@@ -281,4 +291,58 @@ async fn mutual_tls_admits_only_replicas_with_a_client_certificate() {
     );
     h.abort();
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// `cubicle node drain NAME` finds the node's address in the cluster's database; a node
+/// registered as `https://…` is reached with the replicas' TLS options, and without them
+/// the drain says what is missing (the node is still marked draining: no placements).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn drain_reaches_a_tls_node_named_in_the_cluster_database() {
+    use cubicle_api::cluster::coordination::drain;
+    use cubicle_store::{NodeCapacity, NodeRegistration, NodeState, Store};
+    let dir = tempdir("drain");
+    let ca = ca(&dir, "cluster-ca");
+    let (cert, key) = leaf(&dir, &ca, "node", &["127.0.0.1"]);
+    let (addr, _node) = tls_node(&cert, &key, None).await;
+    let store = Store::open(&dir.join("cubicle.db")).unwrap();
+    let reg = NodeRegistration {
+        id: "n1".into(),
+        address: format!("https://{addr}"),
+        capacity: NodeCapacity {
+            cpu_count: 4,
+            memory_mb: 4096,
+            max_sandboxes: 10,
+        },
+        templates: vec![],
+        pool_state: serde_json::json!({}),
+    };
+    store
+        .register_node(&reg, cubicle_store::now_ms(), 60_000)
+        .unwrap();
+
+    let e = drain(&store, "n1", TOKEN, None).await.unwrap_err();
+    assert!(e.contains("TLS to the nodes is not set up"), "{e}");
+    let n1 = store.node("n1", cubicle_store::now_ms()).unwrap().unwrap();
+    assert_eq!(n1.state, NodeState::Draining);
+
+    let report = drain(&store, "n1", TOKEN, Some(node_tls(&ca.pem, None, None)))
+        .await
+        .unwrap();
+    assert!(
+        report.failed.is_empty() && report.paused.is_empty(),
+        "{report:?}"
+    );
+
+    // The node's side of a drain with migration (`cubicle node evacuate --node URL`).
+    use cubicle_api::cluster::moving_api::request_drain;
+    let url = format!("https://{addr}");
+    let e = request_drain(&url, TOKEN, None).await.unwrap_err();
+    assert!(
+        e.to_string().contains("TLS to the nodes is not set up"),
+        "{e}"
+    );
+    let r = request_drain(&url, TOKEN, Some(node_tls(&ca.pem, None, None)))
+        .await
+        .unwrap();
+    assert_eq!(r.took_ms, 1.0);
 }

@@ -34,6 +34,9 @@ pub enum NodeCommand {
         /// Undo a drain: the node takes new sandboxes again (paused ones stay paused).
         #[arg(long)]
         cancel: bool,
+        /// How to reach a node that serves TLS (`--node-ca`, …), as the replicas do.
+        #[command(flatten)]
+        node_tls: crate::cluster_tls::NodeClientTls,
     },
     /// Drain a node with migration (by its address; `drain` marks it in the database):
     /// it pauses every sandbox with its memory and
@@ -47,6 +50,9 @@ pub enum NodeCommand {
         /// File holding the cluster's node token.
         #[arg(long, env = "CUBICLE_NODE_TOKEN_FILE", value_name = "FILE")]
         node_token_file: std::path::PathBuf,
+        /// How to reach a node that serves TLS (`--node-ca`, …), as the replicas do.
+        #[command(flatten)]
+        node_tls: crate::cluster_tls::NodeClientTls,
         #[command(flatten)]
         format: FormatArg,
     },
@@ -71,6 +77,7 @@ pub fn run(cmd: NodeCommand) -> anyhow::Result<i32> {
             database,
             node_token_file,
             cancel,
+            node_tls,
         } => {
             let store = Store::open_url(&database).context("opening the cluster's database")?;
             if cancel {
@@ -82,7 +89,10 @@ pub fn run(cmd: NodeCommand) -> anyhow::Result<i32> {
             // A blocking thread of the runtime (see main): the node calls run on it.
             let report = tokio::runtime::Handle::current()
                 .block_on(cubicle_api::cluster::coordination::drain(
-                    &store, &name, &token,
+                    &store,
+                    &name,
+                    &token,
+                    node_tls.config(&[])?,
                 ))
                 .map_err(|e| anyhow::anyhow!("draining node '{name}': {e}"))?;
             println!(
@@ -102,12 +112,14 @@ pub fn run(cmd: NodeCommand) -> anyhow::Result<i32> {
         NodeCommand::Evacuate {
             node,
             node_token_file,
+            node_tls,
             format,
         } => {
             let token = crate::node_serve::read_node_token(&node_token_file)?;
+            let tls = node_tls.config(std::slice::from_ref(&node))?;
             let report = tokio::runtime::Handle::current()
                 .block_on(cubicle_api::cluster::moving_api::request_drain(
-                    &node, &token,
+                    &node, &token, tls,
                 ))
                 .with_context(|| format!("draining node {node}"))?;
             if format.is_json() {

@@ -460,8 +460,14 @@ pub struct DrainReport {
 }
 
 /// `cubicle node drain NAME`: marks node `name` draining (no new placements) and pauses
-/// its running sandboxes (they stay its own, listed as paused).
-pub async fn drain(store: &Store, name: &str, token: &str) -> Result<DrainReport, String> {
+/// its running sandboxes (they stay its own, listed as paused). `tls`: how to reach a
+/// node that serves TLS (its address in the database is `https://…`), as a replica does.
+pub async fn drain(
+    store: &Store,
+    name: &str,
+    token: &str,
+    tls: Option<cubicle_router::NodeTls>,
+) -> Result<DrainReport, String> {
     let n = name.to_string();
     let row = store
         .call(move |s| {
@@ -471,12 +477,9 @@ pub async fn drain(store: &Store, name: &str, token: &str) -> Result<DrainReport
         .await
         .map_err(|e| e.to_string())?
         .ok_or_else(|| format!("node '{name}' is not registered"))?;
-    let rb = RemoteBackend::connect(RemoteConfig::new(
-        vec![row.address.clone()],
-        token.to_string(),
-    ))
-    .await
-    .map_err(|e| {
+    let mut cfg = RemoteConfig::new(vec![row.address.clone()], token.to_string());
+    cfg.tls = tls;
+    let rb = RemoteBackend::connect(cfg).await.map_err(|e| {
         format!("node '{name}' was marked draining, but its sandboxes were not paused: {e}")
     })?;
     let n = name.to_string();

@@ -208,43 +208,19 @@ async fn undrain(State(node): State<Node>) -> Response {
     }
 }
 
-/// Asks the node at `addr` (`http://HOST:PORT` or `HOST:PORT`) to drain with migration
-/// (`cubicle node drain --migrate`), authenticated with the node token.
-pub async fn request_drain(addr: &str, token: &str) -> cubicle_node::Result<DrainReport> {
-    use http_body_util::{BodyExt, Full};
-    let a = addr.trim();
-    let a = a.strip_prefix("http://").unwrap_or(a).trim_end_matches('/');
-    let uri = format!("http://{a}{}/drain", super::PREFIX);
+/// Asks the node at `addr` (`http(s)://HOST:PORT`) to drain with migration (`cubicle
+/// node evacuate`), authenticated with the node token; `tls` for a node serving TLS, as
+/// the replicas reach it.
+pub async fn request_drain(
+    addr: &str,
+    token: &str,
+    tls: Option<cubicle_router::NodeTls>,
+) -> cubicle_node::Result<DrainReport> {
+    let mut cfg = super::RemoteConfig::new(vec![addr.to_string()], token.to_string());
+    cfg.tls = tls;
+    let rb = super::RemoteBackend::connect(cfg).await?;
     let body = serde_json::to_vec(&DrainRequest { migrate: true })
         .map_err(|e| cubicle_node::Error::Runtime(e.to_string()))?;
-    let req = hyper::Request::post(&uri)
-        .header(hyper::header::AUTHORIZATION, format!("Bearer {token}"))
-        .header(hyper::header::CONTENT_TYPE, "application/json")
-        .body(Full::new(bytes::Bytes::from(body)))
-        .map_err(|e| cubicle_node::Error::InvalidRequest(format!("{uri}: {e}")))?;
-    let client = hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
-        .build_http();
-    let resp = client
-        .request(req)
+    rb.call(0, hyper::Method::POST, "/drain", Some(body), true)
         .await
-        .map_err(|e| cubicle_node::Error::Runtime(format!("node {a} is unreachable: {e}")))?;
-    let status = resp.status();
-    let bytes = resp
-        .into_body()
-        .collect()
-        .await
-        .map_err(|e| cubicle_node::Error::Runtime(format!("reading node {a}'s answer: {e}")))?
-        .to_bytes();
-    if !status.is_success() {
-        return Err(match serde_json::from_slice::<super::WireError>(&bytes) {
-            Ok(w) if status != StatusCode::UNAUTHORIZED => w.into_node(),
-            _ => cubicle_node::Error::Runtime(format!(
-                "node {a} answered {status}: {}",
-                String::from_utf8_lossy(&bytes[..bytes.len().min(512)])
-            )),
-        });
-    }
-    serde_json::from_slice(&bytes).map_err(|e| {
-        cubicle_node::Error::Runtime(format!("node {a} answered something unreadable: {e}"))
-    })
 }
