@@ -345,4 +345,17 @@ async fn drain_reaches_a_tls_node_named_in_the_cluster_database() {
         .await
         .unwrap();
     assert_eq!(r.took_ms, 1.0);
+    // Both at once (`cubicle node drain n1 --migrate`): marked draining, the node asked.
+    store.set_node_draining("n1", false).unwrap();
+    let r = cubicle_api::cluster::coordination::drain_migrating(
+        &store,
+        "n1",
+        TOKEN,
+        Some(node_tls(&ca.pem, None, None)),
+    )
+    .await
+    .unwrap();
+    assert_eq!(r.took_ms, 1.0);
+    let n1 = store.node("n1", cubicle_store::now_ms()).unwrap().unwrap();
+    assert_eq!(n1.state, NodeState::Draining);
 }

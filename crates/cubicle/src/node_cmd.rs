@@ -32,8 +32,14 @@ pub enum NodeCommand {
         #[arg(long, env = "CUBICLE_NODE_TOKEN_FILE", value_name = "FILE")]
         node_token_file: std::path::PathBuf,
         /// Undo a drain: the node takes new sandboxes again (paused ones stay paused).
-        #[arg(long)]
+        #[arg(long, conflicts_with = "migrate")]
         cancel: bool,
+        /// Move the sandboxes away instead of pausing them in place: the node pauses each
+        /// with its memory, publishes it to the object store and refuses resumes, so each
+        /// resumes on another node at its next connect (the node needs `--object-store`;
+        /// as `evacuate`, with the node found in the database).
+        #[arg(long)]
+        migrate: bool,
         /// How to reach a node that serves TLS (`--node-ca`, …), as the replicas do.
         #[command(flatten)]
         node_tls: crate::cluster_tls::NodeClientTls,
@@ -77,6 +83,7 @@ pub fn run(cmd: NodeCommand) -> anyhow::Result<i32> {
             database,
             node_token_file,
             cancel,
+            migrate,
             node_tls,
         } => {
             let store = Store::open_url(&database).context("opening the cluster's database")?;
@@ -86,6 +93,18 @@ pub fn run(cmd: NodeCommand) -> anyhow::Result<i32> {
                 return Ok(0);
             }
             let token = crate::node_serve::read_node_token(&node_token_file)?;
+            if migrate {
+                let report = tokio::runtime::Handle::current()
+                    .block_on(cubicle_api::cluster::coordination::drain_migrating(
+                        &store,
+                        &name,
+                        &token,
+                        node_tls.config(&[])?,
+                    ))
+                    .map_err(|e| anyhow::anyhow!("draining node '{name}': {e}"))?;
+                print_evacuation(&name, &report);
+                return Ok(if report.failed.is_empty() { 0 } else { 1 });
+            }
             // A blocking thread of the runtime (see main): the node calls run on it.
             let report = tokio::runtime::Handle::current()
                 .block_on(cubicle_api::cluster::coordination::drain(
@@ -125,19 +144,24 @@ pub fn run(cmd: NodeCommand) -> anyhow::Result<i32> {
             if format.is_json() {
                 print!("{}", output::json(&report)?);
             } else {
-                println!(
-                    "node {node} drains: {} paused, {} published, {} failed ({:.0} ms)",
-                    report.paused.len(),
-                    report.published.len(),
-                    report.failed.len(),
-                    report.took_ms
-                );
-                for (id, why) in &report.failed {
-                    println!("  {id}: {why}");
-                }
+                print_evacuation(&node, &report);
             }
             Ok(if report.failed.is_empty() { 0 } else { 1 })
         }
+    }
+}
+
+/// What a drain with migration did (`drain --migrate`, `evacuate`).
+fn print_evacuation(node: &str, report: &cubicle_api::cluster::moving_api::DrainReport) {
+    println!(
+        "node {node} drains: {} paused, {} published, {} failed ({:.0} ms)",
+        report.paused.len(),
+        report.published.len(),
+        report.failed.len(),
+        report.took_ms
+    );
+    for (id, why) in &report.failed {
+        println!("  {id}: {why}");
     }
 }
 

@@ -468,15 +468,7 @@ pub async fn drain(
     token: &str,
     tls: Option<cubicle_router::NodeTls>,
 ) -> Result<DrainReport, String> {
-    let n = name.to_string();
-    let row = store
-        .call(move |s| {
-            s.set_node_draining(&n, true)?;
-            s.node(&n, now_ms())
-        })
-        .await
-        .map_err(|e| e.to_string())?
-        .ok_or_else(|| format!("node '{name}' is not registered"))?;
+    let row = mark_draining(store, name).await?;
     let mut cfg = RemoteConfig::new(vec![row.address.clone()], token.to_string());
     cfg.tls = tls;
     let rb = RemoteBackend::connect(cfg).await.map_err(|e| {
@@ -488,6 +480,38 @@ pub async fn drain(
         .await
         .map_err(|e| e.to_string())?;
     Ok(pause_for_drain(&rb, &owned).await)
+}
+
+/// Marks node `name` draining in the cluster's database (no placement picks it) and
+/// returns its row (where to reach it).
+async fn mark_draining(store: &Store, name: &str) -> Result<NodeRow, String> {
+    let n = name.to_string();
+    store
+        .call(move |s| {
+            s.set_node_draining(&n, true)?;
+            s.node(&n, now_ms())
+        })
+        .await
+        .map_err(|e| e.to_string())?
+        .ok_or_else(|| format!("node '{name}' is not registered"))
+}
+
+/// `cubicle node drain NAME --migrate`: marks node `name` draining, then has the node
+/// pause each sandbox with its memory and publish it to the object store, refusing
+/// resumes from then on, so each resumes on another node at its next connect ("Moving
+/// sandboxes between nodes" in docs/cluster.md; the node needs `--object-store`).
+pub async fn drain_migrating(
+    store: &Store,
+    name: &str,
+    token: &str,
+    tls: Option<cubicle_router::NodeTls>,
+) -> Result<super::moving_api::DrainReport, String> {
+    let row = mark_draining(store, name).await?;
+    super::moving_api::request_drain(&row.address, token, tls)
+        .await
+        .map_err(|e| {
+            format!("node '{name}' was marked draining, but its sandboxes were not moved: {e}")
+        })
 }
 
 /// The drain's treatment of a node's sandboxes: a full pause of each running one (memory
