@@ -193,10 +193,7 @@ pub async fn run(env: crate::sandbox_cmd::NodeOpts, args: NodeArgs) -> anyhow::R
         // comes back (and adopts its sandboxes) first.
         lease.abort();
     }
-    node.settle(Duration::from_secs(10)).await;
-    node.close();
-    node.wait_refills(Duration::from_secs(60)).await;
-    node.release_storage().await;
+    node.stop().await;
     Ok(0)
 }
 

@@ -133,7 +133,7 @@ pub async fn run(opts: &crate::sandbox_cmd::NodeOpts, args: RunArgs) -> anyhow::
     } else if let Err(e) = node.kill(&info.id).await {
         eprintln!("cubicle: removing sandbox {}: {e}", info.id);
     }
-    node.close();
+    node.stop().await;
     if let Some(g) = &mut guard {
         g.tell("done");
     }
@@ -229,7 +229,7 @@ pub async fn guard(opts: &crate::sandbox_cmd::NodeOpts) -> anyhow::Result<i32> {
     {
         let _ = node.kill(id).await;
     }
-    node.close();
+    node.stop().await;
     Ok(0)
 }
 

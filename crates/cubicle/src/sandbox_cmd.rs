@@ -82,6 +82,6 @@ pub async fn run(opts: &NodeOpts, cmd: SandboxCommand) -> anyhow::Result<i32> {
             println!("killed {id}");
         }
     }
-    node.close();
+    node.stop().await;
     Ok(0)
 }

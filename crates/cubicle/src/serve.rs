@@ -701,10 +701,7 @@ pub async fn run(
         c.abort();
     }
     if let Some(node) = node {
-        node.settle(Duration::from_secs(10)).await;
-        node.close();
-        node.wait_refills(Duration::from_secs(60)).await;
-        node.release_storage().await;
+        node.stop().await;
     }
     Ok(0)
 }

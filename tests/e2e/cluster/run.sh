@@ -107,5 +107,10 @@ if [[ -n $left ]] || compgen -G "$STATE/sandboxes/*/" >/dev/null || ip -o link s
   ls "$STATE/sandboxes" >&2; ip -o link show | grep ' cbs' >&2
   rc=1
 fi
+# A node or `cubicle local` that ends with no sandbox left releases its quota filesystem.
+if mountpoint -q "$STATE/sandboxes"; then
+  echo "cluster-e2e: left behind: the quota filesystem mounted on $STATE/sandboxes" >&2
+  rc=1
+fi
 rm -rf "$WORK"
 exit $rc

@@ -78,9 +78,10 @@ cleanup() {
   [[ -n $PG_DIR ]] && "$ROOT/scripts/pg-test-cluster.sh" stop "$PG_DIR" >/dev/null 2>&1
   PG_DIR=
 }
-# A SIGKILLed node (and `cubicle local`) leaves its quota filesystem mounted; with no
-# sandbox left in it, release it (the next start mounts it again). Last of all: the
-# leftover check's `local list` mounts it too.
+# A SIGKILLed node leaves its quota filesystem mounted. The leftover check's `local list`
+# (in this mount namespace) releases it when no sandbox is left; on an early exit the
+# cleanup's `local` calls ran inside the nodes' namespaces (`ip netns exec` has a mount
+# namespace of its own), so release what is left here.
 release_mounts() {
   for s in "$STATE"-n1 "$STATE"-n2 "$STATE"-n3 "$STATE-single"; do
     if mountpoint -q "$s/sandboxes" && [[ -z "$(ls -A "$s/sandboxes" 2>/dev/null | grep -v '^\.')" ]]; then
@@ -218,6 +219,12 @@ if [[ -n $left ]]; then
   echo "cluster-db-e2e: left behind:$left" >&2
   rc=1
 fi
+for s in "$STATE"-n1 "$STATE"-n2 "$STATE"-n3 "$STATE-single"; do
+  if mountpoint -q "$s/sandboxes"; then
+    echo "cluster-db-e2e: left behind: the quota filesystem mounted on $s/sandboxes" >&2
+    rc=1
+  fi
+done
 release_mounts
 rm -rf "$WORK"
 "$PY" -c "import sys,time; print(f'cluster-db-e2e: suite took {time.time() - float(sys.argv[1]):.1f} s')" "$T_START"

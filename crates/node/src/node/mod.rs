@@ -571,6 +571,17 @@ impl Node {
         }
     }
 
+    /// How a process that ran this node ends with it: background teardowns finished (up
+    /// to 10 s), [`Node::close`], a refill under way finished (up to a minute), then the
+    /// quota filesystem released if no sandbox is left ([`Node::release_storage`]).
+    /// Running sandboxes keep running: the next open adopts them.
+    pub async fn stop(&self) {
+        self.settle(Duration::from_secs(10)).await;
+        self.close();
+        self.wait_refills(Duration::from_secs(60)).await;
+        self.release_storage().await;
+    }
+
     /// After [`Node::close`] and [`Node::wait_refills`]: when no sandbox runs any more
     /// (none adopted or left running for the next start, no teardown or refill under
     /// way), unmounts the sandboxes' quota filesystem, so that a stopped server leaves

@@ -327,9 +327,10 @@ impl Storage {
 
     /// Unmounts the image if this storage mounted it (a node that stops with no sandbox
     /// left: its next start mounts it again). `Ok(false)` when it was not ours to
-    /// unmount; an error (e.g. busy) leaves it mounted.
+    /// unmount, or when a sandbox directory is still in it (a leftover stays visible
+    /// where a check or an operator looks for it); an error (e.g. busy) leaves it mounted.
     pub fn release(&self) -> Result<bool> {
-        if !self.image_mounted {
+        if !self.image_mounted || self.entries()?.iter().any(|e| !e.starts_with('.')) {
             return Ok(false);
         }
         unmount_path(&self.root).map(|()| true)
