@@ -187,19 +187,21 @@ impl RemoteBackend {
         if self.is_down(from) {
             return;
         }
-        let r = self
-            .call::<()>(
-                from,
-                Method::POST,
-                &format!("/sandboxes/{id}/release"),
-                None,
-                false,
-            )
-            .await;
-        match r {
-            Ok(()) | Err(cubicle_node::Error::SandboxNotFound(_)) => {}
-            Err(e) => tracing::info!(sandbox = %id, node = %self.addr(from),
-                "the old node will release its copy later: {e}"),
+        if let Err(e) = self.release_copy(from, id).await {
+            tracing::info!(sandbox = %id, node = %self.addr(from),
+                "the old node will release its copy later: {e}");
+        }
+    }
+
+    /// `POST …/release` of sandbox `id` on node `node` (one it no longer has is released).
+    async fn release_copy(&self, node: usize, id: &str) -> cubicle_node::Result<()> {
+        let path = format!("/sandboxes/{id}/release");
+        match self
+            .call::<()>(node, Method::POST, &path, None, false)
+            .await
+        {
+            Ok(()) | Err(cubicle_node::Error::SandboxNotFound(_)) => Ok(()),
+            Err(e) => Err(e),
         }
     }
 
@@ -224,17 +226,8 @@ impl RemoteBackend {
             let (rb, id) = (self.clone(), id.clone());
             tokio::spawn(async move {
                 // The poll marks the node up only after this returns: call directly.
-                let r = rb
-                    .call::<()>(
-                        node,
-                        Method::POST,
-                        &format!("/sandboxes/{id}/release"),
-                        None,
-                        false,
-                    )
-                    .await;
-                match r {
-                    Ok(()) | Err(cubicle_node::Error::SandboxNotFound(_)) => {
+                match rb.release_copy(node, &id).await {
+                    Ok(()) => {
                         tracing::info!(sandbox = %id, node = %rb.addr(node),
                             "the node that came back released its copy of the moved sandbox");
                     }
