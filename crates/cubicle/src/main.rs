@@ -232,8 +232,11 @@ fn main() {
     // this binary: this must run before anything else (no threads, no tokio yet).
     cubicle_checkpoint::maybe_run_helper();
 
+    // Before any thread: a node holds descriptors per sandbox (see fd_limit.rs).
+    let fd_limit = cubicle_runtime::fd_limit::raise_for_node();
     let cli = parse_cli();
     init_logging(&cli);
+    check_fd_limit(&cli, fd_limit);
     let rt = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -261,6 +264,23 @@ fn main() {
     });
     rt.shutdown_timeout(std::time::Duration::from_secs(1));
     std::process::exit(code);
+}
+
+/// Says when the open-files limit is too low for this node's most sandboxes: each holds
+/// two descriptors for its life (its init's pidfd, its init log's FIFO) and, while
+/// used, a connection or two; plus the server's own.
+fn check_fd_limit(cli: &Cli, limit: std::io::Result<cubicle_runtime::fd_limit::FdLimit>) {
+    let needed = u64::from(cli.max_sandboxes) * 3 + 1024;
+    match limit {
+        Ok(l) if l.soft < needed && cli.command.needs_root() => tracing::warn!(
+            "the open-files limit is {} (hard {}): fewer than the {needed} descriptors {} sandboxes need; raise it (ulimit -n, LimitNOFILE=) or lower --max-sandboxes",
+            l.soft,
+            l.hard,
+            cli.max_sandboxes
+        ),
+        Ok(l) => tracing::debug!(soft = l.soft, hard = l.hard, "open-files limit"),
+        Err(e) => tracing::warn!("cannot read or raise the open-files limit: {e}"),
+    }
 }
 
 fn nix_is_root() -> bool {

@@ -330,7 +330,16 @@ impl Source {
         self.refilled = now;
     }
 
+    /// Reads what the FIFO holds (within the budget) into the log file, which is open
+    /// only meanwhile: PID 1 writes little after its start, and a node holding 10,000
+    /// sandboxes would otherwise keep 10,000 log files open.
     fn drain(&mut self) -> Drained {
+        let drained = self.drain_open();
+        self.file = None;
+        drained
+    }
+
+    fn drain_open(&mut self) -> Drained {
         let mut buf = vec![0u8; CHUNK];
         loop {
             let want = (self.budget as usize).min(CHUNK);
@@ -371,7 +380,11 @@ impl Source {
                 Ok(f) => self.file = Some(f),
                 Err(e) => {
                     tracing::debug!(path = %self.out.display(), "init log: {e}");
-                    self.full = true;
+                    // Out of descriptors for now: this chunk is lost, later ones may
+                    // not be. Anything else (the directory is gone) is for good.
+                    if !matches!(e.raw_os_error(), Some(libc::EMFILE | libc::ENFILE)) {
+                        self.full = true;
+                    }
                     return;
                 }
             }

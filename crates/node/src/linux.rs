@@ -484,6 +484,10 @@ impl SandboxRuntime for LinuxRuntime {
             .map(|s| s.memory_bytes)
     }
 
+    fn init_pidfd(&self, id: &str) -> Option<std::sync::Arc<std::os::fd::OwnedFd>> {
+        self.handles().get(id).map(Sandbox::shared_pidfd)
+    }
+
     fn stats(&self, id: &str) -> Option<crate::runtime::SandboxStats> {
         let c = Cgroup::handle(id).ok()?;
         if !c.exists() {

@@ -167,6 +167,13 @@ pub trait SandboxRuntime: Send + Sync + 'static {
     /// Usage counters of a live sandbox.
     fn stats(&self, id: &str) -> Option<SandboxStats>;
 
+    /// A pidfd of sandbox `id`'s init that the runtime already holds, to share rather
+    /// than open another: a node with 10,000 sandboxes counts its descriptors (see
+    /// `cubicle_runtime::fd_limit`). `None`: the caller opens its own.
+    fn init_pidfd(&self, _id: &str) -> Option<std::sync::Arc<std::os::fd::OwnedFd>> {
+        None
+    }
+
     /// Rewrite a running sandbox's memory and CPU limits (a pooled sandbox being claimed
     /// with other limits than its template's).
     fn set_limits(&self, id: &str, memory_mb: u64, cpus: u32, pids: u32) -> Result<()>;

@@ -271,6 +271,12 @@ impl InitPidfd {
         crate::procfs::is_alive(pid, start_time).then(|| InitPidfd(Arc::new(fd)))
     }
 
+    /// A pidfd the runtime already holds for the init (no check needed: it was opened
+    /// for the process the runtime started or adopted).
+    pub fn shared(fd: Arc<OwnedFd>) -> InitPidfd {
+        InitPidfd(fd)
+    }
+
     /// The descriptor.
     pub fn fd(&self) -> &Arc<OwnedFd> {
         &self.0

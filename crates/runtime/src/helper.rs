@@ -119,6 +119,9 @@ fn run(out: RawFd) -> Result<(), String> {
     spec.validate().map_err(|e| e.to_string())?;
     let policy = seccomp::compile().map_err(|e| e.to_string())?;
 
+    if let Some(limit) = spec.open_files {
+        crate::fd_limit::set(limit).map_err(|e| format!("open-files limit {limit:?}: {e}"))?;
+    }
     let cg = Cgroup::handle(&spec.id).map_err(|e| e.to_string())?;
     cg.add_process(0).map_err(|e| format!("join cgroup: {e}"))?;
     mark(out, "helper_in_cgroup");

@@ -78,6 +78,7 @@ pub mod cgroup;
 mod child;
 mod ctl;
 mod error;
+pub mod fd_limit;
 mod helper;
 mod id;
 mod init_log;

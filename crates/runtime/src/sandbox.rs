@@ -8,6 +8,7 @@ use std::os::unix::fs::{DirBuilderExt, PermissionsExt, chown};
 use std::os::unix::process::{CommandExt, ExitStatusExt};
 use std::path::{Path, PathBuf};
 use std::process::{Command, ExitStatus, Stdio};
+use std::sync::Arc;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
@@ -28,7 +29,9 @@ const SPAWN_TIMEOUT: Duration = Duration::from_secs(20);
 pub struct Sandbox {
     id: String,
     pid: i32,
-    pidfd: OwnedFd,
+    /// Shared with the node's record of the sandbox ([`Sandbox::shared_pidfd`]): one
+    /// descriptor per sandbox, however many parts watch it.
+    pidfd: Arc<OwnedFd>,
     cgroup: Cgroup,
     sandbox_dir: PathBuf,
     /// True when this process is the init's parent (spawned here, not adopted).
@@ -94,8 +97,17 @@ pub fn spawn(spec: &SandboxSpec) -> Result<Sandbox> {
         }
     }
     let pid = pid.ok_or_else(|| Error::Setup("helper reported no pid".into()))?;
-    let pidfd = cubicle_syscalls::pidfd::pidfd_open(pid)
-        .map_err(io_ctx(|| format!("pidfd_open({pid})")))?;
+    let pidfd = match cubicle_syscalls::pidfd::pidfd_open(pid) {
+        Ok(fd) => Arc::new(fd),
+        Err(e) => {
+            // A running sandbox nobody could watch or kill safely: remove it again.
+            let _ = cgroup.kill_all();
+            reap_child(pid);
+            let _ = cgroup.remove();
+            remove_dirs(&created);
+            return Err(io_ctx(|| format!("pidfd_open({pid})"))(e));
+        }
+    };
     timings.push(("spawn_returned".to_string(), start.elapsed()));
     Ok(Sandbox {
         id: spec.id.clone(),
@@ -332,6 +344,11 @@ impl Sandbox {
         &self.pidfd
     }
 
+    /// The same pidfd, shared: for a caller that keeps it beyond this handle.
+    pub fn shared_pidfd(&self) -> Arc<OwnedFd> {
+        self.pidfd.clone()
+    }
+
     /// `/proc/<pid>/ns/net`: the sandbox's network namespace, for the network module.
     pub fn netns_path(&self) -> PathBuf {
         PathBuf::from(format!("/proc/{}/ns/net", self.pid))
@@ -494,8 +511,10 @@ impl Sandbox {
             .into_iter()
             .find(|p| is_namespace_init(*p))
             .ok_or_else(|| Error::NotFound(id.to_string()))?;
-        let pidfd = cubicle_syscalls::pidfd::pidfd_open(init)
-            .map_err(io_ctx(|| format!("pidfd_open({init})")))?;
+        let pidfd = Arc::new(
+            cubicle_syscalls::pidfd::pidfd_open(init)
+                .map_err(io_ctx(|| format!("pidfd_open({init})")))?,
+        );
         let is_parent = parent_of(init) == Some(std::process::id() as i32);
         Ok(Sandbox {
             id: id.to_string(),

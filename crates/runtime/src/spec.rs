@@ -128,6 +128,11 @@ pub struct SandboxSpec {
     /// [`crate::open_init_log`] opens it again later. Never a plain file: the sandbox's
     /// root can take PID 1's descriptors. `None`: /dev/null.
     pub init_log: Option<PathBuf>,
+    /// The init's open-files limit (`RLIMIT_NOFILE`), set by the helper before the
+    /// clone. `None`: the caller's own. [`SandboxSpec::new`] takes the limit the node
+    /// was started with ([`crate::fd_limit::for_sandboxes`]), not the node's raised one.
+    #[serde(default)]
+    pub open_files: Option<crate::fd_limit::FdLimit>,
 }
 
 impl SandboxSpec {
@@ -157,6 +162,7 @@ impl SandboxSpec {
             binds: Vec::new(),
             ctl_socket: None,
             init_log: None,
+            open_files: crate::fd_limit::for_sandboxes(),
         }
     }
 

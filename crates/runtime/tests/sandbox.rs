@@ -306,6 +306,33 @@ fn two_sandboxes_get_distinct_ranges(env: &Env) {
     destroy_and_check(sb, &b);
 }
 
+/// The sandbox's open-files limit is the spec's, not the (raised) one of the caller:
+/// a node raises its own to hold thousands of sandboxes, and its tenants do not inherit it.
+fn open_files_limit_is_the_specs(env: &Env) {
+    let node = cubicle_runtime::fd_limit::current().unwrap();
+    let mut spec = env.spec("grep 'open files' /proc/self/limits; echo limits-done");
+    // `new` takes the limit the process started with (main() raised it first).
+    assert_eq!(spec.open_files, cubicle_runtime::fd_limit::for_sandboxes());
+    let asked = cubicle_runtime::fd_limit::FdLimit {
+        soft: 777,
+        hard: 4321,
+    };
+    assert_ne!(node, asked);
+    spec.open_files = Some(asked);
+    let (sb, log) = env.run(&spec);
+    assert!(log.contains("limits-done"), "log: {log}");
+    let line = log
+        .lines()
+        .find(|l| l.contains("open files"))
+        .unwrap_or_default();
+    let nums: Vec<&str> = line
+        .split_whitespace()
+        .filter(|w| w.parse::<u64>().is_ok())
+        .collect();
+    assert_eq!(nums, ["777", "4321"], "{line}");
+    destroy_and_check(sb, &spec);
+}
+
 fn ps_shows_only_sandbox_processes(env: &Env) {
     let spec = env.spec("sleep 30 & ps -o pid,comm; echo ps-done");
     let (sb, log) = env.run(&spec);
@@ -909,6 +936,10 @@ const TESTS: &[Test] = &[
         two_sandboxes_get_distinct_ranges,
     ),
     (
+        "open_files_limit_is_the_specs",
+        open_files_limit_is_the_specs,
+    ),
+    (
         "ps_shows_only_sandbox_processes",
         ps_shows_only_sandbox_processes,
     ),
@@ -976,6 +1007,8 @@ fn main() {
         );
         return;
     }
+    // As `cubicle` does: the sandboxes must not inherit the raised limit.
+    cubicle_runtime::fd_limit::raise_for_node().unwrap();
     let env = Env::new();
     let selected: Vec<&Test> = TESTS
         .iter()

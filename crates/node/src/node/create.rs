@@ -17,9 +17,7 @@ use super::{ENVD_IN_SANDBOX, ENVD_SOCKET};
 use crate::envd_client::{EnvdClient, InitRequest};
 use crate::error::{Error, IoContext, Result};
 use crate::runtime::StartSpec;
-use crate::sandbox::{
-    CreateRequest, DeathReason, InitPidfd, SandboxInfo, SandboxRecord, SandboxState,
-};
+use crate::sandbox::{CreateRequest, DeathReason, SandboxInfo, SandboxRecord, SandboxState};
 use crate::slots::IDS_PER_SANDBOX;
 use crate::template::Template;
 use crate::{fsutil, ids, procfs};
@@ -275,7 +273,7 @@ impl Inner {
             }
             live.record = record.clone();
             live.ready_us = ready_us;
-            live.init = InitPidfd::open(pid, record.pid_start_time);
+            live.init = inner.init_pidfd(&id, pid, record.pid_start_time);
             live.watcher = Some(spawn_watcher(
                 Arc::downgrade(inner),
                 id.clone(),

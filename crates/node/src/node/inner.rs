@@ -119,6 +119,20 @@ impl Inner {
         self.sandbox_dir(id).join("ctl").join(super::ENVD_SOCKET)
     }
 
+    /// The pidfd of sandbox `id`'s init (`pid`, started at `start_time`): the runtime's
+    /// own when it holds one, else a new one. `None`: that process is gone.
+    pub(crate) fn init_pidfd(
+        &self,
+        id: &str,
+        pid: i32,
+        start_time: Option<u64>,
+    ) -> Option<InitPidfd> {
+        match self.runtime.init_pidfd(id) {
+            Some(fd) => Some(InitPidfd::shared(fd)),
+            None => InitPidfd::open(pid, start_time),
+        }
+    }
+
     /// Live counters of a live sandbox's info (OOM kills so far).
     pub(crate) fn fill_counters(&self, info: &mut SandboxInfo) {
         if let Some(s) = self.runtime.stats(&info.id) {

@@ -2,11 +2,13 @@
 //! its directory, free its slot, remember it among the recently dead. Also the exit
 //! watcher that notices a sandbox whose init exited on its own.
 
+use std::os::fd::OwnedFd;
 use std::path::PathBuf;
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 
 use cubicle_runtime::SandboxId;
+use tokio::io::Interest;
 use tokio::io::unix::AsyncFd;
 
 use super::inner::{DEAD_MEMORY, Inner, blocking};
@@ -115,6 +117,38 @@ impl Inner {
     }
 }
 
+/// Waits until the init behind `fd` has exited. The reactor watches the shared
+/// descriptor itself (a node holding 10,000 sandboxes counts its descriptors); only if
+/// it refuses (still registered by a watcher being aborted) a duplicate, and failing
+/// that the pidfd is polled.
+async fn wait_for_exit(id: &SandboxId, fd: Arc<OwnedFd>) {
+    // SAFETY: the AsyncFd holds a reference to the descriptor, which stays open until it
+    // deregisters it on drop; nobody closes it before (the Arc).
+    let e = match unsafe { AsyncFd::register_with_interest(fd, Interest::READABLE) } {
+        Ok(afd) => {
+            let _ = afd.readable().await;
+            return;
+        }
+        Err(e) => e,
+    };
+    let (fd, _) = e.into_parts();
+    if let Ok(dup) = fd.try_clone() {
+        // SAFETY: as above, for a descriptor of our own.
+        match unsafe { AsyncFd::register_with_interest(dup, Interest::READABLE) } {
+            Ok(afd) => {
+                let _ = afd.readable().await;
+                return;
+            }
+            Err(e) => {
+                tracing::warn!(sandbox = %id, "cannot watch the init's pidfd: {}; polling", e.into_parts().1)
+            }
+        }
+    }
+    while !cubicle_syscalls::pidfd::exited(&fd) {
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+}
+
 /// Watch a sandbox's init through its pidfd (`None`: it is already gone); when it exits,
 /// tear the sandbox down.
 pub(crate) fn spawn_watcher(
@@ -122,25 +156,10 @@ pub(crate) fn spawn_watcher(
     id: SandboxId,
     init: Option<&InitPidfd>,
 ) -> tokio::task::AbortHandle {
-    let fd = init.and_then(|i| i.fd().try_clone().ok());
+    let fd = init.map(|i| i.fd().clone());
     let task = tokio::spawn(async move {
         if let Some(fd) = fd {
-            let poll_fd = fd.try_clone();
-            // SAFETY: the OwnedFd is moved into the AsyncFd, which keeps it open until it
-            // deregisters it on drop; nobody else closes it.
-            match unsafe { AsyncFd::register_with_interest(fd, tokio::io::Interest::READABLE) } {
-                Ok(afd) => {
-                    let _ = afd.readable().await;
-                }
-                Err(e) => {
-                    tracing::warn!(sandbox = %id, "cannot watch the init's pidfd: {e}; polling");
-                    if let Ok(fd) = poll_fd {
-                        while !cubicle_syscalls::pidfd::exited(&fd) {
-                            tokio::time::sleep(Duration::from_millis(500)).await;
-                        }
-                    }
-                }
-            }
+            wait_for_exit(&id, fd).await;
         }
         if let Some(inner) = inner.upgrade() {
             // A new task: finish() aborts this watcher task.

@@ -53,7 +53,7 @@ use crate::error::{Error, Result};
 use crate::node::create::CreatePlan;
 use crate::node::inner::{Inner, blocking, now_ms, sandbox_env};
 use crate::node::teardown::spawn_watcher;
-use crate::sandbox::{CreateRequest, DeathReason, InitPidfd, SandboxInfo, SandboxState};
+use crate::sandbox::{CreateRequest, DeathReason, SandboxInfo, SandboxState};
 use crate::template::Template;
 use crate::{fsutil, ids};
 
@@ -306,7 +306,7 @@ impl Inner {
                         return Err(Error::SandboxNotFound(id.to_string()));
                     };
                     // Running in memory (killable, watched); `creating` on disk.
-                    live.init = InitPidfd::open(pid, record.pid_start_time);
+                    live.init = inner.init_pidfd(&id, pid, record.pid_start_time);
                     live.record = record;
                     live.record.state = SandboxState::Running;
                     let _in_main = main.enter();
