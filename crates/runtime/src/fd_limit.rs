@@ -101,7 +101,7 @@ mod tests {
         assert!(now.soft >= before.soft, "{now:?} < {before:?}");
         assert_eq!(now.soft, now.hard.min(now.soft));
         assert_eq!(for_sandboxes(), Some(before));
-        // SAFETY-free: geteuid has no preconditions.
+        // SAFETY: geteuid has no preconditions.
         if unsafe { libc::geteuid() } == 0 {
             assert!(now.soft >= before.hard.min(NODE_MAX), "{now:?}");
         }
