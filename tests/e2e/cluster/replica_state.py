@@ -5,8 +5,10 @@ a create on the other node pulls it, and a delete removes it everywhere; a volum
 on one node, sandboxes that mount it are placed there, its content API is relayed."""
 
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 
@@ -19,6 +21,7 @@ BIN = os.environ["CUBICLE_BIN"]
 DB = os.environ["CUBICLE_E2E_DB"]
 TOKEN_FILE = os.environ["CUBICLE_NODE_TOKEN_FILE"]
 API = os.environ["E2B_API_URL"].rstrip("/")
+API2 = os.environ["CUBICLE_API2"].rstrip("/")  # the second replica
 HEADERS = {"X-API-KEY": os.environ["E2B_API_KEY"]}
 failures = []
 
@@ -38,9 +41,13 @@ def has_template(node, name):
     return os.path.isfile(os.path.join(STATE[node], "templates", name, "template.json"))
 
 
-def drain(node, cancel=False):
+def drain(node, cancel=False, strict=True):
+    """Marks `node` draining (its running sandboxes paused). Not `strict`: a sandbox
+    killed a moment ago that the drain could not pause any more is not an error."""
     cmd = [BIN, "node", "drain", node, "--database", DB, "--node-token-file", TOKEN_FILE]
-    subprocess.run(cmd + (["--cancel"] if cancel else []), check=True, capture_output=True)
+    r = subprocess.run(cmd + (["--cancel"] if cancel else []), capture_output=True, text=True)
+    if r.returncode != 0 and (strict or f"node {node}: draining" not in r.stdout):
+        raise RuntimeError(f"{' '.join(cmd)}: {r.stdout} {r.stderr}")
 
 
 name = f"e2e-cluster-{uuid.uuid4().hex[:8]}"
@@ -48,7 +55,17 @@ made = []
 try:
     logs = []
     t0 = time.monotonic()
-    tpl = Template().from_template("tiny").run_cmd(f"echo cluster-built > /marker # {name}", user="root")
+    # A COPY step: its archive is uploaded to the URL the replica hands out (it names the
+    # build node, so any replica relays the upload there).
+    ctx = tempfile.mkdtemp(prefix="cubicle-replica-state-ctx-")
+    with open(os.path.join(ctx, "copied.txt"), "w") as f:
+        f.write(f"copied {name}\n")
+    tpl = (
+        Template(file_context_path=ctx)
+        .from_template("tiny")
+        .copy("copied.txt", "/copied.txt", user="root")
+        .run_cmd(f"echo cluster-built > /marker # {name}", user="root")
+    )
     Template.build(tpl, name, on_build_logs=lambda e: logs.append(str(e)))
     build_s = time.monotonic() - t0
     print(f"     built {name} through the replica in {build_s:.1f} s")
@@ -61,15 +78,21 @@ try:
     check("the build log says it was published",
           any("published to the object store" in l for l in logs), "\n".join(logs[-5:]))
 
-    r = httpx.get(f"{API}/templates", headers=HEADERS)
-    check("GET /templates lists it", r.status_code == 200
-          and any(t.get("templateID") == name for t in r.json()), r.text[:300])
-    r = httpx.get(f"{API}/templates/aliases/{name}", headers=HEADERS)
-    check("its alias is known", r.status_code == 200, r.text[:200])
+    for api in (API, API2):
+        r = httpx.get(f"{api}/templates", headers=HEADERS)
+        check(f"GET /templates lists it ({api})", r.status_code == 200
+              and any(t.get("templateID") == name for t in r.json()), r.text[:300])
+        r = httpx.get(f"{api}/templates/aliases/{name}", headers=HEADERS)
+        check(f"its alias is known ({api})", r.status_code == 200, r.text[:200])
+    r = httpx.get(f"{API2}/templates/{name}", headers=HEADERS)
+    check("the other replica shows its builds", r.status_code == 200
+          and r.json().get("builds", [{}])[0].get("status") == "ready", r.text[:300])
 
     s1 = Sandbox.create(name, timeout=120)
     made.append(s1)
     check("a create from it works", s1.files.read("/marker").strip() == "cluster-built")
+    check("the COPY step's file is there", s1.files.read("/copied.txt") == f"copied {name}\n")
+    shutil.rmtree(ctx, ignore_errors=True)
     n1 = where(s1.sandbox_id)
     print(f"     first sandbox on node {n1} (built on {builder})")
 
@@ -82,8 +105,9 @@ try:
     n2 = where(s2.sandbox_id)
     print(f"     second sandbox on node {n2} in {(time.monotonic() - t1) * 1000:.0f} ms")
     check("the second create lands on the other node", n2 != n1 and n2 in STATE, f"{n1} {n2}")
-    check("the file built on one node is there on the other",
-          s2.files.read("/marker").strip() == "cluster-built")
+    check("the files built on one node are there on the other",
+          s2.files.read("/marker").strip() == "cluster-built"
+          and s2.files.read("/copied.txt") == f"copied {name}\n")
     check("the other node has the template now", has_template(n2, name))
     drain(n1, cancel=True)
 
@@ -93,8 +117,8 @@ try:
         s.kill()
     made.clear()
     time.sleep(1.0)  # the replica's view of the nodes (polled every 500 ms)
-    r = httpx.delete(f"{API}/templates/{name}", headers=HEADERS)
-    check("the delete through the replica succeeds", r.status_code == 204, r.text[:300])
+    r = httpx.delete(f"{API2}/templates/{name}", headers=HEADERS)
+    check("the delete through the other replica succeeds", r.status_code == 204, r.text[:300])
     check("gone from both nodes", not has_template("a", name) and not has_template("b", name))
     check("gone from the object store",
           not os.path.exists(os.path.join(BUCKET, "templates", f"{name}.json")))
@@ -137,7 +161,7 @@ try:
     for s in made:
         s.kill()
     made.clear()
-    drain(node)
+    drain(node, strict=False)
     time.sleep(1.5)
     try:
         s = Sandbox.create("tiny", volume_mounts={"/data": vol.name}, timeout=60)

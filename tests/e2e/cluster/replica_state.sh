@@ -2,7 +2,7 @@
 # End-to-end check of templates and volumes through a replica coordinated by the
 # cluster's database (docs/cluster.md, "Templates through a replica", "Volumes through a
 # replica"): two `cubicle node --database
-# … --object-store file://…` (127.0.0.2 and 127.0.0.3) and one replica (`cubicle serve
+# … --object-store file://…` (127.0.0.2 and 127.0.0.3) and two replicas (`cubicle serve
 # --database … --node-token-file …`, no --node), a private PostgreSQL
 # (scripts/pg-test-cluster.sh), in a private network namespace. replica_state.py builds a
 # template with the official Python SDK's Template builder through the replica, creates
@@ -16,7 +16,7 @@
 #   tests/e2e/cluster/replica_state.sh
 #
 # Environment (optional): CUBICLE_BIN, CUBICLE_ENVD_BIN (as run.sh),
-# CUBICLE_E2E_STATE_DIR (prefix of the state dirs: PREFIX-tpl-a, -tpl-b, -tpl-replica;
+# CUBICLE_E2E_STATE_DIR (prefix of the state dirs: PREFIX-tpl-a, -tpl-b, -tpl-replica(-2);
 # default /var/lib/cubicle-e2e), CUBICLE_E2E_FIRST_SLOT (A's first slot, B's is +100;
 # default 24000).
 set -uo pipefail
@@ -46,7 +46,7 @@ WORK=$(mktemp -d /tmp/cubicle-replica-state-e2e.XXXXXX)
 TOKEN="$WORK/node-token"
 head -c 32 /dev/urandom | base64 > "$TOKEN"
 chmod 600 "$TOKEN"
-A_PID= B_PID= REPLICA_PID= PG_DIR=
+A_PID= B_PID= REPLICA_PID= REPLICA2_PID= PG_DIR=
 stop() { # pid…
   for p in "$@"; do [[ -n $p ]] && kill -TERM "$p" 2>/dev/null; done
   for p in "$@"; do [[ -n $p ]] && wait "$p" 2>/dev/null; done
@@ -57,8 +57,8 @@ local_kill_all() { # state slot
   done
 }
 cleanup() {
-  stop "$REPLICA_PID" "$A_PID" "$B_PID"
-  REPLICA_PID= A_PID= B_PID=
+  stop "$REPLICA_PID" "$REPLICA2_PID" "$A_PID" "$B_PID"
+  REPLICA_PID= REPLICA2_PID= A_PID= B_PID=
   local_kill_all "$STATE_A" "$SLOT_A"
   local_kill_all "$STATE_B" "$SLOT_B"
   [[ -n $PG_DIR ]] && "$ROOT/scripts/pg-test-cluster.sh" stop "$PG_DIR" >/dev/null 2>&1
@@ -98,6 +98,12 @@ wait_line "$WORK/b.out" "cubicle node: ready" 120 || exit 1
   --node-token-file "$TOKEN" >"$WORK/replica.out" 2>"$WORK/replica.log" &
 REPLICA_PID=$!
 wait_line "$WORK/replica.out" "cubicle: ready" 60 || exit 1
+# A second replica over the same database: what the first one recorded, it sees.
+"$BIN" serve --state-dir "$STATE_R-2" --listen 127.0.0.1:0 --database "$DB" \
+  --node-token-file "$TOKEN" >"$WORK/replica2.out" 2>"$WORK/replica2.log" &
+REPLICA2_PID=$!
+wait_line "$WORK/replica2.out" "cubicle: ready" 60 || exit 1
+export CUBICLE_API2=$(grep '^export E2B_API_URL=' "$WORK/replica2.out" | head -1 | sed "s/^export E2B_API_URL=//; s/^'//; s/'\$//; s/^\"//; s/\"\$//")
 eval "$(grep '^export ' "$WORK/replica.out")"
 [[ -n ${E2B_API_KEY:-} ]] || export E2B_API_KEY=$("$BIN" apikey --state-dir "$STATE_R" --database "$DB")
 
