@@ -28,6 +28,8 @@
 #      two replicas over a private PostgreSQL (placement, lost nodes, fencing, drain);
 #      alongside them, tests/e2e/cluster/moving.sh: two nodes sharing moto as their
 #      object store, a paused sandbox resumed on the other node (node SIGKILLed, drained);
+#      and tests/e2e/cluster/replica_state.sh: a template built through a replica over
+#      PostgreSQL used on both nodes and deleted everywhere, a volume pinned to its node;
 #   8. the deployment recipes (scripts/check-deploy.py): deploy/kubernetes validated
 #      against Kubernetes' OpenAPI schemas, flags checked against the CLI, deploy/systemd
 #      units through systemd-analyze verify.
@@ -202,6 +204,14 @@ if wants cluster; then
       CUBICLE_E2E_STATE_DIR=/var/lib/cubicle-e2e \
       timeout --kill-after=30 "$E2E_TIMEOUT" tests/e2e/cluster/moving.sh >"$moving_log" 2>&1 &
     moving_pid=$!
+    # Templates and volumes through a replica coordinated by PostgreSQL (two nodes, a
+    # file:// object store), alongside as well: /var/lib/cubicle-e2e-tpl-*, slots 24000+.
+    state_log=$(mktemp /tmp/cubicle-replica-state-e2e.XXXXXX)
+    CUBICLE_BIN="$ROOT/target/debug/cubicle" \
+      CUBICLE_ENVD_BIN="$ROOT/target/x86_64-unknown-linux-gnu/debug/cubicle-envd" \
+      CUBICLE_E2E_STATE_DIR=/var/lib/cubicle-e2e \
+      timeout --kill-after=30 "$E2E_TIMEOUT" tests/e2e/cluster/replica_state.sh >"$state_log" 2>&1 &
+    state_pid=$!
     CUBICLE_BIN="$ROOT/target/debug/cubicle" \
       CUBICLE_ENVD_BIN="$ROOT/target/x86_64-unknown-linux-gnu/debug/cubicle-envd" \
       CUBICLE_E2E_STATE_DIR=/var/lib/cubicle-e2e \
@@ -225,6 +235,12 @@ if wants cluster; then
     cat "$moving_log"
     rm -f "$moving_log"
     record "e2e cluster moving" $moving_rc
+    wait "$state_pid"
+    state_rc=$?
+    banner "e2e cluster: templates and volumes through a replica (two nodes, PostgreSQL, e2b python)"
+    cat "$state_log"
+    rm -f "$state_log"
+    record "e2e cluster templates and volumes" $state_rc
   fi
 fi
 

@@ -115,6 +115,21 @@ pub trait Backend: Send + Sync + 'static {
             })
         })
     }
+    /// Called once a build of template `name` is published in this backend's template
+    /// store, before the build reports ready: a cluster node publishes it to the object
+    /// store so that every node can create from it (`Some(what was done)`).
+    fn template_built<'a>(
+        &'a self,
+        name: &'a str,
+    ) -> BoxFuture<'a, cubicle_node::Result<Option<String>>> {
+        let _ = name;
+        Box::pin(async { Ok(None) })
+    }
+    /// The replica's backend when this is one (template and volume requests are
+    /// relayed to nodes through it: `crate::cluster::templates`).
+    fn cluster(&self) -> Option<&crate::cluster::RemoteBackend> {
+        None
+    }
     /// What uses template `name`: ids of its sandboxes that are not dying (running or
     /// paused), then `snapshot <id>` for its snapshots.
     fn sandboxes_of(&self, name: &str) -> Vec<String> {
@@ -284,6 +299,24 @@ impl Backend for Node {
         let store = Node::templates(self).clone();
         Box::pin(async move {
             cubicle_node::template::build::build(&host, &store, &req, &*files, &log, cancel).await
+        })
+    }
+
+    fn template_built<'a>(
+        &'a self,
+        name: &'a str,
+    ) -> BoxFuture<'a, cubicle_node::Result<Option<String>>> {
+        Box::pin(async move {
+            if self.object_store().is_none() {
+                return Ok(None);
+            }
+            let r = Node::push_template(self, name).await?;
+            Ok(Some(format!(
+                "published to the object store ({} blob(s), {} bytes, {} ms)",
+                r.blobs_moved,
+                r.bytes_moved,
+                r.took.as_millis()
+            )))
         })
     }
 

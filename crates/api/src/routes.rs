@@ -66,7 +66,9 @@ fn documented(cp: &Arc<ControlPlane>) -> OpenApiRouter<Arc<ControlPlane>> {
         .routes(routes!(netlog))
         .routes(routes!(list_snapshots))
         .routes(routes!(delete_template))
-        .merge(crate::template_builds::documented_routes())
+        .merge(crate::template_builds::documented_routes().route_layer(
+            middleware::from_fn_with_state(cp.clone(), crate::cluster::templates::relayed),
+        ))
         .routes(routes!(pause))
         .routes(routes!(resume))
         .routes(routes!(snapshot))
@@ -82,9 +84,19 @@ fn documented(cp: &Arc<ControlPlane>) -> OpenApiRouter<Arc<ControlPlane>> {
         .routes(routes!(prometheus))
         .merge(authed)
         // Authenticated by the volume's token, not an API key.
-        .merge(crate::volume_content::routes())
+        .merge(
+            crate::volume_content::routes().route_layer(middleware::from_fn_with_state(
+                cp.clone(),
+                crate::cluster::volumes::relayed,
+            )),
+        )
         // Authenticated by the upload's signed URL, not an API key.
-        .merge(crate::template_builds::upload_routes())
+        .merge(
+            crate::template_builds::upload_routes().route_layer(middleware::from_fn_with_state(
+                cp.clone(),
+                crate::cluster::templates::relayed,
+            )),
+        )
 }
 
 /// The OpenAPI description of the routes [`router`] serves, as `GET /openapi.json`

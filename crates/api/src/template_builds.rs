@@ -566,6 +566,19 @@ async fn start_build(
                     );
                 } else {
                     tracing::info!(template = %name, build = %build_id, secs = t0.elapsed().as_secs_f64(), "template built");
+                    // Still "building" to the SDK until this is done (see `build_status`).
+                    match cp2.backend().template_built(&name).await {
+                        Ok(Some(what)) => log.push("info", Some("finalize"), what),
+                        Ok(None) => {}
+                        Err(e) => {
+                            tracing::warn!(template = %name, "publishing the built template: {e}");
+                            log.push(
+                                "warn",
+                                Some("finalize"),
+                                format!("the template was built but not published to the object store (only this node can create from it): {e}"),
+                            );
+                        }
+                    }
                 }
             }
             Err(f) => {
@@ -650,6 +663,8 @@ async fn build_status(
     let status = match rec.status {
         BuildStatus::Waiting => "waiting",
         BuildStatus::Building => "building",
+        // Published here but still being published elsewhere (`Backend::template_built`).
+        BuildStatus::Ready if running.is_some() => "building",
         BuildStatus::Ready => "ready",
         BuildStatus::Error => "error",
     };
@@ -857,6 +872,9 @@ pub(crate) async fn delete_template(
     id: &str,
 ) -> ApiResult<()> {
     let name = template_name(id)?;
+    if let Some(rb) = cp.backend().cluster().filter(|rb| rb.is_coordinated()) {
+        return crate::cluster::templates::delete_everywhere(rb, cp, team, &name).await;
+    }
     let st = visible(cp, team, &name)?;
     if st.owner(&name).is_none() {
         return Err(ApiError::NotFound(format!(

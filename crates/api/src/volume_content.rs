@@ -44,7 +44,7 @@ pub struct ContentError {
 }
 
 impl ContentError {
-    fn new(status: StatusCode, message: impl Into<String>) -> Self {
+    pub(crate) fn new(status: StatusCode, message: impl Into<String>) -> Self {
         ContentError {
             status,
             message: message.into(),
@@ -197,7 +197,7 @@ pub fn routes() -> OpenApiRouter<Arc<ControlPlane>> {
 type Cp = State<Arc<ControlPlane>>;
 
 /// The volume `id` if `headers` carry its token.
-fn authorize(cp: &ControlPlane, id: &str, headers: &HeaderMap) -> CResult<()> {
+pub(crate) fn authorize(cp: &ControlPlane, id: &str, headers: &HeaderMap) -> CResult<()> {
     let token = headers
         .get(header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())

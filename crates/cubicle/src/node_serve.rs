@@ -150,7 +150,16 @@ pub async fn run(env: crate::sandbox_cmd::NodeOpts, args: NodeArgs) -> anyhow::R
             tracing::debug!(sandbox = %id, connections = n, "closed the router's connections");
         }));
     }
-    let app = cubicle_api::cluster::node_router(node.clone(), dp, &token);
+    // The builder API for replicas (templates built through a replica run here).
+    let builder = cubicle_api::cluster::templates::node_control_plane(&node, &token)
+        .await
+        .map_err(|e| anyhow::anyhow!("the node's builder API: {e}"))?;
+    let app = cubicle_api::cluster::node_router_with(
+        node.clone(),
+        dp,
+        &token,
+        cubicle_api::cluster::templates::node_routes(builder, node.clone()),
+    );
     let listener = tokio::net::TcpListener::bind(args.listen)
         .await
         .with_context(|| format!("listening on {}", args.listen))?;

@@ -33,6 +33,7 @@
 
 #![forbid(unsafe_code)]
 
+mod cluster_templates;
 mod db;
 mod events;
 mod idempotency;
@@ -51,6 +52,7 @@ mod webhooks;
 use std::path::Path;
 use std::sync::{Arc, Mutex};
 
+pub use cluster_templates::ClusterTemplate;
 pub use db::Dialect;
 use db::{Conn, Isolation};
 pub use events::{EventQuery, EventRow};

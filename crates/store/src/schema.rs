@@ -144,6 +144,18 @@ pub(crate) const MIGRATIONS: &[&str] = &[
     );
     CREATE INDEX placements_by_node ON placements(node_id, expires_at);
     "#,
+    // 6: templates built through the cluster's replicas (docs/cluster.md, "Templates
+    // through a replica"): each name's owner team and the node its builds run on; the
+    // node a volume lives on ("Volumes through a replica"; NULL on a single host).
+    r#"
+    ALTER TABLE volumes ADD COLUMN node_id TEXT;
+    CREATE TABLE cluster_templates (
+        name        TEXT PRIMARY KEY,
+        team_id     INTEGER NOT NULL REFERENCES teams(id),
+        node_id     TEXT NOT NULL,               -- the node its builds and records live on
+        created_at  INTEGER NOT NULL             -- unix ms
+    );
+    "#,
 ];
 
 /// The PostgreSQL migrations: the same versions as [`MIGRATIONS`], in PostgreSQL's
@@ -278,6 +290,16 @@ pub(crate) const POSTGRES_MIGRATIONS: &[&str] = &[
         expires_at  BIGINT NOT NULL
     );
     CREATE INDEX placements_by_node ON placements(node_id, expires_at);
+    "#,
+    // 6: templates built through the cluster's replicas (see SQLite's 6).
+    r#"
+    ALTER TABLE volumes ADD COLUMN node_id TEXT;
+    CREATE TABLE cluster_templates (
+        name        TEXT PRIMARY KEY,
+        team_id     BIGINT NOT NULL REFERENCES teams(id),
+        node_id     TEXT NOT NULL,
+        created_at  BIGINT NOT NULL
+    );
     "#,
 ];
 

@@ -97,6 +97,27 @@ impl Store {
         })
     }
 
+    /// Records the node volume `id` lives on (a cluster's replicas place it there).
+    pub fn set_volume_node(&self, id: &str, node_id: &str) -> Result<()> {
+        self.with_conn(|c| {
+            c.execute(
+                "UPDATE volumes SET node_id = ?2 WHERE id = ?1",
+                args![id, node_id],
+            )
+        })
+        .map(drop)
+    }
+
+    /// The node volume `id` lives on (`None`: unknown volume, or a single host's).
+    pub fn volume_node(&self, id: &str) -> Result<Option<String>> {
+        self.with_conn(|c| {
+            match c.query_opt("SELECT node_id FROM volumes WHERE id = ?1", args![id])? {
+                Some(r) => r.get::<Option<String>>(0),
+                None => Ok(None),
+            }
+        })
+    }
+
     /// Deletes a volume record; returns whether it existed.
     pub fn delete_volume(&self, id: &str) -> Result<bool> {
         let n = self.with_conn(|c| c.execute("DELETE FROM volumes WHERE id = ?1", args![id]))?;
@@ -132,8 +153,12 @@ mod tests {
         assert_eq!(s.volume_by_name(a.id, "data").unwrap().unwrap().id, "1");
         assert_eq!(s.volumes(Some(b.id)).unwrap().len(), 1);
         assert_eq!(s.volumes(None).unwrap().len(), 2);
+        assert_eq!(s.volume_node("1").unwrap(), None);
+        s.set_volume_node("1", "n2").unwrap();
+        assert_eq!(s.volume_node("1").unwrap().as_deref(), Some("n2"));
         assert!(s.delete_volume("1").unwrap());
         assert!(!s.delete_volume("1").unwrap());
+        assert_eq!(s.volume_node("1").unwrap(), None);
         assert!(s.volume("1").unwrap().is_none());
     }
 }

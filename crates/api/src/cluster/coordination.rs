@@ -51,7 +51,7 @@ const DEFAULT_NEED: Resources = Resources {
 
 /// The replica's link to the cluster's database.
 pub struct ClusterDb {
-    store: Store,
+    pub(super) store: Store,
     /// Creates between their reservation and their commit, by the id the node gave.
     pending: Mutex<HashMap<String, Placement>>,
     /// The nodes as last read: name → (link index, row).
@@ -227,7 +227,7 @@ impl ClusterDb {
 
     /// The link of node `name` (read from the database if this replica does not know it
     /// yet); not found when it is lost or unknown.
-    fn link_of(&self, rb: &RemoteBackend, name: &str) -> Option<usize> {
+    pub(super) fn link_of(&self, rb: &RemoteBackend, name: &str) -> Option<usize> {
         if let Some((i, _)) = lock(&self.nodes).get(name) {
             return (!rb.link(*i).retired()).then_some(*i);
         }
@@ -305,14 +305,14 @@ impl ClusterDb {
             memory_mb: req.memory_mb.unwrap_or(DEFAULT_NEED.memory_mb),
         };
         let (k, template) = (key.clone(), req.template.clone());
+        // A create that mounts volumes goes to their node (`super::volumes`).
+        let pinned = super::volumes::pinned_node(rb, &req)?;
         let p = blocking(&self.store, move |s| {
-            s.place_sandbox(
-                &k,
-                &template,
-                need,
-                now_ms(),
-                PLACEMENT_TTL.as_millis() as i64,
-            )
+            let ttl = PLACEMENT_TTL.as_millis() as i64;
+            match &pinned {
+                Some(node) => s.reserve_placement(node, &k, need, now_ms(), ttl),
+                None => s.place_sandbox(&k, &template, need, now_ms(), ttl),
+            }
         })
         .await?;
         let reserved = t0.elapsed();

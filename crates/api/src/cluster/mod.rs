@@ -12,7 +12,9 @@
 //!
 //! With the cluster's database, [`coordination`] takes the node list from the `nodes`
 //! table, places creates through reservations there, routes by ownership and reports
-//! the sandboxes of lost nodes (docs/cluster.md, "Leases, placement and drain").
+//! the sandboxes of lost nodes (docs/cluster.md, "Leases, placement and drain"); template
+//! builds are pinned to a node and relayed there ([`templates`]), and a volume lives on
+//! one node, where the sandboxes that mount it are placed ([`volumes`]).
 //!
 //! Errors cross the wire as `{"code": <status>, "message": …, "kind": …, "subject": …}`
 //! (E2B's shape plus the node error's kind), and are turned back into the same
@@ -24,8 +26,10 @@ mod migrate;
 pub mod moving_api;
 pub mod node_api;
 pub mod remote;
+pub mod templates;
+pub mod volumes;
 
-pub use node_api::{NodeResolver, authenticated, node_router};
+pub use node_api::{NodeResolver, authenticated, node_router, node_router_with};
 pub use remote::{RemoteBackend, RemoteConfig};
 
 use serde::{Deserialize, Serialize};

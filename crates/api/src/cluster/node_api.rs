@@ -76,6 +76,12 @@ struct Guard {
 /// The node-side API over `node`, its data plane `dp` (built over a [`NodeResolver`]),
 /// accepting `token`.
 pub fn node_router(node: Node, dp: DataPlane, token: &str) -> Router {
+    node_router_with(node, dp, token, Router::new())
+}
+
+/// [`node_router`] with `extra` routes under `/node/v1` (the builder API,
+/// `super::templates::node_routes`).
+pub fn node_router_with(node: Node, dp: DataPlane, token: &str, extra: Router) -> Router {
     let moving = super::moving_api::routes(node.clone());
     let st = NodeApi {
         node,
@@ -101,7 +107,8 @@ pub fn node_router(node: Node, dp: DataPlane, token: &str) -> Router {
         .route("/sandboxes/{id}/rollback", post(rollback))
         .route("/snapshots/{id}", delete(delete_snapshot))
         .with_state(st)
-        .merge(moving);
+        .merge(moving)
+        .merge(extra);
     authenticated(api, dp, token)
 }
 

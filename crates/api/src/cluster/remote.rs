@@ -15,10 +15,11 @@
 //! cluster's database the node list, placement and ownership come from there instead
 //! ([`super::coordination`]).
 //!
-//! Not over the wire yet: template builds (`templates()` is `None`: builds are refused
-//! with "this server cannot build templates"; build templates on each node with
-//! `cubicle template build`), volumes, the sandboxes' envd logs (`log_path` names no
-//! file on the replica), and secrets in egress header rules (the node has no store).
+//! With the cluster's database, template builds and volumes are relayed to nodes
+//! ([`super::templates`], [`super::volumes`]); a `--node` replica refuses them
+//! (`templates()` is `None`: "this server cannot build templates"). Not over the wire
+//! yet: the sandboxes' envd logs (`log_path` names no file on the replica), and secrets
+//! in egress header rules (the node has no store).
 
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -438,6 +439,70 @@ impl RemoteBackend {
         })
     }
 
+    /// Sends `method path` (under `/node/v1`, with its query) to node `i` as it is: the
+    /// given headers and `body`, the answer's status, content type and body back
+    /// unchanged (for relayed API requests, `super::templates`). Transport failures and a
+    /// refused token are errors; any status the node answers is not.
+    pub(super) async fn call_raw(
+        &self,
+        i: usize,
+        method: Method,
+        path: &str,
+        headers: &[(header::HeaderName, String)],
+        body: Bytes,
+    ) -> cubicle_node::Result<(StatusCode, Option<String>, Bytes)> {
+        let link = self.link(i);
+        let addr = &link.addr;
+        let uri = format!("{}://{addr}{}{path}", self.inner.scheme, super::PREFIX);
+        let mut req = Request::builder()
+            .method(method)
+            .uri(&uri)
+            .header(header::AUTHORIZATION, &self.inner.auth);
+        for (k, v) in headers {
+            req = req.header(k, v);
+        }
+        let req = req
+            .body(Full::new(body))
+            .map_err(|e| cubicle_node::Error::Runtime(format!("request to node {addr}: {e}")))?;
+        let limit = self.inner.cfg.long_timeout;
+        let exchange = async {
+            let resp = self
+                .inner
+                .client
+                .request(req)
+                .await
+                .map_err(|e| unreachable(addr, e))?;
+            let status = resp.status();
+            let ctype = resp
+                .headers()
+                .get(header::CONTENT_TYPE)
+                .and_then(|v| v.to_str().ok())
+                .map(String::from);
+            let bytes = resp
+                .into_body()
+                .collect()
+                .await
+                .map_err(|e| unreachable(addr, format!("reading its answer: {e}")))?
+                .to_bytes();
+            Ok::<_, cubicle_node::Error>((status, ctype, bytes))
+        };
+        let r = tokio::time::timeout(limit, exchange)
+            .await
+            .map_err(|_| unreachable(addr, format!("no answer within {limit:?}")))??;
+        if r.0 == StatusCode::UNAUTHORIZED {
+            return Err(cubicle_node::Error::Runtime(format!(
+                "node {addr} refused this replica's node token (401): give the replica and the node the same --node-token-file"
+            )));
+        }
+        Ok(r)
+    }
+
+    /// The cluster's node token (the node-side keyring derives from it:
+    /// `super::volumes::node_keyring`).
+    pub(super) fn token(&self) -> &str {
+        &self.inner.cfg.token
+    }
+
     /// Node index of sandbox `id`, or not found. With the cluster's database, a sandbox
     /// this replica has not seen yet (created through another replica a moment ago) is
     /// looked up there: its owner's node.
@@ -616,6 +681,10 @@ impl Backend for RemoteBackend {
             // A node reported it with its last lease renewal.
             return Ok(true);
         }
+        if super::templates::recorded(self, name) {
+            // Built through a replica: in the object store for every node.
+            return Ok(true);
+        }
         let path = format!("/templates/exists?name={}", percent_encode(name));
         self.block(async {
             let (mut answered, mut last) = (false, None);
@@ -756,6 +825,39 @@ impl Backend for RemoteBackend {
             h.disk_available += st.host.disk_available;
         }
         h
+    }
+
+    fn template_owner(&self, name: &str) -> Option<String> {
+        super::templates::owner(self, name)
+    }
+
+    fn create_volume<'a>(
+        &'a self,
+        id: &'a str,
+        size_mb: u64,
+    ) -> BoxFuture<'a, cubicle_node::Result<()>> {
+        Box::pin(super::volumes::create_volume(self, id, size_mb))
+    }
+
+    fn delete_volume<'a>(&'a self, id: &'a str) -> BoxFuture<'a, cubicle_node::Result<()>> {
+        Box::pin(super::volumes::delete_volume(self, id))
+    }
+
+    fn volume_usage(&self, id: &str) -> cubicle_node::Result<(u64, u64)> {
+        super::volumes::volume_usage(self, id)
+    }
+
+    fn reconcile_volumes(&self) -> BoxFuture<'_, cubicle_node::Result<Vec<String>>> {
+        // The volumes' directories are on their nodes (each node checks its own).
+        Box::pin(async {
+            Err(cubicle_node::Error::Unsupported(
+                "volumes live on the cluster's nodes".into(),
+            ))
+        })
+    }
+
+    fn cluster(&self) -> Option<&RemoteBackend> {
+        Some(self)
     }
 
     fn sandboxes_of(&self, name: &str) -> Vec<String> {

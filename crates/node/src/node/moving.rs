@@ -695,6 +695,18 @@ impl Node {
         .await
     }
 
+    /// Removes template `name`'s manifest from the object store (the template was
+    /// deleted); `false` without an object store. Its blobs stay (blobs no manifest names
+    /// are not collected yet).
+    pub async fn unpublish_template(&self, name: &str) -> Result<bool> {
+        crate::template::validate_name(name)?;
+        let Some(c) = self.object_store() else {
+            return Ok(false);
+        };
+        c.bucket.delete(&template_key(name)).await?;
+        Ok(true)
+    }
+
     /// Publishes snapshot `name` (an id or one of its names), and its template when the
     /// bucket lacks it.
     pub async fn push_snapshot(&self, name: &str) -> Result<MoveReport> {
