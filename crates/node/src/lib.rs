@@ -87,7 +87,16 @@ impl Node {
             )
         })
         .await
-        .map_err(|e| Error::Runtime(format!("slot registration task: {e}")))??;
+        .map_err(|e| Error::Runtime(format!("slot registration task: {e}")))
+        .and_then(|r| r);
+        let lease = match lease {
+            Ok(l) => l,
+            Err(e) => {
+                // No node after all: the quota filesystem the runtime mounted goes too.
+                runtime::SandboxRuntime::release_storage(&runtime);
+                return Err(e);
+            }
+        };
         if lease.range().start != config.first_slot {
             tracing::info!(
                 "slots {}.. are another node's: this node uses {:?}",
@@ -99,6 +108,11 @@ impl Node {
         if let Err(e) = runtime.serve_slots(lease.range()) {
             tracing::warn!("sandboxes of this node will have no DNS and no domain rules: {e}");
         }
-        Node::open_locked(config, std::sync::Arc::new(runtime), lock, Some(lease)).await
+        let runtime = std::sync::Arc::new(runtime);
+        let node = Node::open_locked(config, runtime.clone(), lock, Some(lease)).await;
+        if node.is_err() {
+            runtime::SandboxRuntime::release_storage(runtime.as_ref());
+        }
+        node
     }
 }
