@@ -4,9 +4,9 @@
 # against a replica"): two `cubicle node --database …` processes, each in a network
 # namespace of its own, an API replica (`cubicle serve --database … --node-token-file …`,
 # no --node) that the SDKs' E2B_API_URL / E2B_SANDBOX_URL / E2B_API_KEY point at, and a
-# second replica that the tests' sandboxes are also reached through (the data plane of
-# one replica, the control plane of the other: CUBICLE_E2E_SPLIT_REPLICAS=1). The set-up
-# is tests/e2e/cluster/db_cluster.sh's (also run_db.sh's).
+# second replica (with CUBICLE_E2E_SPLIT_REPLICAS=1, E2B_SANDBOX_URL points at it: the
+# control plane of one replica, the data plane of the other). The set-up is
+# tests/e2e/cluster/db_cluster.sh's (also run_db.sh's).
 #
 #   tests/e2e/cluster/serve_suite.sh [python [PYTEST ARGS] | js | all]   (default: python)
 #
@@ -64,7 +64,9 @@ if [[ "${CUBICLE_CLUSTER_SERVE_E2E_INNER:-}" != "1" ]]; then
       rm -rf "$d/templates/$t"
       for l in $("$PY" -c 'import json,sys; print(" ".join(json.load(open(sys.argv[1])).get("layers") or []))' "$SOURCE/templates/$t/template.json"); do
         [[ -d "$d/layers/$l" ]] && continue
-        cp -al "$SOURCE/layers/$l" "$d/layers/$l" && cp -a "$SOURCE/layers/$l.json" "$d/layers/" || exit 1
+        # (hard links need one filesystem; a copy otherwise)
+        { cp -al "$SOURCE/layers/$l" "$d/layers/$l" 2>/dev/null || { rm -rf "$d/layers/$l"; cp -a --reflink=auto "$SOURCE/layers/$l" "$d/layers/$l"; }; } \
+          && cp -a "$SOURCE/layers/$l.json" "$d/layers/" || exit 1
       done
       cp -a "$SOURCE/templates/$t" "$d/templates/$t" || exit 1
     done
@@ -104,12 +106,13 @@ done
 for n in 1 2; do dbc_wait_line "$WORK/r$n.out" "cubicle: ready" 60 || exit 1; done
 E2B_API_URL=$(dbc_env_of r1 E2B_API_URL)
 E2B_SANDBOX_URL=$(dbc_env_of r1 E2B_SANDBOX_URL)
+[[ ${CUBICLE_E2E_SPLIT_REPLICAS:-} == 1 ]] && E2B_SANDBOX_URL=$(dbc_env_of r2 E2B_SANDBOX_URL)
 E2B_VOLUME_API_URL=$(dbc_env_of r1 E2B_VOLUME_API_URL)
 E2B_API_KEY=$(dbc_env_of r1 E2B_API_KEY)
 [[ -n $E2B_API_KEY ]] || E2B_API_KEY=$("$BIN" apikey --state-dir "$STATE-r1" --database "$DB")
 KEY_B=$("$BIN" apikey create --team other --state-dir "$STATE-r1" --database "$DB" 2>"$WORK/apikey.err" | grep -v '^[[:space:]]*$' | tail -n1 | awk '{print $NF}')
 [[ -n $KEY_B ]] || { echo "cluster-serve-e2e: apikey create --team other failed: $(cat "$WORK/apikey.err")" >&2; record "apikey create --team other" 1; }
-echo "cluster-serve-e2e: nodes n1..n$DBC_NODES, replicas $E2B_API_URL and $(dbc_env_of r2 E2B_API_URL), PostgreSQL $DB"
+echo "cluster-serve-e2e: nodes n1..n$DBC_NODES, replicas $E2B_API_URL and $(dbc_env_of r2 E2B_API_URL) (E2B_SANDBOX_URL=$E2B_SANDBOX_URL), PostgreSQL $DB"
 
 run_env=(env -u E2B_DEBUG -u E2B_DOMAIN -u E2B_ACCESS_TOKEN
   E2B_API_URL="$E2B_API_URL" E2B_SANDBOX_URL="$E2B_SANDBOX_URL" E2B_API_KEY="$E2B_API_KEY"
