@@ -19,7 +19,9 @@
 #      namespace with state dir /var/lib/cubicle-e2e (templates built once per machine),
 #      the Python (sync + async) and JS SDKs run against it with only E2B_API_URL,
 #      E2B_SANDBOX_URL, E2B_API_KEY set, then the server is stopped and the host checked
-#      for leftovers;
+#      for leftovers; alongside it (with the cluster suites wanted), a subset of the same
+#      Python tests through an API replica of a cluster coordinated through PostgreSQL
+#      (tests/e2e/cluster/serve_suite.sh: two nodes, two replicas);
 #   7. the cluster roles check (tests/e2e/cluster/run.sh): one `cubicle node` and one API
 #      replica (`cubicle serve --node`) in a private network namespace, the Python SDK's
 #      core paths through the replica, then the node killed (E2B-shaped errors); then
@@ -44,6 +46,7 @@
 #   CUBICLE_TEST_MIN_FREE_GB  free space required before starting (default 6)
 #   CUBICLE_SERVE_E2E_TIMEOUT  time limit of the whole serve suite (default 5400: the first
 #                         run on a machine builds the `base` template)
+#   CLUSTER_SERVE_MODULES the serve suite's test files the cluster serve suite runs
 set -uo pipefail
 
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
@@ -57,6 +60,13 @@ for fd in /proc/$$/fd/*; do
 done
 SUITES=${CUBICLE_TEST_SUITES:-lint cargo python js serve cluster deploy}
 E2E_TIMEOUT=${CUBICLE_E2E_TIMEOUT:-1200}
+# The serve suite's modules that also run through a cluster's API replica (alongside the
+# serve suite, when both `serve` and `cluster` are wanted): lifecycle, commands, files,
+# pty, watch (dataplane, fidelity), async, code interpreter, stateful (pause, resume,
+# snapshots, forks), teams, secrets, bad input, raw REST, operations, host isolation, and
+# the leak check. CLUSTER_SERVE_MODULES overrides (e.g. "tests/e2e/serve/python" for all).
+CLUSTER_SERVE_DEFAULT=$(printf 'tests/e2e/serve/python/test_%s.py ' lifecycle dataplane fidelity async \
+  code_interpreter stateful teams secrets bad_input rest_raw operations host_isolation zz_leaks)
 
 if [[ $(id -u) -ne 0 ]]; then
   echo "scripts/test.sh must run as root (namespaces, setuid test users): sudo scripts/test.sh" >&2
@@ -179,10 +189,38 @@ if wants serve; then
   elif ! bash scripts/build-envd.sh; then
     record "e2e serve (static envd build)" 1
   else
+    cluster_serve_pid=
+    if wants cluster; then
+      # The serve suite's templates first (what run.sh's first stage does, once per
+      # machine), so that the cluster serve suite can copy them and run alongside.
+      for t in tiny base code-interpreter-v1; do
+        CUBICLE_ENVD_BIN="$ROOT/target/x86_64-unknown-linux-gnu/debug/cubicle-envd" \
+          target/debug/cubicle template build "$t" --state-dir /var/lib/cubicle-e2e >/dev/null \
+          || echo "building template $t failed; the serve suites' tests that use it will fail" >&2
+      done
+      # The serve suite's official-SDK tests through an API replica of a cluster (two
+      # nodes, two replicas, PostgreSQL): a named subset of modules (CLUSTER_SERVE_MODULES),
+      # its own state dirs (/var/lib/cubicle-e2e-cluster-serve-*), slots 24000+ and network
+      # namespace; its output is printed after the serve suite's.
+      cluster_serve_log=$(mktemp /tmp/cubicle-cluster-serve-e2e.XXXXXX)
+      CUBICLE_BIN="$ROOT/target/debug/cubicle" \
+        CUBICLE_ENVD_BIN="$ROOT/target/x86_64-unknown-linux-gnu/debug/cubicle-envd" \
+        timeout --kill-after=30 "$E2E_TIMEOUT" tests/e2e/cluster/serve_suite.sh python \
+        ${CLUSTER_SERVE_MODULES:-$CLUSTER_SERVE_DEFAULT} >"$cluster_serve_log" 2>&1 &
+      cluster_serve_pid=$!
+    fi
     CUBICLE_BIN="$ROOT/target/debug/cubicle" \
       CUBICLE_ENVD_BIN="$ROOT/target/x86_64-unknown-linux-gnu/debug/cubicle-envd" \
       timeout --kill-after=90 "${CUBICLE_SERVE_E2E_TIMEOUT:-5400}" tests/e2e/serve/run.sh
     record "e2e serve" $?
+    if [[ -n $cluster_serve_pid ]]; then
+      wait "$cluster_serve_pid"
+      cluster_serve_rc=$?
+      banner "e2e cluster serve (the serve suite's python tests through an API replica)"
+      cat "$cluster_serve_log"
+      rm -f "$cluster_serve_log"
+      record "e2e cluster serve (python, through a replica)" $cluster_serve_rc
+    fi
   fi
 fi
 

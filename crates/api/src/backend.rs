@@ -170,6 +170,13 @@ pub trait Backend: Send + Sync + 'static {
     }
     /// Deletes a sandbox's network audit trail.
     fn forget_network_log(&self, _id: &str) {}
+    /// Brings [`Backend::log_path`] up to date when the log lives elsewhere (a replica
+    /// copies what the owning node's log gained); nothing to do on the node itself.
+    fn fetch_log<'a>(&'a self, _id: &'a str) -> BoxFuture<'a, ()> {
+        Box::pin(async {})
+    }
+    /// Deletes what [`Backend::fetch_log`] copied (the sandbox's record was purged).
+    fn forget_log(&self, _id: &str) {}
     /// Pause a running sandbox.
     fn pause<'a>(
         &'a self,

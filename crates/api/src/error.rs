@@ -142,25 +142,36 @@ impl From<cubicle_node::Error> for ApiError {
             N::Conflict(m) => ApiError::Conflict(m),
             N::Unsupported(m) => ApiError::NotImplemented(m),
             N::SnapshotNotFound(name) => ApiError::NotFound(format!("snapshot '{name}' not found")),
-            N::Checkpoint { what, source } if source.is_no_space() => {
-                ApiError::InsufficientStorage(format!("{what}: {source}"))
-            }
-            // The node's own files, or those written through the template crate's
-            // helpers (`sandbox.json`, checkpoint records).
-            N::Io { op, path, source }
-            | N::Template(cubicle_node::template::Error::Io { op, path, source })
-                if matches!(
-                    source.kind(),
-                    std::io::ErrorKind::StorageFull | std::io::ErrorKind::QuotaExceeded
-                ) =>
-            {
-                ApiError::InsufficientStorage(format!(
-                    "{op} {}: {source} (the sandbox's disk is full)",
-                    path.display()
-                ))
-            }
-            other => ApiError::Internal(other.to_string()),
+            e => match disk_full(&e) {
+                Some(m) => ApiError::InsufficientStorage(m),
+                None => ApiError::Internal(e.to_string()),
+            },
         }
+    }
+}
+
+/// What to say when node error `e` means the sandbox's disk is full (507), or `None`.
+/// Also what a node tells a replica (`cluster::WireError`), so that both answer alike.
+pub(crate) fn disk_full(e: &cubicle_node::Error) -> Option<String> {
+    use cubicle_node::Error as N;
+    match e {
+        N::Checkpoint { what, source } if source.is_no_space() => Some(format!("{what}: {source}")),
+        // The node's own files, or those written through the template crate's helpers
+        // (`sandbox.json`, checkpoint records).
+        N::Io { op, path, source }
+        | N::Template(cubicle_node::template::Error::Io { op, path, source })
+            if matches!(
+                source.kind(),
+                std::io::ErrorKind::StorageFull | std::io::ErrorKind::QuotaExceeded
+            ) =>
+        {
+            Some(format!(
+                "{op} {}: {source} (the sandbox's disk is full)",
+                path.display()
+            ))
+        }
+        N::DiskFull(m) => Some(m.clone()),
+        _ => None,
     }
 }
 

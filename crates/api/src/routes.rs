@@ -779,13 +779,21 @@ async fn delete_template(
 ) -> ApiResult<StatusCode> {
     if cp.team_snapshot(&team, &id).is_some() {
         cp.delete_snapshot(&team, &id).await?;
-    } else if crate::templates::parse(&id).is_err() {
-        // Neither a snapshot nor a well-formed template name: nothing by that name.
+    } else if crate::templates::parse(&id).is_err() || absent_on_nodes(&cp, &id) {
+        // Neither a snapshot nor a well-formed template name (or one no node has):
+        // nothing by that name.
         return Err(ApiError::NotFound(format!("template '{id}' not found")));
     } else {
         crate::template_builds::delete_template(&cp, &team, &id).await?;
     }
     Ok(StatusCode::NO_CONTENT)
+}
+
+/// On a replica (a backend without a template store of its own), whether no node has
+/// template `id`: its delete is a 404 as on a single host (another team's snapshot, a
+/// name nobody has), not "cannot build templates".
+fn absent_on_nodes(cp: &ControlPlane, id: &str) -> bool {
+    cp.backend().templates().is_none() && !cp.backend().template_exists(id).unwrap_or(true)
 }
 
 /// Fork a running sandbox into `count` new ones with its memory and disk.

@@ -1070,6 +1070,7 @@ impl ControlPlane {
     // ---- logs ----
 
     async fn sync_logs(&self, id: &str) {
+        self.backend.fetch_log(id).await;
         let (logs, src, id) = (self.logs.clone(), self.backend.log_path(id), id.to_string());
         match logs.pending(&id, &src) {
             0 => {}
@@ -1229,6 +1230,7 @@ impl ControlPlane {
                 Ok(ids) => {
                     for id in ids {
                         self.logs.remove(&id);
+                        self.backend.forget_log(&id);
                         self.backend.forget_network_log(&id);
                     }
                 }

@@ -393,6 +393,7 @@ pub async fn run(
         let node_tls = args.node_tls.config(&args.nodes)?;
         let mut cfg = cubicle_api::cluster::RemoteConfig::new(args.nodes.clone(), token.clone());
         cfg.tls = node_tls.clone();
+        cfg.log_dir = state_dir.join("node-logs");
         let remote = cubicle_api::cluster::RemoteBackend::connect(cfg)
             .await
             .map_err(|e| anyhow::anyhow!("connecting to the nodes: {e}"))?;

@@ -47,6 +47,7 @@ pub async fn connect(
     let node_tls = args.node_tls.config(&[])?;
     let mut cfg = RemoteConfig::new(Vec::new(), token.clone());
     cfg.tls = node_tls.clone();
+    cfg.log_dir = state_dir.join("node-logs");
     let remote = RemoteBackend::connect_cluster(cfg, store.clone())
         .await
         .map_err(|e| anyhow::anyhow!("reading the cluster's nodes: {e}"))?;

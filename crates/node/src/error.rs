@@ -87,6 +87,10 @@ pub enum Error {
     /// A snapshot that does not exist.
     #[error("snapshot '{0}' not found")]
     SnapshotNotFound(String),
+    /// The sandbox's disk filled up (a node's answer to a replica: the message says
+    /// where; on the node itself it is the `Io` or `Checkpoint` error that says so).
+    #[error("{0}")]
+    DiskFull(String),
     /// A JSON record could not be read or written.
     #[error("record {path}: {source}")]
     Record {

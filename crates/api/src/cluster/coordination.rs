@@ -305,14 +305,16 @@ impl ClusterDb {
             memory_mb: req.memory_mb.unwrap_or(DEFAULT_NEED.memory_mb),
         };
         let (k, template) = (key.clone(), req.template.clone());
-        // A create that mounts volumes goes to their node (`super::volumes`).
+        // A create that mounts volumes goes to their node (`super::volumes`); one from a
+        // snapshot to the snapshot's node when it can take it.
         let pinned = super::volumes::pinned_node(rb, &req)?;
-        let p = blocking(&self.store, move |s| {
-            let ttl = PLACEMENT_TTL.as_millis() as i64;
-            match &pinned {
-                Some(node) => s.reserve_placement(node, &k, need, now_ms(), ttl),
-                None => s.place_sandbox(&k, &template, need, now_ms(), ttl),
+        let home = rb.snapshot_node(&req.template);
+        let p = blocking(&self.store, move |s| match &pinned {
+            Some(node) => {
+                let ttl = PLACEMENT_TTL.as_millis() as i64;
+                s.reserve_placement(node, &k, need, now_ms(), ttl)
             }
+            None => place_near_snapshot(s, home.as_deref(), &k, &template, need),
         })
         .await?;
         let reserved = t0.elapsed();
@@ -548,4 +550,30 @@ pub async fn pause_for_drain(rb: &RemoteBackend, ids: &[String]) -> DrainReport 
         }
     }
     report
+}
+
+/// Reserves room for a create of `template` under `key`: on node `home` when the
+/// template is a snapshot that node holds (it is only there unless an object store makes
+/// it movable), else — or when `home` has no room or is gone — where `place_sandbox` picks.
+fn place_near_snapshot(
+    s: &Store,
+    home: Option<&str>,
+    key: &str,
+    template: &str,
+    need: Resources,
+) -> cubicle_store::Result<Placement> {
+    let ttl = PLACEMENT_TTL.as_millis() as i64;
+    if let Some(node) = home {
+        match s.reserve_placement(node, key, need, now_ms(), ttl) {
+            Err(e @ (cubicle_store::Error::NoCapacity(_) | cubicle_store::Error::NotFound(_))) => {
+                tracing::info!(
+                    node,
+                    template,
+                    "the snapshot's node cannot take it ({e}): placing elsewhere"
+                );
+            }
+            r => return r,
+        }
+    }
+    s.place_sandbox(key, template, need, now_ms(), ttl)
 }

@@ -107,6 +107,14 @@ impl WireError {
     pub fn from_node(e: &cubicle_node::Error) -> Self {
         use cubicle_node::Error as N;
         use cubicle_node::template::Error as T;
+        if let Some(m) = crate::error::disk_full(e) {
+            return WireError {
+                code: 507,
+                message: m.clone(),
+                kind: "disk_full".into(),
+                subject: m,
+            };
+        }
         let (code, kind, subject) = match e {
             N::SandboxNotFound(id) => (404, "sandbox_not_found", id.clone()),
             N::VolumeNotFound(id) => (404, "volume_not_found", id.clone()),
@@ -142,6 +150,7 @@ impl WireError {
             "conflict" => N::Conflict(self.subject),
             "capacity" => N::Capacity(self.subject),
             "unsupported" => N::Unsupported(self.subject),
+            "disk_full" => N::DiskFull(self.subject),
             _ => N::Runtime(self.message),
         }
     }
@@ -164,4 +173,35 @@ pub struct WireTimeout {
     pub memory: bool,
     #[serde(default)]
     pub count: usize,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::WireError;
+    use crate::ApiError;
+    use axum::http::StatusCode;
+
+    /// A full disk on the node answers 507 through a replica too, with the node's words.
+    #[test]
+    fn disk_full_crosses_the_wire_as_507() {
+        let e = cubicle_node::Error::io(
+            "create",
+            "/var/lib/cubicle/sandboxes/x/sandbox.tmp",
+            std::io::Error::from_raw_os_error(libc::EDQUOT),
+        );
+        let local = ApiError::from(cubicle_node::Error::io(
+            "create",
+            "/var/lib/cubicle/sandboxes/x/sandbox.tmp",
+            std::io::Error::from_raw_os_error(libc::EDQUOT),
+        ));
+        let w = WireError::from_node(&e);
+        assert_eq!((w.code, w.kind.as_str()), (507, "disk_full"));
+        let wire: WireError = serde_json::from_slice(&serde_json::to_vec(&w).unwrap()).unwrap();
+        let relayed = ApiError::from(wire.into_node());
+        assert_eq!(relayed.status(), StatusCode::INSUFFICIENT_STORAGE);
+        assert_eq!(relayed.to_string(), local.to_string());
+        // Anything else stays what it was.
+        let other = WireError::from_node(&cubicle_node::Error::Runtime("boom".into()));
+        assert_eq!(other.code, 500);
+    }
 }

@@ -95,6 +95,7 @@ pub fn node_router_with(node: Node, dp: DataPlane, token: &str, extra: Router) -
         .route("/sandboxes/{id}", get(info).delete(kill))
         .route("/sandboxes/{id}/timeout", post(set_timeout))
         .route("/sandboxes/{id}/stats", get(stats))
+        .route("/sandboxes/{id}/init-log", get(init_log))
         .route("/sandboxes/{id}/network", post(update_network))
         .route(
             "/sandboxes/{id}/network-log",
@@ -253,6 +254,51 @@ async fn set_timeout(
 async fn stats(State(st): State<NodeApi>, Path(id): Path<String>) -> Response {
     let node = st.node.clone();
     answer(blocking(move || node.stats(&id)).await)
+}
+
+#[derive(Deserialize)]
+struct InitLogQuery {
+    #[serde(default)]
+    offset: u64,
+}
+
+/// Most of a sandbox's envd log one call returns (a replica asks again for the rest).
+const INIT_LOG_CHUNK: u64 = 256 * 1024;
+
+/// Sandbox `id`'s envd log from byte `offset` on (at most [`INIT_LOG_CHUNK`] bytes;
+/// empty when there is no more), for a replica's copy.
+async fn init_log(
+    State(st): State<NodeApi>,
+    Path(id): Path<String>,
+    Query(q): Query<InitLogQuery>,
+) -> Response {
+    let node = st.node.clone();
+    answer(
+        blocking(move || {
+            // (an id names a directory: nothing but what ids are made of)
+            if id.is_empty() || !id.bytes().all(|b| b.is_ascii_alphanumeric()) {
+                return Err(cubicle_node::Error::SandboxNotFound(id));
+            }
+            node.get(&id)?;
+            let path = node.sandbox_dir(&id).join(cubicle_node::init_log::INIT_LOG);
+            read_from(&path, q.offset)
+        })
+        .await,
+    )
+}
+
+fn read_from(path: &std::path::Path, offset: u64) -> cubicle_node::Result<Vec<u8>> {
+    use std::io::{Read, Seek, SeekFrom};
+    let mut f = match std::fs::File::open(path) {
+        Ok(f) => f,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(e) => return Err(cubicle_node::Error::io("reading", path, e)),
+    };
+    let mut out = Vec::new();
+    f.seek(SeekFrom::Start(offset))
+        .and_then(|_| f.take(INIT_LOG_CHUNK).read_to_end(&mut out))
+        .map_err(|e| cubicle_node::Error::io("reading", path, e))?;
+    Ok(out)
 }
 
 async fn update_network(

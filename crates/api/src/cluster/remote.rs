@@ -22,6 +22,7 @@
 //! in egress header rules (the node has no store).
 
 use std::collections::{HashMap, HashSet};
+use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, RwLock};
 use std::time::{Duration, Instant};
@@ -60,6 +61,9 @@ pub struct RemoteConfig {
     pub timeout: Duration,
     /// Limit on calls that may take long (create, pause, resume, snapshot, fork).
     pub long_timeout: Duration,
+    /// Where this replica keeps its copies of the sandboxes' envd logs (relayed from
+    /// their nodes, [`Backend::fetch_log`]); one directory per replica.
+    pub log_dir: PathBuf,
 }
 
 impl RemoteConfig {
@@ -72,6 +76,8 @@ impl RemoteConfig {
             poll_interval: Duration::from_millis(500),
             timeout: Duration::from_secs(10),
             long_timeout: Duration::from_secs(600),
+            log_dir: std::env::temp_dir()
+                .join(format!("cubicle-replica-{}-logs", std::process::id())),
         }
     }
 }
@@ -671,6 +677,77 @@ impl RemoteBackend {
             .filter_map(|n| lock(&n.status).clone())
             .collect()
     }
+
+    /// `info` as cached, or — when it is running past its end time — as its node has it
+    /// now: the node ends a sandbox at its timeout and this replica would learn it only
+    /// at its next poll, answering "running" meanwhile for a sandbox already gone.
+    fn unless_timed_out(
+        &self,
+        node: usize,
+        info: SandboxInfo,
+    ) -> cubicle_node::Result<SandboxInfo> {
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_millis() as u64);
+        if info.state != cubicle_node::SandboxState::Running || info.end_at_ms > now {
+            return Ok(info);
+        }
+        let id = info.id.to_string();
+        self.block(self.refresh(node, &id));
+        lock(&self.inner.cache)
+            .get(&id)
+            .map(|e| e.info.clone())
+            .ok_or(cubicle_node::Error::SandboxNotFound(id))
+    }
+
+    /// Appends to this replica's copy of sandbox `id`'s envd log ([`Backend::log_path`])
+    /// what its node's log gained since (its length is the offset asked for). Failures
+    /// are logged: the logs answer with what was copied before.
+    async fn fetch_init_log(&self, id: &str) {
+        let Ok(node) = self.owner(id) else {
+            return;
+        };
+        let path = Backend::log_path(self, id);
+        let offset = std::fs::metadata(&path).map_or(0, |m| m.len());
+        let got: cubicle_node::Result<Vec<u8>> = self
+            .call(
+                node,
+                Method::GET,
+                &format!("/sandboxes/{id}/init-log?offset={offset}"),
+                None,
+                false,
+            )
+            .await;
+        let appended = match got {
+            Ok(data) if data.is_empty() => return,
+            Ok(data) => std::fs::create_dir_all(&self.inner.cfg.log_dir).and_then(|()| {
+                use std::io::Write;
+                std::fs::OpenOptions::new()
+                    .create(true)
+                    .append(true)
+                    .open(&path)?
+                    .write_all(&data)
+            }),
+            Err(e) => {
+                tracing::debug!(sandbox = %id, "envd log from its node: {e}");
+                return;
+            }
+        };
+        if let Err(e) = appended {
+            tracing::warn!(sandbox = %id, path = %path.display(), "copying the envd log from its node: {e}");
+        }
+    }
+
+    /// The cluster name of the node that holds snapshot `name` (by id or name), as this
+    /// replica last polled the nodes (a snapshot taken through it is polled right away).
+    pub(super) fn snapshot_node(&self, name: &str) -> Option<String> {
+        self.links().iter().filter(|n| !n.retired()).find_map(|n| {
+            let holds = lock(&n.status)
+                .as_ref()
+                .is_some_and(|st| st.snapshots.iter().any(|s| s.answers_to(name)));
+            if holds { n.name.clone() } else { None }
+        })
+    }
 }
 
 impl Backend for RemoteBackend {
@@ -745,8 +822,11 @@ impl Backend for RemoteBackend {
     }
 
     fn get(&self, id: &str) -> cubicle_node::Result<SandboxInfo> {
-        if let Some(e) = lock(&self.inner.cache).get(id) {
-            return Ok(e.info.clone());
+        let cached = lock(&self.inner.cache)
+            .get(id)
+            .map(|e| (e.node, e.info.clone()));
+        if let Some((node, info)) = cached {
+            return self.unless_timed_out(node, info);
         }
         match self.inner.cluster.get() {
             // Not seen here yet: ask its owner (through the database).
@@ -795,8 +875,8 @@ impl Backend for RemoteBackend {
     }
 
     fn log_path(&self, id: &str) -> std::path::PathBuf {
-        // The envd log stays on the node (not served over the node API yet).
-        std::path::PathBuf::from("/nonexistent/cubicle-remote-node").join(id)
+        // A copy of the node's, brought up to date by `fetch_log`.
+        self.inner.cfg.log_dir.join(id)
     }
 
     fn pool(&self) -> cubicle_node::PoolStats {
@@ -954,6 +1034,14 @@ impl Backend for RemoteBackend {
                     Vec::new()
                 })
         })
+    }
+
+    fn fetch_log<'a>(&'a self, id: &'a str) -> BoxFuture<'a, ()> {
+        Box::pin(self.fetch_init_log(id))
+    }
+
+    fn forget_log(&self, id: &str) {
+        let _ = std::fs::remove_file(Backend::log_path(self, id));
     }
 
     fn forget_network_log(&self, id: &str) {

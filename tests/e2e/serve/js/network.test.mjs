@@ -11,7 +11,9 @@ import { after, before, test } from 'node:test'
 import { fileURLToPath } from 'node:url'
 import { createHash, randomBytes } from 'node:crypto'
 import { Sandbox, Secret } from './e2b.mjs'
-import { API_KEY, API_URL, TEMPLATE, Tracker } from './helpers.mjs'
+import { API_KEY, API_URL, TEMPLATE, Tracker, singleHost } from './helpers.mjs'
+
+const NEEDS_NETLAB = singleHost("netlab's private internet is in the suite's network namespace, the cluster's nodes in their own")
 
 const t = new Tracker()
 const PY = fileURLToPath(new URL('../../.venv/bin/python', import.meta.url))
@@ -81,7 +83,7 @@ function refused(r, what) {
   assert.ok(r.secs < 1.5, `${what}: failed only after ${r.secs} s (not the rules answering)`)
 }
 
-test('allowOut / denyOut addresses, getInfo echoes the network', async () => {
+test('allowOut / denyOut addresses, getInfo echoes the network', NEEDS_NETLAB, async () => {
   const sbx = await box({ network: { allowOut: [lab.allowed], denyOut: ['0.0.0.0/0'] } })
   reached(await probe(sbx, lab.allowed, 80, lab.allowed), lab.allowed)
   refused(await probe(sbx, lab.evil, 80, lab.evil), 'outside allowOut')
@@ -90,7 +92,7 @@ test('allowOut / denyOut addresses, getInfo echoes the network', async () => {
   assert.deepEqual(info.network?.denyOut, ['0.0.0.0/0'])
 })
 
-test('domains: allowed by name, bypasses contained, updateNetwork replaces', async () => {
+test('domains: allowed by name, bypasses contained, updateNetwork replaces', NEEDS_NETLAB, async () => {
   const network = { allowOut: ['allowed.test', '*.allowed.test'], denyOut: ['0.0.0.0/0'], dnsServers: [lab.dns] }
   const sbx = await box({ network })
   reached(await probe(sbx, lab.allowed, 443, 'www.allowed.test', true), lab.allowed)
@@ -119,7 +121,7 @@ test('domains: allowed by name, bypasses contained, updateNetwork replaces', asy
   refused(await probe(sbx, lab.evil, 80, lab.evil), 'internet off')
 })
 
-test('egressProxy: tunnelled through SOCKS5 with credentials, fails closed', async () => {
+test('egressProxy: tunnelled through SOCKS5 with credentials, fails closed', NEEDS_NETLAB, async () => {
   const sbx = await box({ network: { egressProxy: { address: `${lab.socks}:1080`, username: 'user', password: 'pass' } } })
   const body = reached(await probe(sbx, lab.other, 80, lab.other), lab.other)
   assert.equal(body.client, lab.socks, 'the connection did not come through the proxy')
@@ -158,7 +160,7 @@ test('the audit trail is in the logs API', async () => {
   assert.ok(net.some((m) => m.includes('evil.test') && m.includes('denied')), net.join('\n'))
 })
 
-test('header rules put a secret into HTTP and HTTPS requests, never into the sandbox', async () => {
+test('header rules put a secret into HTTP and HTTPS requests, never into the sandbox', NEEDS_NETLAB, async () => {
   const value = `clear-js-${randomBytes(16).toString('hex')}`
   const name = `e2e-js-rule-${randomBytes(4).toString('hex')}`
   const want = createHash('sha256').update(`Bearer ${value}`).digest('hex')

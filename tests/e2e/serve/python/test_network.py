@@ -23,6 +23,11 @@ from e2b.exceptions import SandboxException
 
 from conftest import API_KEY, API_URL, TEMPLATE, api, record_id
 
+pytestmark = pytest.mark.single_host(
+    "netlab's private internet is set up in the suite's network namespace; a cluster's "
+    "nodes (and their sandboxes' egress) are in namespaces of their own"
+)
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 NETLAB = os.path.join(HERE, "..", "netlab", "netlab.py")
 CUBICLE_BIN = os.environ.get("CUBICLE_BIN", "")

@@ -256,3 +256,24 @@ def test_traffic_access_token(sandboxes: Tracker):
         assert s.commands.run("echo envd-needs-no-traffic-token").exit_code == 0
     finally:
         h.kill()
+
+
+def test_envd_log_lines_are_served(sandboxes: Tracker):
+    """The sandbox's own log (its envd's output) through `GET /sandboxes/{id}/logs`: on a
+    single host the server reads it; through a cluster's replica it is relayed from the
+    owning node."""
+    s = sandboxes.create(FAST_TEMPLATE, timeout=120)
+    sid = s.sandbox_id
+
+    def envd_lines():
+        r = api("GET", f"/v2/sandboxes/{sid}/logs")
+        assert r.status_code == 200, (r.status_code, r.text)
+        return [e for e in r.json()["logs"] if "envd listening" in e["message"]]
+
+    lines = poll(envd_lines, timeout=15, interval=0.5)
+    assert lines, f"no envd start line in the logs of {sid}: {api('GET', f'/v2/sandboxes/{sid}/logs').text[:500]}"
+    v1 = api("GET", f"/sandboxes/{sid}/logs").json()
+    assert any("envd listening" in l["line"] for l in v1["logs"]), v1
+    # Asked again: nothing twice.
+    again = envd_lines()
+    assert len(again) == len(lines), (lines, again)

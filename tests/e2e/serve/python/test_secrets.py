@@ -142,6 +142,7 @@ def test_secrets_are_per_team(made: Secrets):
         Secret.destroy(other.secret_id, api_key=KEY_B)
 
 
+@pytest.mark.single_host("reads the server's SQLite file (on PostgreSQL the store's own tests check the sealing)")
 @pytest.mark.skipif(not STATE_DIR, reason="CUBICLE_E2E_STATE_DIR is not set")
 def test_value_is_not_stored_or_logged_in_clear(made: Secrets):
     value = "clear-" + pysecrets.token_hex(24)
