@@ -263,7 +263,9 @@ impl LinuxRuntime {
     /// Whether `slot`'s sandbox never sent a packet; its network is cut first, so call
     /// it before killing the sandbox (see `Network::stop_sending`).
     fn never_sent(&self, slot: u32) -> bool {
-        self.network.as_ref().is_ok_and(|net| net.stop_sending(slot))
+        self.network
+            .as_ref()
+            .is_ok_and(|net| net.stop_sending(slot))
     }
 
     /// Forgets `slot`'s egress policy and removes its network objects (its connections

@@ -587,7 +587,10 @@ fn egress_isolation_end_to_end() {
     .unwrap();
     assert!(world.net.never_sent(4), "a packet got through a cut link");
     drop(stopped);
-    assert!(world.net.stop_sending(4), "the answer must outlive the veth");
+    assert!(
+        world.net.stop_sending(4),
+        "the answer must outlive the veth"
+    );
     world.net.detach_with(4, true).unwrap();
     assert!(!world.net.stop_sending(4), "a detached slot is never quiet");
     assert!(!sh("ip", &["-o", "link"]).contains(": cbt1@"));
