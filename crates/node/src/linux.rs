@@ -260,10 +260,12 @@ impl LinuxRuntime {
         self.detach_network(slot, never_sent)
     }
 
-    /// Whether `slot`'s sandbox never sent a packet (read before killing it; see
-    /// `Network::never_sent`).
+    /// Whether `slot`'s sandbox never sent a packet; its network is cut first, so call
+    /// it before killing the sandbox (see `Network::stop_sending`).
     fn never_sent(&self, slot: u32) -> bool {
-        self.network.as_ref().is_ok_and(|net| net.never_sent(slot))
+        self.network
+            .as_ref()
+            .is_ok_and(|net| net.stop_sending(slot))
     }
 
     /// Forgets `slot`'s egress policy and removes its network objects (its connections
@@ -343,6 +345,10 @@ impl SandboxRuntime for LinuxRuntime {
         let pid = sb.pid();
         self.handles().insert(id.to_string(), sb);
         Ok(pid)
+    }
+
+    fn cut_network(&self, slot: u32) {
+        self.never_sent(slot);
     }
 
     fn destroy(&self, id: &str, slot: Option<u32>, sandbox_dir: &Path) -> Result<()> {

@@ -5,7 +5,7 @@
 //! The policy is an allowlist in the spirit of Docker's default profile: a sandbox may
 //! make the calls in [`ALLOWED`] (what ordinary programs, package managers, language
 //! runtimes, `sudo`, `ping` and debuggers use), subject to the argument rules of
-//! [`deny_rules`]. Every other call fails:
+//! [`argument_rules`]. Every other call fails:
 //! - with `EPERM` if it is in [`DENIED`]: calls we know and refuse, each with its reason
 //!   (a permission error is what programs expect from a missing privilege, and says
 //!   what happened);
@@ -13,12 +13,16 @@
 //!   this file allows it. `ENOSYS` is what a kernel without the call answers, so libc
 //!   and runtimes fall back to older calls (as they do for `clone3`, below).
 //!
-//! Three programs are stacked; the kernel runs all of them and the strictest action
-//! wins (among two errno results, the later-installed program's errno):
-//! 1. `abi_guard`: kills any non-x86_64 syscall ABI (i386 via `int 0x80`) and returns
-//!    ENOSYS for x32 syscall numbers (bit 30), which would bypass per-number rules.
-//! 2. the allowlist: [`ALLOWED`] → allow, anything else → ENOSYS.
-//! 3. the deny program: [`DENIED`] → EPERM, plus the argument rules → EPERM, anything
+//! Two programs are stacked; the kernel runs both and the strictest action wins (among
+//! two errno results, the later-installed program's errno):
+//! 1. the number program ([`number_program`]): kills any non-x86_64 syscall ABI (i386
+//!    via `int 0x80`), then looks the call's number up by binary search over ranges:
+//!    [`ALLOWED`] → allow, [`DENIED`] → EPERM, anything else → ENOSYS (x32 numbers, bit
+//!    30 set, included: they would bypass per-number rules). About 200 instructions
+//!    instead of a linear chain of 900: the kernel checks, translates and JIT-compiles
+//!    it at every sandbox's start, and emulates it for every number to fill its verdict
+//!    cache, so its size is paid at every create.
+//! 2. the argument program: the argument rules of [`argument_rules`] → EPERM, anything
 //!    else → allow.
 //!
 //! Calls without argument rules are allowed or denied by number alone, so the kernel
@@ -41,12 +45,12 @@
 //!   `mlock*` (bounded by RLIMIT_MEMLOCK and the memory cgroup), `seccomp` (programs
 //!   add their own filters), `landlock_*`.
 //! - `ioctl`, `socket`, `personality`, `clone`, `unshare`: allowed except the argument
-//!   combinations of [`deny_rules`].
+//!   combinations of [`argument_rules`].
 //!
 //! Denied although Docker allows it: `io_uring_*` (operations never pass seccomp;
 //! libuv and others fall back to threads), `userfaultfd`, `name_to_handle_at`,
 //! `adjtimex`/`clock_adjtime` (even read-only), filesystem ioctls that create, freeze or
-//! lock filesystem objects (see [`deny_rules`]).
+//! lock filesystem objects (see [`argument_rules`]).
 
 use std::collections::BTreeMap;
 
@@ -547,7 +551,7 @@ pub const RETIRED: &[(&str, i64)] = &[
     // Called only by the kernel's own uretprobe trampoline.
     ("uretprobe", 335),
     // Its flags are in memory seccomp cannot read: libc falls back to clone, whose
-    // flags the deny program checks.
+    // flags the argument program checks.
     ("clone3", libc::SYS_clone3),
 ];
 
@@ -601,12 +605,10 @@ pub const DENIED_IOCTL_TYPES: &[(&str, u64, &[u64], &str)] = &[
     ),
 ];
 
-/// Builds the deny program's rules: [`DENIED`] plus the argument rules.
-fn deny_rules() -> Result<BTreeMap<i64, Vec<SeccompRule>>> {
+/// Builds the argument program's rules (a match fails with EPERM). Only calls in
+/// [`ALLOWED`]: the number program already refuses every other.
+fn argument_rules() -> Result<BTreeMap<i64, Vec<SeccompRule>>> {
     let mut rules: BTreeMap<i64, Vec<SeccompRule>> = BTreeMap::new();
-    for (_, nr, _) in DENIED {
-        rules.insert(*nr, Vec::new());
-    }
     let cond = |arg: u8, len: SeccompCmpArgLen, op: SeccompCmpOp, val: u64| {
         SeccompCondition::new(arg, len, op, val).map_err(|e| Error::Seccomp(e.to_string()))
     };
@@ -679,27 +681,69 @@ fn clone_new_flag_rules(
         .collect()
 }
 
-/// Hand-written guard against other syscall ABIs (see the module doc).
-fn abi_guard() -> Vec<sock_filter> {
-    const BPF_LD_W_ABS: u16 = 0x20; // BPF_LD | BPF_W | BPF_ABS
-    const BPF_JEQ_K: u16 = 0x15; // BPF_JMP | BPF_JEQ | BPF_K
-    const BPF_JGE_K: u16 = 0x35; // BPF_JMP | BPF_JGE | BPF_K
-    const BPF_RET_K: u16 = 0x06; // BPF_RET | BPF_K
-    const AUDIT_ARCH_X86_64: u32 = 0xC000_003E;
-    const X32_SYSCALL_BIT: u32 = 0x4000_0000;
-    const RET_KILL_PROCESS: u32 = 0x8000_0000;
-    const RET_ERRNO_ENOSYS: u32 = 0x0005_0000 | libc::ENOSYS as u32;
-    const RET_ALLOW: u32 = 0x7fff_0000;
+const BPF_LD_W_ABS: u16 = 0x20; // BPF_LD | BPF_W | BPF_ABS
+const BPF_JEQ_K: u16 = 0x15; // BPF_JMP | BPF_JEQ | BPF_K
+const BPF_JGE_K: u16 = 0x35; // BPF_JMP | BPF_JGE | BPF_K
+const BPF_RET_K: u16 = 0x06; // BPF_RET | BPF_K
+const AUDIT_ARCH_X86_64: u32 = 0xC000_003E;
+const RET_KILL_PROCESS: u32 = 0x8000_0000;
+const RET_ERRNO: u32 = 0x0005_0000;
+const RET_ALLOW: u32 = 0x7fff_0000;
+
+/// The verdict of the number program for system call number `nr`.
+fn number_verdict(nr: u32) -> u32 {
+    let nr = i64::from(nr);
+    if ALLOWED.iter().any(|(_, n)| *n == nr) {
+        RET_ALLOW
+    } else if DENIED.iter().any(|(_, n, _)| *n == nr) {
+        RET_ERRNO | libc::EPERM as u32
+    } else {
+        RET_ERRNO | libc::ENOSYS as u32
+    }
+}
+
+/// The number program (see the module doc): the architecture check, then a balanced
+/// binary search over the ranges of numbers that share a verdict.
+fn number_program() -> Result<Vec<sock_filter>> {
     let ins = |code, jt, jf, k| sock_filter { code, jt, jf, k };
-    vec![
+    // (first number, verdict) of each range; the last range runs to u32::MAX.
+    let highest = u32::try_from(HIGHEST_KNOWN).unwrap_or(u32::MAX);
+    let mut ranges: Vec<(u32, u32)> = Vec::new();
+    for nr in 0..=highest.saturating_add(1) {
+        let v = number_verdict(nr);
+        if ranges.last().is_none_or(|(_, last)| *last != v) {
+            ranges.push((nr, v));
+        }
+    }
+    let mut prog = vec![
         ins(BPF_LD_W_ABS, 0, 0, 4), // seccomp_data.arch
         ins(BPF_JEQ_K, 1, 0, AUDIT_ARCH_X86_64),
         ins(BPF_RET_K, 0, 0, RET_KILL_PROCESS),
         ins(BPF_LD_W_ABS, 0, 0, 0), // seccomp_data.nr
-        ins(BPF_JGE_K, 0, 1, X32_SYSCALL_BIT),
-        ins(BPF_RET_K, 0, 0, RET_ERRNO_ENOSYS),
-        ins(BPF_RET_K, 0, 0, RET_ALLOW),
-    ]
+    ];
+    prog.extend(search(&ranges)?);
+    Ok(prog)
+}
+
+/// Instructions that return the verdict of the range holding the number in the
+/// accumulator: `if nr >= middle range's start { right half } else { left half }`.
+fn search(ranges: &[(u32, u32)]) -> Result<Vec<sock_filter>> {
+    let ins = |code, jt, jf, k| sock_filter { code, jt, jf, k };
+    match ranges {
+        [] => Err(Error::Seccomp("empty range table".into())),
+        [(_, verdict)] => Ok(vec![ins(BPF_RET_K, 0, 0, *verdict)]),
+        _ => {
+            let mid = ranges.len() / 2;
+            let left = search(&ranges[..mid])?;
+            let right = search(&ranges[mid..])?;
+            let skip = u8::try_from(left.len())
+                .map_err(|_| Error::Seccomp("number program: jump too long".into()))?;
+            let mut out = vec![ins(BPF_JGE_K, skip, 0, ranges[mid].0)];
+            out.extend(left);
+            out.extend(right);
+            Ok(out)
+        }
+    }
 }
 
 /// The compiled programs, in installation order.
@@ -710,28 +754,17 @@ pub struct SeccompPolicy {
 /// Compiles the policy. Done in the helper before the sandbox child exists, so a policy
 /// error is reported before any namespace is created.
 pub fn compile() -> Result<SeccompPolicy> {
-    let arch = TargetArch::x86_64;
     let to_err = |e: seccompiler::BackendError| Error::Seccomp(e.to_string());
-    let allow: BTreeMap<i64, Vec<SeccompRule>> =
-        ALLOWED.iter().map(|(_, nr)| (*nr, Vec::new())).collect();
-    let allowlist = SeccompFilter::new(
-        allow,
-        SeccompAction::Errno(libc::ENOSYS as u32),
-        SeccompAction::Allow,
-        arch,
-    )
-    .map_err(to_err)?;
-    let deny = SeccompFilter::new(
-        deny_rules()?,
+    let arguments = SeccompFilter::new(
+        argument_rules()?,
         SeccompAction::Allow,
         SeccompAction::Errno(libc::EPERM as u32),
-        arch,
+        TargetArch::x86_64,
     )
     .map_err(to_err)?;
-    let allowlist: BpfProgram = allowlist.try_into().map_err(to_err)?;
-    let deny: BpfProgram = deny.try_into().map_err(to_err)?;
+    let arguments: BpfProgram = arguments.try_into().map_err(to_err)?;
     Ok(SeccompPolicy {
-        programs: vec![abi_guard(), allowlist, deny],
+        programs: vec![number_program()?, arguments],
     })
 }
 
@@ -753,8 +786,71 @@ mod tests {
     #[test]
     fn compiles() {
         let p = compile().unwrap();
-        assert_eq!(p.programs.len(), 3);
+        assert_eq!(p.programs.len(), 2);
         assert!(p.programs.iter().all(|p| !p.is_empty() && p.len() < 4096));
+        // The point of the binary search: a short program (a linear chain was ~900).
+        assert!(p.programs[0].len() < 300, "{}", p.programs[0].len());
+    }
+
+    /// Runs the number program as the kernel would (only the instructions it uses).
+    fn run_number_program(prog: &[sock_filter], arch: u32, nr: u32) -> u32 {
+        let (mut pc, mut acc) = (0usize, 0u32);
+        loop {
+            let i = &prog[pc];
+            pc += 1;
+            match i.code {
+                BPF_LD_W_ABS => {
+                    acc = match i.k {
+                        0 => nr,
+                        4 => arch,
+                        k => panic!("load of offset {k}"),
+                    }
+                }
+                BPF_JEQ_K | BPF_JGE_K => {
+                    let taken = if i.code == BPF_JEQ_K {
+                        acc == i.k
+                    } else {
+                        acc >= i.k
+                    };
+                    pc += usize::from(if taken { i.jt } else { i.jf });
+                }
+                BPF_RET_K => return i.k,
+                c => panic!("unexpected instruction {c:#x}"),
+            }
+        }
+    }
+
+    /// Every number gets its list's verdict: allowed, EPERM for the denied ones,
+    /// ENOSYS for the rest (retired, unknown, x32, huge); other ABIs are killed.
+    #[test]
+    fn number_program_gives_each_list_its_verdict() {
+        let prog = number_program().unwrap();
+        let eperm = RET_ERRNO | libc::EPERM as u32;
+        let enosys = RET_ERRNO | libc::ENOSYS as u32;
+        let run = |nr: u32| run_number_program(&prog, AUDIT_ARCH_X86_64, nr);
+        for (name, nr) in ALLOWED {
+            assert_eq!(run(*nr as u32), RET_ALLOW, "{name}");
+            // The same call through the x32 ABI.
+            assert_eq!(run(*nr as u32 | 0x4000_0000), enosys, "x32 {name}");
+        }
+        for (name, nr, _) in DENIED {
+            assert_eq!(run(*nr as u32), eperm, "{name}");
+        }
+        for (name, nr) in RETIRED {
+            assert_eq!(run(*nr as u32), enosys, "{name}");
+        }
+        for nr in (0..=4096u32).chain([0x3fff_ffff, 0x4000_0000, 0x8000_0000, u32::MAX]) {
+            let listed = ALLOWED.iter().any(|(_, n)| *n == i64::from(nr))
+                || DENIED.iter().any(|(_, n, _)| *n == i64::from(nr));
+            if !listed {
+                assert_eq!(run(nr), enosys, "unlisted {nr}");
+            }
+        }
+        const AUDIT_ARCH_I386: u32 = 0x4000_0003;
+        assert_eq!(
+            run_number_program(&prog, AUDIT_ARCH_I386, libc::SYS_read as u32),
+            RET_KILL_PROCESS
+        );
     }
 
     /// Every number up to the highest this kernel generation has is in exactly one of

@@ -419,6 +419,10 @@ pub struct Network {
     host_nets: Vec<Ipv4Cidr>,
     /// The policy-set elements each slot has in the kernel (so changes are deltas).
     applied: Mutex<HashMap<u32, BTreeSet<(&'static str, SetElem)>>>,
+    /// Slots whose host side [`Network::stop_sending`] took down, with its answer (kept
+    /// until the slot is detached or attached again: by then the veth may be gone with
+    /// the sandbox's namespace, and its counter with it).
+    stopped: Mutex<HashMap<u32, bool>>,
 }
 
 impl Network {
@@ -543,6 +547,7 @@ impl Network {
             max_slots,
             host_nets: Vec::new(),
             applied: Mutex::new(HashMap::new()),
+            stopped: Mutex::new(HashMap::new()),
         })
     }
 
@@ -592,6 +597,7 @@ impl Network {
     /// default route, for `slot`. A stale pair left on that slot (crash) is replaced.
     pub fn attach(&self, netns: &Netns, slot: u32) -> Result<NetInfo> {
         let info = self.slot_info(slot)?;
+        self.lock_stopped().remove(&slot);
         let mut host = RouteSocket::open().map_err(|e| Error::io("opening netlink socket", e))?;
         let create = |host: &mut RouteSocket| {
             let (host_mac, sandbox_mac) = slot_macs(info.slot);
@@ -741,6 +747,39 @@ impl Network {
             == Some(0)
     }
 
+    /// Takes slot `slot`'s host side down, so that its sandbox can send nothing more (a
+    /// veth drops what it would deliver to a peer that is down, uncounted), then tells
+    /// whether the sandbox never sent a packet ([`Network::never_sent`]). Call it before
+    /// killing the sandbox: read after the kill, the counter may be gone with the
+    /// sandbox's namespace; read before without taking the link down, a packet sent
+    /// between the read and the kill would go unnoticed. Asked again for the same slot
+    /// (until it is detached or attached again), it gives the same answer.
+    pub fn stop_sending(&self, slot: u32) -> bool {
+        if let Some(&quiet) = self.lock_stopped().get(&slot) {
+            return quiet;
+        }
+        let Ok(info) = self.slot_info(slot) else {
+            return false;
+        };
+        let Ok(mut host) = RouteSocket::open() else {
+            return false;
+        };
+        let Ok(Some(link)) = host.link(&info.host_ifname) else {
+            return false;
+        };
+        if host.set_down(link.index).is_err() {
+            return false;
+        }
+        let quiet = host
+            .link(&info.host_ifname)
+            .ok()
+            .flatten()
+            .and_then(|l| l.rx_packets)
+            == Some(0);
+        self.lock_stopped().insert(slot, quiet);
+        quiet
+    }
+
     /// [`Network::detach`], told whether the sandbox never sent a packet (from
     /// [`Network::never_sent`], read before it was killed): then its connections are not
     /// looked for. Forgetting them walks the whole conntrack hash table (262,144 buckets
@@ -759,6 +798,7 @@ impl Network {
         if !never_sent {
             self.forget_connections(slot)?;
         }
+        self.lock_stopped().remove(&slot);
         Ok(())
     }
 
@@ -886,6 +926,10 @@ impl Network {
                         && l.kind.as_deref() == Some("veth"))
             })
             .collect())
+    }
+
+    fn lock_stopped(&self) -> std::sync::MutexGuard<'_, HashMap<u32, bool>> {
+        self.stopped.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     fn lock_applied(

@@ -572,6 +572,27 @@ fn egress_isolation_end_to_end() {
     world.net.detach_with(3, true).unwrap();
     assert!(!world.net.never_sent(3));
     drop(quiet);
+    // stop_sending takes the host side down before it reads the counter: what the
+    // sandbox sends afterwards neither passes nor counts, and the answer outlives the
+    // veth (which dies with the sandbox's namespace) until the slot is detached.
+    let stopped = TestNs::new("s");
+    world.net.attach(&stopped.ns, 4).unwrap();
+    assert!(world.net.stop_sending(4), "a quiet sandbox sent packets");
+    let probe = v4("198.51.100.2", 9);
+    // (Whether the send reports an error depends on the kernel; it must not arrive.)
+    let _ = run_in_netns(&stopped.ns, move || {
+        let s = std::net::UdpSocket::bind("0.0.0.0:0")?;
+        s.send_to(b"after the cut", probe)
+    })
+    .unwrap();
+    assert!(world.net.never_sent(4), "a packet got through a cut link");
+    drop(stopped);
+    assert!(
+        world.net.stop_sending(4),
+        "the answer must outlive the veth"
+    );
+    world.net.detach_with(4, true).unwrap();
+    assert!(!world.net.stop_sending(4), "a detached slot is never quiet");
     assert!(!sh("ip", &["-o", "link"]).contains(": cbt1@"));
     assert!(try_connect(&a.ns, inet_addr).is_err());
     drop(c);
