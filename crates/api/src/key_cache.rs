@@ -92,7 +92,10 @@ mod tests {
         assert_eq!(c.get("a").map(|k| k.key_id), Some(1));
         assert!(c.get("b").is_none());
         c.lock().get_mut("a").unwrap().0 = Instant::now() - KEY_CACHE_TTL;
-        assert!(c.get("a").is_none(), "an entry older than the TTL is not used");
+        assert!(
+            c.get("a").is_none(),
+            "an entry older than the TTL is not used"
+        );
         assert!(c.lock().is_empty(), "and is dropped");
         c.put("a".into(), key(1));
         c.clear();

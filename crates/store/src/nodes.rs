@@ -315,7 +315,13 @@ impl Attempt {
         })
     }
 
-    fn outcome(self, sandbox_id: &str, need: Resources, now: i64, ttl_ms: i64) -> Result<Placement> {
+    fn outcome(
+        self,
+        sandbox_id: &str,
+        need: Resources,
+        now: i64,
+        ttl_ms: i64,
+    ) -> Result<Placement> {
         let node_id = &self.node;
         match self.status.as_str() {
             "reserved" => Ok(Placement {
@@ -328,7 +334,11 @@ impl Attempt {
             "closed" => Err(Error::NoCapacity(format!(
                 "node '{node_id}' takes no sandboxes (state {}, lease {})",
                 self.state,
-                if self.lease <= now { "expired" } else { "valid" }
+                if self.lease <= now {
+                    "expired"
+                } else {
+                    "valid"
+                }
             ))),
             _ => {
                 let ((cpu, mem, max), used) = (self.capacity, self.used);
@@ -561,7 +571,14 @@ impl Store {
                 .with_conn(|c| {
                     c.query_one(
                         "SELECT * FROM cubicle_reserve(?1, ?2, ?3, ?4, ?5, ?6)",
-                        args![node_id, sandbox_id, need.cpu_count, need.memory_mb, now, ttl_ms],
+                        args![
+                            node_id,
+                            sandbox_id,
+                            need.cpu_count,
+                            need.memory_mb,
+                            now,
+                            ttl_ms
+                        ],
                     )
                 })
                 .map_err(|e| taken(e, sandbox_id))?;
@@ -632,7 +649,14 @@ impl Store {
                 .with_conn(|c| {
                     c.query(
                         "SELECT * FROM cubicle_place(?1, ?2, ?3, ?4, ?5, ?6)",
-                        args![sandbox_id, template, need.cpu_count, need.memory_mb, now, ttl_ms],
+                        args![
+                            sandbox_id,
+                            template,
+                            need.cpu_count,
+                            need.memory_mb,
+                            now,
+                            ttl_ms
+                        ],
                     )
                 })
                 .map_err(|e| taken(e, sandbox_id))?;
@@ -691,13 +715,8 @@ impl Store {
         };
         if self.dialect() == Dialect::Postgres {
             // One round trip: `cubicle_commit` (schema.rs, 7) is the transaction below.
-            let mut vals: Vec<Value> = args![
-                p.sandbox_id.as_str(),
-                p.node_id.as_str(),
-                p.node_epoch,
-                now
-            ]
-            .to_vec();
+            let mut vals: Vec<Value> =
+                args![p.sandbox_id.as_str(), p.node_id.as_str(), p.node_epoch, now].to_vec();
             vals.extend(sandboxes::values(s)?);
             let placeholders: Vec<String> = (1..=vals.len()).map(|i| format!("?{i}")).collect();
             let sql = format!("SELECT cubicle_commit({})", placeholders.join(", "));
@@ -931,7 +950,8 @@ mod tests {
             s.register_node(&reg("n2", 1), 61_000, LEASE).unwrap();
             let p = s.place_sandbox("k6", "base", NEED, 61_000, 60_000).unwrap();
             assert_eq!(p.node_id, "n2");
-            s.commit_placement(&p, &sandbox("sb6", team), 61_001).unwrap();
+            s.commit_placement(&p, &sandbox("sb6", team), 61_001)
+                .unwrap();
             assert!(matches!(
                 s.commit_placement(&p, &sandbox("sb7", team), 61_002),
                 Err(Error::Conflict(_))
