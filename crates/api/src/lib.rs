@@ -33,6 +33,7 @@ pub mod commands;
 pub mod dashboard;
 pub mod error;
 pub mod events;
+pub mod key_cache;
 pub mod keyring;
 pub mod logs;
 pub mod metrics;

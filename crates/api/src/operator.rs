@@ -233,6 +233,7 @@ async fn api_key_revoke(
             }
         })
         .await?;
+    cp.forget_keys();
     tracing::info!(team = %k.team_name, prefix = %k.prefix, by = %by, "API key revoked");
     Ok(Json(k.into()))
 }

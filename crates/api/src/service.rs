@@ -103,6 +103,8 @@ pub struct ControlPlane {
     shared: std::sync::atomic::AtomicBool,
     /// The teams' webhooks.
     webhooks: Arc<Webhooks>,
+    /// API keys read from PostgreSQL, trusted for a bounded time (`crate::key_cache`).
+    keys: crate::key_cache::KeyCache,
 }
 
 /// See [`ControlPlane::on_created`].
@@ -145,6 +147,7 @@ impl ControlPlane {
             events,
             webhooks,
             shared: Default::default(),
+            keys: Default::default(),
         });
         let rows = cp.store.call(|s| s.running_sandboxes(None)).await?;
         for row in rows {
@@ -184,6 +187,12 @@ impl ControlPlane {
     /// The store.
     pub fn store(&self) -> &Store {
         &self.store
+    }
+
+    /// Forgets the API keys read from the database (a key was revoked through this
+    /// process: refused at once here, within `key_cache::KEY_CACHE_TTL` elsewhere).
+    pub fn forget_keys(&self) {
+        self.keys.clear();
     }
 
     /// The node.
@@ -337,11 +346,27 @@ impl ControlPlane {
         };
         // Inline on the read connection: every request starts here. Recording the use
         // (at most once a minute per key) is a write: on the blocking pool, not awaited.
-        let found = self
-            .store
-            .read(|s| s.find_key(key))?
-            .ok_or_else(|| ApiError::Unauthorized("Invalid API key".into()))?;
-        if found.use_is_stale(cubicle_store::now_ms()) {
+        // On PostgreSQL a key found is trusted for a bounded time (`crate::key_cache`).
+        let hash = (self.store.dialect() == cubicle_store::Dialect::Postgres)
+            .then(|| cubicle_store::hash_key(key));
+        let found = match hash.as_deref().and_then(|h| self.keys.get(h)) {
+            Some(k) => k,
+            None => {
+                let k = self
+                    .store
+                    .read(|s| s.find_key(key))?
+                    .ok_or_else(|| ApiError::Unauthorized("Invalid API key".into()))?;
+                if let Some(h) = &hash {
+                    self.keys.put(h.clone(), k.clone());
+                }
+                k
+            }
+        };
+        let now = cubicle_store::now_ms();
+        if found.use_is_stale(now) {
+            if let Some(h) = &hash {
+                self.keys.used(h, now);
+            }
             let (store, key_id) = (self.store.clone(), found.key_id);
             tokio::spawn(async move {
                 if let Err(e) = store.call(move |s| s.record_key_use(key_id)).await {

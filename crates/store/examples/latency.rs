@@ -1,6 +1,6 @@
 //! Prints the latency of the store's hot operations on one database: an API-key lookup
-//! (the request path's inline read), a sandbox record insert, and a placement reserved
-//! and released on a node (the cluster's create path).
+//! (the request path's inline read), a placement reserved and released on a node, and a
+//! create's store work on a replica (a placement over the whole cluster, its commit).
 //!
 //! ```sh
 //! cargo run -p cubicle-store --example latency -- /tmp/x.db            # SQLite
@@ -9,7 +9,9 @@
 
 use std::time::{Duration, Instant};
 
-use cubicle_store::{NodeCapacity, NodeRegistration, Resources, Store, now_ms};
+use cubicle_store::{
+    NodeCapacity, NodeRegistration, Resources, SandboxRow, SandboxRowState, Store, now_ms,
+};
 
 fn percentiles(mut v: Vec<Duration>) -> String {
     v.sort();
@@ -63,5 +65,39 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         places.push(t.elapsed());
     }
     println!("placement reserve + release:   {}", percentiles(places));
+
+    // A create's store work on a replica: the placement (PostgreSQL: one call of
+    // `cubicle_place`) and its commit with the sandbox's row (one `cubicle_commit`).
+    let (mut placed, mut committed) = (Vec::new(), Vec::new());
+    for i in 0..n / 4 {
+        let id = format!("{node}-c{i}");
+        let t = Instant::now();
+        let p = store.place_sandbox(&id, "tiny", need, now_ms(), 60_000)?;
+        placed.push(t.elapsed());
+        let row = SandboxRow {
+            id: id.clone(),
+            team_id: team.id,
+            template_id: "tiny".into(),
+            alias: None,
+            metadata: Default::default(),
+            env_var_names: vec![],
+            traffic_access_token: None,
+            allow_internet: true,
+            cpu_count: 1,
+            memory_mb: 1,
+            disk_mb: 1,
+            started_at: now_ms(),
+            end_at: now_ms() + 60_000,
+            state: SandboxRowState::Running,
+            death_reason: None,
+            ended_at: None,
+        };
+        let t = Instant::now();
+        store.commit_placement(&p, &row, now_ms())?;
+        committed.push(t.elapsed());
+        store.mark_ended(&id, "killed", now_ms())?;
+    }
+    println!("place_sandbox (whole cluster): {}", percentiles(placed));
+    println!("commit_placement + row:        {}", percentiles(committed));
     Ok(())
 }

@@ -26,7 +26,7 @@
 
 use serde_json::Value as Json;
 
-use crate::db::{Conn, Row, args};
+use crate::db::{Conn, Dialect, Row, Value, args};
 use crate::sandboxes::{self, SandboxRow};
 use crate::{Error, Result, Store};
 
@@ -240,12 +240,116 @@ fn check_epoch(c: &mut Conn<'_>, node_id: &str, epoch: i64) -> Result<()> {
     };
     let row = c
         .query_opt(&sql, args![node_id])?
-        .ok_or_else(|| Error::NotFound(format!("node '{node_id}' is not registered")))?;
+        .ok_or_else(|| not_registered(node_id))?;
     let (current, state): (i64, String) = (row.get(0)?, row.get(1)?);
     if current != epoch || NodeState::parse(&state) == NodeState::Lost {
         return Err(fenced());
     }
     Ok(())
+}
+
+fn not_registered(node_id: &str) -> Error {
+    Error::NotFound(format!("node '{node_id}' is not registered"))
+}
+
+/// A reservation's unique-key violation: the key has a placement already.
+fn taken(e: Error, sandbox_id: &str) -> Error {
+    if e.is_unique_violation() {
+        Error::Conflict(format!("sandbox '{sandbox_id}' already has a placement"))
+    } else {
+        e
+    }
+}
+
+fn no_room(reasons: Vec<String>) -> Error {
+    Error::NoCapacity(if reasons.is_empty() {
+        "no active node: none is registered with a valid lease".to_string()
+    } else {
+        format!("no node has room: {}", reasons.join("; "))
+    })
+}
+
+/// One reservation attempt as decided (by the transaction on SQLite, by
+/// `cubicle_reserve` on PostgreSQL): `status` is `missing`, `closed` (not active or lease
+/// ran out), `full` or `reserved`. Both engines' answers are worded here.
+struct Attempt {
+    node: String,
+    status: String,
+    epoch: i64,
+    state: String,
+    lease: i64,
+    /// vCPUs, MiB, sandboxes.
+    capacity: (u64, u64, u64),
+    used: Usage,
+}
+
+impl Attempt {
+    fn missing(node: &str) -> Attempt {
+        Attempt {
+            node: node.to_string(),
+            status: "missing".into(),
+            epoch: 0,
+            state: String::new(),
+            lease: 0,
+            capacity: (0, 0, 0),
+            used: Usage::default(),
+        }
+    }
+
+    /// A row of `cubicle_reserve` / `cubicle_place`.
+    fn read(r: &Row) -> Result<Attempt> {
+        let opt = |i| -> Result<i64> { Ok(r.get::<Option<i64>>(i)?.unwrap_or(0)) };
+        let cap = |i| -> Result<u64> { Ok(r.get::<Option<u64>>(i)?.unwrap_or(0)) };
+        Ok(Attempt {
+            node: r.get(0)?,
+            status: r.get(1)?,
+            epoch: opt(2)?,
+            state: r.get::<Option<String>>(3)?.unwrap_or_default(),
+            lease: opt(4)?,
+            capacity: (cap(5)?, cap(6)?, cap(7)?),
+            used: Usage {
+                sandboxes: cap(8)?,
+                cpu: cap(9)?,
+                memory_mb: cap(10)?,
+            },
+        })
+    }
+
+    fn outcome(
+        self,
+        sandbox_id: &str,
+        need: Resources,
+        now: i64,
+        ttl_ms: i64,
+    ) -> Result<Placement> {
+        let node_id = &self.node;
+        match self.status.as_str() {
+            "reserved" => Ok(Placement {
+                sandbox_id: sandbox_id.to_string(),
+                node_id: self.node.clone(),
+                node_epoch: self.epoch,
+                expires_at: now + ttl_ms,
+            }),
+            "missing" => Err(not_registered(node_id)),
+            "closed" => Err(Error::NoCapacity(format!(
+                "node '{node_id}' takes no sandboxes (state {}, lease {})",
+                self.state,
+                if self.lease <= now {
+                    "expired"
+                } else {
+                    "valid"
+                }
+            ))),
+            _ => {
+                let ((cpu, mem, max), used) = (self.capacity, self.used);
+                Err(Error::NoCapacity(format!(
+                    "node '{node_id}' is full: {} of {max} sandboxes, {} of {cpu} vCPUs, {} of {mem} MiB in use; \
+                     {} vCPUs and {} MiB asked",
+                    used.sandboxes, used.cpu, used.memory_mb, need.cpu_count, need.memory_mb
+                )))
+            }
+        }
+    }
 }
 
 impl Store {
@@ -460,58 +564,69 @@ impl Store {
         now: i64,
         ttl_ms: i64,
     ) -> Result<Placement> {
+        if self.dialect() == Dialect::Postgres {
+            // One round trip: PostgreSQL's `cubicle_reserve` (schema.rs, 7) does what the
+            // transaction below does.
+            let r = self
+                .with_conn(|c| {
+                    c.query_one(
+                        "SELECT * FROM cubicle_reserve(?1, ?2, ?3, ?4, ?5, ?6)",
+                        args![
+                            node_id,
+                            sandbox_id,
+                            need.cpu_count,
+                            need.memory_mb,
+                            now,
+                            ttl_ms
+                        ],
+                    )
+                })
+                .map_err(|e| taken(e, sandbox_id))?;
+            return Attempt::read(&r)?.outcome(sandbox_id, need, now, ttl_ms);
+        }
         self.transaction(|tx| {
             let sql = format!(
                 "SELECT epoch, state, lease_expires_at, cpu_count, memory_mb, max_sandboxes
                  FROM nodes WHERE id = ?1{}",
                 tx.dialect().for_update()
             );
-            let node = tx
-                .query_opt(&sql, args![node_id])?
-                .ok_or_else(|| Error::NotFound(format!("node '{node_id}' is not registered")))?;
-            let (epoch, state, lease): (i64, String, i64) =
-                (node.get(0)?, node.get(1)?, node.get(2)?);
-            let (cpu, mem, max): (u64, u64, u64) = (node.get(3)?, node.get(4)?, node.get(5)?);
-            if state != "active" || lease <= now {
-                return Err(Error::NoCapacity(format!(
-                    "node '{node_id}' takes no sandboxes (state {state}, lease {})",
-                    if lease <= now { "expired" } else { "valid" }
-                )));
+            let Some(node) = tx.query_opt(&sql, args![node_id])? else {
+                return Attempt::missing(node_id).outcome(sandbox_id, need, now, ttl_ms);
+            };
+            let mut a = Attempt {
+                node: node_id.to_string(),
+                status: String::new(),
+                epoch: node.get(0)?,
+                state: node.get(1)?,
+                lease: node.get(2)?,
+                capacity: (node.get(3)?, node.get(4)?, node.get(5)?),
+                used: Usage::default(),
+            };
+            if a.state != "active" || a.lease <= now {
+                a.status = "closed".into();
+                return a.outcome(sandbox_id, need, now, ttl_ms);
             }
             tx.execute(
                 "DELETE FROM placements WHERE node_id = ?1 AND expires_at <= ?2",
                 args![node_id, now],
             )?;
-            let used = usage(tx, node_id, now)?;
-            if used.sandboxes + 1 > max
-                || used.cpu + u64::from(need.cpu_count) > cpu
-                || used.memory_mb + need.memory_mb > mem
+            a.used = usage(tx, node_id, now)?;
+            let (cpu, mem, max) = a.capacity;
+            if a.used.sandboxes + 1 > max
+                || a.used.cpu + u64::from(need.cpu_count) > cpu
+                || a.used.memory_mb + need.memory_mb > mem
             {
-                return Err(Error::NoCapacity(format!(
-                    "node '{node_id}' is full: {} of {max} sandboxes, {} of {cpu} vCPUs, {} of {mem} MiB in use; \
-                     {} vCPUs and {} MiB asked",
-                    used.sandboxes, used.cpu, used.memory_mb, need.cpu_count, need.memory_mb
-                )));
+                a.status = "full".into();
+                return a.outcome(sandbox_id, need, now, ttl_ms);
             }
-            let r = tx.execute(
+            tx.execute(
                 "INSERT INTO placements (sandbox_id, node_id, node_epoch, cpu_count, memory_mb, expires_at)
                  VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
-                args![sandbox_id, node_id, epoch, need.cpu_count, need.memory_mb, now + ttl_ms],
-            );
-            match r {
-                Err(e) if e.is_unique_violation() => {
-                    return Err(Error::Conflict(format!(
-                        "sandbox '{sandbox_id}' already has a placement"
-                    )));
-                }
-                r => r?,
-            };
-            Ok(Placement {
-                sandbox_id: sandbox_id.to_string(),
-                node_id: node_id.to_string(),
-                node_epoch: epoch,
-                expires_at: now + ttl_ms,
-            })
+                args![sandbox_id, node_id, a.epoch, need.cpu_count, need.memory_mb, now + ttl_ms],
+            )
+            .map_err(|e| taken(e, sandbox_id))?;
+            a.status = "reserved".into();
+            a.outcome(sandbox_id, need, now, ttl_ms)
         })
     }
 
@@ -526,6 +641,33 @@ impl Store {
         now: i64,
         ttl_ms: i64,
     ) -> Result<Placement> {
+        let mut reasons = Vec::new();
+        if self.dialect() == Dialect::Postgres {
+            // One round trip: `cubicle_place` (schema.rs, 7) orders the candidates as
+            // below and runs `cubicle_reserve` on each until one takes the sandbox.
+            let rows = self
+                .with_conn(|c| {
+                    c.query(
+                        "SELECT * FROM cubicle_place(?1, ?2, ?3, ?4, ?5, ?6)",
+                        args![
+                            sandbox_id,
+                            template,
+                            need.cpu_count,
+                            need.memory_mb,
+                            now,
+                            ttl_ms
+                        ],
+                    )
+                })
+                .map_err(|e| taken(e, sandbox_id))?;
+            for r in &rows {
+                match Attempt::read(r)?.outcome(sandbox_id, need, now, ttl_ms) {
+                    Err(Error::NoCapacity(why)) => reasons.push(why),
+                    r => return r,
+                }
+            }
+            return Err(no_room(reasons));
+        }
         let mut candidates: Vec<NodeRow> = self
             .nodes(now)?
             .into_iter()
@@ -538,18 +680,13 @@ impl Store {
                 n.id.clone(),
             )
         });
-        let mut reasons = Vec::new();
         for n in &candidates {
             match self.reserve_placement(&n.id, sandbox_id, need, now, ttl_ms) {
                 Err(Error::NoCapacity(why)) => reasons.push(why),
                 r => return r,
             }
         }
-        Err(Error::NoCapacity(if reasons.is_empty() {
-            "no active node: none is registered with a valid lease".to_string()
-        } else {
-            format!("no node has room: {}", reasons.join("; "))
-        }))
+        Err(no_room(reasons))
     }
 
     /// Drops a reservation (the create failed); `false` if there was none.
@@ -570,6 +707,30 @@ impl Store {
     /// `s.id` may differ from `p.sandbox_id`: a replica reserves under a key of its own
     /// before the node names the sandbox (a warm-pool claim hands out an id it chose).
     pub fn commit_placement(&self, p: &Placement, s: &SandboxRow, now: i64) -> Result<()> {
+        let expired = || {
+            Error::Conflict(format!(
+                "the placement of sandbox '{}' on node '{}' expired or was released",
+                p.sandbox_id, p.node_id
+            ))
+        };
+        if self.dialect() == Dialect::Postgres {
+            // One round trip: `cubicle_commit` (schema.rs, 7) is the transaction below.
+            let mut vals: Vec<Value> =
+                args![p.sandbox_id.as_str(), p.node_id.as_str(), p.node_epoch, now].to_vec();
+            vals.extend(sandboxes::values(s)?);
+            let placeholders: Vec<String> = (1..=vals.len()).map(|i| format!("?{i}")).collect();
+            let sql = format!("SELECT cubicle_commit({})", placeholders.join(", "));
+            let status: String = self.with_conn(|c| c.query_one(&sql, &vals))?.get(0)?;
+            return match status.as_str() {
+                "committed" => Ok(()),
+                "missing" => Err(not_registered(&p.node_id)),
+                "fenced" => Err(Error::Fenced {
+                    node: p.node_id.clone(),
+                    epoch: p.node_epoch,
+                }),
+                _ => Err(expired()),
+            };
+        }
         self.transaction(|tx| {
             check_epoch(tx, &p.node_id, p.node_epoch)?;
             let n = tx.execute(
@@ -577,10 +738,7 @@ impl Store {
                 args![p.sandbox_id.as_str(), p.node_id.as_str(), p.node_epoch, now],
             )?;
             if n == 0 {
-                return Err(Error::Conflict(format!(
-                    "the placement of sandbox '{}' on node '{}' expired or was released",
-                    p.sandbox_id, p.node_id
-                )));
+                return Err(expired());
             }
             sandboxes::insert(tx, s, Some((&p.node_id, p.node_epoch)))
         })
@@ -723,6 +881,80 @@ mod tests {
             assert!(matches!(
                 s.place_sandbox("key2", "base", NEED, 1_002, 60_000),
                 Err(Error::NoCapacity(_))
+            ));
+        });
+    }
+
+    /// Placement's order and answers are the same on both engines (PostgreSQL runs them
+    /// as `cubicle_place`/`cubicle_reserve`, SQLite as transactions here): the template
+    /// first, then the fewest sandboxes, then the name; closed, full, unknown and taken
+    /// are worded alike.
+    #[test]
+    fn placement_order_and_answers() {
+        each_backend(|s| {
+            let team = s.ensure_team("t").unwrap().id;
+            let mut other = reg("a-no-template", 4);
+            other.templates = vec!["tiny".into()];
+            s.register_node(&other, 1_000, LEASE).unwrap();
+            s.register_node(&reg("n2", 1), 1_000, LEASE).unwrap();
+            s.register_node(&reg("n1", 2), 1_000, LEASE).unwrap();
+            let take = |key: &str| {
+                s.place_sandbox(key, "base", NEED, 1_000, 60_000)
+                    .unwrap()
+                    .node_id
+            };
+            // With the template, fewest sandboxes, then by name: n1, n2, n1; then
+            // the node without it.
+            assert_eq!(take("k1"), "n1");
+            assert_eq!(take("k2"), "n2");
+            assert_eq!(take("k3"), "n1");
+            assert_eq!(take("k4"), "a-no-template");
+            assert!(matches!(
+                s.place_sandbox("k4", "tiny", NEED, 1_000, 60_000),
+                Err(Error::Conflict(m)) if m == "sandbox 'k4' already has a placement"
+            ));
+            match s.reserve_placement("n2", "k5", NEED, 1_000, 60_000) {
+                Err(Error::NoCapacity(m)) => assert_eq!(
+                    m,
+                    "node 'n2' is full: 1 of 1 sandboxes, 2 of 8 vCPUs, 512 of 8192 MiB in use; 2 vCPUs and 512 MiB asked"
+                ),
+                other => panic!("{other:?}"),
+            }
+            match s.reserve_placement("nx", "k5", NEED, 1_000, 60_000) {
+                Err(Error::NotFound(m)) => assert_eq!(m, "node 'nx' is not registered"),
+                other => panic!("{other:?}"),
+            }
+            s.set_node_draining("a-no-template", true).unwrap();
+            match s.reserve_placement("a-no-template", "k5", NEED, 1_000, 60_000) {
+                Err(Error::NoCapacity(m)) => assert_eq!(
+                    m,
+                    "node 'a-no-template' takes no sandboxes (state draining, lease valid)"
+                ),
+                other => panic!("{other:?}"),
+            }
+            match s.place_sandbox("k5", "base", NEED, 1_000, 60_000) {
+                Err(Error::NoCapacity(m)) => assert_eq!(
+                    m,
+                    "no node has room: node 'n2' is full: 1 of 1 sandboxes, 2 of 8 vCPUs, 512 of 8192 MiB in use; \
+                     2 vCPUs and 512 MiB asked; node 'n1' is full: 2 of 2 sandboxes, 4 of 8 vCPUs, 1024 of 8192 MiB in use; \
+                     2 vCPUs and 512 MiB asked"
+                ),
+                other => panic!("{other:?}"),
+            }
+            // A reservation that expired no longer counts; the node's lease running out
+            // closes it.
+            assert!(matches!(
+                s.place_sandbox("k6", "base", NEED, 61_000, 60_000),
+                Err(Error::NoCapacity(m)) if m == "no active node: none is registered with a valid lease"
+            ));
+            s.register_node(&reg("n2", 1), 61_000, LEASE).unwrap();
+            let p = s.place_sandbox("k6", "base", NEED, 61_000, 60_000).unwrap();
+            assert_eq!(p.node_id, "n2");
+            s.commit_placement(&p, &sandbox("sb6", team), 61_001)
+                .unwrap();
+            assert!(matches!(
+                s.commit_placement(&p, &sandbox("sb7", team), 61_002),
+                Err(Error::Conflict(_))
             ));
         });
     }

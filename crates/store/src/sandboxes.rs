@@ -5,7 +5,7 @@
 
 use std::collections::BTreeMap;
 
-use crate::db::{Conn, Row, args};
+use crate::db::{Conn, Row, Value, args};
 use crate::{Result, Store};
 
 /// Stored lifecycle state.
@@ -102,30 +102,38 @@ fn row(r: &Row) -> Result<SandboxRow> {
 
 /// Inserts `s`, owned by node `owner` (`(node id, epoch)`) when given.
 pub(crate) fn insert(c: &mut Conn<'_>, s: &SandboxRow, owner: Option<(&str, i64)>) -> Result<()> {
+    let mut vals = values(s)?;
+    vals.push(owner.map(|o| o.0).into());
+    vals.push(owner.map(|o| o.1).into());
     c.execute(
         &format!("INSERT INTO sandboxes ({COLUMNS}, node_id, node_epoch) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16, ?17, ?18)"),
-        args![
-            s.id.as_str(),
-            s.team_id,
-            s.template_id.as_str(),
-            s.alias.as_deref(),
-            serde_json::to_string(&s.metadata)?,
-            serde_json::to_string(&s.env_var_names)?,
-            s.traffic_access_token.as_deref(),
-            s.allow_internet,
-            s.cpu_count,
-            s.memory_mb,
-            s.disk_mb,
-            s.started_at,
-            s.end_at,
-            s.state.as_str(),
-            s.death_reason.as_deref(),
-            s.ended_at,
-            owner.map(|o| o.0),
-            owner.map(|o| o.1),
-        ],
+        &vals,
     )?;
     Ok(())
+}
+
+/// Row `s`'s values in [`COLUMNS`]' order (also the sandbox arguments of PostgreSQL's
+/// `cubicle_commit`, `nodes.rs`).
+pub(crate) fn values(s: &SandboxRow) -> Result<Vec<Value>> {
+    Ok(args![
+        s.id.as_str(),
+        s.team_id,
+        s.template_id.as_str(),
+        s.alias.as_deref(),
+        serde_json::to_string(&s.metadata)?,
+        serde_json::to_string(&s.env_var_names)?,
+        s.traffic_access_token.as_deref(),
+        s.allow_internet,
+        s.cpu_count,
+        s.memory_mb,
+        s.disk_mb,
+        s.started_at,
+        s.end_at,
+        s.state.as_str(),
+        s.death_reason.as_deref(),
+        s.ended_at,
+    ]
+    .to_vec())
 }
 
 impl Store {

@@ -156,6 +156,10 @@ pub(crate) const MIGRATIONS: &[&str] = &[
         created_at  INTEGER NOT NULL             -- unix ms
     );
     "#,
+    // 7: nothing for SQLite. PostgreSQL's 7 adds functions that make a placement's
+    // reservation and its commit one round trip each; SQLite runs those as
+    // transactions in the process (no round trips to save).
+    "SELECT 1;",
 ];
 
 /// The PostgreSQL migrations: the same versions as [`MIGRATIONS`], in PostgreSQL's
@@ -300,6 +304,126 @@ pub(crate) const POSTGRES_MIGRATIONS: &[&str] = &[
         node_id     TEXT NOT NULL,
         created_at  BIGINT NOT NULL
     );
+    "#,
+    // 7: a placement in one round trip each (crates/store/src/nodes.rs): the
+    // reservation (lock the node's row, sum its use, reserve if the sandbox fits) and
+    // its commit (check the epoch, drop the reservation, insert the sandbox's row) as
+    // functions. Each statement in a VOLATILE function takes a fresh snapshot, so the
+    // sum after the row lock sees every reservation committed before it, as the
+    // statements of a READ COMMITTED transaction do. They decide; nodes.rs words the
+    // answers (one text for both engines).
+    r#"
+    CREATE FUNCTION cubicle_reserve(p_node TEXT, p_sandbox TEXT, p_cpu BIGINT, p_mem BIGINT,
+                                    p_now BIGINT, p_ttl BIGINT,
+        OUT r_node TEXT, OUT r_status TEXT, OUT r_epoch BIGINT, OUT r_state TEXT,
+        OUT r_lease BIGINT, OUT r_cpu BIGINT, OUT r_mem BIGINT, OUT r_max BIGINT,
+        OUT u_count BIGINT, OUT u_cpu BIGINT, OUT u_mem BIGINT)
+    LANGUAGE plpgsql VOLATILE AS $fn$
+    BEGIN
+        r_node := p_node;
+        SELECT n.epoch, n.state, n.lease_expires_at, n.cpu_count, n.memory_mb, n.max_sandboxes
+          INTO r_epoch, r_state, r_lease, r_cpu, r_mem, r_max
+          FROM nodes n WHERE n.id = p_node FOR UPDATE;
+        IF NOT FOUND THEN
+            r_status := 'missing';
+            RETURN;
+        END IF;
+        IF r_state <> 'active' OR r_lease <= p_now THEN
+            r_status := 'closed';
+            RETURN;
+        END IF;
+        DELETE FROM placements p WHERE p.node_id = p_node AND p.expires_at <= p_now;
+        SELECT COUNT(*), COALESCE(SUM(x.cpu_count), 0), COALESCE(SUM(x.memory_mb), 0)
+          INTO u_count, u_cpu, u_mem
+          FROM (SELECT s.cpu_count, s.memory_mb FROM sandboxes s
+                WHERE s.node_id = p_node AND s.state = 'running'
+                UNION ALL
+                SELECT p.cpu_count, p.memory_mb FROM placements p
+                WHERE p.node_id = p_node AND p.expires_at > p_now) x;
+        IF u_count + 1 > r_max OR u_cpu + p_cpu > r_cpu OR u_mem + p_mem > r_mem THEN
+            r_status := 'full';
+            RETURN;
+        END IF;
+        INSERT INTO placements (sandbox_id, node_id, node_epoch, cpu_count, memory_mb, expires_at)
+            VALUES (p_sandbox, p_node, r_epoch, p_cpu, p_mem, p_now + p_ttl);
+        r_status := 'reserved';
+    END
+    $fn$;
+
+    -- The candidates in placement order (active, lease valid; template present first,
+    -- then fewest sandboxes, then name), tried until one reserves or answers anything
+    -- but "closed" or "full"; one row per node tried. (Variables keep their values
+    -- when a block's exception rolls its subtransaction back.)
+    CREATE FUNCTION cubicle_place(p_sandbox TEXT, p_template TEXT, p_cpu BIGINT, p_mem BIGINT,
+                                  p_now BIGINT, p_ttl BIGINT)
+    RETURNS TABLE (r_node TEXT, r_status TEXT, r_epoch BIGINT, r_state TEXT, r_lease BIGINT,
+                   r_cpu BIGINT, r_mem BIGINT, r_max BIGINT, u_count BIGINT, u_cpu BIGINT,
+                   u_mem BIGINT)
+    LANGUAGE plpgsql VOLATILE AS $fn$
+    DECLARE
+        c RECORD;
+    BEGIN
+        FOR c IN
+            SELECT n.id FROM nodes n LEFT JOIN (
+                SELECT x.node_id AS owner, COUNT(*) AS cnt
+                FROM (SELECT s.node_id FROM sandboxes s
+                      WHERE s.state = 'running' AND s.node_id IS NOT NULL
+                      UNION ALL
+                      SELECT p.node_id FROM placements p WHERE p.expires_at > p_now) x
+                GROUP BY x.node_id) u ON u.owner = n.id
+            WHERE n.state = 'active' AND n.lease_expires_at > p_now
+            ORDER BY (n.templates::jsonb ? p_template) DESC, COALESCE(u.cnt, 0), n.id COLLATE "C"
+        LOOP
+            -- A node that does not take the sandbox is tried in a subtransaction rolled
+            -- back at once: its row lock is released before the next node is locked, so
+            -- two placements trying nodes in different orders cannot deadlock.
+            BEGIN
+                SELECT * INTO r_node, r_status, r_epoch, r_state, r_lease, r_cpu, r_mem, r_max,
+                              u_count, u_cpu, u_mem
+                  FROM cubicle_reserve(c.id, p_sandbox, p_cpu, p_mem, p_now, p_ttl);
+                IF r_status IN ('closed', 'full') THEN
+                    RAISE SQLSTATE 'CB001';
+                END IF;
+            EXCEPTION WHEN SQLSTATE 'CB001' THEN
+                NULL;
+            END;
+            RETURN NEXT;
+            IF r_status NOT IN ('closed', 'full') THEN
+                RETURN;
+            END IF;
+        END LOOP;
+    END
+    $fn$;
+
+    CREATE FUNCTION cubicle_commit(p_key TEXT, p_node TEXT, p_epoch BIGINT, p_now BIGINT,
+        p_id TEXT, p_team BIGINT, p_template TEXT, p_alias TEXT, p_metadata TEXT, p_env TEXT,
+        p_traffic TEXT, p_internet BOOLEAN, p_cpu BIGINT, p_mem BIGINT, p_disk BIGINT,
+        p_started BIGINT, p_end BIGINT, p_state TEXT, p_reason TEXT, p_ended BIGINT)
+    RETURNS TEXT LANGUAGE plpgsql VOLATILE AS $fn$
+    DECLARE
+        cur BIGINT;
+        st TEXT;
+    BEGIN
+        SELECT n.epoch, n.state INTO cur, st FROM nodes n WHERE n.id = p_node FOR SHARE;
+        IF NOT FOUND THEN
+            RETURN 'missing';
+        END IF;
+        IF cur <> p_epoch OR st = 'lost' THEN
+            RETURN 'fenced';
+        END IF;
+        DELETE FROM placements p WHERE p.sandbox_id = p_key AND p.node_id = p_node
+            AND p.node_epoch = p_epoch AND p.expires_at > p_now;
+        IF NOT FOUND THEN
+            RETURN 'expired';
+        END IF;
+        INSERT INTO sandboxes (id, team_id, template_id, alias, metadata, env_var_names,
+            traffic_access_token, allow_internet, cpu_count, memory_mb, disk_mb, started_at,
+            end_at, state, death_reason, ended_at, node_id, node_epoch)
+        VALUES (p_id, p_team, p_template, p_alias, p_metadata, p_env, p_traffic, p_internet,
+            p_cpu, p_mem, p_disk, p_started, p_end, p_state, p_reason, p_ended, p_node, p_epoch);
+        RETURN 'committed';
+    END
+    $fn$;
     "#,
 ];
 

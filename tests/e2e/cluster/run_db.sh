@@ -107,7 +107,10 @@ for name in ("r1", "single"):
     print(f"{name}: POST /v2/sandboxes server time p50 {med(posts)}")
 placed = [e for e in lines("r1") if e.get("message", "").startswith("placed on")]
 print(f"r1: placement reserve p50 {med([float(e['reserve_ms']) for e in placed])}, "
-      f"reserve + node create p50 {med([float(e['ms']) for e in placed])}")
+      f"reserve + node create p50 {med([float(e['ms']) for e in placed])}, "
+      f"commit p50 {med([float(e['commit_ms']) for e in placed if 'commit_ms' in e])}")
+if placed and "phases" in placed[-1]:
+    print(f"r1: phases of the last create (ms): {placed[-1]['phases']}")
 for name in ("r1", "r2"):
     for e in lines(name):
         if e.get("message", "").startswith("node lost"):

@@ -53,9 +53,28 @@ const DEFAULT_NEED: Resources = Resources {
 pub struct ClusterDb {
     pub(super) store: Store,
     /// Creates between their reservation and their commit, by the id the node gave.
-    pending: Mutex<HashMap<String, Placement>>,
+    pending: Mutex<HashMap<String, Pending>>,
     /// The nodes as last read: name → (link index, row).
     nodes: Mutex<HashMap<String, (usize, NodeRow)>>,
+}
+
+/// A create between the node's answer and its commit: the reservation, and what the
+/// create's log line (written at the commit) says.
+struct Pending {
+    placement: Placement,
+    /// When the node answered.
+    answered: Instant,
+    /// How long the reservation and the node's create took.
+    reserve: Duration,
+    node: Duration,
+    template: String,
+    claimed: bool,
+    why: String,
+}
+
+/// Milliseconds, for log fields.
+fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1000.0
 }
 
 /// How often a coordinated replica re-reads the node list and expires lost nodes.
@@ -342,23 +361,24 @@ impl ClusterDb {
                 return Err(e);
             }
         };
-        tracing::info!(
-            sandbox = %info.id,
-            template = %req.template,
-            node = %p.node_id,
-            epoch = p.node_epoch,
-            claimed = info.claimed,
-            reserve_ms = reserved.as_secs_f64() * 1000.0,
-            ms = t0.elapsed().as_secs_f64() * 1000.0,
-            "placed on {why}"
-        );
         if let Some((_, row)) = lock(&self.nodes).get_mut(&p.node_id) {
             // Until the next read: the next create's log line counts this one.
             row.sandboxes += 1;
             row.cpu_used += u64::from(info.cpus);
             row.memory_mb_used += info.memory_mb;
         }
-        lock(&self.pending).insert(info.id.to_string(), p);
+        lock(&self.pending).insert(
+            info.id.to_string(),
+            Pending {
+                placement: p,
+                answered: Instant::now(),
+                reserve: reserved,
+                node: t0.elapsed() - reserved,
+                template: req.template.clone(),
+                claimed: info.claimed,
+                why,
+            },
+        );
         rb.remember(i, info.clone());
         Ok(info)
     }
@@ -423,7 +443,35 @@ impl ClusterDb {
     ) -> cubicle_store::Result<()> {
         let p = lock(&self.pending).remove(&row.id);
         match p {
-            Some(p) => store.commit_placement(&p, row, now_ms()),
+            Some(p) => {
+                let (waited, t0) = (p.answered.elapsed(), Instant::now());
+                let r = store.commit_placement(&p.placement, row, now_ms());
+                let commit = t0.elapsed();
+                // The create's log line, with where its time went (`phases`: the
+                // reservation, the node's create, the wait for the control plane's
+                // record, the commit).
+                tracing::info!(
+                    sandbox = %row.id,
+                    template = %p.template,
+                    node = %p.placement.node_id,
+                    epoch = p.placement.node_epoch,
+                    claimed = p.claimed,
+                    reserve_ms = ms(p.reserve),
+                    ms = ms(p.reserve + p.node),
+                    commit_ms = ms(commit),
+                    phases = %format!(
+                        "reserve {:.2} node {:.2} wait {:.2} commit {:.2}{}",
+                        ms(p.reserve),
+                        ms(p.node),
+                        ms(waited),
+                        ms(commit),
+                        if r.is_ok() { "" } else { " (refused)" }
+                    ),
+                    "placed on {}",
+                    p.why
+                );
+                r
+            }
             None => {
                 store.insert_sandbox(row)?;
                 let node = lock(&rb.inner().cache)
