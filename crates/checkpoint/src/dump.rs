@@ -80,6 +80,9 @@ fn dump_in(criu: &Criu, cg: &Cgroup, mut req: DumpRequest<'_>, t0: Instant) -> R
         .filter(|e| present.contains(&e.mountpoint))
         .collect();
     let stdio = stdio_of(req.init_pid).map_err(cleanup)?;
+    // CRIU starts now and waits for its request: its start-up overlaps the wait for the
+    // outside connections instead of lengthening the freeze.
+    let swrk = criu.start_swrk().map_err(cleanup)?;
     let mut phases = vec![("inspected".to_string(), t0.elapsed())];
     let outside = wait_outside_connections(cg, req.init_pid, OUTSIDE_WAIT);
     if !outside.is_empty() {
@@ -90,6 +93,7 @@ fn dump_in(criu: &Criu, cg: &Cgroup, mut req: DumpRequest<'_>, t0: Instant) -> R
     let t_frozen = Instant::now();
     phases.push(("frozen".to_string(), t0.elapsed()));
     let writable_ctl = std::cell::Cell::new(false);
+    let mut swrk = Some(swrk);
     let res = (|| -> Result<(u64, Option<Instant>)> {
         // Recorded writable, so that a restore can bind envd's socket in it again (the
         // restore seals it before anything runs); nothing runs while it is.
@@ -157,7 +161,10 @@ fn dump_in(criu: &Criu, cg: &Cgroup, mut req: DumpRequest<'_>, t0: Instant) -> R
             image_bytes: 0,
         };
         meta.write(dir).map_err(|e| no_space(&spec.id, e))?;
-        run_dump(criu, opts, &spec.id, dir)?;
+        let swrk = swrk
+            .take()
+            .ok_or_else(|| Error::io("criu", std::io::ErrorKind::NotConnected.into()))?;
+        run_dump(swrk, opts, &spec.id, dir)?;
         phases.push(("criu_done".to_string(), t0.elapsed()));
         // Informational; the record above is already complete.
         meta.image_bytes = dir_size(dir);
@@ -208,23 +215,17 @@ fn dump_in(criu: &Criu, cg: &Cgroup, mut req: DumpRequest<'_>, t0: Instant) -> R
     })
 }
 
-fn run_dump(criu: &Criu, opts: rpc::Opts, id: &str, dir: &Path) -> Result<()> {
-    let (ours, theirs) =
-        cubicle_syscalls::socket::seqpacket_pair().map_err(|e| Error::io("socketpair", e))?;
-    let child = criu.spawn_swrk(&theirs)?;
-    drop(theirs);
+fn run_dump(swrk: criu::Swrk, opts: rpc::Opts, id: &str, dir: &Path) -> Result<()> {
     let req = rpc::Req {
         r#type: rpc::ReqType::Dump as i32,
         opts: Some(opts),
         notify_success: None,
     };
-    let res = criu::converse(&ours, &req, &mut |_, _| Ok(()));
-    drop(ours);
-    let (status, stderr) = criu::finish(child);
+    let (res, detail) = swrk.run(&req, &mut |_, _| Ok(()));
     let log = criu::log_tail(dir, DUMP_LOG, 6);
     let resp = res.map_err(|e| Error::Criu {
         action: "dump",
-        message: format!("{e} (criu exited: {status:?}) {}", stderr.trim()),
+        message: format!("{e} {detail}"),
         log: log.clone(),
     })?;
     if !resp.success {

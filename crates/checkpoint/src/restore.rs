@@ -4,11 +4,13 @@
 //! re-executes the current binary as a single-threaded *restore helper*
 //! ([`HELPER_ARG`]), which
 //!
-//! 1. enters a private mount namespace with the kernel-feature cache on `/run`;
+//! 1. enters a private mount namespace with the kernel-feature cache on `/run` and
+//!    reports `ns`: the caller starts `criu swrk` in that namespace at once (its exec and
+//!    start-up overlap the next step);
 //! 2. builds the root and the external mounts' sources (`cubicle_runtime::restore`),
 //!    writing the saved staging tmpfs back;
-//! 3. reports `ok <sources as JSON>` on its status pipe (or `error <message>`) and execs
-//!    `criu swrk` on the RPC socket it inherited.
+//! 3. reports `ok <sources as JSON>` on its status pipe (or `error <message>`) and exits
+//!    (the namespace lives on with CRIU in it).
 //!
 //! Beside it the caller starts a *mounter* ([`MOUNTER_ARG`], the current binary again,
 //! single-threaded, its child), which waits on its stdin for the restored init's pid.
@@ -34,7 +36,7 @@ use std::time::{Duration, Instant};
 use cubicle_runtime::{Cgroup, SandboxSpec};
 use serde::{Deserialize, Serialize};
 
-use crate::criu::{self, Criu, FD_RPC, FD_STDIO};
+use crate::criu::{self, Criu, FD_STDIO};
 use crate::error::{Error, Result};
 use crate::meta::{Meta, Stdio, TMPFS_FILE};
 use crate::rpc;
@@ -85,7 +87,27 @@ struct HelperRequest {
     dir: PathBuf,
     externals: Vec<PathBuf>,
     kdat: PathBuf,
-    criu: PathBuf,
+}
+
+/// The error of a restore helper that answered `line` instead of what it should have
+/// (its `error <message>`, or what it wrote on stderr); kills and reaps it.
+fn helper_failed(child: &mut std::process::Child, line: &str) -> Error {
+    let mut err = String::new();
+    if let Some(mut e) = child.stderr.take() {
+        let _ = child.kill();
+        let _ = e.read_to_string(&mut err);
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+    let msg = match line.trim_end().split_once(' ') {
+        Some(("error", m)) => m.to_string(),
+        _ => format!("restore helper failed: {}", err.trim()),
+    };
+    Error::Criu {
+        action: "restore",
+        message: msg,
+        log: String::new(),
+    }
 }
 
 /// Restores the sandbox. Its writable layer (`spec.upper_dir()`) must be the state that
@@ -150,14 +172,11 @@ fn restore_in(
 ) -> Result<Restored> {
     let spec = req.spec;
     let dir = req.dir;
-    let (ours, theirs) =
-        cubicle_syscalls::socket::seqpacket_pair().map_err(|e| Error::io("socketpair", e))?;
     let helper_req = HelperRequest {
         spec: spec.clone(),
         dir: dir.to_path_buf(),
         externals: meta.externals.clone(),
         kdat: criu.kdat_cache().to_path_buf(),
-        criu: criu.binary().to_path_buf(),
     };
     let mut cmd = Command::new("/proc/self/exe");
     cmd.arg0("cubicle-restore-helper")
@@ -168,16 +187,9 @@ fn restore_in(
         .stdout(ProcStdio::piped())
         .stderr(ProcStdio::piped());
     let mut mounter = Mounter::start(spec)?;
-    let mut fds = vec![(theirs.as_raw_fd(), FD_RPC)];
-    if let Some(s) = &req.stdio {
-        fds.push((s.as_raw_fd(), FD_STDIO));
-    }
-    // SAFETY: place_fds only makes system calls (async-signal-safe).
-    unsafe { cmd.pre_exec(move || criu::place_fds(&fds)) };
     let mut child = cmd
         .spawn()
         .map_err(|e| Error::io("start the restore helper (/proc/self/exe)", e))?;
-    drop(theirs);
     let body = serde_json::to_vec(&helper_req).map_err(|e| Error::Image {
         dir: dir.to_path_buf(),
         message: format!("encode the helper request: {e}"),
@@ -185,33 +197,46 @@ fn restore_in(
     if let Some(mut stdin) = child.stdin.take() {
         let _ = stdin.write_all(&body);
     }
-    let mut status_line = String::new();
-    if let Some(out) = child.stdout.take() {
-        let _ = BufReader::new(out).read_line(&mut status_line);
-    }
-    let t_helper = t0.elapsed();
-    let sources: BTreeMap<PathBuf, PathBuf> = match status_line.trim_end().split_once(' ') {
-        Some(("ok", json)) => serde_json::from_str(json).map_err(|e| Error::Image {
-            dir: dir.to_path_buf(),
-            message: format!("restore helper answered nonsense: {e}"),
-        })?,
-        other => {
-            let mut err = String::new();
-            if let Some(mut e) = child.stderr.take() {
-                let _ = e.read_to_string(&mut err);
-            }
+    let mut out = child.stdout.take().map(BufReader::new);
+    let mut read_line = || {
+        let mut line = String::new();
+        if let Some(o) = out.as_mut() {
+            let _ = o.read_line(&mut line);
+        }
+        line
+    };
+    // `ns`: the helper's private mount namespace exists; CRIU starts in it now and loads
+    // while the helper builds the root.
+    let first = read_line();
+    let swrk = match first.trim_end() {
+        "ns" => {
+            let path = format!("/proc/{}/ns/mnt", child.id());
+            let ns = std::fs::File::open(&path)
+                .map(OwnedFd::from)
+                .map_err(|e| Error::io(format!("open {path}"), e));
+            ns.and_then(|ns| criu.start_swrk_in(&ns, req.stdio.as_ref().map(|s| s.as_raw_fd())))
+        }
+        _ => Err(helper_failed(&mut child, &first)),
+    };
+    let swrk = match swrk {
+        Ok(s) => s,
+        Err(e) => {
             let _ = child.kill();
             let _ = child.wait();
-            let msg = match other {
-                Some(("error", m)) => m.to_string(),
-                _ => format!("restore helper failed: {}", err.trim()),
-            };
-            return Err(Error::Criu {
-                action: "restore",
-                message: msg,
-                log: String::new(),
-            });
+            return Err(e);
         }
+    };
+    let status_line = read_line();
+    let t_helper = t0.elapsed();
+    let sources: BTreeMap<PathBuf, PathBuf> = match status_line.trim_end().split_once(' ') {
+        Some(("ok", json)) => {
+            let _ = child.wait();
+            serde_json::from_str(json).map_err(|e| Error::Image {
+                dir: dir.to_path_buf(),
+                message: format!("restore helper answered nonsense: {e}"),
+            })?
+        }
+        _ => return Err(helper_failed(&mut child, &status_line)),
     };
 
     let mut external: Vec<String> = sources
@@ -280,7 +305,7 @@ fn restore_in(
     };
     let on_ns = req.on_namespaces;
     let mut init_pid = None;
-    let res = criu::converse(&ours, &rq, &mut |script, pid| match script {
+    let (res, detail) = swrk.run(&rq, &mut |script, pid| match script {
         "setup-namespaces" => {
             init_pid = Some(pid);
             mounter.mount(pid)?;
@@ -294,14 +319,12 @@ fn restore_in(
         },
         _ => Ok(()),
     });
-    drop(ours);
     drop(mounter);
     let t_criu = t0.elapsed();
-    let (status, stderr) = criu::finish(child);
     let log = criu::log_tail(dir, RESTORE_LOG, 6);
     let resp = res.map_err(|e| Error::Criu {
         action: "restore",
-        message: format!("{e} (criu exited: {status:?}) {}", stderr.trim()),
+        message: format!("{e} {detail}"),
         log: log.clone(),
     })?;
     if !resp.success {
@@ -454,8 +477,14 @@ fn helper_run() -> std::result::Result<Never, String> {
     let req: HelperRequest =
         serde_json::from_str(&input).map_err(|e| format!("parse request: {e}"))?;
     criu::enter_private_run(&req.kdat).map_err(|e| e.to_string())?;
-    // CRIU makes its scratch directories (a cgroup yard, …) in its working directory.
-    std::env::set_current_dir("/run").map_err(|e| format!("chdir /run: {e}"))?;
+    // The caller starts CRIU in this mount namespace now (working in its `/run`, where
+    // CRIU makes its scratch directories, e.g. a cgroup yard).
+    {
+        let stdout = std::io::stdout();
+        let mut o = stdout.lock();
+        writeln!(o, "ns").map_err(|e| format!("report: {e}"))?;
+        o.flush().map_err(|e| format!("report: {e}"))?;
+    }
     // Opened here: the staging tmpfs is filled by root of the sandbox's user namespace,
     // which may not open the (root-only) checkpoint directory.
     let archive_path = req.dir.join(TMPFS_FILE);
@@ -484,20 +513,7 @@ fn helper_run() -> std::result::Result<Never, String> {
         writeln!(o, "ok {json}").map_err(|e| format!("report: {e}"))?;
         o.flush().map_err(|e| format!("report: {e}"))?;
     }
-    // stdout (the status pipe) must not stay open in CRIU: the caller reads one line.
-    // SAFETY: dup2/close with integer arguments.
-    unsafe {
-        let null = libc::open(c"/dev/null".as_ptr(), libc::O_RDWR);
-        if null >= 0 {
-            libc::dup2(null, 1);
-            libc::close(null);
-        }
-    }
-    let err = Command::new(&req.criu)
-        .arg("swrk")
-        .arg(FD_RPC.to_string())
-        .exec();
-    Err(format!("exec {} swrk: {err}", req.criu.display()))
+    std::process::exit(0);
 }
 
 /// CRIU's own message for a failure (it reports its first error, which can be a harmless

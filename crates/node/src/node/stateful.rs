@@ -292,6 +292,11 @@ impl Inner {
             .pid
             .filter(|p| procfs::is_alive(*p, record.pid_start_time))
             .ok_or_else(|| Error::SandboxNotFound(id.to_string()))?;
+        // The data plane closes its connections to the sandbox (busy: none are routed to
+        // it any more) first, so that envd drops them while the node asks its health and
+        // writes the record; the dump waits for the last to go. (A pause refused below
+        // costs the clients a reconnect.)
+        self.disconnect(&id);
         let healthy = {
             let client = EnvdClient::new(self.envd_socket(&id), Some(record.access_token.clone()));
             matches!(
@@ -319,9 +324,8 @@ impl Inner {
         *record = pausing;
         // The exit watcher would take the end of the processes for a death.
         self.stop_watcher(&id);
-        self.disconnect(&id);
-        // Where a pause's time goes (logged): the node's own steps (envd's health, the
-        // record, closing connections) before the runtime's phases.
+        // Where a pause's time goes (logged): the node's own steps (closing connections,
+        // envd's health, the record) before the runtime's phases.
         let before_checkpoint = t0.elapsed();
         let rt = self.runtime.clone();
         let res = if req.memory {
