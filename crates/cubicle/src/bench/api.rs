@@ -22,6 +22,9 @@ pub(super) struct Api {
     rest: ApiClient,
     /// E2B `network` options of every create (`--network`).
     network: Option<Value>,
+    /// Every create's timeout, seconds: long enough that the first of a density run's
+    /// thousands of sandboxes is still alive when the last is made.
+    timeout_s: u64,
 }
 
 /// A sandbox the bench created.
@@ -34,10 +37,16 @@ pub(super) struct Sbx {
 impl Api {
     /// The server at `url` (`http://host:port`), called with API key `key`; every create
     /// sends `network`.
-    pub(super) fn new(url: &str, key: String, network: Option<Value>) -> anyhow::Result<Api> {
+    pub(super) fn new(
+        url: &str,
+        key: String,
+        network: Option<Value>,
+        timeout_s: u64,
+    ) -> anyhow::Result<Api> {
         Ok(Api {
             rest: ApiClient::new(BaseUrl::parse(url)?, key),
             network,
+            timeout_s,
         })
     }
 
@@ -56,7 +65,8 @@ impl Api {
         Connection::lazy(self.rest.base())
     }
 
-    /// `POST /v2/sandboxes` (tagged `cubicle-bench=1`, ten minutes), ready when answered.
+    /// `POST /v2/sandboxes` (tagged `cubicle-bench=1`, for the bench's timeout), ready
+    /// when answered.
     pub(super) async fn create(
         &self,
         c: &mut Connection,
@@ -65,7 +75,7 @@ impl Api {
     ) -> anyhow::Result<Sbx> {
         let req = NewSandbox {
             template_id: template.to_string(),
-            timeout: Some(600),
+            timeout: Some(self.timeout_s),
             metadata: [("cubicle-bench".to_string(), "1".to_string())].into(),
             env_vars: Default::default(),
             allow_internet_access: Some(internet),

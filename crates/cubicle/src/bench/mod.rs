@@ -271,7 +271,17 @@ pub async fn run(args: BenchArgs, envd: Option<&PathBuf>) -> anyhow::Result<i32>
             }
         };
         let cx = Ctx {
-            api: Api::new(&url, key, args.network.clone())?,
+            // Its own server allows an hour; another server ten minutes, E2B's limit.
+            api: Api::new(
+                &url,
+                key,
+                args.network.clone(),
+                if server.is_some() {
+                    server::MAX_TIMEOUT_S
+                } else {
+                    600
+                },
+            )?,
             pool: mode.clone(),
             pool_size: args.pool_size,
             internet: !args.no_internet,

@@ -11,6 +11,8 @@ use tokio::io::AsyncBufReadExt;
 
 /// Slots of the bench's own server (disjoint from other nodes on a shared host).
 const BENCH_FIRST_SLOT: u32 = 8000;
+/// The bench server's longest sandbox timeout, seconds (its `--max-timeout`).
+pub(super) const MAX_TIMEOUT_S: u64 = 3600;
 
 pub(super) struct Server {
     child: tokio::process::Child,
@@ -38,7 +40,7 @@ impl Server {
         cmd.args(["--first-slot", &first_slot.to_string(), "--any-free-slots"])
             .args(["serve", "--listen", "127.0.0.1:0"])
             .arg("--max-timeout")
-            .arg("3600");
+            .arg(MAX_TIMEOUT_S.to_string());
         // Build only what the bench uses (base takes a minute the first time).
         if !templates.iter().any(|t| t == "base") {
             cmd.arg("--no-build-templates");
