@@ -235,8 +235,11 @@ async fn claim_refill_close(envd: PathBuf) -> anyhow::Result<()> {
         node.kill(&c.id).await?;
         node.kill(&s.id).await?;
 
-        // close: the pool's sandboxes go.
+        // close: the pool's sandboxes go, the ready ones at once and one a refill was
+        // making (for the claim above) once that refill sees the close, as `Node::stop`
+        // waits for.
         node.close();
+        node.wait_refills(Duration::from_secs(60)).await;
         let left = sandbox_dirs(&state);
         anyhow::ensure!(left.is_empty(), "after close: {left:?}");
         for id in &pooled {

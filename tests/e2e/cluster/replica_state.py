@@ -26,6 +26,15 @@ HEADERS = {"X-API-KEY": os.environ["E2B_API_KEY"]}
 failures = []
 
 
+def kill_all(sandboxes):
+    """Kills what a section made, whatever happened in it (a failed check included)."""
+    for s in sandboxes:
+        try:
+            s.kill()
+        except Exception:  # noqa: BLE001 - best effort: the leftover checks catch the rest
+            pass
+
+
 def check(name, cond, detail=""):
     print(("ok   " if cond else "FAIL ") + name + (f": {detail}" if detail and not cond else ""))
     if not cond:
@@ -131,11 +140,7 @@ try:
     except Exception as e:  # noqa: BLE001 - the SDK's NotFound or its wrapper
         check("a create from the deleted template fails", "not found" in str(e).lower(), str(e))
 finally:
-    for s in made:
-        try:
-            s.kill()
-        except Exception:  # noqa: BLE001
-            pass
+    kill_all(made)
 
 
 # ---- volumes ----
@@ -176,11 +181,7 @@ try:
     vid, vol = vol.volume_id, None
     check("it is gone", all(v.volume_id != vid for v in Volume.list()))
 finally:
-    for s in made:
-        try:
-            s.kill()
-        except Exception:  # noqa: BLE001
-            pass
+    kill_all(made)
     if vol is not None:
         try:
             Volume.destroy(vol.volume_id)

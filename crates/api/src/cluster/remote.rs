@@ -380,52 +380,19 @@ impl RemoteBackend {
         body: Option<Vec<u8>>,
         long: bool,
     ) -> cubicle_node::Result<T> {
-        let link = self.link(i);
-        let addr = &link.addr;
-        let uri = format!("{}://{addr}{}{path}", self.inner.scheme, super::PREFIX);
-        let mut req = Request::builder()
-            .method(method)
-            .uri(&uri)
-            .header(header::AUTHORIZATION, &self.inner.auth);
-        if body.is_some() {
-            req = req.header(header::CONTENT_TYPE, "application/json");
-        }
-        let req = req
-            .body(Full::new(Bytes::from(body.unwrap_or_default())))
-            .map_err(|e| cubicle_node::Error::Runtime(format!("request to node {addr}: {e}")))?;
+        let headers = match body {
+            Some(_) => vec![(header::CONTENT_TYPE, "application/json".to_string())],
+            None => Vec::new(),
+        };
         let limit = if long {
             self.inner.cfg.long_timeout
         } else {
             self.inner.cfg.timeout
         };
-        let exchange = async {
-            let resp = self.inner.client.request(req).await.map_err(|e| {
-                let mut d = e.to_string();
-                let mut src = std::error::Error::source(&e);
-                while let Some(s) = src {
-                    d.push_str(": ");
-                    d.push_str(&s.to_string());
-                    src = s.source();
-                }
-                unreachable(addr, d)
-            })?;
-            let status = resp.status();
-            let bytes = resp
-                .into_body()
-                .collect()
-                .await
-                .map_err(|e| unreachable(addr, format!("reading its answer: {e}")))?
-                .to_bytes();
-            Ok::<_, cubicle_node::Error>((status, bytes))
-        };
-        let (status, bytes) = tokio::time::timeout(limit, exchange)
-            .await
-            .map_err(|_| unreachable(addr, format!("no answer within {limit:?}")))??;
-        if status == StatusCode::UNAUTHORIZED {
-            return Err(cubicle_node::Error::Runtime(format!(
-                "node {addr} refused this replica's node token (401): give the replica and the node the same --node-token-file"
-            )));
-        }
+        let body = Bytes::from(body.unwrap_or_default());
+        let (status, _, bytes) = self.exchange(i, method, path, &headers, body, limit).await?;
+        let link = self.link(i);
+        let addr = &link.addr;
         if !status.is_success() {
             return Err(match serde_json::from_slice::<WireError>(&bytes) {
                 Ok(w) => w.into_node(),
@@ -457,6 +424,22 @@ impl RemoteBackend {
         headers: &[(header::HeaderName, String)],
         body: Bytes,
     ) -> cubicle_node::Result<(StatusCode, Option<String>, Bytes)> {
+        let limit = self.inner.cfg.long_timeout;
+        self.exchange(i, method, path, headers, body, limit).await
+    }
+
+    /// The one request/answer exchange with node `i` that [`Self::call`] and
+    /// [`Self::call_raw`] share: the node token added, the answer read whole within
+    /// `limit`; transport failures, the time limit and a refused token are errors.
+    async fn exchange(
+        &self,
+        i: usize,
+        method: Method,
+        path: &str,
+        headers: &[(header::HeaderName, String)],
+        body: Bytes,
+        limit: Duration,
+    ) -> cubicle_node::Result<(StatusCode, Option<String>, Bytes)> {
         let link = self.link(i);
         let addr = &link.addr;
         let uri = format!("{}://{addr}{}{path}", self.inner.scheme, super::PREFIX);
@@ -470,14 +453,17 @@ impl RemoteBackend {
         let req = req
             .body(Full::new(body))
             .map_err(|e| cubicle_node::Error::Runtime(format!("request to node {addr}: {e}")))?;
-        let limit = self.inner.cfg.long_timeout;
         let exchange = async {
-            let resp = self
-                .inner
-                .client
-                .request(req)
-                .await
-                .map_err(|e| unreachable(addr, e))?;
+            let resp = self.inner.client.request(req).await.map_err(|e| {
+                let mut d = e.to_string();
+                let mut src = std::error::Error::source(&e);
+                while let Some(s) = src {
+                    d.push_str(": ");
+                    d.push_str(&s.to_string());
+                    src = s.source();
+                }
+                unreachable(addr, d)
+            })?;
             let status = resp.status();
             let ctype = resp
                 .headers()

@@ -244,15 +244,7 @@ async fn relay(rb: &RemoteBackend, req: Request) -> ApiResult<Response> {
     let team = team.ok_or_else(|| ApiError::Unauthorized("missing API key".into()))?;
     match (&method, &segs[..]) {
         (&Method::POST, ["v3", "templates"]) => {
-            let v: Value = serde_json::from_slice(&body)
-                .map_err(|e| ApiError::BadRequest(format!("invalid JSON body: {e}")))?;
-            let raw = v
-                .get("name")
-                .or_else(|| v.get("alias"))
-                .and_then(Value::as_str)
-                .ok_or_else(|| ApiError::BadRequest("name is required".into()))?
-                .to_ascii_lowercase();
-            let name = crate::templates::parse(&raw)?.name;
+            let name = body_template(&body, ["name", "alias"])?;
             let node = if BUILTINS.contains(&name.as_str()) {
                 // The node refuses it (a built-in cannot be rebuilt).
                 any_node(rb)?
@@ -285,14 +277,7 @@ async fn relay(rb: &RemoteBackend, req: Request) -> ApiResult<Response> {
             }
         }
         (_, ["templates", "tags"]) => {
-            let v: Value = serde_json::from_slice(&body)
-                .map_err(|e| ApiError::BadRequest(format!("invalid JSON body: {e}")))?;
-            let raw = v
-                .get("target")
-                .or_else(|| v.get("name"))
-                .and_then(Value::as_str)
-                .ok_or_else(|| ApiError::BadRequest("target is required".into()))?;
-            let name = crate::templates::parse(raw)?.name;
+            let name = body_template(&body, ["target", "name"])?;
             let node = node_of(rb, &team, &name).await?;
             send(rb, fwd(node, path.clone(), body)).await
         }
@@ -608,4 +593,18 @@ pub(super) fn recorded(rb: &RemoteBackend, name: &str) -> bool {
         .ok()
         .flatten()
         .is_some()
+}
+
+/// The template a JSON request body names, for choosing the node to relay it to: the
+/// first of `keys` present, lower-cased and parsed as `name[:tag]`, without the tag.
+/// (The node that gets the body checks it again, and answers as it would alone.)
+fn body_template(body: &[u8], keys: [&str; 2]) -> ApiResult<String> {
+    let v: Value = serde_json::from_slice(body)
+        .map_err(|e| ApiError::BadRequest(format!("invalid JSON body: {e}")))?;
+    let raw = keys
+        .iter()
+        .find_map(|k| v.get(*k).and_then(Value::as_str))
+        .ok_or_else(|| ApiError::BadRequest(format!("{} is required", keys[0])))?
+        .to_ascii_lowercase();
+    Ok(crate::templates::parse(&raw)?.name)
 }
