@@ -345,6 +345,15 @@ impl Harness {
     /// See [`Harness`].
     pub fn start(suite: &'static str, needs: &str, tools: &[&str]) -> Option<Harness> {
         cubicle_runtime::maybe_run_helper();
+        // The node's warnings (a teardown that failed, a refill that gave up) go to stderr
+        // beside the test lines, so that a failure shows its cause; RUST_LOG for more.
+        let _ = tracing_subscriber::fmt()
+            .with_env_filter(
+                tracing_subscriber::EnvFilter::try_from_default_env()
+                    .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+            )
+            .with_writer(std::io::stderr)
+            .try_init();
         if !nix::unistd::geteuid().is_root() {
             println!("{suite}: SKIPPED — needs root ({needs})");
             return None;
