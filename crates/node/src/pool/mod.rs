@@ -75,6 +75,8 @@ const REFILL_PAUSE: Duration = Duration::from_millis(25);
 /// Pooled sandboxes made at once (making one waits on process starts and envd much of
 /// the time; two overlap those waits on two cores).
 const REFILL_PARALLEL: usize = 2;
+/// Tries to remove each ready pooled sandbox when the node closes.
+const DRAIN_ATTEMPTS: u32 = 3;
 /// Nice value of the refill thread and of pooled sandboxes until claimed.
 const REFILL_NICE: i32 = 19;
 
@@ -382,15 +384,24 @@ impl Inner {
             }
             let dir = inner.sandbox_dir(&id);
             let slot = live.record.slot;
-            let ok = inner
-                .runtime
-                .destroy(&id, Some(slot), &dir)
-                .and_then(|_| inner.runtime.remove_dir(&id, &dir));
-            match ok {
-                Ok(()) => inner.lock().slots.release(slot),
-                Err(e) => {
-                    // Its record says `creating`: the next open destroys it.
-                    tracing::warn!(sandbox = %id, "pooled sandbox teardown failed: {e}");
+            // A few tries, as a teardown of a user's sandbox is retried: on a loaded host
+            // emptying its cgroup can outlast one deadline.
+            for attempt in 1..=DRAIN_ATTEMPTS {
+                let ok = inner
+                    .runtime
+                    .destroy(&id, Some(slot), &dir)
+                    .and_then(|_| inner.runtime.remove_dir(&id, &dir));
+                match ok {
+                    Ok(()) => {
+                        inner.lock().slots.release(slot);
+                        break;
+                    }
+                    // Its record says `creating`: after the last try, the next open
+                    // destroys it.
+                    Err(e) => tracing::warn!(
+                        sandbox = %id,
+                        "pooled sandbox teardown failed (try {attempt} of {DRAIN_ATTEMPTS}): {e}"
+                    ),
                 }
             }
         }
