@@ -262,6 +262,10 @@ class Kernel:
 
     def buffer_output(self, name, text):
         with self.lock:
+            # What went to the same fd before this write (a subprocess, os.write, C
+            # code) comes first: take it off the pipe now rather than when the flusher
+            # wakes, which on a loaded host can be after this text.
+            self._drain_pipes(name)
             self.buffers[name].append(text)
             if self.first_buffered is None:
                 self.first_buffered = _monotonic()
@@ -270,8 +274,10 @@ class Kernel:
                 except OSError:
                     pass
 
-    def _drain_pipes(self):
+    def _drain_pipes(self, only=None):
         for r, (name, dec) in self.pipes.items():
+            if only is not None and name != only:
+                continue
             while True:
                 try:
                     data = os.read(r, 65536)

@@ -41,7 +41,7 @@ pub const VENV: &str = "/opt/cubicle/venv";
 /// copy in `/usr/local/bin` (made at build time) is the fallback.
 pub const MOUNT_POINT: &str = "/run/cubicle/interpreter";
 /// Builder tag of templates made here (`TemplateConfig::builder`).
-pub const BUILDER: &str = "code-interpreter/4";
+pub const BUILDER: &str = "code-interpreter/5";
 /// Cubicle's Python kernel (one file, pyzmq + IPython's `InteractiveShell`, see
 /// docs/interpreter.md): module `cubicle_kernel` in the venv, kernelspec `python3`.
 pub const KERNEL_PY: &str = include_str!("../../interpreter/python/cubicle_kernel.py");
