@@ -194,8 +194,16 @@ fn restore_in(
         dir: dir.to_path_buf(),
         message: format!("encode the helper request: {e}"),
     })?;
-    if let Some(mut stdin) = child.stdin.take() {
-        let _ = stdin.write_all(&body);
+    // The request is one line; stdin then stays open until CRIU has started in the
+    // helper's mount namespace: the helper waits for its end before it exits, so the
+    // namespace (and the root it builds there) outlives the helper's own work however
+    // late this process gets to open it (a loaded host once let the helper finish first:
+    // "open /proc/PID/ns/mnt: No such file or directory").
+    let mut stdin = child.stdin.take();
+    if let Some(w) = stdin.as_mut() {
+        let _ = w.write_all(&body);
+        let _ = w.write_all(b"\n");
+        let _ = w.flush();
     }
     let mut out = child.stdout.take().map(BufReader::new);
     let mut read_line = || {
@@ -218,6 +226,7 @@ fn restore_in(
         }
         _ => Err(helper_failed(&mut child, &first)),
     };
+    drop(stdin);
     let swrk = match swrk {
         Ok(s) => s,
         Err(e) => {
@@ -472,7 +481,7 @@ enum Never {}
 fn helper_run() -> std::result::Result<Never, String> {
     let mut input = String::new();
     std::io::stdin()
-        .read_to_string(&mut input)
+        .read_line(&mut input)
         .map_err(|e| format!("read request: {e}"))?;
     let req: HelperRequest =
         serde_json::from_str(&input).map_err(|e| format!("parse request: {e}"))?;
@@ -513,6 +522,8 @@ fn helper_run() -> std::result::Result<Never, String> {
         writeln!(o, "ok {json}").map_err(|e| format!("report: {e}"))?;
         o.flush().map_err(|e| format!("report: {e}"))?;
     }
+    // Not before the caller has CRIU in this mount namespace (it closes stdin then).
+    let _ = std::io::stdin().read_to_end(&mut Vec::new());
     std::process::exit(0);
 }
 
