@@ -390,7 +390,9 @@ impl RemoteBackend {
             self.inner.cfg.timeout
         };
         let body = Bytes::from(body.unwrap_or_default());
-        let (status, _, bytes) = self.exchange(i, method, path, &headers, body, limit).await?;
+        let (status, _, bytes) = self
+            .exchange(i, method, path, &headers, body, limit)
+            .await?;
         let link = self.link(i);
         let addr = &link.addr;
         if !status.is_success() {
