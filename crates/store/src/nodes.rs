@@ -163,6 +163,15 @@ pub struct SandboxOwner {
     pub epoch: i64,
 }
 
+/// Who had a sandbox before [`Store::move_sandbox`] took it (to give it back).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MovedFrom {
+    /// Its owner then (`None`: unowned, its node lost).
+    pub owner: Option<SandboxOwner>,
+    /// Its `published_at` then.
+    pub published_at: Option<i64>,
+}
+
 /// A node [`Store::expire_lost_nodes`] declared lost, with the sandboxes it reported dead.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct LostNode {
@@ -884,6 +893,106 @@ impl Store {
         Ok(n > 0)
     }
 
+    /// Sandbox `sandbox_id` moves to node `node_id` (under its epoch `epoch`) before that
+    /// node takes it over, from node `from` (unreachable, draining or full) — or from
+    /// nobody when `from` was lost meanwhile and left it unowned with a published copy.
+    /// Compare and set: of concurrent moves of the same sandbox exactly one gets
+    /// `Some` (what it was before, for [`Store::give_back`]); `None` when `from` does not
+    /// own it any more (another move won, or it ended). From then on `from` cannot
+    /// resume it itself ([`Store::clear_published`] answers `false`). [`Error::Fenced`]
+    /// when `epoch` is not `node_id`'s current one.
+    pub fn move_sandbox(
+        &self,
+        sandbox_id: &str,
+        from: &str,
+        node_id: &str,
+        epoch: i64,
+    ) -> Result<Option<MovedFrom>> {
+        self.transaction(|tx| {
+            check_epoch(tx, node_id, epoch)?;
+            let sql = format!(
+                "SELECT node_id, node_epoch, published_at FROM sandboxes
+                 WHERE id = ?1 AND state = 'running'{}",
+                tx.dialect().for_update()
+            );
+            let Some(r) = tx.query_opt(&sql, args![sandbox_id])? else {
+                return Ok(None);
+            };
+            let (owner, owner_epoch, published_at): (Option<String>, Option<i64>, Option<i64>) =
+                (r.get(0)?, r.get(1)?, r.get(2)?);
+            let movable = match owner.as_deref() {
+                Some(o) => o == from,
+                None => published_at.is_some(),
+            };
+            if !movable {
+                return Ok(None);
+            }
+            tx.execute(
+                "UPDATE sandboxes SET node_id = ?2, node_epoch = ?3, published_at = NULL
+                 WHERE id = ?1",
+                args![sandbox_id, node_id, epoch],
+            )?;
+            Ok(Some(MovedFrom {
+                owner: owner
+                    .zip(owner_epoch)
+                    .map(|(node_id, epoch)| SandboxOwner { node_id, epoch }),
+                published_at,
+            }))
+        })
+    }
+
+    /// Undoes [`Store::move_sandbox`] when node `node_id`'s takeover failed (if that node
+    /// still owns the sandbox under `epoch`): back to its previous owner while that node
+    /// is current (same epoch, not lost); else unowned when it had a published copy (the
+    /// next resume takes it elsewhere), else ended with [`NODE_LOST_REASON`] (its only
+    /// copy was on a node that is gone). `Ok(false)` when nothing was undone.
+    pub fn give_back(
+        &self,
+        sandbox_id: &str,
+        node_id: &str,
+        epoch: i64,
+        before: &MovedFrom,
+        now: i64,
+    ) -> Result<bool> {
+        self.transaction(|tx| {
+            let current = match &before.owner {
+                Some(o) => tx
+                    .query_opt(
+                        "SELECT id FROM nodes WHERE id = ?1 AND epoch = ?2 AND state <> 'lost'",
+                        args![o.node_id.as_str(), o.epoch],
+                    )?
+                    .is_some(),
+                None => false,
+            };
+            let n = match (&before.owner, before.published_at) {
+                (Some(o), _) if current => tx.execute(
+                    "UPDATE sandboxes SET node_id = ?4, node_epoch = ?5, published_at = ?6
+                     WHERE id = ?1 AND node_id = ?2 AND node_epoch = ?3 AND state = 'running'",
+                    args![
+                        sandbox_id,
+                        node_id,
+                        epoch,
+                        o.node_id.as_str(),
+                        o.epoch,
+                        before.published_at
+                    ],
+                )?,
+                (_, Some(at)) => tx.execute(
+                    "UPDATE sandboxes SET node_id = NULL, node_epoch = NULL, published_at = ?4
+                     WHERE id = ?1 AND node_id = ?2 AND node_epoch = ?3 AND state = 'running'",
+                    args![sandbox_id, node_id, epoch, at],
+                )?,
+                (_, None) => tx.execute(
+                    "UPDATE sandboxes SET state = 'ended', death_reason = ?4, ended_at = ?5,
+                         traffic_access_token = NULL
+                     WHERE id = ?1 AND node_id = ?2 AND node_epoch = ?3 AND state = 'running'",
+                    args![sandbox_id, node_id, epoch, NODE_LOST_REASON, now],
+                )?,
+            };
+            Ok(n > 0)
+        })
+    }
+
     /// Who owns sandbox `sandbox_id` (`None`: nobody, or no such sandbox).
     pub fn sandbox_owner(&self, sandbox_id: &str) -> Result<Option<SandboxOwner>> {
         self.with_conn(|c| {
@@ -1245,7 +1354,10 @@ mod tests {
             );
             assert!(!s.clear_published("paused", "n2", l2.epoch).unwrap());
             assert!(!s.is_unowned_published("paused").unwrap());
-            assert!(!s.claim_published("paused", "n2", l2.epoch).unwrap(), "owned");
+            assert!(
+                !s.claim_published("paused", "n2", l2.epoch).unwrap(),
+                "owned"
+            );
 
             // n1's lease runs out: the published one is left unowned, the others end.
             let lost = s.expire_lost_nodes(LEASE + 1).unwrap();
@@ -1307,6 +1419,84 @@ mod tests {
         });
     }
 
+    /// A move from a node that is unreachable, draining or full is a compare and set:
+    /// one of two concurrent moves wins, the old node can no longer resume the sandbox
+    /// itself, and a failed takeover gives it back (or leaves it unowned once its old
+    /// node is lost).
+    #[test]
+    fn a_move_claims_the_sandbox_from_its_old_node_once() {
+        each_backend(|s| {
+            let team = s.ensure_team("t").unwrap().id;
+            let l1 = s.register_node(&reg("n1", 10), 0, LEASE).unwrap();
+            let l2 = s.register_node(&reg("n2", 10), 0, LEASE).unwrap();
+            let l3 = s.register_node(&reg("n3", 10), 0, LEASE).unwrap();
+            let p = s.reserve_placement("n1", "sb", NEED, 0, 60_000).unwrap();
+            s.commit_placement(&p, &sandbox("sb", team), 1).unwrap();
+            assert!(s.mark_published("sb", "n1", l1.epoch, 2).unwrap());
+            let before = s.move_sandbox("sb", "n1", "n2", l2.epoch).unwrap().unwrap();
+            assert_eq!(
+                before.owner,
+                Some(SandboxOwner {
+                    node_id: "n1".into(),
+                    epoch: l1.epoch
+                })
+            );
+            assert_eq!(before.published_at, Some(2));
+            assert!(
+                s.move_sandbox("sb", "n1", "n3", l3.epoch)
+                    .unwrap()
+                    .is_none(),
+                "lost the race"
+            );
+            assert!(
+                !s.clear_published("sb", "n1", l1.epoch).unwrap(),
+                "n1 may not resume it"
+            );
+            assert!(matches!(
+                s.move_sandbox("sb", "n2", "n1", l1.epoch - 1),
+                Err(Error::Fenced { .. })
+            ));
+            // n2's takeover failed: back to n1, published as before.
+            assert!(s.give_back("sb", "n2", l2.epoch, &before, 3).unwrap());
+            assert_eq!(s.sandbox_owner("sb").unwrap().unwrap().node_id, "n1");
+            assert!(!s.give_back("sb", "n2", l2.epoch, &before, 3).unwrap());
+            // n1 is lost while n3 takes it over, which fails: unowned, for the next resume.
+            let before = s.move_sandbox("sb", "n1", "n3", l3.epoch).unwrap().unwrap();
+            s.renew_lease(&l3, 9_000, LEASE, &[], &serde_json::json!({}))
+                .unwrap();
+            assert_eq!(s.expire_lost_nodes(LEASE + 1).unwrap()[0].id, "n1");
+            assert!(
+                s.give_back("sb", "n3", l3.epoch, &before, LEASE + 2)
+                    .unwrap()
+            );
+            assert!(s.is_unowned_published("sb").unwrap());
+            // An unowned published sandbox is movable from any node name.
+            assert!(
+                s.move_sandbox("sb", "n1", "n3", l3.epoch)
+                    .unwrap()
+                    .is_some()
+            );
+            // No published copy and the old node gone: the failed move ends it.
+            let p = s
+                .reserve_placement("n3", "bare", NEED, LEASE, 60_000)
+                .unwrap();
+            s.commit_placement(&p, &sandbox("bare", team), LEASE)
+                .unwrap();
+            let l4 = s.register_node(&reg("n4", 10), LEASE, LEASE).unwrap();
+            let before = s
+                .move_sandbox("bare", "n3", "n4", l4.epoch)
+                .unwrap()
+                .unwrap();
+            s.register_node(&reg("n3", 10), LEASE, LEASE).unwrap();
+            assert!(
+                s.give_back("bare", "n4", l4.epoch, &before, LEASE + 3)
+                    .unwrap()
+            );
+            let row = s.sandbox("bare").unwrap().unwrap();
+            assert_eq!(row.state, SandboxRowState::Ended);
+        });
+    }
+
     /// Many replicas resume the same unowned sandboxes at once, each on its own node:
     /// every sandbox gets exactly one new owner.
     #[test]
@@ -1352,7 +1542,11 @@ mod tests {
             all.sort();
             all.dedup();
             assert_eq!(all.len(), ids.len(), "{won:?}");
-            assert_eq!(won.iter().map(Vec::len).sum::<usize>(), ids.len(), "{won:?}");
+            assert_eq!(
+                won.iter().map(Vec::len).sum::<usize>(),
+                ids.len(),
+                "{won:?}"
+            );
             for (n, w) in nodes.iter().zip(&won) {
                 for id in w {
                     assert_eq!(s.sandbox_owner(id).unwrap().unwrap().node_id, *n);
