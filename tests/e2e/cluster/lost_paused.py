@@ -210,6 +210,37 @@ check(f"still served by {other} through both replicas",
       sbx2.commands.run("cat /home/user/note.txt").stdout == note and owner_of(sid) == other
       and state_via("r1", sid) == "running" and state_via("r2", sid) == "running")
 
+# --- 5. Its new node dies too, and a connect comes before its lease ran out: the move is
+# claimed in the database (one owner), and the node's later expiry does not end it.
+note2 = sbx2.commands.run("cat /home/user/note.txt").stdout
+sbx2.pause()
+check(f"published on {other}", wait_for(lambda: published_line(other, sid), 10))
+time.sleep(1.2)  # replica 1 polls the node and sees it paused
+os.kill(int(os.environ[f"CUBICLE_{other.upper()}_PID"]), signal.SIGKILL)
+t0 = time.monotonic()
+sbx3 = connect("r1", sid)
+print(f"     connect right after {other} was SIGKILLed (before its lease ran out) took "
+      f"{1000 * (time.monotonic() - t0):.0f} ms", flush=True)
+check(f"resumed on {victim}", owner_of(sid) == victim and sbx3.files.read("/home/user/note.txt") == note2,
+      owner_of(sid))
+check("same process", sbx3.commands.run(f"kill -0 {pid_before} && echo alive").stdout.strip() == "alive")
+check(f"{other} declared lost", wait_for(lambda: nodes()[other]["state"] == "lost", 20))
+time.sleep(1.5)  # the replicas' expiry and polls after the loss
+check("still running through both replicas after the expiry",
+      state_via("r1", sid) == "running" and state_via("r2", sid) == "running",
+      (state_via("r1", sid), state_via("r2", sid)))
+check(f"owned by {victim} in the database", nodes()[victim]["sandboxes"] >= 1, nodes()[victim])
+# (back, so that it releases its copy: the cleanup must not touch the moved sandbox)
+cmd = json.loads(os.environ[f"CUBICLE_{other.upper()}_CMD"])
+with open(os.path.join(WORK, f"{other}.log"), "ab") as log, open(os.path.join(WORK, f"{other}b.out"), "wb") as out:
+    back2 = subprocess.Popen(cmd, stdout=out, stderr=log)
+with open(os.path.join(WORK, f"{other}.pid"), "w") as f:
+    f.write(str(back2.pid))
+check(f"{other} restarted", wait_for(lambda: "ready" in open(os.path.join(WORK, f"{other}b.out")).read(), 120))
+check(f"{other} released its copy", not os.path.isdir(os.path.join(f"{STATE}-{other}", "sandboxes", sid)))
+check("still served", sbx3.commands.run("echo here").stdout == "here\n")
+sbx2 = sbx3
+
 for s in [sbx2] + ([a2] if auto else []) + extra:
     try:
         s.kill()

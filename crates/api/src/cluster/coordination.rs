@@ -317,6 +317,46 @@ impl ClusterDb {
         Err(last)
     }
 
+    /// Claims the move of sandbox `id` from link `from` to link `to` in the database
+    /// ([`Store::move_sandbox`]); `None` when `from` no longer owns it.
+    pub(super) async fn claim_move(
+        &self,
+        rb: &RemoteBackend,
+        id: &str,
+        from: usize,
+        to: usize,
+    ) -> cubicle_node::Result<Option<MoveClaim>> {
+        let from_name = rb.link(from).name.clone().unwrap_or_default();
+        let (name, epoch) = self.name_and_epoch(rb, to).ok_or_else(|| {
+            cubicle_node::Error::Capacity(format!(
+                "node {} left the cluster; try again",
+                rb.link(to).addr
+            ))
+        })?;
+        let (sid, n) = (id.to_string(), name.clone());
+        let before = blocking(&self.store, move |s| {
+            s.move_sandbox(&sid, &from_name, &n, epoch)
+        })
+        .await?;
+        Ok(before.map(|before| MoveClaim {
+            node: name,
+            epoch,
+            before,
+        }))
+    }
+
+    /// Undoes a [`ClusterDb::claim_move`] whose takeover failed ([`Store::give_back`]).
+    pub(super) async fn give_back(&self, id: &str, claim: MoveClaim) {
+        let sid = id.to_string();
+        let r = blocking(&self.store, move |s| {
+            s.give_back(&sid, &claim.node, claim.epoch, &claim.before, now_ms())
+        })
+        .await;
+        if let Err(e) = r {
+            tracing::error!(sandbox = %id, "giving the claimed move back failed: {e}");
+        }
+    }
+
     /// The cluster name and current epoch of link `i`'s node, as last read.
     pub(super) fn name_and_epoch(&self, rb: &RemoteBackend, i: usize) -> Option<(String, i64)> {
         let name = rb.link(i).name.clone()?;
@@ -544,6 +584,13 @@ impl ClusterDb {
             }
         }
     }
+}
+
+/// A move claimed in the database ([`ClusterDb::claim_move`]).
+pub(super) struct MoveClaim {
+    node: String,
+    epoch: i64,
+    before: cubicle_store::MovedFrom,
 }
 
 /// Retires link `i`: no more polls or placements; its sandboxes leave the cache.

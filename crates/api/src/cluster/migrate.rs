@@ -244,23 +244,45 @@ impl RemoteBackend {
                     "publishing from the old node failed (using the copy it published at pause): {e}");
             }
         }
+        // With the cluster's database the move is claimed there first (compare and set
+        // from the old node): one move wins, and the old node can no longer resume it.
+        let claim = match self.inner.cluster.get().cloned() {
+            Some(db) => match db.claim_move(self, id, from, to).await? {
+                Some(claim) => Some((db, claim)),
+                None => {
+                    tracing::info!(sandbox = %id, "moved or ended meanwhile (the cluster's database); resuming it where it is");
+                    lock(&self.inner.cache).remove(id);
+                    let owner = self.owner(id)?;
+                    return self.resume_on(owner, id, timeout, memory).await;
+                }
+            },
+            None => None,
+        };
         let body = super::WireTimeout {
             timeout_ms: timeout.as_millis() as u64,
             memory,
             count: 0,
         };
-        let taken: TakeoverReport = self
-            .call(
+        let taken = self
+            .call::<TakeoverReport>(
                 to,
                 Method::POST,
                 &format!("/sandboxes/{id}/takeover"),
                 Self::json(&body),
                 true,
             )
-            .await
-            .inspect_err(|e| {
+            .await;
+        let taken = match taken {
+            Ok(t) => t,
+            Err(e) => {
                 tracing::warn!(sandbox = %id, to = %self.addr(to), "taking the sandbox over failed: {e}");
-            })?;
+                if let Some((db, claim)) = claim {
+                    let _ = self.release_copy(to, id).await;
+                    db.give_back(id, claim).await;
+                }
+                return Err(e);
+            }
+        };
         // Remembered as moved before it is routed to `to`: a poll of `from` that starts
         // from here on must not route it back there.
         lock(&self.inner.moved).insert(id.to_string(), from);
