@@ -30,6 +30,8 @@
 #      two replicas over a private PostgreSQL (placement, lost nodes, fencing, drain);
 #      alongside them, tests/e2e/cluster/moving.sh: two nodes sharing moto as their
 #      object store, a paused sandbox resumed on the other node (node SIGKILLed, drained);
+#      tests/e2e/cluster/lost_paused.sh: the same over PostgreSQL once the node's lease
+#      ran out (the sandbox outlives its lost node);
 #      and tests/e2e/cluster/replica_state.sh: a template built through a replica over
 #      PostgreSQL used on both nodes and deleted everywhere, a volume pinned to its node;
 #   8. the deployment recipes (scripts/check-deploy.py): deploy/kubernetes validated
@@ -267,6 +269,14 @@ if wants cluster; then
       CUBICLE_ENVD_BIN="$ROOT/target/x86_64-unknown-linux-gnu/debug/cubicle-envd" \
       timeout --kill-after=30 "$E2E_TIMEOUT" tests/e2e/cluster/run_db.sh
     record "e2e cluster (database)" $?
+    # A paused sandbox outlives its node: two nodes over PostgreSQL sharing moto, the
+    # node SIGKILLed, connect resumes the sandbox on the other one; `base` from the
+    # serve suite's state dir, /var/lib/cubicle-e2e-lost-paused-*, slots 27200+.
+    CUBICLE_BIN="$ROOT/target/debug/cubicle" \
+      CUBICLE_ENVD_BIN="$ROOT/target/x86_64-unknown-linux-gnu/debug/cubicle-envd" \
+      CUBICLE_E2E_TEMPLATES_FROM=/var/lib/cubicle-e2e \
+      timeout --kill-after=30 "$E2E_TIMEOUT" tests/e2e/cluster/lost_paused.sh
+    record "e2e cluster (paused sandboxes outlive their node)" $?
     wait "$moving_pid"
     moving_rc=$?
     banner "e2e cluster: moving sandboxes between nodes (two nodes, moto, e2b python)"

@@ -18,10 +18,18 @@
 //!   nobody's) is claimed under the new epoch; one the cluster ended, or that another
 //!   node owns, or that has no row, is killed; a row this node owns whose sandbox is gone
 //!   is recorded as ended. Sandboxes created after the registration are left alone (a
-//!   replica commits them).
+//!   replica commits them). A paused sandbox this node published that is not its own
+//!   any more (another node resumed it after this one was lost) is released, not
+//!   killed: it lives on there.
+//! - **Published paused sandboxes** ([`Ledger`], with `--object-store`): each sandbox
+//!   the node publishes at pause is recorded as such (`Store::mark_published`), so that
+//!   if this node is lost it is left unowned rather than ended and resumes on another
+//!   node; before resuming one itself the node clears that mark under its current epoch
+//!   (`Store::clear_published`) and refuses when the sandbox is no longer its own.
 
 use std::collections::HashSet;
 use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use anyhow::Context;
@@ -64,6 +72,60 @@ struct Member {
     store: Store,
     node: Node,
     reg: NodeRegistration,
+    /// The lease held now (shared with the [`Ledger`]).
+    lease: Arc<Mutex<Option<NodeLease>>>,
+}
+
+/// The node's [`cubicle_node::PublishedCopies`]: the `published_at` mark of its
+/// sandboxes' rows, set and cleared under the lease it holds now.
+struct Ledger {
+    store: Store,
+    lease: Arc<Mutex<Option<NodeLease>>>,
+}
+
+impl Ledger {
+    fn lease(&self) -> cubicle_node::Result<NodeLease> {
+        self.lease
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+            .ok_or_else(|| {
+                cubicle_node::Error::Runtime("this node is not registered in the cluster".into())
+            })
+    }
+}
+
+fn not_ours(id: &str, why: &str) -> cubicle_node::Error {
+    cubicle_node::Error::Conflict(format!(
+        "sandbox {id} is no longer this node's in the cluster's database ({why}): another node resumes it"
+    ))
+}
+
+impl cubicle_node::PublishedCopies for Ledger {
+    fn published(&self, id: &str) -> cubicle_node::Result<()> {
+        let l = self.lease()?;
+        match self.store.mark_published(id, &l.node_id, l.epoch, now_ms()) {
+            Ok(true) => Ok(()),
+            Ok(false) => Err(not_ours(id, "not owned by this node")),
+            Err(e) => Err(cubicle_node::Error::Runtime(format!(
+                "the cluster's database: {e}"
+            ))),
+        }
+    }
+
+    fn resuming(&self, id: &str) -> cubicle_node::Result<()> {
+        let l = self.lease()?;
+        match self.store.clear_published(id, &l.node_id, l.epoch) {
+            Ok(true) => Ok(()),
+            Ok(false) => Err(not_ours(id, "this node's lease ran out meanwhile")),
+            Err(cubicle_store::Error::Fenced { .. }) => {
+                Err(not_ours(id, "this node was declared lost"))
+            }
+            Err(e) => Err(cubicle_node::Error::Runtime(format!(
+                "cannot resume sandbox {id}: the cluster's database must confirm this node still owns it: {e}"
+            ))),
+        }
+    }
 }
 
 /// Registers the node (when `--database` is given), adopts what is its own, and keeps
@@ -102,8 +164,16 @@ pub async fn join(
             .unwrap_or((host.memory_total >> 20).saturating_mul(2)),
         max_sandboxes: node.config().max_sandboxes,
     };
+    let lease = Arc::new(Mutex::new(None));
+    if node.object_store().is_some_and(|c| c.publish_paused) {
+        node.set_published_copies(Arc::new(Ledger {
+            store: store.clone(),
+            lease: lease.clone(),
+        }));
+    }
     let member = std::sync::Arc::new(Member {
         store,
+        lease,
         node: node.clone(),
         reg: NodeRegistration {
             id: name,
@@ -168,6 +238,7 @@ impl Member {
             max_sandboxes = self.reg.capacity.max_sandboxes,
             "registered in the cluster (lease {LEASE:?}, renewed every {RENEW_EVERY:?})"
         );
+        *self.lease.lock().unwrap_or_else(|p| p.into_inner()) = Some(lease.clone());
         self.adopt(&lease, now).await;
         Ok(lease)
     }
@@ -222,6 +293,19 @@ impl Member {
             }
         };
         for id in &drop {
+            // Published and paused: another node resumed it after this one was lost (on
+            // a host two nodes share its cgroup is that node's now): only the copy goes.
+            if self.node.is_published(id)
+                && self
+                    .node
+                    .peek(id)
+                    .is_ok_and(|i| i.state == SandboxState::Paused)
+            {
+                match self.node.release_moved(id).await {
+                    Ok(()) => continue,
+                    Err(e) => tracing::warn!(sandbox = %id, "releasing a moved sandbox: {e}"),
+                }
+            }
             // Ended by the cluster (this node was declared lost), another node's, or never
             // committed: this node must not serve it.
             if let Err(e) = self.node.kill_with_reason(id, DeathReason::Killed).await
@@ -254,6 +338,7 @@ impl Member {
             .await;
             match r {
                 Ok(Ok(l)) => {
+                    *self.lease.lock().unwrap_or_else(|p| p.into_inner()) = Some(l.clone());
                     if let Some(why) = failing.take() {
                         tracing::info!(node = %self.reg.id, epoch = l.epoch, "lease renewed again (it failed: {why})");
                     }

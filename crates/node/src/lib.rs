@@ -45,9 +45,9 @@ pub use envd_client::{EnvdClient, ProcessEnd, ProcessEvent, ProcessSpec};
 pub use error::{Error, Result};
 pub use node::{
     BlobRef, CHECKPOINT_DIR, MoveReport, Mover, Node, ObjectStoreConfig, OwnerRecord, PauseReport,
-    PauseRequest, PausedManifest, ResumeOutcome, SnapshotManifest, SnapshotReport, SnapshotRequest,
-    TakeoverReport, TemplateManifest, identity_of, layers_in_use_on_disk, records_on_disk,
-    sandboxes_using_template,
+    PauseRequest, PausedManifest, PublishedCopies, ResumeOutcome, SnapshotManifest, SnapshotReport,
+    SnapshotRequest, TakeoverReport, TemplateManifest, identity_of, layers_in_use_on_disk,
+    records_on_disk, sandboxes_using_template,
 };
 pub use pool::{PoolStats, parse_pool_spec};
 pub use sandbox::{

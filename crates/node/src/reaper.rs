@@ -55,7 +55,10 @@ pub(crate) async fn run(weak: Weak<Inner>) {
                         }
                         tracing::warn!(sandbox = %id, "pausing at the end time failed, killing: {e}");
                         inner.finish(&id, DeathReason::Timeout, false).await;
+                        return;
                     }
+                    // Movable like one paused through the API (`handover.rs`).
+                    crate::Node { inner }.publish_after_pause(&id).await;
                 });
                 continue;
             }

@@ -59,8 +59,8 @@ pub use events::{EventQuery, EventRow};
 pub use idempotency::{IDEMPOTENCY_TTL_MS, IdempotencyClaim};
 pub use keys::{ApiKey, ApiKeyInfo, FoundKey, KEY_PREFIX, Team, hash_key, is_well_formed_key};
 pub use nodes::{
-    LostNode, NODE_LOST_REASON, NodeCapacity, NodeLease, NodeRegistration, NodeRow, NodeState,
-    Placement, Resources, SandboxOwner,
+    LostNode, MovedFrom, NODE_LOST_REASON, NodeCapacity, NodeLease, NodeRegistration, NodeRow,
+    NodeState, Placement, Resources, SandboxOwner,
 };
 pub use sandboxes::{SandboxRow, SandboxRowState};
 pub use schema::SCHEMA_VERSION;

@@ -163,6 +163,15 @@ pub struct SandboxOwner {
     pub epoch: i64,
 }
 
+/// Who had a sandbox before [`Store::move_sandbox`] took it (to give it back).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MovedFrom {
+    /// Its owner then (`None`: unowned, its node lost).
+    pub owner: Option<SandboxOwner>,
+    /// Its `published_at` then.
+    pub published_at: Option<i64>,
+}
+
 /// A node [`Store::expire_lost_nodes`] declared lost, with the sandboxes it reported dead.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct LostNode {
@@ -172,6 +181,10 @@ pub struct LostNode {
     pub epoch: i64,
     /// `(sandbox id, team id)` of each sandbox marked ended with [`NODE_LOST_REASON`].
     pub sandboxes: Vec<(String, i64)>,
+    /// Paused sandboxes with a published copy ([`Store::mark_published`]): left
+    /// unowned, for the next resume to take to another node
+    /// ([`Store::claim_published`]).
+    pub unowned: Vec<String>,
 }
 
 const NODE_COLUMNS: &str = "id, address, state, epoch, cpu_count, memory_mb, max_sandboxes, \
@@ -442,8 +455,9 @@ impl Store {
     }
 
     /// Declares lost every node whose lease ran out before `now`: its epoch moves on
-    /// (fencing it), its running sandboxes are marked ended with [`NODE_LOST_REASON`],
-    /// its reservations are dropped. Returns what it did, for events and logs; when
+    /// (fencing it), its paused sandboxes with a published copy become unowned (another
+    /// node resumes them: [`Store::claim_published`]), its other sandboxes are marked
+    /// ended with [`NODE_LOST_REASON`], its reservations are dropped. Returns what it did, for events and logs; when
     /// several replicas run this at once, each node is reported by exactly one of them.
     pub fn expire_lost_nodes(&self, now: i64) -> Result<Vec<LostNode>> {
         self.transaction(|tx| {
@@ -455,6 +469,16 @@ impl Store {
             let mut out = Vec::with_capacity(lost.len());
             for r in &lost {
                 let id: String = r.get(0)?;
+                let unowned = tx
+                    .query(
+                        "UPDATE sandboxes SET node_id = NULL, node_epoch = NULL
+                         WHERE node_id = ?1 AND state = 'running' AND published_at IS NOT NULL
+                         RETURNING id",
+                        args![id.as_str()],
+                    )?
+                    .iter()
+                    .map(|r| r.get(0))
+                    .collect::<Result<Vec<String>>>()?;
                 let sandboxes = tx
                     .query(
                         "UPDATE sandboxes SET state = 'ended', death_reason = ?1, ended_at = ?2,
@@ -473,6 +497,7 @@ impl Store {
                     id,
                     epoch: r.get(1)?,
                     sandboxes,
+                    unowned,
                 });
             }
             out.sort_by(|a, b| a.id.cmp(&b.id));
@@ -763,16 +788,207 @@ impl Store {
     /// Sandbox `sandbox_id` moves to node `node_id` (under lease epoch `epoch`): a replica
     /// resumed it there from the object store because its owner was gone, draining or
     /// full, and the old node released its copy. Unlike [`Store::claim_sandbox`] it takes
-    /// the sandbox from whichever node owned it. `Ok(false)` when the sandbox has ended;
-    /// [`Error::Fenced`] when `epoch` is not the node's current one.
+    /// the sandbox from whichever node owned it, and its published copy no longer counts
+    /// (it runs there now). `Ok(false)` when the sandbox has ended; [`Error::Fenced`]
+    /// when `epoch` is not the node's current one.
     pub fn transfer_sandbox(&self, sandbox_id: &str, node_id: &str, epoch: i64) -> Result<bool> {
         self.transaction(|tx| {
             check_epoch(tx, node_id, epoch)?;
             let n = tx.execute(
-                "UPDATE sandboxes SET node_id = ?2, node_epoch = ?3
+                "UPDATE sandboxes SET node_id = ?2, node_epoch = ?3, published_at = NULL
                  WHERE id = ?1 AND state = 'running'",
                 args![sandbox_id, node_id, epoch],
             )?;
+            Ok(n > 0)
+        })
+    }
+
+    /// Node `node_id` (under `epoch`) published paused sandbox `sandbox_id` to the object
+    /// store at `now`: if the node is lost before the sandbox resumes, the sandbox is
+    /// left unowned instead of ended ([`Store::expire_lost_nodes`]). `Ok(false)` when the
+    /// node does not own it (any more) or it ended; [`Error::Fenced`] under a stale epoch.
+    pub fn mark_published(
+        &self,
+        sandbox_id: &str,
+        node_id: &str,
+        epoch: i64,
+        now: i64,
+    ) -> Result<bool> {
+        self.transaction(|tx| {
+            check_epoch(tx, node_id, epoch)?;
+            let n = tx.execute(
+                "UPDATE sandboxes SET published_at = ?3
+                 WHERE id = ?1 AND node_id = ?2 AND state = 'running'",
+                args![sandbox_id, node_id, now],
+            )?;
+            Ok(n > 0)
+        })
+    }
+
+    /// Node `node_id` (under `epoch`) is about to resume its paused sandbox
+    /// `sandbox_id`: the published copy stops counting (it becomes stale). `Ok(false)`
+    /// when the node does not own it any more — its lease ran out and the sandbox was
+    /// left unowned, or another node took it: the node must not resume it;
+    /// [`Error::Fenced`] under a stale epoch (the same verdict).
+    pub fn clear_published(&self, sandbox_id: &str, node_id: &str, epoch: i64) -> Result<bool> {
+        self.transaction(|tx| {
+            check_epoch(tx, node_id, epoch)?;
+            let n = tx.execute(
+                "UPDATE sandboxes SET published_at = NULL
+                 WHERE id = ?1 AND node_id = ?2 AND state = 'running'",
+                args![sandbox_id, node_id],
+            )?;
+            Ok(n > 0)
+        })
+    }
+
+    /// Whether sandbox `sandbox_id` is paused with a published copy and owned by no node
+    /// (its node was lost): the next resume takes it to a live node.
+    pub fn is_unowned_published(&self, sandbox_id: &str) -> Result<bool> {
+        self.with_conn(|c| {
+            Ok(c.query_opt(
+                "SELECT id FROM sandboxes WHERE id = ?1 AND state = 'running'
+                     AND node_id IS NULL AND published_at IS NOT NULL",
+                args![sandbox_id],
+            )?
+            .is_some())
+        })
+    }
+
+    /// Node `node_id` (under `epoch`) takes unowned published sandbox `sandbox_id` to
+    /// resume it there. Of concurrent claimers exactly one gets `Ok(true)`; the copy no
+    /// longer counts as published (the new owner resumes it: [`Store::disown`] gives it
+    /// back if that fails). `Ok(false)`: not unowned and published (taken already,
+    /// ended); [`Error::Fenced`] when `epoch` is not the node's current one.
+    pub fn claim_published(&self, sandbox_id: &str, node_id: &str, epoch: i64) -> Result<bool> {
+        self.transaction(|tx| {
+            check_epoch(tx, node_id, epoch)?;
+            let n = tx.execute(
+                "UPDATE sandboxes SET node_id = ?2, node_epoch = ?3, published_at = NULL
+                 WHERE id = ?1 AND state = 'running' AND node_id IS NULL
+                     AND published_at IS NOT NULL",
+                args![sandbox_id, node_id, epoch],
+            )?;
+            Ok(n > 0)
+        })
+    }
+
+    /// Undoes [`Store::claim_published`] when the resume on node `node_id` failed: the
+    /// sandbox is unowned and published (at `published_at`) again, if that node still
+    /// owns it under `epoch`. `Ok(false)` otherwise.
+    pub fn disown(
+        &self,
+        sandbox_id: &str,
+        node_id: &str,
+        epoch: i64,
+        published_at: i64,
+    ) -> Result<bool> {
+        let n = self.with_conn(|c| {
+            c.execute(
+                "UPDATE sandboxes SET node_id = NULL, node_epoch = NULL, published_at = ?4
+                 WHERE id = ?1 AND node_id = ?2 AND node_epoch = ?3 AND state = 'running'",
+                args![sandbox_id, node_id, epoch, published_at],
+            )
+        })?;
+        Ok(n > 0)
+    }
+
+    /// Sandbox `sandbox_id` moves to node `node_id` (under its epoch `epoch`) before that
+    /// node takes it over, from node `from` (unreachable, draining or full) — or from
+    /// nobody when `from` was lost meanwhile and left it unowned with a published copy.
+    /// Compare and set: of concurrent moves of the same sandbox exactly one gets
+    /// `Some` (what it was before, for [`Store::give_back`]); `None` when `from` does not
+    /// own it any more (another move won, or it ended). From then on `from` cannot
+    /// resume it itself ([`Store::clear_published`] answers `false`). [`Error::Fenced`]
+    /// when `epoch` is not `node_id`'s current one.
+    pub fn move_sandbox(
+        &self,
+        sandbox_id: &str,
+        from: &str,
+        node_id: &str,
+        epoch: i64,
+    ) -> Result<Option<MovedFrom>> {
+        self.transaction(|tx| {
+            check_epoch(tx, node_id, epoch)?;
+            let sql = format!(
+                "SELECT node_id, node_epoch, published_at FROM sandboxes
+                 WHERE id = ?1 AND state = 'running'{}",
+                tx.dialect().for_update()
+            );
+            let Some(r) = tx.query_opt(&sql, args![sandbox_id])? else {
+                return Ok(None);
+            };
+            let (owner, owner_epoch, published_at): (Option<String>, Option<i64>, Option<i64>) =
+                (r.get(0)?, r.get(1)?, r.get(2)?);
+            let movable = match owner.as_deref() {
+                Some(o) => o == from,
+                None => published_at.is_some(),
+            };
+            if !movable {
+                return Ok(None);
+            }
+            tx.execute(
+                "UPDATE sandboxes SET node_id = ?2, node_epoch = ?3, published_at = NULL
+                 WHERE id = ?1",
+                args![sandbox_id, node_id, epoch],
+            )?;
+            Ok(Some(MovedFrom {
+                owner: owner
+                    .zip(owner_epoch)
+                    .map(|(node_id, epoch)| SandboxOwner { node_id, epoch }),
+                published_at,
+            }))
+        })
+    }
+
+    /// Undoes [`Store::move_sandbox`] when node `node_id`'s takeover failed (if that node
+    /// still owns the sandbox under `epoch`): back to its previous owner while that node
+    /// is current (same epoch, not lost); else unowned when it had a published copy (the
+    /// next resume takes it elsewhere), else ended with [`NODE_LOST_REASON`] (its only
+    /// copy was on a node that is gone). `Ok(false)` when nothing was undone.
+    pub fn give_back(
+        &self,
+        sandbox_id: &str,
+        node_id: &str,
+        epoch: i64,
+        before: &MovedFrom,
+        now: i64,
+    ) -> Result<bool> {
+        self.transaction(|tx| {
+            let current = match &before.owner {
+                Some(o) => tx
+                    .query_opt(
+                        "SELECT id FROM nodes WHERE id = ?1 AND epoch = ?2 AND state <> 'lost'",
+                        args![o.node_id.as_str(), o.epoch],
+                    )?
+                    .is_some(),
+                None => false,
+            };
+            let n = match (&before.owner, before.published_at) {
+                (Some(o), _) if current => tx.execute(
+                    "UPDATE sandboxes SET node_id = ?4, node_epoch = ?5, published_at = ?6
+                     WHERE id = ?1 AND node_id = ?2 AND node_epoch = ?3 AND state = 'running'",
+                    args![
+                        sandbox_id,
+                        node_id,
+                        epoch,
+                        o.node_id.as_str(),
+                        o.epoch,
+                        before.published_at
+                    ],
+                )?,
+                (_, Some(at)) => tx.execute(
+                    "UPDATE sandboxes SET node_id = NULL, node_epoch = NULL, published_at = ?4
+                     WHERE id = ?1 AND node_id = ?2 AND node_epoch = ?3 AND state = 'running'",
+                    args![sandbox_id, node_id, epoch, at],
+                )?,
+                (_, None) => tx.execute(
+                    "UPDATE sandboxes SET state = 'ended', death_reason = ?4, ended_at = ?5,
+                         traffic_access_token = NULL
+                     WHERE id = ?1 AND node_id = ?2 AND node_epoch = ?3 AND state = 'running'",
+                    args![sandbox_id, node_id, epoch, NODE_LOST_REASON, now],
+                )?,
+            };
             Ok(n > 0)
         })
     }
@@ -1109,6 +1325,233 @@ mod tests {
             assert!(s.mark_ended("sb", "killed", 1).unwrap());
             assert!(!s.transfer_sandbox("sb", "n1", e1).unwrap());
             assert_eq!(s.sandbox_owner("sb").unwrap().unwrap().node_id, "n2");
+        });
+    }
+
+    /// A lost node's paused sandboxes with a published copy outlive it: left unowned,
+    /// claimed by exactly one other node, given back when that node's resume fails, and
+    /// never resumed by the lost node under its old epoch.
+    #[test]
+    fn published_paused_sandboxes_outlive_their_lost_node() {
+        each_backend(|s| {
+            let team = s.ensure_team("t").unwrap().id;
+            let l1 = s.register_node(&reg("n1", 10), 0, LEASE).unwrap();
+            for id in ["run", "paused", "local"] {
+                let p = s.reserve_placement("n1", id, NEED, 0, 60_000).unwrap();
+                s.commit_placement(&p, &sandbox(id, team), 1).unwrap();
+            }
+            // "paused" was published; "local" was paused without a copy (the database
+            // cannot tell it from "run").
+            assert!(s.mark_published("paused", "n1", l1.epoch, 5).unwrap());
+            assert!(!s.mark_published("nope", "n1", l1.epoch, 5).unwrap());
+            // Resumed at home and published again: the copy counts only while paused.
+            assert!(s.clear_published("paused", "n1", l1.epoch).unwrap());
+            assert!(s.mark_published("paused", "n1", l1.epoch, 6).unwrap());
+            let l2 = s.register_node(&reg("n2", 10), 9_000, LEASE).unwrap();
+            assert!(
+                !s.mark_published("paused", "n2", l2.epoch, 7).unwrap(),
+                "not n2's"
+            );
+            assert!(!s.clear_published("paused", "n2", l2.epoch).unwrap());
+            assert!(!s.is_unowned_published("paused").unwrap());
+            assert!(
+                !s.claim_published("paused", "n2", l2.epoch).unwrap(),
+                "owned"
+            );
+
+            // n1's lease runs out: the published one is left unowned, the others end.
+            let lost = s.expire_lost_nodes(LEASE + 1).unwrap();
+            assert_eq!(lost.len(), 1);
+            let mut ended: Vec<&str> = lost[0].sandboxes.iter().map(|x| x.0.as_str()).collect();
+            ended.sort();
+            assert_eq!(ended, ["local", "run"]);
+            assert_eq!(lost[0].unowned, ["paused".to_string()]);
+            let row = s.sandbox("paused").unwrap().unwrap();
+            assert_eq!(row.state, SandboxRowState::Running);
+            assert_eq!(s.sandbox_owner("paused").unwrap(), None);
+            assert!(s.is_unowned_published("paused").unwrap());
+            assert!(s.node_sandboxes("n1").unwrap().is_empty());
+            // The lost node cannot resume it under its old epoch.
+            assert!(matches!(
+                s.clear_published("paused", "n1", l1.epoch),
+                Err(Error::Fenced { .. })
+            ));
+            assert!(matches!(
+                s.claim_published("paused", "n1", l1.epoch),
+                Err(Error::Fenced { .. })
+            ));
+
+            // n2 claims it to resume it; nobody else can, n1 back under a new epoch
+            // neither (its reconciliation drops its copy).
+            assert!(s.claim_published("paused", "n2", l2.epoch).unwrap());
+            assert!(!s.claim_published("paused", "n2", l2.epoch).unwrap());
+            let b1 = s.register_node(&reg("n1", 10), 12_000, LEASE).unwrap();
+            assert!(!s.claim_published("paused", "n1", b1.epoch).unwrap());
+            assert!(!s.claim_sandbox("paused", "n1", b1.epoch).unwrap());
+            assert!(!s.clear_published("paused", "n1", b1.epoch).unwrap());
+            let owner = s.sandbox_owner("paused").unwrap().unwrap();
+            assert_eq!((owner.node_id.as_str(), owner.epoch), ("n2", l2.epoch));
+            assert!(!s.is_unowned_published("paused").unwrap());
+
+            // n2's resume failed: it gives the sandbox back; then n1, back, adopts it
+            // (its copy is the published one) and keeps it movable.
+            assert!(!s.disown("paused", "n2", l2.epoch - 1, 6).unwrap(), "stale");
+            assert!(s.disown("paused", "n2", l2.epoch, 6).unwrap());
+            assert!(s.is_unowned_published("paused").unwrap());
+            assert!(s.claim_sandbox("paused", "n1", b1.epoch).unwrap());
+            assert!(!s.is_unowned_published("paused").unwrap());
+            assert_eq!(
+                s.expire_lost_nodes(12_000 + LEASE + 1).unwrap()[0].unowned,
+                ["paused".to_string()],
+                "still published"
+            );
+
+            // A move through the database (transfer) resumes it: no copy counts after.
+            let l3 = s.register_node(&reg("n3", 10), 30_000, LEASE).unwrap();
+            assert!(s.claim_published("paused", "n3", l3.epoch).unwrap());
+            assert!(s.clear_published("paused", "n3", l3.epoch).unwrap());
+            assert!(s.mark_published("paused", "n3", l3.epoch, 30_001).unwrap());
+            assert!(s.transfer_sandbox("paused", "n3", l3.epoch).unwrap());
+            let lost = s.expire_lost_nodes(30_000 + LEASE + 1).unwrap();
+            let n3 = lost.iter().find(|l| l.id == "n3").unwrap();
+            assert!(n3.unowned.is_empty());
+            assert_eq!(n3.sandboxes.len(), 1, "ended with its node");
+        });
+    }
+
+    /// A move from a node that is unreachable, draining or full is a compare and set:
+    /// one of two concurrent moves wins, the old node can no longer resume the sandbox
+    /// itself, and a failed takeover gives it back (or leaves it unowned once its old
+    /// node is lost).
+    #[test]
+    fn a_move_claims_the_sandbox_from_its_old_node_once() {
+        each_backend(|s| {
+            let team = s.ensure_team("t").unwrap().id;
+            let l1 = s.register_node(&reg("n1", 10), 0, LEASE).unwrap();
+            let l2 = s.register_node(&reg("n2", 10), 0, LEASE).unwrap();
+            let l3 = s.register_node(&reg("n3", 10), 0, LEASE).unwrap();
+            let p = s.reserve_placement("n1", "sb", NEED, 0, 60_000).unwrap();
+            s.commit_placement(&p, &sandbox("sb", team), 1).unwrap();
+            assert!(s.mark_published("sb", "n1", l1.epoch, 2).unwrap());
+            let before = s.move_sandbox("sb", "n1", "n2", l2.epoch).unwrap().unwrap();
+            assert_eq!(
+                before.owner,
+                Some(SandboxOwner {
+                    node_id: "n1".into(),
+                    epoch: l1.epoch
+                })
+            );
+            assert_eq!(before.published_at, Some(2));
+            assert!(
+                s.move_sandbox("sb", "n1", "n3", l3.epoch)
+                    .unwrap()
+                    .is_none(),
+                "lost the race"
+            );
+            assert!(
+                !s.clear_published("sb", "n1", l1.epoch).unwrap(),
+                "n1 may not resume it"
+            );
+            assert!(matches!(
+                s.move_sandbox("sb", "n2", "n1", l1.epoch - 1),
+                Err(Error::Fenced { .. })
+            ));
+            // n2's takeover failed: back to n1, published as before.
+            assert!(s.give_back("sb", "n2", l2.epoch, &before, 3).unwrap());
+            assert_eq!(s.sandbox_owner("sb").unwrap().unwrap().node_id, "n1");
+            assert!(!s.give_back("sb", "n2", l2.epoch, &before, 3).unwrap());
+            // n1 is lost while n3 takes it over, which fails: unowned, for the next resume.
+            let before = s.move_sandbox("sb", "n1", "n3", l3.epoch).unwrap().unwrap();
+            s.renew_lease(&l3, 9_000, LEASE, &[], &serde_json::json!({}))
+                .unwrap();
+            assert_eq!(s.expire_lost_nodes(LEASE + 1).unwrap()[0].id, "n1");
+            assert!(
+                s.give_back("sb", "n3", l3.epoch, &before, LEASE + 2)
+                    .unwrap()
+            );
+            assert!(s.is_unowned_published("sb").unwrap());
+            // An unowned published sandbox is movable from any node name.
+            assert!(
+                s.move_sandbox("sb", "n1", "n3", l3.epoch)
+                    .unwrap()
+                    .is_some()
+            );
+            // No published copy and the old node gone: the failed move ends it.
+            let p = s
+                .reserve_placement("n3", "bare", NEED, LEASE, 60_000)
+                .unwrap();
+            s.commit_placement(&p, &sandbox("bare", team), LEASE)
+                .unwrap();
+            let l4 = s.register_node(&reg("n4", 10), LEASE, LEASE).unwrap();
+            let before = s
+                .move_sandbox("bare", "n3", "n4", l4.epoch)
+                .unwrap()
+                .unwrap();
+            s.register_node(&reg("n3", 10), LEASE, LEASE).unwrap();
+            assert!(
+                s.give_back("bare", "n4", l4.epoch, &before, LEASE + 3)
+                    .unwrap()
+            );
+            let row = s.sandbox("bare").unwrap().unwrap();
+            assert_eq!(row.state, SandboxRowState::Ended);
+        });
+    }
+
+    /// Many replicas resume the same unowned sandboxes at once, each on its own node:
+    /// every sandbox gets exactly one new owner.
+    #[test]
+    fn concurrent_claims_of_published_sandboxes_give_one_owner() {
+        each_shared_backend(|open| {
+            let s = open();
+            let team = s.ensure_team("t").unwrap().id;
+            let mut big = reg("gone", 100);
+            big.capacity.cpu_count = 100;
+            let l0 = s.register_node(&big, 0, LEASE).unwrap();
+            let ids: Vec<String> = (0..12).map(|i| format!("p{i}")).collect();
+            for id in &ids {
+                let p = s.reserve_placement("gone", id, NEED, 0, 60_000).unwrap();
+                s.commit_placement(&p, &sandbox(id, team), 1).unwrap();
+                assert!(s.mark_published(id, "gone", l0.epoch, 2).unwrap());
+            }
+            let nodes = ["n1", "n2", "n3", "n4"];
+            let epochs: Vec<i64> = nodes
+                .iter()
+                .map(|n| s.register_node(&reg(n, 100), 5_000, LEASE).unwrap().epoch)
+                .collect();
+            let lost = s.expire_lost_nodes(LEASE + 1).unwrap();
+            assert_eq!(lost.len(), 1);
+            assert_eq!(lost[0].unowned.len(), ids.len());
+            let barrier = Arc::new(Barrier::new(nodes.len()));
+            let handles: Vec<_> = nodes
+                .iter()
+                .zip(epochs)
+                .map(|(n, epoch)| {
+                    let (store, barrier, ids, n) =
+                        (open(), barrier.clone(), ids.clone(), n.to_string());
+                    std::thread::spawn(move || {
+                        barrier.wait();
+                        ids.iter()
+                            .filter(|id| store.claim_published(id, &n, epoch).unwrap())
+                            .cloned()
+                            .collect::<Vec<_>>()
+                    })
+                })
+                .collect();
+            let won: Vec<Vec<String>> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+            let mut all: Vec<&String> = won.iter().flatten().collect();
+            all.sort();
+            all.dedup();
+            assert_eq!(all.len(), ids.len(), "{won:?}");
+            assert_eq!(
+                won.iter().map(Vec::len).sum::<usize>(),
+                ids.len(),
+                "{won:?}"
+            );
+            for (n, w) in nodes.iter().zip(&won) {
+                for id in w {
+                    assert_eq!(s.sandbox_owner(id).unwrap().unwrap().node_id, *n);
+                }
+            }
         });
     }
 

@@ -160,6 +160,11 @@ pub(crate) const MIGRATIONS: &[&str] = &[
     // reservation and its commit one round trip each; SQLite runs those as
     // transactions in the process (no round trips to save).
     "SELECT 1;",
+    // 8: paused sandboxes whose copy is in the object store (docs/cluster.md, "Paused
+    // sandboxes outlive their node"): when the node published it (unix ms; NULL while
+    // it runs, or is paused with no published copy). A lost node's sandboxes with one
+    // become unowned instead of ended, and resume on another node.
+    "ALTER TABLE sandboxes ADD COLUMN published_at INTEGER;",
 ];
 
 /// The PostgreSQL migrations: the same versions as [`MIGRATIONS`], in PostgreSQL's
@@ -425,6 +430,8 @@ pub(crate) const POSTGRES_MIGRATIONS: &[&str] = &[
     END
     $fn$;
     "#,
+    // 8: paused sandboxes with a published copy (see SQLite's 8).
+    "ALTER TABLE sandboxes ADD COLUMN published_at BIGINT;",
 ];
 
 const _: () = assert!(MIGRATIONS.len() == POSTGRES_MIGRATIONS.len());

@@ -25,35 +25,14 @@ STATE_A=$PREFIX-moving-a STATE_B=$PREFIX-moving-b STATE_R=$PREFIX-moving-replica
 SLOT_A=${CUBICLE_E2E_FIRST_SLOT:-23000}
 SLOT_B=$(( SLOT_A + 100 ))
 PY="$ROOT/tests/e2e/.venv/bin/python"
-MOTO="$ROOT/tests/e2e/.venv-s3/bin/moto_server"
-
-template_layers() { # state name → its layer ids
-  /usr/bin/python3 -c 'import json,sys; print(" ".join(json.load(open(sys.argv[1])).get("layers", [])))' \
-    "$1/templates/$2/template.json"
-}
 
 if [[ "${CUBICLE_CLUSTER_E2E_INNER:-}" != "1" ]]; then
-  [[ -x $MOTO ]] || { echo "moving-e2e: no $MOTO (scripts/install-test-deps.sh makes it)" >&2; exit 1; }
+  [[ -x $ROOT/tests/e2e/.venv-s3/bin/moto_server ]] || { echo "moving-e2e: no moto (scripts/install-test-deps.sh makes it)" >&2; exit 1; }
+  # shellcheck source=tests/e2e/cluster/templates.sh
+  . "$ROOT/tests/e2e/cluster/templates.sh"
   for t in tiny base; do
-    if [[ ! -f $STATE_A/templates/$t/template.json ]]; then
-      if [[ -f $PREFIX/templates/$t/template.json ]]; then
-        mkdir -p "$STATE_A/templates" "$STATE_A/layers"
-        for l in $(template_layers "$PREFIX" "$t"); do
-          cp -a --reflink=auto "$PREFIX/layers/$l" "$PREFIX/layers/$l.json" "$STATE_A/layers/" || exit 1
-        done
-        cp -a "$PREFIX/templates/$t" "$STATE_A/templates/" || exit 1
-      else
-        "$BIN" template build "$t" --state-dir "$STATE_A" || exit 1
-      fi
-    fi
-    if [[ ! -f $STATE_B/templates/$t/template.json ]]; then
-      mkdir -p "$STATE_B/templates" "$STATE_B/layers"
-      for l in $(template_layers "$STATE_A" "$t"); do
-        [[ -e $STATE_B/layers/$l ]] || cp -al "$STATE_A/layers/$l" "$STATE_B/layers/" || exit 1
-        cp -a "$STATE_A/layers/$l.json" "$STATE_B/layers/" || exit 1
-      done
-      cp -a "$STATE_A/templates/$t" "$STATE_B/templates/" || exit 1
-    fi
+    seed_template "$PREFIX" "$STATE_A" "$t" || exit 1
+    LINK=1 seed_template "$STATE_A" "$STATE_B" "$t" || exit 1
   done
   export CUBICLE_CLUSTER_E2E_INNER=1
   exec unshare --net -- "$SELF" "$@"
@@ -94,18 +73,9 @@ wait_line() { # file pattern seconds
 }
 
 # moto on 127.0.0.1 (this namespace only), with the bucket.
-MOTO_PORT=4566
-"$MOTO" -H 127.0.0.1 -p $MOTO_PORT >"$WORK/moto.log" 2>&1 &
-MOTO_PID=$!
-for _ in $(seq 1 300); do
-  /usr/bin/python3 - <<PY 2>/dev/null && break
-import urllib.request
-urllib.request.urlopen(urllib.request.Request("http://127.0.0.1:$MOTO_PORT/cubicle-e2e", method="PUT"), timeout=2)
-PY
-  sleep 0.1
-done
-export AWS_ACCESS_KEY_ID=test AWS_SECRET_ACCESS_KEY=test AWS_DEFAULT_REGION=us-east-1
-export AWS_ENDPOINT_URL=http://127.0.0.1:$MOTO_PORT
+# shellcheck source=tests/e2e/cluster/moto.sh
+. "$ROOT/tests/e2e/cluster/moto.sh"
+moto_start 127.0.0.1 4566 cubicle-e2e "$WORK/moto.log"
 BUCKET=s3://cubicle-e2e/run-$$
 
 # The template both nodes run: published once (as a cluster does after a build), in the

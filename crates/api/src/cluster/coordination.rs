@@ -18,7 +18,10 @@
 //!   replica) is found through [`Store::sandbox_owner`] and fetched from its node.
 //! - **Lost nodes.** Every replica runs [`Store::expire_lost_nodes`] each period; the
 //!   database reports each lost node once, and the replica that got it emits the
-//!   `killed` events (reason `node_lost`) of its sandboxes.
+//!   `killed` events (reason `node_lost`) of its sandboxes. Its paused sandboxes with a
+//!   published copy are left unowned: this replica shows them as paused from their
+//!   published record ([`ClusterDb::fetch`]) and a resume takes one to a live node
+//!   (`migrate.rs`, `resume_unowned`).
 //! - **Drain** ([`drain`]): the node is marked draining (no new placements) and its
 //!   running sandboxes are paused ([`pause_for_drain`], a function of its own so that
 //!   moving them to other nodes can take its place).
@@ -227,7 +230,10 @@ impl ClusterDb {
                 epoch = n.epoch,
                 lease_expired_ms_ago = now - expired_at,
                 sandboxes = n.sandboxes.len(),
-                "node lost: its lease ran out; its sandboxes are reported ended ({NODE_LOST_REASON})"
+                unowned = n.unowned.len(),
+                "node lost: its lease ran out; its sandboxes are reported ended ({NODE_LOST_REASON}), \
+                 except the paused ones with a published copy, which resume on another node at their next connect: {:?}",
+                n.unowned
             );
             if let Some(i) = index {
                 retire(rb, i);
@@ -274,6 +280,90 @@ impl ClusterDb {
         self.link_of(rb, &owner.node_id).ok_or_else(not_found)
     }
 
+    /// Whether sandbox `id` is paused with a published copy and owned by no node.
+    pub(super) fn is_unowned_published(&self, id: &str) -> bool {
+        cubicle_node::SandboxId::is_valid(id)
+            && self
+                .store
+                .read(|s| s.is_unowned_published(id))
+                .unwrap_or(false)
+    }
+
+    /// Unowned published sandbox `id` as its record in the object store says, asked of
+    /// the nodes that answer until one does (not cached: no node holds it).
+    async fn published_info(
+        &self,
+        rb: &RemoteBackend,
+        id: &str,
+    ) -> cubicle_node::Result<SandboxInfo> {
+        let path = format!("/published/{id}");
+        // No node answering says nothing of the sandbox (it must not be recorded dead);
+        // a node that answers "not found" does: its published record is gone.
+        let mut last = cubicle_node::Error::Runtime(format!(
+            "sandbox {id} is paused in the object store, but no node answers to read it"
+        ));
+        let links = rb.links();
+        for i in
+            (0..links.len()).filter(|i| !links[*i].retired() && lock(&links[*i].down).is_none())
+        {
+            match rb
+                .call::<SandboxInfo>(i, Method::GET, &path, None, false)
+                .await
+            {
+                Ok(info) => return Ok(info),
+                Err(e) => last = e,
+            }
+        }
+        Err(last)
+    }
+
+    /// Claims the move of sandbox `id` from link `from` to link `to` in the database
+    /// ([`Store::move_sandbox`]); `None` when `from` no longer owns it.
+    pub(super) async fn claim_move(
+        &self,
+        rb: &RemoteBackend,
+        id: &str,
+        from: usize,
+        to: usize,
+    ) -> cubicle_node::Result<Option<MoveClaim>> {
+        let from_name = rb.link(from).name.clone().unwrap_or_default();
+        let (name, epoch) = self.name_and_epoch(rb, to).ok_or_else(|| {
+            cubicle_node::Error::Capacity(format!(
+                "node {} left the cluster; try again",
+                rb.link(to).addr
+            ))
+        })?;
+        let (sid, n) = (id.to_string(), name.clone());
+        let before = blocking(&self.store, move |s| {
+            s.move_sandbox(&sid, &from_name, &n, epoch)
+        })
+        .await?;
+        Ok(before.map(|before| MoveClaim {
+            node: name,
+            epoch,
+            before,
+        }))
+    }
+
+    /// Undoes a [`ClusterDb::claim_move`] whose takeover failed ([`Store::give_back`]).
+    pub(super) async fn give_back(&self, id: &str, claim: MoveClaim) {
+        let sid = id.to_string();
+        let r = blocking(&self.store, move |s| {
+            s.give_back(&sid, &claim.node, claim.epoch, &claim.before, now_ms())
+        })
+        .await;
+        if let Err(e) = r {
+            tracing::error!(sandbox = %id, "giving the claimed move back failed: {e}");
+        }
+    }
+
+    /// The cluster name and current epoch of link `i`'s node, as last read.
+    pub(super) fn name_and_epoch(&self, rb: &RemoteBackend, i: usize) -> Option<(String, i64)> {
+        let name = rb.link(i).name.clone()?;
+        let epoch = lock(&self.nodes).get(&name).map(|(_, r)| r.epoch)?;
+        Some((name, epoch))
+    }
+
     /// Records that sandbox `id` now runs on link `to` (it moved there from a node that
     /// was gone, draining or full), under that node's current epoch: other replicas route
     /// to it, and the old node's reconciliation no longer counts it as its own.
@@ -301,9 +391,16 @@ impl ClusterDb {
         Ok(())
     }
 
-    /// Sandbox `id` from its owner's node (it was created through another replica).
+    /// Sandbox `id` from its owner's node (it was created through another replica), or,
+    /// when no node owns it because its node was lost after publishing it paused, as its
+    /// published record says (through any node that answers: they share the bucket).
     pub(super) fn fetch(&self, rb: &RemoteBackend, id: &str) -> cubicle_node::Result<SandboxInfo> {
-        let i = self.owner_link(rb, id)?;
+        let i = match self.owner_link(rb, id) {
+            Err(cubicle_node::Error::SandboxNotFound(_)) if self.is_unowned_published(id) => {
+                return rb.block(self.published_info(rb, id));
+            }
+            r => r?,
+        };
         let info: SandboxInfo =
             rb.block(rb.call(i, Method::GET, &format!("/sandboxes/{id}"), None, false))?;
         rb.remember(i, info.clone());
@@ -487,6 +584,13 @@ impl ClusterDb {
             }
         }
     }
+}
+
+/// A move claimed in the database ([`ClusterDb::claim_move`]).
+pub(super) struct MoveClaim {
+    node: String,
+    epoch: i64,
+    before: cubicle_store::MovedFrom,
 }
 
 /// Retires link `i`: no more polls or placements; its sandboxes leave the cache.

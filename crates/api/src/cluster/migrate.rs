@@ -19,6 +19,14 @@
 //!
 //! Moves are serialized on the replica (one at a time; a second resume of the same
 //! sandbox waits and finds it moved).
+//!
+//! With the cluster's database a paused sandbox whose node was **lost** (its lease ran
+//! out) after publishing it is owned by no node ([`cubicle_store::Store::expire_lost_nodes`]):
+//! [`RemoteBackend::resume_unowned`] picks a node as above, claims the sandbox for it in
+//! the database (`claim_published`, under that node's epoch: of concurrent resumes on
+//! any replicas exactly one wins), and has it take the sandbox over from the object
+//! store. A failed takeover gives the claim back (`disown`). The lost node, should it
+//! come back, finds the sandbox another node's and releases its copy.
 
 use std::collections::HashSet;
 use std::time::{Duration, Instant};
@@ -40,7 +48,18 @@ impl RemoteBackend {
         timeout: Duration,
         memory: bool,
     ) -> cubicle_node::Result<ResumeOutcome> {
-        let from = self.owner(id)?;
+        let from = match self.owner(id) {
+            Err(cubicle_node::Error::SandboxNotFound(_))
+                if self
+                    .inner
+                    .cluster
+                    .get()
+                    .is_some_and(|db| db.is_unowned_published(id)) =>
+            {
+                return self.resume_unowned(id, timeout, memory).await;
+            }
+            r => r?,
+        };
         let paused = self.get(id).is_ok_and(|i| i.state == SandboxState::Paused);
         if !paused {
             return self.resume_on(from, id, timeout, memory).await;
@@ -77,6 +96,92 @@ impl RemoteBackend {
             }
             ok => ok,
         }
+    }
+
+    /// Resumes sandbox `id`, paused and published by a node that was lost since, on a
+    /// live node (see the module doc).
+    async fn resume_unowned(
+        &self,
+        id: &str,
+        timeout: Duration,
+        memory: bool,
+    ) -> cubicle_node::Result<ResumeOutcome> {
+        let _one_at_a_time = self.inner.move_lock.lock().await;
+        let not_found = || cubicle_node::Error::SandboxNotFound(id.to_string());
+        let db = self.inner.cluster.get().cloned().ok_or_else(not_found)?;
+        if !db.is_unowned_published(id) {
+            // Taken meanwhile (through this replica or another): resume it where it is.
+            let owner = self.owner(id)?;
+            return self.resume_on(owner, id, timeout, memory).await;
+        }
+        let t0 = Instant::now();
+        let sid = id.to_string();
+        let row = db
+            .store
+            .call(move |s| s.sandbox(&sid))
+            .await
+            .map_err(|e| cubicle_node::Error::Runtime(format!("the cluster's database: {e}")))?
+            .ok_or_else(not_found)?;
+        let (to, there) = self.place_except(&row.template_id, None).map_err(|e| {
+            cubicle_node::Error::Capacity(format!(
+                "sandbox {id} cannot resume: its node was lost, and no other node can take it ({e})"
+            ))
+        })?;
+        let (name, epoch) = db.name_and_epoch(self, to).ok_or_else(|| {
+            cubicle_node::Error::Capacity(format!(
+                "node {} left the cluster; try again",
+                self.addr(to)
+            ))
+        })?;
+        let (sid, n) = (id.to_string(), name.clone());
+        let claimed = db
+            .store
+            .call(move |s| s.claim_published(&sid, &n, epoch))
+            .await
+            .map_err(|e| cubicle_node::Error::Runtime(format!("the cluster's database: {e}")))?;
+        if !claimed {
+            let owner = self.owner(id)?;
+            return self.resume_on(owner, id, timeout, memory).await;
+        }
+        tracing::info!(sandbox = %id, to = %self.addr(to), node = %name, epoch,
+            "resuming the paused sandbox of a lost node from the object store; to {there}");
+        let body = super::WireTimeout {
+            timeout_ms: timeout.as_millis() as u64,
+            memory,
+            count: 0,
+        };
+        let taken = self
+            .call::<TakeoverReport>(
+                to,
+                Method::POST,
+                &format!("/sandboxes/{id}/takeover"),
+                Self::json(&body),
+                true,
+            )
+            .await;
+        let taken = match taken {
+            Ok(t) => t,
+            Err(e) => {
+                tracing::warn!(sandbox = %id, to = %self.addr(to),
+                    "taking the sandbox over failed: {e}; it stays unowned for the next resume");
+                let _ = self.release_copy(to, id).await;
+                let (sid, n) = (id.to_string(), name.clone());
+                let published_at = cubicle_store::now_ms();
+                if let Err(e) = db
+                    .store
+                    .call(move |s| s.disown(&sid, &n, epoch, published_at))
+                    .await
+                {
+                    tracing::error!(sandbox = %id, "giving the claim back failed: {e}");
+                }
+                return Err(e);
+            }
+        };
+        self.remember(to, taken.outcome.info.clone());
+        tracing::info!(sandbox = %id, to = %self.addr(to), node = %name,
+            bytes = taken.bytes, pull_ms = taken.pull_ms, resume_ms = taken.outcome.took.as_secs_f64() * 1000.0,
+            took_ms = t0.elapsed().as_secs_f64() * 1000.0, "sandbox of a lost node resumed on another node");
+        Ok(taken.outcome)
     }
 
     fn addr(&self, node: usize) -> String {
@@ -139,23 +244,45 @@ impl RemoteBackend {
                     "publishing from the old node failed (using the copy it published at pause): {e}");
             }
         }
+        // With the cluster's database the move is claimed there first (compare and set
+        // from the old node): one move wins, and the old node can no longer resume it.
+        let claim = match self.inner.cluster.get().cloned() {
+            Some(db) => match db.claim_move(self, id, from, to).await? {
+                Some(claim) => Some((db, claim)),
+                None => {
+                    tracing::info!(sandbox = %id, "moved or ended meanwhile (the cluster's database); resuming it where it is");
+                    lock(&self.inner.cache).remove(id);
+                    let owner = self.owner(id)?;
+                    return self.resume_on(owner, id, timeout, memory).await;
+                }
+            },
+            None => None,
+        };
         let body = super::WireTimeout {
             timeout_ms: timeout.as_millis() as u64,
             memory,
             count: 0,
         };
-        let taken: TakeoverReport = self
-            .call(
+        let taken = self
+            .call::<TakeoverReport>(
                 to,
                 Method::POST,
                 &format!("/sandboxes/{id}/takeover"),
                 Self::json(&body),
                 true,
             )
-            .await
-            .inspect_err(|e| {
+            .await;
+        let taken = match taken {
+            Ok(t) => t,
+            Err(e) => {
                 tracing::warn!(sandbox = %id, to = %self.addr(to), "taking the sandbox over failed: {e}");
-            })?;
+                if let Some((db, claim)) = claim {
+                    let _ = self.release_copy(to, id).await;
+                    db.give_back(id, claim).await;
+                }
+                return Err(e);
+            }
+        };
         // Remembered as moved before it is routed to `to`: a poll of `from` that starts
         // from here on must not route it back there.
         lock(&self.inner.moved).insert(id.to_string(), from);

@@ -8,6 +8,9 @@
 //!   store, become its owner and resume it here ([`Node::take_over`]).
 //! - `POST sandboxes/{id}/release`: forget a paused sandbox that another node took over
 //!   ([`Node::release_moved`]).
+//! - `GET published/{id}`: a paused sandbox's info as published in the object store
+//!   ([`Node::published_info`]): a replica shows it so while its node is lost and no
+//!   node owns it.
 //! - `POST drain` (`{"migrate": true}`): the node stops taking sandboxes (resumes here
 //!   are refused while it drains, so replicas move them), pauses every running sandbox
 //!   with its memory and publishes it; `DELETE drain` ends the drain. The mark is a file
@@ -21,7 +24,7 @@ use axum::{
     extract::{Path, State},
     http::StatusCode,
     response::{IntoResponse, Response},
-    routing::post,
+    routing::{get, post},
 };
 use cubicle_node::{Node, PauseRequest, SandboxState};
 use serde::{Deserialize, Serialize};
@@ -156,6 +159,7 @@ pub fn routes(node: Node) -> Router {
         .route("/sandboxes/{id}/push", post(push))
         .route("/sandboxes/{id}/takeover", post(takeover))
         .route("/sandboxes/{id}/release", post(release))
+        .route("/published/{id}", get(published))
         .route("/drain", post(drain).delete(undrain))
         .with_state(node)
 }
@@ -183,6 +187,10 @@ async fn takeover(
         node.take_over(&id, Duration::from_millis(t.timeout_ms), t.memory)
             .await,
     )
+}
+
+async fn published(State(node): State<Node>, Path(id): Path<String>) -> Response {
+    answer(node.published_info(&id).await)
 }
 
 async fn release(State(node): State<Node>, Path(id): Path<String>) -> Response {

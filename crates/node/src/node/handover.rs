@@ -13,6 +13,11 @@
 //!   released, so a node that comes back after its sandboxes moved never resurrects one.
 //!   [`Node::release_moved_away`] does the same for all of them at start. After a local
 //!   resume the bucket's copy is stale: its manifest is deleted.
+//! - In a cluster with a database (`cubicle node --database`), the database records
+//!   which paused sandboxes have a published copy ([`PublishedCopies`]): when this node
+//!   is lost they are left unowned rather than ended, and the next resume takes one to
+//!   another node. This node asks the database before it resumes such a sandbox
+//!   itself: once its lease ran out the sandbox may be another node's already.
 //!
 //! Without an object store none of this runs.
 
@@ -70,6 +75,19 @@ pub(crate) fn is_marked_published(dir: &Path) -> bool {
     dir.join(PUBLISHED_MARK).exists()
 }
 
+/// The cluster's record of which paused sandboxes have a published copy (`cubicle node
+/// --database` keeps it in the `sandboxes` table: docs/cluster.md, "Paused sandboxes
+/// outlive their node"). Both calls block; the node runs them on its blocking pool.
+pub trait PublishedCopies: Send + Sync {
+    /// Paused sandbox `id` was published: should this node be lost, it resumes on
+    /// another node instead of ending.
+    fn published(&self, id: &str) -> Result<()>;
+    /// This node is about to resume its published sandbox `id` itself: the copy stops
+    /// counting. An error refuses the resume ([`Error::Conflict`]: the sandbox is not
+    /// this node's any more — its lease ran out, and another node may resume it).
+    fn resuming(&self, id: &str) -> Result<()>;
+}
+
 /// What a takeover did.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
@@ -91,6 +109,47 @@ fn ms(d: Duration) -> f64 {
 }
 
 impl Node {
+    /// Records published paused sandboxes in `copies` from now on (once; later calls are
+    /// ignored), and asks it before resuming one here.
+    pub fn set_published_copies(&self, copies: std::sync::Arc<dyn PublishedCopies>) {
+        let _ = self.inner.published_copies.set(copies);
+    }
+
+    /// [`PublishedCopies::published`], when the node has a record (a failure is logged:
+    /// the copy still serves moves from a node that answers, not from a lost one).
+    async fn record_published(&self, id: &str) {
+        let Some(copies) = self.inner.published_copies.get().cloned() else {
+            return;
+        };
+        let i2 = id.to_string();
+        if let Err(e) = super::inner::blocking(move || copies.published(&i2)).await {
+            tracing::warn!(sandbox = %id,
+                "recording the published copy in the cluster's database failed (if this node is lost, the sandbox ends with it): {e}");
+        }
+    }
+
+    /// Before resuming here a paused sandbox this node published: the cluster's record
+    /// must still say it is this node's ([`PublishedCopies::resuming`]).
+    pub(crate) async fn resuming_published(&self, id: &str) -> Result<()> {
+        if !self.is_published(id) {
+            return Ok(());
+        }
+        let Some(copies) = self.inner.published_copies.get().cloned() else {
+            return Ok(());
+        };
+        let i2 = id.to_string();
+        super::inner::blocking(move || copies.resuming(&i2)).await
+    }
+
+    /// The record of paused sandbox `id` as published in the object store, as its info
+    /// (state paused): a replica shows it while no node owns it (its node was lost).
+    pub async fn published_info(&self, id: &str) -> Result<crate::sandbox::SandboxInfo> {
+        let (inner, id) = (self.inner.clone(), id.to_string());
+        tokio::spawn(async move { inner.published_info(&id).await })
+            .await
+            .map_err(|e| Error::Runtime(format!("object store task failed: {e}")))?
+    }
+
     /// This node's identity (`<state>/node-id`).
     pub fn identity(&self) -> Result<String> {
         identity_of(&self.inner.config.state_dir)
@@ -131,6 +190,7 @@ impl Node {
         let report = self.push_paused(id).await?;
         let mark = self.sandbox_dir(id).join(PUBLISHED_MARK);
         std::fs::write(&mark, b"").ctx("write", &mark)?;
+        self.record_published(id).await;
         Ok(report)
     }
 

@@ -55,6 +55,9 @@ pub(crate) struct Inner {
     /// The object store templates, snapshots and paused sandboxes move through
     /// (`moving.rs`); unset: none.
     pub(crate) object_store: std::sync::OnceLock<super::moving::ObjectStoreConfig>,
+    /// The cluster's record of published paused sandboxes (`handover.rs`); unset: none.
+    pub(crate) published_copies:
+        std::sync::OnceLock<std::sync::Arc<dyn super::handover::PublishedCopies>>,
 }
 
 /// Called with a sandbox's id before it is checkpointed or stopped (`Node::on_checkpoint`).

@@ -44,7 +44,7 @@ mod network;
 pub(crate) mod stateful;
 pub(crate) mod teardown;
 
-pub use handover::{OwnerRecord, TakeoverReport, identity_of};
+pub use handover::{OwnerRecord, PublishedCopies, TakeoverReport, identity_of};
 pub use moving::{
     BlobRef, MoveReport, Mover, ObjectStoreConfig, PausedManifest, SnapshotManifest,
     TemplateManifest,
@@ -138,6 +138,7 @@ impl Node {
             snapshots: crate::snapshot::SnapshotStore::open(&state_dir)?,
             on_checkpoint: std::sync::OnceLock::new(),
             object_store: std::sync::OnceLock::new(),
+            published_copies: std::sync::OnceLock::new(),
             config,
         });
         let node = Node { inner };
@@ -333,10 +334,12 @@ impl Node {
     /// from its disk even if its memory was kept). A running one only gets its end time
     /// extended (never shortened). A failed resume leaves it paused and says why.
     /// A sandbox this node published that moved to another node since is refused (and
-    /// released here: `handover.rs`).
+    /// released here: `handover.rs`); so is one the cluster's database no longer counts as
+    /// this node's ([`PublishedCopies::resuming`]).
     pub async fn resume(&self, id: &str, timeout: Duration, memory: bool) -> Result<ResumeOutcome> {
         self.check_still_owner(id).await?;
         if self.peek(id).is_ok_and(|i| i.state == SandboxState::Paused) {
+            self.resuming_published(id).await?;
             self.forget_published(id);
         }
         self.resume_here(id, timeout, memory).await

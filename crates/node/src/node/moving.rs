@@ -519,6 +519,22 @@ impl Inner {
         Ok(report)
     }
 
+    /// The info of paused sandbox `id` as its manifest in the bucket records it.
+    pub(crate) async fn published_info(&self, id: &str) -> Result<SandboxInfo> {
+        let bucket = self.mover()?.bucket().clone();
+        SandboxId::parse(id).map_err(|_| Error::SandboxNotFound(id.to_string()))?;
+        let key = paused_key(id);
+        let m = bucket
+            .get_json::<PausedManifest>(&key)
+            .await?
+            .ok_or_else(|| Error::SandboxNotFound(id.to_string()))?;
+        check_format(m.format, &key)?;
+        if m.record.id.as_str() != id || m.record.state != SandboxState::Paused {
+            return Err(Error::SandboxNotFound(id.to_string()));
+        }
+        Ok(SandboxInfo::from_record(&m.record, self.envd_socket(id), 0))
+    }
+
     pub(crate) async fn pull_paused(&self, id: &str) -> Result<(SandboxInfo, MoveReport)> {
         let t0 = Instant::now();
         let mover = self.mover()?;

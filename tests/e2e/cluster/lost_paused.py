@@ -1,0 +1,251 @@
+"""The official Python SDK against two API replicas coordinated through PostgreSQL, over
+two `cubicle node`s sharing an object store (tests/e2e/cluster/lost_paused.sh starts them
+and sets the environment): a paused sandbox outlives the loss of its node. One sandbox
+(a file, a process holding a secret only in its memory) is paused through the API,
+another pauses at its end time, a third keeps running, all on one node; that node is
+SIGKILLed; once its lease ran out the running one is reported ended, the paused ones
+stay listed as paused, and `Sandbox.connect` through the other replica resumes each on
+the other node with its file and its process. The lost node restarted never resumes
+them: one owner."""
+
+import json
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import time
+import uuid
+
+import httpx
+from e2b import Sandbox
+
+KEY = os.environ["E2B_API_KEY"]
+R = {
+    "r1": (os.environ["CUBICLE_R1_API"], os.environ["CUBICLE_R1_SANDBOX"]),
+    "r2": (os.environ["CUBICLE_R2_API"], os.environ["CUBICLE_R2_SANDBOX"]),
+}
+BIN = os.environ["CUBICLE_BIN"]
+DB = os.environ["CUBICLE_E2E_DB"]
+WORK = os.environ["CUBICLE_E2E_WORK"]
+STATE = os.environ["CUBICLE_E2E_STATE"]
+TEMPLATE = os.environ.get("CUBICLE_E2E_LOST_TEMPLATE", "base")
+TOKEN = open(os.environ["CUBICLE_NODE_TOKEN_FILE"]).read().strip()
+NODE_ADDR = {f"n{i}": f"http://10.79.0.1{i}:3100" for i in (1, 2)}
+failures = []
+
+
+def check(name, cond, detail=""):
+    print(("ok   " if cond else "FAIL ") + name + (f": {detail}" if detail and not cond else ""), flush=True)
+    if not cond:
+        failures.append(name)
+
+
+def create(r, **kw):
+    api, sbx = R[r]
+    kw.setdefault("timeout", 300)
+    return Sandbox.create(TEMPLATE, api_key=KEY, api_url=api, sandbox_url=sbx, **kw)
+
+
+def connect(r, sid):
+    api, sbx = R[r]
+    return Sandbox.connect(sid, timeout=300, api_key=KEY, api_url=api, sandbox_url=sbx)
+
+
+def state_via(r, sid):
+    api, _ = R[r]
+    resp = httpx.get(f"{api}/sandboxes/{sid}", headers={"X-API-KEY": KEY}, timeout=30)
+    return resp.json().get("state") if resp.status_code == 200 else resp.status_code
+
+
+def nodes():
+    out = subprocess.run([BIN, "node", "list", "--database", DB, "--format", "json"],
+                         check=True, capture_output=True, text=True).stdout
+    return {n["nodeID"]: n for n in json.loads(out)}
+
+
+def node_has(node, sid):
+    try:
+        r = httpx.get(f"{NODE_ADDR[node]}/node/v1/sandboxes/{sid}",
+                      headers={"Authorization": f"Bearer {TOKEN}"}, timeout=2)
+    except httpx.HTTPError:
+        return False
+    return r.status_code == 200 and r.json().get("state") != "dead"
+
+
+def owner_of(sid):
+    return next((n for n in ("n1", "n2") if node_has(n, sid)), None)
+
+
+def wait_for(pred, secs):
+    end = time.monotonic() + secs
+    while time.monotonic() < end:
+        if pred():
+            return True
+        time.sleep(0.1)
+    return pred()
+
+
+def published_line(node, sid):
+    """The node's log line saying it published `sid` (after a pause), or None."""
+    try:
+        for line in open(os.path.join(WORK, f"{node}.log"), errors="replace"):
+            if "paused sandbox published" in line and sid in line:
+                return line.strip()
+    except FileNotFoundError:
+        pass
+    return None
+
+
+# A process whose state lives only in its memory: a random secret it prints on SIGUSR1.
+HOLDER = ("s=$(head -c 12 /dev/urandom | od -An -tx1 | tr -d ' \\n'); echo $s > /tmp/secret.orig; "
+          "echo $$ > /tmp/holder.pid; trap 'echo $s > /tmp/secret.dump' USR1; "
+          "while :; do sleep 0.1; done")
+
+
+def secret_dump(sbx):
+    sbx.commands.run("rm -f /tmp/secret.dump; kill -USR1 $(cat /tmp/holder.pid)")
+    for _ in range(50):
+        r = sbx.commands.run("cat /tmp/secret.dump 2>/dev/null || true")
+        if r.stdout.strip():
+            return r.stdout.strip()
+        time.sleep(0.1)
+    return ""
+
+
+# --- 1. On one node: a sandbox paused through the API (file, process), one that pauses
+# at its end time, one that keeps running.
+sbx = create("r1")
+sid = sbx.sandbox_id
+victim = owner_of(sid)
+other = {"n1": "n2", "n2": "n1"}.get(victim)
+check("placed on a node", victim is not None, victim)
+extra, auto, running = [], None, None
+for _ in range(8):
+    if auto and running:
+        break
+    if auto is None:
+        x = create("r1", timeout=6, lifecycle={"on_timeout": "pause"})
+    else:
+        x = create("r1")
+    if owner_of(x.sandbox_id) != victim:
+        extra.append(x)
+    elif auto is None:
+        auto = x
+    else:
+        running = x
+check("an auto-pausing and a running sandbox on the same node", auto is not None and running is not None)
+note = f"survives its node {uuid.uuid4()}"
+sbx.files.write("/home/user/note.txt", note)
+sbx.commands.run(f"sh -c {shlex.quote(HOLDER)}", background=True)
+check("holder started", wait_for(lambda: sbx.commands.run("cat /tmp/holder.pid 2>/dev/null || true").stdout.strip() != "", 10))
+orig = sbx.commands.run("cat /tmp/secret.orig").stdout.strip()
+pid_before = sbx.commands.run("cat /tmp/holder.pid").stdout.strip()
+check("the process answers before the pause", secret_dump(sbx) == orig, orig)
+sbx.commands.run("rm /tmp/secret.orig")  # from here on the secret is only in memory
+if auto:
+    auto.files.write("/home/user/auto.txt", "paused at its end time")
+
+t0 = time.monotonic()
+sbx.pause()
+print(f"     pause through the replica (with the publish) took {1000 * (time.monotonic() - t0):.0f} ms", flush=True)
+line = published_line(victim, sid)
+check("published before the pause answered", line is not None)
+if line:
+    fields = dict(re.findall(r"(\w+)=(\S+)", re.sub(r"\x1b\[[0-9;]*m", "", line)))
+    print(f"     of which the publish: {float(fields.get('took_ms', 'nan')):.0f} ms, "
+          f"{int(fields.get('bytes', 0)) / 1e6:.2f} MB uploaded")
+if auto:
+    check("the auto-paused sandbox is published too", wait_for(lambda: published_line(victim, auto.sandbox_id), 40))
+    check("  and listed paused", state_via("r1", auto.sandbox_id) == "paused", state_via("r1", auto.sandbox_id))
+
+# --- 2. Its node is SIGKILLed; the lease runs out.
+os.kill(int(os.environ[f"CUBICLE_{victim.upper()}_PID"]), signal.SIGKILL)
+t_kill = time.monotonic()
+check(f"{victim} declared lost", wait_for(lambda: nodes()[victim]["state"] == "lost", 20))
+print(f"     {victim} lost {time.monotonic() - t_kill:.1f} s after SIGKILL", flush=True)
+if running:
+    check("the running sandbox is reported ended (404 on both replicas)",
+          wait_for(lambda: state_via("r1", running.sandbox_id) == 404 and state_via("r2", running.sandbox_id) == 404, 10),
+          (state_via("r1", running.sandbox_id), state_via("r2", running.sandbox_id)))
+check("the paused one stays listed paused, through the other replica", state_via("r2", sid) == "paused",
+      state_via("r2", sid))
+if auto:
+    check("the auto-paused one too", state_via("r2", auto.sandbox_id) == "paused", state_via("r2", auto.sandbox_id))
+
+# --- 3. Sandbox.connect through the other replica resumes each on the other node.
+t0 = time.monotonic()
+sbx2 = connect("r2", sid)
+moved_ms = 1000 * (time.monotonic() - t0)
+print(f"     connect after {victim} was lost (resume on {other}) took {moved_ms:.0f} ms", flush=True)
+check(f"resumed on {other}", owner_of(sid) == other and sbx2.is_running(), owner_of(sid))
+check("file came along", sbx2.files.read("/home/user/note.txt") == note)
+check("process alive with its pid", sbx2.commands.run(f"kill -0 {pid_before} && echo alive").stdout.strip() == "alive")
+check("process memory intact (secret held only in memory)", secret_dump(sbx2) == orig, orig)
+check("running through the first replica too", state_via("r1", sid) == "running", state_via("r1", sid))
+if auto:
+    a2 = connect("r1", auto.sandbox_id)
+    check(f"the auto-paused one resumed on {other}", owner_of(auto.sandbox_id) == other
+          and a2.files.read("/home/user/auto.txt") == "paused at its end time", owner_of(auto.sandbox_id))
+owners = {n["nodeID"]: n["sandboxes"] for n in nodes().values()}
+print(f"     sandboxes per node in the database: {owners}")
+
+# --- 4. The lost node comes back (same name): it never resumes them.
+cmd = json.loads(os.environ[f"CUBICLE_{victim.upper()}_CMD"])
+with open(os.path.join(WORK, f"{victim}.log"), "ab") as log, open(os.path.join(WORK, f"{victim}b.out"), "wb") as out:
+    back = subprocess.Popen(cmd, stdout=out, stderr=log)
+with open(os.path.join(WORK, f"{victim}.pid"), "w") as f:
+    f.write(str(back.pid))
+check(f"{victim} restarted", wait_for(lambda: "ready" in open(os.path.join(WORK, f"{victim}b.out")).read(), 120))
+check(f"{victim} active again", wait_for(lambda: nodes()[victim]["state"] == "active", 10))
+gone = [s for s in [sid] + ([auto.sandbox_id] if auto else [])
+        if os.path.isdir(os.path.join(f"{STATE}-{victim}", "sandboxes", s)) or node_has(victim, s)]
+check(f"{victim} released its copies", not gone, gone)
+r = httpx.post(f"{NODE_ADDR[victim]}/node/v1/sandboxes/{sid}/resume", json={"timeoutMs": 60000},
+               headers={"Authorization": f"Bearer {TOKEN}"}, timeout=30)
+check(f"{victim} refuses to resume it", r.status_code == 404, (r.status_code, r.text[:200]))
+time.sleep(1.2)  # replicas poll the node that came back
+check(f"still served by {other} through both replicas",
+      sbx2.commands.run("cat /home/user/note.txt").stdout == note and owner_of(sid) == other
+      and state_via("r1", sid) == "running" and state_via("r2", sid) == "running")
+
+# --- 5. Its new node dies too, and a connect comes before its lease ran out: the move is
+# claimed in the database (one owner), and the node's later expiry does not end it.
+note2 = sbx2.commands.run("cat /home/user/note.txt").stdout
+sbx2.pause()
+check(f"published on {other}", wait_for(lambda: published_line(other, sid), 10))
+time.sleep(1.2)  # replica 1 polls the node and sees it paused
+os.kill(int(os.environ[f"CUBICLE_{other.upper()}_PID"]), signal.SIGKILL)
+t0 = time.monotonic()
+sbx3 = connect("r1", sid)
+print(f"     connect right after {other} was SIGKILLed (before its lease ran out) took "
+      f"{1000 * (time.monotonic() - t0):.0f} ms", flush=True)
+check(f"resumed on {victim}", owner_of(sid) == victim and sbx3.files.read("/home/user/note.txt") == note2,
+      owner_of(sid))
+check("same process", sbx3.commands.run(f"kill -0 {pid_before} && echo alive").stdout.strip() == "alive")
+check(f"{other} declared lost", wait_for(lambda: nodes()[other]["state"] == "lost", 20))
+time.sleep(1.5)  # the replicas' expiry and polls after the loss
+check("still running through both replicas after the expiry",
+      state_via("r1", sid) == "running" and state_via("r2", sid) == "running",
+      (state_via("r1", sid), state_via("r2", sid)))
+check(f"owned by {victim} in the database", nodes()[victim]["sandboxes"] >= 1, nodes()[victim])
+# (back, so that it releases its copy: the cleanup must not touch the moved sandbox)
+cmd = json.loads(os.environ[f"CUBICLE_{other.upper()}_CMD"])
+with open(os.path.join(WORK, f"{other}.log"), "ab") as log, open(os.path.join(WORK, f"{other}b.out"), "wb") as out:
+    back2 = subprocess.Popen(cmd, stdout=out, stderr=log)
+with open(os.path.join(WORK, f"{other}.pid"), "w") as f:
+    f.write(str(back2.pid))
+check(f"{other} restarted", wait_for(lambda: "ready" in open(os.path.join(WORK, f"{other}b.out")).read(), 120))
+check(f"{other} released its copy", not os.path.isdir(os.path.join(f"{STATE}-{other}", "sandboxes", sid)))
+check("still served", sbx3.commands.run("echo here").stdout == "here\n")
+sbx2 = sbx3
+
+for s in [sbx2] + ([a2] if auto else []) + extra:
+    try:
+        s.kill()
+    except Exception as e:  # noqa: BLE001 (a cleanup)
+        print(f"     kill {s.sandbox_id}: {e}")
+
+print(f"{len(failures)} failure(s)" + (": " + ", ".join(failures) if failures else ""))
+sys.exit(1 if failures else 0)
