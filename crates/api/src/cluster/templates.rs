@@ -57,8 +57,13 @@ pub const MAX_RELAYED_BODY: usize = 2 << 30;
 // ---- the node's side ----
 
 /// The control plane a node serves the builder API with: its own template store and
-/// builds, a private in-memory record store (teams come from the replicas).
-pub async fn node_control_plane(node: &Node, node_token: &str) -> ApiResult<Arc<ControlPlane>> {
+/// builds (`FROM` images through `registry`), a private record store (teams come from
+/// the replicas).
+pub async fn node_control_plane(
+    node: &Node,
+    node_token: &str,
+    registry: cubicle_node::template::oci::pull::RegistryOptions,
+) -> ApiResult<Arc<ControlPlane>> {
     let state = node.config().state_dir.clone();
     let path = state.join("node-api.db");
     let store = tokio::task::spawn_blocking(move || cubicle_store::Store::open(&path))
@@ -66,6 +71,7 @@ pub async fn node_control_plane(node: &Node, node_token: &str) -> ApiResult<Arc<
         .map_err(|e| ApiError::Internal(e.to_string()))??;
     let mut config = ApiConfig::new(state.join("build-api-logs"));
     config.keyring = Arc::new(super::volumes::node_keyring(node_token));
+    config.registry = registry;
     ControlPlane::open(Arc::new(node.clone()), store, config).await
 }
 
