@@ -599,6 +599,24 @@ pub(super) fn owner(rb: &RemoteBackend, name: &str) -> Option<String> {
         .map(|t| t.team_id.to_string())
 }
 
+/// The build node of `template` when it names a tag (`name:tag`, not the default one)
+/// of a template built through the replicas: only a template's default build is
+/// published to the object store, its tags stay on its build node, so a create of one
+/// must go there (elsewhere it is "not found"). Reads the database.
+pub(super) fn tag_node(rb: &RemoteBackend, template: &str) -> Option<String> {
+    let r = crate::templates::parse(template).ok()?;
+    r.tag.as_ref()?;
+    if BUILTINS.contains(&r.name.as_str()) {
+        return None;
+    }
+    let c = rb.inner().cluster.get()?;
+    c.store
+        .read(move |s| s.cluster_template(&r.name))
+        .ok()
+        .flatten()
+        .map(|t| t.node_id)
+}
+
 /// Whether the database names template `name` (built through a replica; its layers
 /// are in the object store once its build is done).
 pub(super) fn recorded(rb: &RemoteBackend, name: &str) -> bool {
