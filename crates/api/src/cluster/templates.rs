@@ -18,6 +18,9 @@
 //! them), removed on the build node, then every other node drops its copy and the
 //! object store its manifest, then the name is forgotten.
 //!
+//! Layer GC (`POST /cubicle/templates/gc`) runs on every node, each over its own layer
+//! store.
+//!
 //! Limits: request bodies (a COPY step's archive) are buffered on the replica, up to
 //! [`MAX_RELAYED_BODY`]; a template's build records, logs and tags live on its build
 //! node, so while that node is lost they cannot be read (creates from the published
@@ -290,7 +293,7 @@ async fn relay(rb: &RemoteBackend, req: Request) -> ApiResult<Response> {
                 None => send(rb, fwd(any_node(rb)?, path.clone(), body)).await,
             }
         }
-        (_, ["templates", "tags"]) => {
+        (&Method::POST | &Method::DELETE, ["templates", "tags"]) => {
             let v: Value = serde_json::from_slice(&body)
                 .map_err(|e| ApiError::BadRequest(format!("invalid JSON body: {e}")))?;
             let raw = v
@@ -302,9 +305,19 @@ async fn relay(rb: &RemoteBackend, req: Request) -> ApiResult<Response> {
             let node = node_of(rb, &team, &name).await?;
             send(rb, fwd(node, path.clone(), body)).await
         }
-        (_, ["cubicle", "templates", "gc"]) => Err(ApiError::NotImplemented(
-            "layer GC runs on each node in a cluster: `cubicle template gc` there".into(),
-        )),
+        (&Method::POST, ["cubicle", "templates", "gc"]) => gc_everywhere(rb, fwd).await,
+        // (This layer sees every method of the builder routes' paths: one no route of
+        // the path has is 405, as on a single host, not relayed or parsed.)
+        (
+            _,
+            ["v3", "templates"]
+            | ["templates"]
+            | ["v2", "templates"]
+            | ["default-templates"]
+            | ["templates", "tags"]
+            | ["templates", "aliases", _]
+            | ["cubicle", "templates", "gc"],
+        ) => Err(ApiError::MethodNotAllowed),
         (_, ["templates", id, rest @ ..])
         | (_, ["v2", "templates", id, rest @ ..])
         | (_, ["cubicle", "templates", id, rest @ ..]) => {
@@ -445,6 +458,60 @@ async fn list(
         }
     }
     Ok(axum::Json(out).into_response())
+}
+
+/// `POST /cubicle/templates/gc` on a coordinated replica: every node collects its own
+/// layer store (what its sandboxes, snapshots and recent builds use stays), and the
+/// answer sums theirs (`removed`, `freedBytes`, `kept`), with each node's in `nodes`.
+/// A node that fails is named there with its error; 503 when none answered.
+async fn gc_everywhere(
+    rb: &RemoteBackend,
+    fwd: impl Fn(String, String, Bytes) -> Forward,
+) -> ApiResult<Response> {
+    let names: Vec<String> = rb
+        .links()
+        .iter()
+        .filter(|l| !l.retired() && lock(&l.down).is_none())
+        .filter_map(|l| l.name.clone())
+        .collect();
+    let (mut removed, mut freed, mut kept) = (serde_json::Map::new(), 0u64, 0u64);
+    let (mut nodes, mut answered) = (serde_json::Map::new(), 0);
+    for node in names {
+        let r = send(
+            rb,
+            fwd(node.clone(), "/cubicle/templates/gc".into(), Bytes::new()),
+        )
+        .await;
+        let (status, v) = match r {
+            Ok(r) => json_of(r).await?,
+            Err(e) => {
+                nodes.insert(node, json!({ "error": e.to_string() }));
+                continue;
+            }
+        };
+        if !status.is_success() {
+            let msg = v.get("message").and_then(Value::as_str).unwrap_or("failed");
+            nodes.insert(node, json!({ "error": format!("{status}: {msg}") }));
+            continue;
+        }
+        answered += 1;
+        if let Some(m) = v.get("removed").and_then(Value::as_object) {
+            removed.extend(m.clone());
+        }
+        freed += v.get("freedBytes").and_then(Value::as_u64).unwrap_or(0);
+        kept += v.get("kept").and_then(Value::as_u64).unwrap_or(0);
+        nodes.insert(node, v);
+    }
+    if answered == 0 {
+        return Err(ApiError::Unavailable(format!(
+            "no node could collect its layers: {}",
+            Value::Object(nodes)
+        )));
+    }
+    Ok(axum::Json(json!({
+        "removed": removed, "freedBytes": freed, "kept": kept, "nodes": nodes,
+    }))
+    .into_response())
 }
 
 /// The node of the team's template `name` (404 when it is unknown or another team's).
