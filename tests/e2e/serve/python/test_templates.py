@@ -21,7 +21,7 @@ import pytest
 from e2b import Sandbox, Template
 from e2b.exceptions import BuildException
 
-from conftest import API_KEY, API_URL, KEY_B, STATE_DIRS, record_id, template_config
+from conftest import API_KEY, API_URL, CLUSTER, KEY_B, STATE_DIRS, record_id, template_config
 import registry as reg
 
 STATE = os.environ.get("CUBICLE_E2E_STATE_DIR", "")
@@ -490,3 +490,19 @@ def test_cli_dockerfile_errors_say_what(tmp_path):
         assert r.returncode == 1 and "step 3" in r.stderr and "exited with code 1" in r.stderr, r.stderr
     finally:
         delete_template(name)
+
+
+def test_layer_gc_answers_what_it_removed():
+    """`POST /cubicle/templates/gc` (Cubicle's own): removes what nothing needs and says
+    so; through a replica every node collects its own layers (each one's answer under
+    `nodes`)."""
+    r = httpx.post(f"{API_URL}/cubicle/templates/gc", headers=headers(), timeout=300)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert isinstance(body["removed"], dict) and body["freedBytes"] >= 0 and body["kept"] >= 1, body
+    if CLUSTER:
+        assert len(body["nodes"]) >= 2 and all("error" not in n for n in body["nodes"].values()), body
+    # The templates the suite uses are kept.
+    sbx = Sandbox.create("tiny", timeout=30)
+    record_id(sbx.sandbox_id)
+    kill_quietly(sbx)
