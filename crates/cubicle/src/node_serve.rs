@@ -75,6 +75,9 @@ pub struct NodeArgs {
     /// node can resume it (docs/cluster.md, "Moving sandboxes between nodes").
     #[arg(long, env = "CUBICLE_OBJECT_STORE", value_name = "URL")]
     pub object_store: Option<String>,
+    /// Registries of the template builds replicas send here (`FROM` an image).
+    #[command(flatten)]
+    pub registries: crate::serve::RegistryArgs,
     #[command(flatten)]
     pub network: NetworkArgs,
     #[command(flatten)]
@@ -151,9 +154,13 @@ pub async fn run(env: crate::sandbox_cmd::NodeOpts, args: NodeArgs) -> anyhow::R
         }));
     }
     // The builder API for replicas (templates built through a replica run here).
-    let builder = cubicle_api::cluster::templates::node_control_plane(&node, &token)
-        .await
-        .map_err(|e| anyhow::anyhow!("the node's builder API: {e}"))?;
+    let builder = cubicle_api::cluster::templates::node_control_plane(
+        &node,
+        &token,
+        args.registries.options()?,
+    )
+    .await
+    .map_err(|e| anyhow::anyhow!("the node's builder API: {e}"))?;
     let app = cubicle_api::cluster::node_router_with(
         node.clone(),
         dp,

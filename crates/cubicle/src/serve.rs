@@ -199,24 +199,8 @@ pub struct ServeArgs {
         value_name = "SECS"
     )]
     pub webhook_timeout: f64,
-    /// Registry mirror for template builds, `REGISTRY=MIRROR` (repeatable), e.g.
-    /// `docker.io=http://localhost:5000` (an `http://` mirror is spoken to in plain HTTP).
-    #[arg(
-        long = "registry-mirror",
-        env = "CUBICLE_REGISTRY_MIRROR",
-        value_delimiter = ',',
-        value_name = "REGISTRY=MIRROR"
-    )]
-    pub registry_mirrors: Vec<String>,
-    /// Registry (`host:port`) template builds speak to over plain HTTP (repeatable;
-    /// `localhost` and `127.0.0.1` always are).
-    #[arg(
-        long = "insecure-registry",
-        env = "CUBICLE_INSECURE_REGISTRY",
-        value_delimiter = ',',
-        value_name = "HOST:PORT"
-    )]
-    pub insecure_registries: Vec<String>,
+    #[command(flatten)]
+    pub registries: RegistryArgs,
     /// Run as an API replica of a cluster: no node in this process; sandboxes are
     /// created on these `cubicle node`s (comma-separated or repeated), and the data plane
     /// relays to the node that runs each sandbox. Needs --node-token-file. The node
@@ -238,6 +222,42 @@ pub struct ServeArgs {
     pub node_tls: Box<crate::cluster_tls::NodeClientTls>,
     #[command(flatten)]
     pub network: NetworkArgs,
+}
+
+/// How template builds reach image registries (`cubicle serve`, and `cubicle node`,
+/// which runs the builds a replica sends it).
+#[derive(clap::Args, Debug, Clone, Default)]
+pub struct RegistryArgs {
+    /// Registry mirror for template builds, `REGISTRY=MIRROR` (repeatable), e.g.
+    /// `docker.io=http://localhost:5000` (an `http://` mirror is spoken to in plain HTTP).
+    #[arg(
+        long = "registry-mirror",
+        env = "CUBICLE_REGISTRY_MIRROR",
+        value_delimiter = ',',
+        value_name = "REGISTRY=MIRROR"
+    )]
+    pub registry_mirrors: Vec<String>,
+    /// Registry (`host:port`, or `host` for any of its ports) template builds speak to
+    /// over plain HTTP (repeatable; `localhost` and `127.0.0.1` always are).
+    #[arg(
+        long = "insecure-registry",
+        env = "CUBICLE_INSECURE_REGISTRY",
+        value_delimiter = ',',
+        value_name = "HOST[:PORT]"
+    )]
+    pub insecure_registries: Vec<String>,
+}
+
+impl RegistryArgs {
+    /// The builder's registry options.
+    pub fn options(&self) -> anyhow::Result<cubicle_node::template::oci::pull::RegistryOptions> {
+        Ok(
+            cubicle_node::template::oci::pull::RegistryOptions::with_mirrors(
+                &self.registry_mirrors,
+                &self.insecure_registries,
+            )?,
+        )
+    }
 }
 
 /// Sandbox networking options of `cubicle serve` (see docs/network.md).
@@ -537,10 +557,7 @@ pub async fn run(
         api_config.limits.max_disk_mb = disk;
     }
     api_config.domain = Some(domain.advertised.clone());
-    api_config.registry = cubicle_node::template::oci::pull::RegistryOptions::with_mirrors(
-        &args.registry_mirrors,
-        &args.insecure_registries,
-    )?;
+    api_config.registry = args.registries.options()?;
     api_config.webhooks = webhooks;
     let backend: Arc<dyn cubicle_api::Backend> = match (&node, &remote) {
         (Some(node), _) => Arc::new(node.clone()),

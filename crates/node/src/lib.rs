@@ -71,6 +71,17 @@ impl Node {
             .await
             .map_err(|e| Error::Runtime(format!("runtime init task: {e}")))??;
         let limit = runtime::SandboxRuntime::max_slots(&runtime);
+        if config.first_slot >= limit {
+            // (else the node would start with no slot at all, and every create would
+            // answer "all 0 sandbox slots are in use")
+            runtime::SandboxRuntime::release_storage(&runtime);
+            return Err(Error::InvalidRequest(format!(
+                "first slot {} is past this host's last sandbox slot, {} (the sandbox network's address pool has room for {limit}): choose a first slot below {}",
+                config.first_slot,
+                limit.saturating_sub(1),
+                limit.saturating_sub(config.max_sandboxes.min(limit))
+            )));
+        }
         let wanted = config.first_slot
             ..config
                 .first_slot

@@ -23,8 +23,13 @@
 #   DBC_NODE_ARGS        extra `cubicle node` arguments (array; default: --pool tiny=1)
 #   DBC_REPLICA_LISTEN   the replicas' --listen (default 10.79.0.1:0)
 #   DBC_REPLICA_ARGS     extra `cubicle serve` arguments of the replicas (array)
+#   DBC_OBJECT_STORE     `file`: the nodes share an object store (`--object-store
+#                        file://$WORK/bucket`, a directory every node sees, as in
+#                        replica_state.sh): templates built through a replica are
+#                        published there and pulled by the other nodes; default: none
 #
 # After dbc_start_postgres: DB (the database URL the nodes and replicas use), PG_DIR.
+# After dbc_object_store: BUCKET (the object store's URL; empty without one).
 # NODE_PID[i], REPLICA_PID[n] hold the processes' pids (callers that restart one write its
 # new pid to $WORK/n$i.pid / $WORK/r$n.pid: dbc_cleanup reads those).
 
@@ -36,10 +41,11 @@ DBC_NODE_CPUS=${DBC_NODE_CPUS:-64}
 DBC_NODE_MEMORY_MB=${DBC_NODE_MEMORY_MB:-65536}
 if ! declare -p DBC_NODE_ARGS >/dev/null 2>&1; then DBC_NODE_ARGS=(--pool tiny=1); fi
 if ! declare -p DBC_REPLICA_ARGS >/dev/null 2>&1; then DBC_REPLICA_ARGS=(); fi
+DBC_OBJECT_STORE=${DBC_OBJECT_STORE:-}
 NS_PREFIX="cubicle-e2e-$$"
 TOKEN="$WORK/node-token"
 declare -A NODE_PID=() REPLICA_PID=()
-PG_DIR= DB= DBC_PG_DIR_WAS=
+PG_DIR= DB= DBC_PG_DIR_WAS= BUCKET=
 
 dbc_in_ns() { nsenter --net="/run/netns/$NS_PREFIX-$1" -- "${@:2}"; }
 
@@ -88,12 +94,24 @@ dbc_start_postgres() {
   DB=$PG_tcp_url
 }
 
+# The nodes' shared object store (DBC_OBJECT_STORE), before dbc_start_nodes: BUCKET.
+# (A directory under $WORK: it goes with the scratch directory.)
+dbc_object_store() {
+  case "$DBC_OBJECT_STORE" in
+    "") BUCKET= ;;
+    file) mkdir -p "$WORK/bucket" && BUCKET="file://$WORK/bucket" ;;
+    *) echo "cluster-db: DBC_OBJECT_STORE=$DBC_OBJECT_STORE: only 'file' is known" >&2; return 1 ;;
+  esac
+}
+
 dbc_node_cmd() { # i: the command line of node i, NUL-separated
+  local store=()
+  [[ -n $BUCKET ]] && store=(--object-store "$BUCKET")
   printf '%s\0' nsenter --net="/run/netns/$NS_PREFIX-n$1" -- "$BIN" node --state-dir "$STATE-n$1" \
     --first-slot "$(dbc_node_slot "$1")" --max-sandboxes "$DBC_MAX_SANDBOXES" --any-free-slots \
     --listen "10.79.0.1$1:3100" --node-token-file "$TOKEN" --no-build-templates \
     --dns-upstream 203.0.113.53 --database "$DB" --node-name "n$1" --capacity-cpus "$DBC_NODE_CPUS" \
-    --capacity-memory-mb "$DBC_NODE_MEMORY_MB" \
+    --capacity-memory-mb "$DBC_NODE_MEMORY_MB" "${store[@]}" \
     "${DBC_NODE_ARGS[@]}"
 }
 

@@ -6,13 +6,15 @@
 # no --node) that the SDKs' E2B_API_URL / E2B_SANDBOX_URL / E2B_API_KEY point at, and a
 # second replica (with CUBICLE_E2E_SPLIT_REPLICAS=1, E2B_SANDBOX_URL points at it: the
 # control plane of one replica, the data plane of the other). The set-up is
-# tests/e2e/cluster/db_cluster.sh's (also run_db.sh's).
+# tests/e2e/cluster/db_cluster.sh's (also run_db.sh's); the nodes share an object store
+# (a directory, DBC_OBJECT_STORE=file): templates built through the replica are published
+# there and pulled by the node a create lands on. The tests' image registries listen on
+# the bridge's address, 10.79.0.1, which the nodes' builds reach (`--insecure-registry`).
 #
 #   tests/e2e/cluster/serve_suite.sh [python [PYTEST ARGS] | js | all]   (default: python)
 #
 # The tests see CUBICLE_E2E_CLUSTER=1: those that need a single host's internals (its
-# state directory, SQLite file, restarting the server) or features a replica does not
-# have yet are skipped with their reason (tests/e2e/serve/python/conftest.py,
+# state directory, SQLite file, restarting the server) are skipped with their reason (tests/e2e/serve/python/conftest.py,
 # CLUSTER_SKIPS; docs/cluster.md, "Tested"). After the run, with every process stopped,
 # nothing may be left on any node: no sandbox a node lists, no sandbox directory, no
 # process or cgroup of a sandbox of the run, no sandbox of the run not ended in the
@@ -20,7 +22,8 @@
 #
 # Environment (optional): CUBICLE_BIN, CUBICLE_ENVD_BIN, CUBICLE_E2E_STATE_DIR (prefix
 # of the state dirs, default /var/lib/cubicle-e2e-cluster-serve: -n1, -n2, -r1, -r2),
-# CUBICLE_E2E_FIRST_SLOT (default 24000; node i from +i*1000, 500 sandboxes each),
+# CUBICLE_E2E_FIRST_SLOT (default 24000; node i from +i*1000, 500 sandboxes each: at
+# most 31000, as a node's slots end at 32768 with the default sandbox network),
 # CUBICLE_E2E_TEMPLATE_SOURCE (a state dir whose tiny, base and code-interpreter-v1 the
 # nodes get a copy of, layers hard-linked; default /var/lib/cubicle-e2e; built there
 # when missing), CUBICLE_E2E_SUITE_TIMEOUT (default 2400), CUBICLE_PYTEST_ARGS,
@@ -42,6 +45,7 @@ DBC_MAX_SANDBOXES=500
 # (the load test runs 200 sandboxes of 2 vCPUs at once: the capacity must not refuse them)
 DBC_NODE_CPUS=1024
 DBC_NODE_MEMORY_MB=1048576
+DBC_OBJECT_STORE=file
 TEMPLATES=(tiny base code-interpreter-v1)
 
 # Stage 1 (host network): each node gets the templates the suite uses, copied from the
@@ -78,6 +82,8 @@ ip link set lo up
 
 WORK=$(mktemp -d /tmp/cubicle-cluster-serve-e2e.XXXXXX)
 read -r -a DBC_NODE_ARGS <<<"${CUBICLE_E2E_NODE_ARGS-"--pool code-interpreter-v1=1"}"
+# (test_templates.py's registries, on the bridge's address: plain HTTP, any port)
+DBC_NODE_ARGS+=(--insecure-registry 10.79.0.1)
 PORTS=()
 for _ in 1 2; do PORTS+=("$(/usr/bin/python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')"); done
 # shellcheck source=tests/e2e/cluster/db_cluster.sh
@@ -98,6 +104,7 @@ export CUBICLE_LOG_FORMAT=json CUBICLE_WEBHOOK_RETRY_INTERVAL=1
 
 dbc_network || exit 1
 dbc_start_postgres || exit 1
+dbc_object_store || exit 1
 RUN_START_MS=$(( $(date +%s) * 1000 - 1000 ))
 dbc_start_nodes || exit 1
 for n in 1 2; do
@@ -121,6 +128,8 @@ run_env=(env -u E2B_DEBUG -u E2B_DOMAIN -u E2B_ACCESS_TOKEN
   CUBICLE_E2E_KEY_B="$KEY_B" CUBICLE_E2E_DOMAIN="localhost:${PORTS[0]}" CUBICLE_E2E_IDS_FILE="$IDS"
   CUBICLE_BIN="$BIN" CUBICLE_E2E_SERVER_PID="${REPLICA_PID[1]}"
   CUBICLE_E2E_STATE_DIR="$STATE-r1" CUBICLE_DATABASE="$DB"
+  CUBICLE_E2E_NODE_STATE_DIRS="$(seq 1 "$DBC_NODES" | sed "s|^|$STATE-n|" | paste -sd:)"
+  CUBICLE_E2E_REGISTRY_ADDR=10.79.0.1
   CUBICLE_E2E_MAX_CONNECTIONS=100 CUBICLE_E2E_NEW_CONNECTIONS=100 CUBICLE_E2E_BANDWIDTH_MBIT=400
   CUBICLE_E2E_SERVE_LOG="$WORK/r1.log" CUBICLE_E2E_SERVER_LOG="$WORK/r1.log")
 

@@ -421,9 +421,13 @@ impl ClusterDb {
             memory_mb: req.memory_mb.unwrap_or(DEFAULT_NEED.memory_mb),
         };
         let (k, template) = (key.clone(), req.template.clone());
-        // A create that mounts volumes goes to their node (`super::volumes`); one from a
-        // snapshot to the snapshot's node when it can take it.
-        let pinned = super::volumes::pinned_node(rb, &req)?;
+        // A create that mounts volumes goes to their node (`super::volumes`), one of a
+        // template's tag to its build node (`super::templates::tag_node`: tags are not
+        // published); one from a snapshot to the snapshot's node when it can take it.
+        let pinned = match super::volumes::pinned_node(rb, &req)? {
+            Some(node) => Some(node),
+            None => super::templates::tag_node(rb, &req.template),
+        };
         let home = rb.snapshot_node(&req.template);
         let p = blocking(&self.store, move |s| match &pinned {
             Some(node) => {

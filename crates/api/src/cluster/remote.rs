@@ -929,10 +929,20 @@ impl Backend for RemoteBackend {
     }
 
     fn sandboxes_of(&self, name: &str) -> Vec<String> {
+        // As a node counts them (`Node::template_users`): a dying sandbox no longer uses
+        // its template. (A kill through this replica leaves it cached as `Dying` while
+        // its node tears it down in the background: counted, a template delete right
+        // after the kill was refused.)
         let cache = lock(&self.inner.cache);
         let mut v: Vec<String> = cache
             .values()
-            .filter(|e| e.info.template == name && e.info.state != cubicle_node::SandboxState::Dead)
+            .filter(|e| {
+                e.info.template == name
+                    && !matches!(
+                        e.info.state,
+                        cubicle_node::SandboxState::Dead | cubicle_node::SandboxState::Dying
+                    )
+            })
             .map(|e| e.info.id.to_string())
             .collect();
         drop(cache);

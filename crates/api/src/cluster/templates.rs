@@ -18,6 +18,9 @@
 //! them), removed on the build node, then every other node drops its copy and the
 //! object store its manifest, then the name is forgotten.
 //!
+//! Layer GC (`POST /cubicle/templates/gc`) runs on every node, each over its own layer
+//! store.
+//!
 //! Limits: request bodies (a COPY step's archive) are buffered on the replica, up to
 //! [`MAX_RELAYED_BODY`]; a template's build records, logs and tags live on its build
 //! node, so while that node is lost they cannot be read (creates from the published
@@ -57,8 +60,13 @@ pub const MAX_RELAYED_BODY: usize = 2 << 30;
 // ---- the node's side ----
 
 /// The control plane a node serves the builder API with: its own template store and
-/// builds, a private in-memory record store (teams come from the replicas).
-pub async fn node_control_plane(node: &Node, node_token: &str) -> ApiResult<Arc<ControlPlane>> {
+/// builds (`FROM` images through `registry`), a private record store (teams come from
+/// the replicas).
+pub async fn node_control_plane(
+    node: &Node,
+    node_token: &str,
+    registry: cubicle_node::template::oci::pull::RegistryOptions,
+) -> ApiResult<Arc<ControlPlane>> {
     let state = node.config().state_dir.clone();
     let path = state.join("node-api.db");
     let store = tokio::task::spawn_blocking(move || cubicle_store::Store::open(&path))
@@ -66,6 +74,7 @@ pub async fn node_control_plane(node: &Node, node_token: &str) -> ApiResult<Arc<
         .map_err(|e| ApiError::Internal(e.to_string()))??;
     let mut config = ApiConfig::new(state.join("build-api-logs"));
     config.keyring = Arc::new(super::volumes::node_keyring(node_token));
+    config.registry = registry;
     ControlPlane::open(Arc::new(node.clone()), store, config).await
 }
 
@@ -276,14 +285,24 @@ async fn relay(rb: &RemoteBackend, req: Request) -> ApiResult<Response> {
                 None => send(rb, fwd(any_node(rb)?, path.clone(), body)).await,
             }
         }
-        (_, ["templates", "tags"]) => {
+        (&Method::POST | &Method::DELETE, ["templates", "tags"]) => {
             let name = body_template(&body, ["target", "name"])?;
             let node = node_of(rb, &team, &name).await?;
             send(rb, fwd(node, path.clone(), body)).await
         }
-        (_, ["cubicle", "templates", "gc"]) => Err(ApiError::NotImplemented(
-            "layer GC runs on each node in a cluster: `cubicle template gc` there".into(),
-        )),
+        (&Method::POST, ["cubicle", "templates", "gc"]) => gc_everywhere(rb, fwd).await,
+        // (This layer sees every method of the builder routes' paths: one no route of
+        // the path has is 405, as on a single host, not relayed or parsed.)
+        (
+            _,
+            ["v3", "templates"]
+            | ["templates"]
+            | ["v2", "templates"]
+            | ["default-templates"]
+            | ["templates", "tags"]
+            | ["templates", "aliases", _]
+            | ["cubicle", "templates", "gc"],
+        ) => Err(ApiError::MethodNotAllowed),
         (_, ["templates", id, rest @ ..])
         | (_, ["v2", "templates", id, rest @ ..])
         | (_, ["cubicle", "templates", id, rest @ ..]) => {
@@ -424,6 +443,60 @@ async fn list(
         }
     }
     Ok(axum::Json(out).into_response())
+}
+
+/// `POST /cubicle/templates/gc` on a coordinated replica: every node collects its own
+/// layer store (what its sandboxes, snapshots and recent builds use stays), and the
+/// answer sums theirs (`removed`, `freedBytes`, `kept`), with each node's in `nodes`.
+/// A node that fails is named there with its error; 503 when none answered.
+async fn gc_everywhere(
+    rb: &RemoteBackend,
+    fwd: impl Fn(String, String, Bytes) -> Forward,
+) -> ApiResult<Response> {
+    let names: Vec<String> = rb
+        .links()
+        .iter()
+        .filter(|l| !l.retired() && lock(&l.down).is_none())
+        .filter_map(|l| l.name.clone())
+        .collect();
+    let (mut removed, mut freed, mut kept) = (serde_json::Map::new(), 0u64, 0u64);
+    let (mut nodes, mut answered) = (serde_json::Map::new(), 0);
+    for node in names {
+        let r = send(
+            rb,
+            fwd(node.clone(), "/cubicle/templates/gc".into(), Bytes::new()),
+        )
+        .await;
+        let (status, v) = match r {
+            Ok(r) => json_of(r).await?,
+            Err(e) => {
+                nodes.insert(node, json!({ "error": e.to_string() }));
+                continue;
+            }
+        };
+        if !status.is_success() {
+            let msg = v.get("message").and_then(Value::as_str).unwrap_or("failed");
+            nodes.insert(node, json!({ "error": format!("{status}: {msg}") }));
+            continue;
+        }
+        answered += 1;
+        if let Some(m) = v.get("removed").and_then(Value::as_object) {
+            removed.extend(m.clone());
+        }
+        freed += v.get("freedBytes").and_then(Value::as_u64).unwrap_or(0);
+        kept += v.get("kept").and_then(Value::as_u64).unwrap_or(0);
+        nodes.insert(node, v);
+    }
+    if answered == 0 {
+        return Err(ApiError::Unavailable(format!(
+            "no node could collect its layers: {}",
+            Value::Object(nodes)
+        )));
+    }
+    Ok(axum::Json(json!({
+        "removed": removed, "freedBytes": freed, "kept": kept, "nodes": nodes,
+    }))
+    .into_response())
 }
 
 /// The node of the team's template `name` (404 when it is unknown or another team's).
@@ -576,6 +649,24 @@ pub(super) fn owner(rb: &RemoteBackend, name: &str) -> Option<String> {
         .ok()
         .flatten()
         .map(|t| t.team_id.to_string())
+}
+
+/// The build node of `template` when it names a tag (`name:tag`, not the default one)
+/// of a template built through the replicas: only a template's default build is
+/// published to the object store, its tags stay on its build node, so a create of one
+/// must go there (elsewhere it is "not found"). Reads the database.
+pub(super) fn tag_node(rb: &RemoteBackend, template: &str) -> Option<String> {
+    let r = crate::templates::parse(template).ok()?;
+    r.tag.as_ref()?;
+    if BUILTINS.contains(&r.name.as_str()) {
+        return None;
+    }
+    let c = rb.inner().cluster.get()?;
+    c.store
+        .read(move |s| s.cluster_template(&r.name))
+        .ok()
+        .flatten()
+        .map(|t| t.node_id)
 }
 
 /// Whether the database names template `name` (built through a replica; its layers

@@ -55,6 +55,20 @@ impl RegistryOptions {
         }
         Ok(o)
     }
+
+    /// Whether registry `host` (`host[:port]`) is spoken to over plain HTTP: `localhost`
+    /// and `127.0.0.1`, and the insecure ones — an entry without a port covers every port
+    /// of its host (a cluster's nodes reach a private registry by its address, whichever
+    /// port it listens on).
+    pub fn plain_http(&self, host: &str) -> bool {
+        let bare = host.rsplit_once(':').map_or(host, |(h, _)| h);
+        bare == "localhost"
+            || bare == "127.0.0.1"
+            || self
+                .insecure
+                .iter()
+                .any(|i| i == host || (!i.contains(':') && i == bare))
+    }
 }
 
 /// Registry credentials (E2B's `fromImageRegistry` of type `registry`).
@@ -93,7 +107,7 @@ pub async fn pull(
     }
     let mut plain: Vec<String> = opts.insecure.clone();
     let host = r.resolve_registry().to_string();
-    if host.starts_with("localhost") || host.starts_with("127.0.0.1") {
+    if opts.plain_http(&host) {
         plain.push(host.clone());
     }
     let client = Client::new(ClientConfig {
@@ -194,5 +208,16 @@ mod tests {
         assert_eq!(o.mirrors["ghcr.io"], "mirror.example");
         assert_eq!(o.insecure, vec!["localhost:5000".to_string()]);
         assert!(RegistryOptions::with_mirrors(&["nope".into()], &[]).is_err());
+    }
+
+    #[test]
+    fn plain_http_registries() {
+        let o = RegistryOptions::with_mirrors(&[], &["10.0.0.1".into(), "reg.lan:5000".into()])
+            .unwrap();
+        assert!(o.plain_http("localhost:5000") && o.plain_http("127.0.0.1:41234"));
+        assert!(o.plain_http("10.0.0.1:5000") && o.plain_http("10.0.0.1"));
+        assert!(o.plain_http("reg.lan:5000") && !o.plain_http("reg.lan:5001"));
+        assert!(!o.plain_http("10.0.0.10:5000") && !o.plain_http("docker.io"));
+        assert!(!o.plain_http("localhost.example.com"));
     }
 }

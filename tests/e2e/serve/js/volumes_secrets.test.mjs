@@ -5,7 +5,7 @@
 import assert from 'node:assert/strict'
 import { after, test } from 'node:test'
 import { Secret, SecretError, SecretNotFoundError, Volume, VolumeError, VolumeNotFoundError } from './e2b.mjs'
-import { KEY_B, TEMPLATE, Tracker, clusterPending, uid } from './helpers.mjs'
+import { KEY_B, TEMPLATE, Tracker, uid } from './helpers.mjs'
 
 const t = new Tracker()
 const volumes = []
@@ -16,7 +16,7 @@ after(async () => {
   for (const id of secrets.splice(0)) await Secret.destroy(id)
 })
 
-test('volumes: control routes, content API, mount with owners, in use', { skip: (!process.env.E2B_VOLUME_API_URL && 'E2B_VOLUME_API_URL not set') || clusterPending('volumes through a replica: covered by tests/e2e/cluster/replica_state.sh, not yet this test').skip }, async () => {
+test('volumes: control routes, content API, mount with owners, in use', { skip: !process.env.E2B_VOLUME_API_URL && 'E2B_VOLUME_API_URL not set' }, async () => {
   const name = `e2e-js-${uid()}`
   const vol = await Volume.create(name)
   volumes.push(vol.volumeId)

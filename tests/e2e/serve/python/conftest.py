@@ -48,6 +48,35 @@ FAST_TEMPLATE = os.environ.get("CUBICLE_E2E_FAST_TEMPLATE", "tiny")
 # marked `cluster_pending(why)` a feature a replica does not offer yet: both are skipped
 # there, with their reason in the report (docs/cluster.md, "Tested").
 CLUSTER = os.environ.get("CUBICLE_E2E_CLUSTER") == "1"
+# Where templates live: the server's state directory (CUBICLE_E2E_STATE_DIR) and, against
+# a cluster, the nodes' (CUBICLE_E2E_NODE_STATE_DIRS, colon-separated): a template built
+# through a replica is on its build node, a copy on any node that pulled it.
+STATE_DIRS = [
+    d
+    for d in [os.environ.get("CUBICLE_E2E_STATE_DIR", "")]
+    + os.environ.get("CUBICLE_E2E_NODE_STATE_DIRS", "").split(":")
+    if d
+]
+
+
+def template_config(name: str) -> Tuple[Optional[str], Optional[dict]]:
+    """(state dir, template.json) of template `name`: of the server's state dir, or of
+    the node whose copy was written last (its build node after a rebuild; a copy a node
+    pulled before that rebuild is older); (None, None) when no one has it."""
+    import json
+
+    found = []
+    for d in STATE_DIRS:
+        path = os.path.join(d, "templates", name, "template.json")
+        try:
+            found.append((os.stat(path).st_mtime_ns, d, path))
+        except OSError:
+            continue
+    if not found:
+        return None, None
+    _, d, path = max(found)
+    with open(path) as f:
+        return d, json.load(f)
 
 
 def pytest_configure(config):

@@ -1,8 +1,8 @@
 """A local OCI registry for the template tests, with images this module makes itself.
 
 `Registry.start()` runs Debian's `docker-registry` (the reference distribution server)
-on a free loopback port of the test's private network namespace, optionally behind
-htpasswd basic auth. Images are OCI layouts written here from files of this host (one
+on a free loopback port of the test's private network namespace (against a cluster: on
+the address its nodes reach this namespace by), optionally behind htpasswd basic auth. Images are OCI layouts written here from files of this host (one
 gzipped tar per layer, entries sorted and timestamps fixed, so the same directory makes
 the same layer in every image) and pushed with Debian's `skopeo copy`. (Debian 12's
 `umoci` 0.4.7 was tried first: on this machine its `insert` cut the last ~700 bytes off
@@ -35,9 +35,9 @@ from typing import Optional, Tuple
 BASE_PYTHON_LIB = "usr/lib/python3.11"
 
 
-def free_port() -> int:
+def free_port(addr: str = "127.0.0.1") -> int:
     s = socket.socket()
-    s.bind(("127.0.0.1", 0))
+    s.bind((addr, 0))
     port = s.getsockname()[1]
     s.close()
     return port
@@ -51,9 +51,12 @@ def run(*cmd: str) -> str:
 
 
 class Registry:
-    def __init__(self, auth: Optional[Tuple[str, str]] = None):
-        self.port = free_port()
-        self.host = f"127.0.0.1:{self.port}"
+    def __init__(self, auth: Optional[Tuple[str, str]] = None, addr: str = "127.0.0.1"):
+        # addr: where the builds reach it (a cluster's nodes: an address of this host
+        # their network namespaces route to)
+        self.addr = addr
+        self.port = free_port(addr)
+        self.host = f"{addr}:{self.port}"
         self.auth = auth
         self.dir = Path(tempfile.mkdtemp(prefix="cubicle-e2e-registry-"))
         self.proc: Optional[subprocess.Popen] = None
@@ -81,7 +84,7 @@ class Registry:
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline:
             try:
-                socket.create_connection(("127.0.0.1", self.port), timeout=0.2).close()
+                socket.create_connection((self.addr, self.port), timeout=0.2).close()
                 return self
             except OSError:
                 time.sleep(0.05)

@@ -17,7 +17,7 @@ import pytest
 
 from e2b_code_interpreter import Sandbox
 
-from conftest import SANDBOX_URL, Tracker, api
+from conftest import SANDBOX_URL, Tracker, api, poll
 
 TEMPLATE = "code-interpreter-v1"
 
@@ -249,8 +249,9 @@ def test_pooled_create_with_envs(module_sandboxes: Tracker):
         pytest.skip("the server runs no code-interpreter pool (CUBICLE_E2E_SERVE_ARGS)")
     sbx = Sandbox.create(TEMPLATE, envs={"CB_POOL": "claimed"}, request_timeout=120)
     module_sandboxes.track(sbx.sandbox_id)
-    after = api("GET", "/cubicle/pool").json()
-    assert after["claims"] == before["claims"] + 1, (before, after)
+    # (a replica sums its nodes' pool figures as it last polled them, ≤ 0.5 s old)
+    after = poll(lambda: (a := api("GET", "/cubicle/pool").json())["claims"] > before["claims"] and a, timeout=5)
+    assert after and after["claims"] == before["claims"] + 1, (before, after)
     # a fresh kernel: the warm-up and set-up executions did not count
     assert sbx.run_code("1+1").execution_count == 1
     assert sbx.run_code("import os; os.getenv('CB_POOL')").text == "claimed"

@@ -196,7 +196,6 @@ def test_detail_charts_logs_and_terminal(page: Page, sandboxes: Tracker):
     shot(page, "detail")
 
 
-@pytest.mark.cluster_pending("the template list through a replica: not yet run against one")
 def test_templates_and_keys_pages_list_what_exists(page: Page):
     log_in(page)
     page.goto(f"{DASHBOARD}#/keys")
