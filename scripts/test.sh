@@ -68,7 +68,8 @@ E2E_TIMEOUT=${CUBICLE_E2E_TIMEOUT:-1200}
 # snapshots, forks), teams, secrets, bad input, raw REST, operations, host isolation, and
 # the leak check. CLUSTER_SERVE_MODULES overrides (e.g. "tests/e2e/serve/python" for all).
 CLUSTER_SERVE_DEFAULT=$(printf 'tests/e2e/serve/python/test_%s.py ' lifecycle dataplane fidelity async \
-  code_interpreter stateful teams secrets bad_input rest_raw operations host_isolation zz_leaks)
+  code_interpreter stateful teams secrets bad_input rest_raw operations host_isolation templates volumes \
+  zz_leaks)
 
 if [[ $(id -u) -ne 0 ]]; then
   echo "scripts/test.sh must run as root (namespaces, setuid test users): sudo scripts/test.sh" >&2
