@@ -65,7 +65,8 @@ E2E_TIMEOUT=${CUBICLE_E2E_TIMEOUT:-1200}
 # The serve suite's modules that also run through a cluster's API replica (alongside the
 # serve suite, when both `serve` and `cluster` are wanted): lifecycle, commands, files,
 # pty, watch (dataplane, fidelity), async, code interpreter, stateful (pause, resume,
-# snapshots, forks), teams, secrets, bad input, raw REST, operations, host isolation, and
+# snapshots, forks), teams, secrets, bad input, raw REST, operations, host isolation,
+# templates (builds from registries through the replica), volumes, and
 # the leak check. CLUSTER_SERVE_MODULES overrides (e.g. "tests/e2e/serve/python" for all).
 CLUSTER_SERVE_DEFAULT=$(printf 'tests/e2e/serve/python/test_%s.py ' lifecycle dataplane fidelity async \
   code_interpreter stateful teams secrets bad_input rest_raw operations host_isolation templates volumes \
