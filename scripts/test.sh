@@ -305,6 +305,25 @@ if wants deploy; then
   fi
 fi
 
+# Whatever the suites' own leak checks cover, no sandbox this run made may still have a
+# cgroup on the host (a test that removes a node's state directory while a sandbox of
+# it still runs would leave one running that no reconciliation can find). Only cgroups
+# made since the run started count: a service running on the host keeps its own.
+banner "nothing left on the host (sandbox cgroups made by this run)"
+left=()
+for d in /sys/fs/cgroup/pids/cubicle/i????????????????????/ /sys/fs/cgroup/cubicle/i????????????????????/; do
+  [[ -d $d ]] || continue
+  [[ $(stat -c %Y "$d") -ge $t_start ]] || continue
+  left+=("$d (processes: $(tr '\n' ' ' <"$d/cgroup.procs" 2>/dev/null))")
+done
+if [[ ${#left[@]} -eq 0 ]]; then
+  echo "none"
+  record "nothing left on the host" 0
+else
+  printf '  left: %s\n' "${left[@]}"
+  record "nothing left on the host (${#left[@]} sandbox cgroups)" 1
+fi
+
 banner "recap ($(( $(date +%s) - t_start ))s)"
 printf '  %s\n' "${results[@]}"
 exit $failed
