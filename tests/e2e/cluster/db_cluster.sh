@@ -29,7 +29,9 @@
 #                        published there and pulled by the other nodes; default: none
 #
 # After dbc_start_postgres: DB (the database URL the nodes and replicas use), PG_DIR.
-# After dbc_object_store: BUCKET (the object store's URL; empty without one).
+# After dbc_object_store: BUCKET (the object store's URL; empty without one). A caller
+# with a store of its own (moto: lost_paused.sh) sets BUCKET instead; every node gets
+# `--object-store "$BUCKET"` when it is set.
 # NODE_PID[i], REPLICA_PID[n] hold the processes' pids (callers that restart one write its
 # new pid to $WORK/n$i.pid / $WORK/r$n.pid: dbc_cleanup reads those).
 

@@ -57,7 +57,8 @@ dbc_network || exit 1
 # moto on the bridge: the nodes reach it from their namespaces.
 moto_start 10.79.0.1 4566 cubicle-e2e "$WORK/moto.log" || exit 1
 BUCKET=s3://cubicle-e2e/run-$$
-DBC_NODE_ARGS=(--pool "$CUBICLE_E2E_LOST_TEMPLATE=1" --object-store "$BUCKET")
+# (db_cluster.sh gives every node `--object-store "$BUCKET"`.)
+DBC_NODE_ARGS=(--pool "$CUBICLE_E2E_LOST_TEMPLATE=1")
 # The template, published once (as a cluster does after a build), while the rest starts.
 t_push=$(date +%s%N)
 "$BIN" template push "$CUBICLE_E2E_LOST_TEMPLATE" --state-dir "$STATE-n1" --object-store "$BUCKET" >"$WORK/push.out" 2>&1 &
