@@ -145,20 +145,7 @@ impl RemoteBackend {
         }
         tracing::info!(sandbox = %id, to = %self.addr(to), node = %name, epoch,
             "resuming the paused sandbox of a lost node from the object store; to {there}");
-        let body = super::WireTimeout {
-            timeout_ms: timeout.as_millis() as u64,
-            memory,
-            count: 0,
-        };
-        let taken = self
-            .call::<TakeoverReport>(
-                to,
-                Method::POST,
-                &format!("/sandboxes/{id}/takeover"),
-                Self::json(&body),
-                true,
-            )
-            .await;
+        let taken = self.takeover(to, id, timeout, memory).await;
         let taken = match taken {
             Ok(t) => t,
             Err(e) => {
@@ -258,20 +245,7 @@ impl RemoteBackend {
             },
             None => None,
         };
-        let body = super::WireTimeout {
-            timeout_ms: timeout.as_millis() as u64,
-            memory,
-            count: 0,
-        };
-        let taken = self
-            .call::<TakeoverReport>(
-                to,
-                Method::POST,
-                &format!("/sandboxes/{id}/takeover"),
-                Self::json(&body),
-                true,
-            )
-            .await;
+        let taken = self.takeover(to, id, timeout, memory).await;
         let taken = match taken {
             Ok(t) => t,
             Err(e) => {
@@ -318,6 +292,30 @@ impl RemoteBackend {
             tracing::info!(sandbox = %id, node = %self.addr(from),
                 "the old node will release its copy later: {e}");
         }
+    }
+
+    /// `POST …/takeover` of sandbox `id` on node `to`: it pulls the published copy and
+    /// resumes it (the move's last step, whether from a lost node or a live one).
+    async fn takeover(
+        &self,
+        to: usize,
+        id: &str,
+        timeout: Duration,
+        memory: bool,
+    ) -> cubicle_node::Result<TakeoverReport> {
+        let body = super::WireTimeout {
+            timeout_ms: timeout.as_millis() as u64,
+            memory,
+            count: 0,
+        };
+        self.call::<TakeoverReport>(
+            to,
+            Method::POST,
+            &format!("/sandboxes/{id}/takeover"),
+            Self::json(&body),
+            true,
+        )
+        .await
     }
 
     /// `POST …/release` of sandbox `id` on node `node` (one it no longer has is released).
