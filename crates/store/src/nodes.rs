@@ -1521,37 +1521,9 @@ mod tests {
             let lost = s.expire_lost_nodes(LEASE + 1).unwrap();
             assert_eq!(lost.len(), 1);
             assert_eq!(lost[0].unowned.len(), ids.len());
-            let barrier = Arc::new(Barrier::new(nodes.len()));
-            let handles: Vec<_> = nodes
-                .iter()
-                .zip(epochs)
-                .map(|(n, epoch)| {
-                    let (store, barrier, ids, n) =
-                        (open(), barrier.clone(), ids.clone(), n.to_string());
-                    std::thread::spawn(move || {
-                        barrier.wait();
-                        ids.iter()
-                            .filter(|id| store.claim_published(id, &n, epoch).unwrap())
-                            .cloned()
-                            .collect::<Vec<_>>()
-                    })
-                })
-                .collect();
-            let won: Vec<Vec<String>> = handles.into_iter().map(|h| h.join().unwrap()).collect();
-            let mut all: Vec<&String> = won.iter().flatten().collect();
-            all.sort();
-            all.dedup();
-            assert_eq!(all.len(), ids.len(), "{won:?}");
-            assert_eq!(
-                won.iter().map(Vec::len).sum::<usize>(),
-                ids.len(),
-                "{won:?}"
-            );
-            for (n, w) in nodes.iter().zip(&won) {
-                for id in w {
-                    assert_eq!(s.sandbox_owner(id).unwrap().unwrap().node_id, *n);
-                }
-            }
+            race_claims(open, &nodes, &epochs, &ids, |st, id, n, e| {
+                st.claim_published(id, n, e).unwrap()
+            });
         });
     }
 
@@ -1569,38 +1541,54 @@ mod tests {
             for id in &ids {
                 s.insert_sandbox(&sandbox(id, team)).unwrap();
             }
-            let barrier = Arc::new(Barrier::new(nodes.len()));
-            let handles: Vec<_> = nodes
-                .iter()
-                .zip(epochs)
-                .map(|(n, epoch)| {
-                    let (store, barrier, ids, n) =
-                        (open(), barrier.clone(), ids.clone(), n.to_string());
-                    std::thread::spawn(move || {
-                        barrier.wait();
-                        ids.iter()
-                            .filter(|id| store.claim_sandbox(id, &n, epoch).unwrap())
-                            .cloned()
-                            .collect::<Vec<_>>()
-                    })
-                })
-                .collect();
-            let won: Vec<Vec<String>> = handles.into_iter().map(|h| h.join().unwrap()).collect();
-            let mut all: Vec<&String> = won.iter().flatten().collect();
-            all.sort();
-            assert_eq!(
-                all.len(),
-                ids.len(),
-                "each sandbox won exactly once: {won:?}"
-            );
-            all.dedup();
-            assert_eq!(all.len(), ids.len(), "no sandbox won twice: {won:?}");
-            for (n, w) in nodes.iter().zip(&won) {
-                for id in w {
-                    assert_eq!(s.sandbox_owner(id).unwrap().unwrap().node_id, *n);
-                }
-            }
+            race_claims(open, &nodes, &epochs, &ids, |st, id, n, e| {
+                st.claim_sandbox(id, n, e).unwrap()
+            });
         });
+    }
+
+    /// Each node (under its epoch) claims every id at once, from its own connection
+    /// (`claim(store, id, node, epoch)`): each id must be won exactly once, by a node
+    /// the store then names as its owner.
+    fn race_claims(
+        open: &dyn Fn() -> Store,
+        nodes: &[&str],
+        epochs: &[i64],
+        ids: &[String],
+        claim: fn(&Store, &str, &str, i64) -> bool,
+    ) {
+        let barrier = Arc::new(Barrier::new(nodes.len()));
+        let handles: Vec<_> = nodes
+            .iter()
+            .zip(epochs)
+            .map(|(n, &epoch)| {
+                let (store, barrier, ids, n) =
+                    (open(), barrier.clone(), ids.to_vec(), n.to_string());
+                std::thread::spawn(move || {
+                    barrier.wait();
+                    ids.iter()
+                        .filter(|id| claim(&store, id, &n, epoch))
+                        .cloned()
+                        .collect::<Vec<_>>()
+                })
+            })
+            .collect();
+        let won: Vec<Vec<String>> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+        let mut all: Vec<&String> = won.iter().flatten().collect();
+        all.sort();
+        assert_eq!(
+            all.len(),
+            ids.len(),
+            "each sandbox won exactly once: {won:?}"
+        );
+        all.dedup();
+        assert_eq!(all.len(), ids.len(), "no sandbox won twice: {won:?}");
+        let s = open();
+        for (n, w) in nodes.iter().zip(&won) {
+            for id in w {
+                assert_eq!(s.sandbox_owner(id).unwrap().unwrap().node_id, *n);
+            }
+        }
     }
 
     /// Many replicas place many sandboxes at once on three nodes: exactly the
