@@ -10,11 +10,12 @@ import os
 import signal
 import statistics
 import subprocess
-import sys
 import time
 
 import httpx
 from e2b import Sandbox
+
+from checks import check, finish
 
 KEY = os.environ["E2B_API_KEY"]
 R = {
@@ -28,13 +29,6 @@ TOKEN = open(os.environ["CUBICLE_NODE_TOKEN_FILE"]).read().strip()
 NS = os.environ["CUBICLE_NS_PREFIX"]
 N1_PID = int(os.environ["CUBICLE_N1_PID"])
 NODE_ADDR = {f"n{i}": f"http://10.79.0.1{i}:3100" for i in (1, 2, 3)}
-failures = []
-
-
-def check(name, cond, detail=""):
-    print(("ok   " if cond else "FAIL ") + name + (f": {detail}" if detail and not cond else ""), flush=True)
-    if not cond:
-        failures.append(name)
 
 
 def create(r, **kw):
@@ -268,5 +262,4 @@ for s in on["n3"]:
     except Exception:
         pass
 
-print(f"{len(failures)} failure(s)" + (": " + ", ".join(failures) if failures else ""), flush=True)
-sys.exit(1 if failures else 0)
+finish()

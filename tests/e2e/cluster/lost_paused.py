@@ -14,12 +14,13 @@ import re
 import shlex
 import signal
 import subprocess
-import sys
 import time
 import uuid
 
 import httpx
 from e2b import Sandbox
+
+from checks import check, finish, HOLDER, secret_dump
 
 KEY = os.environ["E2B_API_KEY"]
 R = {
@@ -33,13 +34,6 @@ STATE = os.environ["CUBICLE_E2E_STATE"]
 TEMPLATE = os.environ.get("CUBICLE_E2E_LOST_TEMPLATE", "base")
 TOKEN = open(os.environ["CUBICLE_NODE_TOKEN_FILE"]).read().strip()
 NODE_ADDR = {f"n{i}": f"http://10.79.0.1{i}:3100" for i in (1, 2)}
-failures = []
-
-
-def check(name, cond, detail=""):
-    print(("ok   " if cond else "FAIL ") + name + (f": {detail}" if detail and not cond else ""), flush=True)
-    if not cond:
-        failures.append(name)
 
 
 def create(r, **kw):
@@ -96,22 +90,6 @@ def published_line(node, sid):
     except FileNotFoundError:
         pass
     return None
-
-
-# A process whose state lives only in its memory: a random secret it prints on SIGUSR1.
-HOLDER = ("s=$(head -c 12 /dev/urandom | od -An -tx1 | tr -d ' \\n'); echo $s > /tmp/secret.orig; "
-          "echo $$ > /tmp/holder.pid; trap 'echo $s > /tmp/secret.dump' USR1; "
-          "while :; do sleep 0.1; done")
-
-
-def secret_dump(sbx):
-    sbx.commands.run("rm -f /tmp/secret.dump; kill -USR1 $(cat /tmp/holder.pid)")
-    for _ in range(50):
-        r = sbx.commands.run("cat /tmp/secret.dump 2>/dev/null || true")
-        if r.stdout.strip():
-            return r.stdout.strip()
-        time.sleep(0.1)
-    return ""
 
 
 # --- 1. On one node: a sandbox paused through the API (file, process), one that pauses
@@ -247,5 +225,4 @@ for s in [sbx2] + ([a2] if auto else []) + extra:
     except Exception as e:  # noqa: BLE001 (a cleanup)
         print(f"     kill {s.sandbox_id}: {e}")
 
-print(f"{len(failures)} failure(s)" + (": " + ", ".join(failures) if failures else ""))
-sys.exit(1 if failures else 0)
+finish()

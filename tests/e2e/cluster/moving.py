@@ -9,25 +9,19 @@ import shlex
 import signal
 import statistics
 import subprocess
-import sys
 import time
 import uuid
 
 import httpx
 from e2b import Sandbox
 
+from checks import check, finish, HOLDER, secret_dump
+
 STATE_A = os.environ["CUBICLE_STATE_A"]
 STATE_B = os.environ["CUBICLE_STATE_B"]
 WORK = os.environ["CUBICLE_MOVING_WORK"]
 TOKEN = open(os.environ["CUBICLE_NODE_TOKEN_FILE"]).read().strip()
 NODE_A = "http://127.0.0.2:3100/node/v1"
-failures = []
-
-
-def check(name, cond, detail=""):
-    print(("ok   " if cond else "FAIL ") + name + (f": {detail}" if detail and not cond else ""))
-    if not cond:
-        failures.append(name)
 
 
 def on(state, sid):
@@ -46,22 +40,6 @@ def wait_for(pred, secs):
             return True
         time.sleep(0.1)
     return pred()
-
-
-# A process whose state lives only in its memory: a random secret it prints on SIGUSR1.
-HOLDER = ("s=$(head -c 12 /dev/urandom | od -An -tx1 | tr -d ' \\n'); echo $s > /tmp/secret.orig; "
-          "echo $$ > /tmp/holder.pid; trap 'echo $s > /tmp/secret.dump' USR1; "
-          "while :; do sleep 0.1; done")
-
-
-def secret_dump(sbx):
-    sbx.commands.run("rm -f /tmp/secret.dump; kill -USR1 $(cat /tmp/holder.pid)")
-    for _ in range(50):
-        r = sbx.commands.run("cat /tmp/secret.dump 2>/dev/null || true")
-        if r.stdout.strip():
-            return r.stdout.strip()
-        time.sleep(0.1)
-    return ""
 
 
 # --- 1. Node A is SIGKILLed while the sandbox is paused: connect resumes it on B.
@@ -141,5 +119,4 @@ for s in idle:
 # Undrain and stop the restarted node A (the script cleans up the rest).
 httpx.delete(f"{NODE_A}/drain", headers={"Authorization": f"Bearer {TOKEN}"}, timeout=10)
 
-print(f"{len(failures)} failure(s)" + (": " + ", ".join(failures) if failures else ""))
-sys.exit(1 if failures else 0)
+finish()
