@@ -422,6 +422,15 @@ impl SandboxRuntime for LinuxRuntime {
         }
     }
 
+    fn keep_quotas_enforced(&self) -> Result<bool> {
+        match &self.storage {
+            Ok(st) => st
+                .keep_quotas_enforced()
+                .map_err(|e| rt_err("checking the quota accounting", e)),
+            Err(_) => Ok(false),
+        }
+    }
+
     fn reconcile_network(&self, owned: std::ops::Range<u32>, known_slots: &[u32]) -> Result<()> {
         match &self.network {
             Ok(net) => net

@@ -1,6 +1,8 @@
 //! End-time enforcement by the node itself: one task sleeps until the earliest end time
 //! (or until end times change), kills expired sandboxes with reason `timeout`, and retries
-//! teardowns that failed. It holds only a weak reference, so dropping the node stops it.
+//! teardowns that failed. Every few seconds it also checks that the disk limits are still
+//! enforced (see `SandboxRuntime::keep_quotas_enforced`). It holds only a weak reference,
+//! so dropping the node stops it.
 
 use std::sync::Weak;
 use std::sync::atomic::Ordering;
@@ -11,14 +13,21 @@ use crate::sandbox::{DeathReason, SandboxState};
 
 /// Longest sleep between checks (also the retry period of failed teardowns).
 const MAX_SLEEP_MS: u64 = 1000;
+/// Period of the check that the quota filesystem still enforces its limits.
+const QUOTA_CHECK_MS: u64 = 5000;
 
 pub(crate) async fn run(weak: Weak<Inner>) {
+    let mut next_quota_check = 0;
     loop {
         let Some(inner) = weak.upgrade() else { return };
         if inner.closed.load(Ordering::SeqCst) {
             return;
         }
         let now = now_ms();
+        if now >= next_quota_check {
+            next_quota_check = now + QUOTA_CHECK_MS;
+            check_quotas(&inner).await;
+        }
         let mut next = now + MAX_SLEEP_MS;
         let mut expired = Vec::new();
         let mut retry = Vec::new();
@@ -76,5 +85,19 @@ pub(crate) async fn run(weak: Weak<Inner>) {
             _ = tokio::time::sleep(wait) => {}
             _ = notify.notified() => {}
         }
+    }
+}
+
+/// Restarts the disk limits' enforcement if the quota filesystem lost it (a sysfs read
+/// when all is well).
+async fn check_quotas(inner: &std::sync::Arc<Inner>) {
+    let rt = inner.runtime.clone();
+    match crate::node::inner::blocking(move || rt.keep_quotas_enforced()).await {
+        Ok(false) => {}
+        Ok(true) => tracing::warn!(
+            "the quota filesystem's accounting was marked inconsistent, so disk limits \
+             were not enforced; a qgroup rescan was started to restore them"
+        ),
+        Err(e) => tracing::warn!("checking the quota filesystem's accounting: {e}"),
     }
 }

@@ -218,6 +218,13 @@ pub trait SandboxRuntime: Send + Sync + 'static {
     /// sandboxes keep running.
     fn close(&self) {}
 
+    /// Restores the disk limits' enforcement if the quota filesystem lost it (btrfs
+    /// stops accounting once it marks its qgroups inconsistent). `Ok(true)` when a repair
+    /// (a rescan) was started. The reaper calls it every few seconds.
+    fn keep_quotas_enforced(&self) -> Result<bool> {
+        Ok(false)
+    }
+
     /// After the node closed with no sandbox left: unmounts the quota filesystem the
     /// runtime mounted (best effort; the next start mounts it again).
     fn release_storage(&self) {}

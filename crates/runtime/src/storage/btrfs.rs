@@ -98,11 +98,55 @@ impl Storage {
                 && id != top
                 && !live.contains(&id)
             {
-                // Fails (harmlessly) while a deleted subvolume is still being cleaned.
-                let _ = btrfs_qgroup_destroy(&root, id);
+                self.destroy_unused_qgroup(&root, id);
             }
         }
         Ok(())
+    }
+
+    /// Destroys the level-0 qgroup of a removed subvolume once the kernel has accounted
+    /// the removal (its counters read zero). Destroying it earlier (the subvolume's tree
+    /// dropped, the transaction that subtracts its extents not yet committed) makes the
+    /// kernel mark the whole filesystem's accounting inconsistent, and from then on no
+    /// limit holds (see [`Storage::btrfs_keep_accounting`]). Newer kernels (6.10+) remove
+    /// the qgroup of a dropped subvolume themselves; for older ones `reconcile` retries.
+    fn destroy_unused_qgroup(&self, root: &File, id: u64) {
+        let q = self.qgroups_dir.join(format!("0_{id}"));
+        let zero = |name: &str| fs::read_to_string(q.join(name)).is_ok_and(|s| s.trim() == "0");
+        if zero("referenced") && zero("exclusive") {
+            // Fails (harmlessly, EBUSY) while the subvolume still exists.
+            let _ = btrfs_qgroup_destroy(root, id);
+        }
+    }
+
+    /// Keeps the limits enforced: once the kernel marks the qgroup accounting
+    /// inconsistent (on a qgroup removed with non-zero counters, or on dropping a big
+    /// shared subtree) it stops accounting, so writes committed from then on count
+    /// against no limit. A rescan restores the accounting and clears the mark. Returns
+    /// whether this call started one (`false` when consistent or already rescanning).
+    pub(super) fn btrfs_keep_accounting(&self) -> Result<bool> {
+        let flag = self.qgroups_dir.join("inconsistent");
+        match fs::read_to_string(&flag) {
+            Ok(s) if s.trim() == "1" => {}
+            // Consistent, or a kernel without the flag (older than 6.9).
+            _ => return Ok(false),
+        }
+        let root =
+            File::open(&self.root).map_err(io_err(format!("opening {}", self.root.display())))?;
+        match btrfs_quota_rescan(&root) {
+            Ok(()) => Ok(true),
+            Err(e) if e.raw_os_error() == Some(libc::EINPROGRESS) => Ok(false),
+            Err(e) => Err(io_err("starting a qgroup rescan")(e)),
+        }
+    }
+
+    /// Makes the kernel account a dropped subvolume's shared subtrees however deep they
+    /// are, instead of marking the accounting inconsistent past level 3 (the default
+    /// `drop_subtree_threshold`): a slower background drop, against a full rescan with
+    /// limits unenforced until it ends. Kernels without the knob (older than 6.1) keep
+    /// their behaviour.
+    pub(super) fn btrfs_account_deep_drops(&self) {
+        let _ = fs::write(self.qgroups_dir.join("drop_subtree_threshold"), "8");
     }
 
     /// Removes directory `parent/name` (`meta`: its metadata): a subvolume with its
@@ -132,7 +176,7 @@ impl Storage {
                 )))?;
             }
             if let Some(id) = subvol {
-                let _ = btrfs_qgroup_destroy(&root, id); // else `reconcile` retries
+                self.destroy_unused_qgroup(&root, id); // else `reconcile` retries
             }
         } else {
             crate::remove_tree::remove_tree(&path)
@@ -151,6 +195,7 @@ pub(super) const BTRFS_SUBVOL_RDONLY: u64 = 1 << 1;
 const BTRFS_IOC_INO_LOOKUP: u64 = 0xd000_9412;
 const BTRFS_IOC_QGROUP_CREATE: u64 = 0x4010_942a;
 const BTRFS_IOC_QGROUP_LIMIT: u64 = 0x8030_942b;
+const BTRFS_IOC_QUOTA_RESCAN: u64 = 0x4040_942c;
 const BTRFS_IOC_FS_INFO: u64 = 0x8400_941f;
 const BTRFS_QGROUP_LIMIT_MAX_RFER: u64 = 1;
 
@@ -175,6 +220,14 @@ struct BtrfsQgroupLimitArgs {
     max_excl: u64,
     rsv_rfer: u64,
     rsv_excl: u64,
+}
+
+/// `struct btrfs_ioctl_quota_rescan_args`.
+#[repr(C)]
+struct BtrfsQuotaRescanArgs {
+    flags: u64,
+    progress: u64,
+    reserved: [u64; 6],
 }
 
 #[repr(C)]
@@ -272,7 +325,7 @@ pub(crate) fn btrfs_subvol_make_writable(root: &impl AsRawFd) -> io::Result<()> 
 }
 
 /// The id of the subvolume `f` is in.
-fn btrfs_subvol_id(f: &File) -> io::Result<u64> {
+pub(super) fn btrfs_subvol_id(f: &File) -> io::Result<u64> {
     let mut a = Box::new(BtrfsInoLookupArgs {
         treeid: 0,
         objectid: 256,
@@ -299,6 +352,21 @@ fn btrfs_qgroup_limit(f: &File, subvol: u64, bytes: u64) -> io::Result<()> {
         f,
         BTRFS_IOC_QGROUP_LIMIT,
         &mut a as *mut BtrfsQgroupLimitArgs as *mut libc::c_void,
+    )
+}
+
+/// Starts a rescan of the filesystem's qgroup accounting (`BTRFS_IOC_QUOTA_RESCAN`);
+/// EINPROGRESS while one runs.
+fn btrfs_quota_rescan(f: &File) -> io::Result<()> {
+    let mut a = BtrfsQuotaRescanArgs {
+        flags: 0,
+        progress: 0,
+        reserved: [0; 6],
+    };
+    ioctl(
+        f,
+        BTRFS_IOC_QUOTA_RESCAN,
+        &mut a as *mut BtrfsQuotaRescanArgs as *mut libc::c_void,
     )
 }
 

@@ -169,8 +169,9 @@ impl Storage {
             qgroups_dir,
             projects: Mutex::new(HashMap::new()),
         };
-        if backend == QuotaBackend::XfsProject {
-            storage.load_projects()?;
+        match backend {
+            QuotaBackend::XfsProject => storage.load_projects()?,
+            QuotaBackend::BtrfsQgroup => storage.btrfs_account_deep_drops(),
         }
         Ok(storage)
     }
@@ -325,6 +326,17 @@ impl Storage {
         }
     }
 
+    /// Restores the limits' enforcement if the filesystem lost it: btrfs stops its
+    /// qgroup accounting once it marks it inconsistent, and a rescan brings it back.
+    /// Returns whether a rescan was started (the node checks every few seconds and logs
+    /// it). XFS project quotas have no such state.
+    pub fn keep_quotas_enforced(&self) -> Result<bool> {
+        match self.backend {
+            QuotaBackend::XfsProject => Ok(false),
+            QuotaBackend::BtrfsQgroup => self.btrfs_keep_accounting(),
+        }
+    }
+
     /// Unmounts the image if this storage mounted it (a node that stops with no sandbox
     /// left: its next start mounts it again). `Ok(false)` when it was not ours to
     /// unmount, or when a sandbox directory is still in it (a leftover stays visible
@@ -460,7 +472,9 @@ pub(super) fn ioctl(f: &impl AsRawFd, req: u64, arg: *mut libc::c_void) -> io::R
 
 #[cfg(test)]
 mod tests {
-    use super::btrfs::{BTRFS_IOC_SUBVOL_SETFLAGS, BTRFS_SUBVOL_RDONLY, btrfs_subvol_create};
+    use super::btrfs::{
+        BTRFS_IOC_SUBVOL_SETFLAGS, BTRFS_SUBVOL_RDONLY, btrfs_subvol_create, btrfs_subvol_id,
+    };
     use super::image::{path_str, run};
     use super::*;
     use crate::sys::cpath;
@@ -468,6 +482,7 @@ mod tests {
     use std::ffi::CString;
     use std::fs::File;
     use std::io::Write;
+    use std::time::Duration;
 
     fn id(s: &str) -> SandboxId {
         SandboxId::parse(s).unwrap()
@@ -822,6 +837,117 @@ mod tests {
         let (_, err) = fill(&again.join("f"), 32 << 20);
         assert!(err.is_none(), "{err:?}");
         storage.remove_sandbox_dir(&id("sbnext")).unwrap();
+        storage.unmount().unwrap();
+        drop(guard);
+    }
+
+    /// Like `fill`, committing the filesystem's transaction after every 4 MiB (btrfs
+    /// accounts qgroups at commit): what a long-running writer looks like.
+    fn fill_committing(path: &Path, max: u64) -> (u64, Option<io::Error>) {
+        let mut f = File::create(path).unwrap();
+        let chunk = vec![0xabu8; 4 << 20];
+        let mut n = 0;
+        while n < max {
+            if let Err(e) = f.write_all(&chunk) {
+                return (n, Some(e));
+            }
+            n += chunk.len() as u64;
+            // SAFETY: a valid fd.
+            if unsafe { libc::syncfs(f.as_raw_fd()) } != 0 {
+                return (n, Some(io::Error::last_os_error()));
+            }
+        }
+        (n, None)
+    }
+
+    /// Once btrfs marks its qgroup accounting inconsistent it stops accounting, and
+    /// writes committed from then on count against no limit (how a 32 MiB volume took
+    /// 64 MiB in CI, after a qgroup was destroyed before its subvolume's drop was
+    /// accounted). `keep_quotas_enforced` notices and rescans; limits hold again.
+    #[test]
+    fn limits_hold_again_after_the_accounting_goes_inconsistent() {
+        let Some((storage, guard)) = test_storage("inconsistent") else {
+            return;
+        };
+        let flag = storage.qgroups_dir.join("inconsistent");
+        if storage.backend() != QuotaBackend::BtrfsQgroup || !flag.exists() {
+            eprintln!("SKIPPED: needs btrfs qgroups on a kernel with the inconsistent flag");
+            storage.unmount().unwrap();
+            return;
+        }
+        let flagged = || fs::read_to_string(&flag).unwrap().trim() == "1";
+        let wait_consistent = || {
+            let t = std::time::Instant::now();
+            while flagged() {
+                assert!(
+                    t.elapsed() < Duration::from_secs(30),
+                    "the rescan never ended"
+                );
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            t.elapsed()
+        };
+        // Enabling quotas starts a rescan, flagged until it ends: nothing to repair.
+        assert!(
+            !storage.keep_quotas_enforced().unwrap(),
+            "one is running or done"
+        );
+        wait_consistent();
+        assert!(
+            !storage.keep_quotas_enforced().unwrap(),
+            "nothing to repair"
+        );
+
+        // Make the kernel mark it inconsistent: a snapshot of a subvolume that belongs to
+        // a higher-level qgroup (the kernel cannot tell the parent's new numbers).
+        let member = storage
+            .create_sandbox_dir(&id("sbmember"), 64 << 20)
+            .unwrap();
+        fill(&member.join("d"), 1 << 20);
+        let subvol = btrfs_subvol_id(&File::open(&member).unwrap()).unwrap();
+        let root = storage.root().to_str().unwrap().to_string();
+        let btrfs = |args: &[&str]| {
+            let out = std::process::Command::new("btrfs")
+                .args(args)
+                .output()
+                .unwrap();
+            assert!(out.status.success(), "btrfs {args:?}: {out:?}");
+        };
+        btrfs(&["qgroup", "create", "1/1", &root]);
+        btrfs(&["qgroup", "assign", &format!("0/{subvol}"), "1/1", &root]);
+        let snap = format!("{root}/.inconsistent-snap");
+        btrfs(&["subvolume", "snapshot", member.to_str().unwrap(), &snap]);
+        assert!(flagged(), "the snapshot marked the accounting inconsistent");
+
+        // What goes wrong unrepaired (printed, not asserted: a kernel that kept enforcing
+        // would only make the repair unnecessary).
+        let leaky = storage
+            .create_sandbox_dir(&id("sbleaky"), 16 << 20)
+            .unwrap();
+        let (written, err) = fill_committing(&leaky.join("big"), 48 << 20);
+        eprintln!(
+            "inconsistent: {} MiB written under a 16 MiB limit ({err:?})",
+            written >> 20
+        );
+        storage.remove_sandbox_dir(&id("sbleaky")).unwrap();
+
+        assert!(storage.keep_quotas_enforced().unwrap(), "a rescan starts");
+        eprintln!("the rescan took {:?}", wait_consistent());
+        let dir = storage
+            .create_sandbox_dir(&id("sbafter"), 16 << 20)
+            .unwrap();
+        let (written, err) = fill_committing(&dir.join("big"), 48 << 20);
+        let err = err.expect("the limit holds again after the rescan");
+        assert_eq!(err.raw_os_error(), Some(libc::EDQUOT), "{err}");
+        assert!(
+            written <= 16 << 20,
+            "wrote {written} bytes past a 16 MiB limit"
+        );
+
+        btrfs(&["subvolume", "delete", &snap]);
+        for name in ["sbafter", "sbmember"] {
+            storage.remove_sandbox_dir(&id(name)).unwrap();
+        }
         storage.unmount().unwrap();
         drop(guard);
     }

