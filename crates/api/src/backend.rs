@@ -48,6 +48,13 @@ pub trait Backend: Send + Sync + 'static {
     fn peek(&self, id: &str) -> cubicle_node::Result<SandboxInfo> {
         self.get(id)
     }
+    /// A sandbox as it is now, for the control plane's per-sandbox routes: what
+    /// [`Backend::peek`] says, except on a replica of a cluster, whose memory another
+    /// replica's pause, resume, move or kill leaves stale until its next poll; there it
+    /// asks the sandbox's owner (the data plane keeps to `peek`).
+    fn current<'a>(&'a self, id: &'a str) -> BoxFuture<'a, cubicle_node::Result<SandboxInfo>> {
+        Box::pin(async move { self.peek(id) })
+    }
     /// End time := now + `timeout`. Blocking (writes the node's record).
     fn set_timeout(&self, id: &str, timeout: Duration) -> cubicle_node::Result<()>;
     /// Usage counters. Blocking (reads cgroup files).

@@ -605,7 +605,7 @@ impl ControlPlane {
         else {
             return Err(ApiError::sandbox_not_found(id));
         };
-        match self.backend.peek(id) {
+        match self.backend.current(id).await {
             Ok(info) if is_live(info.state) => Ok((row, info)),
             Err(e) if fate_unknown(&e) => Err(e.into()),
             other => {

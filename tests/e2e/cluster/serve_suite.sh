@@ -11,7 +11,7 @@
 # there and pulled by the node a create lands on. The tests' image registries listen on
 # the bridge's address, 10.79.0.1, which the nodes' builds reach (`--insecure-registry`).
 #
-#   tests/e2e/cluster/serve_suite.sh [python [PYTEST ARGS] | js | all]   (default: python)
+#   tests/e2e/cluster/serve_suite.sh [python [PYTEST ARGS] | js | all [PYTEST ARGS]]   (default: python)
 #
 # The tests see CUBICLE_E2E_CLUSTER=1: those that need a single host's internals (its
 # state directory, SQLite file, restarting the server) are skipped with their reason (tests/e2e/serve/python/conftest.py,
@@ -152,8 +152,8 @@ run_js() {
 case "${1:-python}" in
   python) shift; run_python "$@" ;;
   js) run_js ;;
-  all) run_python; run_js ;;
-  *) echo "usage: $0 [python [PYTEST ARGS] | js | all]" >&2; exit 2 ;;
+  all) shift; run_python "$@"; run_js ;;
+  *) echo "usage: $0 [python [PYTEST ARGS] | js | all [PYTEST ARGS]]" >&2; exit 2 ;;
 esac
 
 # --- nothing left behind, over all nodes --------------------------------------------------

@@ -407,6 +407,43 @@ impl ClusterDb {
         Ok(info)
     }
 
+    /// Sandbox `id` as its owner has it now, read from that node (another replica's
+    /// pause, resume, move or kill shows here at once). `None` when the database has no
+    /// owner for it: a create through this replica not committed yet, which only this
+    /// replica's cache knows.
+    pub(super) async fn fetch_fresh(
+        &self,
+        rb: &RemoteBackend,
+        id: &str,
+    ) -> cubicle_node::Result<Option<SandboxInfo>> {
+        let (db, key) = (self.store.clone(), id.to_string());
+        let owner = blocking(&db, move |s| s.sandbox_owner(&key)).await?;
+        let i = match owner {
+            Some(o) => match self.link_of(rb, &o.node_id) {
+                Some(i) => i,
+                None => return Ok(None),
+            },
+            None if self.is_unowned_published(id) => {
+                return self.published_info(rb, id).await.map(Some);
+            }
+            None => return Ok(None),
+        };
+        match rb
+            .call::<SandboxInfo>(i, Method::GET, &format!("/sandboxes/{id}"), None, false)
+            .await
+        {
+            Ok(info) => {
+                rb.remember(i, info.clone());
+                Ok(Some(info))
+            }
+            Err(e @ cubicle_node::Error::SandboxNotFound(_)) => {
+                rb.forget(id);
+                Err(e)
+            }
+            Err(e) => Err(e),
+        }
+    }
+
     /// A create: reserve on the node the database picks, create there, keep the
     /// reservation for [`ClusterDb::commit`] (released if the create fails).
     pub(super) async fn create(

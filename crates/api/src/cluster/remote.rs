@@ -521,6 +521,11 @@ impl RemoteBackend {
         );
     }
 
+    /// Drops sandbox `id` from the cache (its node no longer has it).
+    pub(super) fn forget(&self, id: &str) {
+        lock(&self.inner.cache).remove(id);
+    }
+
     /// Re-reads sandbox `id` from its node into the cache (gone: removed).
     pub(super) async fn refresh(&self, node: usize, id: &str) {
         match self
@@ -528,9 +533,7 @@ impl RemoteBackend {
             .await
         {
             Ok(info) => self.remember(node, info),
-            Err(cubicle_node::Error::SandboxNotFound(_)) => {
-                lock(&self.inner.cache).remove(id);
-            }
+            Err(cubicle_node::Error::SandboxNotFound(_)) => self.forget(id),
             Err(_) => {}
         }
     }
@@ -821,6 +824,21 @@ impl Backend for RemoteBackend {
             Some(db) => db.fetch(self, id),
             None => Err(cubicle_node::Error::SandboxNotFound(id.to_string())),
         }
+    }
+
+    fn current<'a>(&'a self, id: &'a str) -> BoxFuture<'a, cubicle_node::Result<SandboxInfo>> {
+        Box::pin(async move {
+            if let Some(db) = self.inner.cluster.get() {
+                match db.fetch_fresh(self, id).await {
+                    Ok(Some(info)) => return Ok(info),
+                    Err(e @ cubicle_node::Error::SandboxNotFound(_)) => return Err(e),
+                    // Not recorded yet, or its node or the database not answering: what
+                    // this replica last knew.
+                    Ok(None) | Err(_) => {}
+                }
+            }
+            self.peek(id)
+        })
     }
 
     fn record_new(
