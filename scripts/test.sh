@@ -202,14 +202,16 @@ if wants serve; then
           target/debug/cubicle template build "$t" --state-dir /var/lib/cubicle-e2e >/dev/null \
           || echo "building template $t failed; the serve suites' tests that use it will fail" >&2
       done
-      # The serve suite's official-SDK tests through an API replica of a cluster (two
-      # nodes, two replicas, PostgreSQL): a named subset of modules (CLUSTER_SERVE_MODULES),
-      # its own state dirs (/var/lib/cubicle-e2e-cluster-serve-*), slots 24000+ and network
-      # namespace; its output is printed after the serve suite's.
+      # The serve suite's official-SDK tests through the API replicas of a cluster (two
+      # nodes, two replicas, PostgreSQL), split as behind a load balancer: the control
+      # plane through one replica, the data plane (E2B_SANDBOX_URL) through the other.
+      # A named subset of the python modules (CLUSTER_SERVE_MODULES), then the JS suite;
+      # its own state dirs (/var/lib/cubicle-e2e-cluster-serve-*), slots 24000+ and
+      # network namespace; its output is printed after the serve suite's.
       cluster_serve_log=$(mktemp /tmp/cubicle-cluster-serve-e2e.XXXXXX)
-      CUBICLE_BIN="$ROOT/target/debug/cubicle" \
+      CUBICLE_E2E_SPLIT_REPLICAS=1 CUBICLE_BIN="$ROOT/target/debug/cubicle" \
         CUBICLE_ENVD_BIN="$ROOT/target/x86_64-unknown-linux-gnu/debug/cubicle-envd" \
-        timeout --kill-after=30 "$E2E_TIMEOUT" tests/e2e/cluster/serve_suite.sh python \
+        timeout --kill-after=30 "$E2E_TIMEOUT" tests/e2e/cluster/serve_suite.sh all \
         ${CLUSTER_SERVE_MODULES:-$CLUSTER_SERVE_DEFAULT} >"$cluster_serve_log" 2>&1 &
       cluster_serve_pid=$!
     fi
@@ -220,10 +222,10 @@ if wants serve; then
     if [[ -n $cluster_serve_pid ]]; then
       wait "$cluster_serve_pid"
       cluster_serve_rc=$?
-      banner "e2e cluster serve (the serve suite's python tests through an API replica)"
+      banner "e2e cluster serve (the serve suite's python and JS tests through two API replicas)"
       cat "$cluster_serve_log"
       rm -f "$cluster_serve_log"
-      record "e2e cluster serve (python, through a replica)" $cluster_serve_rc
+      record "e2e cluster serve (python + js, split over two replicas)" $cluster_serve_rc
     fi
   fi
 fi

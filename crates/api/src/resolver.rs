@@ -1,7 +1,11 @@
 //! The router's view of sandboxes ([`cubicle_router::SandboxResolver`]): only sandboxes
-//! created through this API and still running on the node; everything comes from memory
-//! (the node's table and the control plane's route map), never from the database, so
-//! the data plane's hot path does no I/O.
+//! created through this API and still running on the node. A request to a running
+//! sandbox is resolved from memory (the node's table, or a replica's cache of its nodes,
+//! and the control plane's route map), so the data plane's hot path does no I/O. Only a
+//! miss looks further: a replica of a cluster reads, from the database, sandboxes created
+//! through the other replicas, and asks a sandbox's owner when its cache does not show it
+//! running ([`SandboxResolver::recheck`]): another replica's create, resume or fork
+//! outruns this one's polls.
 
 use std::sync::Arc;
 
@@ -70,6 +74,20 @@ impl SandboxResolver for ApiResolver {
             return None;
         }
         Some(target_of(&info, traffic))
+    }
+
+    fn recheck(&self, id: &str) -> WakeFuture {
+        let (cp, id) = (self.cp.clone(), id.to_string());
+        Box::pin(async move {
+            // One host's memory is the node's own: nothing to look at again.
+            if !cp.is_shared() {
+                return None;
+            }
+            let traffic = cp.route(&id)?;
+            // Reads the owner's view into the replica's cache, which `target` then uses.
+            cp.backend().current(&id).await.ok()?;
+            ApiResolver { cp: cp.clone() }.target(&id, traffic)
+        })
     }
 
     fn wake(&self, id: &str) -> WakeFuture {

@@ -312,6 +312,11 @@ impl ControlPlane {
         })
     }
 
+    /// Whether this control plane is one of several replicas over one database.
+    pub fn is_shared(&self) -> bool {
+        self.shared.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
     /// Makes this control plane one of several replicas over one database: sandboxes
     /// created through the others are routed too (see [`ControlPlane::route`]).
     pub fn set_shared(&self) {

@@ -141,7 +141,10 @@ impl DataPlane {
             Route::Port { id, port } => {
                 let target = match self.inner.resolver.resolve(&id) {
                     Some(t) => t,
-                    None => self.wake(&id, port, req.headers()).await?,
+                    None => match self.inner.resolver.recheck(&id).await {
+                        Some(t) => t,
+                        None => self.wake(&id, port, req.headers()).await?,
+                    },
                 };
                 (target, port)
             }

@@ -50,6 +50,15 @@ pub trait SandboxResolver: Send + Sync + 'static {
         let _ = id;
         Box::pin(async { None })
     }
+    /// A second look at a sandbox [`resolve`](Self::resolve) did not find running, for a
+    /// resolver whose memory may lag behind the sandbox (an API replica of a cluster,
+    /// which learns of a create, resume or fork through another replica at its next
+    /// poll): the running target after asking the sandbox's owner, or `None`. Called only
+    /// on that path: requests to running sandboxes stay in memory.
+    fn recheck(&self, id: &str) -> WakeFuture {
+        let _ = id;
+        Box::pin(async { None })
+    }
 }
 
 /// What [`SandboxResolver::wake`] returns.

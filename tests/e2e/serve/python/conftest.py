@@ -48,6 +48,9 @@ FAST_TEMPLATE = os.environ.get("CUBICLE_E2E_FAST_TEMPLATE", "tiny")
 # marked `cluster_pending(why)` a feature a replica does not offer yet: both are skipped
 # there, with their reason in the report (docs/cluster.md, "Tested").
 CLUSTER = os.environ.get("CUBICLE_E2E_CLUSTER") == "1"
+# The control plane through one replica and the data plane (E2B_SANDBOX_URL) through
+# another (tests/e2e/cluster/serve_suite.sh, CUBICLE_E2E_SPLIT_REPLICAS=1).
+SPLIT_REPLICAS = os.environ.get("CUBICLE_E2E_SPLIT_REPLICAS") == "1"
 # Where templates live: the server's state directory (CUBICLE_E2E_STATE_DIR) and, against
 # a cluster, the nodes' (CUBICLE_E2E_NODE_STATE_DIRS, colon-separated): a template built
 # through a replica is on its build node, a copy on any node that pulled it.
