@@ -423,13 +423,7 @@ fn upstream_error(err: hyper_util::client::legacy::Error, id: &str, port: u16) -
         }
         cur = e.source();
     }
-    let mut detail = err.to_string();
-    let mut src = std::error::Error::source(&err);
-    while let Some(s) = src {
-        detail.push_str(": ");
-        detail.push_str(&s.to_string());
-        src = s.source();
-    }
+    let detail = crate::error::error_chain(&err);
     RouterError::Upstream {
         id: id.to_owned(),
         port,

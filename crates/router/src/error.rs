@@ -15,6 +15,19 @@ use axum::{
     response::Response,
 };
 
+/// An error and all its sources as one line (`a: b: c`): hyper's client errors say only
+/// "client error (Connect)" at the top, the reason is further down the chain.
+pub fn error_chain(err: &(dyn std::error::Error + 'static)) -> String {
+    let mut detail = err.to_string();
+    let mut src = err.source();
+    while let Some(s) = src {
+        detail.push_str(": ");
+        detail.push_str(&s.to_string());
+        src = s.source();
+    }
+    detail
+}
+
 /// Everything that can go wrong between the client and a sandbox port.
 #[derive(Debug, thiserror::Error)]
 pub enum RouterError {

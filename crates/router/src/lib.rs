@@ -82,7 +82,7 @@ pub mod server;
 mod tunnel;
 
 pub use dataplane::{Admitted, DataPlane};
-pub use error::RouterError;
+pub use error::{RouterError, error_chain};
 pub use relay::{NODE_TOKEN_HEADER, NodeConnector, NodeTls, Relay, node_connector};
 pub use routing::ENVD_PORT;
 pub use server::{ClientAddr, ServerLimits};

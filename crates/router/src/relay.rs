@@ -153,20 +153,15 @@ impl Relay {
             HeaderName::from_static(NODE_TOKEN_HEADER),
             self.token.clone(),
         );
-        let resp = self.client.request(up).await.map_err(|e| {
-            let mut detail = e.to_string();
-            let mut src = std::error::Error::source(&e);
-            while let Some(s) = src {
-                detail.push_str(": ");
-                detail.push_str(&s.to_string());
-                src = s.source();
-            }
-            RouterError::NodeUnreachable {
+        let resp = self
+            .client
+            .request(up)
+            .await
+            .map_err(|e| RouterError::NodeUnreachable {
                 node: node.to_owned(),
                 id: a.target.id.clone(),
-                detail,
-            }
-        })?;
+                detail: crate::error::error_chain(&e),
+            })?;
         relay_response(
             resp,
             client_upgrade,

@@ -456,16 +456,12 @@ impl RemoteBackend {
             .body(Full::new(body))
             .map_err(|e| cubicle_node::Error::Runtime(format!("request to node {addr}: {e}")))?;
         let exchange = async {
-            let resp = self.inner.client.request(req).await.map_err(|e| {
-                let mut d = e.to_string();
-                let mut src = std::error::Error::source(&e);
-                while let Some(s) = src {
-                    d.push_str(": ");
-                    d.push_str(&s.to_string());
-                    src = s.source();
-                }
-                unreachable(addr, d)
-            })?;
+            let resp = self
+                .inner
+                .client
+                .request(req)
+                .await
+                .map_err(|e| unreachable(addr, cubicle_router::error_chain(&e)))?;
             let status = resp.status();
             let ctype = resp
                 .headers()
