@@ -11,7 +11,6 @@ them: one owner."""
 import json
 import os
 import re
-import shlex
 import signal
 import subprocess
 import time
@@ -20,7 +19,7 @@ import uuid
 import httpx
 from e2b import Sandbox
 
-from checks import check, finish, HOLDER, secret_dump
+from checks import check, finish, secret_dump, start_holder, wait_for
 
 KEY = os.environ["E2B_API_KEY"]
 R = {
@@ -72,13 +71,15 @@ def owner_of(sid):
     return next((n for n in ("n1", "n2") if node_has(n, sid)), None)
 
 
-def wait_for(pred, secs):
-    end = time.monotonic() + secs
-    while time.monotonic() < end:
-        if pred():
-            return True
-        time.sleep(0.1)
-    return pred()
+def restart(node):
+    """Starts `node` again with its command line (the harness's pid file follows it) and
+    checks it is ready."""
+    cmd = json.loads(os.environ[f"CUBICLE_{node.upper()}_CMD"])
+    with open(os.path.join(WORK, f"{node}.log"), "ab") as log, open(os.path.join(WORK, f"{node}b.out"), "wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=log)
+    with open(os.path.join(WORK, f"{node}.pid"), "w") as f:
+        f.write(str(proc.pid))
+    check(f"{node} restarted", wait_for(lambda: "ready" in open(os.path.join(WORK, f"{node}b.out")).read(), 120))
 
 
 def published_line(node, sid):
@@ -116,12 +117,7 @@ for _ in range(8):
 check("an auto-pausing and a running sandbox on the same node", auto is not None and running is not None)
 note = f"survives its node {uuid.uuid4()}"
 sbx.files.write("/home/user/note.txt", note)
-sbx.commands.run(f"sh -c {shlex.quote(HOLDER)}", background=True)
-check("holder started", wait_for(lambda: sbx.commands.run("cat /tmp/holder.pid 2>/dev/null || true").stdout.strip() != "", 10))
-orig = sbx.commands.run("cat /tmp/secret.orig").stdout.strip()
-pid_before = sbx.commands.run("cat /tmp/holder.pid").stdout.strip()
-check("the process answers before the pause", secret_dump(sbx) == orig, orig)
-sbx.commands.run("rm /tmp/secret.orig")  # from here on the secret is only in memory
+orig, pid_before = start_holder(sbx)
 if auto:
     auto.files.write("/home/user/auto.txt", "paused at its end time")
 
@@ -170,12 +166,7 @@ owners = {n["nodeID"]: n["sandboxes"] for n in nodes().values()}
 print(f"     sandboxes per node in the database: {owners}")
 
 # --- 4. The lost node comes back (same name): it never resumes them.
-cmd = json.loads(os.environ[f"CUBICLE_{victim.upper()}_CMD"])
-with open(os.path.join(WORK, f"{victim}.log"), "ab") as log, open(os.path.join(WORK, f"{victim}b.out"), "wb") as out:
-    back = subprocess.Popen(cmd, stdout=out, stderr=log)
-with open(os.path.join(WORK, f"{victim}.pid"), "w") as f:
-    f.write(str(back.pid))
-check(f"{victim} restarted", wait_for(lambda: "ready" in open(os.path.join(WORK, f"{victim}b.out")).read(), 120))
+restart(victim)
 check(f"{victim} active again", wait_for(lambda: nodes()[victim]["state"] == "active", 10))
 gone = [s for s in [sid] + ([auto.sandbox_id] if auto else [])
         if os.path.isdir(os.path.join(f"{STATE}-{victim}", "sandboxes", s)) or node_has(victim, s)]
@@ -209,12 +200,7 @@ check("still running through both replicas after the expiry",
       (state_via("r1", sid), state_via("r2", sid)))
 check(f"owned by {victim} in the database", nodes()[victim]["sandboxes"] >= 1, nodes()[victim])
 # (back, so that it releases its copy: the cleanup must not touch the moved sandbox)
-cmd = json.loads(os.environ[f"CUBICLE_{other.upper()}_CMD"])
-with open(os.path.join(WORK, f"{other}.log"), "ab") as log, open(os.path.join(WORK, f"{other}b.out"), "wb") as out:
-    back2 = subprocess.Popen(cmd, stdout=out, stderr=log)
-with open(os.path.join(WORK, f"{other}.pid"), "w") as f:
-    f.write(str(back2.pid))
-check(f"{other} restarted", wait_for(lambda: "ready" in open(os.path.join(WORK, f"{other}b.out")).read(), 120))
+restart(other)
 check(f"{other} released its copy", not os.path.isdir(os.path.join(f"{STATE}-{other}", "sandboxes", sid)))
 check("still served", sbx3.commands.run("echo here").stdout == "here\n")
 sbx2 = sbx3

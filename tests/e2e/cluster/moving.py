@@ -15,7 +15,7 @@ import uuid
 import httpx
 from e2b import Sandbox
 
-from checks import check, finish, HOLDER, secret_dump
+from checks import check, finish, secret_dump, start_holder, wait_for
 
 STATE_A = os.environ["CUBICLE_STATE_A"]
 STATE_B = os.environ["CUBICLE_STATE_B"]
@@ -33,27 +33,13 @@ def where(sid):
     return "B" if on(STATE_B, sid) else "A" if on(STATE_A, sid) else "nowhere"
 
 
-def wait_for(pred, secs):
-    end = time.monotonic() + secs
-    while time.monotonic() < end:
-        if pred():
-            return True
-        time.sleep(0.1)
-    return pred()
-
-
 # --- 1. Node A is SIGKILLed while the sandbox is paused: connect resumes it on B.
 sbx = Sandbox.create("base", timeout=300)
 sid = sbx.sandbox_id
 check("created on node A (its warm pool)", where(sid) == "A", where(sid))
 note = f"moved with its disk {uuid.uuid4()}"
 sbx.files.write("/home/user/note.txt", note)
-sbx.commands.run(f"sh -c {shlex.quote(HOLDER)}", background=True)
-check("holder started", wait_for(lambda: sbx.commands.run("cat /tmp/holder.pid 2>/dev/null || true").stdout.strip() != "", 10))
-orig = sbx.commands.run("cat /tmp/secret.orig").stdout.strip()
-pid_before = sbx.commands.run("cat /tmp/holder.pid").stdout.strip()
-check("the process answers before the pause", secret_dump(sbx) == orig, orig)
-sbx.commands.run("rm /tmp/secret.orig")  # from here on the secret is only in memory
+orig, pid_before = start_holder(sbx)
 
 t0 = time.monotonic()
 sbx.pause()
