@@ -395,16 +395,8 @@ impl ClusterDb {
     /// when no node owns it because its node was lost after publishing it paused, as its
     /// published record says (through any node that answers: they share the bucket).
     pub(super) fn fetch(&self, rb: &RemoteBackend, id: &str) -> cubicle_node::Result<SandboxInfo> {
-        let i = match self.owner_link(rb, id) {
-            Err(cubicle_node::Error::SandboxNotFound(_)) if self.is_unowned_published(id) => {
-                return rb.block(self.published_info(rb, id));
-            }
-            r => r?,
-        };
-        let info: SandboxInfo =
-            rb.block(rb.call(i, Method::GET, &format!("/sandboxes/{id}"), None, false))?;
-        rb.remember(i, info.clone());
-        Ok(info)
+        rb.block(self.fetch_fresh(rb, id))?
+            .ok_or_else(|| cubicle_node::Error::SandboxNotFound(id.to_string()))
     }
 
     /// Sandbox `id` as its owner has it now, read from that node (another replica's
@@ -416,6 +408,9 @@ impl ClusterDb {
         rb: &RemoteBackend,
         id: &str,
     ) -> cubicle_node::Result<Option<SandboxInfo>> {
+        if !cubicle_node::SandboxId::is_valid(id) {
+            return Err(cubicle_node::Error::SandboxNotFound(id.to_string()));
+        }
         let (db, key) = (self.store.clone(), id.to_string());
         let owner = blocking(&db, move |s| s.sandbox_owner(&key)).await?;
         let i = match owner {
