@@ -963,7 +963,9 @@ async fn big_streamed_upload_keeps_memory_bounded() {
     }
     let pid = child.id();
     let start = Instant::now();
-    while !sock.exists() {
+    // The socket's file appears at bind(), a moment before listen(): wait until it
+    // accepts a connection, not merely until it exists.
+    while std::os::unix::net::UnixStream::connect(&sock).is_err() {
         if let Ok(Some(st)) = child.try_wait() {
             panic!("envd exited: {st}");
         }
