@@ -160,6 +160,85 @@ pub struct Kernel {
     tasks: Vec<tokio::task::JoinHandle<()>>,
 }
 
+/// How long a kernel may take from its spawn to its first `kernel_info_reply`.
+const STARTUP: Duration = Duration::from_secs(60);
+
+/// A kernel between its spawn and the moment it is ready: dropped before then (a failed
+/// start, or a caller that gave up), it kills the kernel's process group, stops its tasks
+/// and removes its connection file, as dropping a [`Kernel`] does.
+struct Starting {
+    pid: i32,
+    tasks: Vec<tokio::task::JoinHandle<()>>,
+    conn_file: Option<PathBuf>,
+}
+
+impl Starting {
+    /// The tasks and connection file, handed to the [`Kernel`] that owns them from now.
+    fn into_kernel_parts(mut self) -> (Vec<tokio::task::JoinHandle<()>>, PathBuf) {
+        self.pid = 0;
+        let tasks = std::mem::take(&mut self.tasks);
+        (tasks, self.conn_file.take().unwrap_or_default())
+    }
+}
+
+impl Drop for Starting {
+    fn drop(&mut self) {
+        kill_group(self.pid);
+        for t in &self.tasks {
+            t.abort();
+        }
+        if let Some(f) = &self.conn_file {
+            let _ = std::fs::remove_file(f);
+        }
+    }
+}
+
+/// One step of a kernel's start, bounded: it fails when the kernel dies or the start's
+/// deadline passes first.
+struct Step<'a> {
+    language: &'a str,
+    what: &'static str,
+    dead: watch::Receiver<bool>,
+    deadline: Instant,
+}
+
+impl Step<'_> {
+    async fn run<T>(mut self, step: impl std::future::Future<Output = T>) -> Result<T, Error> {
+        tokio::select! {
+            v = step => Ok(v),
+            // Also an error when the sender is gone: the process watcher ended.
+            _ = self.dead.wait_for(|d| *d) => Err(Error::Kernel(format!(
+                "{} kernel exited during startup",
+                self.language
+            ))),
+            _ = tokio::time::sleep_until(self.deadline.into()) => Err(Error::Kernel(format!(
+                "{} kernel did not start within {}s (waiting for {})",
+                self.language,
+                STARTUP.as_secs(),
+                self.what
+            ))),
+        }
+    }
+}
+
+/// Returns once something accepts TCP connections on loopback `port`.
+async fn listening(port: u16) {
+    while tokio::net::TcpStream::connect(("127.0.0.1", port))
+        .await
+        .is_err()
+    {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// SIGKILL to process group `pid` (nothing for 0).
+fn kill_group(pid: i32) {
+    if pid > 0 {
+        // SAFETY: plain kill(2) on a process group the interpreter created.
+        unsafe { libc::kill(-pid, libc::SIGKILL) };
+    }
+}
+
 fn free_port() -> Result<u16, Error> {
     let l = std::net::TcpListener::bind("127.0.0.1:0").map_err(|e| Error::io("bind", e))?;
     Ok(l.local_addr()
@@ -238,52 +317,51 @@ impl Kernel {
             .map_err(|e| Error::io(format!("spawn {}", argv[0]), e))?;
         let pid = child.id().map(|p| p as i32).unwrap_or(0);
         let (dead_tx, dead) = watch::channel(false);
-        let mut tasks = Vec::new();
-        tasks.push(tokio::spawn(async move {
+        // Until the kernel is ready, a failure (or a caller that gives up) kills its
+        // process group, stops its tasks and removes its connection file.
+        let mut starting = Starting {
+            pid,
+            tasks: Vec::new(),
+            conn_file: Some(conn_file),
+        };
+        starting.tasks.push(tokio::spawn(async move {
             let st = child.wait().await;
             tracing::warn!(pid, "kernel exited: {st:?}");
             let _ = dead_tx.send(true);
         }));
 
-        let deadline = Instant::now() + Duration::from_secs(60);
+        let deadline = Instant::now() + STARTUP;
+        let step = |what: &'static str| Step {
+            language,
+            what,
+            dead: dead.clone(),
+            deadline,
+        };
         let routes: Routes = Arc::default();
         let addr = |p: u16| format!("tcp://127.0.0.1:{p}");
+        // The kernel binds its ports as it starts. zeromq's `connect` retries a refused
+        // connection forever, backing off over a second and more between tries: wait for
+        // the port with plain connects first, 20 ms apart, then connect once.
+        step("its iopub port").run(listening(iopub)).await?;
         let mut sub = SubSocket::new();
-        let mut dealer = DealerSocket::new();
-        loop {
-            if *dead.borrow() {
-                return Err(Error::Kernel(format!(
-                    "{language} kernel exited during startup"
-                )));
-            }
-            if Instant::now() > deadline {
-                return Err(Error::Kernel(format!(
-                    "{language} kernel did not start within 60s"
-                )));
-            }
-            if sub.connect(&addr(iopub)).await.is_ok() {
-                break;
-            }
-            sub = SubSocket::new();
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-        sub.subscribe("")
-            .await
+        step("iopub")
+            .run(sub.connect(&addr(iopub)))
+            .await?
+            .map_err(|e| Error::Kernel(format!("iopub: {e}")))?;
+        step("subscribe")
+            .run(sub.subscribe(""))
+            .await?
             .map_err(|e| Error::Kernel(format!("subscribe: {e}")))?;
-        loop {
-            if Instant::now() > deadline {
-                return Err(Error::Kernel("shell channel did not connect".into()));
-            }
-            if dealer.connect(&addr(shell)).await.is_ok() {
-                break;
-            }
-            dealer = DealerSocket::new();
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
+        step("its shell port").run(listening(shell)).await?;
+        let mut dealer = DealerSocket::new();
+        step("shell")
+            .run(dealer.connect(&addr(shell)))
+            .await?
+            .map_err(|e| Error::Kernel(format!("shell: {e}")))?;
         let (shell_tx, mut shell_rx) = mpsc::unbounded_channel::<Vec<Bytes>>();
         let kb = key.clone().into_bytes();
         let r = routes.clone();
-        tasks.push(tokio::spawn(async move {
+        starting.tasks.push(tokio::spawn(async move {
             loop {
                 tokio::select! {
                     out = shell_rx.recv() => {
@@ -302,17 +380,15 @@ impl Kernel {
         }));
         let mut control_tx = None;
         if by_message {
+            step("its control port").run(listening(control)).await?;
             let mut ctl = DealerSocket::new();
-            while ctl.connect(&addr(control)).await.is_err() {
-                if Instant::now() > deadline {
-                    return Err(Error::Kernel("control channel did not connect".into()));
-                }
-                ctl = DealerSocket::new();
-                tokio::time::sleep(Duration::from_millis(50)).await;
-            }
+            step("control")
+                .run(ctl.connect(&addr(control)))
+                .await?
+                .map_err(|e| Error::Kernel(format!("control: {e}")))?;
             let (tx, mut rx) = mpsc::unbounded_channel::<Vec<Bytes>>();
             control_tx = Some(tx);
-            tasks.push(tokio::spawn(async move {
+            starting.tasks.push(tokio::spawn(async move {
                 loop {
                     tokio::select! {
                         out = rx.recv() => {
@@ -327,7 +403,7 @@ impl Kernel {
         }
         let kb = key.clone().into_bytes();
         let r = routes.clone();
-        tasks.push(tokio::spawn(async move {
+        starting.tasks.push(tokio::spawn(async move {
             loop {
                 match sub.recv().await {
                     Ok(m) => dispatch(&kb, &r, m),
@@ -338,6 +414,7 @@ impl Kernel {
                 }
             }
         }));
+        let (tasks, conn_file) = starting.into_kernel_parts();
         let k = Arc::new(Kernel {
             key: key.into_bytes(),
             session: jupyter::random_id(),
@@ -360,7 +437,8 @@ impl Kernel {
             }
             if Instant::now() > deadline {
                 return Err(Error::Kernel(format!(
-                    "{language} kernel did not answer within 60s"
+                    "{language} kernel did not answer within {}s",
+                    STARTUP.as_secs()
                 )));
             }
             let (id, mut rx) = k.request("kernel_info_request", json!({}))?;
@@ -438,10 +516,7 @@ impl Kernel {
 
     /// SIGKILL the kernel's process group.
     pub fn kill(&self) {
-        if self.pid > 0 {
-            // SAFETY: plain kill(2) on the process group we created.
-            unsafe { libc::kill(-self.pid, libc::SIGKILL) };
-        }
+        kill_group(self.pid);
     }
 }
 
@@ -538,5 +613,89 @@ mod tests {
         );
         assert_eq!(l.specs["python"].argv[0], "/other/python");
         std::fs::remove_dir_all(&root).unwrap();
+    }
+
+    /// A launcher whose only language, `fake`, runs `sh -c SCRIPT` (with the connection
+    /// file as `$1`), connection files under `dir`.
+    fn fake(dir: &std::path::Path, script: &str) -> Launcher {
+        let mut l = Launcher {
+            runtime_dir: dir.to_path_buf(),
+            ..Default::default()
+        };
+        l.specs.insert(
+            "fake".into(),
+            Spec {
+                argv: ["sh", "-c", script, "sh", "{connection_file}"]
+                    .map(String::from)
+                    .to_vec(),
+                env: BTreeMap::new(),
+                interrupt_message: false,
+                late_outputs: false,
+            },
+        );
+        l
+    }
+
+    /// Whether process `pid` runs (a zombie, killed but not yet reaped, does not).
+    fn alive(pid: i32) -> bool {
+        std::fs::read_to_string(format!("/proc/{pid}/stat"))
+            .ok()
+            .and_then(|s| Some(s.rsplit_once(") ")?.1.starts_with(|c| c != 'Z')))
+            .unwrap_or(false)
+    }
+
+    /// A kernel that dies before it listens is an error at once. zeromq's `connect`
+    /// retries a refused port forever: before the start's steps were bounded, this
+    /// start never returned (seen in CI: a JavaScript context that hung for 15 minutes,
+    /// until its sandbox's end).
+    #[tokio::test]
+    async fn a_kernel_that_dies_before_listening_fails_its_start() {
+        let dir = std::env::temp_dir().join(format!("cb-kdie-{}", std::process::id()));
+        let l = fake(&dir, "sleep 0.2");
+        let t0 = Instant::now();
+        let r = tokio::time::timeout(Duration::from_secs(20), Kernel::start(&l, "fake", "/", &[]))
+            .await
+            .expect("the start returns");
+        let e = r.err().expect("an error").to_string();
+        assert!(e.contains("fake kernel exited during startup"), "{e}");
+        assert!(t0.elapsed() < Duration::from_secs(10), "{:?}", t0.elapsed());
+        let left: Vec<_> = std::fs::read_dir(&dir).unwrap().collect();
+        assert!(left.is_empty(), "connection files left: {left:?}");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// A start given up on (its caller's future dropped) kills the kernel's process
+    /// group and removes its connection file.
+    #[tokio::test]
+    async fn a_start_given_up_on_leaves_no_kernel() {
+        let dir = std::env::temp_dir().join(format!("cb-kgone-{}", std::process::id()));
+        let pidfile = dir.join("pid");
+        let l = fake(
+            &dir,
+            &format!("echo $$ > {}; exec sleep 1000", pidfile.display()),
+        );
+        let r =
+            tokio::time::timeout(Duration::from_secs(1), Kernel::start(&l, "fake", "/", &[])).await;
+        assert!(
+            r.is_err(),
+            "the kernel never listens: the start is still waiting"
+        );
+        let pid: i32 = std::fs::read_to_string(&pidfile)
+            .unwrap()
+            .trim()
+            .parse()
+            .unwrap();
+        let t0 = Instant::now();
+        while alive(pid) {
+            assert!(
+                t0.elapsed() < Duration::from_secs(5),
+                "kernel {pid} still running"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        std::fs::remove_file(&pidfile).unwrap();
+        let left: Vec<_> = std::fs::read_dir(&dir).unwrap().collect();
+        assert!(left.is_empty(), "connection files left: {left:?}");
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }
