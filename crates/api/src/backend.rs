@@ -55,6 +55,12 @@ pub trait Backend: Send + Sync + 'static {
     fn current<'a>(&'a self, id: &'a str) -> BoxFuture<'a, cubicle_node::Result<SandboxInfo>> {
         Box::pin(async move { self.peek(id) })
     }
+    /// Before a listing: on a replica of a cluster, what every node holds now, so that
+    /// another replica's creates, pauses and kills are listed at once rather than at this
+    /// replica's next poll. Elsewhere there is nothing to refresh.
+    fn refresh_all(&self) -> BoxFuture<'_, ()> {
+        Box::pin(async {})
+    }
     /// End time := now + `timeout`. Blocking (writes the node's record).
     fn set_timeout(&self, id: &str, timeout: Duration) -> cubicle_node::Result<()>;
     /// Usage counters. Blocking (reads cgroup files).

@@ -1007,6 +1007,7 @@ impl ControlPlane {
         f: &ListFilter,
     ) -> ApiResult<(Vec<ListedSandbox>, Option<String>)> {
         let team_id = team.id;
+        self.backend.refresh_all().await;
         let rows = self
             .store
             .call(move |s| s.running_sandboxes(Some(team_id)))

@@ -17,7 +17,7 @@ import time
 import uuid
 
 import httpx
-from e2b import Sandbox
+from e2b import Sandbox, SandboxQuery, SandboxState
 
 from checks import check, finish, secret_dump, start_holder, wait_for
 
@@ -50,6 +50,16 @@ def state_via(r, sid):
     api, _ = R[r]
     resp = httpx.get(f"{api}/sandboxes/{sid}", headers={"X-API-KEY": KEY}, timeout=30)
     return resp.json().get("state") if resp.status_code == 200 else resp.status_code
+
+
+def listed(r, state):
+    """Sandbox id → state for every `state` sandbox `Sandbox.list` shows through replica `r`."""
+    api, _ = R[r]
+    pages = Sandbox.list(query=SandboxQuery(state=[state]), api_key=KEY, api_url=api)
+    seen = {}
+    while pages.has_next:
+        seen.update({s.sandbox_id: s.state.value for s in pages.next_items()})
+    return seen
 
 
 def nodes():
@@ -97,6 +107,9 @@ def published_line(node, sid):
 # at its end time, one that keeps running.
 sbx = create("r1")
 sid = sbx.sandbox_id
+# The list is one service's too: the other replica lists a create at once, not at its
+# next poll of the nodes.
+check("listed running through the other replica at once", listed("r2", SandboxState.RUNNING).get(sid) == "running")
 victim = owner_of(sid)
 other = {"n1": "n2", "n2": "n1"}.get(victim)
 check("placed on a node", victim is not None, victim)
@@ -124,6 +137,8 @@ if auto:
 t0 = time.monotonic()
 sbx.pause()
 print(f"     pause through the replica (with the publish) took {1000 * (time.monotonic() - t0):.0f} ms", flush=True)
+check("listed paused through the other replica at once", listed("r2", SandboxState.PAUSED).get(sid) == "paused")
+check("  and no longer listed running there", sid not in listed("r2", SandboxState.RUNNING))
 line = published_line(victim, sid)
 check("published before the pause answered", line is not None)
 if line:
@@ -147,6 +162,11 @@ check("the paused one stays listed paused, through the other replica", state_via
       state_via("r2", sid))
 if auto:
     check("the auto-paused one too", state_via("r2", auto.sandbox_id) == "paused", state_via("r2", auto.sandbox_id))
+paused_now = listed("r2", SandboxState.PAUSED)
+check("the list through the other replica shows them paused (owned by no node now)",
+      paused_now.get(sid) == "paused" and (not auto or paused_now.get(auto.sandbox_id) == "paused"), paused_now)
+if running:
+    check("  and not the ended one", running.sandbox_id not in listed("r1", SandboxState.RUNNING))
 
 # --- 3. Sandbox.connect through the other replica resumes each on the other node.
 t0 = time.monotonic()

@@ -106,6 +106,9 @@ pub(super) struct Inner {
     pub(super) moved: Mutex<HashMap<String, usize>>,
     /// Held while a sandbox moves (moves are rare: one at a time).
     pub(super) move_lock: tokio::sync::Mutex<()>,
+    /// Held while every node is polled; when the last such poll started (see
+    /// [`RemoteBackend::poll_all_since`]).
+    full_poll: tokio::sync::Mutex<Option<Instant>>,
 }
 
 pub(super) struct NodeLink {
@@ -258,6 +261,7 @@ impl RemoteBackend {
                 cluster: OnceLock::new(),
                 moved: Mutex::new(HashMap::new()),
                 move_lock: tokio::sync::Mutex::new(()),
+                full_poll: tokio::sync::Mutex::new(None),
             }),
         })
     }
@@ -295,7 +299,7 @@ impl RemoteBackend {
             tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
             loop {
                 tick.tick().await;
-                rb.poll_all().await;
+                rb.poll_all_since(Instant::now()).await;
             }
         })
     }
@@ -321,6 +325,19 @@ impl RemoteBackend {
             .filter(|i| !links[*i].retired())
             .map(|i| self.poll(i));
         futures_util::future::join_all(polls).await;
+    }
+
+    /// Every node polled by a poll that started at `t` or later: one already done or
+    /// under way is waited for and reused, so that listings that come together (and the
+    /// background poller) share polls instead of each making its own.
+    pub(super) async fn poll_all_since(&self, t: Instant) {
+        let mut last = self.inner.full_poll.lock().await;
+        if last.is_some_and(|started| started >= t) {
+            return;
+        }
+        let started = Instant::now();
+        self.poll_all().await;
+        *last = Some(started);
     }
 
     pub(super) async fn poll(&self, i: usize) {
@@ -834,6 +851,14 @@ impl Backend for RemoteBackend {
                 }
             }
             self.peek(id)
+        })
+    }
+
+    fn refresh_all(&self) -> BoxFuture<'_, ()> {
+        Box::pin(async move {
+            if self.inner.cluster.get().is_some() {
+                self.poll_all_since(Instant::now()).await;
+            }
         })
     }
 
