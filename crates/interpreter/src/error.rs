@@ -6,6 +6,9 @@ pub enum Error {
     Protocol(String),
     #[error("kernel: {0}")]
     Kernel(String),
+    /// The kernel's process ended before it was ready (its language).
+    #[error("kernel: {0} kernel exited during startup")]
+    ExitedAtStart(String),
     #[error("{what}: {source}")]
     Io {
         what: String,

@@ -207,10 +207,7 @@ impl Step<'_> {
         tokio::select! {
             v = step => Ok(v),
             // Also an error when the sender is gone: the process watcher ended.
-            _ = self.dead.wait_for(|d| *d) => Err(Error::Kernel(format!(
-                "{} kernel exited during startup",
-                self.language
-            ))),
+            _ = self.dead.wait_for(|d| *d) => Err(Error::ExitedAtStart(self.language.to_string())),
             _ = tokio::time::sleep_until(self.deadline.into()) => Err(Error::Kernel(format!(
                 "{} kernel did not start within {}s (waiting for {})",
                 self.language,
@@ -431,9 +428,7 @@ impl Kernel {
         // SUB subscription is live).
         loop {
             if k.is_dead() {
-                return Err(Error::Kernel(format!(
-                    "{language} kernel exited during startup"
-                )));
+                return Err(Error::ExitedAtStart(language.to_string()));
             }
             if Instant::now() > deadline {
                 return Err(Error::Kernel(format!(

@@ -334,9 +334,16 @@ impl App {
             .iter()
             .map(|(k, v)| (k.clone(), v.clone()))
             .collect();
-        let k = Kernel::start(&self.launcher, language, cwd, &env)
-            .await
-            .map_err(|e| e.to_string())?;
+        let k = match Kernel::start(&self.launcher, language, cwd, &env).await {
+            // Once more, on new ports: a kernel can lose a port picked for it to another
+            // process between the pick and its bind.
+            Err(e @ crate::error::Error::ExitedAtStart(_)) => {
+                tracing::warn!("{e}; starting it again");
+                Kernel::start(&self.launcher, language, cwd, &env).await
+            }
+            r => r,
+        }
+        .map_err(|e| e.to_string())?;
         if language == "python" {
             let _ = run_hidden(&k, PYTHON_SETUP).await;
         }
