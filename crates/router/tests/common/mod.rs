@@ -151,10 +151,12 @@ impl Envd {
             .spawn()
             .expect("spawning cubicle-envd");
         let deadline = Instant::now() + Duration::from_secs(20);
-        while !socket.exists() {
+        // The socket's file appears at bind(), a moment before listen(): wait until it
+        // accepts a connection (a request in that gap was refused: CI saw it).
+        while std::os::unix::net::UnixStream::connect(&socket).is_err() {
             assert!(
                 Instant::now() < deadline,
-                "envd did not create {}",
+                "envd did not listen on {}",
                 socket.display()
             );
             std::thread::sleep(Duration::from_millis(10));
