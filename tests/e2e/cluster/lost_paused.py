@@ -109,7 +109,9 @@ sbx = create("r1")
 sid = sbx.sandbox_id
 # The list is one service's too: the other replica lists a create at once, not at its
 # next poll of the nodes.
+t0 = time.monotonic()
 check("listed running through the other replica at once", listed("r2", SandboxState.RUNNING).get(sid) == "running")
+print(f"     the list through the other replica (polls both nodes first) took {1000 * (time.monotonic() - t0):.1f} ms")
 victim = owner_of(sid)
 other = {"n1": "n2", "n2": "n1"}.get(victim)
 check("placed on a node", victim is not None, victim)
