@@ -218,6 +218,22 @@ impl Step<'_> {
     }
 }
 
+impl Step<'_> {
+    /// `socket` connected to the kernel's loopback `port`. The kernel binds its ports as
+    /// it starts, and zeromq's `connect` retries a refused connection forever, backing
+    /// off a second and more between tries: the port is waited for with plain connects
+    /// first, 20 ms apart, then connected to once.
+    async fn connect(self, socket: &mut impl Socket, port: u16) -> Result<(), Error> {
+        let what = self.what;
+        self.run(async {
+            listening(port).await;
+            socket.connect(&format!("tcp://127.0.0.1:{port}")).await
+        })
+        .await?
+        .map_err(|e| Error::Kernel(format!("{what}: {e}")))
+    }
+}
+
 /// Returns once something accepts TCP connections on loopback `port`.
 async fn listening(port: u16) {
     while tokio::net::TcpStream::connect(("127.0.0.1", port))
@@ -335,26 +351,14 @@ impl Kernel {
             deadline,
         };
         let routes: Routes = Arc::default();
-        let addr = |p: u16| format!("tcp://127.0.0.1:{p}");
-        // The kernel binds its ports as it starts. zeromq's `connect` retries a refused
-        // connection forever, backing off over a second and more between tries: wait for
-        // the port with plain connects first, 20 ms apart, then connect once.
-        step("its iopub port").run(listening(iopub)).await?;
         let mut sub = SubSocket::new();
-        step("iopub")
-            .run(sub.connect(&addr(iopub)))
-            .await?
-            .map_err(|e| Error::Kernel(format!("iopub: {e}")))?;
+        step("iopub").connect(&mut sub, iopub).await?;
         step("subscribe")
             .run(sub.subscribe(""))
             .await?
             .map_err(|e| Error::Kernel(format!("subscribe: {e}")))?;
-        step("its shell port").run(listening(shell)).await?;
         let mut dealer = DealerSocket::new();
-        step("shell")
-            .run(dealer.connect(&addr(shell)))
-            .await?
-            .map_err(|e| Error::Kernel(format!("shell: {e}")))?;
+        step("shell").connect(&mut dealer, shell).await?;
         let (shell_tx, mut shell_rx) = mpsc::unbounded_channel::<Vec<Bytes>>();
         let kb = key.clone().into_bytes();
         let r = routes.clone();
@@ -377,12 +381,8 @@ impl Kernel {
         }));
         let mut control_tx = None;
         if by_message {
-            step("its control port").run(listening(control)).await?;
             let mut ctl = DealerSocket::new();
-            step("control")
-                .run(ctl.connect(&addr(control)))
-                .await?
-                .map_err(|e| Error::Kernel(format!("control: {e}")))?;
+            step("control").connect(&mut ctl, control).await?;
             let (tx, mut rx) = mpsc::unbounded_channel::<Vec<Bytes>>();
             control_tx = Some(tx);
             starting.tasks.push(tokio::spawn(async move {

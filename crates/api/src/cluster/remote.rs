@@ -856,7 +856,7 @@ impl Backend for RemoteBackend {
 
     fn refresh_all(&self) -> BoxFuture<'_, ()> {
         Box::pin(async move {
-            if self.inner.cluster.get().is_some() {
+            if self.is_coordinated() {
                 self.poll_all_since(Instant::now()).await;
             }
         })
