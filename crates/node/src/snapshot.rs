@@ -9,6 +9,8 @@
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime};
 
 use serde::{Deserialize, Serialize};
 
@@ -94,10 +96,29 @@ pub fn storage_name(id: &str) -> String {
 }
 
 /// The snapshot records of a state directory.
+///
+/// Every create asks it whether its template name is a snapshot, several times (the
+/// name as given, with the team's prefix, with `:default`): the listing is kept in
+/// memory and read again only when the directory changed (its mtime moved, or this
+/// process wrote a record), so a create costs one `stat`, not a read and parse of every
+/// record.
 #[derive(Debug, Clone)]
 pub struct SnapshotStore {
     dir: PathBuf,
+    listing: Arc<Mutex<Option<Listing>>>,
 }
+
+/// A listing of the records directory and the directory mtime it was read at.
+#[derive(Debug)]
+struct Listing {
+    mtime: SystemTime,
+    records: Vec<SnapshotRecord>,
+}
+
+/// A listing is kept only when the directory's mtime is at least this old when it is
+/// read: file timestamps come from a coarse clock, so a change made in the same tick as
+/// a newer one could leave the mtime where it was.
+const LISTING_SETTLED: Duration = Duration::from_millis(50);
 
 impl SnapshotStore {
     /// `<state>/snapshots` (created, root-only).
@@ -107,7 +128,10 @@ impl SnapshotStore {
         use std::os::unix::fs::PermissionsExt;
         std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o700))
             .ctx("chmod", &dir)?;
-        Ok(SnapshotStore { dir })
+        Ok(SnapshotStore {
+            dir,
+            listing: Arc::default(),
+        })
     }
 
     fn path(&self, id: &str) -> PathBuf {
@@ -116,7 +140,9 @@ impl SnapshotStore {
 
     /// Records a snapshot.
     pub fn put(&self, r: &SnapshotRecord) -> Result<()> {
-        Ok(fsutil::write_json_atomic(&self.path(&r.id), r)?)
+        let res = fsutil::write_json_atomic(&self.path(&r.id), r);
+        self.forget_listing();
+        Ok(res?)
     }
 
     /// The snapshot with this id, if any.
@@ -137,6 +163,28 @@ impl SnapshotStore {
 
     /// Every snapshot (hidden ones too), oldest first.
     pub fn list(&self) -> Vec<SnapshotRecord> {
+        let mtime = std::fs::metadata(&self.dir).and_then(|m| m.modified()).ok();
+        let mut kept = self.listing.lock().unwrap_or_else(|e| e.into_inner());
+        if let (Some(l), Some(m)) = (kept.as_ref(), mtime)
+            && l.mtime == m
+        {
+            return l.records.clone();
+        }
+        let records = self.read_all();
+        *kept = mtime
+            .filter(|m| m.elapsed().is_ok_and(|age| age >= LISTING_SETTLED))
+            .map(|mtime| Listing {
+                mtime,
+                records: records.clone(),
+            });
+        records
+    }
+
+    fn forget_listing(&self) {
+        *self.listing.lock().unwrap_or_else(|e| e.into_inner()) = None;
+    }
+
+    fn read_all(&self) -> Vec<SnapshotRecord> {
         let mut v: Vec<SnapshotRecord> = std::fs::read_dir(&self.dir)
             .into_iter()
             .flatten()
@@ -150,10 +198,65 @@ impl SnapshotStore {
 
     /// Forgets a snapshot's record (its data is the runtime's to delete).
     pub fn remove(&self, id: &str) -> Result<()> {
-        match std::fs::remove_file(self.path(id)) {
+        let res = std::fs::remove_file(self.path(id));
+        self.forget_listing();
+        match res {
             Ok(()) => Ok(()),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
             Err(e) => Err(crate::error::Error::io("remove", self.path(id), e)),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn record(id: &str, name: &str) -> SnapshotRecord {
+        serde_json::from_value(serde_json::json!({
+            "id": id, "names": [name], "owner": "team", "source": "isrc",
+            "template": "tiny", "baseTemplate": "tiny", "memory": false,
+            "createdAtMs": 1, "memoryMb": 64, "cpus": 1, "diskMb": 64,
+            "internet": true, "defaultUser": "user", "accessToken": "", "uidBase": 0
+        }))
+        .unwrap_or_else(|e| panic!("record: {e}"))
+    }
+
+    fn dir() -> PathBuf {
+        let d = std::env::temp_dir().join(format!(
+            "cubicle-snapshot-store-{}-{:?}",
+            std::process::id(),
+            std::thread::current().id()
+        ));
+        let _ = std::fs::remove_dir_all(&d);
+        d
+    }
+
+    /// The kept listing follows changes made through another handle (another process's
+    /// writes look the same: only the directory tells), and this handle's own at once.
+    #[test]
+    fn the_kept_listing_follows_every_change() -> Result<()> {
+        let state = dir();
+        let a = SnapshotStore::open(&state)?;
+        let b = SnapshotStore::open(&state)?;
+        assert!(a.find("team/one:default").is_none());
+        std::thread::sleep(LISTING_SETTLED * 2);
+        assert!(a.list().is_empty());
+        assert!(
+            a.listing.lock().is_ok_and(|l| l.is_some()),
+            "a settled listing is kept"
+        );
+
+        b.put(&record("s1", "team/one:default"))?;
+        assert_eq!(a.find("team/one:default").map(|r| r.id), Some("s1".into()));
+        a.put(&record("s2", "team/two:default"))?;
+        assert_eq!(a.list().len(), 2);
+        std::thread::sleep(LISTING_SETTLED * 2);
+        assert_eq!(a.list().len(), 2);
+        b.remove("s1")?;
+        assert!(a.find("team/one:default").is_none());
+        assert_eq!(b.find("team/two:default").map(|r| r.id), Some("s2".into()));
+        let _ = std::fs::remove_dir_all(&state);
+        Ok(())
     }
 }
