@@ -475,7 +475,7 @@ impl SandboxRuntime for LinuxRuntime {
     }
 
     fn renice(&self, id: &str, nice: i32) {
-        let Ok(procs) = Cgroup::handle(id).and_then(|c| c.procs()) else {
+        let Ok(procs) = Cgroup::handle(id).and_then(|c| c.members()) else {
             return;
         };
         for pid in procs {
@@ -492,11 +492,7 @@ impl SandboxRuntime for LinuxRuntime {
     }
 
     fn memory_usage(&self, id: &str) -> Option<u64> {
-        Cgroup::handle(id)
-            .ok()?
-            .stats()
-            .ok()
-            .map(|s| s.memory_bytes)
+        Cgroup::handle(id).ok()?.memory_bytes().ok()
     }
 
     fn init_pidfd(&self, id: &str) -> Option<std::sync::Arc<std::os::fd::OwnedFd>> {
