@@ -18,6 +18,10 @@ use crate::helper::{HELPER_ARG, HelperRequest, Status};
 use crate::spec::SandboxSpec;
 use crate::sys;
 
+/// How long [`Sandbox::kill`] waits for a killed init to exit before it freezes and
+/// kills the whole cgroup (a frozen v1 cgroup holds its SIGKILLed tasks until thawed).
+const INIT_EXIT_GRACE: Duration = Duration::from_millis(200);
+
 /// How long `spawn` waits for the init program to be exec'd before giving up.
 const SPAWN_TIMEOUT: Duration = Duration::from_secs(20);
 
@@ -468,8 +472,17 @@ impl Sandbox {
     /// Kills every process of the sandbox (the whole cgroup, and the init through its
     /// pidfd) and waits until they are gone. Idempotent.
     pub fn kill(&self) -> Result<()> {
-        // Killing PID 1 of a pid namespace makes the kernel kill everything in it.
+        // Killing PID 1 of a pid namespace makes the kernel kill everything in it, and
+        // PID 1's exit completes only once all the others have exited (and no new one
+        // can be born in a dying namespace). So once the init is gone, the cgroup is
+        // usually empty already: the freeze-and-kill below (a dozen cgroup file
+        // operations, under locks that every cgroup creation and removal on the host
+        // takes) is for what is in the cgroup but not in the namespace, e.g. a helper
+        // still starting it.
         let _ = cubicle_syscalls::pidfd::pidfd_kill(&self.pidfd);
+        if self.wait_timeout(INIT_EXIT_GRACE) && self.cgroup.procs()?.is_empty() {
+            return Ok(());
+        }
         self.cgroup.kill_all()?;
         if !self.wait_timeout(Duration::from_secs(5)) {
             return Err(Error::Setup(format!(
