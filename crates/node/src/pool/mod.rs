@@ -27,9 +27,13 @@
 //! record stays `creating`, so reconciliation after a crash destroys it like any
 //! half-made sandbox. [`Node::close`](crate::Node::close) destroys the pool's sandboxes.
 //!
-//! Refill: one background task per node tops every pool up to its target, at most
-//! [`REFILL_PARALLEL`] sandboxes at a time (cold creates share a bounded semaphore with it, so a burst of 50 creates does
-//! not thrash two cores). It runs on the node's background thread at nice 19 (shared with
+//! Refill: one background task per node tops every pool up to its target, making as many
+//! sandboxes at a time as the node makes cold creates (`create_concurrency`: twice the
+//! cores, at least 4). Cold creates share that bounded FIFO semaphore with it, so a burst
+//! of 50 creates does not thrash two cores. Making one sandbox is mostly waiting
+//! (process starts, RCU grace periods in the network setup, envd starting), so more than
+//! one per core overlap: on the two-core development VM, four at a time instead of two
+//! cut a closed loop's misses from 30 to 9 in 200 creates (`docs/bench.md`). It runs on the node's background thread at nice 19 (shared with
 //! asynchronous teardowns), and so do the helper and sandbox processes it starts (nice
 //! is inherited): making the next pooled sandbox (about 10 ms of CPU) and removing the
 //! last one must not slow the claim or that sandbox's first commands. A claim raises the
@@ -72,9 +76,6 @@ const MAX_GROWTH: usize = 4;
 const SHRINK_AFTER: Duration = Duration::from_secs(60);
 /// After a claim, refills wait for this long without claims (unless the pool is low).
 const REFILL_PAUSE: Duration = Duration::from_millis(25);
-/// Pooled sandboxes made at once (making one waits on process starts and envd much of
-/// the time; two overlap those waits on two cores).
-const REFILL_PARALLEL: usize = 2;
 /// Tries to remove each ready pooled sandbox when the node closes.
 const DRAIN_ATTEMPTS: u32 = 3;
 /// Nice value of the refill thread and of pooled sandboxes until claimed.
@@ -498,10 +499,11 @@ pub(crate) fn start_background(inner: &Arc<Inner>) {
     }
 }
 
-/// The refill task: tops pools up to their targets, [`REFILL_PARALLEL`] sandboxes at a time.
+/// The refill task: tops pools up to their targets, as many sandboxes at a time as the
+/// node makes cold creates at once (`NodeConfig::create_concurrency`).
 async fn refill(weak: Weak<Inner>, main: tokio::runtime::Handle) {
     let mut failures = 0u32;
-    // Sandboxes being made, at most [`REFILL_PARALLEL`]. Never dropped with one in
+    // Sandboxes being made, at most `create_concurrency`. Never dropped with one in
     // flight (that would cancel it halfway): a close waits for them, and each removes
     // its own sandbox when it sees the close.
     let mut making: tokio::task::JoinSet<Result<()>> = tokio::task::JoinSet::new();
@@ -542,7 +544,8 @@ async fn refill(weak: Weak<Inner>, main: tokio::runtime::Handle) {
             }
             // In flight counts as made: a refill just spawned is not a member yet.
             let in_flight = |n: &str| inflight.values().filter(|v| *v == n).count();
-            if making.len() >= REFILL_PARALLEL || (members + making.len() as u64 + 1) * est > budget
+            if making.len() >= inner.config.create_concurrency.max(1)
+                || (members + making.len() as u64 + 1) * est > budget
             {
                 None
             } else {
