@@ -71,7 +71,10 @@ mod tests {
         let e = lock_exclusive(&b, false).unwrap_err();
         assert_eq!(e.kind(), io::ErrorKind::WouldBlock);
         drop(a);
-        lock_exclusive(&b, false).unwrap();
+        // Waiting, not trying once: a test on another thread of this process that
+        // spawns a child may have forked while `a` was open, and the child's copy of the
+        // descriptor holds the lock until its exec closes it.
+        lock_exclusive(&b, true).unwrap();
         let _ = std::fs::remove_file(&p);
     }
 }
