@@ -125,7 +125,14 @@ mod tests {
         assert_eq!(e.kind(), io::ErrorKind::WouldBlock);
         drop(w);
         got.clear();
-        assert!(read_available(&reader, &mut got).unwrap(), "end of file");
+        // End of file once no writer is left. Not at once, perhaps: a test on another
+        // thread of this process that spawns a child may have forked while `w` was
+        // open, and the child's copy of it stays open until its exec closes it.
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while !read_available(&reader, &mut got).unwrap() {
+            assert!(std::time::Instant::now() < deadline, "end of file");
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
         // Not a FIFO: refused.
         std::fs::write(dir.join("file"), "x").unwrap();
         assert!(open_init_log(&dir.join("file")).is_err());
