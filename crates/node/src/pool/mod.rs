@@ -33,10 +33,11 @@
 //! of 50 creates does not thrash two cores. Making one sandbox is mostly waiting
 //! (process starts, RCU grace periods in the network setup, envd starting), so more than
 //! one per core overlap: on the two-core development VM, four at a time instead of two
-//! cut a closed loop's misses from 30 to 9 in 200 creates (`docs/bench.md`). It runs on the node's background thread at nice 19 (shared with
-//! asynchronous teardowns), and so do the helper and sandbox processes it starts (nice
-//! is inherited): making the next pooled sandbox (about 10 ms of CPU) and removing the
-//! last one must not slow the claim or that sandbox's first commands. A claim raises the
+//! cut a closed loop's misses from 30 to 8–10 in 200 creates (`docs/bench.md`). It runs
+//! on the node's background thread at nice 19 (shared with asynchronous teardowns), and
+//! so do the helper and sandbox processes it starts (nice is inherited): making the next
+//! pooled sandbox (about 10 ms of CPU) and removing the last one must not slow the claim
+//! or that sandbox's first commands. A claim raises the
 //! sandbox's tasks back to nice 0 before `/init`, so its user's processes run at normal
 //! priority. Right after a claim the refill also waits for a pause in claims
 //! ([`REFILL_PAUSE`]) unless the pool is down to a quarter of its target or claims come

@@ -208,17 +208,10 @@ impl Cgroup {
     pub fn procs(&self) -> Result<Vec<i32>> {
         let mut pids: Vec<i32> = Vec::new();
         for dir in self.dirs() {
-            let f = dir.join("cgroup.procs");
-            match fs::read_to_string(&f) {
-                Ok(s) => {
-                    for p in s.lines().filter_map(|l| l.trim().parse().ok()) {
-                        if !pids.contains(&p) {
-                            pids.push(p);
-                        }
-                    }
+            for p in pids_in(&dir)? {
+                if !pids.contains(&p) {
+                    pids.push(p);
                 }
-                Err(e) if e.kind() == io::ErrorKind::NotFound => {}
-                Err(e) => return Err(io_ctx(|| format!("read {}", f.display()))(e)),
             }
         }
         Ok(pids)
@@ -229,14 +222,9 @@ impl Cgroup {
     /// the clone), so for a sandbox that finished starting this is [`Cgroup::procs`] at
     /// one file read instead of one per hierarchy (seven on a hybrid v1 host).
     pub fn members(&self) -> Result<Vec<i32>> {
-        let Some(dir) = self.dirs().into_iter().next() else {
-            return Ok(Vec::new());
-        };
-        let f = dir.join("cgroup.procs");
-        match fs::read_to_string(&f) {
-            Ok(s) => Ok(s.lines().filter_map(|l| l.trim().parse().ok()).collect()),
-            Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(Vec::new()),
-            Err(e) => Err(io_ctx(|| format!("read {}", f.display()))(e)),
+        match self.dirs().first() {
+            Some(dir) => pids_in(dir),
+            None => Ok(Vec::new()),
         }
     }
 
@@ -253,13 +241,8 @@ impl Cgroup {
     /// cgroup filesystem under the lock that cgroup creations and removals take).
     pub fn memory_bytes(&self) -> Result<u64> {
         match &self.layout {
-            Layout::V1(m) => read_u64(
-                &m.memory
-                    .join(PARENT)
-                    .join(&self.id)
-                    .join("memory.usage_in_bytes"),
-            ),
-            Layout::V2(root) => read_u64(&root.join(PARENT).join(&self.id).join("memory.current")),
+            Layout::V1(m) => v1::memory_bytes(m, &self.id),
+            Layout::V2(root) => v2::memory_bytes(&root.join(PARENT).join(&self.id)),
         }
     }
 
@@ -448,6 +431,16 @@ pub(crate) fn read_file(path: &Path) -> Result<String> {
     fs::read_to_string(path)
         .map(|s| s.trim().to_string())
         .map_err(io_ctx(|| format!("read {}", path.display())))
+}
+
+/// Pids listed in `dir/cgroup.procs` (none when the directory is gone).
+fn pids_in(dir: &Path) -> Result<Vec<i32>> {
+    let f = dir.join("cgroup.procs");
+    match fs::read_to_string(&f) {
+        Ok(s) => Ok(s.lines().filter_map(|l| l.trim().parse().ok()).collect()),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(Vec::new()),
+        Err(e) => Err(io_ctx(|| format!("read {}", f.display()))(e)),
+    }
 }
 
 /// Reads a control file holding one integer (`max` counts as `u64::MAX`).

@@ -162,13 +162,18 @@ pub(crate) fn create(m: &Mounts, id: &str, limits: &Limits) -> Result<()> {
     Ok(())
 }
 
+/// The memory hierarchy's usage counter of cgroup `id`.
+pub(crate) fn memory_bytes(m: &Mounts, id: &str) -> Result<u64> {
+    read_u64(&m.memory.join(PARENT).join(id).join("memory.usage_in_bytes"))
+}
+
 pub(crate) fn stats(m: &Mounts, id: &str) -> Result<CgroupStats> {
     let mem = m.memory.join(PARENT).join(id);
     let oom = read_file(&mem.join("memory.oom_control"))?;
     let pids_dir = m.pids.join(PARENT).join(id);
     let pids_events = read_file(&pids_dir.join("pids.events")).unwrap_or_default();
     Ok(CgroupStats {
-        memory_bytes: read_u64(&mem.join("memory.usage_in_bytes"))?,
+        memory_bytes: memory_bytes(m, id)?,
         memory_peak_bytes: read_u64(&mem.join("memory.max_usage_in_bytes")).ok(),
         cpu_usage_ns: read_u64(&m.cpuacct.join(PARENT).join(id).join("cpuacct.usage"))?,
         oom_kills: keyed_value(&oom, "oom_kill").unwrap_or(0),

@@ -63,12 +63,17 @@ pub(crate) fn create(root: &Path, id: &str, limits: &Limits) -> Result<()> {
     Ok(())
 }
 
+/// The cgroup's memory usage counter (`memory.current`).
+pub(crate) fn memory_bytes(dir: &Path) -> Result<u64> {
+    read_u64(&dir.join("memory.current"))
+}
+
 pub(crate) fn stats(dir: &Path) -> Result<CgroupStats> {
     let events = read_file(&dir.join("memory.events"))?;
     let cpu = read_file(&dir.join("cpu.stat"))?;
     let pids_events = read_file(&dir.join("pids.events")).unwrap_or_default();
     Ok(CgroupStats {
-        memory_bytes: read_u64(&dir.join("memory.current"))?,
+        memory_bytes: memory_bytes(dir)?,
         memory_peak_bytes: read_u64(&dir.join("memory.peak")).ok(),
         cpu_usage_ns: keyed_value(&cpu, "usage_usec")
             .unwrap_or(0)
