@@ -153,31 +153,33 @@ impl SnapshotStore {
         fsutil::read_json(&self.path(id)).ok()
     }
 
-    /// The snapshot `name` refers to (an id, `id:default`, or one of its names).
+    /// The snapshot `name` refers to (an id, `id:default`, or one of its names). From
+    /// the kept listing: one `stat` of the directory, no copy of the other records.
     pub fn find(&self, name: &str) -> Option<SnapshotRecord> {
-        if let Some(r) = self.get(name.strip_suffix(":default").unwrap_or(name)) {
-            return Some(r);
-        }
-        self.list().into_iter().find(|r| r.answers_to(name))
+        self.with_listing(|rs| rs.iter().find(|r| r.answers_to(name)).cloned())
     }
 
     /// Every snapshot (hidden ones too), oldest first.
     pub fn list(&self) -> Vec<SnapshotRecord> {
+        self.with_listing(<[SnapshotRecord]>::to_vec)
+    }
+
+    /// `f` of every record, from the kept listing when the directory has not changed
+    /// since it was read.
+    fn with_listing<R>(&self, f: impl FnOnce(&[SnapshotRecord]) -> R) -> R {
         let mtime = std::fs::metadata(&self.dir).and_then(|m| m.modified()).ok();
         let mut kept = self.listing.lock().unwrap_or_else(|e| e.into_inner());
         if let (Some(l), Some(m)) = (kept.as_ref(), mtime)
             && l.mtime == m
         {
-            return l.records.clone();
+            return f(&l.records);
         }
         let records = self.read_all();
+        let r = f(&records);
         *kept = mtime
             .filter(|m| m.elapsed().is_ok_and(|age| age >= LISTING_SETTLED))
-            .map(|mtime| Listing {
-                mtime,
-                records: records.clone(),
-            });
-        records
+            .map(|mtime| Listing { mtime, records });
+        r
     }
 
     fn forget_listing(&self) {
