@@ -67,6 +67,12 @@ pub trait Backend: Send + Sync + 'static {
     fn stats(&self, id: &str) -> cubicle_node::Result<SandboxStats>;
     /// The node's log file of the sandbox's PID 1 (envd) output on the host.
     fn log_path(&self, id: &str) -> PathBuf;
+    /// The idle connection to running sandbox `id`'s envd its create left open, for the
+    /// data plane's first request (`None`: the data plane connects).
+    fn take_envd_conn(&self, id: &str) -> Option<std::os::unix::net::UnixStream> {
+        let _ = id;
+        None
+    }
     /// Warm-pool counters (ready, target, claims, misses, refills).
     fn pool(&self) -> cubicle_node::PoolStats {
         cubicle_node::PoolStats::default()
@@ -288,6 +294,9 @@ impl Backend for Node {
         Node::forget_network_log(self, id)
     }
 
+    fn take_envd_conn(&self, id: &str) -> Option<std::os::unix::net::UnixStream> {
+        Node::take_envd_conn(self, id)
+    }
     fn pool(&self) -> cubicle_node::PoolStats {
         Node::pool_stats(self)
     }

@@ -65,6 +65,10 @@ impl SandboxResolver for ApiResolver {
             .collect()
     }
 
+    fn take_envd_conn(&self, id: &str) -> Option<std::os::unix::net::UnixStream> {
+        self.cp.backend().take_envd_conn(id)
+    }
+
     fn resumable(&self, id: &str) -> Option<SandboxTarget> {
         let traffic = self.cp.route(id)?;
         let info = self.cp.backend().peek(id).ok()?;

@@ -91,8 +91,6 @@ pub struct ControlPlane {
     /// Metric samples of the live sandboxes.
     metrics: MetricsHistory,
     logs: Arc<LogMirror>,
-    /// Called with the id of every sandbox a create hands out (see [`ControlPlane::on_created`]).
-    on_created: std::sync::OnceLock<CreatedHook>,
     /// Template builds (E2B's builder API).
     pub(crate) builds: crate::template_builds::Builds,
     /// Metrics.
@@ -107,22 +105,11 @@ pub struct ControlPlane {
     keys: crate::key_cache::KeyCache,
 }
 
-/// See [`ControlPlane::on_created`].
-pub type CreatedHook = Box<dyn Fn(&str) + Send + Sync>;
-
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 impl ControlPlane {
-    /// Sets the function called (on the request's task, before the answer is sent) with
-    /// the id of each sandbox a create hands out; `cubicle serve` uses it to open the
-    /// router's connection to the new sandbox while the client reads the answer. Only
-    /// the first call takes effect.
-    pub fn on_created(&self, hook: CreatedHook) {
-        let _ = self.on_created.set(hook);
-    }
-
     /// Set up over a node and a store: sandboxes the store thinks are running are
     /// checked against the node (adopted if alive, recorded as ended otherwise).
     pub async fn open(
@@ -141,7 +128,6 @@ impl ControlPlane {
             config,
             routes: Mutex::new(HashMap::new()),
             metrics: MetricsHistory::default(),
-            on_created: std::sync::OnceLock::new(),
             builds: Default::default(),
             telemetry,
             events,
@@ -1072,9 +1058,6 @@ impl ControlPlane {
             return Err(e.into());
         }
         lock(&self.routes).insert(row.id.clone(), row.traffic_access_token.clone());
-        if let Some(hook) = self.on_created.get() {
-            hook(&row.id);
-        }
         Ok(())
     }
 

@@ -597,13 +597,6 @@ pub async fn run(
         },
     );
     if let Some(node) = &node {
-        // The first command in a new sandbox should not pay for the router's connection.
-        // (A node of a cluster does this itself.)
-        let dp = data_plane.clone();
-        cp.on_created(Box::new(move |id: &str| {
-            let (dp, id) = (dp.clone(), id.to_string());
-            tokio::spawn(async move { dp.prewarm(&id).await });
-        }));
         // A checkpoint (pause, snapshot, fork) cannot hold connections from outside the
         // sandbox: the router closes its own before the sandbox is frozen.
         let dp = data_plane.clone();

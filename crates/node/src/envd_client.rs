@@ -186,6 +186,18 @@ async fn connect_socket(socket: &Path) -> Result<UnixStream> {
         .map_err(|e| Error::Envd(format!("connect {}: {e}", socket.display())))
 }
 
+/// An idle HTTP/1 connection to a sandbox's envd, kept for the next request to it (the
+/// node's `/init`, then the router's first request): a new connection costs a path walk,
+/// a socket, envd's accept and a task on both sides. Blocking-mode agnostic (a std
+/// stream, in non-blocking mode), so it can move between runtimes.
+pub type IdleConn = std::os::unix::net::UnixStream;
+
+/// Whether `conn` is still open with nothing unread: envd has not closed it (end of file)
+/// and sent nothing unasked. Checked before a kept connection carries a request.
+pub fn is_idle_open(conn: &IdleConn) -> bool {
+    cubicle_syscalls::socket::is_idle_open(conn)
+}
+
 /// Client of one sandbox's envd.
 #[derive(Debug, Clone)]
 pub struct EnvdClient {
@@ -221,6 +233,56 @@ impl EnvdClient {
             .map_err(|e| Error::Envd(format!("request: {e}")))
     }
 
+    /// Sends `req` over `conn` when it is still open and idle (else over a new
+    /// connection), reads the whole answer (small ones only: health, init), and gives the
+    /// connection back when it can carry another request.
+    async fn exchange(
+        &self,
+        conn: Option<IdleConn>,
+        req: Request<Full<Bytes>>,
+    ) -> Result<(StatusCode, Bytes, Option<IdleConn>)> {
+        let stream = match conn.filter(is_idle_open) {
+            Some(c) => UnixStream::from_std(c)
+                .map_err(|e| Error::Envd(format!("adopting a connection: {e}")))?,
+            None => connect_socket(&self.socket).await?,
+        };
+        let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
+            .await
+            .map_err(|e| Error::Envd(format!("handshake: {e}")))?;
+        let ask = async move {
+            let resp = sender
+                .send_request(req)
+                .await
+                .map_err(|e| Error::Envd(format!("request: {e}")))?;
+            let status = resp.status();
+            if !status.is_success() {
+                // Not kept: its body is read only in part.
+                let body = error_body(resp.into_body()).await;
+                return Ok((status, Bytes::from(body), true));
+            }
+            let close = resp
+                .headers()
+                .get(hyper::header::CONNECTION)
+                .is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"close"));
+            // Bounded in size and time: the sandbox's root can put anything on envd's socket.
+            let read = http_body_util::Limited::new(resp.into_body(), MAX_ERROR_BODY).collect();
+            let body = tokio::time::timeout(ERROR_BODY_TIME, read)
+                .await
+                .map_err(|_| Error::Envd("the answer's body did not arrive".into()))?
+                .map_err(|e| Error::Envd(format!("reading the answer: {e}")))?
+                .to_bytes();
+            // `sender` goes here: the connection's task then ends and hands the socket back.
+            Ok::<_, Error>((status, body, close))
+        };
+        let (answer, parts) = tokio::join!(ask, conn.without_shutdown());
+        let (status, body, close) = answer?;
+        let conn = match parts {
+            Ok(p) if !close && p.read_buf.is_empty() => p.io.into_inner().into_std().ok(),
+            _ => None,
+        };
+        Ok((status, body, conn))
+    }
+
     fn builder(&self, method: &str, path: &str) -> hyper::http::request::Builder {
         let mut b = Request::builder()
             .method(method)
@@ -234,32 +296,37 @@ impl EnvdClient {
 
     /// `GET /health`: Ok(true) on 204 (or any 2xx).
     pub async fn health(&self) -> Result<bool> {
-        let req = self
-            .builder("GET", "/health")
+        let (status, _, _) = self.exchange(None, self.health_request()?).await?;
+        Ok(status.is_success())
+    }
+
+    fn health_request(&self) -> Result<Request<Full<Bytes>>> {
+        self.builder("GET", "/health")
             .body(Full::new(Bytes::new()))
-            .map_err(|e| Error::Envd(e.to_string()))?;
-        let resp = self.send(req).await?;
-        Ok(resp.status().is_success())
+            .map_err(|e| Error::Envd(e.to_string()))
     }
 
     /// Wait until `/health` answers 2xx, `alive()` turns false (the sandbox died), or
     /// `timeout` passes. First waits (on a blocking thread, with 200 µs steps: tokio's
     /// timer has 1 ms granularity) until the socket accepts connections, which is usually a
     /// few milliseconds after the sandbox's init started; then asks `/health`.
+    /// Returns the connection the successful `/health` went over, idle, for the next
+    /// request (see [`EnvdClient::init_on`]).
     pub async fn wait_ready(
         &self,
         timeout: Duration,
         alive: impl Fn() -> bool + Send + Sync + 'static,
-    ) -> Result<()> {
+    ) -> Result<Option<IdleConn>> {
         let start = Instant::now();
         let socket = self.socket.clone();
         let alive = std::sync::Arc::new(alive);
         let alive2 = alive.clone();
-        tokio::task::spawn_blocking(move || {
+        let accepted = tokio::task::spawn_blocking(move || {
             let mut n = 0u32;
             loop {
-                if connect_socket_std(&socket).is_ok() {
-                    return Ok(());
+                if let Ok(conn) = connect_socket_std(&socket) {
+                    // Non-blocking, as a kept connection is (the first /health's).
+                    return Ok(conn.set_nonblocking(true).is_ok().then_some(conn));
                 }
                 n += 1;
                 if n.is_multiple_of(16) && !alive2() {
@@ -285,11 +352,13 @@ impl EnvdClient {
         })
         .await
         .map_err(|e| Error::Envd(format!("wait task: {e}")))??;
+        // The first /health goes over the connection that was just accepted.
+        let mut first = accepted;
         let mut last_err;
         loop {
-            match self.health().await {
-                Ok(true) => return Ok(()),
-                Ok(false) => last_err = "health answered non-2xx".to_string(),
+            match self.exchange(first.take(), self.health_request()?).await {
+                Ok((status, _, conn)) if status.is_success() => return Ok(conn),
+                Ok(_) => last_err = "health answered non-2xx".to_string(),
                 Err(e) => last_err = e.to_string(),
             }
             if !alive() {
@@ -308,19 +377,29 @@ impl EnvdClient {
 
     /// `POST /init`; expects 204 (any 2xx accepted).
     pub async fn init(&self, body: &InitRequest) -> Result<()> {
+        self.init_on(None, body).await.map(drop)
+    }
+
+    /// [`EnvdClient::init`] over `conn` (an idle connection to this envd, from
+    /// [`EnvdClient::wait_ready`] or an earlier init) when it is still open; gives the
+    /// connection back for the next request.
+    pub async fn init_on(
+        &self,
+        conn: Option<IdleConn>,
+        body: &InitRequest,
+    ) -> Result<Option<IdleConn>> {
         let json = serde_json::to_vec(body).map_err(|e| Error::Envd(e.to_string()))?;
         let req = self
             .builder("POST", "/init")
             .header("content-type", "application/json")
             .body(Full::new(Bytes::from(json)))
             .map_err(|e| Error::Envd(e.to_string()))?;
-        let resp = self.send(req).await?;
-        let status = resp.status();
+        let (status, body, conn) = self.exchange(conn, req).await?;
         if !status.is_success() {
-            let body = error_body(resp.into_body()).await;
+            let body = String::from_utf8_lossy(&body);
             return Err(Error::Envd(format!("/init answered {status}: {body}")));
         }
-        Ok(())
+        Ok(conn)
     }
 
     /// `POST /files?path=…` (octet-stream): writes `data` to `path` inside the sandbox as
@@ -586,6 +665,113 @@ mod tests {
             sent.load(std::sync::atomic::Ordering::SeqCst) < 64 << 20,
             "the client stopped reading"
         );
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// A fake envd answering every request on a connection with 204 until the client
+    /// closes it; counts connections and requests.
+    fn keep_alive_envd(
+        sock: &Path,
+    ) -> (
+        std::sync::Arc<std::sync::atomic::AtomicUsize>,
+        std::sync::Arc<std::sync::atomic::AtomicUsize>,
+    ) {
+        use std::sync::atomic::Ordering::SeqCst;
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let _ = std::fs::remove_file(sock);
+        let listener = tokio::net::UnixListener::bind(sock).unwrap();
+        let (conns, reqs) = (
+            std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0)),
+            std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0)),
+        );
+        let (c2, r2) = (conns.clone(), reqs.clone());
+        tokio::spawn(async move {
+            while let Ok((mut s, _)) = listener.accept().await {
+                c2.fetch_add(1, SeqCst);
+                let reqs = r2.clone();
+                tokio::spawn(async move {
+                    let mut buf = Vec::new();
+                    let mut tmp = [0u8; 4096];
+                    loop {
+                        // One request: its head, then a body of content-length bytes.
+                        let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") else {
+                            match s.read(&mut tmp).await {
+                                Ok(0) | Err(_) => return,
+                                Ok(n) => buf.extend_from_slice(&tmp[..n]),
+                            }
+                            continue;
+                        };
+                        let head = String::from_utf8_lossy(&buf[..end]).to_ascii_lowercase();
+                        let len: usize = head
+                            .lines()
+                            .find_map(|l| l.strip_prefix("content-length:"))
+                            .map_or(0, |v| v.trim().parse().unwrap());
+                        while buf.len() < end + 4 + len {
+                            match s.read(&mut tmp).await {
+                                Ok(0) | Err(_) => return,
+                                Ok(n) => buf.extend_from_slice(&tmp[..n]),
+                            }
+                        }
+                        buf.drain(..end + 4 + len);
+                        reqs.fetch_add(1, SeqCst);
+                        if s.write_all(b"HTTP/1.1 204 No Content\r\n\r\n")
+                            .await
+                            .is_err()
+                        {
+                            return;
+                        }
+                    }
+                });
+            }
+        });
+        (conns, reqs)
+    }
+
+    /// The ready check's connection carries `/init` and comes back idle for the next
+    /// request; a kept connection the other side closed is replaced by a new one.
+    #[tokio::test]
+    async fn a_kept_connection_carries_the_next_request() {
+        use std::sync::atomic::Ordering::SeqCst;
+        let dir = std::env::temp_dir().join(format!("cubicle-envdc-keep-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let sock = dir.join("envd.sock");
+        let (conns, reqs) = keep_alive_envd(&sock);
+        let c = EnvdClient::new(&sock, Some("tok".into()));
+        let conn = c.wait_ready(Duration::from_secs(5), || true).await.unwrap();
+        let conn = conn.expect("the ready check's connection is kept");
+        assert!(is_idle_open(&conn));
+        // The connection the ready check probed the socket with carried its /health.
+        let opened = conns.load(SeqCst);
+        assert_eq!(opened, 1);
+        assert_eq!(reqs.load(SeqCst), 1);
+        let req = InitRequest {
+            env_vars: BTreeMap::new(),
+            access_token: "tok2".into(),
+            default_user: "user".into(),
+            default_workdir: None,
+        };
+        let conn = c
+            .init_on(Some(conn), &req)
+            .await
+            .unwrap()
+            .expect("kept again");
+        assert_eq!(reqs.load(SeqCst), 2);
+        assert_eq!(
+            conns.load(SeqCst),
+            opened,
+            "/init went over the kept connection"
+        );
+        assert!(is_idle_open(&conn));
+        drop(conn);
+        // One whose other end is gone: /init connects anew.
+        let (dead, peer) = std::os::unix::net::UnixStream::pair().unwrap();
+        dead.set_nonblocking(true).unwrap();
+        drop(peer);
+        assert!(!is_idle_open(&dead));
+        let conn = c.init_on(Some(dead), &req).await.unwrap();
+        assert!(conn.is_some());
+        assert_eq!(reqs.load(SeqCst), 3);
+        assert_eq!(conns.load(SeqCst), opened + 1);
         let _ = std::fs::remove_dir_all(&dir);
     }
 

@@ -169,6 +169,15 @@ async fn create_run_id_kill_leaves_nothing(envd: PathBuf) -> TestResult {
         b.ready_us as f64 / 1e3
     );
     anyhow::ensure!(a.state == SandboxState::Running);
+    // A cold create keeps the connection its /init went over, for the first request
+    // (the data plane's), once; `a` keeps its own until it is killed.
+    let kept = node.take_envd_conn(&b.id);
+    anyhow::ensure!(
+        kept.as_ref()
+            .is_some_and(cubicle_node::envd_client::is_idle_open),
+        "no open kept connection to envd"
+    );
+    anyhow::ensure!(node.take_envd_conn(&b.id).is_none(), "handed out twice");
     anyhow::ensure!(
         a.uid_base != b.uid_base,
         "two sandboxes share uid range {}",

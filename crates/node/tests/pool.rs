@@ -121,6 +121,30 @@ async fn sh(client: &EnvdClient, script: &str) -> anyhow::Result<String> {
     Ok(String::from_utf8_lossy(&out).into_owned())
 }
 
+fn info_token(node: &Node, id: &str) -> anyhow::Result<String> {
+    Ok(node.get(id)?.access_token)
+}
+
+/// One `GET path` over `conn` (a kept envd connection, non-blocking): the answer's text.
+fn get_over(
+    conn: std::os::unix::net::UnixStream,
+    path: &str,
+    token: &str,
+) -> anyhow::Result<String> {
+    use std::io::{Read, Write};
+    conn.set_nonblocking(false)?;
+    conn.set_read_timeout(Some(Duration::from_secs(5)))?;
+    let mut conn = conn;
+    write!(
+        conn,
+        "GET {path} HTTP/1.1\r\nhost: envd\r\nx-access-token: {token}\r\nconnection: close\r\n\r\n"
+    )?;
+    let mut out = String::new();
+    conn.read_to_string(&mut out)?;
+    anyhow::ensure!(out.starts_with("HTTP/1.1 200"), "{out}");
+    Ok(out)
+}
+
 async fn claim_refill_close(envd: PathBuf) -> anyhow::Result<()> {
     let envd = envd.as_path();
     let state = PathBuf::from(format!("/tmp/cbpool-{}-a", std::process::id()));
@@ -170,6 +194,14 @@ async fn claim_refill_close(envd: PathBuf) -> anyhow::Result<()> {
             "claimed sandbox lost its lifecycle: {:?}",
             info.lifecycle
         );
+        // The claim's /init went over the connection the refill's ready check opened;
+        // it is kept, idle, for the first request (the data plane's), once.
+        let other = pooled.iter().find(|p| p.as_str() != s.id.as_str()).unwrap();
+        anyhow::ensure!(node.take_envd_conn(other).is_none(), "a pooled sandbox's connection was handed out");
+        let conn = node.take_envd_conn(&s.id).ok_or_else(|| anyhow::anyhow!("no kept connection"))?;
+        anyhow::ensure!(node.take_envd_conn(&s.id).is_none(), "the kept connection was handed out twice");
+        let envs = get_over(conn, "/envs", &info_token(&node, &s.id)?)?;
+        anyhow::ensure!(envs.contains("hello pool"), "/envs over the kept connection: {envs}");
         let good = node.envd(&s.id)?;
         let out = sh(&good, "echo \"$CB_POOL_VAR|$E2B_SANDBOX_ID\"").await?;
         anyhow::ensure!(out.trim() == format!("hello pool|{}", s.id), "env: {out:?}");

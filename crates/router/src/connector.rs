@@ -2,11 +2,12 @@
 //!
 //! The client's pool key is the request URI's authority, which the data plane sets to
 //! `http://<sandbox id>:<port>`; this connector turns it back into a connection:
-//! * envd's port → envd's Unix socket in the sandbox's host-visible ctl directory, via
-//!   `cubicle_runtime::connect_ctl_socket` (the directory is writable by the sandbox, which
-//!   could plant a symlink to a host socket there; that function refuses anything but a
-//!   real socket). It is a blocking call, so it runs on the blocking pool: a sandbox that
-//!   stops accepting must not stall a reactor thread.
+//! * envd's port → the idle connection the node kept from the sandbox's create, when the
+//!   resolver hands one over (`SandboxResolver::take_envd_conn`: a new sandbox's first
+//!   request pays for no connect); else envd's Unix socket in the sandbox's host-visible
+//!   ctl directory, via `cubicle_runtime::connect_ctl_socket_async` (the directory is
+//!   writable by the sandbox, which could plant a symlink to a host socket there; that
+//!   function refuses anything but a real socket, and connects without blocking).
 //! * any other port → `127.0.0.1:<port>` inside the sandbox's network namespace, entered
 //!   through a pidfd of its init (never `/proc/<pid>/ns/net`, which a reused pid would
 //!   turn into another process's namespace), whether or not the sandbox has a veth.
@@ -245,6 +246,12 @@ impl tower_service::Service<Uri> for SandboxConnector {
                 .ok_or_else(|| RouterError::SandboxNotFound { id: id.to_owned() })?;
             let connect = async {
                 if port == ENVD_PORT {
+                    if let Some(conn) = resolver.take_envd_conn(&target.id) {
+                        // Made by the node for its own requests, handed over idle.
+                        return UnixStream::from_std(conn)
+                            .map(|s| Stream::Unix(TokioIo::new(s)))
+                            .map_err(|e| RouterError::Internal(format!("adopting: {e}")));
+                    }
                     connect_envd(&target.id, &target.envd_socket).await
                 } else {
                     connect_tcp(&target, port).await

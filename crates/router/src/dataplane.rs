@@ -231,25 +231,6 @@ impl DataPlane {
         }
     }
 
-    /// Opens the pooled connection to sandbox `id`'s envd ahead of its first request (a
-    /// `GET /health`), so that request does not pay for connecting: call it when a
-    /// sandbox has just been handed to a client. Errors are ignored (the first request
-    /// then connects as usual).
-    pub async fn prewarm(&self, id: &str) {
-        let Ok(uri) = format!("http://{}/health", upstream_authority(id, ENVD_PORT)).parse::<Uri>()
-        else {
-            return;
-        };
-        let mut req = axum::http::Request::new(Body::empty());
-        *req.uri_mut() = uri;
-        req.headers_mut()
-            .insert(header::HOST, HeaderValue::from_static("localhost"));
-        if let Ok(resp) = self.inner.client.request(req).await {
-            // Reading the (empty) body to its end returns the connection to the pool.
-            let _ = axum::body::to_bytes(Body::new(resp.into_body()), 4096).await;
-        }
-    }
-
     /// Streams `req` to `port` of sandbox `id`, with `Host: host` when given.
     async fn send(
         &self,

@@ -59,6 +59,12 @@ pub trait SandboxResolver: Send + Sync + 'static {
         let _ = id;
         Box::pin(async { None })
     }
+    /// An open, idle connection to sandbox `id`'s envd that the node made while creating
+    /// it, for the connector to use instead of opening one (`None`: open one).
+    fn take_envd_conn(&self, id: &str) -> Option<std::os::unix::net::UnixStream> {
+        let _ = id;
+        None
+    }
 }
 
 /// What [`SandboxResolver::wake`] returns.

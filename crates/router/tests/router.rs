@@ -254,6 +254,50 @@ async fn envd_not_listening_is_port_not_open() {
     );
 }
 
+/// The first request to a sandbox goes over the idle connection its create left open
+/// (the resolver hands it over) instead of a new one: here envd's socket does not even
+/// exist, and the handed-over connection leads to a stand-in that says so.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_handed_over_connection_carries_the_first_request() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let dir = TempDir::new("handover");
+    std::fs::create_dir_all(dir.path().join("ctl")).unwrap();
+    let (ours, theirs) = std::os::unix::net::UnixStream::pair().unwrap();
+    ours.set_nonblocking(true).unwrap();
+    theirs.set_nonblocking(true).unwrap();
+    let theirs = tokio::net::UnixStream::from_std(theirs).unwrap();
+    let served = tokio::spawn(async move {
+        let mut theirs = theirs;
+        let (mut got, mut buf) = (Vec::new(), [0u8; 1024]);
+        while !got.windows(4).any(|w| w == b"\r\n\r\n") {
+            let n = theirs.read(&mut buf).await.unwrap();
+            assert!(n > 0, "closed before a request");
+            got.extend_from_slice(&buf[..n]);
+        }
+        theirs
+            .write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 7\r\n\r\nadopted")
+            .await
+            .unwrap();
+        String::from_utf8_lossy(&got).into_owned()
+    });
+    let resolver = Arc::new(FakeResolver::default());
+    resolver.insert(target(
+        "sbkept",
+        &dir.path().join("ctl/envd.sock"),
+        std::process::id(),
+        Some("t"),
+        None,
+    ));
+    resolver.conns.lock().unwrap().insert("sbkept".into(), ours);
+    let addr = start_router(resolver.clone(), RouterConfig::default()).await;
+    let r = route("sbkept", ENVD);
+    let resp = send(addr, request("GET", "/health", &hdrs(&r), empty())).await;
+    assert_eq!(resp.status(), 200);
+    assert_eq!(body_text(resp).await, "adopted");
+    assert!(served.await.unwrap().starts_with("GET /health "));
+    assert!(resolver.conns.lock().unwrap().is_empty(), "taken");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn internal_routes_and_bad_headers_refused() {
     let (envd, _r, addr) = envd_router("tok-int", "sbint").await;

@@ -58,12 +58,15 @@ impl SandboxResolver for NodeResolver {
     fn running(&self) -> Vec<SandboxTarget> {
         self.node.list().iter().filter_map(target).collect()
     }
+
+    fn take_envd_conn(&self, id: &str) -> Option<std::os::unix::net::UnixStream> {
+        self.node.take_envd_conn(id)
+    }
 }
 
 #[derive(Clone)]
 struct NodeApi {
     node: Node,
-    dp: DataPlane,
 }
 
 /// What the entry of every request needs: the data plane and the token.
@@ -83,10 +86,7 @@ pub fn node_router(node: Node, dp: DataPlane, token: &str) -> Router {
 /// `super::templates::node_routes`).
 pub fn node_router_with(node: Node, dp: DataPlane, token: &str, extra: Router) -> Router {
     let moving = super::moving_api::routes(node.clone());
-    let st = NodeApi {
-        node,
-        dp: dp.clone(),
-    };
+    let st = NodeApi { node };
     let api = Router::new()
         .route("/status", get(status))
         .route("/templates/exists", get(template_exists))
@@ -216,13 +216,9 @@ async fn check_network(State(st): State<NodeApi>, Json(p): Json<NetworkPolicy>) 
 }
 
 async fn create(State(st): State<NodeApi>, Json(req): Json<CreateRequest>) -> Response {
-    let r = st.node.create(req).await;
-    if let Ok(info) = &r {
-        // The first command should not pay for the data plane's connection to envd.
-        let (dp, id) = (st.dp.clone(), info.id.to_string());
-        tokio::spawn(async move { dp.prewarm(&id).await });
-    }
-    answer(r)
+    // The first command does not pay for the data plane's connection to envd: the
+    // node keeps the one its create made (`take_envd_conn`).
+    answer(st.node.create(req).await)
 }
 
 async fn info(State(st): State<NodeApi>, Path(id): Path<String>) -> Response {

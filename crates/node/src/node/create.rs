@@ -16,6 +16,7 @@ use super::teardown::spawn_watcher;
 use super::{ENVD_IN_SANDBOX, ENVD_SOCKET};
 use crate::envd_client::{EnvdClient, InitRequest};
 use crate::error::{Error, IoContext, Result};
+use crate::node::idle_conn::IDLE_CONN_TTL;
 use crate::runtime::StartSpec;
 use crate::sandbox::{CreateRequest, DeathReason, SandboxInfo, SandboxRecord, SandboxState};
 use crate::slots::IDS_PER_SANDBOX;
@@ -226,11 +227,13 @@ impl Inner {
 
         let client = EnvdClient::new(inner.envd_socket(&id), None);
         let (pid, pst) = (started.pid, record.pid_start_time);
-        client
+        let conn = client
             .wait_ready(inner.config.envd_ready_timeout, move || {
                 procfs::is_alive(pid, pst)
             })
             .await?;
+        // For the `/init` that follows (a cold create's now, a pooled one's at its claim).
+        inner.keep_envd_conn(&id, conn, None);
         let t_health = t0.elapsed();
         Ok((record, started, [t_prep, t_spawn, t_health]))
     }
@@ -253,7 +256,10 @@ impl Inner {
         let id = record.id.clone();
         // envd was born with this token (`birth_env`): /init needs it too.
         let client = EnvdClient::new(inner.envd_socket(&id), Some(record.access_token.clone()));
-        client.init(&InitRequest::for_record(&record)).await?;
+        let conn = client
+            .init_on(inner.take_envd_conn(&id), &InitRequest::for_record(&record))
+            .await?;
+        inner.keep_envd_conn(&id, conn, Some(IDLE_CONN_TTL));
         inner
             .start_template_command(&record, template, started.pid)
             .await?;

@@ -58,6 +58,8 @@ pub(crate) struct Inner {
     /// The cluster's record of published paused sandboxes (`handover.rs`); unset: none.
     pub(crate) published_copies:
         std::sync::OnceLock<std::sync::Arc<dyn super::handover::PublishedCopies>>,
+    /// When expired idle envd connections were last dropped (`idle_conn.rs`).
+    pub(crate) idle_conn_sweep: Mutex<Option<std::time::Instant>>,
 }
 
 /// Called with a sandbox's id before it is checkpointed or stopped (`Node::on_checkpoint`).
@@ -84,6 +86,8 @@ pub(crate) struct Live {
     pub(crate) init: Option<InitPidfd>,
     /// A pause, resume, snapshot or rollback is under way (`stateful.rs`).
     pub(crate) busy: Option<super::stateful::Busy>,
+    /// An idle connection to its envd, for the next request (`idle_conn.rs`).
+    pub(crate) envd_conn: Option<super::idle_conn::KeptConn>,
 }
 
 impl Live {
@@ -97,6 +101,7 @@ impl Live {
             watcher: None,
             init: None,
             busy: None,
+            envd_conn: None,
         }
     }
 

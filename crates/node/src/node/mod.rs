@@ -38,6 +38,7 @@ use crate::{fsutil, procfs};
 
 pub(crate) mod create;
 pub(crate) mod handover;
+pub(crate) mod idle_conn;
 pub(crate) mod inner;
 pub(crate) mod moving;
 mod network;
@@ -139,6 +140,7 @@ impl Node {
             on_checkpoint: std::sync::OnceLock::new(),
             object_store: std::sync::OnceLock::new(),
             published_copies: std::sync::OnceLock::new(),
+            idle_conn_sweep: Mutex::new(None),
             config,
         });
         let node = Node { inner };
@@ -423,6 +425,25 @@ impl Node {
     /// takes effect.
     pub fn on_checkpoint(&self, hook: Box<dyn Fn(&str) + Send + Sync>) {
         let _ = self.inner.on_checkpoint.set(hook);
+    }
+
+    /// The idle connection to running sandbox `id`'s envd that its create left open, for
+    /// the data plane's first request to it (`idle_conn.rs`); `None` when there is none
+    /// (taken, expired, or the sandbox is pooled, busy or not running).
+    pub fn take_envd_conn(&self, id: &str) -> Option<crate::envd_client::IdleConn> {
+        {
+            let st = self.inner.lock();
+            let live = st.live.get(id)?;
+            if live.record.state != SandboxState::Running || live.busy.is_some() {
+                return None;
+            }
+        }
+        if self.inner.pool.contains(id) {
+            return None;
+        }
+        self.inner
+            .take_envd_conn(id)
+            .filter(crate::envd_client::is_idle_open)
     }
 
     /// Whether this node can pause, snapshot and fork (and if not, why).

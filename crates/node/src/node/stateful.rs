@@ -23,6 +23,7 @@ use std::time::{Duration, Instant};
 
 use cubicle_runtime::SandboxId;
 
+use super::idle_conn::IDLE_CONN_TTL;
 use super::inner::{Inner, blocking, now_ms, sandbox_env};
 use super::teardown::spawn_watcher;
 use crate::envd_client::{EnvdClient, InitRequest};
@@ -181,6 +182,7 @@ impl Inner {
     /// Before a checkpoint or stop of `id` (busy, so not routable): the data plane
     /// closes its connections to it.
     fn disconnect(&self, id: &str) {
+        drop(self.take_envd_conn(id));
         if let Some(hook) = self.on_checkpoint.get() {
             hook(id);
         }
@@ -532,18 +534,24 @@ impl Inner {
                 procfs::is_alive(pid, pst)
             })
             .await;
-        if let Err(e) = ready {
-            self.stop_after_failed_start(record).await;
-            return Err(e);
-        }
+        let mut conn = match ready {
+            Ok(conn) => conn,
+            Err(e) => {
+                self.stop_after_failed_start(record).await;
+                return Err(e);
+            }
+        };
         if !full {
             // A boot of the template over the kept disk: envd is new (born with the
             // sandbox's token, `birth_env`), tell it everything.
             let init = EnvdClient::new(self.envd_socket(&id), Some(record.access_token.clone()));
-            if let Err(e) = init.init(&InitRequest::for_record(record)).await {
-                self.stop_after_failed_start(record).await;
-                return Err(e);
-            }
+            conn = match init.init_on(conn, &InitRequest::for_record(record)).await {
+                Ok(conn) => conn,
+                Err(e) => {
+                    self.stop_after_failed_start(record).await;
+                    return Err(e);
+                }
+            };
             if let Some(cmd) = template
                 .config
                 .start_command
@@ -564,6 +572,8 @@ impl Inner {
             }
         }
         let _ = t0;
+        // For the first request after the resume (`idle_conn.rs`).
+        self.keep_envd_conn(&id, conn, Some(IDLE_CONN_TTL));
         record.state = SandboxState::Running;
         record.pause_mode = None;
         record.paused_at_ms = None;
@@ -995,7 +1005,7 @@ impl Inner {
         record.runtime = init.state;
         started(record)?;
         let (pid, pst) = (init.pid, record.pid_start_time);
-        EnvdClient::new(self.envd_socket(&id), None)
+        let conn = EnvdClient::new(self.envd_socket(&id), None)
             .wait_ready(self.config.envd_ready_timeout, move || {
                 procfs::is_alive(pid, pst)
             })
@@ -1005,9 +1015,10 @@ impl Inner {
         } else {
             record.access_token.clone()
         };
-        EnvdClient::new(self.envd_socket(&id), Some(token))
-            .init(&InitRequest::for_record(record))
+        let conn = EnvdClient::new(self.envd_socket(&id), Some(token))
+            .init_on(conn, &InitRequest::for_record(record))
             .await?;
+        self.keep_envd_conn(&id, conn, Some(IDLE_CONN_TTL));
         Ok(init.pid)
     }
 }

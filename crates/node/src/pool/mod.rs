@@ -2,7 +2,9 @@
 //! (namespaces, overlay rootfs, cgroup, network, envd up and answering `/health`), but
 //! not yet initialised: envd's `POST /init` — env vars, access token, default user and
 //! workdir — is what a claim does. A claim is therefore one HTTP round trip over a Unix
-//! socket plus two small file writes.
+//! socket plus two small file writes; the round trip goes over the connection the
+//! refill's ready check left open, which then carries the sandbox's first request
+//! (`node/idle_conn.rs`).
 //!
 //! Ids: a pooled sandbox is created with a fresh random id (same generator as a cold
 //! create), and that id is handed out by the claim: its directory, cgroup and hostname
@@ -56,6 +58,7 @@ use cubicle_runtime::SandboxId;
 use crate::envd_client::{EnvdClient, InitRequest};
 use crate::error::{Error, Result};
 use crate::node::create::CreatePlan;
+use crate::node::idle_conn::IDLE_CONN_TTL;
 use crate::node::inner::{Inner, blocking, now_ms, sandbox_env};
 use crate::node::teardown::spawn_watcher;
 use crate::sandbox::{CreateRequest, DeathReason, SandboxInfo, SandboxState};
@@ -228,9 +231,10 @@ impl Inner {
                 );
                 crate::node::inner::blocking(move || rt.set_network(&i2, slot, pid, &p)).await?;
             }
-            EnvdClient::new(inner.envd_socket(&id), Some(birth_token))
-                .init(&InitRequest::for_record(&record))
+            let conn = EnvdClient::new(inner.envd_socket(&id), Some(birth_token))
+                .init_on(inner.take_envd_conn(&id), &InitRequest::for_record(&record))
                 .await?;
+            inner.keep_envd_conn(&id, conn, Some(IDLE_CONN_TTL));
             let mut on_disk = record.clone();
             on_disk.state = SandboxState::Running;
             fsutil::write_json_atomic(&inner.sandbox_dir(&id).join("sandbox.json"), &on_disk)?;
@@ -348,12 +352,16 @@ impl Inner {
     ) -> Result<crate::sandbox::SandboxRecord> {
         let mut pre = record.clone();
         pre.env_vars = sandbox_env(template, &BTreeMap::new(), &record.id);
-        EnvdClient::new(
+        let conn = EnvdClient::new(
             self.envd_socket(&record.id),
             Some(record.access_token.clone()),
         )
-        .init(&InitRequest::for_record(&pre))
+        .init_on(
+            self.take_envd_conn(&record.id),
+            &InitRequest::for_record(&pre),
+        )
         .await?;
+        self.keep_envd_conn(&record.id, conn, None);
         let pid = record.pid.unwrap_or(0);
         self.start_template_command(&pre, template, pid).await?;
         Ok(record)

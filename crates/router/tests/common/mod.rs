@@ -36,6 +36,8 @@ use tokio::net::TcpStream;
 #[derive(Default)]
 pub struct FakeResolver {
     pub map: Mutex<HashMap<String, SandboxTarget>>,
+    /// Idle envd connections to hand over ([`SandboxResolver::take_envd_conn`]).
+    pub conns: Mutex<HashMap<String, std::os::unix::net::UnixStream>>,
 }
 
 impl FakeResolver {
@@ -50,6 +52,9 @@ impl SandboxResolver for FakeResolver {
     }
     fn running(&self) -> Vec<SandboxTarget> {
         self.map.lock().unwrap().values().cloned().collect()
+    }
+    fn take_envd_conn(&self, id: &str) -> Option<std::os::unix::net::UnixStream> {
+        self.conns.lock().unwrap().remove(id)
     }
 }
 
