@@ -204,6 +204,37 @@ enum Backend {
     Postgres(Arc<postgres::PgPool>),
 }
 
+/// How often [`spawn_checkpointer`] copies the WAL into the database file.
+const CHECKPOINT_EVERY: std::time::Duration = std::time::Duration::from_millis(500);
+
+/// Checkpoints the WAL of the SQLite file at `path` from a connection and thread of its
+/// own, every [`CHECKPOINT_EVERY`], until the store is dropped. SQLite's automatic
+/// checkpoint runs inside a commit, with its two `fsync`s, while the writer connection's
+/// lock is held: every write queued behind it waited, and on a host whose disk is busy
+/// (sandboxes' files on the same filesystem) one such `fsync` took 100–200 ms, which a
+/// burst of creates saw all at once. A passive checkpoint on another connection takes
+/// no lock a writer needs (WAL mode), so commits stay free of `fsync` (synchronous
+/// NORMAL: still durable across a crash of the process).
+fn spawn_checkpointer(path: &Path, backend: std::sync::Weak<Backend>) -> Result<()> {
+    let conn = rusqlite::Connection::open(path)?;
+    conn.busy_timeout(std::time::Duration::from_secs(1))?;
+    std::thread::Builder::new()
+        .name("cubicle-sqlite-ckpt".into())
+        .spawn(move || {
+            loop {
+                std::thread::sleep(CHECKPOINT_EVERY);
+                if backend.strong_count() == 0 {
+                    return;
+                }
+                if let Err(e) = conn.query_row("PRAGMA wal_checkpoint(PASSIVE)", [], |_| Ok(())) {
+                    tracing::debug!("checkpointing {}: {e}", "the database");
+                }
+            }
+        })
+        .map_err(|e| Error::Invalid(format!("starting the checkpoint thread: {e}")))?;
+    Ok(())
+}
+
 /// A handle on the database. Cheap to clone.
 #[derive(Clone)]
 pub struct Store {
@@ -236,6 +267,8 @@ impl Store {
         restrict_to_owner(path)?;
         let conn = rusqlite::Connection::open(path)?;
         let writer = Self::setup_sqlite(conn)?;
+        // Its commits never checkpoint: see `spawn_checkpointer`.
+        writer.pragma_update(None, "wal_autocheckpoint", 0)?;
         // After setup: the file exists and is in WAL mode, so this reader never blocks
         // on the writer, nor the writer on it.
         let reader = rusqlite::Connection::open_with_flags(
@@ -243,11 +276,13 @@ impl Store {
             rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY | rusqlite::OpenFlags::SQLITE_OPEN_NO_MUTEX,
         )?;
         reader.busy_timeout(std::time::Duration::from_secs(1))?;
+        let backend = Arc::new(Backend::Sqlite {
+            writer: Arc::new(Mutex::new(writer)),
+            reader: Arc::new(Mutex::new(reader)),
+        });
+        spawn_checkpointer(path, Arc::downgrade(&backend))?;
         Ok(Store {
-            backend: Arc::new(Backend::Sqlite {
-                writer: Arc::new(Mutex::new(writer)),
-                reader: Arc::new(Mutex::new(reader)),
-            }),
+            backend,
             read_view: false,
         })
     }
@@ -447,6 +482,37 @@ mod tests {
         let err = s.read(|r| r.record_key_use(found.key_id)).unwrap_err();
         assert!(err.to_string().contains("readonly"), "{err}");
         drop((s, cli));
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// Commits never checkpoint (no `fsync` under the writer's lock); the store's own
+    /// thread copies the WAL into the database file soon after.
+    #[test]
+    fn the_wal_is_checkpointed_in_the_background() {
+        let dir = std::env::temp_dir().join(format!("cubicle-store-ckpt-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("cubicle.db");
+        let s = Store::open(&path).unwrap();
+        let auto: i64 = s
+            .with_conn(|c| c.query_one("PRAGMA wal_autocheckpoint", &[])?.get(0))
+            .unwrap();
+        assert_eq!(auto, 0, "the writer must not checkpoint in its commits");
+        let before = std::fs::metadata(&path).unwrap().len();
+        let t = s.ensure_team("ckpt").unwrap();
+        for _ in 0..200 {
+            s.create_api_key(t.id).unwrap();
+        }
+        // Nothing else writes or checkpoints now: the file grows only by the thread's
+        // checkpoint.
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while std::fs::metadata(&path).unwrap().len() <= before {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the WAL was not checkpointed"
+            );
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        }
+        drop(s);
         std::fs::remove_dir_all(&dir).unwrap();
     }
 
