@@ -52,7 +52,7 @@ use create::measure_create;
 use cycle::{measure_cycle, measure_exec};
 use density::measure_density;
 use egress::measure_egress;
-use peer::measure_peer;
+use peer::{measure_peer, template_rootfs};
 use report::{Row, print_header, print_row};
 use server::{Server, release_quota_mount};
 
@@ -312,11 +312,7 @@ pub async fn run(args: BenchArgs, envd: Option<&PathBuf>) -> anyhow::Result<i32>
     if has("peer") {
         let rootfs = match &args.rootfs {
             Some(p) => p.clone(),
-            None if args.url.is_none() => args
-                .server_state_dir
-                .join("templates")
-                .join(&args.template)
-                .join("rootfs"),
+            None if args.url.is_none() => template_rootfs(&args.server_state_dir, &args.template)?,
             None => bail!("peer with --url needs --rootfs (the template's rootfs)"),
         };
         // Against Cubicle's c=1 closed-loop cycle (fastest pool mode) of this run, and

@@ -1,7 +1,7 @@
 //! `peer`: the same cycle done with `runc run` on the template's rootfs and with
 //! `bwrap --unshare-all`, for comparison with Cubicle's c=1 cycle of the same run.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::time::Instant;
 
@@ -9,6 +9,28 @@ use anyhow::{Context, bail};
 use serde_json::{Value, json};
 
 use super::report::Row;
+
+/// The root filesystem of `template` in the state directory `state`: its one layer
+/// (`layers/<id>`, or `templates/<name>/rootfs` in the older layout). A template of
+/// several layers has no single directory to hand to runc: pass `--rootfs`.
+pub(super) fn template_rootfs(state: &Path, template: &str) -> anyhow::Result<PathBuf> {
+    let store = cubicle_node::template::TemplateStore::open(state)
+        .with_context(|| format!("templates in {}", state.display()))?;
+    let Some(t) = store.get(template)? else {
+        bail!(
+            "peer: template '{template}' is not built in {}",
+            state.display()
+        );
+    };
+    if !t.layers.is_empty() {
+        bail!(
+            "peer: template '{template}' has {} layers; pass --rootfs with a directory \
+             holding its root filesystem",
+            t.layers.len() + 1
+        );
+    }
+    Ok(t.rootfs)
+}
 
 /// `runc run` and `bwrap` cycles of `true` on `rootfs`.
 pub(super) async fn measure_peer(rootfs: &Path, n: usize) -> anyhow::Result<Vec<Row>> {
@@ -153,5 +175,38 @@ mod tests {
         assert_eq!(v["root"]["path"], "/r");
         assert_eq!(v["root"]["readonly"], true);
         assert_eq!(v["process"]["args"][2], "true");
+    }
+
+    /// A built template's directory: `template.json` naming `layers`.
+    fn write_template(state: &Path, name: &str, layers: &[&str]) {
+        let dir = state.join("templates").join(name);
+        std::fs::create_dir_all(&dir).unwrap();
+        let cfg = json!({
+            "name": name, "defaultUser": "user", "env": {}, "startCommand": null,
+            "cpus": 1, "memoryMb": 128, "diskMb": 512, "builtAt": 1, "sizeBytes": 1,
+            "builder": "test", "layers": layers,
+        });
+        std::fs::write(dir.join("template.json"), cfg.to_string()).unwrap();
+    }
+
+    #[test]
+    fn the_peer_runs_on_a_templates_one_layer() {
+        let state =
+            std::env::temp_dir().join(format!("cb-peer-rootfs-test-{}", std::process::id()));
+        let (a, b) = ("a".repeat(64), "b".repeat(64));
+        write_template(&state, "one", &[&a]);
+        write_template(&state, "two", &[&a, &b]);
+        let one = template_rootfs(&state, "one");
+        let two = template_rootfs(&state, "two");
+        let none = template_rootfs(&state, "none");
+        std::fs::remove_dir_all(&state).unwrap();
+        assert_eq!(one.unwrap(), state.join("layers").join(&a));
+        let two = two.unwrap_err().to_string();
+        assert!(
+            two.contains("2 layers") && two.contains("--rootfs"),
+            "{two}"
+        );
+        let none = none.unwrap_err().to_string();
+        assert!(none.contains("not built"), "{none}");
     }
 }
