@@ -36,12 +36,15 @@
 #      PostgreSQL used on both nodes and deleted everywhere, a volume pinned to its node;
 #   8. the deployment recipes (scripts/check-deploy.py): deploy/kubernetes validated
 #      against Kubernetes' OpenAPI schemas, flags checked against the CLI, deploy/systemd
-#      units through systemd-analyze verify.
+#      units through systemd-analyze verify;
+#   9. the bench's smoke run (tests/e2e/bench_smoke.sh): three samples of every row of
+#      `cubicle bench create cycle exec density peer`, both pool modes, each row checked
+#      for samples and no errors (a bench that no longer runs; not a measurement).
 # Every suite runs even if an earlier one failed; the exit status is non-zero if
 # any step failed. Each runner prints its own summary; a recap follows at the end.
 #
 # Environment knobs (all optional):
-#   CUBICLE_TEST_SUITES   space-separated subset of "lint cargo python js serve cluster deploy"
+#   CUBICLE_TEST_SUITES   space-separated subset of "lint cargo python js serve cluster deploy bench"
 #                         (default: all)
 #   CUBICLE_PYTEST_ARGS   extra pytest arguments (e.g. "-k files -x")
 #   CUBICLE_E2E_TIMEOUT   per-e2e-suite time limit in seconds (default 1200)
@@ -60,7 +63,7 @@ for fd in /proc/$$/fd/*; do
   fd=${fd##*/}
   if ((fd > 2 && fd != 255)); then eval "exec $fd>&-" 2>/dev/null || true; fi
 done
-SUITES=${CUBICLE_TEST_SUITES:-lint cargo python js serve cluster deploy}
+SUITES=${CUBICLE_TEST_SUITES:-lint cargo python js serve cluster deploy bench}
 E2E_TIMEOUT=${CUBICLE_E2E_TIMEOUT:-1200}
 # The serve suite's modules that also run through a cluster's API replica (alongside the
 # serve suite, when both `serve` and `cluster` are wanted): lifecycle, commands, files,
@@ -304,6 +307,19 @@ if wants deploy; then
   else
     tests/e2e/.venv-deploy/bin/python scripts/check-deploy.py --cubicle "$ROOT/target/debug/cubicle"
     record "deploy check (scripts/check-deploy.py)" $?
+  fi
+fi
+
+if wants bench; then
+  banner "bench smoke (cubicle bench, three samples a row)"
+  if [[ $build_rc -ne 0 ]] || ! bash scripts/build-envd.sh; then
+    echo "skipped: the workspace or the static envd did not build"
+    record "bench smoke" 1
+  else
+    CUBICLE_BIN="$ROOT/target/debug/cubicle" \
+      CUBICLE_ENVD_BIN="$ROOT/target/x86_64-unknown-linux-gnu/debug/cubicle-envd" \
+      timeout --kill-after=30 600 tests/e2e/bench_smoke.sh
+    record "bench smoke (tests/e2e/bench_smoke.sh)" $?
   fi
 fi
 
