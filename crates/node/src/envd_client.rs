@@ -587,9 +587,10 @@ async fn error_body(mut body: Incoming) -> String {
     String::from_utf8_lossy(&got).into_owned()
 }
 
-/// How much of an error body [`error_body`] keeps.
+/// How much of an error body [`error_body`] keeps, and the most a small answer read
+/// whole (`EnvdClient::exchange`: health, init) may hold.
 const MAX_ERROR_BODY: usize = 4096;
-/// How long [`error_body`] waits for it.
+/// How long [`error_body`] and `EnvdClient::exchange` wait for a body.
 const ERROR_BODY_TIME: Duration = Duration::from_secs(2);
 
 #[cfg(test)]

@@ -227,7 +227,7 @@ fn spawn_checkpointer(path: &Path, backend: std::sync::Weak<Backend>) -> Result<
                     return;
                 }
                 if let Err(e) = conn.query_row("PRAGMA wal_checkpoint(PASSIVE)", [], |_| Ok(())) {
-                    tracing::debug!("checkpointing {}: {e}", "the database");
+                    tracing::debug!("checkpointing the database's WAL: {e}");
                 }
             }
         })
