@@ -23,7 +23,11 @@ pub fn write_json_atomic<T: Serialize>(path: &Path, value: &T) -> Result<()> {
         path: path.into(),
         source: e,
     })?;
-    let tmp = path.with_extension(format!("tmp{}", std::process::id()));
+    // One temporary file per call: two threads writing the same record at once must not
+    // share one (the second rename would find it gone).
+    static SEQ: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let seq = SEQ.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let tmp = path.with_extension(format!("tmp{}-{seq}", std::process::id()));
     {
         // 0600: records hold secrets (a sandbox's envd token).
         let mut f = fs::OpenOptions::new()
@@ -225,6 +229,36 @@ pub fn is_static_elf(path: &Path) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Threads writing the same record at once all succeed (each through a temporary
+    /// file of its own), and the record is one of the values written, whole.
+    #[test]
+    fn concurrent_writes_of_one_record_all_succeed() {
+        let dir = std::env::temp_dir().join(format!("cubicle-fsutil-race-{}", std::process::id()));
+        fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("template.json");
+        let threads: Vec<_> = (0..8u32)
+            .map(|t| {
+                let path = path.clone();
+                std::thread::spawn(move || {
+                    (0..200u32)
+                        .map(|i| write_json_atomic(&path, &vec![t; 64 + i as usize]))
+                        .filter(|r| r.is_err())
+                        .count()
+                })
+            })
+            .collect();
+        let failed: usize = threads.into_iter().map(|t| t.join().unwrap()).sum();
+        let v: Vec<u32> = read_json(&path).unwrap();
+        let left = fs::read_dir(&dir).unwrap().count();
+        fs::remove_dir_all(&dir).unwrap();
+        assert_eq!(failed, 0, "writes failed");
+        assert!(
+            v.len() >= 64 && v.iter().all(|x| *x == v[0]),
+            "a torn record"
+        );
+        assert_eq!(left, 1, "temporary files left");
+    }
 
     #[test]
     fn removes_tree_and_measures_size() {
