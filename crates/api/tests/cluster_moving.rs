@@ -60,6 +60,8 @@ struct Fake {
     draining: Arc<AtomicBool>,
     /// Its release does not take effect (it keeps listing the sandbox).
     sticky: Arc<AtomicBool>,
+    /// Its release takes 300 ms (several polls see the sandbox meanwhile).
+    slow_release: Arc<AtomicBool>,
     calls: Arc<Mutex<Vec<String>>>,
 }
 
@@ -101,6 +103,9 @@ async fn push(State(f): State<Fake>, Path(id): Path<String>) -> Response {
 
 async fn release(State(f): State<Fake>, Path(id): Path<String>) -> Response {
     f.log(format!("release {id}"));
+    if f.slow_release.load(Ordering::SeqCst) {
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
     if !f.sticky.load(Ordering::SeqCst) {
         f.listed.lock().unwrap().retain(|s| s.id.as_str() != id);
     }
@@ -185,6 +190,26 @@ async fn a_draining_node_is_not_asked_to_resume() {
         vec![format!("push {id}"), format!("release {id}")]
     );
     assert_eq!(b.calls(), vec![format!("takeover {id}")]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn polls_during_the_moves_release_do_not_release_it_again() {
+    let (a, b, _, addr_b, rb) = two_nodes().await;
+    a.draining.store(true, Ordering::SeqCst);
+    a.slow_release.store(true, Ordering::SeqCst);
+    let poller = rb.spawn_poller();
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    rb.resume(SBX, Duration::from_secs(60), true).await.unwrap();
+    // Polls (every 50 ms) saw A list it while its release ran, and after.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(rb.node_of(SBX).as_deref(), Some(addr_b.as_str()));
+    assert_eq!(
+        a.calls(),
+        vec![format!("push {SBX}"), format!("release {SBX}")]
+    );
+    assert_eq!(b.calls(), vec![format!("takeover {SBX}")]);
+    assert!(a.listed.lock().unwrap().is_empty());
+    poller.abort();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -259,7 +259,13 @@ impl RemoteBackend {
         };
         // Remembered as moved before it is routed to `to`: a poll of `from` that starts
         // from here on must not route it back there.
-        lock(&self.inner.moved).insert(id.to_string(), from);
+        lock(&self.inner.moved).insert(
+            id.to_string(),
+            MovedAway {
+                from,
+                release: Release::InFlight,
+            },
+        );
         self.record_owner(id, to, taken.outcome.info.clone()).await;
         self.release_on(id, from).await;
         tracing::info!(sandbox = %id, from = %self.addr(from), to = %self.addr(to),
@@ -285,12 +291,20 @@ impl RemoteBackend {
     /// Tells node `from` to release its copy of `id` (now, or when a poll sees it again:
     /// the move is remembered in `moved` until a poll of `from` no longer lists `id`).
     async fn release_on(&self, id: &str, from: usize) {
-        if self.is_down(from) {
-            return;
-        }
-        if let Err(e) = self.release_copy(from, id).await {
-            tracing::info!(sandbox = %id, node = %self.addr(from),
-                "the old node will release its copy later: {e}");
+        let release = if self.is_down(from) {
+            Release::Failed
+        } else {
+            match self.release_copy(from, id).await {
+                Ok(()) => Release::DoneAt(Instant::now()),
+                Err(e) => {
+                    tracing::info!(sandbox = %id, node = %self.addr(from),
+                        "the old node will release its copy later: {e}");
+                    Release::Failed
+                }
+            }
+        };
+        if let Some(m) = lock(&self.inner.moved).get_mut(id) {
+            m.release = release;
         }
     }
 
@@ -336,19 +350,22 @@ impl RemoteBackend {
     pub(super) fn moved_away_from(&self, node: usize, st: &NodeStatus) -> HashSet<String> {
         let listed: HashSet<&str> = st.sandboxes.iter().map(|s| s.id.as_str()).collect();
         let mut away = HashSet::new();
-        lock(&self.inner.moved).retain(|id, from| {
-            if *from != node {
+        let mut to_release = Vec::new();
+        lock(&self.inner.moved).retain(|id, m| {
+            if m.from != node {
                 return true;
             }
-            if listed.contains(id.as_str()) {
-                away.insert(id.clone());
-                true
-            } else {
-                false
+            if !listed.contains(id.as_str()) {
+                return false;
             }
+            away.insert(id.clone());
+            if m.release.due() {
+                to_release.push(id.clone());
+            }
+            true
         });
-        for id in &away {
-            let (rb, id) = (self.clone(), id.clone());
+        for id in to_release {
+            let rb = self.clone();
             tokio::spawn(async move {
                 // The poll marks the node up only after this returns: call directly.
                 match rb.release_copy(node, &id).await {
@@ -362,5 +379,38 @@ impl RemoteBackend {
             });
         }
         away
+    }
+}
+
+/// A sandbox that moved away from node `from` while `from` may still list it: kept out of
+/// the cache (it runs elsewhere) until a poll of `from` no longer lists it.
+pub(super) struct MovedAway {
+    pub(super) from: usize,
+    pub(super) release: Release,
+}
+
+/// Where the old node's release of a moved sandbox stands.
+pub(super) enum Release {
+    /// The move itself is releasing it: a poll does not send a second release.
+    InFlight,
+    /// Released then: a poll that still lists it fetched its status before (or the node
+    /// has not caught up); it is released again only after [`RELEASE_SETTLE`].
+    DoneAt(Instant),
+    /// Not released (the node was down or refused): every poll that lists it releases it.
+    Failed,
+}
+
+/// How long after a successful release a node that still lists the sandbox is left
+/// alone before it is told again.
+const RELEASE_SETTLE: Duration = Duration::from_millis(500);
+
+impl Release {
+    /// Whether a poll that still lists the sandbox should release it now.
+    fn due(&self) -> bool {
+        match self {
+            Release::InFlight => false,
+            Release::DoneAt(at) => at.elapsed() >= RELEASE_SETTLE,
+            Release::Failed => true,
+        }
     }
 }

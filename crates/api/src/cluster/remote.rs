@@ -101,9 +101,9 @@ pub(super) struct Inner {
     /// Placement and ownership through the cluster's database (replicas started with
     /// `--database` and no `--node`).
     pub(super) cluster: OnceLock<Arc<super::coordination::ClusterDb>>,
-    /// Sandboxes that moved to another node while the one they left still lists them:
-    /// id → that node (`super::migrate`).
-    pub(super) moved: Mutex<HashMap<String, usize>>,
+    /// Sandboxes that moved to another node while the one they left still lists them
+    /// (`super::migrate`).
+    pub(super) moved: Mutex<HashMap<String, super::migrate::MovedAway>>,
     /// Held while a sandbox moves (moves are rare: one at a time).
     pub(super) move_lock: tokio::sync::Mutex<()>,
     /// Held while every node is polled; when the last such poll started (see
