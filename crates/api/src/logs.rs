@@ -167,7 +167,8 @@ impl LogMirror {
             return Ok(());
         }
         src.seek(SeekFrom::Start(offset))?;
-        let mut buf = Vec::new();
+        // Sized up front: an empty Vec would be filled by small growing reads.
+        let mut buf = Vec::with_capacity((len - offset).min(MAX_CHUNK) as usize);
         src.take(MAX_CHUNK).read_to_end(&mut buf)?;
         // Only complete lines; a partial last line waits (unless the chunk is full).
         let upto = match buf.iter().rposition(|&b| b == b'\n') {

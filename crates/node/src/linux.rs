@@ -38,6 +38,9 @@ pub struct LinuxRuntime {
     storage: std::result::Result<Storage, String>,
     /// Drains every sandbox's PID 1 output into its `init.log`.
     logs: InitLogs,
+    /// Network namespaces of sandboxes killed ahead of their teardown, by slot
+    /// ([`SandboxRuntime::hold_network`]): held until `destroy` has read their counters.
+    held: Mutex<HashMap<u32, Netns>>,
 }
 
 fn rt_err(what: &str, source: cubicle_runtime::Error) -> Error {
@@ -112,6 +115,7 @@ impl LinuxRuntime {
             egress,
             storage,
             logs,
+            held: Mutex::new(HashMap::new()),
         })
     }
 
@@ -249,23 +253,37 @@ impl LinuxRuntime {
     /// Kills what is left of the sandbox (after a checkpoint that ended it: nothing but
     /// the init to reap), removes its cgroup and network objects; its directory stays.
     fn release(&self, id: &str, slot: u32) -> Result<()> {
-        let never_sent = self.never_sent(slot);
-        if let Some(sb) = self.handles().remove(id) {
+        let handle = self.handles().remove(id);
+        let held = self.take_held(slot, handle.as_ref());
+        if let Some(sb) = handle {
             // This reaps the init (our child) and waits for the cgroup to empty.
             sb.kill().map_err(|e| rt_err(&format!("stop {id}"), e))?;
         }
         let cg = Cgroup::handle(id).map_err(|e| rt_err("cgroup", e))?;
         cg.kill_all().map_err(|e| rt_err("cgroup", e))?;
         cg.remove().map_err(|e| rt_err("cgroup", e))?;
-        self.detach_network(slot, never_sent)
+        let never_sent = self.never_sent(slot);
+        self.detach_network(slot, never_sent)?;
+        drop(held);
+        Ok(())
     }
 
-    /// Whether `slot`'s sandbox never sent a packet; its network is cut first, so call
-    /// it before killing the sandbox (see `Network::stop_sending`).
+    /// The network namespace of `slot`'s sandbox, held since [`SandboxRuntime::hold_network`]
+    /// or now from its live handle `sb`: kept until its processes are gone, so that its
+    /// veth (and so its counters) outlives them.
+    fn take_held(&self, slot: u32, sb: Option<&Sandbox>) -> Option<Netns> {
+        let held = self
+            .held
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(&slot);
+        held.or_else(|| sb.and_then(|sb| Netns::of_process(sb.pid(), sb.pidfd()).ok()))
+    }
+
+    /// Whether `slot`'s sandbox never sent a packet: final once its processes are gone
+    /// and its namespace is held ([`Self::take_held`]; see `Network::never_sent`).
     fn never_sent(&self, slot: u32) -> bool {
-        self.network
-            .as_ref()
-            .is_ok_and(|net| net.stop_sending(slot))
+        self.network.as_ref().is_ok_and(|net| net.never_sent(slot))
     }
 
     /// Forgets `slot`'s egress policy and removes its network objects (its connections
@@ -347,13 +365,26 @@ impl SandboxRuntime for LinuxRuntime {
         Ok(pid)
     }
 
-    fn cut_network(&self, slot: u32) {
-        self.never_sent(slot);
+    fn hold_network(&self, id: &str, slot: u32) {
+        let ns = {
+            let handles = self.handles();
+            let Some(sb) = handles.get(id) else {
+                return;
+            };
+            match Netns::of_process(sb.pid(), sb.pidfd()) {
+                Ok(ns) => ns,
+                Err(_) => return,
+            }
+        };
+        self.held
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(slot, ns);
     }
 
     fn destroy(&self, id: &str, slot: Option<u32>, sandbox_dir: &Path) -> Result<()> {
-        let never_sent = slot.is_some_and(|slot| self.never_sent(slot));
         let handle = self.handles().remove(id);
+        let held = slot.and_then(|slot| self.take_held(slot, handle.as_ref()));
         // With quotas, `remove_dir` removes the whole directory at once (a btrfs
         // subvolume in O(1)): no need to walk the layers first.
         let layers = self.storage.is_err().then_some(sandbox_dir);
@@ -372,8 +403,12 @@ impl SandboxRuntime for LinuxRuntime {
         // Its processes are gone: what its FIFO still holds is its last output.
         self.logs.remove(id);
         if let Some(slot) = slot {
+            // Nothing in it can send any more: the counter is final (the held namespace
+            // keeps its veth).
+            let never_sent = self.never_sent(slot);
             self.detach_network(slot, never_sent)?;
         }
+        drop(held);
         // Nothing of the sandbox should be mounted on the host; be sure anyway.
         crate::fsutil::unmount_all_under(sandbox_dir);
         Ok(())

@@ -153,12 +153,12 @@ pub trait SandboxRuntime: Send + Sync + 'static {
     /// pieces are fine. Does not delete `sandbox_dir` itself (the node does).
     fn destroy(&self, id: &str, slot: Option<u32>, sandbox_dir: &std::path::Path) -> Result<()>;
 
-    /// Cuts the network of the sandbox in `slot` just before its processes are killed
-    /// and left for a later [`destroy`](Self::destroy) (the node's quick kill): then
-    /// `destroy` still knows whether the sandbox ever sent a packet once its interface
-    /// is gone with its namespace, and skips the connection cleanup for one that never
-    /// did. Best effort.
-    fn cut_network(&self, _slot: u32) {}
+    /// Holds the network namespace of sandbox `id` (in `slot`) just before its processes
+    /// are killed and left for a later [`destroy`](Self::destroy) (the node's quick
+    /// kill): its interface then outlives its processes, so `destroy` reads, once
+    /// nothing in it can send, whether it ever sent a packet, and skips the connection
+    /// cleanup for one that never did. Best effort.
+    fn hold_network(&self, _id: &str, _slot: u32) {}
 
     /// Remove network objects (veths, nft elements) of every slot in `owned` (this node's
     /// range: other nodes on the host own the other slots) not in `known_slots`.

@@ -495,9 +495,10 @@ impl Node {
             let Some(record) = self.inner.mark_dying(id, reason, false) else {
                 return Err(Error::SandboxNotFound(id.into()));
             };
-            // Its network first: the teardown can then tell whether it ever sent a
-            // packet (its interface dies with it), and skips the conntrack walk if not.
-            self.inner.runtime.cut_network(record.slot);
+            // Its network namespace held first: the teardown can then tell whether it
+            // ever sent a packet (its interface would die with it), and skips the
+            // conntrack walk if not.
+            self.inner.runtime.hold_network(id, record.slot);
             // The pidfd pins the process: then check it is still the recorded one.
             if let Some(pid) = record.pid.filter(|p| *p > 1)
                 && let Ok(fd) = cubicle_syscalls::pidfd::pidfd_open(pid)

@@ -419,10 +419,6 @@ pub struct Network {
     host_nets: Vec<Ipv4Cidr>,
     /// The policy-set elements each slot has in the kernel (so changes are deltas).
     applied: Mutex<HashMap<u32, BTreeSet<(&'static str, SetElem)>>>,
-    /// Slots whose host side [`Network::stop_sending`] took down, with its answer (kept
-    /// until the slot is detached or attached again: by then the veth may be gone with
-    /// the sandbox's namespace, and its counter with it).
-    stopped: Mutex<HashMap<u32, bool>>,
 }
 
 impl Network {
@@ -547,7 +543,6 @@ impl Network {
             max_slots,
             host_nets: Vec::new(),
             applied: Mutex::new(HashMap::new()),
-            stopped: Mutex::new(HashMap::new()),
         })
     }
 
@@ -597,7 +592,6 @@ impl Network {
     /// default route, for `slot`. A stale pair left on that slot (crash) is replaced.
     pub fn attach(&self, netns: &Netns, slot: u32) -> Result<NetInfo> {
         let info = self.slot_info(slot)?;
-        self.lock_stopped().remove(&slot);
         let mut host = RouteSocket::open().map_err(|e| Error::io("opening netlink socket", e))?;
         let create = |host: &mut RouteSocket| {
             let (host_mac, sandbox_mac) = slot_macs(info.slot);
@@ -731,10 +725,12 @@ impl Network {
     }
 
     /// Whether slot `slot`'s sandbox has never sent a packet out (its veth's receive
-    /// counter on the host side is 0). Read it while the sandbox lives: when its network
-    /// namespace dies, the kernel removes the veth pair, counters and all. Anything
-    /// spoofing the sandbox's address elsewhere is dropped by the egress rules before
-    /// conntrack keeps an entry, so a sandbox that never sent has no entry to forget.
+    /// counter on the host side is 0). Final once its processes are gone while its
+    /// network namespace is held (the node opens it just before the kill): when the
+    /// namespace dies, the kernel removes the veth pair, counters and all, and the
+    /// answer is `false`. Anything spoofing the sandbox's address elsewhere is dropped by
+    /// the egress rules before conntrack keeps an entry, so a sandbox that never sent has
+    /// no entry to forget.
     pub fn never_sent(&self, slot: u32) -> bool {
         let Ok(info) = self.slot_info(slot) else {
             return false;
@@ -747,41 +743,8 @@ impl Network {
             == Some(0)
     }
 
-    /// Takes slot `slot`'s host side down, so that its sandbox can send nothing more (a
-    /// veth drops what it would deliver to a peer that is down, uncounted), then tells
-    /// whether the sandbox never sent a packet ([`Network::never_sent`]). Call it before
-    /// killing the sandbox: read after the kill, the counter may be gone with the
-    /// sandbox's namespace; read before without taking the link down, a packet sent
-    /// between the read and the kill would go unnoticed. Asked again for the same slot
-    /// (until it is detached or attached again), it gives the same answer.
-    pub fn stop_sending(&self, slot: u32) -> bool {
-        if let Some(&quiet) = self.lock_stopped().get(&slot) {
-            return quiet;
-        }
-        let Ok(info) = self.slot_info(slot) else {
-            return false;
-        };
-        let Ok(mut host) = RouteSocket::open() else {
-            return false;
-        };
-        let Ok(Some(link)) = host.link(&info.host_ifname) else {
-            return false;
-        };
-        if host.set_down(link.index).is_err() {
-            return false;
-        }
-        let quiet = host
-            .link(&info.host_ifname)
-            .ok()
-            .flatten()
-            .and_then(|l| l.rx_packets)
-            == Some(0);
-        self.lock_stopped().insert(slot, quiet);
-        quiet
-    }
-
     /// [`Network::detach`], told whether the sandbox never sent a packet (from
-    /// [`Network::never_sent`], read before it was killed): then its connections are not
+    /// [`Network::never_sent`], read once it was dead): then its connections are not
     /// looked for. Forgetting them walks the whole conntrack hash table (262,144 buckets
     /// on this host: 5-10 ms of CPU per sandbox, even with kernel-side filtering).
     pub fn detach_with(&self, slot: u32, never_sent: bool) -> Result<()> {
@@ -798,7 +761,6 @@ impl Network {
         if !never_sent {
             self.forget_connections(slot)?;
         }
-        self.lock_stopped().remove(&slot);
         Ok(())
     }
 
@@ -926,10 +888,6 @@ impl Network {
                         && l.kind.as_deref() == Some("veth"))
             })
             .collect())
-    }
-
-    fn lock_stopped(&self) -> std::sync::MutexGuard<'_, HashMap<u32, bool>> {
-        self.stopped.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     fn lock_applied(

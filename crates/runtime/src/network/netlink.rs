@@ -590,13 +590,6 @@ impl RouteSocket {
         self.request_ack(m)
     }
 
-    /// Sets a link down by index.
-    pub fn set_down(&mut self, index: i32) -> io::Result<()> {
-        let mut m = Msg::new(RTM_NEWLINK, NLM_F_REQUEST | NLM_F_ACK);
-        m.header(&ifinfomsg(index, 0, IFF_UP));
-        self.request_ack(m)
-    }
-
     /// Adds (or replaces) a permanent neighbour entry: `addr` is at `mac` on link `index`.
     pub fn add_permanent_neighbour(
         &mut self,

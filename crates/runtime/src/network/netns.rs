@@ -30,6 +30,20 @@ impl Netns {
         Self::open(format!("/proc/{pid}/ns/net"))
     }
 
+    /// The network namespace of the live process `pid` that `pidfd` names: opened by pid,
+    /// then checked against the pidfd. A process that has not exited still holds its pid,
+    /// so the namespace opened is its own; `ESRCH` once it has exited.
+    pub fn of_process(pid: i32, pidfd: impl AsFd) -> Result<Self> {
+        let ns = Self::from_pid(pid)?;
+        if cubicle_syscalls::pidfd::exited(pidfd) {
+            return Err(Error::io(
+                format!("process {pid} exited while its network namespace was opened"),
+                io::Error::from_raw_os_error(libc::ESRCH),
+            ));
+        }
+        Ok(ns)
+    }
+
     /// Opens a namespace file such as `/run/netns/NAME`.
     pub fn open(path: impl AsRef<Path>) -> Result<Self> {
         let path = path.as_ref();

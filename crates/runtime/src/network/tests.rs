@@ -176,6 +176,29 @@ fn test_config() -> NetworkConfig {
     }
 }
 
+/// A `sleep` in a network namespace of its own (as a sandbox's init is), and its pid.
+fn process_in_new_netns() -> (std::process::Child, i32) {
+    let ours = std::fs::read_link("/proc/self/ns/net").unwrap();
+    let child = Command::new("unshare")
+        .args(["--net", "sleep", "60"])
+        .spawn()
+        .unwrap();
+    let pid = child.id() as i32;
+    let t = Instant::now();
+    while std::fs::read_link(format!("/proc/{pid}/ns/net"))
+        .ok()
+        .as_ref()
+        == Some(&ours)
+    {
+        assert!(
+            t.elapsed() < Duration::from_secs(5),
+            "unshare --net did not unshare"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    (child, pid)
+}
+
 fn sh(cmd: &str, args: &[&str]) -> String {
     let out = Command::new(cmd).args(args).output().expect("spawn");
     assert!(
@@ -572,27 +595,56 @@ fn egress_isolation_end_to_end() {
     world.net.detach_with(3, true).unwrap();
     assert!(!world.net.never_sent(3));
     drop(quiet);
-    // stop_sending takes the host side down before it reads the counter: what the
-    // sandbox sends afterwards neither passes nor counts, and the answer outlives the
-    // veth (which dies with the sandbox's namespace) until the slot is detached.
-    let stopped = TestNs::new("s");
-    world.net.attach(&stopped.ns, 4).unwrap();
-    assert!(world.net.stop_sending(4), "a quiet sandbox sent packets");
-    let probe = v4("198.51.100.2", 9);
-    // (Whether the send reports an error depends on the kernel; it must not arrive.)
-    let _ = run_in_netns(&stopped.ns, move || {
-        let s = std::net::UdpSocket::bind("0.0.0.0:0")?;
-        s.send_to(b"after the cut", probe)
-    })
-    .unwrap();
-    assert!(world.net.never_sent(4), "a packet got through a cut link");
-    drop(stopped);
-    assert!(
-        world.net.stop_sending(4),
-        "the answer must outlive the veth"
-    );
-    world.net.detach_with(4, true).unwrap();
-    assert!(!world.net.stop_sending(4), "a detached slot is never quiet");
+    // As the node kills a sandbox: its namespace is held (Netns::of_process) before the
+    // kill, so its veth outlives its processes and the counter read once they are gone
+    // is final — for one that sent and for one that did not. Without the hold, the veth
+    // dies with the namespace (then the answer is "sent": its connections are looked for).
+    for (slot, sends) in [(4, true), (5, false)] {
+        let (mut child, pid) = process_in_new_netns();
+        let pidfd = cubicle_syscalls::pidfd::pidfd_open(pid).unwrap();
+        let ns = Netns::of_process(pid, &pidfd).unwrap();
+        world.net.attach(&ns, slot).unwrap();
+        if sends {
+            let probe = v4("198.51.100.2", 9);
+            run_in_netns(&ns, move || {
+                let s = std::net::UdpSocket::bind("0.0.0.0:0")?;
+                s.send_to(b"before the kill", probe)
+            })
+            .unwrap()
+            .unwrap();
+        }
+        child.kill().unwrap();
+        child.wait().unwrap();
+        assert!(
+            Netns::of_process(pid, &pidfd).is_err(),
+            "an exited process has no namespace to hold"
+        );
+        assert!(
+            world.net.is_attached(slot).unwrap(),
+            "the held namespace lost its veth"
+        );
+        assert_eq!(world.net.never_sent(slot), !sends, "slot {slot}");
+        if sends {
+            // Unheld, the namespace dies and takes the veth (and its counter) along.
+            drop(ns);
+            let t = Instant::now();
+            while world.net.is_attached(slot).unwrap() {
+                assert!(
+                    t.elapsed() < Duration::from_secs(5),
+                    "the veth outlived its namespace"
+                );
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            assert!(
+                !world.net.never_sent(slot),
+                "a vanished veth is never quiet"
+            );
+            world.net.detach_with(slot, false).unwrap();
+        } else {
+            world.net.detach_with(slot, true).unwrap();
+            drop(ns);
+        }
+    }
     assert!(!sh("ip", &["-o", "link"]).contains(": cbt1@"));
     assert!(try_connect(&a.ns, inet_addr).is_err());
     drop(c);
