@@ -218,13 +218,15 @@ async fn sh(node: &Node, id: &str, script: &str) -> anyhow::Result<String> {
 }
 
 /// Starts the counter (a shell loop whose count lives in its memory, written to
-/// `/tmp/count` every 50 ms) and waits until it counted a little. Returns its pid.
+/// `/tmp/count` every 50 ms, by rename: a checkpoint can freeze it between the
+/// truncation and the write of a plain `>`, and a read then finds the file empty) and
+/// waits until it counted a little. Returns its pid.
 async fn start_counter(node: &Node, id: &str) -> anyhow::Result<String> {
     let spec = ProcessSpec {
         cmd: "/bin/sh".into(),
         args: vec![
             "-c".into(),
-            "echo $$ > /tmp/counter.pid; i=0; while :; do i=$((i+1)); echo $i > /tmp/count; sleep 0.05; done".into(),
+            "echo $$ > /tmp/counter.pid; i=0; while :; do i=$((i+1)); echo $i > /tmp/count.new; mv /tmp/count.new /tmp/count; sleep 0.05; done".into(),
         ],
         user: Some("root".into()),
         ..Default::default()
