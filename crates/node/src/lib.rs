@@ -16,6 +16,7 @@ pub mod build;
 pub mod config;
 pub mod envd_client;
 pub mod error;
+pub mod held_netns;
 pub mod host;
 pub mod host_slots;
 pub mod ids;

@@ -13,6 +13,7 @@ use std::collections::HashMap;
 use std::path::Path;
 use std::sync::Mutex;
 
+use crate::held_netns::HeldNamespaces;
 use cubicle_egress::{Egress, EgressConfig, NetEvent};
 use cubicle_runtime::network::{Netns, Network, NetworkConfig};
 use cubicle_runtime::storage::Storage;
@@ -40,7 +41,7 @@ pub struct LinuxRuntime {
     logs: InitLogs,
     /// Network namespaces of sandboxes killed ahead of their teardown, by slot
     /// ([`SandboxRuntime::hold_network`]): held until `destroy` has read their counters.
-    held: Mutex<HashMap<u32, Netns>>,
+    held: HeldNamespaces,
 }
 
 fn rt_err(what: &str, source: cubicle_runtime::Error) -> Error {
@@ -115,7 +116,7 @@ impl LinuxRuntime {
             egress,
             storage,
             logs,
-            held: Mutex::new(HashMap::new()),
+            held: HeldNamespaces::default(),
         })
     }
 
@@ -272,12 +273,9 @@ impl LinuxRuntime {
     /// or now from its live handle `sb`: kept until its processes are gone, so that its
     /// veth (and so its counters) outlives them.
     fn take_held(&self, slot: u32, sb: Option<&Sandbox>) -> Option<Netns> {
-        let held = self
-            .held
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .remove(&slot);
-        held.or_else(|| sb.and_then(|sb| Netns::of_process(sb.pid(), sb.pidfd()).ok()))
+        self.held
+            .take(slot)
+            .or_else(|| sb.and_then(|sb| Netns::of_process(sb.pid(), sb.pidfd()).ok()))
     }
 
     /// Whether `slot`'s sandbox never sent a packet: final once its processes are gone
@@ -366,6 +364,10 @@ impl SandboxRuntime for LinuxRuntime {
     }
 
     fn hold_network(&self, id: &str, slot: u32) {
+        if !self.held.has_room() {
+            // A kill storm: this one's teardown walks conntrack instead (held_netns.rs).
+            return;
+        }
         let ns = {
             let handles = self.handles();
             let Some(sb) = handles.get(id) else {
@@ -376,10 +378,7 @@ impl SandboxRuntime for LinuxRuntime {
                 Err(_) => return,
             }
         };
-        self.held
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .insert(slot, ns);
+        self.held.hold(slot, ns);
     }
 
     fn destroy(&self, id: &str, slot: Option<u32>, sandbox_dir: &Path) -> Result<()> {
