@@ -273,6 +273,8 @@ impl LinuxRuntime {
     /// or now from its live handle `sb`: kept until its processes are gone, so that its
     /// veth (and so its counters) outlives them.
     fn take_held(&self, slot: u32, sb: Option<&Sandbox>) -> Option<Netns> {
+        // Without the host network there is no veth to keep, nor counter to read.
+        self.network.as_ref().ok()?;
         self.held
             .take(slot)
             .or_else(|| sb.and_then(|sb| Netns::of_process(sb.pid(), sb.pidfd()).ok()))
@@ -364,6 +366,10 @@ impl SandboxRuntime for LinuxRuntime {
     }
 
     fn hold_network(&self, id: &str, slot: u32) {
+        if self.network.is_err() {
+            // No veth to keep, nor counter to read.
+            return;
+        }
         if !self.held.has_room() {
             // A kill storm: this one's teardown walks conntrack instead (held_netns.rs).
             return;
