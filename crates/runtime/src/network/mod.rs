@@ -33,6 +33,7 @@
 
 mod conntrack;
 pub mod events;
+mod link_reaper;
 mod netlink;
 mod netns;
 mod nftables;
@@ -419,6 +420,8 @@ pub struct Network {
     host_nets: Vec<Ipv4Cidr>,
     /// The policy-set elements each slot has in the kernel (so changes are deltas).
     applied: Mutex<HashMap<u32, BTreeSet<(&'static str, SetElem)>>>,
+    /// Deletes detached slots' veths in shared batches.
+    reaper: link_reaper::LinkReaper,
 }
 
 impl Network {
@@ -543,6 +546,7 @@ impl Network {
             max_slots,
             host_nets: Vec::new(),
             applied: Mutex::new(HashMap::new()),
+            reaper: Default::default(),
         })
     }
 
@@ -750,13 +754,9 @@ impl Network {
     pub fn detach_with(&self, slot: u32, never_sent: bool) -> Result<()> {
         let info = self.slot_info(slot)?;
         let mut host = RouteSocket::open().map_err(|e| Error::io("opening netlink socket", e))?;
-        match host.delete_link(&info.host_ifname) {
-            Ok(()) => {}
-            Err(e) if e.raw_os_error() == Some(libc::ENODEV) => {}
-            Err(e) => {
-                return Err(Error::io(format!("deleting {}", info.host_ifname), e));
-            }
-        }
+        self.reaper
+            .remove(&mut host, &info.host_ifname)
+            .map_err(|e| Error::io(format!("deleting {}", info.host_ifname), e))?;
         self.set_policy(slot, &EgressPolicy::default())?;
         if !never_sent {
             self.forget_connections(slot)?;

@@ -39,6 +39,7 @@ const IFLA_IFNAME: u16 = 3;
 const IFLA_MTU: u16 = 4;
 const IFLA_LINKINFO: u16 = 18;
 const IFLA_STATS64: u16 = 23;
+const IFLA_GROUP: u16 = 27;
 const IFLA_NET_NS_FD: u16 = 28;
 const IFLA_INFO_KIND: u16 = 1;
 const IFLA_INFO_DATA: u16 = 2;
@@ -575,6 +576,24 @@ impl RouteSocket {
         let mut m = Msg::new(RTM_DELLINK, NLM_F_REQUEST | NLM_F_ACK);
         m.header(&ifinfomsg(0, 0, 0));
         m.attr_str(IFLA_IFNAME, name);
+        self.request_ack(m)
+    }
+
+    /// Moves the link `name` into device group `group`.
+    pub fn set_group(&mut self, name: &str, group: u32) -> io::Result<()> {
+        let mut m = Msg::new(RTM_NEWLINK, NLM_F_REQUEST | NLM_F_ACK);
+        m.header(&ifinfomsg(0, 0, 0));
+        m.attr_str(IFLA_IFNAME, name);
+        m.attr_u32(IFLA_GROUP, group);
+        self.request_ack(m)
+    }
+
+    /// Deletes every link of device group `group` (ENODEV: there is none), in one
+    /// `unregister_netdevice_many`.
+    pub fn delete_group(&mut self, group: u32) -> io::Result<()> {
+        let mut m = Msg::new(RTM_DELLINK, NLM_F_REQUEST | NLM_F_ACK);
+        m.header(&ifinfomsg(0, 0, 0));
+        m.attr_u32(IFLA_GROUP, group);
         self.request_ack(m)
     }
 

@@ -859,6 +859,57 @@ fn async_connect_in_netns() {
     assert!(err.to_string().contains("refused"), "{err}");
 }
 
+/// Detaches at once, from many threads (a kill storm's teardowns), share group deletes:
+/// every slot's veth is gone when its detach returns, and nothing outside the doomed
+/// group is touched (a bystander link in another group survives).
+#[test]
+fn concurrent_detaches_remove_every_veth_and_nothing_else() {
+    require_root!();
+    let _serial = serial();
+    let world = World::new();
+    let bystander = format!("{TEST_PREFIX}by{}", std::process::id() % 1000);
+    sh(
+        "ip",
+        &[
+            "link", "add", &bystander, "group", "7", "type", "veth", "peer", "name", "cbtbyp",
+        ],
+    );
+    let spaces: Vec<TestNs> = (0..8).map(|i| TestNs::new(&format!("storm{i}"))).collect();
+    for (slot, ns) in spaces.iter().enumerate() {
+        world.net.attach(&ns.ns, slot as u32).unwrap();
+    }
+    let gone = |slot: u32| {
+        let name = world.net.slot_info(slot).unwrap().host_ifname;
+        !std::path::Path::new("/sys/class/net").join(name).exists()
+    };
+    std::thread::scope(|s| {
+        for slot in 0..8u32 {
+            let (net, gone) = (&world.net, &gone);
+            s.spawn(move || {
+                net.detach_with(slot, true).unwrap();
+                assert!(gone(slot), "slot {slot}'s veth outlived its detach");
+            });
+        }
+    });
+    assert!(
+        std::path::Path::new("/sys/class/net")
+            .join(&bystander)
+            .exists()
+    );
+    let doomed = sh(
+        "ip",
+        &[
+            "-o",
+            "link",
+            "show",
+            "group",
+            &super::link_reaper::DOOMED_GROUP.to_string(),
+        ],
+    );
+    assert!(doomed.trim().is_empty(), "doomed links left: {doomed}");
+    sh("ip", &["link", "del", &bystander]);
+}
+
 fn percentile(sorted: &[Duration], p: f64) -> Duration {
     sorted[((sorted.len() as f64 - 1.0) * p).round() as usize]
 }
