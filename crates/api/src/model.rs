@@ -254,6 +254,9 @@ pub struct PoolCounters {
     pub claims: u64,
     /// Creates that found their pool empty.
     pub misses: u64,
+    /// Of the misses, those served by a refill that finished while they waited for a
+    /// cold create's turn (the rest were made cold).
+    pub waited: u64,
     /// Sandboxes made for pools.
     pub refills: u64,
 }

@@ -71,6 +71,7 @@ impl Backend for FakeNode {
             target: [("tiny".to_string(), 4)].into(),
             claims: 3,
             misses: 1,
+            waited: 0,
             refills: 5,
         }
     }

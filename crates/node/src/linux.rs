@@ -319,7 +319,9 @@ impl SandboxRuntime for LinuxRuntime {
             // Fail before spawning if the network cannot work at all.
             self.network()?;
         }
+        let t0 = std::time::Instant::now();
         let sb = cubicle_runtime::spawn(&spec).map_err(|e| rt_err("spawn", e))?;
+        let t_spawn = t0.elapsed();
         if let Some(fifo) = sb.take_init_log() {
             self.logs
                 .add(&s.id, fifo, s.sandbox_dir.join(crate::init_log::INIT_LOG));
@@ -345,6 +347,13 @@ impl SandboxRuntime for LinuxRuntime {
                 }
             }
         }
+        tracing::debug!(
+            sandbox = %s.id,
+            spawn_us = t_spawn.as_micros() as u64,
+            attach_us = (t0.elapsed() - t_spawn).as_micros() as u64,
+            steps = ?sb.timings().iter().map(|(n, d)| format!("{n}={}", d.as_micros())).collect::<Vec<_>>(),
+            "runtime start"
+        );
         let state = started_state(sb.timings(), net_info.as_ref());
         self.handles().insert(s.id.to_string(), sb);
         Ok(Started { pid, state })

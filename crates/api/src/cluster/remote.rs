@@ -917,6 +917,7 @@ impl Backend for RemoteBackend {
             }
             p.claims += st.pool.claims;
             p.misses += st.pool.misses;
+            p.waited += st.pool.waited;
             p.refills += st.pool.refills;
         }
         p

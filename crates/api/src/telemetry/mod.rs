@@ -372,6 +372,11 @@ fn register_snapshot(reg: &mut Registry, s: &Snapshot) {
         counters(one(s.pool.misses as f64)),
     );
     reg.register(
+        "pool_waited",
+        "Misses served by a refill that finished while they waited (not made cold)",
+        counters(one(s.pool.waited as f64)),
+    );
+    reg.register(
         "pool_refills",
         "Sandboxes made for warm pools",
         counters(one(s.pool.refills as f64)),

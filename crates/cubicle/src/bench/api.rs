@@ -110,10 +110,13 @@ impl Api {
         self.rest.pool_stats_on(c).await.ok()
     }
 
-    /// (claims, misses) of the server's warm pools, or `None`.
-    pub(super) async fn pool_counts(&self, c: &mut Connection) -> Option<(u64, u64)> {
+    /// (claims, misses, of those misses the ones a refill served) of the server's warm
+    /// pools, or `None`.
+    pub(super) async fn pool_counts(&self, c: &mut Connection) -> Option<(u64, u64, u64)> {
         let v = self.pool_json(c).await?;
-        Some((v["claims"].as_u64()?, v["misses"].as_u64()?))
+        // An older server counts no waits.
+        let waited = v["waited"].as_u64().unwrap_or(0);
+        Some((v["claims"].as_u64()?, v["misses"].as_u64()?, waited))
     }
 
     /// Ids of the running sandboxes the bench created (tagged `cubicle-bench=1`).

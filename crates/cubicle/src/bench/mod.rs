@@ -144,7 +144,7 @@ struct Ctx {
 /// Before a row: with the pool on, waits (up to a minute) until `template`'s pool is
 /// full again, so every row starts from the same warm state whatever the previous row
 /// drained; then the pool counters, to compare with those after the row.
-async fn before_row(cx: &Ctx, c: &mut Connection, template: &str) -> Option<(u64, u64)> {
+async fn before_row(cx: &Ctx, c: &mut Connection, template: &str) -> Option<(u64, u64, u64)> {
     if cx.pool == "on" {
         let t = Instant::now();
         loop {
@@ -372,12 +372,16 @@ async fn run_measures(
     cycle_c1: &mut BTreeMap<String, f64>,
 ) -> anyhow::Result<()> {
     let emit = |r: &Row| print_row(r, args.json);
-    // With a pool: how many of a row's creates were claims and how many missed (cold).
+    // With a pool: how many of a row's creates were claims and how many found the pool
+    // empty; of those, how many a refill under way served (the rest were made cold).
     let pool_counted =
-        |r: Row, before: Option<(u64, u64)>, after: Option<(u64, u64)>| match (before, after) {
+        |r: Row, before: Option<(u64, u64, u64)>, after: Option<(u64, u64, u64)>| match (
+            before, after,
+        ) {
             (Some(b), Some(a)) if cx.pool != "off" => r
                 .with("pool_claims", a.0.saturating_sub(b.0))
-                .with("pool_misses", a.1.saturating_sub(b.1)),
+                .with("pool_misses", a.1.saturating_sub(b.1))
+                .with("pool_waited", a.2.saturating_sub(b.2)),
             _ => r,
         };
     let mut pc = cx.api.conn();

@@ -119,12 +119,14 @@ impl Inner {
     }
 
     /// A create that no pool served: reserve, start, `/init`; on failure everything it
-    /// made is torn down again.
+    /// made is torn down again. `turn`: its place among cold creates and refills, if it
+    /// has one already (else it waits for one).
     pub(crate) async fn create_cold(
         self: &Arc<Self>,
         req: &CreateRequest,
         plan: CreatePlan,
         t0: Instant,
+        turn: Option<tokio::sync::OwnedSemaphorePermit>,
     ) -> Result<SandboxInfo> {
         let inner = self;
         let CreatePlan {
@@ -134,7 +136,10 @@ impl Inner {
             timeout,
         } = plan;
         // Cold: bounded concurrency (fair FIFO semaphore), shared with pool refills.
-        let _permit = inner.pool.create_permits.clone().acquire_owned().await.ok();
+        let _permit = match turn {
+            Some(p) => Some(p),
+            None => inner.pool.create_permits.clone().acquire_owned().await.ok(),
+        };
         let env_vars = sandbox_env(&template, &req.env_vars, &id);
         let record = inner.reserve(&id, &template, |r| {
             r.end_at_ms = r.created_at_ms + timeout.as_millis() as u64;
@@ -189,7 +194,15 @@ impl Inner {
         template: &Template,
         t0: Instant,
     ) -> Result<SandboxRecord> {
-        Ok(self.start_sandbox(record, template, t0).await?.0)
+        let (record, _, [prep, spawn, health]) = self.start_sandbox(record, template, t0).await?;
+        tracing::debug!(
+            sandbox = %record.id,
+            prepared_us = prep.as_micros() as u64,
+            spawned_us = spawn.as_micros() as u64,
+            healthy_us = health.as_micros() as u64,
+            "sandbox started"
+        );
+        Ok(record)
     }
 
     async fn start_sandbox(

@@ -29,7 +29,7 @@ use cubicle_runtime::SandboxId;
 use crate::config::NodeConfig;
 use crate::envd_client::EnvdClient;
 use crate::error::{Error, IoContext, Result};
-use crate::pool::PoolStats;
+use crate::pool::{Claim, PoolStats};
 use crate::runtime::SandboxRuntime;
 use crate::sandbox::{CreateRequest, DeathReason, SandboxInfo, SandboxRecord, SandboxState};
 use crate::slots::UidSlots;
@@ -295,10 +295,15 @@ impl Node {
                 return inner.create_from_snapshot(&req, &snap, id, timeout).await;
             }
             let plan = inner.plan_create(&req).await?;
-            if let Some(r) = inner.try_claim(&req, &plan).await {
-                return r;
-            }
-            inner.create_cold(&req, plan, t0).await
+            let turn = match inner.try_claim(&req, &plan, false).await {
+                Claim::Served(r) => return r,
+                Claim::No => None,
+                Claim::Empty => match inner.claim_or_turn(&req, &plan).await {
+                    Ok(r) => return r,
+                    Err(turn) => turn,
+                },
+            };
+            inner.create_cold(&req, plan, t0, turn).await
         })
         .await
         .map_err(|e| Error::Runtime(format!("create task failed: {e}")))?
@@ -310,7 +315,7 @@ impl Node {
         let inner = self.inner.clone();
         tokio::spawn(async move {
             let plan = inner.plan_with(&req, template)?;
-            inner.create_cold(&req, plan, Instant::now()).await
+            inner.create_cold(&req, plan, Instant::now(), None).await
         })
         .await
         .map_err(|e| Error::Runtime(format!("create task failed: {e}")))?

@@ -20,6 +20,10 @@ struct FakeRuntime {
     destroyed: Mutex<Vec<String>>,
     /// Where volumes live (`<state>/sandboxes/.volumes`, as the real storage's).
     volumes: Mutex<PathBuf>,
+    /// While true, `start` waits (a sandbox being made, held halfway).
+    hold_starts: (Mutex<bool>, std::sync::Condvar),
+    /// Starts waiting there now.
+    held_now: std::sync::atomic::AtomicUsize,
 }
 
 impl FakeRuntime {
@@ -44,6 +48,10 @@ fn serve_204(listener: UnixListener) {
 
 impl SandboxRuntime for FakeRuntime {
     fn start(&self, spec: &StartSpec) -> Result<Started> {
+        let (held, cv) = &self.hold_starts;
+        self.held_now.fetch_add(1, Ordering::SeqCst);
+        let _released = cv.wait_while(held.lock().unwrap(), |held| *held).unwrap();
+        self.held_now.fetch_sub(1, Ordering::SeqCst);
         if self.fail_start.load(Ordering::SeqCst) {
             return Err(Error::Runtime("injected start failure".into()));
         }
@@ -129,6 +137,13 @@ fn state(name: &str) -> PathBuf {
 }
 
 async fn open(name: &str) -> (Node, Arc<FakeRuntime>, PathBuf) {
+    open_with(name, |_| {}).await
+}
+
+async fn open_with(
+    name: &str,
+    configure: impl FnOnce(&mut NodeConfig),
+) -> (Node, Arc<FakeRuntime>, PathBuf) {
     let dir = state(name);
     let _ = fsutil::remove_tree(&dir);
     // A tiny template without building one: a config and an empty rootfs.
@@ -142,6 +157,7 @@ async fn open(name: &str) -> (Node, Arc<FakeRuntime>, PathBuf) {
     let rt = Arc::new(FakeRuntime::for_state(&dir));
     let mut cfg = NodeConfig::new(&dir, "/nonexistent/envd");
     cfg.max_sandboxes = 2;
+    configure(&mut cfg);
     let node = Node::open_with_runtime(cfg, rt.clone()).await.unwrap();
     (node, rt, dir)
 }
@@ -151,6 +167,61 @@ fn req() -> CreateRequest {
         template: "fake".into(),
         ..Default::default()
     }
+}
+
+/// Waits (up to 10 s) until the node's pool counters satisfy `ok`.
+async fn wait_for(node: &Node, what: &str, ok: impl Fn(&crate::PoolStats) -> bool) {
+    let t = std::time::Instant::now();
+    loop {
+        let s = node.pool_stats();
+        if ok(&s) {
+            return;
+        }
+        assert!(t.elapsed() < Duration::from_secs(10), "{what}: {s:?}");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// A create that finds its pool empty while a refill is under way, with no cold create's
+/// turn free (the refill holds the only one), takes the sandbox that refill makes: it is
+/// served from the pool, counted as a miss that waited, and nothing is made cold.
+#[tokio::test]
+async fn a_miss_takes_the_sandbox_a_refill_under_way_makes() {
+    let (node, rt, dir) = open_with("miss-waits", |cfg| {
+        cfg.max_sandboxes = 4;
+        cfg.create_concurrency = 1;
+        cfg.pool.insert("fake".into(), 1);
+    })
+    .await;
+    let pooled = |r: &CreateRequest| CreateRequest {
+        internet: true,
+        ..r.clone()
+    };
+    wait_for(&node, "first refill", |s| s.ready.get("fake") == Some(&1)).await;
+    // The next refill will stop halfway, holding the only turn.
+    *rt.hold_starts.0.lock().unwrap() = true;
+    let a = node.create(pooled(&req())).await.unwrap();
+    assert!(a.claimed);
+    // The refill holds the turn once its start is waiting.
+    let t = std::time::Instant::now();
+    while rt.held_now.load(Ordering::SeqCst) == 0 {
+        assert!(t.elapsed() < Duration::from_secs(10), "no refill started");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let node2 = node.clone();
+    let b = tokio::spawn(async move { node2.create(pooled(&req())).await });
+    wait_for(&node, "second create missed", |s| s.misses == 1).await;
+    assert!(!b.is_finished(), "the miss waits for the refill or a turn");
+    *rt.hold_starts.0.lock().unwrap() = false;
+    rt.hold_starts.1.notify_all();
+    let b = b.await.unwrap().unwrap();
+    assert!(b.claimed, "served by the refill, not made cold");
+    let s = node.pool_stats();
+    assert_eq!((s.claims, s.misses, s.waited), (1, 1, 1), "{s:?}");
+    node.kill(&a.id).await.unwrap();
+    node.kill(&b.id).await.unwrap();
+    node.close();
+    let _ = fsutil::remove_tree(&dir);
 }
 
 #[tokio::test]

@@ -102,13 +102,28 @@ fn claimable(t: &Template, req: &CreateRequest, disk_mb: u64) -> bool {
         && (req.env_vars.is_empty() || !has_start(t) || t.config.late_env)
 }
 
+/// What [`Inner::try_claim`] did.
+// One per create, returned once: not worth a box.
+#[allow(clippy::large_enum_variant)]
+pub(crate) enum Claim {
+    /// Served from the pool (an error is the create's own: e.g. a volume being deleted).
+    Served(Result<SandboxInfo>),
+    /// The template's pool was empty.
+    Empty,
+    /// No pool serves this request, or the pooled sandbox failed its claim: create cold.
+    No,
+}
+
 impl Inner {
-    /// Serves `req` from the template's pool if it can. `None`: create cold.
+    /// Serves `req` from the template's pool if it can. `after_miss`: a retry of a create
+    /// that found the pool empty before ([`Inner::claim_or_turn`]), counted as waited,
+    /// not as a claim or a second miss.
     pub(crate) async fn try_claim(
         self: &Arc<Self>,
         req: &CreateRequest,
         plan: &CreatePlan,
-    ) -> Option<Result<SandboxInfo>> {
+        after_miss: bool,
+    ) -> Claim {
         let inner = self;
         let (template, limits, timeout) = (&plan.template, plan.limits, plan.timeout);
         let name = &template.config.name;
@@ -118,7 +133,7 @@ impl Inner {
             template.config.disk_mb,
         );
         if !claimable(template, req, limits.2) {
-            return None;
+            return Claim::No;
         }
         let t0 = Instant::now();
         // Take a ready one (skipping ids whose sandbox died meanwhile).
@@ -126,17 +141,22 @@ impl Inner {
             let id = {
                 let mut ps = inner.pool.lock();
                 if !ps.target.contains_key(name) {
-                    return None;
+                    return Claim::No;
                 }
                 match ps.ready.get_mut(name).and_then(|q| q.pop_front()) {
                     Some(id) => {
                         ps.members.remove(&id);
-                        ps.claims += 1;
+                        if after_miss {
+                            ps.waited += 1;
+                        } else {
+                            ps.claims += 1;
+                        }
                         let now = Instant::now();
                         ps.claim_gap = ps.last_claim.map(|t| now.duration_since(t));
                         ps.last_claim = Some(now);
                         id
                     }
+                    None if after_miss => return Claim::Empty,
                     None => {
                         ps.misses += 1;
                         ps.last_miss.insert(name.clone(), Instant::now());
@@ -145,7 +165,7 @@ impl Inner {
                         *t = (*t + 1).min(configured.max(1) * MAX_GROWTH);
                         drop(ps);
                         inner.pool.wake.notify_one();
-                        return None;
+                        return Claim::Empty;
                     }
                 }
             };
@@ -157,7 +177,9 @@ impl Inner {
                 let mut ps = inner.pool.lock();
                 ps.members.insert(id.clone());
                 ps.ready.entry(name.clone()).or_default().push_front(id);
-                return Some(Err(e));
+                drop(ps);
+                inner.pool.readied.notify_waiters();
+                return Claim::Served(Err(e));
             }
             let Some(live) = st.live.get_mut(&id) else {
                 continue;
@@ -244,7 +266,7 @@ impl Inner {
         if let Err(e) = result {
             tracing::warn!(sandbox = %id, "pooled sandbox failed its claim: {e}; creating cold");
             inner.clone().finish(&id, DeathReason::Exited, false).await;
-            return None;
+            return Claim::No;
         }
         let ready_us = t0.elapsed().as_micros() as u64;
         let info = {
@@ -261,7 +283,38 @@ impl Inner {
         tracing::info!(sandbox = %id, template = %name, ready_us, "sandbox claimed from the pool");
         let mut info = info;
         info.claimed = true;
-        Some(Ok(info))
+        Claim::Served(Ok(info))
+    }
+
+    /// After a miss: waits for whichever comes first, a cold create's turn (returned) or
+    /// a sandbox a refill under way makes ready (claimed: `Ok`). The turn is the same
+    /// FIFO semaphore the refills hold while they make sandboxes, so a create that
+    /// missed used to wait for a refill to end and then start a sandbox from nothing,
+    /// while the one that refill had just made sat in the pool. Taking that one instead
+    /// serves the create a cold create's time sooner and leaves the turn to the refills.
+    pub(crate) async fn claim_or_turn(
+        self: &Arc<Self>,
+        req: &CreateRequest,
+        plan: &CreatePlan,
+    ) -> std::result::Result<Result<SandboxInfo>, Option<tokio::sync::OwnedSemaphorePermit>> {
+        loop {
+            let readied = self.pool.readied.notified();
+            tokio::pin!(readied);
+            // Registered before the pool is looked at again: no push goes unnoticed.
+            readied.as_mut().enable();
+            match self.try_claim(req, plan, true).await {
+                Claim::Served(r) => return Ok(r),
+                Claim::No => return Err(None),
+                Claim::Empty => {}
+            }
+            tokio::select! {
+                biased;
+                () = &mut readied => {}
+                permit = self.pool.create_permits.clone().acquire_owned() => {
+                    return Err(permit.ok());
+                }
+            }
+        }
     }
 
     /// Makes one pooled sandbox of `template` (internet on, the template's limits). Its
@@ -294,7 +347,8 @@ impl Inner {
                 return Err(e);
             }
         };
-        let started = match self.start_phase(record, template, Instant::now()).await {
+        let t0 = Instant::now();
+        let started = match self.start_phase(record, template, t0).await {
             Ok(record) if has_start(template) => self.start_pooled_command(record, template).await,
             other => other,
         };
@@ -324,12 +378,20 @@ impl Inner {
                         live.init.as_ref(),
                     ));
                 }
+                tracing::debug!(
+                    sandbox = %id,
+                    template = %template.config.name,
+                    ms = t0.elapsed().as_secs_f64() * 1e3,
+                    "pool: made"
+                );
                 let mut ps = inner.pool.lock();
                 ps.refills += 1;
                 ps.ready
                     .entry(template.config.name.clone())
                     .or_default()
                     .push_back(id);
+                drop(ps);
+                inner.pool.readied.notify_waiters();
                 Ok(())
             }
             Err(e) => {

@@ -15,6 +15,8 @@ pub(crate) struct Pool {
     inner: Mutex<PoolState>,
     /// Wakes the refill task (a claim, a miss, close).
     pub(crate) wake: Arc<Notify>,
+    /// Wakes creates that found their pool empty: a refill made one ready.
+    pub(crate) readied: Notify,
     /// Bounds concurrent cold creates and refills.
     pub(crate) create_permits: Arc<Semaphore>,
     /// Background teardowns in flight (`NodeConfig::async_teardown`).
@@ -41,6 +43,7 @@ pub(super) struct PoolState {
     /// Counters (for tests and the bench).
     pub(super) claims: u64,
     pub(super) misses: u64,
+    pub(super) waited: u64,
     pub(super) refills: u64,
 }
 
@@ -55,6 +58,10 @@ pub struct PoolStats {
     pub claims: u64,
     /// Creates that could have used a pool but found it empty.
     pub misses: u64,
+    /// Of the misses, those served by a refill that finished while they waited for a
+    /// cold create's turn (the rest were made cold).
+    #[serde(default)]
+    pub waited: u64,
     /// Pooled sandboxes made.
     pub refills: u64,
 }
@@ -68,6 +75,7 @@ impl Pool {
         Pool {
             inner: Mutex::new(st),
             wake: Arc::new(Notify::new()),
+            readied: Notify::new(),
             create_permits: Arc::new(Semaphore::new(config.create_concurrency.max(1))),
             teardowns: Default::default(),
             background: Default::default(),
@@ -101,6 +109,7 @@ impl Pool {
             target: st.target.clone(),
             claims: st.claims,
             misses: st.misses,
+            waited: st.waited,
             refills: st.refills,
         }
     }
