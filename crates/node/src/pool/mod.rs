@@ -297,6 +297,11 @@ impl Inner {
         req: &CreateRequest,
         plan: &CreatePlan,
     ) -> std::result::Result<Result<SandboxInfo>, Option<tokio::sync::OwnedSemaphorePermit>> {
+        // Queued once: a wake-up for a sandbox someone else then claims must not send
+        // this create to the back of the FIFO queue (in bursts of 50, re-queued waiters
+        // starved for seconds).
+        let turn = self.pool.create_permits.clone().acquire_owned();
+        tokio::pin!(turn);
         loop {
             let readied = self.pool.readied.notified();
             tokio::pin!(readied);
@@ -310,9 +315,7 @@ impl Inner {
             tokio::select! {
                 biased;
                 () = &mut readied => {}
-                permit = self.pool.create_permits.clone().acquire_owned() => {
-                    return Err(permit.ok());
-                }
+                permit = &mut turn => return Err(permit.ok()),
             }
         }
     }
