@@ -354,6 +354,9 @@ async fn pools_serve_custom_templates_and_drop_stale_builds(envd: PathBuf) -> Te
     .await;
     node.kill_all().await;
     node.close();
+    // A refill under way when the node closed removes its sandbox itself: wait for it,
+    // or the test process ends with that sandbox half made (its cgroup left behind).
+    node.wait_refills(std::time::Duration::from_secs(60)).await;
     let _ = cubicle_node::fsutil::remove_tree(&state);
     r
 }
