@@ -41,6 +41,8 @@ const IFLA_LINKINFO: u16 = 18;
 const IFLA_STATS64: u16 = 23;
 const IFLA_GROUP: u16 = 27;
 const IFLA_NET_NS_FD: u16 = 28;
+const IFLA_NUM_TX_QUEUES: u16 = 31;
+const IFLA_NUM_RX_QUEUES: u16 = 32;
 const IFLA_INFO_KIND: u16 = 1;
 const IFLA_INFO_DATA: u16 = 2;
 const VETH_INFO_PEER: u16 = 1;
@@ -533,6 +535,11 @@ impl RouteSocket {
     /// Creates a veth pair: `host` (name, MAC; down) in this socket's namespace and
     /// `peer` (name, MAC; down: set it up with `set_up` from a socket in that namespace)
     /// in `peer_netns`.
+    ///
+    /// One transmit and one receive queue per side. By default a veth gets one of each per
+    /// possible CPU and then uses one: a queue's sysfs directories per CPU per side, and
+    /// lowering the transmit queues to one waits for an RCU grace period under the rtnl
+    /// lock, in every sandbox's create.
     pub fn create_veth(
         &mut self,
         host: (&str, [u8; 6]),
@@ -553,6 +560,8 @@ impl RouteSocket {
         if let Some(mtu) = mtu {
             m.attr_u32(IFLA_MTU, mtu);
         }
+        m.attr_u32(IFLA_NUM_TX_QUEUES, 1);
+        m.attr_u32(IFLA_NUM_RX_QUEUES, 1);
         m.begin_nest(IFLA_LINKINFO);
         m.attr_str(IFLA_INFO_KIND, "veth");
         m.begin_nest(IFLA_INFO_DATA);
@@ -565,6 +574,8 @@ impl RouteSocket {
         if let Some(mtu) = mtu {
             m.attr_u32(IFLA_MTU, mtu);
         }
+        m.attr_u32(IFLA_NUM_TX_QUEUES, 1);
+        m.attr_u32(IFLA_NUM_RX_QUEUES, 1);
         m.end_nest();
         m.end_nest();
         m.end_nest();

@@ -859,7 +859,8 @@ fn async_connect_in_netns() {
     assert!(err.to_string().contains("refused"), "{err}");
 }
 
-/// Detaches at once, from many threads (a kill storm's teardowns), share group deletes:
+/// Veths have one queue each way. Detaches at once, from many threads (a kill storm's
+/// teardowns), share group deletes:
 /// every slot's veth is gone when its detach returns, and nothing outside the doomed
 /// group is touched (a bystander link in another group survives).
 #[test]
@@ -877,6 +878,14 @@ fn concurrent_detaches_remove_every_veth_and_nothing_else() {
     let spaces: Vec<TestNs> = (0..8).map(|i| TestNs::new(&format!("storm{i}"))).collect();
     for (slot, ns) in spaces.iter().enumerate() {
         world.net.attach(&ns.ns, slot as u32).unwrap();
+    }
+    // One queue each way on both sides (not one per possible CPU).
+    let host_if = world.net.slot_info(0).unwrap().host_ifname;
+    for shown in [
+        sh("ip", &["-d", "link", "show", &host_if]),
+        sh("ip", &["-n", &spaces[0].name, "-d", "link", "show", "eth0"]),
+    ] {
+        assert!(shown.contains("numtxqueues 1 numrxqueues 1"), "{shown}");
     }
     let gone = |slot: u32| {
         let name = world.net.slot_info(slot).unwrap().host_ifname;
