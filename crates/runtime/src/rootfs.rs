@@ -134,10 +134,11 @@ pub(crate) fn lower_mount_points(spec: &SandboxSpec) -> Vec<PathBuf> {
 /// comes with every sandbox's end (its mount namespace dying with its last process)
 /// syncs the whole upper filesystem: on btrfs a transaction commit, host-wide, per
 /// sandbox (a profile of a closed create-kill loop found it the largest single cost of
-/// a sandbox's end). It also keeps a tenant's `sync`/`fsync` from forcing commits on the
-/// filesystem every sandbox shares. What must be durable is made so by the node (a
-/// pause syncs the filesystem once its checkpoint is written). A volatile mount leaves
-/// a marker that refuses the next mount of the same work directory:
+/// a sandbox's end). It also keeps a tenant's `fsync`/`syncfs` on its root from forcing
+/// commits on the filesystem every sandbox shares (`sync(2)` still walks every
+/// filesystem of the host: that one is not the overlay's to stop). What must be durable
+/// is made so by the node (a pause syncs the filesystem once its checkpoint is written).
+/// A volatile mount leaves a marker that refuses the next mount of the same work directory:
 /// [`clear_volatile_marker`] removes it before a sandbox is booted or restored again.
 pub(crate) fn overlay_options(spec: &SandboxSpec, lowers: &[PathBuf]) -> String {
     let lowerdir: Vec<String> = lowers

@@ -47,7 +47,10 @@
 //! create-run-kill cycle measured 1 ms faster per create when the next sandbox was not
 //! being made at the same moment. The target adapts: a create that finds its pool empty raises
 //! it (up to 4× the configured size), a minute without misses lowers it back; the sum of
-//! all pooled sandboxes' measured memory stays under `pool_memory_mb`.
+//! all pooled sandboxes' measured memory stays under `pool_memory_mb`. The create that
+//! missed does not simply go cold: it waits for a cold create's turn or a sandbox a
+//! refill under way makes ready, and takes whichever comes first
+//! ([`Inner::claim_or_turn`]).
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::{Arc, Weak};
