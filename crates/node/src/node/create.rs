@@ -194,15 +194,7 @@ impl Inner {
         template: &Template,
         t0: Instant,
     ) -> Result<SandboxRecord> {
-        let (record, _, [prep, spawn, health]) = self.start_sandbox(record, template, t0).await?;
-        tracing::debug!(
-            sandbox = %record.id,
-            prepared_us = prep.as_micros() as u64,
-            spawned_us = spawn.as_micros() as u64,
-            healthy_us = health.as_micros() as u64,
-            "sandbox started"
-        );
-        Ok(record)
+        Ok(self.start_sandbox(record, template, t0).await?.0)
     }
 
     async fn start_sandbox(

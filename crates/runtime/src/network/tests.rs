@@ -860,9 +860,9 @@ fn async_connect_in_netns() {
 }
 
 /// Veths have one queue each way. Detaches at once, from many threads (a kill storm's
-/// teardowns), share group deletes:
-/// every slot's veth is gone when its detach returns, and nothing outside the doomed
-/// group is touched (a bystander link in another group survives).
+/// teardowns), share group deletes: every slot's veth is gone when its detach returns,
+/// and nothing outside the doomed group is touched (a bystander link in another group
+/// survives).
 #[test]
 fn concurrent_detaches_remove_every_veth_and_nothing_else() {
     require_root!();
