@@ -1,12 +1,14 @@
 //! The sandbox helper: a short-lived, single-threaded process that creates the sandbox.
 //!
-//! `spawn` (in the caller, typically a multi-threaded tokio server) never forks itself
-//! without exec. It re-executes its own binary (`/proc/self/exe`) with [`HELPER_ARG`] as
-//! argv[1]; the binary's `main()` calls [`crate::maybe_run_helper`] first thing, which
-//! lands here. Being a fresh single-threaded process, the helper may use `clone(2)` like
-//! `fork(2)` safely. The sequence:
+//! `spawn` (in the caller, typically a multi-threaded tokio server) never forks itself.
+//! The caller's zygote (`zygote.rs`, a single-threaded exec of the caller's own binary)
+//! forks one helper per sandbox, with `CLONE_PARENT` (the helper is the caller's child),
+//! the request in memory, the status pipe on stdout and the sandbox log on stderr. Being
+//! a fork of a single-threaded process, the helper may use `clone(2)` like `fork(2)`
+//! safely. The sequence:
 //!
-//! 1. read the [`HelperRequest`] (JSON) from stdin; compile the seccomp policy;
+//! 1. parse the [`HelperRequest`] (JSON); the seccomp policy comes compiled from the
+//!    zygote;
 //! 2. join the sandbox cgroup (so the child is born in it, before any user code runs,
 //!    and its cgroup namespace is rooted there); chdir into the sandbox directory (the
 //!    child inherits it and builds its root filesystem relative to it, never through the
@@ -28,18 +30,15 @@
 //! close-on-exec copy of that pipe: end-of-file without an `error` line means the init
 //! program was exec'd.
 
-use std::io::{Read, Write};
+use std::io::Write;
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 
 use serde::{Deserialize, Serialize};
 
 use crate::cgroup::Cgroup;
-use crate::seccomp;
+use crate::seccomp::SeccompPolicy;
 use crate::spec::{BindMount, SandboxSpec};
 use crate::sys;
-
-/// argv[1] that turns the current binary into the sandbox helper.
-pub const HELPER_ARG: &str = "__cubicle-runtime-sandbox-helper__";
 
 /// What `spawn` sends the helper on stdin.
 #[derive(Serialize, Deserialize)]
@@ -94,12 +93,12 @@ pub(crate) fn mark(fd: RawFd, step: &str) {
     report(fd, &Status::Time(step.to_string(), sys::monotonic_ns()));
 }
 
-/// Entry point of the helper process; returns the exit code.
-pub(crate) fn main() -> i32 {
-    // The status pipe is stdout; panics print to stderr (the sandbox log).
+/// Entry point of a helper the zygote forked (stdout: the status pipe); returns the exit
+/// code.
+pub(crate) fn main(request: &[u8], policy: &SeccompPolicy) -> i32 {
     let out = std::io::stdout().as_raw_fd();
     mark(out, "helper_started");
-    match run(out) {
+    match run(request, policy, out) {
         Ok(()) => 0,
         Err(msg) => {
             report(out, &Status::Error(msg));
@@ -108,16 +107,11 @@ pub(crate) fn main() -> i32 {
     }
 }
 
-fn run(out: RawFd) -> Result<(), String> {
-    let mut input = String::new();
-    std::io::stdin()
-        .read_to_string(&mut input)
-        .map_err(|e| format!("helper: read request: {e}"))?;
+fn run(request: &[u8], policy: &SeccompPolicy, out: RawFd) -> Result<(), String> {
     let req: HelperRequest =
-        serde_json::from_str(&input).map_err(|e| format!("helper: parse request: {e}"))?;
+        serde_json::from_slice(request).map_err(|e| format!("helper: parse request: {e}"))?;
     let spec = req.spec;
     spec.validate().map_err(|e| e.to_string())?;
-    let policy = seccomp::compile().map_err(|e| e.to_string())?;
 
     if let Some(limit) = spec.open_files {
         crate::fd_limit::set(limit).map_err(|e| format!("open-files limit {limit:?}: {e}"))?;
@@ -141,7 +135,7 @@ fn run(out: RawFd) -> Result<(), String> {
         | libc::CLONE_NEWUTS
         | libc::CLONE_NEWCGROUP
         | libc::CLONE_PARENT;
-    // SAFETY: this process is single-threaded (a fresh exec of the helper), so a fork-like
+    // SAFETY: this process is single-threaded (a fork of the single-threaded zygote), so a fork-like
     // clone (no new stack: the child continues on a copy of ours) is as safe as fork().
     let pid = unsafe {
         libc::syscall(
@@ -161,7 +155,7 @@ fn run(out: RawFd) -> Result<(), String> {
     }
     if pid == 0 {
         drop(parent_sock);
-        crate::child::main(&spec, &cg.inner_mounts(), &policy, child_sock, out);
+        crate::child::main(&spec, &cg.inner_mounts(), policy, child_sock, out);
     }
     let pid = pid as i32;
     drop(child_sock);

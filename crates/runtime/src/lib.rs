@@ -10,27 +10,29 @@
 //!
 //! [`spawn`] must not `fork()` the calling process, which is typically a multi-threaded
 //! tokio server (a forked copy of a multi-threaded process may deadlock on a lock some
-//! other thread held). Instead it re-executes the current binary, `/proc/self/exe`, with
-//! a hidden argv marker; that fresh, single-threaded process (the *helper*) creates the
-//! sandbox with `clone(2)` and exits. Therefore **every binary that calls [`spawn`] must
-//! call [`maybe_run_helper`] first thing in `main()`**, before starting any runtime or
-//! thread:
+//! other thread held). Instead the first [`spawn`] re-executes the current binary,
+//! `/proc/self/exe`, once, with a hidden argv marker: that fresh, single-threaded process
+//! (the *zygote*, `zygote.rs`) lives as long as the caller and forks one *helper* per
+//! sandbox, which creates the sandbox with `clone(2)` and exits. Therefore **every binary
+//! that calls [`spawn`] must call [`maybe_run_helper`] first thing in `main()`**, before
+//! starting any runtime or thread:
 //!
 //! ```no_run
 //! # #![allow(clippy::needless_doctest_main)]
 //! fn main() {
-//!     cubicle_runtime::maybe_run_helper(); // never returns in the helper process
+//!     cubicle_runtime::maybe_run_helper(); // never returns in the zygote process
 //!     // ... normal program, e.g. build the tokio runtime ...
 //! }
 //! ```
 //!
 //! Integration tests that spawn sandboxes need their own `main` (`harness = false`).
-//! Re-exec costs about a millisecond; it was chosen over `clone(CLONE_VFORK)` from the
-//! server itself because the child has real work to do (mounts, path handling, error
+//! A fork of the zygote costs a fraction of a millisecond, an exec of the 43 MB `cubicle`
+//! binary per sandbox cost 1.5 ms of CPU; both were chosen over `clone(CLONE_VFORK)` from
+//! the server itself because the child has real work to do (mounts, path handling, error
 //! reporting) that is not async-signal-safe.
 //!
-//! The sandbox's init becomes a child of the process that called [`spawn`] (the helper
-//! uses `CLONE_PARENT`), so that process receives `SIGCHLD` for it; [`Sandbox`] reaps it
+//! The sandbox's init becomes a child of the process that called [`spawn`] (the zygote
+//! and the helper both use `CLONE_PARENT`), so that process receives `SIGCHLD` for it; [`Sandbox`] reaps it
 //! (with `waitpid` on that one pid — do not reap with `waitpid(-1)` elsewhere).
 //!
 //! If the calling process dies mid-create, the helper and the half-built sandbox notice
@@ -69,7 +71,7 @@
 //! Security policy lives in one file each: `seccomp.rs` (system calls),
 //! `masked_paths.rs` (/proc and /sys), `capabilities.rs` (bounding set).
 //! The rest reads in the order things happen: `sandbox.rs` (caller side) → `helper.rs`
-//! (re-exec'd helper) → `child.rs` (the sandbox's PID 1 before exec) → `rootfs.rs`.
+//! (the helper the zygote forks) → `child.rs` (the sandbox's PID 1 before exec) → `rootfs.rs`.
 
 mod attach;
 pub mod bench;
@@ -90,6 +92,7 @@ mod sandbox;
 pub mod seccomp;
 mod spec;
 mod sys;
+mod zygote;
 
 pub mod network;
 pub mod storage;
@@ -110,11 +113,14 @@ pub use spec::{
     SandboxSpec,
 };
 
-/// If this process was started as the sandbox helper (`argv[1]` is the hidden marker),
-/// runs the helper and exits; otherwise returns immediately. Call it first in `main()`.
+/// If this process was started as the sandbox zygote (`argv[1]` is the hidden marker),
+/// runs it and exits; otherwise returns immediately. Call it first in `main()`.
 pub fn maybe_run_helper() {
     let mut args = std::env::args_os();
-    if args.nth(1).as_deref() == Some(std::ffi::OsStr::new(helper::HELPER_ARG)) {
-        std::process::exit(helper::main());
+    if args.nth(1).as_deref() == Some(std::ffi::OsStr::new(zygote::ZYGOTE_ARG)) {
+        std::process::exit(zygote::main());
     }
 }
+
+#[doc(hidden)]
+pub use zygote::zygote_pid;

@@ -2,19 +2,19 @@
 //! destroy it; [`Sandbox::adopt`] and [`reap_orphans`] for reconciliation after a crash.
 
 use std::fs;
-use std::io::{Read, Write};
-use std::os::fd::{AsRawFd, OwnedFd};
+use std::io::Read;
+use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use std::os::unix::fs::{DirBuilderExt, PermissionsExt, chown};
-use std::os::unix::process::{CommandExt, ExitStatusExt};
+use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};
-use std::process::{Command, ExitStatus, Stdio};
+use std::process::ExitStatus;
 use std::sync::Arc;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use crate::cgroup::{self, Cgroup, CgroupStats};
 use crate::error::{Error, Result, io_ctx};
-use crate::helper::{HELPER_ARG, HelperRequest, Status};
+use crate::helper::{HelperRequest, Status};
 use crate::spec::SandboxSpec;
 use crate::sys;
 
@@ -201,38 +201,34 @@ fn run_helper(
     timings: &mut Vec<(String, Duration)>,
 ) -> Result<()> {
     // The helper's stderr, which the sandbox child makes PID 1's stdout and stderr.
-    let log: Stdio = match writer {
-        Some(w) => w.into(),
-        None => Stdio::null(),
+    let log = match writer {
+        Some(w) => w,
+        None => fs::OpenOptions::new()
+            .write(true)
+            .open("/dev/null")
+            .map_err(io_ctx(|| "open /dev/null".into()))?
+            .into(),
     };
-    let mut child = Command::new("/proc/self/exe")
-        .arg0("cubicle-sandbox-helper")
-        .arg(HELPER_ARG)
-        .env_clear()
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(log)
-        .spawn()
-        .map_err(io_ctx(|| "start sandbox helper (/proc/self/exe)".into()))?;
+    let (out, status_writer) = std::io::pipe().map_err(io_ctx(|| "status pipe".into()))?;
     let request = serde_json::to_vec(&HelperRequest { spec: spec.clone() })
         .map_err(|e| Error::Setup(format!("encode helper request: {e}")))?;
-    let write_res = child.stdin.take().map(|mut s| s.write_all(&request));
-    let mut out = child
-        .stdout
-        .take()
-        .ok_or_else(|| Error::Setup("helper stdout missing".into()))?;
+    let helper = crate::zygote::start_helper(&request, status_writer.as_fd(), log.as_fd())?;
+    // Only the helper (and the sandbox child) hold the write end now: end of file means
+    // both are done.
+    drop(status_writer);
+    drop(log);
 
     let mut buf = Vec::new();
     let deadline = Instant::now() + SPAWN_TIMEOUT;
-    let read_res = read_until_eof(&mut out, &mut buf, deadline);
+    let read_res = read_until_eof(out, &mut buf, deadline);
     if read_res.is_err() {
         // Timed out or broken pipe: don't block on a stuck helper (the sandbox child, if
         // any, is killed with the cgroup by the caller).
-        let _ = child.kill();
+        // SAFETY: kill with integer arguments; the helper is our child, not yet reaped.
+        unsafe { libc::kill(helper, libc::SIGKILL) };
     }
-    let helper_status = child
-        .wait()
-        .map_err(io_ctx(|| "wait for sandbox helper".into()))?;
+    let helper_status = reap_child(helper)
+        .ok_or_else(|| Error::Setup(format!("wait for sandbox helper {helper}: not our child")))?;
 
     let mut errors = Vec::new();
     for line in String::from_utf8_lossy(&buf).lines() {
@@ -249,9 +245,6 @@ fn run_helper(
         return Err(Error::Setup(errors.join("; ")));
     }
     read_res?;
-    if let Some(Err(e)) = write_res {
-        return Err(Error::Setup(format!("send request to helper: {e}")));
-    }
     if !helper_status.success() {
         return Err(Error::Setup(format!(
             "sandbox helper failed: {helper_status}"
@@ -266,7 +259,7 @@ fn run_helper(
 }
 
 fn read_until_eof(
-    out: &mut std::process::ChildStdout,
+    mut out: std::io::PipeReader,
     buf: &mut Vec<u8>,
     deadline: Instant,
 ) -> Result<()> {

@@ -466,10 +466,20 @@ pub fn send_with_fds(sock: RawFd, data: &[u8], fds: &[RawFd]) -> io::Result<()> 
     }
 }
 
-/// Receives one message and up to `max_fds` descriptors (SCM_RIGHTS, made close-on-exec).
-/// Returns the payload (empty on EOF) and the received descriptors.
+/// Receives one message of at most 4 KiB and up to `max_fds` descriptors (SCM_RIGHTS,
+/// made close-on-exec). Returns the payload (empty on EOF) and the received descriptors.
 pub fn recv_with_fds(sock: RawFd, max_fds: usize) -> io::Result<(Vec<u8>, Vec<OwnedFd>)> {
-    let mut data = vec![0u8; 4096];
+    recv_with_fds_sized(sock, 4096, max_fds)
+}
+
+/// [`recv_with_fds`] for messages of up to `max_len` bytes; a longer one (cut by the
+/// kernel) is an `EMSGSIZE` error, its descriptors closed.
+pub fn recv_with_fds_sized(
+    sock: RawFd,
+    max_len: usize,
+    max_fds: usize,
+) -> io::Result<(Vec<u8>, Vec<OwnedFd>)> {
+    let mut data = vec![0u8; max_len];
     let mut iov = libc::iovec {
         iov_base: data.as_mut_ptr().cast(),
         iov_len: data.len(),
@@ -502,6 +512,9 @@ pub fn recv_with_fds(sock: RawFd, max_fds: usize) -> io::Result<(Vec<u8>, Vec<Ow
             }
             cmsg = libc::CMSG_NXTHDR(&msg, cmsg);
         }
+    }
+    if msg.msg_flags & (libc::MSG_TRUNC | libc::MSG_CTRUNC) != 0 {
+        return Err(io::Error::from_raw_os_error(libc::EMSGSIZE));
     }
     Ok((data, fds))
 }

@@ -786,6 +786,9 @@ fn zombie_children() -> Vec<i32> {
 /// Parallel creates (as the node does from several threads) and many create/destroy
 /// cycles leave no fd, zombie, mount or cgroup behind.
 fn concurrent_cycles_leak_nothing(env: &Env) {
+    // The first spawn of a process starts its zygote, which keeps one socket open.
+    let spec = env.spec("true");
+    destroy_and_check(spawn(&spec).unwrap(), &spec);
     let fds_before = open_fds();
     for _round in 0..5 {
         let specs: Vec<SandboxSpec> = (0..4).map(|_| env.spec("sleep 30")).collect();
@@ -833,6 +836,62 @@ fn concurrent_cycles_leak_nothing(env: &Env) {
     assert!(ours.is_empty(), "cgroups left: {ours:?}");
 }
 
+/// The parent pid of `pid` (from /proc/<pid>/stat), `None` once it is gone.
+fn ppid_of(pid: i32) -> Option<i32> {
+    let stat = fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let after = stat
+        .rsplit_once(')')?
+        .1
+        .split_whitespace()
+        .nth(1)?
+        .to_string();
+    after.parse().ok()
+}
+
+/// Whether `pid` is gone or a zombie (it exited).
+fn exited(pid: i32) -> bool {
+    match fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Ok(stat) => stat
+            .rsplit_once(')')
+            .is_some_and(|(_, a)| a.trim_start().starts_with('Z')),
+        Err(_) => true,
+    }
+}
+
+/// The helpers come from a zygote that outlives them: sandboxes stay the caller's
+/// children, and a zygote that died is replaced by the next spawn (and reaped).
+fn a_dead_zygote_is_replaced(env: &Env) {
+    let me = std::process::id() as i32;
+    let spec = env.spec("sleep 30");
+    let first = spawn(&spec).unwrap();
+    assert_eq!(
+        ppid_of(first.pid()),
+        Some(me),
+        "the init is the caller's child"
+    );
+    let zygote = cubicle_runtime::zygote_pid().expect("a zygote after a spawn") as i32;
+    assert_eq!(
+        ppid_of(zygote),
+        Some(me),
+        "the zygote is the caller's child"
+    );
+    // SAFETY: kill with integer arguments.
+    assert_eq!(unsafe { libc::kill(zygote, libc::SIGKILL) }, 0);
+    let spec2 = env.spec("sleep 30");
+    let second = spawn(&spec2).unwrap();
+    assert!(second.is_alive());
+    assert_eq!(ppid_of(second.pid()), Some(me));
+    let replaced = cubicle_runtime::zygote_pid().expect("a new zygote") as i32;
+    assert_ne!(replaced, zygote, "a new zygote");
+    assert!(
+        !zombie_children().contains(&zygote),
+        "the dead zygote was reaped"
+    );
+    destroy_and_check(first, &spec);
+    destroy_and_check(second, &spec2);
+    assert_eq!(zombie_children(), Vec::<i32>::new(), "helpers reaped");
+}
+
 fn start_caller(spec: &SandboxSpec) -> std::process::Child {
     Command::new(std::env::current_exe().unwrap())
         .env(CALLER_ENV, serde_json::to_string(spec).unwrap())
@@ -853,8 +912,22 @@ fn caller_killed_leaves_nothing_after_reconcile(env: &Env) {
         .read_line(&mut line)
         .unwrap();
     assert!(line.starts_with("spawned"), "{line}");
+    let zygote: i32 = line
+        .split_whitespace()
+        .nth(3)
+        .and_then(|p| p.parse().ok())
+        .unwrap_or_else(|| panic!("no zygote pid in {line:?}"));
     caller.kill().unwrap();
     caller.wait().unwrap();
+    // The caller's zygote ends with it (end of file on its socket).
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while !exited(zygote) && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert!(
+        exited(zygote),
+        "the dead caller's zygote {zygote} still runs"
+    );
     let sb = Sandbox::adopt(&spec.id, &spec.sandbox_dir).unwrap();
     assert!(sb.is_alive());
     let pid = sb.pid();
@@ -966,6 +1039,7 @@ const TESTS: &[Test] = &[
     ("no_oom_without_pressure", no_oom_without_pressure),
     ("adopt_and_reap_after_crash", adopt_and_reap_after_crash),
     ("setup_failure_cleans_up", setup_failure_cleans_up),
+    ("a_dead_zygote_is_replaced", a_dead_zygote_is_replaced),
     (
         "concurrent_cycles_leak_nothing",
         concurrent_cycles_leak_nothing,
@@ -986,7 +1060,8 @@ fn main() {
     if let Ok(json) = std::env::var(CALLER_ENV) {
         let spec: SandboxSpec = serde_json::from_str(&json).unwrap();
         let sb = spawn(&spec).unwrap();
-        println!("spawned {}", sb.pid());
+        let zygote = cubicle_runtime::zygote_pid().unwrap();
+        println!("spawned {} zygote {zygote}", sb.pid());
         std::thread::sleep(Duration::from_secs(60));
         return;
     }

@@ -1,0 +1,300 @@
+//! The zygote: a long-lived, single-threaded fork server that starts sandbox helpers.
+//!
+//! [`crate::spawn`] must not fork the calling process (typically a multi-threaded tokio
+//! server), so a sandbox's helper used to be a fresh exec of the calling binary per
+//! sandbox. For the 43 MB `cubicle` binary that exec, its dynamic loading and relocation
+//! cost about 1.5 ms of CPU and 2–3 ms of latency per create, more under load. Instead
+//! the first spawn of a process execs the binary once as the *zygote* ([`ZYGOTE_ARG`]);
+//! for every sandbox the zygote forks a helper, which is the same fresh, single-threaded
+//! process the exec gave, with the seccomp policy already compiled and the cgroup layout
+//! already read.
+//!
+//! The zygote forks each helper with `CLONE_PARENT`: the helper, and through its own
+//! `CLONE_PARENT` the sandbox's init, are children of the process that called `spawn`,
+//! exactly as before, so that process reaps both and receives `SIGCHLD` for the init.
+//! The zygote itself has no children and holds nothing but its socket.
+//!
+//! Protocol (a `SOCK_SEQPACKET` pair; the zygote's end is its stdin): the caller sends one
+//! message per helper, the request's JSON with two descriptors, the status pipe (the
+//! helper's stdout) and the log (its stderr); the zygote answers `pid <pid>` or
+//! `error <message>`. End of file on the socket (the caller closed it or died) ends the
+//! zygote. A zygote that died or stopped answering is replaced by the next spawn.
+
+use std::os::fd::{AsRawFd, BorrowedFd, OwnedFd, RawFd};
+use std::os::unix::process::CommandExt;
+use std::process::{Child, Command, Stdio};
+use std::sync::Mutex;
+use std::time::Duration;
+
+use crate::error::{Error, Result};
+use crate::sys;
+
+/// argv[1] that turns the current binary into the zygote.
+pub const ZYGOTE_ARG: &str = "__cubicle-runtime-zygote__";
+
+/// Largest request (a sandbox spec's JSON) the zygote accepts.
+pub(crate) const MAX_REQUEST: usize = 256 * 1024;
+
+/// How long the zygote may take to answer a request (a fork): beyond it, it is replaced.
+const ANSWER_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// The calling process's zygote, started by the first spawn.
+static ZYGOTE: Mutex<Option<Zygote>> = Mutex::new(None);
+
+struct Zygote {
+    child: Child,
+    sock: OwnedFd,
+    /// The process that started it: a forked copy of that process must not use it
+    /// (the helpers would become the original's children).
+    owner: u32,
+}
+
+impl Zygote {
+    fn start() -> Result<Zygote> {
+        let (ours, theirs) = cubicle_syscalls::socket::seqpacket_pair()
+            .map_err(|e| Error::io("zygote socket pair", e))?;
+        let child = Command::new("/proc/self/exe")
+            .arg0("cubicle-sandbox-zygote")
+            .arg(ZYGOTE_ARG)
+            .env_clear()
+            .stdin(Stdio::from(theirs))
+            .stdout(Stdio::null())
+            .spawn()
+            .map_err(|e| Error::io("start the sandbox zygote (/proc/self/exe)", e))?;
+        Ok(Zygote {
+            child,
+            sock: ours,
+            owner: std::process::id(),
+        })
+    }
+
+    /// One request: the helper's pid, or why not.
+    fn ask(
+        &self,
+        request: &[u8],
+        stdout: RawFd,
+        stderr: RawFd,
+    ) -> std::result::Result<i32, Failure> {
+        let sock = self.sock.as_raw_fd();
+        sys::send_with_fds(sock, request, &[stdout, stderr])
+            .map_err(|e| Failure::NotSent(Error::io("send a request to the sandbox zygote", e)))?;
+        let broken = |e| Failure::Broken(Error::io("read the sandbox zygote's answer", e));
+        wait_readable(sock, ANSWER_TIMEOUT).map_err(broken)?;
+        let (answer, _) = sys::recv_with_fds(sock, 0).map_err(broken)?;
+        let answer = String::from_utf8_lossy(&answer);
+        if answer.is_empty() {
+            return Err(broken(std::io::ErrorKind::UnexpectedEof.into()));
+        }
+        let bad = || Failure::Broken(Error::Setup(format!("zygote: bad answer {answer:?}")));
+        match answer.split_once(' ') {
+            Some(("pid", p)) => p.parse().ok().filter(|&p: &i32| p > 0).ok_or_else(bad),
+            Some(("error", m)) => Err(Failure::Refused(Error::Setup(format!("zygote: {m}")))),
+            _ => Err(bad()),
+        }
+    }
+
+    fn stop(mut self) {
+        drop(self.sock);
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Why a request to the zygote failed.
+enum Failure {
+    /// It never got the request (it is gone): a new zygote may take it.
+    NotSent(Error),
+    /// It answered with an error; it is still fine.
+    Refused(Error),
+    /// It got the request but gave no answer: a helper may or may not exist, using the
+    /// request's status pipe, so the request must not be sent again.
+    Broken(Error),
+}
+
+fn wait_readable(fd: RawFd, timeout: Duration) -> std::io::Result<()> {
+    let deadline = std::time::Instant::now() + timeout;
+    loop {
+        let left = deadline.saturating_duration_since(std::time::Instant::now());
+        let mut pfd = libc::pollfd {
+            fd,
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // SAFETY: one valid pollfd.
+        let rc = unsafe { libc::poll(&mut pfd, 1, left.as_millis() as i32) };
+        if rc > 0 {
+            return Ok(());
+        }
+        if rc == 0 {
+            return Err(std::io::ErrorKind::TimedOut.into());
+        }
+        let err = std::io::Error::last_os_error();
+        if err.kind() != std::io::ErrorKind::Interrupted {
+            return Err(err);
+        }
+    }
+}
+
+/// Starts a sandbox helper for `request` (a [`crate::helper::HelperRequest`]'s JSON)
+/// with `stdout` as its status pipe and `stderr` as its log; returns its pid, a child of
+/// this process that the caller must reap. Starts (or replaces) the zygote as needed.
+pub(crate) fn start_helper(
+    request: &[u8],
+    stdout: BorrowedFd<'_>,
+    stderr: BorrowedFd<'_>,
+) -> Result<i32> {
+    if request.len() > MAX_REQUEST {
+        return Err(Error::InvalidSpec(format!(
+            "sandbox spec of {} bytes (at most {MAX_REQUEST})",
+            request.len()
+        )));
+    }
+    let mut slot = ZYGOTE.lock().unwrap_or_else(|e| e.into_inner());
+    if slot.as_ref().is_some_and(|z| z.owner != std::process::id()) {
+        // Inherited through a fork: not ours to use, stop or wait for.
+        std::mem::forget(slot.take());
+    }
+    let mut last = None;
+    for _ in 0..2 {
+        let zygote = match slot.take() {
+            Some(z) => z,
+            None => Zygote::start()?,
+        };
+        match zygote.ask(request, stdout.as_raw_fd(), stderr.as_raw_fd()) {
+            Ok(pid) => {
+                *slot = Some(zygote);
+                return Ok(pid);
+            }
+            Err(Failure::Refused(e)) => {
+                *slot = Some(zygote);
+                return Err(e);
+            }
+            Err(Failure::Broken(e)) => {
+                // The next spawn starts a new zygote; this one's request is lost (the
+                // caller removes whatever a helper made of it, with the cgroup).
+                zygote.stop();
+                return Err(e);
+            }
+            Err(Failure::NotSent(e)) => {
+                // Gone (e.g. killed): a new zygote takes the request.
+                zygote.stop();
+                last = Some(e);
+            }
+        }
+    }
+    Err(last.unwrap_or_else(|| Error::Setup("zygote: no answer".into())))
+}
+
+/// The zygote's pid, if this process has one running (tests).
+#[doc(hidden)]
+pub fn zygote_pid() -> Option<u32> {
+    let slot = ZYGOTE.lock().unwrap_or_else(|e| e.into_inner());
+    slot.as_ref().map(|z| z.child.id())
+}
+
+/// Entry point of the zygote process (a fresh exec; its stdin is the socket); returns
+/// the exit code.
+pub(crate) fn main() -> i32 {
+    let policy = match crate::seccomp::compile() {
+        Ok(p) => p,
+        Err(e) => return serve_errors(&format!("seccomp policy: {e}")),
+    };
+    // Read once here, inherited by every helper.
+    let _ = crate::cgroup::Layout::detect();
+    // SAFETY: opening a constant path.
+    let devnull = unsafe { libc::open(c"/dev/null".as_ptr(), libc::O_RDWR | libc::O_CLOEXEC) };
+    if devnull < 0 {
+        return serve_errors(&format!(
+            "open /dev/null: {}",
+            std::io::Error::last_os_error()
+        ));
+    }
+    loop {
+        let (request, fds) = match sys::recv_with_fds_sized(0, MAX_REQUEST, 2) {
+            Ok((r, _)) if r.is_empty() => return 0,
+            Ok(m) => m,
+            Err(e) if e.raw_os_error() == Some(libc::EMSGSIZE) => {
+                answer("error request too large or with too many descriptors");
+                continue;
+            }
+            Err(_) => return 1,
+        };
+        if fds.len() != 2 {
+            answer(&format!("error expected 2 descriptors, got {}", fds.len()));
+            continue;
+        }
+        // SAFETY: this process is single-threaded, so a fork-like clone is as safe as
+        // fork(). CLONE_PARENT: the helper is a child of the zygote's parent.
+        let pid = unsafe {
+            libc::syscall(
+                libc::SYS_clone,
+                (libc::CLONE_PARENT | libc::SIGCHLD) as libc::c_ulong,
+                0usize,
+                0usize,
+                0usize,
+                0usize,
+            )
+        };
+        if pid == 0 {
+            // The helper: status pipe on 1, log on 2, /dev/null on 0 (which closes our
+            // copy of the socket).
+            // SAFETY: dup2 with descriptors this process owns.
+            let ok = unsafe {
+                libc::dup2(fds[0].as_raw_fd(), 1) >= 0
+                    && libc::dup2(fds[1].as_raw_fd(), 2) >= 0
+                    && libc::dup2(devnull, 0) >= 0
+            };
+            drop(fds);
+            // SAFETY: closing our own descriptor.
+            unsafe { libc::close(devnull) };
+            let code = if ok {
+                crate::helper::main(&request, &policy)
+            } else {
+                1
+            };
+            // SAFETY: the helper ends here, without unwinding into the zygote's loop.
+            unsafe { libc::_exit(code) };
+        }
+        drop(fds);
+        if pid < 0 {
+            answer(&format!(
+                "error fork a sandbox helper: {}",
+                std::io::Error::last_os_error()
+            ));
+        } else {
+            answer(&format!("pid {pid}"));
+        }
+    }
+}
+
+/// Sends one answer to the caller (best effort: if it is gone, the next read ends us).
+fn answer(text: &str) {
+    let _ = sys::send_with_fds(0, text.as_bytes(), &[]);
+}
+
+/// A zygote that cannot make helpers answers every request with `message` until its
+/// caller gives up on it.
+fn serve_errors(message: &str) -> i32 {
+    loop {
+        match sys::recv_with_fds_sized(0, MAX_REQUEST, 2) {
+            Ok((r, _)) if r.is_empty() => return 1,
+            Ok(_) => answer(&format!("error {message}")),
+            Err(_) => return 1,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::fd::AsFd;
+
+    #[test]
+    fn oversized_requests_are_refused_before_any_zygote_starts() {
+        let (a, b) = cubicle_syscalls::socket::seqpacket_pair().unwrap();
+        let big = vec![b'x'; MAX_REQUEST + 1];
+        let err = start_helper(&big, a.as_fd(), b.as_fd()).unwrap_err();
+        assert!(matches!(err, Error::InvalidSpec(_)), "{err}");
+        assert!(zygote_pid().is_none());
+    }
+}
