@@ -25,9 +25,10 @@
 //!
 //! # The helper contract
 //!
-//! Like `cubicle_runtime::spawn`, [`restore`] re-executes `/proc/self/exe`; every binary
-//! that calls it must call [`maybe_run_helper`] first thing in `main()` (it also runs the
-//! runtime's sandbox helper, so it replaces `cubicle_runtime::maybe_run_helper`).
+//! Like `cubicle_runtime::spawn` (whose zygote is an exec of `/proc/self/exe`),
+//! [`restore`] re-executes `/proc/self/exe`; every binary that calls it must call
+//! [`maybe_run_helper`] first thing in `main()` (it also runs the runtime's sandbox
+//! zygote, so it replaces `cubicle_runtime::maybe_run_helper`).
 
 mod archive;
 mod criu;

@@ -44,6 +44,10 @@ use crate::sys;
 #[derive(Serialize, Deserialize)]
 pub(crate) struct HelperRequest {
     pub spec: SandboxSpec,
+    /// The nice value of the thread that called `spawn`: the helper and the sandbox run
+    /// at it, as they did when that thread exec'd the helper (the node makes pooled
+    /// sandboxes at a low priority and raises them when claimed).
+    pub nice: i32,
 }
 
 /// One line of the status protocol.
@@ -110,6 +114,14 @@ pub(crate) fn main(request: &[u8], policy: &SeccompPolicy) -> i32 {
 fn run(request: &[u8], policy: &SeccompPolicy, out: RawFd) -> Result<(), String> {
     let req: HelperRequest =
         serde_json::from_slice(request).map_err(|e| format!("helper: parse request: {e}"))?;
+    // SAFETY: no memory arguments; who 0 = this (single-threaded) process.
+    if unsafe { libc::setpriority(libc::PRIO_PROCESS, 0, req.nice) } != 0 {
+        return Err(format!(
+            "helper: nice {}: {}",
+            req.nice,
+            std::io::Error::last_os_error()
+        ));
+    }
     let spec = req.spec;
     spec.validate().map_err(|e| e.to_string())?;
 

@@ -210,8 +210,11 @@ fn run_helper(
             .into(),
     };
     let (out, status_writer) = std::io::pipe().map_err(io_ctx(|| "status pipe".into()))?;
-    let request = serde_json::to_vec(&HelperRequest { spec: spec.clone() })
-        .map_err(|e| Error::Setup(format!("encode helper request: {e}")))?;
+    let request = serde_json::to_vec(&HelperRequest {
+        spec: spec.clone(),
+        nice: thread_nice(),
+    })
+    .map_err(|e| Error::Setup(format!("encode helper request: {e}")))?;
     let helper = crate::zygote::start_helper(&request, status_writer.as_fd(), log.as_fd())?;
     // Only the helper (and the sandbox child) hold the write end now: end of file means
     // both are done.
@@ -256,6 +259,21 @@ fn run_helper(
         ));
     }
     Ok(())
+}
+
+/// The calling thread's nice value (Linux keeps one per thread).
+fn thread_nice() -> i32 {
+    // SAFETY: errno is thread-local; getpriority has no memory arguments. -1 is a valid
+    // nice value, so errno tells an error apart (none is possible for who = 0).
+    unsafe {
+        *libc::__errno_location() = 0;
+        let nice = libc::getpriority(libc::PRIO_PROCESS, 0);
+        if nice == -1 && *libc::__errno_location() != 0 {
+            0
+        } else {
+            nice
+        }
+    }
 }
 
 fn read_until_eof(

@@ -877,6 +877,12 @@ fn a_dead_zygote_is_replaced(env: &Env) {
     );
     // SAFETY: kill with integer arguments.
     assert_eq!(unsafe { libc::kill(zygote, libc::SIGKILL) }, 0);
+    // Dead before the next request: a zygote killed after it took a request fails that
+    // spawn instead (it may have forked a helper), which is not what this tests.
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while !exited(zygote) && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(1));
+    }
     let spec2 = env.spec("sleep 30");
     let second = spawn(&spec2).unwrap();
     assert!(second.is_alive());
@@ -890,6 +896,35 @@ fn a_dead_zygote_is_replaced(env: &Env) {
     destroy_and_check(first, &spec);
     destroy_and_check(second, &spec2);
     assert_eq!(zombie_children(), Vec::<i32>::new(), "helpers reaped");
+}
+
+/// The nice value of `pid` (field 19 of /proc/<pid>/stat).
+fn nice_of(pid: i32) -> i32 {
+    let stat = fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
+    let after = stat.rsplit_once(')').unwrap().1;
+    after.split_whitespace().nth(16).unwrap().parse().unwrap()
+}
+
+/// A sandbox runs at the nice value of the thread that spawned it, whatever thread
+/// started the zygote (the node makes pooled sandboxes at nice 19, requests' at 0).
+fn sandbox_runs_at_the_spawning_threads_nice(env: &Env) {
+    for nice in [10, 0, 10] {
+        let spec = env.spec("sleep 30");
+        let s = spec.clone();
+        let sb = std::thread::spawn(move || {
+            // SAFETY: no memory arguments; who 0 = this thread.
+            unsafe { libc::setpriority(libc::PRIO_PROCESS, 0, nice) };
+            spawn(&s).unwrap()
+        })
+        .join()
+        .unwrap();
+        assert_eq!(
+            nice_of(sb.pid()),
+            nice,
+            "spawned from a thread at nice {nice}"
+        );
+        destroy_and_check(sb, &spec);
+    }
 }
 
 fn start_caller(spec: &SandboxSpec) -> std::process::Child {
@@ -1040,6 +1075,10 @@ const TESTS: &[Test] = &[
     ("adopt_and_reap_after_crash", adopt_and_reap_after_crash),
     ("setup_failure_cleans_up", setup_failure_cleans_up),
     ("a_dead_zygote_is_replaced", a_dead_zygote_is_replaced),
+    (
+        "sandbox_runs_at_the_spawning_threads_nice",
+        sandbox_runs_at_the_spawning_threads_nice,
+    ),
     (
         "concurrent_cycles_leak_nothing",
         concurrent_cycles_leak_nothing,

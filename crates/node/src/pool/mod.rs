@@ -37,7 +37,8 @@
 //! one per core overlap: on the two-core development VM, four at a time instead of two
 //! cut a closed loop's misses from 30 to 8–10 in 200 creates (`docs/bench.md`). It runs
 //! on the node's background thread at nice 19 (shared with asynchronous teardowns), and
-//! so do the helper and sandbox processes it starts (nice is inherited): making the next
+//! so do the helper and sandbox processes it starts (the runtime gives a helper the
+//! spawning thread's nice value, and the sandbox inherits the helper's): making the next
 //! pooled sandbox (about 10 ms of CPU) and removing the last one must not slow the claim
 //! or that sandbox's first commands. A claim raises the
 //! sandbox's tasks back to nice 0 before `/init`, so its user's processes run at normal
