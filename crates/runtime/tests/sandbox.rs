@@ -758,29 +758,23 @@ fn open_fds() -> usize {
     fs::read_dir("/proc/self/fd").unwrap().count()
 }
 
+/// The fields of /proc/<pid>/stat after the command (state, ppid, …: field 3 is [0]);
+/// `None` once the process is gone.
+fn stat_fields(pid: i32) -> Option<Vec<String>> {
+    let stat = fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let (_, after) = stat.rsplit_once(')')?;
+    Some(after.split_whitespace().map(str::to_string).collect())
+}
+
 /// Children of this process that are zombies (an init nobody reaped).
 fn zombie_children() -> Vec<i32> {
     let me = std::process::id().to_string();
-    let mut z = Vec::new();
-    for e in fs::read_dir("/proc").unwrap().flatten() {
-        let Ok(pid) = e.file_name().to_string_lossy().parse::<i32>() else {
-            continue;
-        };
-        let Ok(stat) = fs::read_to_string(format!("/proc/{pid}/stat")) else {
-            continue;
-        };
-        // pid (comm) state ppid ...
-        let Some(after) = stat
-            .rsplit_once(')')
-            .map(|(_, a)| a.split_whitespace().collect::<Vec<_>>())
-        else {
-            continue;
-        };
-        if after.len() > 1 && after[0] == "Z" && after[1] == me {
-            z.push(pid);
-        }
-    }
-    z
+    fs::read_dir("/proc")
+        .unwrap()
+        .flatten()
+        .filter_map(|e| e.file_name().to_string_lossy().parse::<i32>().ok())
+        .filter(|&pid| stat_fields(pid).is_some_and(|f| f.len() > 1 && f[0] == "Z" && f[1] == me))
+        .collect()
 }
 
 /// Parallel creates (as the node does from several threads) and many create/destroy
@@ -836,26 +830,14 @@ fn concurrent_cycles_leak_nothing(env: &Env) {
     assert!(ours.is_empty(), "cgroups left: {ours:?}");
 }
 
-/// The parent pid of `pid` (from /proc/<pid>/stat), `None` once it is gone.
+/// The parent pid of `pid`, `None` once it is gone.
 fn ppid_of(pid: i32) -> Option<i32> {
-    let stat = fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    let after = stat
-        .rsplit_once(')')?
-        .1
-        .split_whitespace()
-        .nth(1)?
-        .to_string();
-    after.parse().ok()
+    stat_fields(pid)?.get(1)?.parse().ok()
 }
 
 /// Whether `pid` is gone or a zombie (it exited).
 fn exited(pid: i32) -> bool {
-    match fs::read_to_string(format!("/proc/{pid}/stat")) {
-        Ok(stat) => stat
-            .rsplit_once(')')
-            .is_some_and(|(_, a)| a.trim_start().starts_with('Z')),
-        Err(_) => true,
-    }
+    stat_fields(pid).is_none_or(|f| f.first().is_some_and(|s| s == "Z"))
 }
 
 /// The helpers come from a zygote that outlives them: sandboxes stay the caller's
@@ -900,9 +882,7 @@ fn a_dead_zygote_is_replaced(env: &Env) {
 
 /// The nice value of `pid` (field 19 of /proc/<pid>/stat).
 fn nice_of(pid: i32) -> i32 {
-    let stat = fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
-    let after = stat.rsplit_once(')').unwrap().1;
-    after.split_whitespace().nth(16).unwrap().parse().unwrap()
+    stat_fields(pid).unwrap()[16].parse().unwrap()
 }
 
 /// A sandbox runs at the nice value of the thread that spawned it, whatever thread
