@@ -40,7 +40,7 @@ use crate::seccomp::SeccompPolicy;
 use crate::spec::{BindMount, SandboxSpec};
 use crate::sys;
 
-/// What `spawn` sends the helper on stdin.
+/// What `spawn` sends the helper (through the zygote, which forks it).
 #[derive(Serialize, Deserialize)]
 pub(crate) struct HelperRequest {
     pub spec: SandboxSpec,

@@ -283,28 +283,14 @@ fn read_until_eof(
 ) -> Result<()> {
     let mut chunk = [0u8; 4096];
     loop {
-        let left = deadline.saturating_duration_since(Instant::now());
-        if left.is_zero() {
-            return Err(Error::Setup(format!(
-                "sandbox did not start within {SPAWN_TIMEOUT:?}"
-            )));
-        }
-        let mut pfd = libc::pollfd {
-            fd: out.as_raw_fd(),
-            events: libc::POLLIN,
-            revents: 0,
-        };
-        // SAFETY: one valid pollfd.
-        let rc = unsafe { libc::poll(&mut pfd, 1, left.as_millis().min(i32::MAX as u128) as i32) };
-        if rc < 0 {
-            let e = std::io::Error::last_os_error();
-            if e.kind() == std::io::ErrorKind::Interrupted {
-                continue;
+        match sys::wait_readable(out.as_raw_fd(), deadline) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::TimedOut => {
+                return Err(Error::Setup(format!(
+                    "sandbox did not start within {SPAWN_TIMEOUT:?}"
+                )));
             }
-            return Err(io_ctx(|| "poll helper status".into())(e));
-        }
-        if rc == 0 {
-            continue;
+            Err(e) => return Err(io_ctx(|| "poll helper status".into())(e)),
         }
         match out.read(&mut chunk) {
             Ok(0) => return Ok(()),

@@ -427,6 +427,34 @@ pub fn write_all_fd(fd: RawFd, mut buf: &[u8]) -> io::Result<()> {
     Ok(())
 }
 
+/// Waits until `fd` is readable (or at end of file), retrying interrupted polls; a
+/// `TimedOut` error once `deadline` passes.
+pub fn wait_readable(fd: RawFd, deadline: std::time::Instant) -> io::Result<()> {
+    loop {
+        let left = deadline.saturating_duration_since(std::time::Instant::now());
+        let mut pfd = libc::pollfd {
+            fd,
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // SAFETY: one valid pollfd.
+        let rc = unsafe { libc::poll(&mut pfd, 1, left.as_millis().min(i32::MAX as u128) as i32) };
+        if rc > 0 {
+            return Ok(());
+        }
+        if rc == 0 {
+            if left.is_zero() {
+                return Err(io::ErrorKind::TimedOut.into());
+            }
+            continue;
+        }
+        let err = io::Error::last_os_error();
+        if err.kind() != io::ErrorKind::Interrupted {
+            return Err(err);
+        }
+    }
+}
+
 /// Sends `data` plus `fds` (SCM_RIGHTS) over a connected Unix socket.
 pub fn send_with_fds(sock: RawFd, data: &[u8], fds: &[RawFd]) -> io::Result<()> {
     let mut iov = libc::iovec {

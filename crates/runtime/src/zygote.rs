@@ -79,7 +79,7 @@ impl Zygote {
         sys::send_with_fds(sock, request, &[stdout, stderr])
             .map_err(|e| Failure::NotSent(Error::io("send a request to the sandbox zygote", e)))?;
         let broken = |e| Failure::Broken(Error::io("read the sandbox zygote's answer", e));
-        wait_readable(sock, ANSWER_TIMEOUT).map_err(broken)?;
+        sys::wait_readable(sock, std::time::Instant::now() + ANSWER_TIMEOUT).map_err(broken)?;
         let (answer, _) = sys::recv_with_fds(sock, 0).map_err(broken)?;
         let answer = String::from_utf8_lossy(&answer);
         if answer.is_empty() {
@@ -109,30 +109,6 @@ enum Failure {
     /// It got the request but gave no answer: a helper may or may not exist, using the
     /// request's status pipe, so the request must not be sent again.
     Broken(Error),
-}
-
-fn wait_readable(fd: RawFd, timeout: Duration) -> std::io::Result<()> {
-    let deadline = std::time::Instant::now() + timeout;
-    loop {
-        let left = deadline.saturating_duration_since(std::time::Instant::now());
-        let mut pfd = libc::pollfd {
-            fd,
-            events: libc::POLLIN,
-            revents: 0,
-        };
-        // SAFETY: one valid pollfd.
-        let rc = unsafe { libc::poll(&mut pfd, 1, left.as_millis() as i32) };
-        if rc > 0 {
-            return Ok(());
-        }
-        if rc == 0 {
-            return Err(std::io::ErrorKind::TimedOut.into());
-        }
-        let err = std::io::Error::last_os_error();
-        if err.kind() != std::io::ErrorKind::Interrupted {
-            return Err(err);
-        }
-    }
 }
 
 /// Starts a sandbox helper for `request` (a [`crate::helper::HelperRequest`]'s JSON)
