@@ -6,7 +6,9 @@
 //!   pools) and is granted a lease under a new epoch.
 //! - **Renewal.** Every [`RENEW_EVERY`] it renews the lease for [`LEASE`] (so a node
 //!   that stops renewing is declared lost by the replicas within about ten seconds),
-//!   reporting its templates and pools again.
+//!   reporting its templates and pools again. A thread of its own renews, with the
+//!   report refreshed beside it, so that a busy node (a template store slow to read,
+//!   tokio workers stuck in blocking calls) is not mistaken for a lost one.
 //! - **Fencing.** When a renewal fails with [`cubicle_store::Error::Fenced`] the cluster
 //!   declared this node lost (its lease ran out: a partition, a stall) and already
 //!   reported its sandboxes dead. The node stops acting on them — it kills them — and
@@ -29,8 +31,10 @@
 
 use std::collections::HashSet;
 use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::{Receiver, RecvTimeoutError};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use cubicle_node::{DeathReason, Node, SandboxState};
@@ -74,6 +78,68 @@ struct Member {
     reg: NodeRegistration,
     /// The lease held now (shared with the [`Ledger`]).
     lease: Arc<Mutex<Option<NodeLease>>>,
+    /// What renewals report.
+    report: Arc<KeptReport>,
+}
+
+/// Template names and warm pools, as the `nodes` row has them.
+type Report = (Vec<String>, serde_json::Value);
+
+/// What renewals report: the last value read, refreshed beside each renewal, so that a
+/// slow read (a template store that takes seconds) delays the report, never a renewal.
+struct KeptReport {
+    value: Mutex<Report>,
+    /// A refresh is under way.
+    refreshing: AtomicBool,
+    read: Box<dyn Fn() -> Report + Send + Sync>,
+}
+
+impl KeptReport {
+    fn new(read: impl Fn() -> Report + Send + Sync + 'static) -> Arc<Self> {
+        Arc::new(KeptReport {
+            value: Mutex::new(Default::default()),
+            refreshing: AtomicBool::new(false),
+            read: Box::new(read),
+        })
+    }
+
+    /// The last value read; starts a refresh on `rt`'s blocking threads unless one is
+    /// under way.
+    fn get(self: &Arc<Self>, rt: &tokio::runtime::Handle) -> Report {
+        if !self.refreshing.swap(true, Ordering::SeqCst) {
+            let me = self.clone();
+            rt.spawn_blocking(move || {
+                me.set((me.read)());
+                me.refreshing.store(false, Ordering::SeqCst);
+            });
+        }
+        self.value.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    fn set(&self, r: Report) {
+        *self.value.lock().unwrap_or_else(|p| p.into_inner()) = r;
+    }
+}
+
+/// How often a lease is renewed, and for how long.
+#[derive(Clone, Copy)]
+struct Cadence {
+    every: Duration,
+    lease: Duration,
+}
+
+/// The thread that keeps the lease ([`join`]); [`LeaseKeeper::stop`] ends it.
+pub struct LeaseKeeper {
+    stop: std::sync::mpsc::Sender<()>,
+}
+
+impl LeaseKeeper {
+    /// Stops renewing: the lease then runs out by itself, and the cluster declares the
+    /// node lost unless it comes back (and adopts its sandboxes) first. (The thread ends
+    /// at its next wake-up, after a renewal under way at most.)
+    pub fn stop(self) {
+        drop(self.stop);
+    }
 }
 
 /// The node's [`cubicle_node::PublishedCopies`]: the `published_at` mark of its
@@ -134,7 +200,7 @@ pub async fn join(
     node: &Node,
     args: &LeaseArgs,
     listen: SocketAddr,
-) -> anyhow::Result<Option<tokio::task::JoinHandle<()>>> {
+) -> anyhow::Result<Option<LeaseKeeper>> {
     let Some(url) = &args.database else {
         return Ok(None);
     };
@@ -182,9 +248,19 @@ pub async fn join(
             templates: Vec::new(),
             pool_state: serde_json::Value::Null,
         },
+        report: {
+            let node = node.clone();
+            KeptReport::new(move || report_of(&node))
+        },
     });
     let lease = member.register().await?;
-    Ok(Some(tokio::spawn(member.keep(lease))))
+    let (stop, stopped) = std::sync::mpsc::channel();
+    let rt = tokio::runtime::Handle::current();
+    std::thread::Builder::new()
+        .name("cubicle-lease".into())
+        .spawn(move || member.keep(lease, &rt, &stopped))
+        .context("starting the lease thread")?;
+    Ok(Some(LeaseKeeper { stop }))
 }
 
 fn host_name() -> anyhow::Result<String> {
@@ -196,21 +272,13 @@ fn host_name() -> anyhow::Result<String> {
 }
 
 impl Member {
-    /// What the node has now: template names and its warm pools.
-    fn report(&self) -> (Vec<String>, serde_json::Value) {
-        let templates = self
-            .node
-            .templates()
-            .list()
-            .map(|v| v.into_iter().map(|t| t.config.name).collect())
-            .unwrap_or_default();
-        let pool = serde_json::to_value(self.node.pool_stats()).unwrap_or_default();
-        (templates, pool)
-    }
-
     /// Registers (a new epoch) and adopts what is still this node's.
     async fn register(self: &std::sync::Arc<Self>) -> anyhow::Result<NodeLease> {
-        let (templates, pool_state) = self.report();
+        let node = self.node.clone();
+        let (templates, pool_state) = tokio::task::spawn_blocking(move || report_of(&node))
+            .await
+            .context("report task")?;
+        self.report.set((templates.clone(), pool_state.clone()));
         let reg = NodeRegistration {
             templates,
             pool_state,
@@ -324,55 +392,202 @@ impl Member {
         );
     }
 
-    /// Renews the lease until the task is aborted; registers again when fenced.
-    async fn keep(self: std::sync::Arc<Self>, mut lease: NodeLease) {
-        let mut failing: Option<String> = None;
-        loop {
-            tokio::time::sleep(RENEW_EVERY).await;
-            let (templates, pool) = self.report();
-            let (me, l) = (self.clone(), lease.clone());
-            let r = tokio::task::spawn_blocking(move || {
-                me.store
-                    .renew_lease(&l, now_ms(), LEASE.as_millis() as i64, &templates, &pool)
-            })
-            .await;
-            match r {
-                Ok(Ok(l)) => {
-                    *self.lease.lock().unwrap_or_else(|p| p.into_inner()) = Some(l.clone());
-                    if let Some(why) = failing.take() {
-                        tracing::info!(node = %self.reg.id, epoch = l.epoch, "lease renewed again (it failed: {why})");
-                    }
+    /// Renews the lease until `stopped` says so (see [`renew_until_stopped`]); registers
+    /// again when fenced.
+    fn keep(
+        self: Arc<Self>,
+        lease: NodeLease,
+        rt: &tokio::runtime::Handle,
+        stopped: &Receiver<()>,
+    ) {
+        let cadence = Cadence {
+            every: RENEW_EVERY,
+            lease: LEASE,
+        };
+        renew_until_stopped(
+            &self.store,
+            lease,
+            cadence,
+            &self.report,
+            rt,
+            stopped,
+            |l| *self.lease.lock().unwrap_or_else(|p| p.into_inner()) = Some(l.clone()),
+            || match rt.block_on(self.register()) {
+                Ok(l) => Some(l),
+                Err(e) => {
+                    tracing::warn!(node = %self.reg.id, "registering again failed: {e:#}; retrying");
+                    None
+                }
+            },
+        );
+    }
+}
+
+/// What node `node` has now: template names and its warm pools (reads the template
+/// store: call it where blocking is allowed).
+fn report_of(node: &Node) -> Report {
+    let templates = node
+        .templates()
+        .list()
+        .map(|v| v.into_iter().map(|t| t.config.name).collect())
+        .unwrap_or_default();
+    let pool = serde_json::to_value(node.pool_stats()).unwrap_or_default();
+    (templates, pool)
+}
+
+/// Renews `lease` every `cadence.every` until `stopped` says so; `renewed` gets each
+/// new lease, `fenced` registers again (a new lease, or `None` to retry at the next
+/// turn). Meant for a thread of its own, renewing with the last report it has: then
+/// nothing else the node does (a template store that takes seconds to read, tokio
+/// workers stuck in a blocking call) delays a renewal. A node whose renewals stall is
+/// declared lost and its sandboxes reported dead, which is far worse for its users than
+/// a report a few seconds old.
+#[allow(clippy::too_many_arguments)]
+fn renew_until_stopped(
+    store: &Store,
+    mut lease: NodeLease,
+    cadence: Cadence,
+    report: &Arc<KeptReport>,
+    rt: &tokio::runtime::Handle,
+    stopped: &Receiver<()>,
+    mut renewed: impl FnMut(&NodeLease),
+    mut fenced: impl FnMut() -> Option<NodeLease>,
+) {
+    let node = lease.node_id.clone();
+    let mut failing: Option<String> = None;
+    let mut last = Instant::now();
+    loop {
+        match stopped.recv_timeout(cadence.every) {
+            Err(RecvTimeoutError::Timeout) => {}
+            Ok(()) | Err(RecvTimeoutError::Disconnected) => return,
+        }
+        let (templates, pool) = report.get(rt);
+        let t0 = Instant::now();
+        let r = store.renew_lease(
+            &lease,
+            now_ms(),
+            cadence.lease.as_millis() as i64,
+            &templates,
+            &pool,
+        );
+        match r {
+            Ok(l) => {
+                renewed(&l);
+                let since = last.elapsed();
+                if since > 2 * cadence.every {
+                    tracing::warn!(node = %node, epoch = l.epoch, "lease renewed {:.1} s after the one before (every {:?}; the database took {:.1} s)", since.as_secs_f64(), cadence.every, t0.elapsed().as_secs_f64());
+                }
+                last = Instant::now();
+                if let Some(why) = failing.take() {
+                    tracing::info!(node = %node, epoch = l.epoch, "lease renewed again (it failed: {why})");
+                }
+                lease = l;
+            }
+            Err(cubicle_store::Error::Fenced { epoch, .. }) => {
+                tracing::warn!(
+                    node = %node,
+                    epoch,
+                    "fenced: the cluster declared this node lost and reported its sandboxes dead; killing them and registering again (last renewal {:.1} s ago)",
+                    last.elapsed().as_secs_f64()
+                );
+                if let Some(l) = fenced() {
+                    failing = None;
+                    last = Instant::now();
                     lease = l;
                 }
-                Ok(Err(cubicle_store::Error::Fenced { epoch, .. })) => {
+            }
+            Err(e) => {
+                let left = lease.expires_at - now_ms();
+                if failing.is_none() {
                     tracing::warn!(
-                        node = %self.reg.id,
-                        epoch,
-                        "fenced: the cluster declared this node lost and reported its sandboxes dead; killing them and registering again"
+                        node = %node,
+                        "cannot renew the lease: {e}; it runs out in {:.1} s (then the cluster declares this node lost)",
+                        left as f64 / 1000.0
                     );
-                    match self.register().await {
-                        Ok(l) => {
-                            failing = None;
-                            lease = l;
-                        }
-                        Err(e) => {
-                            tracing::warn!(node = %self.reg.id, "registering again failed: {e:#}; retrying");
-                        }
-                    }
                 }
-                Ok(Err(e)) => {
-                    let left = lease.expires_at - now_ms();
-                    if failing.is_none() {
-                        tracing::warn!(
-                            node = %self.reg.id,
-                            "cannot renew the lease: {e}; it runs out in {:.1} s (then the cluster declares this node lost)",
-                            left as f64 / 1000.0
-                        );
-                    }
-                    failing = Some(e.to_string());
-                }
-                Err(e) => tracing::warn!("lease task: {e}"),
+                failing = Some(e.to_string());
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::AtomicUsize;
+
+    /// The failure this guards against: a report that took seconds to read (a template
+    /// store fitting a new template's files on a busy disk) held up the renewals, and
+    /// the cluster declared a busy node lost, reporting its sandboxes dead.
+    #[test]
+    fn a_slow_report_does_not_delay_renewals() {
+        let store = Store::open_in_memory().unwrap();
+        let reg = NodeRegistration {
+            id: "n1".into(),
+            address: "http://127.0.0.1:9".into(),
+            capacity: NodeCapacity {
+                cpu_count: 1,
+                memory_mb: 1,
+                max_sandboxes: 1,
+            },
+            templates: Vec::new(),
+            pool_state: serde_json::Value::Null,
+        };
+        let cadence = Cadence {
+            every: Duration::from_millis(50),
+            lease: Duration::from_millis(400),
+        };
+        let lease = store
+            .register_node(&reg, now_ms(), cadence.lease.as_millis() as i64)
+            .unwrap();
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .build()
+            .unwrap();
+        // The first read is quick, every later one takes longer than the lease.
+        let reads = Arc::new(AtomicUsize::new(0));
+        let r2 = reads.clone();
+        let report = KeptReport::new(move || {
+            let n = r2.fetch_add(1, Ordering::SeqCst);
+            if n > 0 {
+                std::thread::sleep(Duration::from_millis(1500));
+            }
+            (vec![format!("read-{n}")], serde_json::Value::Null)
+        });
+        let renewals = Arc::new(AtomicUsize::new(0));
+        let (stop, stopped) = std::sync::mpsc::channel();
+        let keeper = {
+            let (store, rt, renewals) = (store.clone(), rt.handle().clone(), renewals.clone());
+            std::thread::spawn(move || {
+                renew_until_stopped(
+                    &store,
+                    lease,
+                    cadence,
+                    &report,
+                    &rt,
+                    &stopped,
+                    |_| {
+                        renewals.fetch_add(1, Ordering::SeqCst);
+                    },
+                    || panic!("fenced: the node was declared lost"),
+                )
+            })
+        };
+        // A replica meanwhile: it declares lost every node whose lease ran out.
+        let t0 = Instant::now();
+        while t0.elapsed() < Duration::from_millis(1200) {
+            let lost = store.expire_lost_nodes(now_ms()).unwrap();
+            assert!(lost.is_empty(), "declared lost after {:?}", t0.elapsed());
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        drop(stop);
+        keeper.join().expect("the keeper ran without being fenced");
+        let n = renewals.load(Ordering::SeqCst);
+        assert!(n >= 10, "{n} renewals in 1.2 s at one per 50 ms");
+        assert_eq!(reads.load(Ordering::SeqCst), 2, "one refresh at a time");
+        // What the renewals reported: the quick first read (the slow one is still going).
+        let row = store.node("n1", now_ms()).unwrap().unwrap();
+        assert_eq!(row.templates, vec!["read-0".to_string()]);
+        rt.shutdown_background();
     }
 }

@@ -310,7 +310,9 @@ impl TemplateStore {
 
     /// Make a finished build visible: record its config, point `tags` at it (and
     /// `template.json` when one of them is `default`). Under the template's lock.
-    pub fn publish(&self, mut rec: BuildRecord, config: TemplateConfig) -> Result<BuildRecord> {
+    pub fn publish(&self, mut rec: BuildRecord, mut config: TemplateConfig) -> Result<BuildRecord> {
+        // Layers fitted when stored make a fitted template: its first `get` walks nothing.
+        config.file_caps_fitted |= self.layers_caps_fitted(&config.layers);
         let name = rec.template.clone();
         let _lock = self.lock(&name)?;
         let now = now_ms();

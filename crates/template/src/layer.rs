@@ -40,6 +40,11 @@ pub struct LayerInfo {
     pub source: String,
     /// Unix seconds it was stored.
     pub created_at: u64,
+    /// Its files were fitted when it was stored: none carries a capability a sandbox
+    /// cannot hold (`cubicle_runtime::capabilities::fit_file_capabilities`). False for
+    /// layers stored before this was recorded, and when the fitting failed.
+    #[serde(default)]
+    pub caps_fitted: bool,
 }
 
 /// The layers of one state directory.
@@ -150,21 +155,13 @@ impl LayerStore {
         }
         // No file in a layer carries a capability a sandbox cannot hold (the kernel
         // refuses to run such a file: Debian's `ping` has cap_net_raw).
-        match cubicle_runtime::capabilities::fit_file_capabilities(staging.path()) {
-            Ok(changed) => {
-                for f in &changed {
-                    tracing::info!(layer = %id, "file capabilities beyond what a sandbox can hold removed from {}", f.display());
-                }
-            }
-            Err(e) => {
-                tracing::warn!(layer = %id, "cannot fit file capabilities ({e}): programs with capabilities a sandbox cannot hold will not run")
-            }
-        }
+        let caps_fitted = fit_caps(staging.path(), id);
         let info = LayerInfo {
             id: id.to_string(),
             size_bytes: fsutil::tree_size(staging.path()),
             source: source.to_string(),
             created_at: crate::unix_now(),
+            caps_fitted,
         };
         let dest = self.path(id);
         if dest.exists() {
@@ -175,6 +172,25 @@ impl LayerStore {
         staging.stored = true;
         fsutil::write_json_atomic(&self.root.join(format!("{id}.json")), &info)?;
         Ok(info)
+    }
+
+    /// Fit the files of stored layer `id` if they were not when it was stored (a layer
+    /// of an older store), and record it. Whether they are fitted now.
+    pub fn ensure_caps_fitted(&self, id: &str) -> bool {
+        let Some(mut info) = self.info(id) else {
+            return false;
+        };
+        if info.caps_fitted {
+            return true;
+        }
+        if !fit_caps(&self.path(id), id) {
+            return false;
+        }
+        info.caps_fitted = true;
+        if let Err(e) = fsutil::write_json_atomic(&self.root.join(format!("{id}.json")), &info) {
+            tracing::warn!(layer = %id, "recording that its file capabilities are fitted: {e}");
+        }
+        true
     }
 
     /// Move an existing directory (on the same filesystem) into the store as layer `id`.
@@ -246,6 +262,23 @@ pub fn digest_of(parts: &[&[u8]]) -> String {
 /// Lowercase hex of `bytes`.
 pub fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// Remove from the files under `dir` every capability a sandbox cannot hold (the kernel
+/// refuses to run such a file: Debian's `ping` has cap_net_raw). Whether it succeeded.
+fn fit_caps(dir: &Path, layer: &str) -> bool {
+    match cubicle_runtime::capabilities::fit_file_capabilities(dir) {
+        Ok(changed) => {
+            for f in &changed {
+                tracing::info!(layer = %layer, "file capabilities beyond what a sandbox can hold removed from {}", f.display());
+            }
+            true
+        }
+        Err(e) => {
+            tracing::warn!(layer = %layer, "cannot fit file capabilities ({e}): programs with capabilities a sandbox cannot hold will not run");
+            false
+        }
+    }
 }
 
 #[cfg(test)]

@@ -287,6 +287,38 @@ impl TemplateStore {
         })
     }
 
+    /// Fit the file capabilities of `template`'s lower layers where their store did not
+    /// (layers of an older store; a template of the older layout's `rootfs/`). Whether
+    /// all of them are fitted now.
+    fn fit_caps(&self, template: &Template) -> bool {
+        if template.config.layers.is_empty() {
+            return match cubicle_runtime::capabilities::fit_file_capabilities(&template.rootfs) {
+                Ok(_) => true,
+                Err(e) => {
+                    tracing::warn!(template = %template.config.name, "cannot fit file capabilities in {} ({e}): programs with capabilities a sandbox cannot hold will not run", template.rootfs.display());
+                    false
+                }
+            };
+        }
+        // (every layer is tried, so that one failure does not leave the others unfitted)
+        let fitted: Vec<bool> = template
+            .config
+            .layers
+            .iter()
+            .map(|id| self.layers.ensure_caps_fitted(id))
+            .collect();
+        fitted.into_iter().all(|f| f)
+    }
+
+    /// Whether every one of `layers` had its file capabilities fitted when stored (a
+    /// config made of them needs no walk at its first use).
+    pub fn layers_caps_fitted(&self, layers: &[String]) -> bool {
+        !layers.is_empty()
+            && layers
+                .iter()
+                .all(|id| self.layers.info(id).is_some_and(|i| i.caps_fitted))
+    }
+
     /// `<state>/templates`.
     pub fn root(&self) -> &Path {
         &self.root
@@ -303,7 +335,10 @@ impl TemplateStore {
         let mut config: TemplateConfig = fsutil::read_json(&cfg_path)?;
         let template = self.resolve(dir, config.clone())?;
         if !config.file_caps_fitted {
-            fit_file_caps(&template.lowers(), &mut config);
+            // Layers record whether they were fitted when stored, so this walks only
+            // those of an older store (a walk of a Debian root takes seconds when the
+            // disk is busy, and every caller of `get` would wait for it).
+            config.file_caps_fitted = self.fit_caps(&template);
             if config.file_caps_fitted {
                 fsutil::write_json_atomic(&cfg_path, &config)?;
             }
@@ -404,18 +439,19 @@ impl TemplateStore {
         };
         config.built_at = unix_now();
         config.size_bytes = fsutil::tree_size(&rootfs);
-        fit_file_caps(std::slice::from_ref(&rootfs), &mut config);
         let id = layer::digest_of(&[
             b"built-in",
             name.as_bytes(),
             config.builder.as_bytes(),
             unique_suffix().as_bytes(),
         ]);
-        self.layers.store(
+        // (storing fits the layer's file capabilities)
+        let info = self.layers.store(
             staging,
             &id,
             &format!("built-in {name} ({})", config.builder),
         )?;
+        config.file_caps_fitted = info.caps_fitted;
         config.layers = vec![id];
         config.source = Some("built-in".into());
         self.write_default(name, &config)?;
@@ -555,33 +591,6 @@ pub fn human_size(bytes: u64) -> String {
     }
 }
 
-/// Takes from the files of each of `layers` (a template's directories, bottom first) the capabilities no sandbox process can hold (Debian's
-/// `ping` has `cap_net_raw=ep`, and the kernel refuses to run a file whose capabilities
-/// exceed the bounding set); notes it in `config`. A read-only rootfs (a borrowed copy)
-/// stays as it is, with a warning.
-fn fit_file_caps(layers: &[PathBuf], config: &mut TemplateConfig) {
-    let mut all = true;
-    for rootfs in layers {
-        match cubicle_runtime::capabilities::fit_file_capabilities(rootfs) {
-            Ok(changed) => {
-                for f in &changed {
-                    tracing::info!(template = %config.name, "file capabilities beyond what a sandbox can hold removed from {}", f.display());
-                }
-            }
-            Err(e) => {
-                all = false;
-                tracing::warn!(
-                    template = %config.name,
-                    "cannot fit file capabilities in {} ({e}): programs with capabilities a \
-                     sandbox cannot hold (e.g. ping's cap_net_raw) will not run",
-                    rootfs.display()
-                );
-            }
-        }
-    }
-    config.file_caps_fitted = all;
-}
-
 /// Create the directories and empty files the runtime mounts over (`/run/cubicle/envd`,
 /// `/run/cubicle/ctl`), so a read-only lower layer already has the mount points.
 pub(crate) fn add_cubicle_mount_points(rootfs: &Path) -> Result<()> {
@@ -667,6 +676,74 @@ mod tests {
             store.remove("tiny"),
             Err(Error::TemplateNotFound(_))
         ));
+        fsutil::remove_tree(&state).unwrap();
+    }
+
+    /// A template made of layers fitted when stored is fitted without a walk (so its
+    /// first use is cheap); a layer of an older store is walked once and recorded.
+    #[test]
+    fn only_layers_not_fitted_when_stored_are_walked() {
+        const XATTR_CAPS: &str = "security.capability";
+        if !cubicle_syscalls::is_root() {
+            eprintln!("skipped: setting security.capability needs root");
+            return;
+        }
+        let state = std::env::temp_dir().join(format!("cubicle-tpl-caps-{}", std::process::id()));
+        let store = TemplateStore::open(&state).unwrap();
+        // ping's cap_net_raw=ep (v2), which no sandbox can hold.
+        let mut ping = vec![0u8; 20];
+        ping[0..4].copy_from_slice(&0x0200_0001u32.to_le_bytes());
+        ping[4..8].copy_from_slice(&(1u32 << 13).to_le_bytes());
+        let layer = |name: &[u8]| {
+            let s = store.layers().staging().unwrap();
+            fs::write(s.path().join("ping"), b"x").unwrap();
+            let id = layer::digest_of(&[name]);
+            let info = store.layers().store(s, &id, "test").unwrap();
+            assert!(info.caps_fitted, "fitted when stored");
+            let ping_path = store.layers().path(&id).join("ping");
+            assert!(fsutil::get_xattr(&ping_path, XATTR_CAPS).is_none());
+            // What a file gets after the store fitted it (a tenant cannot, but it shows
+            // whether a later walk happens).
+            fsutil::set_xattr(&ping_path, XATTR_CAPS, &ping).unwrap();
+            (id, ping_path)
+        };
+        let (fitted, fitted_ping) = layer(b"fitted");
+        let (older, older_ping) = layer(b"older");
+        // `older` as an older store wrote it: no record of a fitting.
+        let meta = store.layers().root().join(format!("{older}.json"));
+        let mut v: serde_json::Value = serde_json::from_slice(&fs::read(&meta).unwrap()).unwrap();
+        v.as_object_mut().unwrap().remove("capsFitted");
+        fs::write(&meta, v.to_string()).unwrap();
+        assert!(!store.layers().info(&older).unwrap().caps_fitted);
+        assert!(store.layers_caps_fitted(std::slice::from_ref(&fitted)));
+        assert!(!store.layers_caps_fitted(&[fitted.clone(), older.clone()]));
+
+        let mut config = TemplateConfig::with_defaults("t", "t/1");
+        config.layers = vec![fitted.clone(), older.clone()];
+        store.write_default("t", &config).unwrap();
+        let t = store.get("t").unwrap().unwrap();
+        assert!(t.config.file_caps_fitted);
+        assert!(
+            fsutil::get_xattr(&fitted_ping, XATTR_CAPS).is_some(),
+            "a layer fitted when stored is not walked again"
+        );
+        assert!(
+            fsutil::get_xattr(&older_ping, XATTR_CAPS).is_none(),
+            "the older layer was walked and fitted"
+        );
+        assert!(
+            store.layers().info(&older).unwrap().caps_fitted,
+            "and recorded"
+        );
+        // A build published from fitted layers needs no walk at all.
+        let mut c2 = TemplateConfig::with_defaults("u", "t/1");
+        c2.layers = vec![fitted.clone(), older.clone()];
+        let rec = store.new_build("u", "b1", Vec::new()).unwrap();
+        store.publish(rec, c2).unwrap();
+        let raw: serde_json::Value =
+            serde_json::from_slice(&fs::read(state.join("templates/u/template.json")).unwrap())
+                .unwrap();
+        assert_eq!(raw["fileCapsFitted"], true, "{raw}");
         fsutil::remove_tree(&state).unwrap();
     }
 }

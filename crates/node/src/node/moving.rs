@@ -243,8 +243,10 @@ impl Mover {
     pub async fn push_template(&self, store: &TemplateStore, name: &str) -> Result<MoveReport> {
         let t0 = Instant::now();
         let bucket = &self.bucket;
-        let template = store
-            .get(name)?
+        // (a template of an older store is fitted at its first `get`: a walk of its files)
+        let (s2, n2) = (store.clone(), name.to_string());
+        let template = blocking(move || Ok(s2.get(&n2)?))
+            .await?
             .ok_or_else(|| crate::template::Error::TemplateNotFound(name.into()))?;
         let mut config = template.config.clone();
         if config.layers.is_empty() {
