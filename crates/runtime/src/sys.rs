@@ -390,6 +390,15 @@ pub fn seccomp_install(prog: &[seccompiler::sock_filter]) -> io::Result<()> {
     Ok(())
 }
 
+/// Sets the calling thread's name (`comm`, at most 15 bytes), which `ps`, `top` and
+/// `perf` show: a process started from `/proc/self/exe` is otherwise called `exe`.
+/// Allocates nothing: fine in a forked child.
+pub fn set_comm(name: &std::ffi::CStr) {
+    // SAFETY: PR_SET_NAME reads a NUL-terminated string (the kernel copies at most 16
+    // bytes, truncating).
+    unsafe { libc::prctl(libc::PR_SET_NAME, name.as_ptr() as libc::c_ulong, 0, 0, 0) };
+}
+
 /// Monotonic clock in nanoseconds; the same clock in every process, so the helper and the
 /// sandbox child can timestamp their steps for the caller's profile.
 pub fn monotonic_ns() -> u64 {

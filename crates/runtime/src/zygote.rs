@@ -171,6 +171,7 @@ pub fn zygote_pid() -> Option<u32> {
 /// Entry point of the zygote process (a fresh exec; its stdin is the socket); returns
 /// the exit code.
 pub(crate) fn main() -> i32 {
+    sys::set_comm(c"cubicle-zygote");
     let policy = match crate::seccomp::compile() {
         Ok(p) => p,
         Err(e) => return serve_errors(&format!("seccomp policy: {e}")),
@@ -212,6 +213,8 @@ pub(crate) fn main() -> i32 {
             )
         };
         if pid == 0 {
+            // (its sandbox's init is called so too until it execs envd)
+            sys::set_comm(c"cubicle-helper");
             // The helper: status pipe on 1, log on 2, /dev/null on 0 (which closes our
             // copy of the socket).
             // SAFETY: dup2 with descriptors this process owns.

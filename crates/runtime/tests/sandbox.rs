@@ -857,6 +857,13 @@ fn a_dead_zygote_is_replaced(env: &Env) {
         Some(me),
         "the zygote is the caller's child"
     );
+    assert_eq!(
+        std::fs::read_to_string(format!("/proc/{zygote}/comm"))
+            .ok()
+            .as_deref(),
+        Some("cubicle-zygote\n"),
+        "named for ps and perf (not `exe`)"
+    );
     // SAFETY: kill with integer arguments.
     assert_eq!(unsafe { libc::kill(zygote, libc::SIGKILL) }, 0);
     // Dead before the next request: a zygote killed after it took a request fails that
