@@ -237,6 +237,17 @@ fn main() {
     let cli = parse_cli();
     init_logging(&cli);
     check_fd_limit(&cli, fd_limit);
+    if matches!(
+        cli.command,
+        Command::Serve(_) | Command::Node(_) | Command::Bench(_)
+    ) {
+        // Still single-threaded: the table a server grows into, grown without the RCU
+        // grace period each growth costs once threads share it (see presize_table).
+        let slots = u64::from(cli.max_sandboxes) * 3 + 1024;
+        if let Err(e) = cubicle_runtime::fd_limit::presize_table(slots) {
+            tracing::debug!("cannot presize the descriptor table: {e}");
+        }
+    }
     let rt = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()

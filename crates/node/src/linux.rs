@@ -524,7 +524,13 @@ impl SandboxRuntime for LinuxRuntime {
     }
 
     fn renice(&self, id: &str, nice: i32) {
-        let Ok(procs) = Cgroup::handle(id).and_then(|c| c.members()) else {
+        let Ok(cg) = Cgroup::handle(id) else {
+            return;
+        };
+        if let Err(e) = cg.set_cpu_nice(nice) {
+            tracing::debug!(sandbox = %id, "cannot set the CPU weight for nice {nice}: {e}");
+        }
+        let Ok(procs) = cg.members() else {
             return;
         };
         for pid in procs {

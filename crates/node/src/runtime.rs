@@ -185,8 +185,8 @@ pub trait SandboxRuntime: Send + Sync + 'static {
     /// with other limits than its template's).
     fn set_limits(&self, id: &str, memory_mb: u64, cpus: u32, pids: u32) -> Result<()>;
 
-    /// Set the nice value of every task of sandbox `id` (pooled sandboxes are made at low
-    /// priority and raised when claimed).
+    /// Set the nice value of every task of sandbox `id`, and of its cgroup's CPU weight
+    /// (pooled sandboxes are made at low priority and raised when claimed).
     fn renice(&self, id: &str, nice: i32);
 
     /// Number of slots the runtime can address (network pool size etc.).

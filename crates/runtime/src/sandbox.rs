@@ -73,6 +73,16 @@ pub fn spawn(spec: &SandboxSpec) -> Result<Sandbox> {
             return Err(e);
         }
     };
+    // A sandbox spawned from a thread at nice N runs at N: its tasks (the helper's
+    // request carries it) and, against other cgroups, its CPU weight.
+    let nice = thread_nice();
+    if nice != 0
+        && let Err(e) = cgroup.set_cpu_nice(nice)
+    {
+        let _ = cgroup.remove();
+        remove_dirs(&created);
+        return Err(e);
+    }
     timings.push(("cgroup_created".to_string(), start.elapsed()));
 
     let (log_reader, log_writer) = match &spec.init_log {

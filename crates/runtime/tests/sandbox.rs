@@ -19,7 +19,7 @@ use std::process::Command;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
-use cubicle_runtime::{BindMount, Cgroup, Sandbox, SandboxSpec, spawn};
+use cubicle_runtime::{BindMount, Cgroup, CgroupVersion, Sandbox, SandboxSpec, spawn};
 
 struct Env {
     root: PathBuf,
@@ -910,8 +910,45 @@ fn sandbox_runs_at_the_spawning_threads_nice(env: &Env) {
             nice,
             "spawned from a thread at nice {nice}"
         );
+        // And its cgroup weighs as much against the others: the weight its CPU limit
+        // gives, scaled like a task's by nice (1024 per CPU at 0; about a tenth at 10).
+        let full = match Cgroup::handle(&spec.id).unwrap().version() {
+            CgroupVersion::V1 => u64::from(spec.limits.cpu_millis) * 1024 / 1000,
+            CgroupVersion::V2 => u64::from(spec.limits.cpu_millis) / 10,
+        };
+        let weight = cpu_weight_of(&spec.id);
+        if nice == 0 {
+            assert_eq!(weight, full, "cgroup weight at nice 0");
+        } else {
+            assert!(
+                weight * 8 < full && weight * 12 > full,
+                "cgroup weight {weight} at nice {nice} (full {full})"
+            );
+        }
+        // Raised again, as a claim does.
+        Cgroup::handle(&spec.id).unwrap().set_cpu_nice(0).unwrap();
+        assert_eq!(cpu_weight_of(&spec.id), full);
         destroy_and_check(sb, &spec);
     }
+}
+
+/// The CPU weight of sandbox `id`'s cgroup (`cpu.shares` on v1, `cpu.weight` on v2).
+fn cpu_weight_of(id: &str) -> u64 {
+    let cg = Cgroup::handle(id).unwrap();
+    let file = match Cgroup::handle(id).unwrap().version() {
+        CgroupVersion::V1 => "cpu.shares",
+        CgroupVersion::V2 => "cpu.weight",
+    };
+    let dir = cg
+        .dirs()
+        .into_iter()
+        .find(|d| d.join(file).exists())
+        .unwrap_or_else(|| panic!("no {file} in {:?}", cg.dirs()));
+    std::fs::read_to_string(dir.join(file))
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap()
 }
 
 fn start_caller(spec: &SandboxSpec) -> std::process::Child {

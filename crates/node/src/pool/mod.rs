@@ -38,10 +38,12 @@
 //! cut a closed loop's misses from 30 to 8–10 in 200 creates (`docs/bench.md`). It runs
 //! on the node's background thread at nice 19 (shared with asynchronous teardowns), and
 //! so do the helper and sandbox processes it starts (the runtime gives a helper the
-//! spawning thread's nice value, and the sandbox inherits the helper's): making the next
+//! spawning thread's nice value, and the sandbox inherits the helper's; its cgroup's CPU
+//! weight is scaled by the same nice, since a task's nice orders it only within its own
+//! cgroup): making the next
 //! pooled sandbox (about 10 ms of CPU) and removing the last one must not slow the claim
 //! or that sandbox's first commands. A claim raises the
-//! sandbox's tasks back to nice 0 before `/init`, so its user's processes run at normal
+//! sandbox's tasks and cgroup back to nice 0 before `/init`, so its user's processes run at normal
 //! priority. Right after a claim the refill also waits for a pause in claims
 //! ([`REFILL_PAUSE`]) unless the pool is down to a quarter of its target or claims come
 //! closer together than the pause (demand that the pause would only starve): a paced
