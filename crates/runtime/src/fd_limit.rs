@@ -119,15 +119,6 @@ pub fn presize_table(slots: u64) -> std::io::Result<u64> {
     Ok(want)
 }
 
-/// The table size of this process (`/proc/self/status`'s FDSize).
-pub fn table_size() -> Option<u64> {
-    let status = std::fs::read_to_string("/proc/self/status").ok()?;
-    status
-        .lines()
-        .find_map(|l| l.strip_prefix("FDSize:"))
-        .and_then(|v| v.trim().parse().ok())
-}
-
 /// The limit this process started with, before [`raise_for_node`] (`None` if it was not
 /// called: the sandboxes then inherit the process's own).
 pub fn for_sandboxes() -> Option<FdLimit> {
@@ -150,6 +141,15 @@ mod tests {
             assert!(now.soft >= before.hard.min(NODE_MAX), "{now:?}");
         }
         set(before).unwrap();
+    }
+
+    /// The table size of this process (`/proc/self/status`'s FDSize).
+    fn table_size() -> Option<u64> {
+        let status = std::fs::read_to_string("/proc/self/status").ok()?;
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix("FDSize:"))
+            .and_then(|v| v.trim().parse().ok())
     }
 
     #[test]

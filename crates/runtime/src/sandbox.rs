@@ -97,7 +97,7 @@ pub fn spawn(spec: &SandboxSpec) -> Result<Sandbox> {
         None => (None, None),
     };
     let mut pid = None;
-    match run_helper(spec, log_writer, start_ns, &mut pid, &mut timings) {
+    match run_helper(spec, nice, log_writer, start_ns, &mut pid, &mut timings) {
         Ok(()) => {}
         Err(e) => {
             let _ = cgroup.kill_all();
@@ -205,6 +205,7 @@ fn remove_layers(dir: &Path) -> Result<()> {
 
 fn run_helper(
     spec: &SandboxSpec,
+    nice: i32,
     writer: Option<OwnedFd>,
     start_ns: u64,
     pid_out: &mut Option<i32>,
@@ -222,7 +223,7 @@ fn run_helper(
     let (out, status_writer) = std::io::pipe().map_err(io_ctx(|| "status pipe".into()))?;
     let request = serde_json::to_vec(&HelperRequest {
         spec: spec.clone(),
-        nice: thread_nice(),
+        nice,
     })
     .map_err(|e| Error::Setup(format!("encode helper request: {e}")))?;
     let helper = crate::zygote::start_helper(&request, status_writer.as_fd(), log.as_fd())?;

@@ -155,7 +155,7 @@ impl LayerStore {
         }
         // No file in a layer carries a capability a sandbox cannot hold (the kernel
         // refuses to run such a file: Debian's `ping` has cap_net_raw).
-        let caps_fitted = fit_caps(staging.path(), id);
+        let caps_fitted = fit_caps(staging.path(), &format!("layer {id}"));
         let info = LayerInfo {
             id: id.to_string(),
             size_bytes: fsutil::tree_size(staging.path()),
@@ -183,7 +183,7 @@ impl LayerStore {
         if info.caps_fitted {
             return true;
         }
-        if !fit_caps(&self.path(id), id) {
+        if !fit_caps(&self.path(id), &format!("layer {id}")) {
             return false;
         }
         info.caps_fitted = true;
@@ -265,17 +265,24 @@ pub fn hex(bytes: &[u8]) -> String {
 }
 
 /// Remove from the files under `dir` every capability a sandbox cannot hold (the kernel
-/// refuses to run such a file: Debian's `ping` has cap_net_raw). Whether it succeeded.
-fn fit_caps(dir: &Path, layer: &str) -> bool {
+/// refuses to run such a file: Debian's `ping` has cap_net_raw). `what` names `dir` in
+/// the log (`layer <id>`). Whether it succeeded.
+pub(crate) fn fit_caps(dir: &Path, what: &str) -> bool {
     match cubicle_runtime::capabilities::fit_file_capabilities(dir) {
         Ok(changed) => {
             for f in &changed {
-                tracing::info!(layer = %layer, "file capabilities beyond what a sandbox can hold removed from {}", f.display());
+                tracing::info!(
+                    "{what}: file capabilities beyond what a sandbox can hold removed from {}",
+                    f.display()
+                );
             }
             true
         }
         Err(e) => {
-            tracing::warn!(layer = %layer, "cannot fit file capabilities ({e}): programs with capabilities a sandbox cannot hold will not run");
+            tracing::warn!(
+                "{what}: cannot fit file capabilities in {} ({e}): programs with capabilities a sandbox cannot hold will not run",
+                dir.display()
+            );
             false
         }
     }

@@ -292,13 +292,10 @@ impl TemplateStore {
     /// all of them are fitted now.
     fn fit_caps(&self, template: &Template) -> bool {
         if template.config.layers.is_empty() {
-            return match cubicle_runtime::capabilities::fit_file_capabilities(&template.rootfs) {
-                Ok(_) => true,
-                Err(e) => {
-                    tracing::warn!(template = %template.config.name, "cannot fit file capabilities in {} ({e}): programs with capabilities a sandbox cannot hold will not run", template.rootfs.display());
-                    false
-                }
-            };
+            return layer::fit_caps(
+                &template.rootfs,
+                &format!("template {}", template.config.name),
+            );
         }
         // (every layer is tried, so that one failure does not leave the others unfitted)
         let fitted: Vec<bool> = template

@@ -161,7 +161,7 @@ impl Cgroup {
                 let millis = cpu_millis_of(quota.trim().parse::<i64>().ok());
                 write_file(
                     &dir.join("cpu.shares"),
-                    &at_nice(cpu_shares(millis), nice, 2, 262_144).to_string(),
+                    &at_nice(cpu_shares(millis), nice, SHARES).to_string(),
                 )
             }
             Layout::V2(root) => {
@@ -170,7 +170,7 @@ impl Cgroup {
                 let quota = max.split_whitespace().next().and_then(|q| q.parse().ok());
                 write_file(
                     &dir.join("cpu.weight"),
-                    &at_nice(cpu_weight(cpu_millis_of(quota)), nice, 1, 10_000).to_string(),
+                    &at_nice(cpu_weight(cpu_millis_of(quota)), nice, WEIGHT).to_string(),
                 )
             }
         }
@@ -497,12 +497,17 @@ pub(crate) fn keyed_value(content: &str, key: &str) -> Option<u64> {
 
 /// CPU weight for cgroup v1 `cpu.shares` (1024 per CPU).
 pub(crate) fn cpu_shares(cpu_millis: u32) -> u64 {
-    (u64::from(cpu_millis) * 1024 / 1000).clamp(2, 262_144)
+    (u64::from(cpu_millis) * 1024 / 1000).clamp(SHARES.0, SHARES.1)
 }
+
+/// The range the kernel accepts for v1 `cpu.shares`.
+const SHARES: (u64, u64) = (2, 262_144);
+/// The range the kernel accepts for v2 `cpu.weight`.
+const WEIGHT: (u64, u64) = (1, 10_000);
 
 /// CPU weight for cgroup v2 `cpu.weight` (100 per CPU, the v2 default for one).
 pub(crate) fn cpu_weight(cpu_millis: u32) -> u64 {
-    (u64::from(cpu_millis) / 10).clamp(1, 10_000)
+    (u64::from(cpu_millis) / 10).clamp(WEIGHT.0, WEIGHT.1)
 }
 
 /// The CPU limit in millicores that a CFS quota (µs per [`CPU_PERIOD_US`]) stands for;
@@ -515,8 +520,8 @@ fn cpu_millis_of(quota_us: Option<i64>) -> u32 {
 }
 
 /// `weight` scaled by `nice` as the scheduler scales a task's (1.25× per step; its
-/// table has 1024 at 0, 110 at 10, 15 at 19), within `[lo, hi]`.
-fn at_nice(weight: u64, nice: i32, lo: u64, hi: u64) -> u64 {
+/// table has 1024 at 0, 110 at 10, 15 at 19), within `range`.
+fn at_nice(weight: u64, nice: i32, (lo, hi): (u64, u64)) -> u64 {
     let nice = nice.clamp(-20, 19);
     ((weight as f64) * 1.25f64.powi(-nice))
         .round()
@@ -545,11 +550,11 @@ mod tests {
     #[test]
     fn cpu_weight_follows_nice_like_a_tasks() {
         // The scheduler's own table: 1024 at nice 0, 110 at 10, 15 at 19.
-        assert_eq!(at_nice(1024, 0, 2, 262_144), 1024);
-        assert!((105..=115).contains(&at_nice(1024, 10, 2, 262_144)));
-        assert!((14..=16).contains(&at_nice(1024, 19, 2, 262_144)));
-        assert_eq!(at_nice(100, 19, 1, 10_000), 1, "clamped to v2's floor");
-        assert_eq!(at_nice(2048, -20, 2, 262_144), 177_636);
+        assert_eq!(at_nice(1024, 0, SHARES), 1024);
+        assert!((105..=115).contains(&at_nice(1024, 10, SHARES)));
+        assert!((14..=16).contains(&at_nice(1024, 19, SHARES)));
+        assert_eq!(at_nice(100, 19, WEIGHT), 1, "clamped to v2's floor");
+        assert_eq!(at_nice(2048, -20, SHARES), 177_636);
         assert_eq!(cpu_millis_of(Some(200_000)), 2000);
         assert_eq!(cpu_millis_of(Some(-1)), 1000);
         assert_eq!(cpu_millis_of(None), 1000);
