@@ -204,6 +204,45 @@ enum Backend {
     Postgres(Arc<postgres::PgPool>),
 }
 
+/// SQLite's own page cache of the writer connection, in KiB (`PRAGMA cache_size` takes a negative
+/// number for KiB; SQLite's default is 2 MiB). A create inserts into indexes keyed by
+/// random ids (the sandbox's, its event's), so it touches leaf pages all over them; with
+/// the default cache most of those come from the OS page cache through `pread`, and a
+/// page the kernel dropped meanwhile (memory pressure, or proactive reclaim of pages idle
+/// for a minute, which the development VM runs) is a disk read made under the writer's
+/// lock, on a disk the sandboxes keep busy: one such read held every create of a burst
+/// for 174 ms (`docs/bench.md`, round 14). Pages in this cache are the process's own
+/// memory, allocated as they are first read, so a small database costs only its size.
+/// Only the writer gets it: a WAL reader drops its whole cache whenever another
+/// connection committed since its last read, which for the read-only connection is
+/// nearly always.
+const PAGE_CACHE_KIB: i64 = 64 * 1024;
+
+/// Index scans that read every page of the indexes keyed by random ids, the ones a
+/// create and a kill write to anywhere (see [`PAGE_CACHE_KIB`]).
+const RANDOM_KEY_INDEXES: [&str; 3] = [
+    "SELECT count(*) FROM sandboxes WHERE id > ''",
+    "SELECT count(*) FROM sandbox_events WHERE id > ''",
+    "SELECT count(*) FROM sandbox_events WHERE sandbox_id > ''",
+];
+
+/// Reads the indexes keyed by random ids into the writer's page cache once, at open, so
+/// that no create waits for one of their pages to come from disk while it holds the
+/// writer (milliseconds for a young database; about a second for 100,000 sandboxes'
+/// records on a cold disk). Best effort: a failure only leaves the cache cold.
+fn warm_writer_cache(conn: &rusqlite::Connection) {
+    let t0 = std::time::Instant::now();
+    for q in RANDOM_KEY_INDEXES {
+        if let Err(e) = conn.query_row(q, [], |r| r.get::<_, i64>(0)) {
+            tracing::debug!("warming the database's page cache ({q}): {e}");
+        }
+    }
+    tracing::debug!(
+        ms = t0.elapsed().as_millis() as u64,
+        "database page cache warmed"
+    );
+}
+
 /// How often [`spawn_checkpointer`] copies the WAL into the database file.
 const CHECKPOINT_EVERY: std::time::Duration = std::time::Duration::from_millis(500);
 
@@ -267,6 +306,7 @@ impl Store {
         restrict_to_owner(path)?;
         let conn = rusqlite::Connection::open(path)?;
         let writer = Self::setup_sqlite(conn)?;
+        warm_writer_cache(&writer);
         // Its commits never checkpoint: see `spawn_checkpointer`.
         writer.pragma_update(None, "wal_autocheckpoint", 0)?;
         // After setup: the file exists and is in WAL mode, so this reader never blocks
@@ -320,6 +360,7 @@ impl Store {
         // on the file while the server runs. NORMAL sync is durable across app crashes.
         conn.pragma_update(None, "journal_mode", "WAL")?;
         conn.pragma_update(None, "synchronous", "NORMAL")?;
+        conn.pragma_update(None, "cache_size", -PAGE_CACHE_KIB)?;
         conn.pragma_update(None, "foreign_keys", "ON")?;
         // Deleted rows (revoked keys, ended sandboxes' tokens) are overwritten, not left
         // in free pages.
@@ -482,6 +523,78 @@ mod tests {
         let err = s.read(|r| r.record_key_use(found.key_id)).unwrap_err();
         assert!(err.to_string().contains("readonly"), "{err}");
         drop((s, cli));
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// Read system calls this thread has made (the store's writer runs its statements on
+    /// the calling thread; the checkpointer has a thread of its own).
+    fn reads_by_this_thread() -> i64 {
+        let io = std::fs::read_to_string("/proc/thread-self/io").unwrap();
+        io.lines()
+            .find_map(|l| l.strip_prefix("syscr: "))
+            .and_then(|n| n.trim().parse().ok())
+            .expect("syscr in /proc/thread-self/io")
+    }
+
+    /// A create's inserts into the indexes keyed by random ids find their pages in the
+    /// writer's cache, warmed at open: none is read from the file (where a page the kernel
+    /// dropped would be a disk read under the writer's lock).
+    #[test]
+    fn creates_write_random_key_indexes_from_the_warmed_cache() {
+        let dir = std::env::temp_dir().join(format!("cubicle-store-warm-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("cubicle.db");
+        let random_id = || {
+            format!(
+                "{:016x}{:04x}",
+                rand::random::<u64>(),
+                rand::random::<u16>()
+            )
+        };
+        let record = |s: &Store, id: &str, at: i64| {
+            s.insert_sandbox(&sandboxes::tests::sample(id, 1, at))
+                .unwrap();
+            s.insert_event(&EventRow {
+                id: format!("{:032x}", rand::random::<u128>()),
+                team_id: 1,
+                sandbox_id: id.into(),
+                kind: "sandbox.lifecycle.created".into(),
+                at,
+                body: "{}".into(),
+            })
+            .unwrap();
+        };
+        let s = Store::open(&path).unwrap();
+        let team = s.ensure_team("warm").unwrap();
+        assert_eq!(team.id, 1);
+        // Enough history for the indexes to span many pages (tens of leaves each).
+        s.with_conn(|c| c.execute("BEGIN", &[])).unwrap();
+        for i in 0..5000 {
+            record(&s, &random_id(), i);
+        }
+        s.with_conn(|c| c.execute("COMMIT", &[])).unwrap();
+        drop(s);
+
+        let before_open = reads_by_this_thread();
+        let s = Store::open(&path).unwrap();
+        let warmed = reads_by_this_thread() - before_open;
+        assert!(warmed > 100, "the open read the indexes: {warmed} reads");
+        // The first creates read the append-only B-trees' right edges, which no warm-up
+        // scan covers; after that, random ids must not read.
+        for i in 0..5 {
+            record(&s, &random_id(), 10_000 + i);
+        }
+        // What a look at /proc costs.
+        let overhead = -reads_by_this_thread() + reads_by_this_thread();
+        let before = reads_by_this_thread();
+        for i in 0..100 {
+            record(&s, &random_id(), 10_100 + i);
+        }
+        let reads = reads_by_this_thread() - before - overhead;
+        // A few pages are new (the B-trees grow); without the warm-up, over 100.
+        assert!(reads <= 10, "{reads} reads from the file for 100 creates");
+        drop(s);
         std::fs::remove_dir_all(&dir).unwrap();
     }
 

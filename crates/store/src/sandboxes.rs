@@ -209,7 +209,7 @@ impl Store {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
     pub(crate) fn sample(id: &str, team: i64, started_at: i64) -> SandboxRow {
