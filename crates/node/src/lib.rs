@@ -34,6 +34,7 @@ pub mod slots;
 pub mod snapshot;
 pub mod traces;
 pub mod volume;
+pub mod writeback;
 
 pub use config::{NetworkOptions, NodeConfig, default_state_dir};
 pub use cubicle_egress::policy as network_policy;

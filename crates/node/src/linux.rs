@@ -11,7 +11,7 @@
 
 use std::collections::HashMap;
 use std::path::Path;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 use crate::held_netns::HeldNamespaces;
 use cubicle_egress::{Egress, EgressConfig, NetEvent};
@@ -24,6 +24,7 @@ use crate::error::{Error, Result};
 use crate::init_log::{INIT_PIPE, InitLogs};
 use crate::runtime::{SandboxRuntime, StartSpec, Started};
 use crate::sandbox::{DeathReason, NetworkPolicy};
+use crate::writeback::Writeback;
 
 /// The Linux isolation layer.
 pub struct LinuxRuntime {
@@ -42,6 +43,9 @@ pub struct LinuxRuntime {
     /// Network namespaces of sandboxes killed ahead of their teardown, by slot
     /// ([`SandboxRuntime::hold_network`]): held until `destroy` has read their counters.
     held: HeldNamespaces,
+    /// Syncs the sandboxes' filesystem at most once a second after sandboxes were made or
+    /// ended (their overlays are volatile: see `writeback.rs`).
+    writeback: Arc<Writeback>,
 }
 
 fn rt_err(what: &str, source: cubicle_runtime::Error) -> Error {
@@ -109,6 +113,8 @@ impl LinuxRuntime {
         });
         let logs = InitLogs::start()
             .map_err(|e| Error::Runtime(format!("starting the init log drainer: {e}")))?;
+        let writeback = Writeback::start(state_dir.join("sandboxes"))
+            .map_err(|e| Error::Runtime(format!("starting the writeback thread: {e}")))?;
         Ok(LinuxRuntime {
             sandboxes: Mutex::new(HashMap::new()),
             criu,
@@ -117,6 +123,7 @@ impl LinuxRuntime {
             storage,
             logs,
             held: HeldNamespaces::default(),
+            writeback,
         })
     }
 
@@ -321,6 +328,7 @@ impl SandboxRuntime for LinuxRuntime {
         }
         let t0 = std::time::Instant::now();
         let sb = cubicle_runtime::spawn(&spec).map_err(|e| rt_err("spawn", e))?;
+        self.writeback.note();
         let t_spawn = t0.elapsed();
         if let Some(fifo) = sb.take_init_log() {
             self.logs
@@ -414,6 +422,8 @@ impl SandboxRuntime for LinuxRuntime {
             None => Ok(()),
         };
         res.map_err(|e| rt_err(&format!("destroy {id}"), e))?;
+        // Its overlay was unmounted without a sync, and its directory goes next.
+        self.writeback.note();
         // Its processes are gone: what its FIFO still holds is its last output.
         self.logs.remove(id);
         if let Some(slot) = slot {

@@ -187,6 +187,7 @@ pub fn prepare_restore_root(
     fill_staging: &mut dyn FnMut(&Path) -> Result<()>,
 ) -> Result<RestoreRoot> {
     spec.validate()?;
+    crate::rootfs::clear_volatile_marker(spec)?;
     let cg = Cgroup::handle(&spec.id)?;
     let known = external_mounts_for(spec, &cg.inner_mounts());
     let staging = spec.mount_dir();

@@ -129,6 +129,17 @@ pub(crate) fn lower_mount_points(spec: &SandboxSpec) -> Vec<PathBuf> {
 
 /// The overlay's mount options over the layers attached at `lowers` (bottom first, as
 /// [`lower_mount_points`] gives them; overlayfs lists them top first).
+///
+/// `volatile`: the overlay never syncs its upper filesystem. Without it, the unmount that
+/// comes with every sandbox's end (its mount namespace dying with its last process)
+/// syncs the whole upper filesystem: on btrfs a transaction commit, host-wide, per
+/// sandbox (a profile of a closed create-kill loop found it the largest single cost of
+/// a sandbox's end). It also keeps a tenant's `fsync`/`syncfs` on its root from forcing
+/// commits on the filesystem every sandbox shares (`sync(2)` still walks every
+/// filesystem of the host: that one is not the overlay's to stop). What must be durable
+/// is made so by the node (a pause syncs the filesystem once its checkpoint is written).
+/// A volatile mount leaves a marker that refuses the next mount of the same work directory:
+/// [`clear_volatile_marker`] removes it before a sandbox is booted or restored again.
 pub(crate) fn overlay_options(spec: &SandboxSpec, lowers: &[PathBuf]) -> String {
     let lowerdir: Vec<String> = lowers
         .iter()
@@ -136,11 +147,30 @@ pub(crate) fn overlay_options(spec: &SandboxSpec, lowers: &[PathBuf]) -> String 
         .map(|p| p.display().to_string())
         .collect();
     format!(
-        "lowerdir={},upperdir={},workdir={},userxattr",
+        "lowerdir={},upperdir={},workdir={},userxattr,volatile",
         lowerdir.join(":"),
         spec.upper_dir().display(),
         spec.work_dir().display()
     )
+}
+
+/// Removes the marker an earlier `volatile` overlay left in `spec`'s work directory
+/// (`work/incompat/volatile`), without which overlayfs refuses to mount over the same
+/// work directory again ("overlay with incompat feature 'volatile' cannot be mounted").
+/// Run by the host's root before a sandbox whose directories already exist is booted
+/// again (a resume from a filesystem-only pause) or restored (resume, rollback, a
+/// moved sandbox). The work directory is never visible inside a sandbox, and
+/// `remove_dir_all` follows no symbolic link.
+pub(crate) fn clear_volatile_marker(spec: &SandboxSpec) -> crate::error::Result<()> {
+    let marker = spec.work_dir().join("work").join("incompat");
+    match std::fs::remove_dir_all(&marker) {
+        Ok(()) => Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+        Err(e) => Err(crate::error::Error::io(
+            format!("remove {}", marker.display()),
+            e,
+        )),
+    }
 }
 
 /// The complete sequence for `spec` on a host whose cgroups are `cgroups`.
@@ -708,7 +738,7 @@ mod tests {
         assert_eq!(target, Path::new("/s/abc/rootfs/root"));
         assert_eq!(
             opts,
-            "lowerdir=/s/abc/rootfs/lower,upperdir=/s/abc/upper,workdir=/s/abc/work,userxattr"
+            "lowerdir=/s/abc/rootfs/lower,upperdir=/s/abc/upper,workdir=/s/abc/work,userxattr,volatile"
         );
     }
 

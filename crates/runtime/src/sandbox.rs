@@ -180,6 +180,10 @@ fn prepare_dirs_into(spec: &SandboxSpec, created: &mut Vec<PathBuf>) -> Result<(
             format!("chown {} to {}", d.display(), spec.uid_base)
         }))?;
     }
+    if !created.contains(&spec.work_dir()) {
+        // Booted again over its own directories (a filesystem-only pause's resume).
+        crate::rootfs::clear_volatile_marker(spec)?;
+    }
     let m = spec.mount_dir();
     match fs::DirBuilder::new().mode(0o755).create(&m) {
         Ok(()) => {

@@ -22,6 +22,17 @@ pub fn fs_type(path: &Path) -> io::Result<i64> {
     Ok((st.f_type as i64) & 0xFFFF_FFFF)
 }
 
+/// Writes the filesystem holding `path` to its disk (`syncfs(2)`; on btrfs, a
+/// transaction commit).
+pub fn sync_filesystem(path: &Path) -> io::Result<()> {
+    let dir = rustix::fs::open(
+        path,
+        rustix::fs::OFlags::RDONLY | rustix::fs::OFlags::DIRECTORY | rustix::fs::OFlags::CLOEXEC,
+        rustix::fs::Mode::empty(),
+    )?;
+    Ok(rustix::fs::syncfs(&dir)?)
+}
+
 /// (total, available to unprivileged users) bytes of the filesystem holding `path`
 /// (`statvfs(2)`).
 pub fn disk_space(path: &Path) -> io::Result<(u64, u64)> {

@@ -361,6 +361,18 @@ impl Inner {
                 return Err(e);
             }
         };
+        // Sandboxes' overlays are `volatile` (runtime `rootfs.rs`): their end synced
+        // nothing, and a paused sandbox (its disk, its checkpoint) is meant to outlast a
+        // crash of the host. One commit, as the overlay's unmount used to make.
+        let d = self.sandbox_dir(&id);
+        if let Err(e) = blocking(move || {
+            cubicle_syscalls::fs::sync_filesystem(&d)
+                .map_err(|e| Error::Runtime(format!("sync {}: {e}", d.display())))
+        })
+        .await
+        {
+            tracing::warn!(sandbox = %id, "pause: {e}");
+        }
         record.state = SandboxState::Paused;
         record.pause_mode = Some(if req.memory {
             PauseMode::Full
