@@ -191,6 +191,15 @@ impl Inner {
                 continue;
             };
             if live.record.state != SandboxState::Running {
+                // Out of the pool's lists but still live: nothing drains it at close
+                // (its `creating` record makes the next open remove it). A pooled
+                // sandbox was once left running at a close for a reason no log said
+                // (docs/bench.md, round 14); this is one path that would do it.
+                tracing::warn!(
+                    sandbox = %id,
+                    state = ?live.record.state,
+                    "a ready pooled sandbox was not running; skipped"
+                );
                 continue;
             }
             if live.record.layers != template.config.layers {
