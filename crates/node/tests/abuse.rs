@@ -196,11 +196,7 @@ fn free_bytes(p: &Path) -> anyhow::Result<u64> {
 /// allocations land, and btrfs's cleaner drops deleted subvolumes' extents (otherwise it
 /// waits for the next periodic commit, up to 30 s).
 fn synced_free_bytes(p: &Path) -> anyhow::Result<u64> {
-    let dir = std::fs::File::open(p)?;
-    // SAFETY: syncfs on a valid fd we own.
-    if unsafe { libc::syncfs(std::os::fd::AsRawFd::as_raw_fd(&dir)) } != 0 {
-        return Err(std::io::Error::last_os_error().into());
-    }
+    cubicle_syscalls::fs::sync_filesystem(p)?;
     free_bytes(p)
 }
 

@@ -175,11 +175,7 @@ async fn run(ctx: Arc<Ctx>) -> TestResult {
 
 /// Free bytes of the filesystem holding `p` after committing it (`syncfs`).
 fn synced_free_bytes(p: &Path) -> anyhow::Result<u64> {
-    let dir = std::fs::File::open(p)?;
-    // SAFETY: syncfs on a valid fd we own.
-    if unsafe { libc::syncfs(std::os::fd::AsRawFd::as_raw_fd(&dir)) } != 0 {
-        return Err(std::io::Error::last_os_error().into());
-    }
+    cubicle_syscalls::fs::sync_filesystem(p)?;
     let s = nix::sys::statvfs::statvfs(p)?;
     Ok(s.blocks_available() as u64 * s.fragment_size() as u64)
 }
