@@ -121,6 +121,7 @@ pub async fn run(env: crate::sandbox_cmd::NodeOpts, args: NodeArgs) -> anyhow::R
     config.pool_memory_mb = args.pool_memory_mb;
     config.network = args.network.options();
     config.async_teardown = true;
+    config.recycle_quota_dirs = cubicle_node::config::SERVE_RECYCLED_QUOTA_DIRS;
     let node = Node::open(config)
         .await
         .with_context(|| format!("opening the node on {}", state_dir.display()))?;

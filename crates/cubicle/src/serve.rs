@@ -471,6 +471,7 @@ pub async fn run(
         }
         // DELETE answers once the sandbox is dead; cgroups/veth/quota go in the background.
         config.async_teardown = true;
+        config.recycle_quota_dirs = cubicle_node::config::SERVE_RECYCLED_QUOTA_DIRS;
         let node = Node::open(config)
             .await
             .with_context(|| format!("opening the node on {}", state_dir.display()))?;

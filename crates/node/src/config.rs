@@ -11,6 +11,9 @@ pub const DEFAULT_STATE_DIR: &str = "/var/lib/cubicle";
 /// File name of the agent binary.
 pub const ENVD_BIN_NAME: &str = "cubicle-envd";
 
+/// [`NodeConfig::recycle_quota_dirs`] of `cubicle serve` and `cubicle node serve`.
+pub const SERVE_RECYCLED_QUOTA_DIRS: usize = 256;
+
 /// How a [`crate::Node`] is set up.
 #[derive(Debug, Clone)]
 pub struct NodeConfig {
@@ -50,6 +53,10 @@ pub struct NodeConfig {
     /// the teardown (cgroups, network, quota directory, slot) finishes in the background
     /// (the sandbox shows as `dying` meanwhile). Off: `kill` returns when all is gone.
     pub async_teardown: bool,
+    /// btrfs quota storage: emptied sandbox directories kept for the next creates instead
+    /// of dropped (each drop commits a transaction on kernels 6.10+; see the runtime's
+    /// `storage/recycle.rs`). 0: none.
+    pub recycle_quota_dirs: usize,
     /// Sandbox networking: the egress layer's ports, upstream DNS, limits.
     pub network: NetworkOptions,
 }
@@ -114,6 +121,7 @@ impl NodeConfig {
                 .unwrap_or(4)
                 .max(4),
             async_teardown: false,
+            recycle_quota_dirs: 0,
             network: NetworkOptions::default(),
         }
     }

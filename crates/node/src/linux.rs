@@ -16,7 +16,7 @@ use std::sync::{Arc, Mutex};
 use crate::held_netns::HeldNamespaces;
 use cubicle_egress::{Egress, EgressConfig, NetEvent};
 use cubicle_runtime::network::{Netns, Network, NetworkConfig};
-use cubicle_runtime::storage::Storage;
+use cubicle_runtime::storage::{Storage, StorageConfig};
 use cubicle_runtime::{Cgroup, Limits, Sandbox, SandboxId, SandboxSpec};
 
 use crate::config::NodeConfig;
@@ -103,7 +103,11 @@ impl LinuxRuntime {
         if let Err(e) = &network {
             tracing::warn!("sandbox networking unavailable: {e}");
         }
-        let storage = Storage::open(state_dir).map_err(|e| {
+        let storage = Storage::open_with(StorageConfig {
+            recycle: config.recycle_quota_dirs,
+            ..StorageConfig::new(state_dir)
+        })
+        .map_err(|e| {
             tracing::warn!("disk quotas unavailable, sandboxes get unlimited disk: {e}");
             e.to_string()
         });
@@ -463,9 +467,13 @@ impl SandboxRuntime for LinuxRuntime {
     fn remove_dir(&self, id: &str, dir: &Path) -> Result<()> {
         crate::fsutil::unmount_all_under(dir);
         match &self.storage {
-            Ok(st) if let Ok(id) = SandboxId::parse(id) => st
-                .remove_sandbox_dir(&id)
-                .map_err(|e| rt_err(&format!("removing {}", dir.display()), e)),
+            Ok(st) if let Ok(id) = SandboxId::parse(id) => {
+                st.remove_sandbox_dir(&id)
+                    .map_err(|e| rt_err(&format!("removing {}", dir.display()), e))?;
+                // A recycled directory is reused once its emptying is committed.
+                self.writeback.note();
+                Ok(())
+            }
             _ => Ok(crate::fsutil::remove_tree(dir)?),
         }
     }
@@ -902,6 +910,9 @@ impl SandboxRuntime for LinuxRuntime {
 
     fn release_storage(&self) {
         if let Ok(st) = &self.storage {
+            if let Err(e) = st.drop_recycled() {
+                tracing::warn!("dropping the recycled sandbox directories: {e}");
+            }
             match st.release() {
                 Ok(true) => {
                     tracing::info!(path = %st.root().display(), "unmounted the sandboxes' quota filesystem")

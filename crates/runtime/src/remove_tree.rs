@@ -75,6 +75,40 @@ pub fn remove_tree(path: &Path) -> io::Result<()> {
     }
 }
 
+/// Removes everything below the directory `dir` as [`remove_tree`] does, and keeps `dir`
+/// itself (its immutable/append-only flags cleared). Fails unless `dir` ends up empty.
+pub fn remove_contents(dir: &OwnedFd) -> io::Result<()> {
+    make_writable(dir);
+    let mut first_err: Option<io::Error> = None;
+    for name in read_names(dir)? {
+        let st = match fstatat(dir, &name) {
+            Ok(st) => st,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => continue,
+            Err(e) => {
+                first_err.get_or_insert(e);
+                continue;
+            }
+        };
+        let r = if is_dir(&st) {
+            remove_dir_at(dir, &name)
+        } else {
+            unlink_at(dir, &name, &st)
+        };
+        if let Err(e) = r {
+            first_err.get_or_insert(e);
+        }
+    }
+    if let Some(e) = first_err {
+        return Err(e);
+    }
+    if !read_names(dir)?.is_empty() {
+        return Err(io::Error::other(
+            "entries appeared while the directory was emptied",
+        ));
+    }
+    Ok(())
+}
+
 /// Identity of a directory: (device, inode).
 type Id = (u64, u64);
 
@@ -431,6 +465,29 @@ mod tests {
         remove_tree(&t).unwrap(); // missing is fine
         remove_tree(&d).unwrap();
         assert!(!d.exists());
+    }
+
+    #[test]
+    fn remove_contents_empties_a_directory_and_keeps_it() {
+        let d = scratch("contents");
+        let outside = d.join("outside");
+        fs::create_dir_all(&outside).unwrap();
+        fs::write(outside.join("keep"), "x").unwrap();
+        let t = d.join("tree");
+        fs::create_dir_all(t.join("a/b")).unwrap();
+        fs::write(t.join("a/b/f"), "x").unwrap();
+        fs::write(t.join("g"), "y").unwrap();
+        std::os::unix::fs::symlink(&outside, t.join("link-dir")).unwrap();
+        let dir = open_dir(None, &t, false).unwrap();
+        remove_contents(&dir).unwrap();
+        assert!(t.is_dir(), "the directory itself went");
+        assert_eq!(fs::read_dir(&t).unwrap().count(), 0, "entries left");
+        assert!(
+            outside.join("keep").exists(),
+            "a symlink target was removed"
+        );
+        remove_contents(&dir).unwrap(); // already empty is fine
+        remove_tree(&d).unwrap();
     }
 
     #[test]

@@ -129,6 +129,8 @@ async fn setup(envd: &Path, state: &Path) -> anyhow::Result<Ctx> {
     cfg.first_slot = FIRST_SLOT;
     cfg.max_sandboxes = MAX_SANDBOXES;
     cfg.any_free_slots = true;
+    // As `cubicle serve` runs: dead sandboxes' directories are emptied and reused.
+    cfg.recycle_quota_dirs = cubicle_node::config::SERVE_RECYCLED_QUOTA_DIRS;
     let node = Node::open(cfg).await?;
     common::ensure_base(&node).await?;
     Ok(Ctx {

@@ -304,15 +304,25 @@ pub(crate) fn btrfs_subvol_destroy_at(parent: &impl AsRawFd, name: &CStr) -> io:
     )
 }
 
-/// Clears the read-only flag of the subvolume whose root directory `root` is (a no-op
-/// when it is writable).
-pub(crate) fn btrfs_subvol_make_writable(root: &impl AsRawFd) -> io::Result<()> {
+fn btrfs_subvol_flags(root: &impl AsRawFd) -> io::Result<u64> {
     let mut flags: u64 = 0;
     ioctl(
         root,
         BTRFS_IOC_SUBVOL_GETFLAGS,
         &mut flags as *mut u64 as *mut libc::c_void,
     )?;
+    Ok(flags)
+}
+
+/// Whether the subvolume whose root directory `root` is, is read-only.
+pub(super) fn btrfs_subvol_is_readonly(root: &impl AsRawFd) -> io::Result<bool> {
+    Ok(btrfs_subvol_flags(root)? & BTRFS_SUBVOL_RDONLY != 0)
+}
+
+/// Clears the read-only flag of the subvolume whose root directory `root` is (a no-op
+/// when it is writable).
+pub(crate) fn btrfs_subvol_make_writable(root: &impl AsRawFd) -> io::Result<()> {
+    let mut flags = btrfs_subvol_flags(root)?;
     if flags & BTRFS_SUBVOL_RDONLY == 0 {
         return Ok(());
     }
@@ -339,7 +349,7 @@ pub(super) fn btrfs_subvol_id(f: &File) -> io::Result<u64> {
     Ok(a.treeid)
 }
 
-fn btrfs_qgroup_limit(f: &File, subvol: u64, bytes: u64) -> io::Result<()> {
+pub(super) fn btrfs_qgroup_limit(f: &File, subvol: u64, bytes: u64) -> io::Result<()> {
     let mut a = BtrfsQgroupLimitArgs {
         qgroupid: subvol, // level 0
         flags: BTRFS_QGROUP_LIMIT_MAX_RFER,

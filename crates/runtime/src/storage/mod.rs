@@ -36,6 +36,7 @@
 //!
 //! Files: this one (the [`Storage`] API, which picks the backend), `image.rs` (the image,
 //! the mount table, [`unmount_path`]), `xfs.rs` and `btrfs.rs` (one backend each),
+//! `recycle.rs` (btrfs: emptied sandbox directories reused by later creates),
 //! `volumes.rs` (volumes: quota directories that outlive sandboxes, under `.volumes`)
 //! and `volume_fs.rs` ([`VolumeFs`]: the host's safe file operations inside a volume).
 
@@ -51,12 +52,14 @@ use crate::error::{Error, Result, io_err};
 
 pub(crate) mod btrfs;
 mod image;
+mod recycle;
 mod volume_fs;
 mod volumes;
 mod xfs;
 
 pub use image::unmount_path;
 use image::{create_image, detect, mount_image, mount_source_is_loop_of};
+pub use recycle::{MAX_RECYCLED_BYTES, SETTLED_BYTES};
 pub use volume_fs::{Attrs, EntryKind, MAX_VOLUME_ID, Timestamp, VolumeEntry, VolumeFs};
 
 /// Which kernel mechanism enforces the quotas.
@@ -75,6 +78,9 @@ pub struct StorageConfig {
     pub state_dir: PathBuf,
     /// Size of the sparse image created when the state dir's filesystem has no quotas.
     pub image_size: u64,
+    /// btrfs: how many emptied sandbox subvolumes to keep for the next creates instead
+    /// of dropping them (`recycle.rs`); 0: none, every directory is dropped.
+    pub recycle: usize,
 }
 
 impl StorageConfig {
@@ -82,6 +88,7 @@ impl StorageConfig {
         StorageConfig {
             state_dir: state_dir.into(),
             image_size: 64 << 30,
+            recycle: 0,
         }
     }
 }
@@ -104,6 +111,8 @@ pub struct Storage {
     qgroups_dir: PathBuf,
     /// XFS: project ids in use (id → directory name).
     projects: Mutex<HashMap<u32, String>>,
+    /// btrfs: emptied sandbox subvolumes for the next creates.
+    recycle: recycle::RecycleBin,
 }
 
 const SANDBOXES: &str = "sandboxes";
@@ -168,6 +177,10 @@ impl Storage {
             image_mounted,
             qgroups_dir,
             projects: Mutex::new(HashMap::new()),
+            recycle: recycle::RecycleBin::new(match backend {
+                QuotaBackend::BtrfsQgroup => config.recycle,
+                QuotaBackend::XfsProject => 0,
+            }),
         };
         match backend {
             QuotaBackend::XfsProject => storage.load_projects()?,
@@ -211,6 +224,11 @@ impl Storage {
         let _ = self.remove_in(parent, &tmp_name);
         let result = match self.backend {
             QuotaBackend::XfsProject => self.xfs_create(&tmp, id, quota_bytes),
+            QuotaBackend::BtrfsQgroup
+                if parent == self.root && self.btrfs_take_recycled(&tmp_name, quota_bytes) =>
+            {
+                Ok(())
+            }
             QuotaBackend::BtrfsQgroup => self.btrfs_create(parent, &tmp_name, quota_bytes),
         };
         if let Err(e) = result {
@@ -293,6 +311,13 @@ impl Storage {
     /// Deletes sandbox `id`'s directory and clears its quota (idempotent). Anything
     /// mounted below it must be unmounted first.
     pub fn remove_sandbox_dir(&self, id: &SandboxId) -> Result<()> {
+        if self.backend == QuotaBackend::BtrfsQgroup
+            && self
+                .btrfs_recycle(id.as_str())
+                .map_err(io_err(format!("recycling the directory of {id}")))?
+        {
+            return Ok(());
+        }
         self.remove_entry(id)
     }
 
@@ -316,6 +341,7 @@ impl Storage {
             if name != VOLUMES
                 && !known.contains(name.as_str())
                 && check_snapshot_name(&name).is_err()
+                && !(name.starts_with(recycle::RECYCLED) && self.btrfs_adopt_recycled(&name))
             {
                 self.remove_entry(&name)?;
             }
@@ -557,6 +583,7 @@ mod tests {
         let config = StorageConfig {
             state_dir: state.clone(),
             image_size: 2 << 30,
+            recycle: 0,
         };
         let storage = match Storage::open_with(config.clone()) {
             Ok(s) => s,
@@ -728,6 +755,7 @@ mod tests {
         let storage = Storage::open_with(StorageConfig {
             state_dir: state.clone(),
             image_size: 2 << 30,
+            recycle: 0,
         })
         .unwrap();
         assert_eq!(storage.volume_usage("vol-1").unwrap().limit_bytes, quota);
@@ -952,6 +980,137 @@ mod tests {
         drop(guard);
     }
 
+    /// What a tenant leaves in its directory never reaches the sandbox that gets the
+    /// directory next; the next one's limit is its own and holds; an emptied directory is
+    /// reused only once the kernel has accounted its deletions; the bin stays within its
+    /// capacity, big directories are dropped whole, and `drop_recycled` empties the bin.
+    #[test]
+    fn recycled_directories_come_back_empty_settled_and_limited() {
+        use std::os::unix::fs::{MetadataExt, PermissionsExt};
+        let Some((storage, guard)) = test_storage_with("recycle", 2) else {
+            return;
+        };
+        if storage.backend() != QuotaBackend::BtrfsQgroup {
+            eprintln!(
+                "SKIPPED: recycling is for btrfs (backend {:?})",
+                storage.backend()
+            );
+            return;
+        }
+        let commit = |p: &Path| cubicle_syscalls::fs::sync_filesystem(p).unwrap();
+        let a = id("recyclea");
+        let dir = storage.create_sandbox_dir(&a, 64 << 20).unwrap();
+        // What a hostile tenant (root in its user namespace) can leave behind.
+        fs::create_dir_all(dir.join("upper/x/y")).unwrap();
+        fs::write(dir.join("upper/x/y/secret"), b"tenant a").unwrap();
+        fs::write(dir.join("upper/data"), vec![7u8; 4 << 20]).unwrap();
+        std::os::unix::fs::symlink("/etc", dir.join("upper/etc-link")).unwrap();
+        let fifo = cpath(&dir.join("upper/fifo")).unwrap();
+        // SAFETY: a valid C string.
+        assert_eq!(unsafe { libc::mkfifo(fifo.as_ptr(), 0o644) }, 0);
+        fs::set_permissions(dir.join("upper/x"), fs::Permissions::from_mode(0o000)).unwrap();
+        let xname = cpath(&dir.join("upper/data")).unwrap();
+        // SAFETY: valid C strings and value buffer.
+        let rc = unsafe {
+            libc::setxattr(
+                xname.as_ptr(),
+                c"user.tenant".as_ptr(),
+                b"a".as_ptr().cast(),
+                1,
+                0,
+            )
+        };
+        assert_eq!(rc, 0, "setxattr: {}", io::Error::last_os_error());
+        std::os::unix::fs::chown(&dir, Some(4321), Some(4321)).unwrap();
+        fs::set_permissions(&dir, fs::Permissions::from_mode(0o700)).unwrap();
+        commit(&dir);
+        assert!(storage.usage(&a).unwrap().used_bytes > 4 << 20);
+
+        storage.remove_sandbox_dir(&a).unwrap();
+        assert!(!dir.exists());
+        assert_eq!(storage.recycled(), 1, "a small directory is recycled");
+        assert!(
+            fs::metadata("/etc/passwd").is_ok(),
+            "the walk followed a symlink"
+        );
+
+        // Its 4 MiB are still accounted until the next commit: not reused yet.
+        let b = id("recycleb");
+        let bdir = storage.create_sandbox_dir(&b, 32 << 20).unwrap();
+        assert_eq!(
+            storage.recycled(),
+            1,
+            "reused before its deletions were accounted"
+        );
+
+        commit(storage.root());
+        let c = id("recyclec");
+        let cdir = storage.create_sandbox_dir(&c, 48 << 20).unwrap();
+        assert_eq!(
+            storage.recycled(),
+            0,
+            "the settled directory was not reused"
+        );
+        assert_eq!(
+            fs::read_dir(&cdir).unwrap().count(),
+            0,
+            "the next tenant sees files"
+        );
+        let meta = fs::metadata(&cdir).unwrap();
+        assert_eq!(
+            (meta.uid(), meta.gid(), meta.mode() & 0o7777),
+            (0, 0, 0o755)
+        );
+        assert_eq!(meta.ino(), 256, "not a subvolume root");
+        let usage = storage.usage(&c).unwrap();
+        assert_eq!(
+            usage.limit_bytes,
+            48 << 20,
+            "the limit is not the new sandbox's"
+        );
+        assert!(usage.used_bytes <= SETTLED_BYTES, "{usage:?}");
+        // The limit holds in the recycled directory.
+        let (written, err) = fill_committing(&cdir.join("f"), 200 << 20);
+        assert!(
+            err.is_some() && written <= 48 << 20,
+            "wrote {written} past 48 MiB"
+        );
+
+        // A full directory is dropped whole; the bin never holds more than its capacity.
+        storage.remove_sandbox_dir(&c).unwrap();
+        assert_eq!(
+            storage.recycled(),
+            0,
+            "a directory at 48 MiB was emptied, not dropped"
+        );
+        storage.remove_sandbox_dir(&b).unwrap();
+        assert_eq!(storage.recycled(), 1);
+        for i in 0..3 {
+            let x = id(&format!("recyclex{i}"));
+            storage.create_sandbox_dir(&x, 8 << 20).unwrap();
+            storage.remove_sandbox_dir(&x).unwrap();
+            assert!(storage.recycled() <= 2);
+        }
+        assert!(!bdir.exists());
+        // A reopen adopts the bin; dropping it leaves the root empty.
+        let before = storage.recycled();
+        let reopened = Storage::open_with(StorageConfig {
+            state_dir: guard.state.clone(),
+            image_size: 2 << 30,
+            recycle: 2,
+        })
+        .unwrap();
+        reopened.reconcile(&[]).unwrap();
+        assert_eq!(reopened.recycled(), before);
+        reopened.drop_recycled().unwrap();
+        let mut left = reopened.entries().unwrap();
+        left.retain(|e| e != VOLUMES);
+        assert!(left.is_empty(), "left: {left:?}");
+        drop(storage);
+        reopened.unmount().unwrap();
+        drop(guard);
+    }
+
     /// `cargo test -p cubicle-runtime --lib storage::tests::create_remove_latency -- --ignored --nocapture`
     #[test]
     #[ignore = "benchmark: prints create/remove latency percentiles"]
@@ -968,6 +1127,10 @@ mod tests {
         let storage = Storage::open_with(StorageConfig {
             state_dir: state.clone(),
             image_size: 8 << 30,
+            recycle: std::env::var("RECYCLE")
+                .ok()
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(0),
         })
         .unwrap();
         let (mut c, mut r) = (Vec::new(), Vec::new());
@@ -1012,6 +1175,11 @@ mod tests {
     /// A fresh 2 GiB quota filesystem in a temporary state dir named after `name`, and
     /// the guard that removes it; `None` (after saying why) without root or btrfs-progs.
     fn test_storage(name: &str) -> Option<(Storage, Cleanup)> {
+        test_storage_with(name, 0)
+    }
+
+    /// [`test_storage`] keeping up to `recycle` emptied sandbox directories.
+    fn test_storage_with(name: &str, recycle: usize) -> Option<(Storage, Cleanup)> {
         if !is_root() {
             eprintln!("SKIPPED: needs root (loop-mounts a filesystem image, sets quotas)");
             return None;
@@ -1025,6 +1193,7 @@ mod tests {
         match Storage::open_with(StorageConfig {
             state_dir: state,
             image_size: 2 << 30,
+            recycle,
         }) {
             Ok(s) => Some((s, guard)),
             Err(e) if which("mkfs.btrfs").is_none() => {

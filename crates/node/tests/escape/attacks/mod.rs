@@ -30,6 +30,7 @@ mod open_by_handle_at;
 mod perf_event_open;
 mod proc_sys_writes;
 mod quota_fs_nosuid;
+mod recycled_directory;
 mod runc_proc_self_exe;
 mod seccomp_default_deny;
 mod sys_writes;
@@ -38,6 +39,8 @@ mod user_namespaces;
 
 /// All attacks, in the order they run.
 pub const ALL: &[Attack] = &[
+    // First: on a fresh node the recycle bin holds only what this attack puts there.
+    recycled_directory::ATTACK,
     btrfs_subvolume::ATTACK,
     kernel_modules::ATTACK,
     bpf::ATTACK,
