@@ -444,9 +444,9 @@ mod tests {
         d
     }
 
-    #[test]
-    fn removes_files_symlinks_and_nested_dirs_without_following_links() {
-        let d = scratch("basic");
+    /// In `d`: `outside/keep`, and `tree/` with nested directories, files and symlinks
+    /// to `outside` and to `outside/keep`. Returns (outside, tree).
+    fn littered(d: &Path) -> (std::path::PathBuf, std::path::PathBuf) {
         let outside = d.join("outside");
         fs::create_dir_all(&outside).unwrap();
         fs::write(outside.join("keep"), "x").unwrap();
@@ -456,6 +456,13 @@ mod tests {
         fs::write(t.join("a/g"), "y").unwrap();
         std::os::unix::fs::symlink(&outside, t.join("a/link-dir")).unwrap();
         std::os::unix::fs::symlink(outside.join("keep"), t.join("link-file")).unwrap();
+        (outside, t)
+    }
+
+    #[test]
+    fn removes_files_symlinks_and_nested_dirs_without_following_links() {
+        let d = scratch("basic");
+        let (outside, t) = littered(&d);
         remove_tree(&t).unwrap();
         assert!(!t.exists());
         assert!(
@@ -470,14 +477,7 @@ mod tests {
     #[test]
     fn remove_contents_empties_a_directory_and_keeps_it() {
         let d = scratch("contents");
-        let outside = d.join("outside");
-        fs::create_dir_all(&outside).unwrap();
-        fs::write(outside.join("keep"), "x").unwrap();
-        let t = d.join("tree");
-        fs::create_dir_all(t.join("a/b")).unwrap();
-        fs::write(t.join("a/b/f"), "x").unwrap();
-        fs::write(t.join("g"), "y").unwrap();
-        std::os::unix::fs::symlink(&outside, t.join("link-dir")).unwrap();
+        let (outside, t) = littered(&d);
         let dir = open_dir(None, &t, false).unwrap();
         remove_contents(&dir).unwrap();
         assert!(t.is_dir(), "the directory itself went");

@@ -402,7 +402,18 @@ impl Inner {
                     ms = t0.elapsed().as_secs_f64() * 1e3,
                     "pool: made"
                 );
+                // Ready only if the node is still open, checked under the pool's lock:
+                // `Node::close` sets `closed` before its drain takes the ready lists, so
+                // either the drain sees this one or this one sees the close. (Checked
+                // only above, a close in between left a ready sandbox no drain would
+                // see, running past its server's exit.)
                 let mut ps = inner.pool.lock();
+                if inner.closed.load(std::sync::atomic::Ordering::SeqCst) {
+                    drop(ps);
+                    inner.clone().finish(&id, DeathReason::Killed, true).await;
+                    inner.pool.lock().members.remove(&id);
+                    return Ok(());
+                }
                 ps.refills += 1;
                 ps.ready
                     .entry(template.config.name.clone())
