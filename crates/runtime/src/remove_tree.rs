@@ -81,13 +81,8 @@ pub fn remove_contents(dir: &OwnedFd) -> io::Result<()> {
     make_writable(dir);
     let mut first_err: Option<io::Error> = None;
     for name in read_names(dir)? {
-        let st = match fstatat(dir, &name) {
-            Ok(st) => st,
-            Err(e) if e.kind() == io::ErrorKind::NotFound => continue,
-            Err(e) => {
-                first_err.get_or_insert(e);
-                continue;
-            }
+        let Some(st) = entry_stat(dir, &name, &mut first_err) else {
+            continue;
         };
         let r = if is_dir(&st) {
             remove_dir_at(dir, &name)
@@ -172,13 +167,8 @@ fn empty_dir(
     first_err: &mut Option<io::Error>,
 ) -> io::Result<Option<(CString, OwnedFd)>> {
     for name in read_names(dir)? {
-        let st = match fstatat(dir, &name) {
-            Ok(st) => st,
-            Err(e) if e.kind() == io::ErrorKind::NotFound => continue,
-            Err(e) => {
-                first_err.get_or_insert(e);
-                continue;
-            }
+        let Some(st) = entry_stat(dir, &name, first_err) else {
+            continue;
         };
         let id = id_of(&st);
         if skip.contains(&id) {
@@ -203,6 +193,19 @@ fn empty_dir(
         }
     }
     Ok(None)
+}
+
+/// `name`'s stat in `dir` (not following a symlink); `None` when it is gone, or on an
+/// error, kept in `first_err` if it is the first.
+fn entry_stat(dir: &OwnedFd, name: &CStr, first_err: &mut Option<io::Error>) -> Option<libc::stat> {
+    match fstatat(dir, name) {
+        Ok(st) => Some(st),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => None,
+        Err(e) => {
+            first_err.get_or_insert(e);
+            None
+        }
+    }
 }
 
 /// Unlinks a non-directory, clearing immutable/append-only flags if that is what stops it.

@@ -59,19 +59,22 @@ impl Storage {
         let f = File::open(dir).map_err(io_err(format!("opening {}", dir.display())))?;
         let subvol = btrfs_subvol_id(&f)
             .map_err(io_err(format!("looking up subvolume of {}", dir.display())))?;
-        let q = self.qgroups_dir.join(format!("0_{subvol}"));
-        let read = |name: &str| -> Result<u64> {
-            let p = q.join(name);
-            let s = fs::read_to_string(&p).map_err(io_err(format!("reading {}", p.display())))?;
-            s.trim().parse::<u64>().map_err(|_| Error::Io {
-                context: format!("parsing {}", p.display()),
-                source: io::Error::from(io::ErrorKind::InvalidData),
-            })
-        };
+        let read = |name: &str| self.qgroup_counter(subvol, name);
         let used = read("referenced")? + read("rsv_data").unwrap_or(0);
         Ok(DiskUsage {
             used_bytes: used,
             limit_bytes: read("max_referenced")?,
+        })
+    }
+
+    /// Counter `name` (`referenced`, `rsv_data`, `max_referenced`, …) of subvolume
+    /// `subvol`'s level-0 qgroup.
+    pub(super) fn qgroup_counter(&self, subvol: u64, name: &str) -> Result<u64> {
+        let p = self.qgroups_dir.join(format!("0_{subvol}")).join(name);
+        let s = fs::read_to_string(&p).map_err(io_err(format!("reading {}", p.display())))?;
+        s.trim().parse::<u64>().map_err(|_| Error::Io {
+            context: format!("parsing {}", p.display()),
+            source: io::Error::from(io::ErrorKind::InvalidData),
         })
     }
 

@@ -127,11 +127,7 @@ impl Storage {
     /// Empties subvolume `root/name` and resets its root directory to what a new
     /// subvolume has; returns the subvolume id.
     fn empty_subvolume(&self, name: &str) -> io::Result<u64> {
-        let path = self.root.join(name);
-        let file = fs::OpenOptions::new()
-            .read(true)
-            .custom_flags(libc::O_DIRECTORY | libc::O_NOFOLLOW)
-            .open(&path)?;
+        let file = open_dir_nofollow(&self.root.join(name))?;
         let subvol = btrfs_subvol_id(&file)?;
         let dir = OwnedFd::from(file);
         crate::remove_tree::remove_contents(&dir)?;
@@ -177,12 +173,7 @@ impl Storage {
     /// Whether subvolume `subvol`'s qgroup reads like a new subvolume's (its deletions
     /// committed and accounted).
     fn qgroup_settled(&self, subvol: u64) -> bool {
-        let q = self.qgroups_dir.join(format!("0_{subvol}"));
-        let read = |f: &str| {
-            fs::read_to_string(q.join(f))
-                .ok()
-                .and_then(|s| s.trim().parse::<u64>().ok())
-        };
+        let read = |name: &str| self.qgroup_counter(subvol, name).ok();
         read("referenced").is_some_and(|b| b <= SETTLED_BYTES) && read("rsv_data").unwrap_or(0) == 0
     }
 
@@ -194,10 +185,7 @@ impl Storage {
         }
         let path = self.root.join(name);
         let ok = (|| -> io::Result<u64> {
-            let file = fs::OpenOptions::new()
-                .read(true)
-                .custom_flags(libc::O_DIRECTORY | libc::O_NOFOLLOW)
-                .open(&path)?;
+            let file = open_dir_nofollow(&path)?;
             if file.metadata()?.ino() != SUBVOL_ROOT_INO
                 || btrfs_subvol_is_readonly(&file)?
                 || fs::read_dir(&path)?.next().is_some()
@@ -239,4 +227,12 @@ impl Storage {
     pub fn recycled(&self) -> usize {
         self.recycle.lock().len()
     }
+}
+
+/// Opens the directory `path`, refusing a symlink in its last component.
+fn open_dir_nofollow(path: &std::path::Path) -> io::Result<File> {
+    fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_DIRECTORY | libc::O_NOFOLLOW)
+        .open(path)
 }
