@@ -12,9 +12,12 @@ use axum::{
     Json, Router,
     body::Body,
     http::{Method, Request, StatusCode},
-    routing::get,
+    routing::{get, post},
 };
-use cubicle_api::cluster::{NodeStatus, RemoteBackend, RemoteConfig, authenticated};
+use cubicle_api::Backend;
+use cubicle_api::cluster::{
+    NodeStatus, RemoteBackend, RemoteConfig, WireError, WireHost, authenticated,
+};
 use cubicle_router::{
     DataPlane, NODE_TOKEN_HEADER, Relay, RouterConfig, SandboxResolver, SandboxTarget,
 };
@@ -236,4 +239,91 @@ async fn replica_with_an_unreachable_node_answers_in_e2b_shape() {
     );
     poller.abort();
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A node-side API that reports `memory_available` and answers every create with `err`.
+async fn refusing_node(
+    memory_available: u64,
+    err: WireError,
+) -> (String, tokio::task::JoinHandle<()>) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    let status = NodeStatus {
+        max_sandboxes: 10,
+        host: WireHost {
+            memory_available,
+            ..Default::default()
+        },
+        ..Default::default()
+    };
+    let api = Router::new()
+        .route("/status", get(move || async move { Json(status.clone()) }))
+        .route("/templates/exists", get(|| async { Json(true) }))
+        .route(
+            "/sandboxes",
+            post(
+                move || async move { (StatusCode::from_u16(err.code).unwrap(), Json(err.clone())) },
+            ),
+        );
+    let dp = DataPlane::new(Arc::new(NoSandbox), RouterConfig::default());
+    let app = authenticated(api, dp, TOKEN);
+    let h = tokio::spawn(async move {
+        let _ = axum::serve(listener, app).await;
+    });
+    (addr, h)
+}
+
+fn wire(code: u16, kind: &str, subject: &str) -> WireError {
+    WireError {
+        code,
+        message: subject.into(),
+        kind: kind.into(),
+        subject: subject.into(),
+    }
+}
+
+/// The replica counts a node's sandboxes from its own cache, which misses creates still
+/// under way: a node that answers it has no slot left must not end a create another
+/// node can take (seen with two nodes filling to 10,000: 272 creates failed "all 6000
+/// sandbox slots are in use" while the other node had room).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_node_sends_the_create_to_the_next() {
+    let full = wire(503, "capacity", "all 10 sandbox slots are in use");
+    // The full node has more free memory, so placement picks it first.
+    let (a, ha) = refusing_node(8 << 30, full.clone()).await;
+    let (b, hb) = refusing_node(1 << 30, wire(400, "invalid", "node b was asked")).await;
+    let mut cfg = RemoteConfig::new(
+        vec![format!("http://{a}"), format!("http://{b}")],
+        TOKEN.into(),
+    );
+    cfg.poll_interval = Duration::from_millis(50);
+    let remote = RemoteBackend::connect(cfg).await.unwrap();
+    let req = cubicle_node::CreateRequest {
+        template: "tiny".into(),
+        ..Default::default()
+    };
+    let e = remote.create(req.clone()).await.unwrap_err();
+    assert!(
+        matches!(&e, cubicle_node::Error::InvalidRequest(m) if m == "node b was asked"),
+        "the create should have gone on to node b: {e}"
+    );
+
+    // Every node full: a capacity error that names them.
+    hb.abort();
+    let (c, hc) = refusing_node(1 << 30, full).await;
+    let mut cfg = RemoteConfig::new(
+        vec![format!("http://{a}"), format!("http://{c}")],
+        TOKEN.into(),
+    );
+    cfg.poll_interval = Duration::from_millis(50);
+    let remote = RemoteBackend::connect(cfg).await.unwrap();
+    let e = remote.create(req).await.unwrap_err();
+    match &e {
+        cubicle_node::Error::Capacity(m) => {
+            assert!(m.contains(&a) && m.contains(&c), "{m}")
+        }
+        other => panic!("expected a capacity error, got {other}"),
+    }
+    ha.abort();
+    hc.abort();
 }

@@ -552,8 +552,8 @@ impl RemoteBackend {
     }
 
     /// Where a create of `template` goes, and why.
-    fn place(&self, template: &str) -> cubicle_node::Result<(usize, String)> {
-        self.place_except(template, None)
+    fn place(&self, template: &str, tried: &[usize]) -> cubicle_node::Result<(usize, String)> {
+        self.place_among(template, |i| !tried.contains(&i))
     }
 
     /// Where a sandbox of `template` goes, never on node `except`, and why.
@@ -561,6 +561,15 @@ impl RemoteBackend {
         &self,
         template: &str,
         except: Option<usize>,
+    ) -> cubicle_node::Result<(usize, String)> {
+        self.place_among(template, |i| except != Some(i))
+    }
+
+    /// Where a sandbox of `template` goes among the nodes `allowed` admits, and why.
+    fn place_among(
+        &self,
+        template: &str,
+        allowed: impl Fn(usize) -> bool,
     ) -> cubicle_node::Result<(usize, String)> {
         let links = self.links();
         let live: HashMap<usize, usize> = {
@@ -583,7 +592,7 @@ impl RemoteBackend {
                 skipped.push(format!("{} down ({why})", n.addr));
                 continue;
             }
-            if except == Some(i) {
+            if !allowed(i) {
                 continue;
             }
             let Some(st) = lock(&n.status).clone() else {
@@ -791,11 +800,41 @@ impl Backend for RemoteBackend {
             if let Some(db) = self.inner.cluster.get() {
                 return db.clone().create(self, req).await;
             }
-            let (node, why) = self.place(&req.template)?;
-            let t0 = Instant::now();
-            let info: SandboxInfo = self
-                .call(node, Method::POST, "/sandboxes", Self::json(&req), true)
-                .await?;
+            // The slot counts placement reads are this replica's cache, which misses the
+            // creates still under way: a node that answers it is full (or out of memory)
+            // is skipped and the next one tried, so a full node is never the end of a
+            // create another node could take.
+            let mut tried = Vec::new();
+            let (node, why, t0, info) = loop {
+                let (node, why) = match self.place(&req.template, &tried) {
+                    Ok(p) => p,
+                    Err(e) if tried.is_empty() => return Err(e),
+                    Err(_) => {
+                        return Err(cubicle_node::Error::Capacity(format!(
+                            "every node that could take the sandbox is full (tried {})",
+                            tried
+                                .iter()
+                                .map(|&i| self.link(i).addr.to_string())
+                                .collect::<Vec<_>>()
+                                .join(", ")
+                        )));
+                    }
+                };
+                let t0 = Instant::now();
+                match self
+                    .call::<SandboxInfo>(node, Method::POST, "/sandboxes", Self::json(&req), true)
+                    .await
+                {
+                    Err(cubicle_node::Error::Capacity(m)) => {
+                        tracing::info!(
+                            node = %self.link(node).addr,
+                            "node has no room ({m}): placing the sandbox elsewhere"
+                        );
+                        tried.push(node);
+                    }
+                    r => break (node, why, t0, r?),
+                }
+            };
             tracing::info!(
                 sandbox = %info.id,
                 template = %req.template,
