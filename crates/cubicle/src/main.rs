@@ -237,6 +237,7 @@ fn main() {
     let cli = parse_cli();
     init_logging(&cli);
     check_fd_limit(&cli, fd_limit);
+    check_pid_max(&cli);
     if matches!(
         cli.command,
         Command::Serve(_) | Command::Node(_) | Command::Bench(_)
@@ -291,6 +292,27 @@ fn check_fd_limit(cli: &Cli, limit: std::io::Result<cubicle_runtime::fd_limit::F
         ),
         Ok(l) => tracing::debug!(soft = l.soft, hard = l.hard, "open-files limit"),
         Err(e) => tracing::warn!("cannot read or raise the open-files limit: {e}"),
+    }
+}
+
+/// Says when the kernel's `pid_max` leaves too few process ids for this node's most
+/// sandboxes: each holds at least one task (its envd) for its life, every process and
+/// thread it starts takes another, and the host's own share the same space (32,768 by
+/// default on small machines; 10,000 idle sandboxes then leave a host little headroom).
+fn check_pid_max(cli: &Cli) {
+    if !matches!(cli.command, Command::Serve(_) | Command::Node(_)) || !cli.command.needs_root() {
+        return;
+    }
+    let needed = u64::from(cli.max_sandboxes) * 2 + 4096;
+    match std::fs::read_to_string("/proc/sys/kernel/pid_max")
+        .ok()
+        .and_then(|s| s.trim().parse::<u64>().ok())
+    {
+        Some(max) if max < needed => tracing::warn!(
+            "kernel.pid_max is {max}: fewer than the {needed} process ids {} sandboxes and their commands need; raise it (sysctl -w kernel.pid_max=4194304) or lower --max-sandboxes",
+            cli.max_sandboxes
+        ),
+        _ => {}
     }
 }
 

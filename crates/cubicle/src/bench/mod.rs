@@ -129,6 +129,11 @@ pub struct BenchArgs {
     /// `interp`: pause between two creates of `interp-first` (a pool refills meanwhile).
     #[arg(long, default_value_t = 2000)]
     pub interp_pace_ms: u64,
+    /// Timeout of every sandbox the bench creates, seconds (default: an hour on the
+    /// server it starts, ten minutes, E2B's limit, on another one). A density run of
+    /// thousands against `--url` needs more than ten minutes.
+    #[arg(long, value_name = "SECS")]
+    pub sandbox_timeout: Option<u64>,
 }
 
 #[derive(Clone)]
@@ -271,16 +276,17 @@ pub async fn run(args: BenchArgs, envd: Option<&PathBuf>) -> anyhow::Result<i32>
             }
         };
         let cx = Ctx {
-            // Its own server allows an hour; another server ten minutes, E2B's limit.
+            // Its own server allows an hour; another server ten minutes, E2B's limit
+            // (`--sandbox-timeout` overrides both).
             api: Api::new(
                 &url,
                 key,
                 args.network.clone(),
-                if server.is_some() {
+                args.sandbox_timeout.unwrap_or(if server.is_some() {
                     server::MAX_TIMEOUT_S
                 } else {
                     600
-                },
+                }),
             )?,
             pool: mode.clone(),
             pool_size: args.pool_size,
