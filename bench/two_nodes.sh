@@ -20,6 +20,7 @@ BIN=${CUBICLE_BIN:-$ROOT/target/release/cubicle}
 export CUBICLE_ENVD_BIN=${CUBICLE_ENVD_BIN:-$ROOT/target/x86_64-unknown-linux-gnu/release/cubicle-envd}
 STATE=${CUBICLE_BENCH_NODES_STATE:-/var/lib/cubicle-bench-nodes}
 PER=${CUBICLE_BENCH_NODE_SANDBOXES:-6000}
+FIRST_SLOT=12000 # node a's first slot, node b's is PER later (a host has 32,768)
 
 if [[ "${CUBICLE_TWO_NODES_INNER:-}" != "1" ]]; then
   export CUBICLE_TWO_NODES_INNER=1
@@ -41,7 +42,7 @@ cleanup() {
   # removed by a local kill on its state directory.
   for p in "${PIDS[@]}"; do kill -TERM "$p" 2>/dev/null && wait "$p" 2>/dev/null; done
   PIDS=()
-  local n s=12000
+  local n s=$FIRST_SLOT
   for n in a b; do
     for id in $("$BIN" local list --state-dir "$STATE-$n" --first-slot $s --any-free-slots 2>/dev/null | awk 'NR>1{print $1}'); do
       "$BIN" local kill "$id" --state-dir "$STATE-$n" --first-slot $s --any-free-slots >/dev/null 2>&1
@@ -61,10 +62,10 @@ wait_line() { # file pattern seconds
   return 1
 }
 
-# The replica is started first (in `PIDS` order it is stopped first); the nodes' slot
-# ranges are the next free ones from 12000 (a host has 32,768 slots).
+# The nodes first, then the replica, which goes to the front of `PIDS` so that it is
+# stopped first.
 NODES=()
-slot=12000
+slot=$FIRST_SLOT
 for n in a b; do
   addr=127.0.0.$([[ $n == a ]] && echo 2 || echo 3):3100
   "$BIN" node --state-dir "$STATE-$n" --first-slot "$slot" --max-sandboxes "$PER" --any-free-slots \

@@ -122,7 +122,7 @@ impl RemoteBackend {
             .await
             .map_err(|e| cubicle_node::Error::Runtime(format!("the cluster's database: {e}")))?
             .ok_or_else(not_found)?;
-        let (to, there) = self.place_except(&row.template_id, None).map_err(|e| {
+        let (to, there) = self.place_except(&row.template_id, &[]).map_err(|e| {
             cubicle_node::Error::Capacity(format!(
                 "sandbox {id} cannot resume: its node was lost, and no other node can take it ({e})"
             ))
@@ -208,7 +208,7 @@ impl RemoteBackend {
         }
         let t0 = Instant::now();
         let template = self.get(id)?.template;
-        let (to, there) = self.place_except(&template, Some(from)).map_err(|e| {
+        let (to, there) = self.place_except(&template, &[from]).map_err(|e| {
             cubicle_node::Error::Capacity(format!(
                 "sandbox {id} cannot resume: {why}, and no other node can take it ({e})"
             ))

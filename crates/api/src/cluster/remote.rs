@@ -551,25 +551,11 @@ impl RemoteBackend {
         }
     }
 
-    /// Where a create of `template` goes, and why.
-    fn place(&self, template: &str, tried: &[usize]) -> cubicle_node::Result<(usize, String)> {
-        self.place_among(template, |i| !tried.contains(&i))
-    }
-
-    /// Where a sandbox of `template` goes, never on node `except`, and why.
+    /// Where a sandbox of `template` goes, never on a node in `except`, and why.
     pub(super) fn place_except(
         &self,
         template: &str,
-        except: Option<usize>,
-    ) -> cubicle_node::Result<(usize, String)> {
-        self.place_among(template, |i| except != Some(i))
-    }
-
-    /// Where a sandbox of `template` goes among the nodes `allowed` admits, and why.
-    fn place_among(
-        &self,
-        template: &str,
-        allowed: impl Fn(usize) -> bool,
+        except: &[usize],
     ) -> cubicle_node::Result<(usize, String)> {
         let links = self.links();
         let live: HashMap<usize, usize> = {
@@ -592,7 +578,7 @@ impl RemoteBackend {
                 skipped.push(format!("{} down ({why})", n.addr));
                 continue;
             }
-            if !allowed(i) {
+            if except.contains(&i) {
                 continue;
             }
             let Some(st) = lock(&n.status).clone() else {
@@ -806,7 +792,7 @@ impl Backend for RemoteBackend {
             // create another node could take.
             let mut tried = Vec::new();
             let (node, why, t0, info) = loop {
-                let (node, why) = match self.place(&req.template, &tried) {
+                let (node, why) = match self.place_except(&req.template, &tried) {
                     Ok(p) => p,
                     Err(e) if tried.is_empty() => return Err(e),
                     Err(_) => {
