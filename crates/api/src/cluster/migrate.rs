@@ -35,7 +35,6 @@ use hyper::Method;
 
 use cubicle_node::{ResumeOutcome, SandboxState, TakeoverReport};
 
-use super::NodeStatus;
 use super::remote::{RemoteBackend, lock};
 use crate::backend::Backend;
 
@@ -347,8 +346,7 @@ impl RemoteBackend {
     /// The sandboxes node `node` still lists although they moved away from it (kept out
     /// of the cache: they run elsewhere); each is released there in the background. Moves
     /// away from it of ids it no longer lists are forgotten.
-    pub(super) fn moved_away_from(&self, node: usize, st: &NodeStatus) -> HashSet<String> {
-        let listed: HashSet<&str> = st.sandboxes.iter().map(|s| s.id.as_str()).collect();
+    pub(super) fn moved_away_from(&self, node: usize, listed: &HashSet<String>) -> HashSet<String> {
         let mut away = HashSet::new();
         let mut to_release = Vec::new();
         lock(&self.inner.moved).retain(|id, m| {

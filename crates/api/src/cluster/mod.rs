@@ -22,6 +22,7 @@
 //! `cubicle serve` would.
 
 pub mod coordination;
+pub mod journal;
 mod migrate;
 pub mod moving_api;
 pub mod node_api;
@@ -29,6 +30,7 @@ pub mod remote;
 pub mod templates;
 pub mod volumes;
 
+pub use journal::{JournalMark, StatusJournal};
 pub use node_api::{NodeResolver, authenticated, node_router, node_router_with};
 pub use remote::{RemoteBackend, RemoteConfig};
 
@@ -43,12 +45,26 @@ pub fn token_matches(expected: &str, given: &str) -> bool {
     a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
-/// Everything a replica keeps of a node, refreshed by polling `GET /node/v1/status`.
+/// Everything a replica keeps of a node, refreshed by polling `GET /node/v1/status`
+/// (`?epoch=E&since=G`: only the sandboxes changed since, see [`journal`]).
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub struct NodeStatus {
-    /// The node's sandboxes, live and recently dead.
+    /// The node's live sandboxes: all of them, or with `delta` those changed since the
+    /// poll's `since`.
     pub sandboxes: Vec<cubicle_node::SandboxInfo>,
+    /// `sandboxes` lists only changes; `removed` the ids gone since.
+    #[serde(default)]
+    pub delta: bool,
+    #[serde(default)]
+    pub removed: Vec<String>,
+    /// How many sandboxes the node lists in all.
+    #[serde(default)]
+    pub count: usize,
+    /// Where this answer stands in the node's journal (`None` from a node without one:
+    /// every answer is the full list).
+    #[serde(default)]
+    pub journal: Option<JournalMark>,
     /// Its warm pools.
     pub pool: cubicle_node::PoolStats,
     /// Its host.

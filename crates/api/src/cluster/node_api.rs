@@ -19,7 +19,10 @@ use cubicle_node::{
 use cubicle_router::{DataPlane, NODE_TOKEN_HEADER, SandboxResolver, SandboxTarget};
 use serde::Deserialize;
 
-use super::{NodeStatus, WireError, WireHost, WireResult, WireTimeout, token_matches};
+use super::{
+    JournalMark, NodeStatus, StatusJournal, WireError, WireHost, WireResult, WireTimeout,
+    token_matches,
+};
 use crate::backend::Backend;
 
 /// The node's sandboxes as its own data plane sees them: every running one (the replica
@@ -67,6 +70,7 @@ impl SandboxResolver for NodeResolver {
 #[derive(Clone)]
 struct NodeApi {
     node: Node,
+    journal: Arc<std::sync::Mutex<StatusJournal>>,
 }
 
 /// What the entry of every request needs: the data plane and the token.
@@ -86,7 +90,10 @@ pub fn node_router(node: Node, dp: DataPlane, token: &str) -> Router {
 /// `super::templates::node_routes`).
 pub fn node_router_with(node: Node, dp: DataPlane, token: &str, extra: Router) -> Router {
     let moving = super::moving_api::routes(node.clone());
-    let st = NodeApi { node };
+    let st = NodeApi {
+        node,
+        journal: Arc::default(),
+    };
     let api = Router::new()
         .route("/status", get(status))
         .route("/templates/exists", get(template_exists))
@@ -183,12 +190,33 @@ async fn blocking<T: Send + 'static>(
         .unwrap_or_else(|e| Err(cubicle_node::Error::Runtime(format!("task failed: {e}"))))
 }
 
-async fn status(State(st): State<NodeApi>) -> Response {
+/// `GET /status`'s query: the journal mark of the replica's last answer.
+#[derive(Deserialize)]
+struct StatusQuery {
+    epoch: Option<u64>,
+    since: Option<u64>,
+}
+
+async fn status(State(st): State<NodeApi>, Query(q): Query<StatusQuery>) -> Response {
     let node = st.node.clone();
+    let since = q
+        .epoch
+        .zip(q.since)
+        .map(|(epoch, generation)| JournalMark { epoch, generation });
     let r = blocking(move || {
         let host = cubicle_node::host::stats(&node.config().state_dir);
+        let list = node.list();
+        let j = st
+            .journal
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .answer(list, since);
         Ok(NodeStatus {
-            sandboxes: node.list(),
+            sandboxes: j.sandboxes,
+            delta: j.delta,
+            removed: j.removed,
+            count: j.count,
+            journal: Some(j.mark),
             pool: node.pool_stats(),
             host: WireHost::from(&host),
             max_sandboxes: node.config().max_sandboxes,

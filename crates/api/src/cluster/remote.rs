@@ -5,7 +5,8 @@
 //! answered from a cache of each node's `GET /node/v1/status`, polled every
 //! `poll_interval` and updated by every call that changes a sandbox (create, kill,
 //! timeout, pause, resume, …), so the data plane's hot path (`peek` per request) does no
-//! I/O. The synchronous calls the trait documents as blocking (`set_timeout`, `stats`,
+//! I/O. A poll asks for what changed since the last one (`super::journal`): an idle
+//! node's answer is a few hundred bytes however many sandboxes it holds. The synchronous calls the trait documents as blocking (`set_timeout`, `stats`,
 //! `template_exists`) make their HTTP call in place (`block_in_place`: the replica runs
 //! on tokio's multi-threaded runtime). The trait itself is unchanged.
 //!
@@ -42,7 +43,7 @@ use cubicle_node::{
     SnapshotRecord, SnapshotReport, SnapshotRequest,
 };
 
-use super::{NodeStatus, WireError, WireResult, WireTimeout};
+use super::{JournalMark, NodeStatus, WireError, WireResult, WireTimeout};
 use crate::backend::{Backend, BoxFuture};
 
 /// How a replica reaches its nodes.
@@ -111,13 +112,58 @@ pub(super) struct Inner {
     full_poll: tokio::sync::Mutex<Option<Instant>>,
 }
 
+/// Polls between two full ones (one every half minute at the default interval): what a
+/// delta cannot bring back — a change this replica skipped because it had learnt
+/// something newer, which the node lists again only when it changes again — is corrected
+/// within this many polls.
+const FULL_POLL_EVERY: u32 = 60;
+
+/// A node's sandboxes as this replica's polls of its journal follow them.
+#[derive(Debug, Default)]
+pub(super) struct Listed {
+    /// The mark of the last answer applied (`None`: the next poll asks for everything).
+    mark: Option<JournalMark>,
+    /// Polls since the last full one.
+    since_full: u32,
+    /// The ids the node lists.
+    pub(super) ids: HashSet<String>,
+}
+
+impl Listed {
+    /// Follows one status answer (its `sandboxes` and `removed` taken out of it).
+    fn apply(&mut self, st: &NodeStatus, sandboxes: &[SandboxInfo], removed: &[String]) {
+        if st.delta {
+            self.since_full += 1;
+            for id in removed {
+                self.ids.remove(id);
+            }
+        } else {
+            self.since_full = 0;
+            self.ids.clear();
+        }
+        self.ids.extend(sandboxes.iter().map(|s| s.id.to_string()));
+        self.mark = st.journal;
+        if st.journal.is_some() && self.ids.len() != st.count {
+            tracing::warn!(
+                listed = self.ids.len(),
+                node_lists = st.count,
+                "this replica's view of a node's sandboxes counts otherwise than the node: asking for the full list"
+            );
+            self.mark = None;
+        }
+    }
+}
+
 pub(super) struct NodeLink {
     /// `host:port`.
     pub(super) addr: String,
     /// Its name in the cluster's database (`None` for a `--node` address).
     pub(super) name: Option<String>,
-    /// Its last status; `None` until it first answered.
+    /// Its last status (without its sandboxes: those are in `listed` and the cache);
+    /// `None` until it first answered.
     pub(super) status: Mutex<Option<NodeStatus>>,
+    /// The sandboxes it lists.
+    pub(super) listed: Mutex<Listed>,
     /// Whether its last poll answered, and the error if not.
     pub(super) down: Mutex<Option<String>>,
     /// Left the cluster (lost, or moved to another address): not polled, not placed on.
@@ -160,6 +206,7 @@ impl NodeLink {
             addr,
             name,
             status: Mutex::new(None),
+            listed: Mutex::new(Listed::default()),
             down: Mutex::new(None),
             retired: AtomicBool::new(false),
         }
@@ -340,21 +387,55 @@ impl RemoteBackend {
         *last = Some(started);
     }
 
+    /// Polls node `i`'s status into the cache: what changed since its last answer
+    /// (`super::journal`), or everything when this replica has no mark of that node's
+    /// journal, its view of the node counts otherwise than the node, or
+    /// [`FULL_POLL_EVERY`] polls went by.
     pub(super) async fn poll(&self, i: usize) {
         let t0 = Instant::now();
         let link = self.link(i);
+        let path = {
+            let l = lock(&link.listed);
+            match l.mark {
+                Some(m) if l.since_full < FULL_POLL_EVERY => {
+                    format!("/status?epoch={}&since={}", m.epoch, m.generation)
+                }
+                _ => "/status".to_string(),
+            }
+        };
         match self
-            .call::<NodeStatus>(i, Method::GET, "/status", None, false)
+            .call::<NodeStatus>(i, Method::GET, &path, None, false)
             .await
         {
-            Ok(st) => {
-                let moved_away = self.moved_away_from(i, &st);
+            Ok(mut st) => {
+                let sandboxes = std::mem::take(&mut st.sandboxes);
+                let removed = std::mem::take(&mut st.removed);
+                let moved_away = {
+                    let mut l = lock(&link.listed);
+                    l.apply(&st, &sandboxes, &removed);
+                    self.moved_away_from(i, &l.ids)
+                };
+                let mut recheck = Vec::new();
                 {
                     let mut cache = lock(&self.inner.cache);
-                    let present: HashSet<&str> =
-                        st.sandboxes.iter().map(|s| s.id.as_str()).collect();
-                    cache.retain(|id, e| e.node != i || e.at > t0 || present.contains(id.as_str()));
-                    for s in &st.sandboxes {
+                    if st.delta {
+                        for id in &removed {
+                            match cache.get(id.as_str()) {
+                                Some(e) if e.node == i && e.at > t0 => recheck.push(id.clone()),
+                                Some(e) if e.node == i => {
+                                    cache.remove(id.as_str());
+                                }
+                                _ => {}
+                            }
+                        }
+                    } else {
+                        let present: HashSet<&str> =
+                            sandboxes.iter().map(|s| s.id.as_str()).collect();
+                        cache.retain(|id, e| {
+                            e.node != i || e.at > t0 || present.contains(id.as_str())
+                        });
+                    }
+                    for s in sandboxes {
                         if moved_away.contains(s.id.as_str()) {
                             continue;
                         }
@@ -365,13 +446,25 @@ impl RemoteBackend {
                                     s.id.to_string(),
                                     Entry {
                                         node: i,
-                                        info: s.clone(),
+                                        info: s,
                                         at: t0,
                                     },
                                 );
                             }
                         }
                     }
+                }
+                if !recheck.is_empty() {
+                    // Gone on the node, but this replica learnt of them after the poll
+                    // started (a create's or refresh's answer): the node's word on each
+                    // decides (a full poll would have dropped them at the next one; a
+                    // delta does not list them again).
+                    let rb = self.clone();
+                    tokio::spawn(async move {
+                        for id in recheck {
+                            rb.refresh(i, &id).await;
+                        }
+                    });
                 }
                 *lock(&link.status) = Some(st);
                 if let Some(was) = lock(&link.down).take() {
