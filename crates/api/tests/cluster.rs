@@ -350,14 +350,16 @@ type Answer = (String, bool, usize, Vec<String>);
 /// per answer the query asked and (delta, sandboxes sent, ids removed).
 #[derive(Clone, Default)]
 struct JournalNode {
-    listed: Arc<std::sync::Mutex<Vec<cubicle_node::SandboxInfo>>>,
+    /// Its listing version and sandboxes.
+    listed: Arc<std::sync::Mutex<(u64, Vec<cubicle_node::SandboxInfo>)>>,
     journal: Arc<std::sync::Mutex<StatusJournal>>,
     answers: Arc<std::sync::Mutex<Vec<Answer>>>,
 }
 
 impl JournalNode {
     fn set(&self, v: Vec<cubicle_node::SandboxInfo>) {
-        *self.listed.lock().unwrap() = v;
+        let mut l = self.listed.lock().unwrap();
+        *l = (l.0 + 1, v);
     }
     fn last(&self) -> Answer {
         self.answers.lock().unwrap().last().cloned().unwrap()
@@ -397,8 +399,8 @@ impl JournalNode {
                             generation: s.parse().ok()?,
                         })
                     });
-                    let list = me.listed.lock().unwrap().clone();
-                    let j = me.journal.lock().unwrap().answer(list, mark);
+                    let (version, list) = me.listed.lock().unwrap().clone();
+                    let j = me.journal.lock().unwrap().answer(version, || list, mark);
                     me.answers.lock().unwrap().push((
                         q,
                         j.delta,

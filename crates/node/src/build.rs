@@ -220,7 +220,7 @@ impl Node {
         let mut used: HashSet<String> = self
             .inner
             .lock()
-            .live
+            .live()
             .values()
             .flat_map(|l| l.record.layers.iter().cloned())
             .collect();
@@ -242,7 +242,7 @@ impl Node {
         let mut out: Vec<String> = self
             .inner
             .lock()
-            .live
+            .live()
             .values()
             .filter(|l| !matches!(l.record.state, S::Dying | S::Dead))
             .filter(|l| of(l.record.rootfs_template()))

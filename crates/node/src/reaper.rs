@@ -33,7 +33,7 @@ pub(crate) async fn run(weak: Weak<Inner>) {
         let mut retry = Vec::new();
         {
             let st = inner.lock();
-            for (id, live) in &st.live {
+            for (id, live) in st.live() {
                 if live.teardown_failed {
                     retry.push((
                         id.clone(),

@@ -151,7 +151,7 @@ pub(crate) async fn reconcile(inner: &Arc<Inner>) -> Result<ReconcileReport> {
         let watcher = spawn_watcher(Arc::downgrade(inner), r.id.clone(), init.as_ref());
         tracing::info!(sandbox = %r.id, pid, "adopted");
         report.adopted.push(r.id.to_string());
-        inner.lock().live.insert(
+        inner.lock().live_mut().insert(
             r.id.clone(),
             Live {
                 watcher: Some(watcher),
@@ -180,7 +180,7 @@ pub(crate) async fn reconcile(inner: &Arc<Inner>) -> Result<ReconcileReport> {
         }
         tracing::info!(sandbox = %r.id, "kept paused");
         report.paused.push(r.id.to_string());
-        inner.lock().live.insert(r.id.clone(), Live::new(r));
+        inner.lock().live_mut().insert(r.id.clone(), Live::new(r));
     }
     for (id, slot) in doomed {
         let rt = inner.runtime.clone();
@@ -234,7 +234,7 @@ pub(crate) async fn reconcile(inner: &Arc<Inner>) -> Result<ReconcileReport> {
     }
     let (owned, slots) = {
         let st = inner.lock();
-        let slots: Vec<u32> = st.live.values().map(|l| l.record.slot).collect();
+        let slots: Vec<u32> = st.live().values().map(|l| l.record.slot).collect();
         (st.slots.range(), slots)
     };
     let rt = inner.runtime.clone();

@@ -105,7 +105,7 @@ impl State {
     /// Live sandboxes that mount volume `id`.
     pub(crate) fn volume_users(&self, id: &str) -> Vec<String> {
         let mut users: Vec<String> = self
-            .live
+            .live()
             .values()
             .filter(|l| l.record.volumes.iter().any(|v| v.volume_id == id))
             .map(|l| l.record.id.to_string())
@@ -155,7 +155,7 @@ impl Node {
                 let running: Vec<String> = users
                     .iter()
                     .filter(|u| {
-                        st.live
+                        st.live()
                             .get(u.as_str())
                             .is_some_and(|l| l.record.state != crate::SandboxState::Dying)
                     })

@@ -61,6 +61,8 @@ pub struct StatusJournal {
     removed: VecDeque<(u64, String)>,
     /// Deltas since a generation below this cannot be given (removals were dropped).
     floor: u64,
+    /// The node's listing version at the last listing.
+    version: Option<u64>,
 }
 
 impl Default for StatusJournal {
@@ -78,11 +80,38 @@ impl StatusJournal {
             seen: HashMap::new(),
             removed: VecDeque::new(),
             floor: 0,
+            version: None,
         }
     }
 
+    /// Answers a poll that asked `since`, given the node's listing version (read before
+    /// listing: [`cubicle_node::Node::listing_version`]) and how to list its sandboxes.
+    /// When the version is the one of the last listing and the poll is up to date, the
+    /// answer is an empty delta and nothing is listed: an idle node's poll is O(1).
+    pub fn answer(
+        &mut self,
+        version: u64,
+        list: impl FnOnce() -> Vec<SandboxInfo>,
+        since: Option<JournalMark>,
+    ) -> JournalAnswer {
+        let mark = JournalMark {
+            epoch: self.epoch,
+            generation: self.generation,
+        };
+        if self.version == Some(version) && since == Some(mark) {
+            return JournalAnswer {
+                delta: true,
+                count: self.seen.len(),
+                mark,
+                ..Default::default()
+            };
+        }
+        self.version = Some(version);
+        self.record(list(), since)
+    }
+
     /// Records `list` (the node's sandboxes now) and answers a poll that asked `since`.
-    pub fn answer(&mut self, list: Vec<SandboxInfo>, since: Option<JournalMark>) -> JournalAnswer {
+    fn record(&mut self, list: Vec<SandboxInfo>, since: Option<JournalMark>) -> JournalAnswer {
         let next = self.generation + 1;
         let mut changed = false;
         let mut listed = HashMap::with_capacity(list.len());
@@ -200,18 +229,18 @@ mod tests {
     #[test]
     fn a_poll_gets_what_changed_since_its_last() {
         let mut j = StatusJournal::new();
-        let first = j.answer(vec![info("a", 1), info("b", 1)], None);
+        let first = j.record(vec![info("a", 1), info("b", 1)], None);
         assert!(!first.delta);
         assert_eq!(
             (ids(&first), first.count),
             (vec!["a".into(), "b".into()], 2)
         );
         // Nothing changed: an empty delta at the same generation.
-        let same = j.answer(vec![info("a", 1), info("b", 1)], Some(first.mark));
+        let same = j.record(vec![info("a", 1), info("b", 1)], Some(first.mark));
         assert!(same.delta && same.sandboxes.is_empty() && same.removed.is_empty());
         assert_eq!(same.mark, first.mark);
         // b's end time moved, c came, a left.
-        let next = j.answer(vec![info("b", 2), info("c", 1)], Some(same.mark));
+        let next = j.record(vec![info("b", 2), info("c", 1)], Some(same.mark));
         assert!(next.delta);
         assert_eq!(ids(&next), vec!["b".to_string(), "c".into()]);
         assert_eq!(next.removed, vec!["a".to_string()]);
@@ -221,8 +250,8 @@ mod tests {
             2
         );
         // A poll that missed one answer still gets every change since its mark.
-        let later = j.answer(vec![info("b", 2), info("c", 1), info("d", 1)], None);
-        let behind = j.answer(
+        let later = j.record(vec![info("b", 2), info("c", 1), info("d", 1)], None);
+        let behind = j.record(
             vec![info("b", 2), info("c", 1), info("d", 1)],
             Some(first.mark),
         );
@@ -231,9 +260,9 @@ mod tests {
         assert_eq!(behind.removed, vec!["a".to_string()]);
         assert_eq!(behind.mark, later.mark);
         // A sandbox that left and came back is listed, not removed.
-        let gone = j.answer(vec![info("c", 1), info("d", 1)], Some(behind.mark));
+        let gone = j.record(vec![info("c", 1), info("d", 1)], Some(behind.mark));
         assert_eq!(gone.removed, vec!["b".to_string()]);
-        let back = j.answer(
+        let back = j.record(
             vec![info("b", 3), info("c", 1), info("d", 1)],
             Some(behind.mark),
         );
@@ -242,12 +271,35 @@ mod tests {
     }
 
     #[test]
+    fn an_unchanged_node_is_not_listed_again() {
+        let mut j = StatusJournal::new();
+        let first = j.answer(1, || vec![info("a", 1)], None);
+        assert_eq!(first.count, 1);
+        // Same version, poll up to date: answered without listing.
+        let idle = j.answer(
+            1,
+            || panic!("listed although nothing changed"),
+            Some(first.mark),
+        );
+        assert!(idle.delta && idle.sandboxes.is_empty() && idle.removed.is_empty());
+        assert_eq!((idle.count, idle.mark), (1, first.mark));
+        // Same version but a poll that is behind or new: listed (it needs the sandboxes).
+        let fresh = j.answer(1, || vec![info("a", 1)], None);
+        assert!(!fresh.delta && fresh.sandboxes.len() == 1);
+        // A new version: listed, and the change found.
+        let changed = j.answer(2, || vec![info("a", 2)], Some(first.mark));
+        assert!(changed.delta);
+        assert_eq!(changed.sandboxes.len(), 1);
+        assert_ne!(changed.mark, first.mark);
+    }
+
+    #[test]
     fn another_journal_or_a_mark_too_old_gets_the_full_list() {
         let mut j = StatusJournal::new();
-        let a = j.answer(vec![info("a", 1)], None);
+        let a = j.record(vec![info("a", 1)], None);
         // A node that restarted has a new journal: its generations mean something else.
         let mut restarted = StatusJournal::new();
-        let r = restarted.answer(vec![info("b", 1)], Some(a.mark));
+        let r = restarted.record(vec![info("b", 1)], Some(a.mark));
         assert!(!r.delta);
         assert_eq!(ids(&r), vec!["b".to_string()]);
         // A mark from the future (the same epoch cannot have one): full.
@@ -255,10 +307,10 @@ mod tests {
             epoch: a.mark.epoch,
             generation: a.mark.generation + 5,
         };
-        assert!(!j.answer(vec![info("a", 1)], Some(future)).delta);
+        assert!(!j.record(vec![info("a", 1)], Some(future)).delta);
         // Removals past what is kept: a mark older than them gets the full list.
         j.floor = a.mark.generation + 1;
-        let old = j.answer(vec![info("a", 1)], Some(a.mark));
+        let old = j.record(vec![info("a", 1)], Some(a.mark));
         assert!(!old.delta);
         assert_eq!(old.count, 1);
     }

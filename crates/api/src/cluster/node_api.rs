@@ -205,12 +205,12 @@ async fn status(State(st): State<NodeApi>, Query(q): Query<StatusQuery>) -> Resp
         .map(|(epoch, generation)| JournalMark { epoch, generation });
     let r = blocking(move || {
         let host = cubicle_node::host::stats(&node.config().state_dir);
-        let list = node.list();
-        let j = st
-            .journal
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .answer(list, since);
+        let version = node.listing_version();
+        let j = st.journal.lock().unwrap_or_else(|p| p.into_inner()).answer(
+            version,
+            || node.list(),
+            since,
+        );
         Ok(NodeStatus {
             sandboxes: j.sandboxes,
             delta: j.delta,

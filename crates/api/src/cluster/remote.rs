@@ -24,7 +24,7 @@
 
 use std::collections::{HashMap, HashSet};
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, RwLock};
 use std::time::{Duration, Instant};
 
@@ -118,6 +118,11 @@ pub(super) struct Inner {
 /// within this many polls.
 const FULL_POLL_EVERY: u32 = 60;
 
+/// Polls in a row that run out of time before a node counts as down (placement skips
+/// it, creates fail over): under heavy load (a host filling to 10,000 sandboxes) a single
+/// status can take longer than the call limit while the node still works.
+const SLOW_POLLS_DOWN: u32 = 3;
+
 /// A node's sandboxes as this replica's polls of its journal follow them.
 #[derive(Debug, Default)]
 pub(super) struct Listed {
@@ -166,6 +171,8 @@ pub(super) struct NodeLink {
     pub(super) listed: Mutex<Listed>,
     /// Whether its last poll answered, and the error if not.
     pub(super) down: Mutex<Option<String>>,
+    /// Polls in a row that ran out of time (`SLOW_POLLS_DOWN`).
+    slow_polls: AtomicU32,
     /// Left the cluster (lost, or moved to another address): not polled, not placed on.
     pub(super) retired: AtomicBool,
 }
@@ -208,6 +215,7 @@ impl NodeLink {
             status: Mutex::new(None),
             listed: Mutex::new(Listed::default()),
             down: Mutex::new(None),
+            slow_polls: AtomicU32::new(0),
             retired: AtomicBool::new(false),
         }
     }
@@ -403,11 +411,31 @@ impl RemoteBackend {
                 _ => "/status".to_string(),
             }
         };
-        match self
-            .call::<NodeStatus>(i, Method::GET, &path, None, false)
-            .await
-        {
+        // The time limit is the poll's own: a poll that runs out of it is a slow node,
+        // down only after `SLOW_POLLS_DOWN` in a row; any other failure is down at once.
+        let limit = self.inner.cfg.timeout;
+        let answer = tokio::time::timeout(
+            limit,
+            self.call::<NodeStatus>(i, Method::GET, &path, None, true),
+        )
+        .await;
+        let answer = match answer {
+            Ok(a) => a,
+            Err(_) => {
+                let n = link.slow_polls.fetch_add(1, Ordering::Relaxed) + 1;
+                if n < SLOW_POLLS_DOWN {
+                    tracing::warn!(node = %link.addr, "node is slow: its status took longer than {limit:?} ({n} poll(s) in a row; down after {SLOW_POLLS_DOWN})");
+                    return;
+                }
+                Err(unreachable(
+                    &link.addr,
+                    format!("no status within {limit:?} in {n} polls in a row"),
+                ))
+            }
+        };
+        match answer {
             Ok(mut st) => {
+                link.slow_polls.store(0, Ordering::Relaxed);
                 let sandboxes = std::mem::take(&mut st.sandboxes);
                 let removed = std::mem::take(&mut st.removed);
                 let moved_away = {

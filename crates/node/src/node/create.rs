@@ -160,7 +160,7 @@ impl Inner {
                 tracing::warn!(sandbox = %id, "create failed: {e}");
                 let reason = {
                     let st = inner.lock();
-                    st.live.get(&id).and_then(|l| l.kill_requested)
+                    st.live().get(&id).and_then(|l| l.kill_requested)
                 };
                 inner
                     .clone()
@@ -274,7 +274,7 @@ impl Inner {
         let info = {
             let mut st = inner.lock();
             let live = st
-                .live
+                .live_mut()
                 .get_mut(&id)
                 .ok_or_else(|| Error::SandboxNotFound(id.to_string()))?;
             if let Some(reason) = live.kill_requested {
@@ -487,7 +487,7 @@ impl Inner {
     pub(crate) fn update_record(&self, record: &SandboxRecord) -> Result<()> {
         let mut st = self.lock();
         let live = st
-            .live
+            .live_mut()
             .get_mut(&record.id)
             .ok_or_else(|| Error::SandboxNotFound(record.id.to_string()))?;
         if let Some(reason) = live.kill_requested {

@@ -34,7 +34,7 @@ impl Inner {
     pub(crate) fn keep_envd_conn(&self, id: &str, conn: Option<IdleConn>, ttl: Option<Duration>) {
         let now = Instant::now();
         let mut st = self.lock();
-        if let Some(live) = st.live.get_mut(id) {
+        if let Some(live) = st.live_unlisted().get_mut(id) {
             live.envd_conn = conn.map(|conn| KeptConn {
                 conn,
                 until: ttl.map(|t| now + t),
@@ -46,7 +46,7 @@ impl Inner {
             .unwrap_or_else(|p| p.into_inner());
         if last.is_none_or(|l| now.duration_since(l) >= Duration::from_secs(1)) {
             *last = Some(now);
-            for live in st.live.values_mut() {
+            for live in st.live_unlisted().values_mut() {
                 if live
                     .envd_conn
                     .as_ref()
@@ -61,7 +61,7 @@ impl Inner {
     /// Takes sandbox `id`'s idle connection to envd, if it has one.
     pub(crate) fn take_envd_conn(&self, id: &str) -> Option<IdleConn> {
         let mut st = self.lock();
-        let kept = st.live.get_mut(id)?.envd_conn.take()?;
+        let kept = st.live_unlisted().get_mut(id)?.envd_conn.take()?;
         kept.until
             .is_none_or(|u| u > Instant::now())
             .then_some(kept.conn)

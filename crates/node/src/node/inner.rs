@@ -67,10 +67,48 @@ pub(crate) type CheckpointHook = Box<dyn Fn(&str) + Send + Sync>;
 
 /// The live sandboxes and the uid slots, under one lock ([`Inner::lock`]).
 pub(crate) struct State {
-    pub(crate) live: HashMap<SandboxId, Live>,
+    /// Read with [`State::live`]; changed through [`State::live_mut`], which counts the
+    /// change in `version` (what a listing shows comes from here).
+    live: HashMap<SandboxId, Live>,
+    /// Changes to `live` so far ([`crate::Node::listing_version`]).
+    version: u64,
     pub(crate) slots: UidSlots,
     /// Volumes being deleted (`crate::volume`): no sandbox may mount them meanwhile.
     pub(crate) deleting_volumes: std::collections::HashSet<String>,
+}
+
+impl State {
+    pub(crate) fn new(slots: UidSlots) -> Self {
+        State {
+            live: HashMap::new(),
+            version: 0,
+            slots,
+            deleting_volumes: Default::default(),
+        }
+    }
+
+    /// The sandboxes the node knows.
+    pub(crate) fn live(&self) -> &HashMap<SandboxId, Live> {
+        &self.live
+    }
+
+    /// The sandboxes, to change: counted as a change of what a listing shows.
+    pub(crate) fn live_mut(&mut self) -> &mut HashMap<SandboxId, Live> {
+        self.version += 1;
+        &mut self.live
+    }
+
+    /// The sandboxes, to change only what a listing does not show ([`Live::envd_conn`],
+    /// [`Live::watcher`]; every field [`Live::info`] reads needs [`State::live_mut`]):
+    /// not counted, so the data plane's kept connections do not make every status poll
+    /// list the node again.
+    pub(crate) fn live_unlisted(&mut self) -> &mut HashMap<SandboxId, Live> {
+        &mut self.live
+    }
+
+    pub(crate) fn version(&self) -> u64 {
+        self.version
+    }
 }
 
 /// A sandbox the node knows: its record, and what the node does about it.
@@ -158,7 +196,7 @@ impl Inner {
         customize: impl FnOnce(&mut SandboxRecord),
     ) -> Result<SandboxRecord> {
         let mut st = self.lock();
-        if st.live.contains_key(id) {
+        if st.live().contains_key(id) {
             return Err(Error::InvalidRequest(format!(
                 "sandbox '{id}' already exists"
             )));
@@ -207,7 +245,7 @@ impl Inner {
         // In the same critical section as the insert: a volume being deleted is never
         // mounted (`Node::delete_volume` checks the live records under this lock).
         st.check_volumes_usable(&record.volumes)?;
-        st.live.insert(id.clone(), Live::new(record.clone()));
+        st.live_mut().insert(id.clone(), Live::new(record.clone()));
         Ok(record)
     }
 }

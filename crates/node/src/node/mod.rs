@@ -16,7 +16,7 @@
 //! sandbox's network policy and audit trail `network.rs`; the pools
 //! (`crate::pool`) use the create path and the shared state, never this file.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
@@ -123,12 +123,10 @@ impl Node {
         let inner = Arc::new(Inner {
             templates,
             runtime,
-            state: Mutex::new(State {
-                live: HashMap::new(),
-                slots: UidSlots::new(config.uid_base, config.first_slot, end)
+            state: Mutex::new(State::new(
+                UidSlots::new(config.uid_base, config.first_slot, end)
                     .with_quarantine(config.network.address_quarantine),
-                deleting_volumes: Default::default(),
-            }),
+            )),
             changed: Arc::new(Notify::new()),
             closed: std::sync::atomic::AtomicBool::new(false),
             dead: Mutex::new(VecDeque::new()),
@@ -164,7 +162,7 @@ impl Node {
             .closed
             .store(true, std::sync::atomic::Ordering::SeqCst);
         let mut st = self.inner.lock();
-        for live in st.live.values_mut() {
+        for live in st.live_unlisted().values_mut() {
             if let Some(w) = live.watcher.take() {
                 w.abort();
             }
@@ -207,7 +205,7 @@ impl Node {
     pub fn envd(&self, id: &str) -> Result<EnvdClient> {
         let st = self.inner.lock();
         let live = st
-            .live
+            .live()
             .get(id)
             .ok_or_else(|| Error::SandboxNotFound(id.into()))?;
         Ok(EnvdClient::new(
@@ -224,7 +222,7 @@ impl Node {
         let pooled = self.inner.pool.members();
         let st = self.inner.lock();
         let mut v: Vec<SandboxInfo> = st
-            .live
+            .live()
             .values()
             .filter(|l| !pooled.contains(&l.record.id))
             .map(|l| l.info(self.inner.envd_socket(&l.record.id)))
@@ -232,6 +230,15 @@ impl Node {
         drop(st);
         v.sort_by_key(|i| (i.created_at_ms, i.id.clone()));
         v
+    }
+
+    /// A number that grows with every change to what [`Node::list`] shows (read it
+    /// before listing: a listing made after reading `v` shows every change counted up to
+    /// `v`). Equal numbers mean equal listings, which a status poll need not build again.
+    pub fn listing_version(&self) -> u64 {
+        // Both only grow, so their sum does, and changes while the two are read count
+        // in the next reading.
+        self.inner.lock().version() + self.inner.pool.version()
     }
 
     /// A live sandbox, or a recently dead one (state `dead`, with its death reason).
@@ -251,7 +258,7 @@ impl Node {
         }
         {
             let st = self.inner.lock();
-            if let Some(l) = st.live.get(id) {
+            if let Some(l) = st.live().get(id) {
                 return Ok(l.info(self.inner.envd_socket(id)));
             }
         }
@@ -438,7 +445,7 @@ impl Node {
     pub fn take_envd_conn(&self, id: &str) -> Option<crate::envd_client::IdleConn> {
         {
             let st = self.inner.lock();
-            let live = st.live.get(id)?;
+            let live = st.live().get(id)?;
             if live.record.state != SandboxState::Running || live.busy.is_some() {
                 return None;
             }
@@ -472,7 +479,7 @@ impl Node {
             {
                 let mut st = self.inner.lock();
                 let live = st
-                    .live
+                    .live_mut()
                     .get_mut(id)
                     .ok_or_else(|| Error::SandboxNotFound(id.into()))?;
                 if live.record.state == SandboxState::Creating {
@@ -540,7 +547,7 @@ impl Node {
 
     /// Kill every live sandbox (reason `killed`).
     pub async fn kill_all(&self) {
-        let ids: Vec<SandboxId> = self.inner.lock().live.keys().cloned().collect();
+        let ids: Vec<SandboxId> = self.inner.lock().live().keys().cloned().collect();
         for id in ids {
             let _ = self.kill(&id).await;
         }
@@ -551,7 +558,7 @@ impl Node {
         let record = {
             let mut st = self.inner.lock();
             let live = st
-                .live
+                .live_mut()
                 .get_mut(id)
                 .ok_or_else(|| Error::SandboxNotFound(id.into()))?;
             live.record.end_at_ms = now_ms() + timeout.as_millis() as u64;
@@ -564,7 +571,7 @@ impl Node {
 
     /// Usage counters of a live sandbox (memory, OOM kills so far, CPU, tasks, disk).
     pub fn stats(&self, id: &str) -> Result<crate::runtime::SandboxStats> {
-        if !self.inner.lock().live.contains_key(id) {
+        if !self.inner.lock().live().contains_key(id) {
             return Err(Error::SandboxNotFound(id.into()));
         }
         self.inner
@@ -623,7 +630,7 @@ impl Node {
     pub async fn release_storage(&self) {
         use std::sync::atomic::Ordering::SeqCst;
         let idle = self.inner.closed.load(SeqCst)
-            && self.inner.lock().live.is_empty()
+            && self.inner.lock().live().is_empty()
             && self.inner.pool.members().is_empty()
             && self.inner.pool.teardowns.load(SeqCst) == 0;
         if idle {

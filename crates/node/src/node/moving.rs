@@ -571,7 +571,7 @@ impl Inner {
         let mut record = m.record.clone();
         {
             let mut st = self.lock();
-            if st.live.contains_key(&sid) {
+            if st.live().contains_key(&sid) {
                 return Err(Error::Conflict(format!(
                     "sandbox '{id}' is already on this node"
                 )));
@@ -588,7 +588,7 @@ impl Inner {
             record.pid_start_time = None;
             let mut live = Live::new(record.clone());
             live.busy = Some(Busy::Moving);
-            st.live.insert(sid.clone(), live);
+            st.live_mut().insert(sid.clone(), live);
         }
         let dir = self.sandbox_dir(id);
         let (rt, i2, d2, disk) = (
@@ -635,7 +635,7 @@ impl Inner {
             let (rt, i2, d2) = (self.runtime.clone(), id.to_string(), dir.clone());
             let _ = blocking(move || rt.remove_dir(&i2, &d2)).await;
             let mut st = self.lock();
-            st.live.remove(&sid);
+            st.live_mut().remove(&sid);
             st.slots.release(record.slot);
             return Err(e);
         }
@@ -661,7 +661,7 @@ impl Inner {
         }
         {
             let mut st = self.lock();
-            st.live.remove(id);
+            st.live_mut().remove(id);
             st.slots.release(record.slot);
         }
         self.changed.notify_one();

@@ -74,7 +74,7 @@ impl Node {
         let (slot, pid) = {
             let st = inner.lock();
             let live = st
-                .live
+                .live()
                 .get(id)
                 .filter(|_| !inner.pool.contains(id))
                 .ok_or_else(|| Error::SandboxNotFound(id.into()))?;
@@ -91,7 +91,7 @@ impl Node {
         let record = {
             let mut st = inner.lock();
             let live = st
-                .live
+                .live_mut()
                 .get_mut(id)
                 .ok_or_else(|| Error::SandboxNotFound(id.into()))?;
             live.record.network = policy;

@@ -159,7 +159,7 @@ impl Inner {
     ) -> Result<SandboxRecord> {
         let mut st = self.lock();
         let live = st
-            .live
+            .live_mut()
             .get_mut(id)
             .ok_or_else(|| Error::SandboxNotFound(id.into()))?;
         if let Some(b) = live.busy {
@@ -197,7 +197,7 @@ impl Inner {
             None => Ok(()),
         };
         let mut st = self.lock();
-        if let Some(live) = st.live.get_mut(id) {
+        if let Some(live) = st.live_mut().get_mut(id) {
             live.busy = None;
             if let Some(r) = record {
                 live.record = r.clone();
@@ -400,7 +400,11 @@ impl Inner {
 
     fn stop_watcher(&self, id: &str) {
         let mut st = self.lock();
-        if let Some(w) = st.live.get_mut(id).and_then(|l| l.watcher.take()) {
+        if let Some(w) = st
+            .live_unlisted()
+            .get_mut(id)
+            .and_then(|l| l.watcher.take())
+        {
             w.abort();
         }
     }
@@ -408,7 +412,7 @@ impl Inner {
     /// Watches the sandbox's current init (its pidfd in the live table) for its exit.
     fn watch(self: &Arc<Self>, id: &str) {
         let mut st = self.lock();
-        if let Some(live) = st.live.get_mut(id) {
+        if let Some(live) = st.live_mut().get_mut(id) {
             live.watcher = Some(spawn_watcher(
                 Arc::downgrade(self),
                 live.record.id.clone(),
@@ -464,7 +468,7 @@ impl Inner {
         {
             let st = self.lock();
             let live = st
-                .live
+                .live()
                 .get(id)
                 .ok_or_else(|| Error::SandboxNotFound(id.into()))?;
             if live.record.state == SandboxState::Running && live.busy.is_none() {
@@ -474,7 +478,7 @@ impl Inner {
                 let record = {
                     let mut st = self.lock();
                     let live = st
-                        .live
+                        .live_mut()
                         .get_mut(id)
                         .ok_or_else(|| Error::SandboxNotFound(id.into()))?;
                     live.record.end_at_ms = live.record.end_at_ms.max(end);
@@ -819,7 +823,7 @@ impl Inner {
         {
             let mut st = self.lock();
             let live = st
-                .live
+                .live_mut()
                 .get_mut(&id)
                 .ok_or_else(|| Error::SandboxNotFound(id.to_string()))?;
             if let Some(reason) = live.kill_requested {
@@ -856,7 +860,7 @@ impl Inner {
     ) -> Result<Vec<Result<SandboxInfo>>> {
         let source = {
             let st = self.lock();
-            st.live
+            st.live()
                 .get(id)
                 .map(|l| l.record.clone())
                 .ok_or_else(|| Error::SandboxNotFound(id.into()))?

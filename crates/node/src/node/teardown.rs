@@ -41,7 +41,7 @@ impl Inner {
     ) -> Option<SandboxRecord> {
         {
             let mut st = self.lock();
-            let live = st.live.get_mut(id)?;
+            let live = st.live_mut().get_mut(id)?;
             let retry = live.teardown_failed;
             if !retry {
                 if live.record.state == SandboxState::Dying
@@ -78,7 +78,7 @@ impl Inner {
         let mut st = self.lock();
         match result {
             Ok(oom_kills) => {
-                st.live.remove(id);
+                st.live_mut().remove(id);
                 st.slots.release(record.slot);
                 drop(st);
                 self.pool.forget(id);
@@ -95,7 +95,7 @@ impl Inner {
             }
             Err(e) => {
                 tracing::error!(sandbox = %id, "teardown failed (will retry): {e}");
-                if let Some(live) = st.live.get_mut(id) {
+                if let Some(live) = st.live_mut().get_mut(id) {
                     live.teardown_failed = true;
                 }
                 true

@@ -271,6 +271,27 @@ async fn create_list_kill_frees_everything() {
     fsutil::remove_tree(&dir).unwrap();
 }
 
+/// A status poll skips the listing while [`Node::listing_version`] stays: every change a
+/// listing shows must move it, and reading must not.
+#[tokio::test]
+async fn the_listing_version_moves_with_what_a_listing_shows() {
+    let (node, _rt, dir) = open("version").await;
+    let v0 = node.listing_version();
+    let a = node.create(req()).await.unwrap();
+    let v1 = node.listing_version();
+    assert!(v1 > v0);
+    let _ = (node.list(), node.get(&a.id), node.peek(&a.id));
+    assert_eq!(node.listing_version(), v1, "reading is no change");
+    node.set_timeout(&a.id, std::time::Duration::from_secs(99))
+        .unwrap();
+    let v2 = node.listing_version();
+    assert!(v2 > v1, "a new end time is a change");
+    node.kill(&a.id).await.unwrap();
+    assert!(node.listing_version() > v2, "a kill is a change");
+    node.close();
+    fsutil::remove_tree(&dir).unwrap();
+}
+
 #[tokio::test]
 async fn failed_start_leaves_nothing() {
     let (node, rt, dir) = open("fail").await;

@@ -151,7 +151,7 @@ impl Inner {
                 }
                 match ps.ready.get_mut(name).and_then(|q| q.pop_front()) {
                     Some(id) => {
-                        ps.members.remove(&id);
+                        ps.remove_member(&id);
                         if after_miss {
                             ps.waited += 1;
                         } else {
@@ -181,13 +181,13 @@ impl Inner {
                 // A volume is being deleted: the pooled sandbox goes back, unused.
                 drop(st);
                 let mut ps = inner.pool.lock();
-                ps.members.insert(id.clone());
+                ps.add_member(id.clone());
                 ps.ready.entry(name.clone()).or_default().push_front(id);
                 drop(ps);
                 inner.pool.readied.notify_waiters();
                 return Claim::Served(Err(e));
             }
-            let Some(live) = st.live.get_mut(&id) else {
+            let Some(live) = st.live_mut().get_mut(&id) else {
                 continue;
             };
             if live.record.state != SandboxState::Running {
@@ -286,7 +286,7 @@ impl Inner {
         let ready_us = t0.elapsed().as_micros() as u64;
         let info = {
             let mut st = inner.lock();
-            match st.live.get_mut(&id) {
+            match st.live_mut().get_mut(&id) {
                 Some(live) => {
                     live.ready_us = ready_us;
                     live.info(inner.envd_socket(&id))
@@ -354,14 +354,14 @@ impl Inner {
             if inner.closed.load(std::sync::atomic::Ordering::SeqCst) {
                 return Ok(());
             }
-            ps.members.insert(id.clone());
+            ps.add_member(id.clone());
         }
         let record = match inner.reserve(&id, template, |r| {
             r.end_at_ms = r.created_at_ms + POOLED_END_MS;
         }) {
             Ok(r) => r,
             Err(e) => {
-                inner.pool.lock().members.remove(&id);
+                inner.pool.lock().remove_member(&id);
                 return Err(e);
             }
         };
@@ -375,14 +375,14 @@ impl Inner {
                 let _ = record;
                 // A member until it is gone: `Node::wait_refills` waits for that.
                 inner.clone().finish(&id, DeathReason::Killed, true).await;
-                inner.pool.lock().members.remove(&id);
+                inner.pool.lock().remove_member(&id);
                 Ok(())
             }
             Ok(record) => {
                 let pid = record.pid.unwrap_or(0);
                 {
                     let mut st = inner.lock();
-                    let Some(live) = st.live.get_mut(&id) else {
+                    let Some(live) = st.live_mut().get_mut(&id) else {
                         return Err(Error::SandboxNotFound(id.to_string()));
                     };
                     // Running in memory (killable, watched); `creating` on disk.
@@ -411,7 +411,7 @@ impl Inner {
                 if inner.closed.load(std::sync::atomic::Ordering::SeqCst) {
                     drop(ps);
                     inner.clone().finish(&id, DeathReason::Killed, true).await;
-                    inner.pool.lock().members.remove(&id);
+                    inner.pool.lock().remove_member(&id);
                     return Ok(());
                 }
                 ps.refills += 1;
@@ -427,7 +427,7 @@ impl Inner {
                 // A member until it is gone (as above): a start that failed because the
                 // node closed meanwhile is what `Node::wait_refills` waits for.
                 inner.clone().finish(&id, DeathReason::Exited, true).await;
-                inner.pool.lock().members.remove(&id);
+                inner.pool.lock().remove_member(&id);
                 Err(e)
             }
         }
@@ -472,12 +472,12 @@ impl Inner {
                 .flatten()
                 .collect();
             for id in &ids {
-                ps.members.remove(id);
+                ps.remove_member(id);
             }
             ids
         };
         for id in ids {
-            let Some(live) = inner.lock().live.remove(&id) else {
+            let Some(live) = inner.lock().live_mut().remove(&id) else {
                 continue;
             };
             if let Some(w) = &live.watcher {
@@ -527,7 +527,7 @@ fn estimate(inner: &Inner) -> u64 {
 }
 
 fn measure_estimate(inner: &Inner) -> u64 {
-    let ids: Vec<SandboxId> = inner.pool.lock().members.iter().cloned().collect();
+    let ids: Vec<SandboxId> = inner.pool.lock().member_ids();
     let used: Vec<u64> = ids
         .iter()
         .filter_map(|id| inner.runtime.memory_usage(id))
@@ -629,7 +629,7 @@ async fn refill(weak: Weak<Inner>, main: tokio::runtime::Handle) {
         let est = estimate(&inner);
         let want = {
             let mut ps = inner.pool.lock();
-            let members = ps.members.len() as u64;
+            let members = ps.member_count() as u64;
             let configured = inner.config.pool.clone();
             let now = Instant::now();
             for (name, t) in ps.target.clone() {

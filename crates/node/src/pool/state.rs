@@ -29,8 +29,11 @@ pub(crate) struct Pool {
 pub(super) struct PoolState {
     /// Ready sandbox ids per template, oldest first.
     pub(super) ready: BTreeMap<String, VecDeque<SandboxId>>,
-    /// Every pooled id (ready or being made).
-    pub(super) members: HashSet<SandboxId>,
+    /// Every pooled id (ready or being made): hidden from listings, so changed only
+    /// through [`PoolState::add_member`]/[`PoolState::remove_member`], which count the
+    /// change in `version`.
+    members: HashSet<SandboxId>,
+    version: u64,
     /// Current target per template.
     pub(super) target: BTreeMap<String, usize>,
     pub(super) last_miss: BTreeMap<String, Instant>,
@@ -45,6 +48,26 @@ pub(super) struct PoolState {
     pub(super) misses: u64,
     pub(super) waited: u64,
     pub(super) refills: u64,
+}
+
+impl PoolState {
+    pub(super) fn add_member(&mut self, id: SandboxId) -> bool {
+        self.version += 1;
+        self.members.insert(id)
+    }
+
+    pub(super) fn remove_member(&mut self, id: &str) -> bool {
+        self.version += 1;
+        self.members.remove(id)
+    }
+
+    pub(super) fn member_count(&self) -> usize {
+        self.members.len()
+    }
+
+    pub(super) fn member_ids(&self) -> Vec<SandboxId> {
+        self.members.iter().cloned().collect()
+    }
 }
 
 /// Pool counters.
@@ -94,7 +117,7 @@ impl Pool {
     /// Drops `id` from the pool (its sandbox is gone).
     pub(crate) fn forget(&self, id: &str) {
         let mut ps = self.lock();
-        if ps.members.remove(id) {
+        if ps.remove_member(id) {
             for q in ps.ready.values_mut() {
                 q.retain(|x| x != id);
             }
@@ -117,5 +140,10 @@ impl Pool {
     /// Pooled ids (unclaimed), for hiding them from listings.
     pub(crate) fn members(&self) -> HashSet<SandboxId> {
         self.lock().members.clone()
+    }
+
+    /// Changes to the membership so far ([`crate::Node::listing_version`]).
+    pub(crate) fn version(&self) -> u64 {
+        self.lock().version
     }
 }
