@@ -129,10 +129,21 @@ async fn node_api_needs_the_token() {
     assert_eq!(send(&app, req).await.0, StatusCode::UNAUTHORIZED);
 }
 
-/// A node-side API on a free port; returns its address and a handle that stops it.
-async fn fake_node() -> (String, tokio::task::JoinHandle<()>) {
+/// Serves the node-side routes `api` behind the token guard on a free port; returns the
+/// address and a handle that stops it.
+async fn serve_node(api: Router) -> (String, tokio::task::JoinHandle<()>) {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap().to_string();
+    let dp = DataPlane::new(Arc::new(NoSandbox), RouterConfig::default());
+    let app = authenticated(api, dp, TOKEN);
+    let h = tokio::spawn(async move {
+        let _ = axum::serve(listener, app).await;
+    });
+    (addr, h)
+}
+
+/// A node-side API on a free port; returns its address and a handle that stops it.
+async fn fake_node() -> (String, tokio::task::JoinHandle<()>) {
     let api = Router::new()
         .route(
             "/status",
@@ -144,12 +155,7 @@ async fn fake_node() -> (String, tokio::task::JoinHandle<()>) {
             }),
         )
         .route("/templates/exists", get(|| async { Json(true) }));
-    let dp = DataPlane::new(Arc::new(NoSandbox), RouterConfig::default());
-    let app = authenticated(api, dp, TOKEN);
-    let h = tokio::spawn(async move {
-        let _ = axum::serve(listener, app).await;
-    });
-    (addr, h)
+    serve_node(api).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -247,8 +253,6 @@ async fn refusing_node(
     memory_available: u64,
     err: WireError,
 ) -> (String, tokio::task::JoinHandle<()>) {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap().to_string();
     let status = NodeStatus {
         max_sandboxes: 10,
         host: WireHost {
@@ -266,12 +270,7 @@ async fn refusing_node(
                 move || async move { (StatusCode::from_u16(err.code).unwrap(), Json(err.clone())) },
             ),
         );
-    let dp = DataPlane::new(Arc::new(NoSandbox), RouterConfig::default());
-    let app = authenticated(api, dp, TOKEN);
-    let h = tokio::spawn(async move {
-        let _ = axum::serve(listener, app).await;
-    });
-    (addr, h)
+    serve_node(api).await
 }
 
 fn wire(code: u16, kind: &str, subject: &str) -> WireError {
@@ -384,8 +383,6 @@ impl JournalNode {
         panic!("the replica stopped polling");
     }
     async fn serve(&self) -> (String, tokio::task::JoinHandle<()>) {
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap().to_string();
         let me = self.clone();
         let api = Router::new()
             .route(
@@ -419,12 +416,7 @@ impl JournalNode {
                 }),
             )
             .route("/templates/exists", get(|| async { Json(true) }));
-        let dp = DataPlane::new(Arc::new(NoSandbox), RouterConfig::default());
-        let app = authenticated(api, dp, TOKEN);
-        let h = tokio::spawn(async move {
-            let _ = axum::serve(listener, app).await;
-        });
-        (addr, h)
+        serve_node(api).await
     }
 }
 
