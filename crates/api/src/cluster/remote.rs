@@ -6,8 +6,8 @@
 //! `poll_interval` and updated by every call that changes a sandbox (create, kill,
 //! timeout, pause, resume, …), so the data plane's hot path (`peek` per request) does no
 //! I/O. A poll asks for what changed since the last one (`super::journal`): an idle
-//! node's answer is a few hundred bytes however many sandboxes it holds. The synchronous calls the trait documents as blocking (`set_timeout`, `stats`,
-//! `template_exists`) make their HTTP call in place (`block_in_place`: the replica runs
+//! node's answer is a few hundred bytes however many sandboxes it holds. The synchronous
+//! calls the trait documents as blocking (`set_timeout`, `stats`, `template_exists`) make their HTTP call in place (`block_in_place`: the replica runs
 //! on tokio's multi-threaded runtime). The trait itself is unchanged.
 //!
 //! Placement (several nodes given with `--node`): among nodes that answered their last
