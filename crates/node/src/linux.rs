@@ -343,7 +343,7 @@ impl SandboxRuntime for LinuxRuntime {
         if s.internet {
             let attach = self.network().and_then(|net| {
                 let ns = Netns::from_pid(pid).map_err(|e| rt_err("netns", e))?;
-                net.attach(&ns, s.slot)
+                net.attach_spawned(&ns, s.slot)
                     .map_err(|e| rt_err("network attach", e))
             });
             let attach =

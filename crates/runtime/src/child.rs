@@ -95,16 +95,6 @@ fn run(
     // (root's, 0700).
     let mut here = spec.clone();
     here.sandbox_dir = std::path::PathBuf::from(".");
-    // ICMP echo ("ping") sockets for every group of the sandbox, in its own network
-    // namespace: `ping` works without CAP_NET_RAW, which a sandbox does not get.
-    // Through the host's /proc, before the sandbox's own /proc/sys is read-only.
-    step(
-        "ping_group_range",
-        std::fs::write(
-            "/proc/sys/net/ipv4/ping_group_range",
-            format!("0 {}\n", spec.uid_count.saturating_sub(1)),
-        ),
-    )?;
     let (lower_fds, bind_fds) = fds.split_at(lowers);
     rootfs::execute(
         &rootfs::plan(&here, cgroup),

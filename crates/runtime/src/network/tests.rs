@@ -837,6 +837,48 @@ fn policies_allow_deny_and_reconcile() {
     assert_eq!(guard_counters(), 0);
 }
 
+/// eth0 comes up without IPv6 both ways: `attach` turns it off itself; `attach_spawned`
+/// relies on the namespace's default, which a spawned sandbox's init set (as the test
+/// does here), and the veth's end is born with it. `lo`, there before, keeps IPv6.
+#[test]
+fn eth0_has_no_ipv6_either_way() {
+    require_root!();
+    if !std::path::Path::new("/proc/sys/net/ipv6").exists() {
+        return;
+    }
+    let _serial = serial();
+    let world = World::new();
+    let read_inside = |ns: &Netns, dev: &'static str| {
+        run_in_netns(ns, move || {
+            std::fs::read_to_string(format!("/proc/sys/net/ipv6/conf/{dev}/disable_ipv6"))
+        })
+        .unwrap()
+        .unwrap()
+        .trim()
+        .to_string()
+    };
+    let plain = TestNs::new("v6a");
+    world.net.attach(&plain.ns, 7).unwrap();
+    assert_eq!(read_inside(&plain.ns, "eth0"), "1");
+    let spawned = TestNs::new("v6b");
+    run_in_netns(&spawned.ns, || {
+        std::fs::write("/proc/sys/net/ipv6/conf/default/disable_ipv6", "1")
+    })
+    .unwrap()
+    .unwrap();
+    world.net.attach_spawned(&spawned.ns, 8).unwrap();
+    assert_eq!(read_inside(&spawned.ns, "eth0"), "1");
+    assert_eq!(read_inside(&spawned.ns, "lo"), "0");
+    // Without the default, attach_spawned leaves eth0 as the kernel made it: the
+    // default is what turned it off above, not anything attach_spawned did.
+    let bare = TestNs::new("v6c");
+    world.net.attach_spawned(&bare.ns, 9).unwrap();
+    assert_eq!(read_inside(&bare.ns, "eth0"), "0");
+    for slot in [7, 8, 9] {
+        world.net.detach(slot).unwrap();
+    }
+}
+
 #[test]
 fn async_connect_in_netns() {
     require_root!();
