@@ -308,6 +308,51 @@ fn two_sandboxes_get_distinct_ranges(env: &Env) {
 
 /// The sandbox's open-files limit is the spec's, not the (raised) one of the caller:
 /// a node raises its own to hold thousands of sandboxes, and its tenants do not inherit it.
+/// Where a sandbox sits in each hierarchy (`/proc/<init>/cgroup`): `cubicle/<id>` in the
+/// controllers' (v2: the one hierarchy), and on a hybrid v1 host the shared `cubicle` of
+/// the hierarchies systemd tracks services by (outside the starting service's cgroup,
+/// without a cgroup per sandbox there). After the kill, no `cubicle/<id>` is left in
+/// any hierarchy.
+fn cgroup_membership_per_hierarchy(env: &Env) {
+    let spec = env.spec("sleep 30");
+    let sb = spawn(&spec).unwrap();
+    let own = format!("/cubicle/{}", spec.id);
+    let table = fs::read_to_string(format!("/proc/{}/cgroup", sb.pid())).unwrap();
+    let mut tracking = 0;
+    for line in table.lines() {
+        // hierarchy-id:controllers:path
+        let mut f = line.splitn(3, ':');
+        let (_, ctrl, path) = (f.next().unwrap(), f.next().unwrap(), f.next().unwrap());
+        let is_controller = ["memory", "cpu", "pids", "freezer"]
+            .iter()
+            .any(|c| ctrl.split(',').any(|x| x == *c));
+        if sb.cgroup().version() == CgroupVersion::V2 || is_controller {
+            assert_eq!(path, own, "{line}");
+        } else if ctrl.is_empty() || ctrl == "name=systemd" {
+            assert_eq!(path, "/cubicle", "{line}");
+            tracking += 1;
+        }
+    }
+    if sb.cgroup().version() == CgroupVersion::V1 {
+        assert!(tracking > 0, "no tracking hierarchy in {table}");
+    }
+    destroy_and_check(sb, &spec);
+    let left: Vec<_> = cgroup_dirs_named(&spec.id)
+        .into_iter()
+        .filter(|d| d.exists())
+        .collect();
+    assert!(left.is_empty(), "{left:?}");
+}
+
+/// `cubicle/<id>` under every mounted hierarchy of `/sys/fs/cgroup`.
+fn cgroup_dirs_named(id: &str) -> Vec<PathBuf> {
+    let mut v = vec![Path::new("/sys/fs/cgroup/cubicle").join(id)];
+    for e in fs::read_dir("/sys/fs/cgroup").unwrap().flatten() {
+        v.push(e.path().join("cubicle").join(id));
+    }
+    v
+}
+
 fn open_files_limit_is_the_specs(env: &Env) {
     let node = cubicle_runtime::fd_limit::current().unwrap();
     let mut spec = env.spec("grep 'open files' /proc/self/limits; echo limits-done");
@@ -1066,6 +1111,10 @@ const TESTS: &[Test] = &[
     (
         "two_sandboxes_get_distinct_ranges",
         two_sandboxes_get_distinct_ranges,
+    ),
+    (
+        "cgroup_membership_per_hierarchy",
+        cgroup_membership_per_hierarchy,
     ),
     (
         "open_files_limit_is_the_specs",

@@ -4,10 +4,11 @@
 //! - **v2** (production): `/sys/fs/cgroup` is cgroup2; the sandbox cgroup is
 //!   `/sys/fs/cgroup/cubicle/<id>` with memory, cpu and pids enabled in `cubicle/`.
 //! - **v1** (this development machine, "hybrid"): one directory per controller,
-//!   `<memory mount>/cubicle/<id>`, same for cpu, cpuacct, pids and freezer — and in
-//!   the hierarchies without controllers that systemd tracks services by
-//!   (`name=systemd`, the unified mount), so that a sandbox is outside the cgroup of
-//!   the service that started it everywhere (on v2 it is by construction).
+//!   `<memory mount>/cubicle/<id>`, same for cpu, cpuacct, pids and freezer; in the
+//!   hierarchies without controllers that systemd tracks services by (`name=systemd`,
+//!   the unified mount) every sandbox joins the shared `cubicle` cgroup, so that it is
+//!   outside the cgroup of the service that started it everywhere (on v2 it is by
+//!   construction).
 //!
 //! The sandbox helper joins the cgroup *before* it clones the sandbox's init, so the init
 //! and everything it starts are born in it (and the cgroup namespace is rooted there).
@@ -208,11 +209,11 @@ impl Cgroup {
         }
     }
 
-    /// Every directory of this cgroup (one on v2, one per hierarchy on v1).
+    /// Every directory of this cgroup (one on v2, one per controller hierarchy on v1).
     pub fn dirs(&self) -> Vec<PathBuf> {
         match &self.layout {
             Layout::V1(m) => m
-                .joined()
+                .all()
                 .iter()
                 .map(|p| p.join(PARENT).join(&self.id))
                 .collect(),
@@ -220,14 +221,35 @@ impl Cgroup {
         }
     }
 
+    /// The shared cgroups a sandbox's processes join besides [`dirs`](Self::dirs): on a
+    /// hybrid v1 host, `cubicle` in each tracking hierarchy (see `v1::Mounts::tracking`).
+    fn shared_dirs(&self) -> Vec<PathBuf> {
+        match &self.layout {
+            Layout::V1(m) => m.tracking.iter().map(|p| p.join(PARENT)).collect(),
+            Layout::V2(_) => Vec::new(),
+        }
+    }
+
+    /// `cubicle/<id>` in the tracking hierarchies, where builds before the shared
+    /// cgroup put a sandbox (one adopted from such a build is removed from there too).
+    fn legacy_dirs(&self) -> Vec<PathBuf> {
+        self.shared_dirs()
+            .iter()
+            .map(|p| p.join(&self.id))
+            .collect()
+    }
+
     /// Whether any directory of this cgroup exists.
     pub fn exists(&self) -> bool {
-        self.dirs().iter().any(|d| d.is_dir())
+        self.dirs()
+            .iter()
+            .chain(self.legacy_dirs().iter())
+            .any(|d| d.is_dir())
     }
 
     /// Moves process `pid` (0 = the caller) into the cgroup, in every hierarchy.
     pub fn add_process(&self, pid: i32) -> Result<()> {
-        for d in self.dirs() {
+        for d in self.dirs().into_iter().chain(self.shared_dirs()) {
             let f = d.join("cgroup.procs");
             fs::write(&f, pid.to_string()).map_err(io_ctx(|| format!("write {}", f.display())))?;
         }
@@ -238,7 +260,7 @@ impl Cgroup {
     /// crash mid-create, a process may sit in some hierarchies only).
     pub fn procs(&self) -> Result<Vec<i32>> {
         let mut pids: Vec<i32> = Vec::new();
-        for dir in self.dirs() {
+        for dir in self.dirs().into_iter().chain(self.legacy_dirs()) {
             for p in pids_in(&dir)? {
                 if !pids.contains(&p) {
                     pids.push(p);
@@ -384,7 +406,7 @@ impl Cgroup {
 
     fn remove_dirs_once(&self) -> io::Result<bool> {
         let mut all_gone = true;
-        for d in self.dirs() {
+        for d in self.dirs().into_iter().chain(self.legacy_dirs()) {
             match fs::remove_dir(&d) {
                 Ok(()) => {}
                 Err(e) if e.kind() == io::ErrorKind::NotFound => {}
