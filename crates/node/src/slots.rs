@@ -21,6 +21,9 @@ pub struct UidSlots {
     /// When recently freed slots were freed.
     resting: HashMap<u32, Instant>,
     quarantine: Duration,
+    /// Every slot below this one is used or resting: where the search for the lowest free
+    /// slot starts (a scan from `first` walked every used slot, at every create).
+    low: u32,
 }
 
 impl UidSlots {
@@ -35,6 +38,7 @@ impl UidSlots {
             used: BTreeSet::new(),
             resting: HashMap::new(),
             quarantine: Duration::ZERO,
+            low: first,
         }
     }
 
@@ -53,16 +57,26 @@ impl UidSlots {
     pub fn allocate(&mut self) -> Option<u32> {
         let now = Instant::now();
         let q = self.quarantine;
-        self.resting.retain(|_, at| now.duration_since(*at) < q);
-        let slot = (self.first..self.end)
-            .find(|s| !self.used.contains(s) && !self.resting.contains_key(s))
-            .or_else(|| {
-                self.resting
-                    .iter()
-                    .filter(|(s, _)| !self.used.contains(s))
-                    .min_by_key(|(_, at)| **at)
-                    .map(|(s, _)| *s)
-            })?;
+        let mut low = self.low;
+        self.resting.retain(|s, at| {
+            let rests = now.duration_since(*at) < q;
+            if !rests {
+                low = low.min(*s);
+            }
+            rests
+        });
+        let lowest =
+            (low..self.end).find(|s| !self.used.contains(s) && !self.resting.contains_key(s));
+        // Below the one found (or everywhere, if none) every slot is used or resting, and
+        // the one handed out is used from now on.
+        self.low = lowest.map_or(self.end, |s| s + 1);
+        let slot = lowest.or_else(|| {
+            self.resting
+                .iter()
+                .filter(|(s, _)| !self.used.contains(s))
+                .min_by_key(|(_, at)| **at)
+                .map(|(s, _)| *s)
+        })?;
         self.resting.remove(&slot);
         self.used.insert(slot);
         Some(slot)
@@ -75,8 +89,12 @@ impl UidSlots {
 
     /// Give `slot` back (only after the sandbox is cleaned).
     pub fn release(&mut self, slot: u32) {
-        if self.used.remove(&slot) && !self.quarantine.is_zero() {
-            self.resting.insert(slot, Instant::now());
+        if self.used.remove(&slot) {
+            if self.quarantine.is_zero() {
+                self.low = self.low.min(slot);
+            } else {
+                self.resting.insert(slot, Instant::now());
+            }
         }
     }
 
@@ -109,6 +127,36 @@ mod tests {
         assert_eq!(s.allocate(), None);
         assert!(!s.reserve(3));
         assert!(!UidSlots::new(u32::MAX - 10, 0, 5).reserve(0));
+    }
+
+    /// The search starts where the last one ended, and still finds the lowest free slot:
+    /// one released below it, one whose rest ended, and a reserved one is skipped.
+    #[test]
+    fn the_lowest_free_slot_is_found_from_the_hint() {
+        let mut s = UidSlots::new(0, 0, 100);
+        let got: Vec<u32> = (0..10).filter_map(|_| s.allocate()).collect();
+        assert_eq!(got, (0..10).collect::<Vec<_>>());
+        assert!(s.reserve(10));
+        assert_eq!(s.allocate(), Some(11));
+        s.release(3);
+        s.release(7);
+        assert_eq!(s.allocate(), Some(3));
+        assert_eq!(s.allocate(), Some(7));
+        assert_eq!(s.allocate(), Some(12));
+
+        let mut r = UidSlots::new(0, 0, 100).with_quarantine(Duration::from_millis(30));
+        for want in 0..5 {
+            assert_eq!(r.allocate(), Some(want));
+        }
+        r.release(1);
+        assert_eq!(r.allocate(), Some(5), "a resting slot is passed over");
+        std::thread::sleep(Duration::from_millis(40));
+        assert_eq!(
+            r.allocate(),
+            Some(1),
+            "its rest over, it is the lowest again"
+        );
+        assert_eq!(r.allocate(), Some(6));
     }
 
     #[test]
