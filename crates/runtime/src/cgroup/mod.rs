@@ -676,6 +676,47 @@ mod tests {
         fs::remove_dir_all(&root).unwrap();
     }
 
+    /// v1 limit files, written into a fake tree (plain files): the CFS period is written
+    /// only where it is not already ours (a kernel file reads "100000\n"; a rewrite here
+    /// would leave "100000"), and the tracking hierarchies get the shared parent only.
+    #[test]
+    fn v1_create_leaves_a_default_period_alone() {
+        let root = scratch("v1create");
+        let h = |n: &str| root.join(n);
+        let m = v1::Mounts {
+            memory: h("memory"),
+            cpu: h("cpu"),
+            cpuacct: h("cpu"),
+            pids: h("pids"),
+            freezer: h("freezer"),
+            tracking: vec![h("unified")],
+        };
+        for d in ["memory", "cpu", "pids", "freezer", "unified"] {
+            fs::create_dir_all(h(d)).unwrap();
+        }
+        let limits = Limits {
+            memory_bytes: 256 << 20,
+            cpu_millis: 2000,
+            pids: 1024,
+        };
+        for (id, before, after) in [
+            ("new", "100000\n", "100000\n"),
+            ("odd", "50000\n", "100000"),
+        ] {
+            let cpu = h("cpu").join(PARENT).join(id);
+            fs::create_dir_all(&cpu).unwrap();
+            fs::write(cpu.join("cpu.cfs_period_us"), before).unwrap();
+            v1::create(&m, id, &limits).unwrap();
+            let read = |f: &str| fs::read_to_string(cpu.join(f)).unwrap();
+            assert_eq!(read("cpu.cfs_period_us"), after, "{id}");
+            assert_eq!(read("cpu.cfs_quota_us"), "200000", "{id}");
+            assert!(h("pids").join(PARENT).join(id).join("pids.max").exists());
+            assert!(h("unified").join(PARENT).is_dir());
+            assert!(!h("unified").join(PARENT).join(id).exists(), "{id}");
+        }
+        fs::remove_dir_all(&root).unwrap();
+    }
+
     #[test]
     fn v2_create_requires_delegated_controllers() {
         let root = scratch("v2nodeleg");
