@@ -94,12 +94,16 @@ impl Server {
         Ok((Server { child }, url, key))
     }
 
+    /// SIGTERM, then as long as systemd gives the unit (`TimeoutStopSec=90`) before a
+    /// SIGKILL. A server stops by finishing the teardowns of killed sandboxes first (up
+    /// to 10 s), then a refill under way: killed sooner, right after a density run's
+    /// thousands of kills, it left hundreds of them for the next run's start to clean.
     pub(super) async fn stop(mut self) {
         if let Some(pid) = self.child.id() {
             // SAFETY: plain kill(2) of our own child's pid.
             unsafe { libc::kill(pid as i32, libc::SIGTERM) };
         }
-        if tokio::time::timeout(Duration::from_secs(10), self.child.wait())
+        if tokio::time::timeout(Duration::from_secs(90), self.child.wait())
             .await
             .is_err()
         {
