@@ -306,8 +306,6 @@ fn two_sandboxes_get_distinct_ranges(env: &Env) {
     destroy_and_check(sb, &b);
 }
 
-/// The sandbox's open-files limit is the spec's, not the (raised) one of the caller:
-/// a node raises its own to hold thousands of sandboxes, and its tenants do not inherit it.
 /// Where a sandbox sits in each hierarchy (`/proc/<init>/cgroup`): `cubicle/<id>` in the
 /// controllers' (v2: the one hierarchy), and on a hybrid v1 host the shared `cubicle` of
 /// the hierarchies systemd tracks services by (outside the starting service's cgroup,
@@ -353,6 +351,8 @@ fn cgroup_dirs_named(id: &str) -> Vec<PathBuf> {
     v
 }
 
+/// The sandbox's open-files limit is the spec's, not the (raised) one of the caller:
+/// a node raises its own to hold thousands of sandboxes, and its tenants do not inherit it.
 fn open_files_limit_is_the_specs(env: &Env) {
     let node = cubicle_runtime::fd_limit::current().unwrap();
     let mut spec = env.spec("grep 'open files' /proc/self/limits; echo limits-done");

@@ -96,7 +96,7 @@ impl Server {
 
     /// SIGTERM, then as long as systemd gives the unit (`TimeoutStopSec=90`) before a
     /// SIGKILL. A server stops by finishing the teardowns of killed sandboxes first (up
-    /// to 10 s), then a refill under way: killed sooner, right after a density run's
+    /// to a minute), then a refill under way: killed sooner, right after a density run's
     /// thousands of kills, it left hundreds of them for the next run's start to clean.
     pub(super) async fn stop(mut self) {
         if let Some(pid) = self.child.id() {

@@ -587,16 +587,18 @@ impl Node {
 
     /// Waits (up to `limit`) until background teardowns of killed sandboxes are done;
     /// a server calls it before [`Node::close`] so that a stop leaves nothing half-removed.
-    pub async fn settle(&self, limit: Duration) {
+    /// Returns how many are still queued (0 when all are done).
+    pub async fn settle(&self, limit: Duration) -> usize {
         let t = Instant::now();
-        while self
-            .inner
-            .pool
-            .teardowns
-            .load(std::sync::atomic::Ordering::SeqCst)
-            > 0
-            && t.elapsed() < limit
-        {
+        loop {
+            let left = self
+                .inner
+                .pool
+                .teardowns
+                .load(std::sync::atomic::Ordering::SeqCst);
+            if left == 0 || t.elapsed() >= limit {
+                return left;
+            }
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
     }
@@ -618,12 +620,7 @@ impl Node {
     /// released if no sandbox is left ([`Node::release_storage`]). Running sandboxes
     /// keep running: the next open adopts them.
     pub async fn stop(&self) {
-        self.settle(Duration::from_secs(60)).await;
-        let left = self
-            .inner
-            .pool
-            .teardowns
-            .load(std::sync::atomic::Ordering::SeqCst);
+        let left = self.settle(Duration::from_secs(60)).await;
         if left > 0 {
             tracing::warn!(
                 teardowns = left,
