@@ -167,19 +167,21 @@ async fn relay_health(relay: &Relay, addr: &str) -> (StatusCode, Value) {
     )
 }
 
-fn tempdir(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("cubicle-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
+/// A scratch directory, removed when the returned guard drops (a failed test's too).
+fn tempdir(name: &str) -> tempfile::TempDir {
+    tempfile::Builder::new()
+        .prefix(&format!("cubicle-{name}-"))
+        .tempdir()
+        .unwrap()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn replica_talks_to_a_tls_node_and_refuses_a_wrong_ca() {
-    let dir = tempdir("cluster-tls");
-    let cluster_ca = ca(&dir, "cluster-ca");
-    let other_ca = ca(&dir, "other-ca");
-    let (cert, key) = leaf(&dir, &cluster_ca, "node", &["127.0.0.1"]);
+    let tmp = tempdir("cluster-tls");
+    let dir = tmp.path();
+    let cluster_ca = ca(dir, "cluster-ca");
+    let other_ca = ca(dir, "other-ca");
+    let (cert, key) = leaf(dir, &cluster_ca, "node", &["127.0.0.1"]);
     let (addr, h) = tls_node(&cert, &key, None).await;
 
     // The API over TLS, verified against the cluster's CA.
@@ -232,15 +234,15 @@ async fn replica_talks_to_a_tls_node_and_refuses_a_wrong_ca() {
     .expect("https:// without TLS configured must be refused");
     assert!(e.to_string().contains("--node-ca"), "{e}");
     h.abort();
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn shared_node_certificate_under_a_server_name() {
-    let dir = tempdir("cluster-tls-name");
-    let cluster_ca = ca(&dir, "cluster-ca");
+    let tmp = tempdir("cluster-tls-name");
+    let dir = tmp.path();
+    let cluster_ca = ca(dir, "cluster-ca");
     // One certificate for every node, naming no address.
-    let (cert, key) = leaf(&dir, &cluster_ca, "node", &["cubicle-node"]);
+    let (cert, key) = leaf(dir, &cluster_ca, "node", &["cubicle-node"]);
     let (addr, h) = tls_node(&cert, &key, None).await;
     let e = connect(&addr, node_tls(&cluster_ca.pem, None, None))
         .await
@@ -255,18 +257,18 @@ async fn shared_node_certificate_under_a_server_name() {
         .await
         .unwrap();
     h.abort();
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn mutual_tls_admits_only_replicas_with_a_client_certificate() {
-    let dir = tempdir("cluster-mtls");
-    let cluster_ca = ca(&dir, "cluster-ca");
-    let client_ca = ca(&dir, "replica-ca");
-    let stranger_ca = ca(&dir, "stranger-ca");
-    let (cert, key) = leaf(&dir, &cluster_ca, "node", &["127.0.0.1"]);
-    let replica = leaf(&dir, &client_ca, "replica", &["replica"]);
-    let stranger = leaf(&dir, &stranger_ca, "stranger", &["replica"]);
+    let tmp = tempdir("cluster-mtls");
+    let dir = tmp.path();
+    let cluster_ca = ca(dir, "cluster-ca");
+    let client_ca = ca(dir, "replica-ca");
+    let stranger_ca = ca(dir, "stranger-ca");
+    let (cert, key) = leaf(dir, &cluster_ca, "node", &["127.0.0.1"]);
+    let replica = leaf(dir, &client_ca, "replica", &["replica"]);
+    let stranger = leaf(dir, &stranger_ca, "stranger", &["replica"]);
     let (addr, h) = tls_node(&cert, &key, Some(&client_ca.pem)).await;
 
     let e = connect(&addr, node_tls(&cluster_ca.pem, None, None))
@@ -290,7 +292,6 @@ async fn mutual_tls_admits_only_replicas_with_a_client_certificate() {
         (StatusCode::BAD_GATEWAY, "The sandbox was not found".into())
     );
     h.abort();
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// `cubicle node drain NAME` finds the node's address in the cluster's database; a node
@@ -300,9 +301,10 @@ async fn mutual_tls_admits_only_replicas_with_a_client_certificate() {
 async fn drain_reaches_a_tls_node_named_in_the_cluster_database() {
     use cubicle_api::cluster::coordination::drain;
     use cubicle_store::{NodeCapacity, NodeRegistration, NodeState, Store};
-    let dir = tempdir("drain");
-    let ca = ca(&dir, "cluster-ca");
-    let (cert, key) = leaf(&dir, &ca, "node", &["127.0.0.1"]);
+    let tmp = tempdir("drain");
+    let dir = tmp.path();
+    let ca = ca(dir, "cluster-ca");
+    let (cert, key) = leaf(dir, &ca, "node", &["127.0.0.1"]);
     let (addr, _node) = tls_node(&cert, &key, None).await;
     let store = Store::open(&dir.join("cubicle.db")).unwrap();
     let reg = NodeRegistration {

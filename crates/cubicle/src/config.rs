@@ -209,14 +209,16 @@ mod tests {
     }
 
     fn run_env(args: &[&str], file: &str, env: &'static str) -> anyhow::Result<Vec<String>> {
-        let dir = std::env::temp_dir().join(format!("cubicle-cfg-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
         let n = SEQ.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-        let path = dir.join(format!("c{n}.toml"));
+        let path =
+            std::env::temp_dir().join(format!("cubicle-cfg-{}-{n}.toml", std::process::id()));
         std::fs::write(&path, file).unwrap();
-        let mut argv: Vec<OsString> = vec!["cubicle".into(), "--config".into(), path.into()];
+        let mut argv: Vec<OsString> =
+            vec!["cubicle".into(), "--config".into(), path.clone().into()];
         argv.extend(args.iter().map(OsString::from));
-        Ok(merge(cli(env), argv)?
+        let merged = merge(cli(env), argv);
+        let _ = std::fs::remove_file(&path);
+        Ok(merged?
             .into_iter()
             .skip(3)
             .map(|s| s.into_string().unwrap())

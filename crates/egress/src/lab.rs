@@ -43,7 +43,8 @@ pub struct Lab {
     sandboxes: HashMap<u32, (Netns, NetInfo)>,
     /// The CA of the lab internet's HTTPS server (trusted by the proxy as a "public" root).
     pub internet_ca: String,
-    ca_dir: std::path::PathBuf,
+    /// The lab's scratch directory (trails and CAs), removed on drop.
+    dir: std::path::PathBuf,
 }
 
 fn lab_err(what: &str, e: impl std::fmt::Display) -> EgressError {
@@ -177,26 +178,23 @@ impl Lab {
             .enable_all()
             .build()
             .map_err(|e| EgressError::io("lab runtime", e))?;
-        let mut ec = EgressConfig::new(
-            0,
-            0,
-            net.address_guard(),
-            std::env::temp_dir().join(format!("cubicle-lab-{}", std::process::id())),
-        );
-        ec.upstream_dns = vec![OK_HOST];
-        // The node's interception CA, and the lab internet's CA as the "public" roots.
+        // One scratch directory per lab (several run at once in a test binary): the
+        // egress trails in `trails/`, the CAs beside them. Removed when the lab drops.
         static RUN: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
-        let ca_dir = std::env::temp_dir().join(format!(
-            "cubicle-lab-ca-{}-{}",
+        let dir = std::env::temp_dir().join(format!(
+            "cubicle-lab-{}-{}",
             std::process::id(),
             RUN.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
         ));
-        std::fs::create_dir_all(&ca_dir).map_err(|e| EgressError::io("lab CA dir", e))?;
+        let mut ec = EgressConfig::new(0, 0, net.address_guard(), dir.join("trails"));
+        ec.upstream_dns = vec![OK_HOST];
+        // The node's interception CA, and the lab internet's CA as the "public" roots.
+        std::fs::create_dir_all(&dir).map_err(|e| EgressError::io("lab CA dir", e))?;
         let (internet_ca, internet_tls) = internet_tls()?;
-        std::fs::write(ca_dir.join("internet-ca.pem"), &internet_ca)
+        std::fs::write(dir.join("internet-ca.pem"), &internet_ca)
             .map_err(|e| EgressError::io("lab CA file", e))?;
-        ec.upstream_ca = Some(ca_dir.join("internet-ca.pem"));
-        ec.ca_dir = Some(ca_dir.clone());
+        ec.upstream_ca = Some(dir.join("internet-ca.pem"));
+        ec.ca_dir = Some(dir.clone());
         let egress = Egress::start(ec, rt.handle())?;
         net.serve_slots(
             0..net.max_slots(),
@@ -219,7 +217,7 @@ impl Lab {
             upstream_questions: questions,
             sandboxes: HashMap::new(),
             internet_ca,
-            ca_dir,
+            dir,
         })
     }
 
@@ -269,6 +267,11 @@ impl Lab {
         format!("lab{slot}")
     }
 
+    /// The file the egress writes the trail of the sandbox on `slot` to.
+    pub fn trail_file(&self, slot: u32) -> std::path::PathBuf {
+        crate::audit::AuditLog::path(&self.dir.join("trails"), &Lab::id(slot))
+    }
+
     /// Runs `f` inside the sandbox on `slot` (on a helper thread in its namespace).
     pub fn in_sandbox<R: Send>(
         &self,
@@ -286,7 +289,7 @@ impl Lab {
 impl Drop for Lab {
     fn drop(&mut self) {
         let _ = self.net.teardown_all();
-        let _ = std::fs::remove_dir_all(&self.ca_dir);
+        let _ = std::fs::remove_dir_all(&self.dir);
     }
 }
 

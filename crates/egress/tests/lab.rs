@@ -407,12 +407,7 @@ fn header_rules_inject_secrets_over_http_and_https() {
             .unwrap()
             .unwrap();
         assert!(r.is_empty(), "{r:?}");
-        let trail = std::fs::read_to_string(
-            std::env::temp_dir()
-                .join(format!("cubicle-lab-{}", std::process::id()))
-                .join(format!("{}.net.jsonl", Lab::id(1))),
-        )
-        .unwrap_or_default();
+        let trail = std::fs::read_to_string(lab.trail_file(1)).unwrap_or_default();
         assert!(trail.contains("secret 'gone'"), "{trail}");
         assert!(!trail.contains("s3cr3t"), "the trail holds no value");
     })

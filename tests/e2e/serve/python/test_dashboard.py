@@ -8,8 +8,8 @@ metadata, state); watch its CPU and memory charts and its logs; type a command i
 browser terminal (xterm.js over envd's PTY API) and see its output; pause and kill from
 the buttons (the SDK then sees it paused / gone); list templates and API keys.
 
-Screenshots go to a temporary directory (printed; set CUBICLE_E2E_SCREENSHOTS to keep
-them somewhere else). The tests check what the screenshots show where a user would look:
+Screenshots go to a temporary directory (printed), removed after a run in which every
+test passed; set CUBICLE_E2E_SCREENSHOTS to keep them somewhere else. The tests check what the screenshots show where a user would look:
 the terminal's picture is not blank and shows text, the charts have drawn their series.
 """
 
@@ -37,7 +37,7 @@ CPU_RGB, MEM_RGB = (0x2F, 0x6F, 0xDE), (0x1F, 0x8A, 0x4C)
 
 
 @pytest.fixture(scope="module")
-def browser() -> Iterator[Browser]:
+def browser(request: pytest.FixtureRequest) -> Iterator[Browser]:
     assert Path(CHROMIUM).exists(), f"{CHROMIUM} missing: run scripts/install-deps.sh (Debian's chromium)"
     SHOTS.mkdir(parents=True, exist_ok=True)
     print(f"dashboard screenshots: {SHOTS}")
@@ -49,6 +49,9 @@ def browser() -> Iterator[Browser]:
             yield b
         finally:
             b.close()
+    # The temporary screenshots are evidence only when something failed.
+    if not os.environ.get("CUBICLE_E2E_SCREENSHOTS") and request.session.testsfailed == 0:
+        shutil.rmtree(SHOTS, ignore_errors=True)
 
 
 @pytest.fixture
