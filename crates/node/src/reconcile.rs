@@ -51,10 +51,11 @@ pub(crate) async fn reconcile(inner: &Arc<Inner>) -> Result<ReconcileReport> {
     for e in std::fs::read_dir(&sdir).ctx("readdir", &sdir)?.flatten() {
         let name = e.file_name().to_string_lossy().into_owned();
         if !SandboxId::is_valid(&name) {
-            // Half-created quota directories are the storage's to remove (below),
-            // snapshots are checked against their records (below), and the volumes'
-            // directory holds user data that outlives every sandbox.
-            if !name.starts_with(".creating-")
+            // Half-created quota directories and the recycle bin are the storage's to
+            // adopt or remove (below), snapshots are checked against their records
+            // (below), and the volumes' directory holds user data that outlives every
+            // sandbox.
+            if !cubicle_runtime::storage::is_working_entry(&name)
                 && !name.starts_with(cubicle_runtime::storage::SNAPSHOT_PREFIX)
                 && name != cubicle_runtime::storage::VOLUMES
             {

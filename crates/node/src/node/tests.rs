@@ -354,6 +354,10 @@ async fn reopen_removes_unadoptable_records() {
     rec.state = SandboxState::Creating;
     fsutil::write_json_atomic(&stale.join("sandbox.json"), &rec).unwrap();
     std::fs::write(dir.join("sandboxes/.junk"), b"x").unwrap();
+    // The storage's recycle bin, which the storage adopts or drops (not the node).
+    for bin in [".recycled-3", ".recycling-iold"] {
+        std::fs::create_dir_all(dir.join("sandboxes").join(bin)).unwrap();
+    }
     let rt2 = Arc::new(FakeRuntime::default());
     let node = Node::open_with_runtime(NodeConfig::new(&dir, "/nonexistent/envd"), rt2.clone())
         .await
@@ -365,7 +369,12 @@ async fn reopen_removes_unadoptable_records() {
         report.removed.contains(&"istale".to_string())
             && report.removed.contains(&a.id.to_string())
     );
-    assert_eq!(std::fs::read_dir(dir.join("sandboxes")).unwrap().count(), 0);
+    let mut left: Vec<String> = std::fs::read_dir(dir.join("sandboxes"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    left.sort();
+    assert_eq!(left, [".recycled-3", ".recycling-iold"]);
     assert!(
         rt2.destroyed
             .lock()

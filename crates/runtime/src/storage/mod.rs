@@ -122,6 +122,13 @@ pub const VOLUMES: &str = ".volumes";
 const IMAGE: &str = "storage.img";
 const CREATING: &str = ".creating-";
 
+/// Whether `name` in the storage root is one of the storage's own working entries (a
+/// directory being created, or the recycle bin's): never a sandbox's, and the storage's
+/// to adopt or remove at [`Storage::reconcile`], not the node's.
+pub fn is_working_entry(name: &str) -> bool {
+    name.starts_with(CREATING) || recycle::is_bin_name(name)
+}
+
 impl Storage {
     /// Opens (setting up on first use) the storage under `state_dir`, with defaults.
     pub fn open(state_dir: impl AsRef<Path>) -> Result<Self> {
@@ -184,7 +191,10 @@ impl Storage {
         };
         match backend {
             QuotaBackend::XfsProject => storage.load_projects()?,
-            QuotaBackend::BtrfsQgroup => storage.btrfs_account_deep_drops(),
+            QuotaBackend::BtrfsQgroup => {
+                storage.btrfs_account_deep_drops();
+                storage.btrfs_skip_recycled_names(&storage.entries()?);
+            }
         }
         Ok(storage)
     }
@@ -1106,6 +1116,51 @@ mod tests {
         let mut left = reopened.entries().unwrap();
         left.retain(|e| e != VOLUMES);
         assert!(left.is_empty(), "left: {left:?}");
+        drop(storage);
+        reopened.unmount().unwrap();
+        drop(guard);
+    }
+
+    /// A node restarted after a crash recycles its leftovers' directories before it
+    /// reconciles the storage: the bin the crashed run left must not be in the way (its
+    /// names were taken again, and every such recycle failed), and is adopted after.
+    #[test]
+    fn a_previous_runs_bin_does_not_block_recycling() {
+        let Some((storage, guard)) = test_storage_with("recycle-reopen", 3) else {
+            return;
+        };
+        if storage.backend() != QuotaBackend::BtrfsQgroup {
+            eprintln!("SKIPPED: recycling is for btrfs");
+            return;
+        }
+        let (a, b) = (id("reopena"), id("reopenb"));
+        storage.create_sandbox_dir(&a, 8 << 20).unwrap();
+        // The crashed run's leftover, still under its id.
+        let bdir = storage.create_sandbox_dir(&b, 8 << 20).unwrap();
+        fs::write(bdir.join("left"), b"x").unwrap();
+        storage.remove_sandbox_dir(&a).unwrap();
+        assert_eq!(storage.recycled(), 1);
+
+        let reopened = Storage::open_with(StorageConfig {
+            state_dir: guard.state.clone(),
+            image_size: 2 << 30,
+            recycle: 3,
+        })
+        .unwrap();
+        reopened.remove_sandbox_dir(&b).unwrap();
+        assert!(!bdir.exists());
+        assert_eq!(reopened.recycled(), 1, "b was not recycled");
+        let bin = |s: &Storage| {
+            let mut e = s.entries().unwrap();
+            e.retain(|n| n != VOLUMES);
+            e.sort();
+            e
+        };
+        assert_eq!(bin(&reopened), [".recycled-0", ".recycled-1"]);
+        reopened.reconcile(&[]).unwrap();
+        assert_eq!(reopened.recycled(), 2, "the old entry was not adopted");
+        reopened.drop_recycled().unwrap();
+        assert!(bin(&reopened).is_empty(), "left: {:?}", bin(&reopened));
         drop(storage);
         reopened.unmount().unwrap();
         drop(guard);

@@ -79,9 +79,25 @@ impl RecycleBin {
     }
 
     fn next_name(&self) -> String {
-        // Unique: adopted entries move the counter past their numbers.
+        // Unique: every `.recycled-<n>` found at open moves the counter past its number.
         format!("{RECYCLED}{}", self.next.fetch_add(1, Ordering::Relaxed))
     }
+
+    /// Keeps later names past entry `name`'s number (one a previous run left).
+    fn skip_past(&self, name: &str) {
+        if let Some(n) = name
+            .strip_prefix(RECYCLED)
+            .and_then(|n| n.parse::<u64>().ok())
+        {
+            self.next.fetch_max(n + 1, Ordering::Relaxed);
+        }
+    }
+}
+
+/// Whether `name` in the storage root is one of the bin's (an entry or one being
+/// emptied): never a sandbox's, the storage's own to adopt or drop.
+pub(super) fn is_bin_name(name: &str) -> bool {
+    name.starts_with(RECYCLED) || name.starts_with(RECYCLING)
 }
 
 impl Storage {
@@ -111,7 +127,11 @@ impl Storage {
         match self.empty_subvolume(&recycling) {
             Ok(subvol) => {
                 let dest = self.recycle.next_name();
-                fs::rename(self.root.join(&recycling), self.root.join(&dest))?;
+                if let Err(e) = fs::rename(self.root.join(&recycling), self.root.join(&dest)) {
+                    // Not left half-recycled: it is empty, drop it.
+                    self.remove_entry(&recycling).map_err(io::Error::other)?;
+                    return Err(e);
+                }
                 self.recycle.lock().push_back((dest, subvol));
                 Ok(true)
             }
@@ -177,9 +197,13 @@ impl Storage {
         read("referenced").is_some_and(|b| b <= SETTLED_BYTES) && read("rsv_data").unwrap_or(0) == 0
     }
 
-    /// At open: takes `.recycled-*` entry `name` into the bin if it is an empty, writable
-    /// subvolume root and there is room. `false`: the caller drops it.
+    /// At reconcile: takes `.recycled-*` entry `name` into the bin if it is an empty,
+    /// writable subvolume root and there is room. `false`: the caller drops it.
     pub(super) fn btrfs_adopt_recycled(&self, name: &str) -> bool {
+        // Already in (recycled by this run before it reconciled).
+        if self.recycle.lock().iter().any(|(n, _)| n == name) {
+            return true;
+        }
         if !self.recycle.has_room() {
             return false;
         }
@@ -196,17 +220,21 @@ impl Storage {
         })();
         match ok {
             Ok(subvol) => {
-                // Keep numbering past the adopted names.
-                if let Some(n) = name
-                    .strip_prefix(RECYCLED)
-                    .and_then(|n| n.parse::<u64>().ok())
-                {
-                    self.recycle.next.fetch_max(n + 1, Ordering::Relaxed);
-                }
+                self.recycle.skip_past(name);
                 self.recycle.lock().push_back((name.to_string(), subvol));
                 true
             }
             Err(_) => false,
+        }
+    }
+
+    /// At open: numbers new entries past those a previous run left, which stay until
+    /// [`Storage::reconcile`] adopts or drops them. (A node recycles the directories of
+    /// its crash's leftovers before it reconciles the storage: without this, each one
+    /// met a name still taken.)
+    pub(super) fn btrfs_skip_recycled_names(&self, names: &[String]) {
+        for name in names {
+            self.recycle.skip_past(name);
         }
     }
 
