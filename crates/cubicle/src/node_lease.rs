@@ -131,14 +131,22 @@ struct Cadence {
 /// The thread that keeps the lease ([`join`]); [`LeaseKeeper::stop`] ends it.
 pub struct LeaseKeeper {
     stop: std::sync::mpsc::Sender<()>,
+    thread: std::thread::JoinHandle<()>,
 }
 
 impl LeaseKeeper {
     /// Stops renewing: the lease then runs out by itself, and the cluster declares the
-    /// node lost unless it comes back (and adopts its sandboxes) first. (The thread ends
-    /// at its next wake-up, after a renewal under way at most.)
-    pub fn stop(self) {
+    /// node lost unless it comes back (and adopts its sandboxes) first. Waits for the
+    /// thread (it wakes at once; a renewal under way finishes first), so that none is
+    /// cut off by the process's exit, for `limit` at most.
+    pub async fn stop(self, limit: Duration) {
         drop(self.stop);
+        let thread = self.thread;
+        let joined =
+            tokio::time::timeout(limit, tokio::task::spawn_blocking(move || thread.join()));
+        if joined.await.is_err() {
+            tracing::warn!("the lease thread is still renewing after {limit:?}; not waiting");
+        }
     }
 }
 
@@ -256,11 +264,11 @@ pub async fn join(
     let lease = member.register().await?;
     let (stop, stopped) = std::sync::mpsc::channel();
     let rt = tokio::runtime::Handle::current();
-    std::thread::Builder::new()
+    let thread = std::thread::Builder::new()
         .name("cubicle-lease".into())
         .spawn(move || member.keep(lease, &rt, &stopped))
         .context("starting the lease thread")?;
-    Ok(Some(LeaseKeeper { stop }))
+    Ok(Some(LeaseKeeper { stop, thread }))
 }
 
 fn host_name() -> anyhow::Result<String> {

@@ -208,7 +208,7 @@ pub async fn run(env: crate::sandbox_cmd::NodeOpts, args: NodeArgs) -> anyhow::R
     if let Some(lease) = lease {
         // The lease runs out by itself: the cluster declares the node lost unless it
         // comes back (and adopts its sandboxes) first.
-        lease.stop();
+        lease.stop(Duration::from_secs(10)).await;
     }
     node.stop().await;
     Ok(0)
