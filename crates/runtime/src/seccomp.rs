@@ -13,12 +13,16 @@
 //!   this file allows it. `ENOSYS` is what a kernel without the call answers, so libc
 //!   and runtimes fall back to older calls (as they do for `clone3`, below).
 //!
+//! The calls in [`ANSWERED`] (`sync`, `syncfs`) succeed without running: they act on
+//! whole filesystems the host shares, and the sandbox's own root needs neither.
+//!
 //! Two programs are stacked; the kernel runs both and the strictest action wins (among
 //! two errno results, the later-installed program's errno):
 //! 1. the number program ([`number_program`]): kills any non-x86_64 syscall ABI (i386
 //!    via `int 0x80`), then looks the call's number up by binary search over ranges:
-//!    [`ALLOWED`] → allow, [`DENIED`] → EPERM, anything else → ENOSYS (x32 numbers, bit
-//!    30 set, included: they would bypass per-number rules). About 200 instructions
+//!    [`ALLOWED`] → allow, [`DENIED`] → EPERM, [`ANSWERED`] → 0 unrun, anything else →
+//!    ENOSYS (x32 numbers, bit 30 set, included: they would bypass per-number rules).
+//!    About 200 instructions
 //!    instead of a linear chain of 900: the kernel checks, translates and JIT-compiles
 //!    it at every sandbox's start, and emulates it for every number to fill its verdict
 //!    cache, so its size is paid at every create.
@@ -127,8 +131,6 @@ pub const ALLOWED: &[(&str, i64)] = &[
     ("readahead", libc::SYS_readahead),
     ("fsync", libc::SYS_fsync),
     ("fdatasync", libc::SYS_fdatasync),
-    ("sync", libc::SYS_sync),
-    ("syncfs", libc::SYS_syncfs),
     ("sync_file_range", libc::SYS_sync_file_range),
     ("flock", libc::SYS_flock),
     ("utime", libc::SYS_utime),
@@ -386,6 +388,26 @@ pub const ALLOWED: &[(&str, i64)] = &[
     // Mount information of the sandbox's own mount namespace (read-only).
     ("statmount", 457),
     ("listmount", 458),
+];
+
+/// System calls answered with success without running: what they would do reaches
+/// beyond the sandbox, and a machine of its own would do it for itself only. Each with
+/// its reason.
+pub const ANSWERED: &[(&str, i64, &str)] = &[
+    (
+        "sync",
+        libc::SYS_sync,
+        "writes back and commits every filesystem of the host (a loop of it stalled \
+         every other sandbox's writes behind a commit of the shared btrfs); the sandbox's \
+         own root is a volatile overlay, which a sync leaves as it is anyway",
+    ),
+    (
+        "syncfs",
+        libc::SYS_syncfs,
+        "commits the whole filesystem under a bind mount (a volume: the shared btrfs); \
+         on the volatile root it does nothing anyway. `fsync` and `fdatasync` of a file \
+         still work",
+    ),
 ];
 
 /// System calls a sandbox must not make: they fail with EPERM. Each with its reason.
@@ -697,6 +719,9 @@ fn number_verdict(nr: u32) -> u32 {
         RET_ALLOW
     } else if DENIED.iter().any(|(_, n, _)| *n == nr) {
         RET_ERRNO | libc::EPERM as u32
+    } else if ANSWERED.iter().any(|(_, n, _)| *n == nr) {
+        // Errno 0: the kernel skips the call and returns 0.
+        RET_ERRNO
     } else {
         RET_ERRNO | libc::ENOSYS as u32
     }
@@ -836,12 +861,16 @@ mod tests {
         for (name, nr, _) in DENIED {
             assert_eq!(run(*nr as u32), eperm, "{name}");
         }
+        for (name, nr, _) in ANSWERED {
+            assert_eq!(run(*nr as u32), RET_ERRNO, "{name} returns 0 unrun");
+        }
         for (name, nr) in RETIRED {
             assert_eq!(run(*nr as u32), enosys, "{name}");
         }
         for nr in (0..=4096u32).chain([0x3fff_ffff, 0x4000_0000, 0x8000_0000, u32::MAX]) {
             let listed = ALLOWED.iter().any(|(_, n)| *n == i64::from(nr))
-                || DENIED.iter().any(|(_, n, _)| *n == i64::from(nr));
+                || DENIED.iter().any(|(_, n, _)| *n == i64::from(nr))
+                || ANSWERED.iter().any(|(_, n, _)| *n == i64::from(nr));
             if !listed {
                 assert_eq!(run(nr), enosys, "unlisted {nr}");
             }
@@ -862,6 +891,7 @@ mod tests {
             .iter()
             .map(|(n, nr)| (*n, *nr))
             .chain(DENIED.iter().map(|(n, nr, _)| (*n, *nr)))
+            .chain(ANSWERED.iter().map(|(n, nr, _)| (*n, *nr)))
             .chain(RETIRED.iter().copied());
         for (name, nr) in all {
             if let Some(other) = seen.insert(nr, name) {

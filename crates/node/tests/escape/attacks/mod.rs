@@ -19,6 +19,7 @@ mod cgroup_release_agent;
 mod device_nodes;
 mod everyday_tools;
 mod fs_ioctls;
+mod host_sync;
 mod init_log_pipe;
 mod io_uring;
 mod kernel_modules;
@@ -57,6 +58,7 @@ pub const ALL: &[Attack] = &[
     device_nodes::ATTACK,
     seccomp_default_deny::ATTACK,
     fs_ioctls::ATTACK,
+    host_sync::ATTACK,
     quota_fs_nosuid::ATTACK,
     teardown_leftovers::ATTACK,
     init_log_pipe::ATTACK,
