@@ -3,6 +3,7 @@
 //! cache, and the p99 of `GET /health` round trips to all of them (`docs/bench.md`).
 
 use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -82,6 +83,49 @@ fn used_kib() -> anyhow::Result<u64> {
     Ok(field("MemTotal:")? - field("MemAvailable:")?)
 }
 
+/// Kernel memory (KiB of `SUnreclaim`) one empty memory cgroup costs on this host now:
+/// mostly its shrinker map (`mm/shrinker.c`: a 520-byte `kmalloc-1k` unit per 64
+/// memcg-aware shrinkers, one per superblock), sized by the most superblocks this boot
+/// ever had at once. Every sandbox has a memory cgroup and a few superblocks of its own,
+/// so this part of a sandbox's cost grows with N and never shrinks until a reboot.
+/// `None` where no memory cgroup can be made (not root, no memory controller).
+fn empty_memcg_kib() -> Option<u64> {
+    let v1 = Path::new("/sys/fs/cgroup/memory");
+    let base = if v1.is_dir() {
+        v1.to_path_buf()
+    } else {
+        let v2 = Path::new("/sys/fs/cgroup");
+        let controls = std::fs::read_to_string(v2.join("cgroup.subtree_control")).ok()?;
+        if !controls.split_whitespace().any(|c| c == "memory") {
+            return None;
+        }
+        v2.to_path_buf()
+    };
+    const PROBES: usize = 16;
+    let dirs: Vec<PathBuf> = (0..PROBES)
+        .map(|i| base.join(format!("cubicle-bench-probe-{}-{i}", std::process::id())))
+        .collect();
+    let sunreclaim = || {
+        let s = std::fs::read_to_string("/proc/meminfo").ok()?;
+        s.lines()
+            .find_map(|l| l.strip_prefix("SUnreclaim:"))?
+            .split_whitespace()
+            .next()?
+            .parse::<u64>()
+            .ok()
+    };
+    let before = sunreclaim()?;
+    let made = dirs
+        .iter()
+        .filter(|d| std::fs::create_dir(d).is_ok())
+        .count();
+    let after = sunreclaim();
+    for d in &dirs {
+        let _ = std::fs::remove_dir(d);
+    }
+    (made > 0).then(|| after.map(|a| a.saturating_sub(before) / made as u64))?
+}
+
 /// Sum of RSS and PSS (KiB) and count of the processes whose cgroup path names one of
 /// `ids` (the envd init parent and server of each sandbox, plus anything else in it).
 fn sandbox_process_memory(ids: &std::collections::HashSet<String>) -> (u64, u64, usize) {
@@ -130,6 +174,7 @@ pub(super) async fn measure_density(
     n: usize,
 ) -> anyhow::Result<Vec<Row>> {
     tokio::time::sleep(Duration::from_secs(1)).await;
+    let memcg_before = empty_memcg_kib();
     let before = used_kib()?;
     let kernel_before = meminfo_fields();
     let slab_before = slab_bytes();
@@ -162,6 +207,7 @@ pub(super) async fn measure_density(
     let slab_after = slab_bytes();
     let ids: std::collections::HashSet<String> = sandboxes.iter().map(|s| s.id.clone()).collect();
     let (rss, pss, procs) = sandbox_process_memory(&ids);
+    let memcg_at_n = empty_memcg_kib();
 
     // /health round trips to every sandbox, twice around, one kept-alive connection.
     let mut health = Vec::new();
@@ -245,6 +291,8 @@ pub(super) async fn measure_density(
         "slab_kib_per_sandbox",
         slab_growth(&slab_before, &slab_after, held, 10),
     )
+    .with("empty_memcg_kib_before", memcg_before)
+    .with("empty_memcg_kib_held", memcg_at_n)
     .with("fill_s", (fill.as_secs_f64() * 10.0).round() / 10.0)
     .with("latency_of", "GET /health");
     let creates = Row {
