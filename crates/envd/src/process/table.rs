@@ -33,8 +33,13 @@ use tokio::{
 use super::pty::PtyMaster;
 use super::spawn::Child;
 
-/// How long a finished process stays answerable by `Connect`.
+/// How long a finished process stays answerable by `Connect` (up to [`PURGE_EVERY`]
+/// longer).
 pub const RETENTION: Duration = Duration::from_secs(30);
+/// How often the table looks for finished processes past [`RETENTION`]. Looking at every
+/// request scanned every command of the last 30 s (locking each): a sandbox running
+/// commands back to back spent half of envd's own CPU time in that scan.
+const PURGE_EVERY: Duration = Duration::from_secs(1);
 /// Read chunk for pipes (as upstream envd).
 pub const PIPE_CHUNK: usize = 32 << 10;
 /// Read chunk for PTYs (as upstream envd).
@@ -499,29 +504,51 @@ async fn read_pty(m: Option<&PtyMaster>, buf: &mut [u8]) -> io::Result<usize> {
 /// All processes, by pid.
 #[derive(Default)]
 pub struct Table {
-    procs: Mutex<HashMap<u32, Arc<Proc>>>,
+    procs: Mutex<Procs>,
+}
+
+#[derive(Default)]
+struct Procs {
+    map: HashMap<u32, Arc<Proc>>,
+    /// When finished entries past [`RETENTION`] were last dropped.
+    purged_at: Option<Instant>,
+}
+
+impl Procs {
+    /// The entries, without those finished more than [`RETENTION`] ago (looked for at
+    /// most every [`PURGE_EVERY`]).
+    fn current(&mut self) -> &mut HashMap<u32, Arc<Proc>> {
+        let now = Instant::now();
+        if self
+            .purged_at
+            .is_none_or(|t| now.duration_since(t) >= PURGE_EVERY)
+        {
+            self.purged_at = Some(now);
+            self.map.retain(|_, p| {
+                p.finished_at()
+                    .is_none_or(|t| now.duration_since(t) < RETENTION)
+            });
+        }
+        &mut self.map
+    }
 }
 
 impl Table {
     /// Adds a process (replacing a retained entry with the same pid).
     pub fn insert(&self, proc: Arc<Proc>) {
-        let mut m = lock(&self.procs);
-        purge(&mut m);
-        m.insert(proc.pid, proc);
+        lock(&self.procs).current().insert(proc.pid, proc);
     }
 
     /// A process by pid, running or retained.
     pub fn get(&self, pid: u32) -> Option<Arc<Proc>> {
-        let mut m = lock(&self.procs);
-        purge(&mut m);
-        m.get(&pid).cloned()
+        lock(&self.procs).current().get(&pid).cloned()
     }
 
     /// A running process by tag (the lowest pid when several match).
     pub fn by_tag(&self, tag: &str) -> Option<Arc<Proc>> {
-        let mut m = lock(&self.procs);
-        purge(&mut m);
-        m.values()
+        lock(&self.procs)
+            .current()
+            .values()
             .filter(|p| p.tag.as_deref() == Some(tag))
             .min_by_key(|p| (!p.running(), p.pid))
             .cloned()
@@ -530,29 +557,25 @@ impl Table {
     /// Running processes, ordered by pid.
     pub fn running(&self) -> Vec<Arc<Proc>> {
         let mut m = lock(&self.procs);
-        purge(&mut m);
-        let mut v: Vec<_> = m.values().filter(|p| p.running()).cloned().collect();
+        let mut v: Vec<_> = m
+            .current()
+            .values()
+            .filter(|p| p.running())
+            .cloned()
+            .collect();
         v.sort_by_key(|p| p.pid);
         v
     }
 
     /// Number of entries (running and retained).
     pub fn len(&self) -> usize {
-        lock(&self.procs).len()
+        lock(&self.procs).map.len()
     }
 
     /// Whether the table is empty.
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
-}
-
-fn purge(m: &mut HashMap<u32, Arc<Proc>>) {
-    let now = Instant::now();
-    m.retain(|_, p| {
-        p.finished_at()
-            .is_none_or(|t| now.duration_since(t) < RETENTION)
-    });
 }
 
 #[cfg(test)]
@@ -613,6 +636,37 @@ mod tests {
         let end = p.subscribe(tx2).unwrap_err();
         assert!(end.exited);
         assert!(!p.running());
+    }
+
+    /// Finished processes stay answerable for RETENTION (up to PURGE_EVERY more), and
+    /// the table looks for expired ones at most every PURGE_EVERY.
+    #[tokio::test(start_paused = true)]
+    async fn finished_processes_are_retained_then_dropped() {
+        let finished = |pid| async move {
+            let p = Arc::new(Proc::new(
+                pid,
+                ProcessConfig::default(),
+                None,
+                StdinState::Disabled,
+                None,
+                None,
+            ));
+            p.finish(end_event(&Ok(std::process::ExitStatus::from_raw(0))))
+                .await;
+            p
+        };
+        let t = Table::default();
+        t.insert(finished(1).await);
+        tokio::time::advance(RETENTION - Duration::from_millis(1)).await;
+        assert!(t.get(1).is_some(), "dropped before its retention");
+        tokio::time::advance(Duration::from_millis(2)).await;
+        // Past its retention, but the last look was under PURGE_EVERY ago.
+        t.insert(finished(2).await);
+        assert_eq!(t.len(), 2);
+        tokio::time::advance(PURGE_EVERY).await;
+        assert!(t.get(1).is_none(), "kept past its retention");
+        assert!(t.get(2).is_some());
+        assert_eq!(t.len(), 1);
     }
 
     #[tokio::test]
