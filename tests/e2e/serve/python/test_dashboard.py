@@ -8,8 +8,9 @@ metadata, state); watch its CPU and memory charts and its logs; type a command i
 browser terminal (xterm.js over envd's PTY API) and see its output; pause and kill from
 the buttons (the SDK then sees it paused / gone); list templates and API keys.
 
-Screenshots go to a temporary directory (printed), removed after a run in which every
-test passed; set CUBICLE_E2E_SCREENSHOTS to keep them somewhere else. The tests check what the screenshots show where a user would look:
+Screenshots go to a temporary directory (printed; made when the first dashboard test
+runs), removed after a run in which every test passed; set CUBICLE_E2E_SCREENSHOTS to keep
+them somewhere else. The tests check what the screenshots show where a user would look:
 the terminal's picture is not blank and shows text, the charts have drawn their series.
 """
 
@@ -30,7 +31,10 @@ from playwright.sync_api import Browser, Page, expect, sync_playwright
 from conftest import API_KEY, API_URL, FAST_TEMPLATE, KEY_B, TEMPLATE, Tracker, api, poll, unique
 
 CHROMIUM = os.environ.get("CUBICLE_E2E_CHROMIUM") or shutil.which("chromium") or "/usr/bin/chromium"
-SHOTS = Path(os.environ.get("CUBICLE_E2E_SCREENSHOTS") or tempfile.mkdtemp(prefix="cubicle-dashboard-"))
+KEEP_SHOTS = os.environ.get("CUBICLE_E2E_SCREENSHOTS")
+# Set by the `browser` fixture (not at import: a run that selects no dashboard test would
+# leave an empty temporary directory behind).
+SHOTS = Path(KEEP_SHOTS or ".")
 DASHBOARD = f"{API_URL}/dashboard/"
 # Series colours of chart.js (CPU, memory).
 CPU_RGB, MEM_RGB = (0x2F, 0x6F, 0xDE), (0x1F, 0x8A, 0x4C)
@@ -39,6 +43,8 @@ CPU_RGB, MEM_RGB = (0x2F, 0x6F, 0xDE), (0x1F, 0x8A, 0x4C)
 @pytest.fixture(scope="module")
 def browser(request: pytest.FixtureRequest) -> Iterator[Browser]:
     assert Path(CHROMIUM).exists(), f"{CHROMIUM} missing: run scripts/install-deps.sh (Debian's chromium)"
+    global SHOTS
+    SHOTS = Path(KEEP_SHOTS or tempfile.mkdtemp(prefix="cubicle-dashboard-"))
     SHOTS.mkdir(parents=True, exist_ok=True)
     print(f"dashboard screenshots: {SHOTS}")
     with sync_playwright() as p:
@@ -50,7 +56,7 @@ def browser(request: pytest.FixtureRequest) -> Iterator[Browser]:
         finally:
             b.close()
     # The temporary screenshots are evidence only when something failed.
-    if not os.environ.get("CUBICLE_E2E_SCREENSHOTS") and request.session.testsfailed == 0:
+    if not KEEP_SHOTS and request.session.testsfailed == 0:
         shutil.rmtree(SHOTS, ignore_errors=True)
 
 
