@@ -189,7 +189,7 @@ impl Lab {
         let mut ec = EgressConfig::new(0, 0, net.address_guard(), dir.join("trails"));
         ec.upstream_dns = vec![OK_HOST];
         // The node's interception CA, and the lab internet's CA as the "public" roots.
-        std::fs::create_dir_all(&dir).map_err(|e| EgressError::io("lab CA dir", e))?;
+        std::fs::create_dir_all(&dir).map_err(|e| EgressError::io("lab dir", e))?;
         let (internet_ca, internet_tls) = internet_tls()?;
         std::fs::write(dir.join("internet-ca.pem"), &internet_ca)
             .map_err(|e| EgressError::io("lab CA file", e))?;

@@ -70,16 +70,22 @@ fn slab_growth(
     )
 }
 
+/// Field `name` (with its colon, e.g. `MemTotal:`) of `/proc/meminfo`'s text, in KiB.
+fn meminfo_kib(meminfo: &str, name: &str) -> Option<u64> {
+    meminfo
+        .lines()
+        .find_map(|l| l.strip_prefix(name))?
+        .split_whitespace()
+        .next()?
+        .parse()
+        .ok()
+}
+
 /// `MemTotal - MemAvailable` in KiB.
 fn used_kib() -> anyhow::Result<u64> {
     let s = std::fs::read_to_string("/proc/meminfo")?;
-    let field = |name: &str| -> anyhow::Result<u64> {
-        s.lines()
-            .find_map(|l| l.strip_prefix(name))
-            .and_then(|r| r.split_whitespace().next())
-            .and_then(|v| v.parse().ok())
-            .ok_or_else(|| anyhow!("/proc/meminfo has no {name}"))
-    };
+    let field =
+        |name: &str| meminfo_kib(&s, name).ok_or_else(|| anyhow!("/proc/meminfo has no {name}"));
     Ok(field("MemTotal:")? - field("MemAvailable:")?)
 }
 
@@ -106,13 +112,10 @@ fn empty_memcg_kib() -> Option<u64> {
         .map(|i| base.join(format!("cubicle-bench-probe-{}-{i}", std::process::id())))
         .collect();
     let sunreclaim = || {
-        let s = std::fs::read_to_string("/proc/meminfo").ok()?;
-        s.lines()
-            .find_map(|l| l.strip_prefix("SUnreclaim:"))?
-            .split_whitespace()
-            .next()?
-            .parse::<u64>()
-            .ok()
+        meminfo_kib(
+            &std::fs::read_to_string("/proc/meminfo").ok()?,
+            "SUnreclaim:",
+        )
     };
     let before = sunreclaim()?;
     let made = dirs

@@ -80,26 +80,24 @@ async fn run(ctx: Arc<Ctx>) -> TestResult {
 /// if that is not btrfs.
 fn commit_stats(mount: &Path) -> anyhow::Result<Option<PathBuf>> {
     let mount = std::fs::canonicalize(mount)?;
-    let info = std::fs::read_to_string("/proc/self/mountinfo")?;
-    let Some((fstype, source)) = info.lines().rev().find_map(|l| {
-        let (pre, post) = l.split_once(" - ")?;
-        let point = pre.split(' ').nth(4)?;
-        let mut post = post.split(' ');
-        (Path::new(point) == mount).then(|| Some((post.next()?, post.next()?)))?
-    }) else {
+    let Some(m) = cubicle_syscalls::mountinfo::mounts()?
+        .into_iter()
+        .rev()
+        .find(|m| m.mount_point == mount)
+    else {
         anyhow::bail!("{} is not a mount point", mount.display());
     };
-    if fstype != "btrfs" {
+    if m.fstype != "btrfs" {
         return Ok(None);
     }
-    let dev = Path::new(source)
+    let dev = Path::new(&m.source)
         .file_name()
-        .ok_or_else(|| anyhow::anyhow!("btrfs on {source}"))?;
+        .ok_or_else(|| anyhow::anyhow!("btrfs on {}", m.source))?;
     std::fs::read_dir("/sys/fs/btrfs")?
         .flatten()
         .find(|e| e.path().join("devices").join(dev).exists())
         .map(|e| Some(e.path().join("commit_stats")))
-        .ok_or_else(|| anyhow::anyhow!("no /sys/fs/btrfs entry has device {source}"))
+        .ok_or_else(|| anyhow::anyhow!("no /sys/fs/btrfs entry has device {}", m.source))
 }
 
 fn read_commits(stats: &Path) -> anyhow::Result<u64> {
