@@ -63,12 +63,14 @@ fn run(
         "wait for helper",
         sys::recv_with_fds(
             sock.as_raw_fd(),
-            crate::spec::MAX_BINDS + 1 + crate::spec::MAX_LAYERS,
+            crate::spec::MAX_BINDS + 2 + crate::spec::MAX_LAYERS,
         ),
     )?;
-    if msg != b"go" {
-        return Err("helper exited before releasing the sandbox".into());
-    }
+    let shared_sysfs = match msg.as_slice() {
+        crate::helper::GO => false,
+        crate::helper::GO_WITH_SYSFS => true,
+        _ => return Err("helper exited before releasing the sandbox".into()),
+    };
     drop(sock);
     mark(status, "child_released");
 
@@ -81,11 +83,11 @@ fn run(
 
     let binds = spec.all_binds();
     let lowers = spec.lowers().len();
-    if fds.len() != binds.len() + lowers {
+    let expected = binds.len() + lowers + usize::from(shared_sysfs);
+    if fds.len() != expected {
         return Err(format!(
-            "helper sent {} mounts, expected {}",
+            "helper sent {} mounts, expected {expected}",
             fds.len(),
-            binds.len() + lowers
         ));
     }
     let sources: Vec<_> = binds.into_iter().map(|b| b.source).collect();
@@ -95,12 +97,16 @@ fn run(
     // (root's, 0700).
     let mut here = spec.clone();
     here.sandbox_dir = std::path::PathBuf::from(".");
-    let (lower_fds, bind_fds) = fds.split_at(lowers);
+    let (lower_fds, rest) = fds.split_at(lowers);
+    let (bind_fds, sysfs) = rest.split_at(sources.len());
     rootfs::execute(
         &rootfs::plan(&here, cgroup),
-        lower_fds,
-        bind_fds,
-        &sources,
+        &rootfs::Mounts {
+            lowers: lower_fds,
+            binds: bind_fds,
+            bind_sources: &sources,
+            sysfs: sysfs.first(),
+        },
         status,
     )?;
     drop(fds);

@@ -182,6 +182,12 @@ fn run(request: &[u8], policy: &SeccompPolicy, out: RawFd) -> Result<(), String>
     res
 }
 
+/// The message that releases the child with its mounts: template layers, binds, and
+/// with [`GO_WITH_SYSFS`] the shared sysfs last.
+pub(crate) const GO: &[u8] = b"go";
+/// [`GO`], with the shared sysfs as the last descriptor.
+pub(crate) const GO_WITH_SYSFS: &[u8] = b"go sysfs";
+
 fn release_child(spec: &SandboxSpec, pid: i32, sock: &OwnedFd, out: RawFd) -> Result<(), String> {
     let map = format!("0 {} {}\n", spec.uid_base, spec.uid_count);
     for file in ["uid_map", "gid_map"] {
@@ -206,9 +212,17 @@ fn release_child(spec: &SandboxSpec, pid: i32, sock: &OwnedFd, out: RawFd) -> Re
     for b in spec.all_binds() {
         fds.push(bind_source(&b, userns.as_raw_fd()).map_err(|e| e.to_string())?);
     }
+    // Last, when there is one: the shared sysfs (`shared_sysfs.rs`) for its /sys.
+    let go: &[u8] = match crate::shared_sysfs::clone() {
+        Some(sysfs) => {
+            fds.push(sysfs.map_err(|e| format!("clone the shared sysfs: {e}"))?);
+            GO_WITH_SYSFS
+        }
+        None => GO,
+    };
     mark(out, "mounts_prepared");
     let raw: Vec<RawFd> = fds.iter().map(|f| f.as_raw_fd()).collect();
-    sys::send_with_fds(sock.as_raw_fd(), b"go", &raw).map_err(|e| format!("release child: {e}"))?;
+    sys::send_with_fds(sock.as_raw_fd(), go, &raw).map_err(|e| format!("release child: {e}"))?;
     Ok(())
 }
 

@@ -43,7 +43,8 @@
 //! # What a sandbox sees
 //!
 //! `/` = overlay(template, `<sandbox_dir>/upper`); fresh `/proc` with masked files
-//! (`masked_paths.rs`); read-only `/sys` with its own cgroup (as the root, through the
+//! (`masked_paths.rs`); read-only `/sys` (one sysfs shared by all sandboxes:
+//! `shared_sysfs.rs`) with its own cgroup (as the root, through the
 //! cgroup namespace) read-only at `/sys/fs/cgroup`; a minimal `/dev` with private PTYs;
 //! tmpfs `/run` holding [`ENVD_PATH`] and [`CTL_DIR`] (both read-only; the init finds
 //! its listening socket on fd [`LISTEN_FD`]); `/tmp` on the overlay; only `lo` as
@@ -90,6 +91,7 @@ pub mod restore;
 mod rootfs;
 mod sandbox;
 pub mod seccomp;
+mod shared_sysfs;
 mod spec;
 mod sys;
 mod zygote;

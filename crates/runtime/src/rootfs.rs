@@ -8,8 +8,9 @@
 //!    superblock instead of a dozen (see "Superblocks" below);
 //! 3. overlay `staging/root` = lower (template) + `<sandbox_dir>/upper` (+ `work`);
 //! 4. fresh `/proc` with the masked and read-only paths of `masked_paths.rs`;
-//! 5. read-only `/sys` (also masked), with the sandbox's own cgroups read-only at
-//!    `/sys/fs/cgroup` (cgroup namespace: the sandbox's cgroup is the root);
+//! 5. read-only `/sys` (also masked): a clone of the one sysfs all sandboxes share
+//!    (`shared_sysfs.rs`; a sysfs of its own without it), with the sandbox's own cgroups
+//!    read-only at `/sys/fs/cgroup` (cgroup namespace: the sandbox's cgroup is the root);
 //! 6. minimal `/dev`: a directory of the staging tmpfs with null, zero, full, random, urandom, tty bind-mounted from
 //!    the host, a private devpts instance (`/dev/pts`, `/dev/ptmx`), `/dev/shm`, and the
 //!    `/dev/fd`, `/dev/std*` symlinks;
@@ -27,7 +28,8 @@
 //! (about 1 KiB per 64 superblocks, per cgroup, never shrunk). With N sandboxes of S
 //! superblocks each, that is N·N·S/64 KiB host-wide: 16 superblocks per sandbox cost
 //! 250 KiB per sandbox at 1,000 sandboxes. So a sandbox mounts only what cannot be shared:
-//! overlay, proc, sysfs, devpts, one tmpfs (plus the mqueue its IPC namespace implies).
+//! overlay, proc, devpts, one tmpfs (plus the mqueue its IPC namespace implies); its sysfs
+//! is the shared one.
 //! Tmpfs size limits are per superblock and no longer separate; the sandbox's memory
 //! cgroup bounds all of it.
 //!
@@ -433,30 +435,23 @@ fn err(what: impl std::fmt::Display, e: std::io::Error) -> String {
     format!("{what}: {e}")
 }
 
-/// The helper's detached mounts: the idmapped clone of every layer (bottom first) and
-/// of every bind source, with the bind sources' paths for messages.
-struct Mounts<'a> {
-    lowers: &'a [OwnedFd],
-    binds: &'a [OwnedFd],
-    bind_sources: &'a [PathBuf],
+/// The helper's detached mounts: the idmapped clone of every layer (bottom first), of
+/// every bind source, and the shared sysfs.
+pub(crate) struct Mounts<'a> {
+    /// `lowers[i]`: the idmapped clone of template layer `i`.
+    pub lowers: &'a [OwnedFd],
+    /// `binds[i]`: the detached mount of bind `i`.
+    pub binds: &'a [OwnedFd],
+    /// The binds' sources, only for messages.
+    pub bind_sources: &'a [PathBuf],
+    /// A clone of the shared sysfs (`shared_sysfs.rs`) for `/sys`; `None`: mount one.
+    pub sysfs: Option<&'a OwnedFd>,
 }
 
-/// Executes `steps`. `lowers[i]` is the idmapped clone of layer `i`, `binds[i]` the
-/// detached mount of bind `i`; the bind sources are only used in messages.
-pub(crate) fn execute(
-    steps: &[Step],
-    lowers: &[OwnedFd],
-    binds: &[OwnedFd],
-    bind_sources: &[PathBuf],
-    status: RawFd,
-) -> Result<(), String> {
-    let mounts = Mounts {
-        lowers,
-        binds,
-        bind_sources,
-    };
+/// Executes `steps` with the detached mounts the helper sent.
+pub(crate) fn execute(steps: &[Step], mounts: &Mounts<'_>, status: RawFd) -> Result<(), String> {
     for step in steps {
-        apply(step, &mounts, status)?;
+        apply(step, mounts, status)?;
     }
     Ok(())
 }
@@ -528,6 +523,10 @@ fn apply(step: &Step, mounts: &Mounts, status: RawFd) -> Result<(), String> {
             Ok(())
         }
         Step::Sysfs { target } => {
+            if let Some(fd) = mounts.sysfs {
+                return sys::move_mount_to(fd.as_raw_fd(), target)
+                    .map_err(|e| err("attach the shared sysfs at /sys", e));
+            }
             let flags = RDONLY | NOSUID | NODEV | NOEXEC;
             match sys::mount(
                 Some(Path::new("sysfs")),

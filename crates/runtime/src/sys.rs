@@ -21,6 +21,9 @@ pub const SYS_MOVE_MOUNT: libc::c_long = 429;
 pub const SYS_CLOSE_RANGE: libc::c_long = 436;
 pub const SYS_MOUNT_SETATTR: libc::c_long = 442;
 pub const SYS_OPENAT2: libc::c_long = 437;
+pub const SYS_FSOPEN: libc::c_long = 430;
+pub const SYS_FSCONFIG: libc::c_long = 431;
+pub const SYS_FSMOUNT: libc::c_long = 432;
 
 pub const OPEN_TREE_CLONE: libc::c_uint = 1;
 pub const OPEN_TREE_CLOEXEC: libc::c_uint = libc::O_CLOEXEC as libc::c_uint;
@@ -35,6 +38,7 @@ pub const RESOLVE_IN_ROOT: u64 = 0x10;
 pub const MOUNT_ATTR_RDONLY: u64 = 0x1;
 pub const MOUNT_ATTR_NOSUID: u64 = 0x2;
 pub const MOUNT_ATTR_NODEV: u64 = 0x4;
+pub const MOUNT_ATTR_NOEXEC: u64 = 0x8;
 pub const MOUNT_ATTR_IDMAP: u64 = 0x0010_0000;
 pub const CLOSE_RANGE_CLOEXEC: libc::c_uint = 4;
 
@@ -112,6 +116,53 @@ pub fn open_tree_clone_recursive(path: &Path) -> io::Result<OwnedFd> {
     })?;
     // SAFETY: fd is a fresh descriptor owned by nobody else.
     Ok(unsafe { OwnedFd::from_raw_fd(fd as RawFd) })
+}
+
+/// `open_tree(fd, "", OPEN_TREE_CLONE | AT_EMPTY_PATH | OPEN_TREE_CLOEXEC)`: a detached
+/// bind of the mount `fd` is the root of (e.g. one that [`fsmount`] made, which can be
+/// attached only once; each clone can be attached once more).
+pub fn open_tree_clone_fd(fd: &OwnedFd) -> io::Result<OwnedFd> {
+    // SAFETY: a valid descriptor and an empty NUL-terminated path; the kernel returns a
+    // new fd we take ownership of.
+    let fd = check(unsafe {
+        libc::syscall(
+            SYS_OPEN_TREE,
+            fd.as_raw_fd(),
+            c"".as_ptr(),
+            OPEN_TREE_CLONE | OPEN_TREE_CLOEXEC | libc::AT_EMPTY_PATH as libc::c_uint,
+        )
+    })?;
+    // SAFETY: fd is a fresh descriptor owned by nobody else.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd as RawFd) })
+}
+
+/// A new, detached instance of filesystem `fstype` without options (`fsopen`,
+/// `fsconfig(FSCONFIG_CMD_CREATE)`, `fsmount`) with the mount attributes `attrs`; made
+/// in the caller's namespaces, whatever the filesystem ties to them (sysfs: the network
+/// namespace).
+pub fn fsmount(fstype: &CStr, attrs: u64) -> io::Result<OwnedFd> {
+    const FSOPEN_CLOEXEC: libc::c_uint = 1;
+    const FSCONFIG_CMD_CREATE: libc::c_uint = 6;
+    const FSMOUNT_CLOEXEC: libc::c_uint = 1;
+    // SAFETY: a valid NUL-terminated name; the kernel returns a new fd we own.
+    let fs = check(unsafe { libc::syscall(SYS_FSOPEN, fstype.as_ptr(), FSOPEN_CLOEXEC) })?;
+    // SAFETY: fs is a fresh descriptor owned by nobody else.
+    let fs = unsafe { OwnedFd::from_raw_fd(fs as RawFd) };
+    // SAFETY: a valid descriptor; CMD_CREATE takes no key, value or aux.
+    check(unsafe {
+        libc::syscall(
+            SYS_FSCONFIG,
+            fs.as_raw_fd(),
+            FSCONFIG_CMD_CREATE,
+            std::ptr::null::<libc::c_char>(),
+            std::ptr::null::<libc::c_void>(),
+            0,
+        )
+    })?;
+    // SAFETY: a valid descriptor and integer flags; the kernel returns a new fd we own.
+    let m = check(unsafe { libc::syscall(SYS_FSMOUNT, fs.as_raw_fd(), FSMOUNT_CLOEXEC, attrs) })?;
+    // SAFETY: m is a fresh descriptor owned by nobody else.
+    Ok(unsafe { OwnedFd::from_raw_fd(m as RawFd) })
 }
 
 /// `mount_setattr(fd, "", AT_EMPTY_PATH, {attr_set, userns_fd})` on the mount `fd` is

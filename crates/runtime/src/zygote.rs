@@ -178,6 +178,9 @@ pub(crate) fn main() -> i32 {
     };
     // Read once here, inherited by every helper.
     let _ = crate::cgroup::Layout::detect();
+    if let Err(e) = crate::shared_sysfs::init() {
+        eprintln!("cubicle-zygote: no shared sysfs, each sandbox mounts its own: {e}");
+    }
     // SAFETY: opening a constant path.
     let devnull = unsafe { libc::open(c"/dev/null".as_ptr(), libc::O_RDWR | libc::O_CLOEXEC) };
     if devnull < 0 {

@@ -419,6 +419,55 @@ fn hostname_and_host_paths(env: &Env) {
     destroy_and_check(sb, &spec);
 }
 
+/// `(major:minor, mount options)` of the mount at `/sys` in `pid`'s mount namespace.
+fn sys_mount_of(pid: u32) -> (String, String) {
+    let table = fs::read_to_string(format!("/proc/{pid}/mountinfo")).unwrap();
+    table
+        .lines()
+        .map(|l| l.split_whitespace().collect::<Vec<_>>())
+        .find(|f| f.len() > 5 && f[4] == "/sys")
+        .map(|f| (f[2].to_string(), f[5].to_string()))
+        .unwrap_or_else(|| panic!("no /sys in {pid}'s mountinfo: {table}"))
+}
+
+/// `shared_sysfs.rs`: every sandbox's `/sys` is one read-only sysfs, not the host's (whose
+/// `class/net` lists the host's interfaces, other sandboxes' veths among them) and not
+/// one per sandbox. Inside, `class/net` shows the loopback of the instance's own network
+/// namespace, and nothing can be written.
+fn sandboxes_share_one_sysfs(env: &Env) {
+    let a = env.spec(
+        "echo net=$(ls /sys/class/net | tr '\\n' ' '); \
+         echo 1 > /sys/class/net/lo/mtu 2>/dev/null || echo mtu-refused; \
+         test -r /sys/kernel/mm/transparent_hugepage/enabled && echo thp-readable; \
+         echo ready; sleep 30",
+    );
+    let b = env.spec("sleep 30");
+    let sa = spawn(&a).unwrap();
+    let sb = spawn(&b).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let mut log = env.log(&sa);
+    while !log.contains("ready") && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(10));
+        log = env.log(&sa);
+    }
+    let (dev_a, opts_a) = sys_mount_of(sa.pid() as u32);
+    let (dev_b, opts_b) = sys_mount_of(sb.pid() as u32);
+    let (dev_host, _) = sys_mount_of(std::process::id());
+    assert_eq!(dev_a, dev_b, "one sysfs superblock for both sandboxes");
+    assert_ne!(dev_a, dev_host, "not the host's sysfs");
+    for opts in [&opts_a, &opts_b] {
+        assert!(opts.split(',').any(|o| o == "ro"), "read-only: {opts}");
+    }
+    assert!(log.lines().any(|l| l.trim() == "net=lo"), "log: {log}");
+    assert!(log.contains("mtu-refused"), "log: {log}");
+    assert!(
+        log.contains("thp-readable"),
+        "the rest of sysfs is there: {log}"
+    );
+    destroy_and_check(sa, &a);
+    destroy_and_check(sb, &b);
+}
+
 fn mount_and_privileged_calls_fail(env: &Env) {
     let spec = env.spec(
         "mount -t tmpfs x /mnt && echo MOUNT-OK; unshare -U true && echo UNSHARE-USER-OK; \
@@ -1125,6 +1174,7 @@ const TESTS: &[Test] = &[
         ps_shows_only_sandbox_processes,
     ),
     ("hostname_and_host_paths", hostname_and_host_paths),
+    ("sandboxes_share_one_sysfs", sandboxes_share_one_sysfs),
     (
         "mount_and_privileged_calls_fail",
         mount_and_privileged_calls_fail,
