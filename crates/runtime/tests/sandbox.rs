@@ -439,6 +439,7 @@ fn sandboxes_share_one_sysfs(env: &Env) {
         "echo net=$(ls /sys/class/net | tr '\\n' ' '); \
          echo 1 > /sys/class/net/lo/mtu 2>/dev/null || echo mtu-refused; \
          test -r /sys/kernel/mm/transparent_hugepage/enabled && echo thp-readable; \
+         for f in /proc/1/fd/*; do echo fd $f $(readlink $f); done; \
          echo ready; sleep 30",
     );
     let b = env.spec("sleep 30");
@@ -464,6 +465,16 @@ fn sandboxes_share_one_sysfs(env: &Env) {
         log.contains("thp-readable"),
         "the rest of sysfs is there: {log}"
     );
+    // Neither the zygote's sysfs mount nor its network namespace reached the sandbox.
+    let fds: Vec<&str> = log.lines().filter(|l| l.starts_with("fd ")).collect();
+    assert!(!fds.is_empty(), "log: {log}");
+    for fd in &fds {
+        let target = fd.rsplit(' ').next().unwrap_or("");
+        assert!(
+            target != "/" && !target.starts_with("net:"),
+            "inherited descriptor {fd}: {log}"
+        );
+    }
     destroy_and_check(sa, &a);
     destroy_and_check(sb, &b);
 }
