@@ -259,12 +259,19 @@ pub async fn run(args: BenchArgs, envd: Option<&PathBuf>) -> anyhow::Result<i32>
                 let interp_pool = pool
                     .filter(|_| has("interp"))
                     .map(|_| args.interp_pool_size);
+                // Room for what `density` holds next to the pools: a node's default of
+                // 4,096 made `--n 6000` fail a third of its creates.
+                let most = has("density").then(|| {
+                    let pooled = pool.unwrap_or(0) * templates.len() + interp_pool.unwrap_or(0);
+                    args.n + pooled + 64
+                });
                 let (s, u, k) = Server::start(
                     &args.server_state_dir,
                     envd.as_ref(),
                     &templates,
                     pool,
                     interp_pool,
+                    most,
                 )
                 .await?;
                 if let Some(n) = pool {

@@ -11,6 +11,8 @@ use tokio::io::AsyncBufReadExt;
 
 /// Slots of the bench's own server (disjoint from other nodes on a shared host).
 const BENCH_FIRST_SLOT: u32 = 8000;
+/// `cubicle serve`'s own `--max-sandboxes` default.
+const DEFAULT_MAX_SANDBOXES: usize = 4096;
 /// The bench server's longest sandbox timeout, seconds (its `--max-timeout`).
 pub(super) const MAX_TIMEOUT_S: u64 = 3600;
 
@@ -25,6 +27,7 @@ impl Server {
         templates: &[String],
         pool: Option<usize>,
         interp_pool: Option<usize>,
+        max_sandboxes: Option<usize>,
     ) -> anyhow::Result<(Server, String, String)> {
         let exe = std::env::current_exe().context("finding the cubicle binary")?;
         let mut cmd = tokio::process::Command::new(exe);
@@ -37,8 +40,12 @@ impl Server {
             .ok()
             .and_then(|v| v.parse::<u32>().ok())
             .unwrap_or(BENCH_FIRST_SLOT);
-        cmd.args(["--first-slot", &first_slot.to_string(), "--any-free-slots"])
-            .args(["serve", "--listen", "127.0.0.1:0"])
+        cmd.args(["--first-slot", &first_slot.to_string(), "--any-free-slots"]);
+        // Only ever raised: the node's own default (4,096) otherwise.
+        if let Some(n) = max_sandboxes.filter(|&n| n > DEFAULT_MAX_SANDBOXES) {
+            cmd.arg("--max-sandboxes").arg(n.to_string());
+        }
+        cmd.args(["serve", "--listen", "127.0.0.1:0"])
             .arg("--max-timeout")
             .arg(MAX_TIMEOUT_S.to_string());
         // Build only what the bench uses (base takes a minute the first time).
