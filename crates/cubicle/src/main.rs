@@ -63,7 +63,7 @@ struct Cli {
         long,
         global = true,
         env = "CUBICLE_MAX_SANDBOXES",
-        default_value_t = 4096
+        default_value_t = cubicle_node::config::DEFAULT_MAX_SANDBOXES
     )]
     max_sandboxes: u32,
     /// When the slot range overlaps another node's, take the next free one instead of

@@ -8,6 +8,8 @@ use crate::error::{Error, Result};
 
 /// Default state directory.
 pub const DEFAULT_STATE_DIR: &str = "/var/lib/cubicle";
+/// Default [`NodeConfig::max_sandboxes`] (`--max-sandboxes`).
+pub const DEFAULT_MAX_SANDBOXES: u32 = 4096;
 /// File name of the agent binary.
 pub const ENVD_BIN_NAME: &str = "cubicle-envd";
 
@@ -107,7 +109,7 @@ impl NodeConfig {
             envd_binary: envd_binary.into(),
             uid_base: 200_000,
             first_slot: 0,
-            max_sandboxes: 4096,
+            max_sandboxes: DEFAULT_MAX_SANDBOXES,
             any_free_slots: false,
             wait_for_lock: false,
             default_timeout: Duration::from_secs(300),

@@ -20,16 +20,16 @@
 //! restored network namespace). Without the shared instance (the zygote could not make
 //! it), helpers fall back to a sysfs per sandbox.
 
-use std::fs::File;
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::sync::OnceLock;
 
+use crate::network::Netns;
 use crate::sys;
 
 /// The shared instance and what keeps its network namespace alive.
 struct Shared {
     mount: OwnedFd,
-    _netns: File,
+    _netns: Netns,
 }
 
 static SHARED: OnceLock<Shared> = OnceLock::new();
@@ -42,7 +42,7 @@ pub(crate) fn init() -> Result<(), String> {
     if SHARED.get().is_some() {
         return Ok(());
     }
-    let own = File::open("/proc/self/ns/net").map_err(|e| format!("open own netns: {e}"))?;
+    let own = Netns::current().map_err(|e| format!("own netns: {e}"))?;
     sys::unshare(libc::CLONE_NEWNET).map_err(|e| format!("new network namespace: {e}"))?;
     let made = (|| {
         let attrs = sys::MOUNT_ATTR_RDONLY
@@ -50,8 +50,7 @@ pub(crate) fn init() -> Result<(), String> {
             | sys::MOUNT_ATTR_NODEV
             | sys::MOUNT_ATTR_NOEXEC;
         let mount = sys::fsmount(c"sysfs", attrs).map_err(|e| format!("mount sysfs: {e}"))?;
-        let netns =
-            File::open("/proc/self/ns/net").map_err(|e| format!("open the new netns: {e}"))?;
+        let netns = Netns::current().map_err(|e| format!("the new netns: {e}"))?;
         Ok::<_, String>(Shared {
             mount,
             _netns: netns,

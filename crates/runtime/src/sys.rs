@@ -85,55 +85,46 @@ fn check_int(rc: libc::c_int) -> io::Result<libc::c_int> {
     }
 }
 
-/// `open_tree(AT_FDCWD, path, OPEN_TREE_CLONE | OPEN_TREE_CLOEXEC)`: a detached bind mount.
-pub fn open_tree_clone(path: &Path) -> io::Result<OwnedFd> {
-    let c = cpath(path)?;
-    // SAFETY: valid NUL-terminated path; the kernel returns a new fd we take ownership of.
+/// `open_tree(dirfd, path, flags | OPEN_TREE_CLOEXEC)`.
+fn open_tree(dirfd: RawFd, path: &CStr, flags: libc::c_uint) -> io::Result<OwnedFd> {
+    // SAFETY: a NUL-terminated path and a descriptor (or AT_FDCWD) the caller owns; the
+    // kernel returns a new fd we take ownership of.
     let fd = check(unsafe {
         libc::syscall(
             SYS_OPEN_TREE,
-            libc::AT_FDCWD,
-            c.as_ptr(),
-            OPEN_TREE_CLONE | OPEN_TREE_CLOEXEC,
+            dirfd,
+            path.as_ptr(),
+            flags | OPEN_TREE_CLOEXEC,
         )
     })?;
     // SAFETY: fd is a fresh descriptor owned by nobody else.
     Ok(unsafe { OwnedFd::from_raw_fd(fd as RawFd) })
 }
 
+/// `open_tree(AT_FDCWD, path, OPEN_TREE_CLONE | OPEN_TREE_CLOEXEC)`: a detached bind mount.
+pub fn open_tree_clone(path: &Path) -> io::Result<OwnedFd> {
+    open_tree(libc::AT_FDCWD, &cpath(path)?, OPEN_TREE_CLONE)
+}
+
 /// `open_tree(AT_FDCWD, path, OPEN_TREE_CLONE | AT_RECURSIVE | OPEN_TREE_CLOEXEC)`: a
 /// detached copy of the mount at `path` with every mount below it.
 pub fn open_tree_clone_recursive(path: &Path) -> io::Result<OwnedFd> {
-    let c = cpath(path)?;
-    // SAFETY: valid NUL-terminated path; the kernel returns a new fd we take ownership of.
-    let fd = check(unsafe {
-        libc::syscall(
-            SYS_OPEN_TREE,
-            libc::AT_FDCWD,
-            c.as_ptr(),
-            OPEN_TREE_CLONE | OPEN_TREE_CLOEXEC | libc::AT_RECURSIVE as libc::c_uint,
-        )
-    })?;
-    // SAFETY: fd is a fresh descriptor owned by nobody else.
-    Ok(unsafe { OwnedFd::from_raw_fd(fd as RawFd) })
+    open_tree(
+        libc::AT_FDCWD,
+        &cpath(path)?,
+        OPEN_TREE_CLONE | libc::AT_RECURSIVE as libc::c_uint,
+    )
 }
 
 /// `open_tree(fd, "", OPEN_TREE_CLONE | AT_EMPTY_PATH | OPEN_TREE_CLOEXEC)`: a detached
 /// bind of the mount `fd` is the root of (e.g. one that [`fsmount`] made, which can be
 /// attached only once; each clone can be attached once more).
 pub fn open_tree_clone_fd(fd: &OwnedFd) -> io::Result<OwnedFd> {
-    // SAFETY: a valid descriptor and an empty NUL-terminated path; the kernel returns a
-    // new fd we take ownership of.
-    let fd = check(unsafe {
-        libc::syscall(
-            SYS_OPEN_TREE,
-            fd.as_raw_fd(),
-            c"".as_ptr(),
-            OPEN_TREE_CLONE | OPEN_TREE_CLOEXEC | libc::AT_EMPTY_PATH as libc::c_uint,
-        )
-    })?;
-    // SAFETY: fd is a fresh descriptor owned by nobody else.
-    Ok(unsafe { OwnedFd::from_raw_fd(fd as RawFd) })
+    open_tree(
+        fd.as_raw_fd(),
+        c"",
+        OPEN_TREE_CLONE | libc::AT_EMPTY_PATH as libc::c_uint,
+    )
 }
 
 /// A new, detached instance of filesystem `fstype` without options (`fsopen`,

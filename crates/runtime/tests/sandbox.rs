@@ -419,14 +419,12 @@ fn hostname_and_host_paths(env: &Env) {
     destroy_and_check(sb, &spec);
 }
 
-/// `(major:minor, mount options)` of the mount at `/sys` in `pid`'s mount namespace.
-fn sys_mount_of(pid: u32) -> (String, String) {
+/// The mount at `/sys` in `pid`'s mount namespace.
+fn sys_mount_of(pid: u32) -> cubicle_syscalls::mountinfo::Mount {
     let table = fs::read_to_string(format!("/proc/{pid}/mountinfo")).unwrap();
-    table
-        .lines()
-        .map(|l| l.split_whitespace().collect::<Vec<_>>())
-        .find(|f| f.len() > 5 && f[4] == "/sys")
-        .map(|f| (f[2].to_string(), f[5].to_string()))
+    cubicle_syscalls::mountinfo::parse(&table)
+        .into_iter()
+        .find(|m| m.mount_point == Path::new("/sys"))
         .unwrap_or_else(|| panic!("no /sys in {pid}'s mountinfo: {table}"))
 }
 
@@ -451,13 +449,15 @@ fn sandboxes_share_one_sysfs(env: &Env) {
         std::thread::sleep(Duration::from_millis(10));
         log = env.log(&sa);
     }
-    let (dev_a, opts_a) = sys_mount_of(sa.pid() as u32);
-    let (dev_b, opts_b) = sys_mount_of(sb.pid() as u32);
-    let (dev_host, _) = sys_mount_of(std::process::id());
-    assert_eq!(dev_a, dev_b, "one sysfs superblock for both sandboxes");
-    assert_ne!(dev_a, dev_host, "not the host's sysfs");
-    for opts in [&opts_a, &opts_b] {
-        assert!(opts.split(',').any(|o| o == "ro"), "read-only: {opts}");
+    let (sys_a, sys_b) = (sys_mount_of(sa.pid() as u32), sys_mount_of(sb.pid() as u32));
+    let sys_host = sys_mount_of(std::process::id());
+    assert_eq!(
+        sys_a.dev, sys_b.dev,
+        "one sysfs superblock for both sandboxes"
+    );
+    assert_ne!(sys_a.dev, sys_host.dev, "not the host's sysfs");
+    for m in [&sys_a, &sys_b] {
+        assert!(m.has_option("ro"), "read-only: {m:?}");
     }
     assert!(log.lines().any(|l| l.trim() == "net=lo"), "log: {log}");
     assert!(log.contains("mtu-refused"), "log: {log}");

@@ -8,8 +8,13 @@ use std::path::{Path, PathBuf};
 /// One mount (one line of `/proc/self/mountinfo`).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Mount {
+    /// The superblock's device number, `major:minor`: equal for two mounts of one
+    /// filesystem instance.
+    pub dev: String,
     /// Where it is mounted.
     pub mount_point: PathBuf,
+    /// Per-mount options (`ro,nosuid,…`).
+    pub options: String,
     /// Filesystem type (`xfs`, `cgroup2`, …).
     pub fstype: String,
     /// The mount source (a device, or what the filesystem says).
@@ -19,6 +24,11 @@ pub struct Mount {
 }
 
 impl Mount {
+    /// Whether `option` is one of the per-mount options.
+    pub fn has_option(&self, option: &str) -> bool {
+        self.options.split(',').any(|o| o == option)
+    }
+
     /// Whether `option` is one of the per-superblock options.
     pub fn has_super_option(&self, option: &str) -> bool {
         self.super_options.split(',').any(|o| o == option)
@@ -38,11 +48,14 @@ pub fn parse(text: &str) -> Vec<Mount> {
 /// `<id> <parent> <maj:min> <root> <mount point> <options> [optional…] - <type> <source> <super options>`
 fn parse_line(line: &str) -> Option<Mount> {
     let (left, right) = line.split_once(" - ")?;
-    let mount_point = left.split(' ').nth(4)?;
+    let mut left = left.split(' ').skip(2);
+    let (dev, mount_point, options) = (left.next()?, left.nth(1)?, left.next()?);
     let mut right = right.split(' ');
     let (fstype, source, super_options) = (right.next()?, right.next()?, right.next()?);
     Some(Mount {
+        dev: dev.to_string(),
         mount_point: PathBuf::from(OsStr::from_bytes(&unescape(mount_point))),
+        options: options.to_string(),
         fstype: fstype.to_string(),
         source: String::from_utf8_lossy(&unescape(source)).into_owned(),
         super_options: super_options.to_string(),
@@ -111,6 +124,9 @@ garbage line
         let m = parse(SAMPLE);
         assert_eq!(m.len(), 3);
         assert_eq!(m[0].mount_point, Path::new("/proc"));
+        assert_eq!(m[0].dev, "0:21");
+        assert!(m[0].has_option("nosuid") && !m[0].has_option("nosu"));
+        assert_eq!(m[2].options, "rw,noatime");
         assert_eq!(m[1].fstype, "cgroup");
         assert!(m[1].has_super_option("memory"));
         assert_eq!(m[2].mount_point, Path::new("/var/lib/a b"));

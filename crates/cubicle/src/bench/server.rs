@@ -11,8 +11,6 @@ use tokio::io::AsyncBufReadExt;
 
 /// Slots of the bench's own server (disjoint from other nodes on a shared host).
 const BENCH_FIRST_SLOT: u32 = 8000;
-/// `cubicle serve`'s own `--max-sandboxes` default.
-const DEFAULT_MAX_SANDBOXES: usize = 4096;
 /// The bench server's longest sandbox timeout, seconds (its `--max-timeout`).
 pub(super) const MAX_TIMEOUT_S: u64 = 3600;
 
@@ -41,8 +39,9 @@ impl Server {
             .and_then(|v| v.parse::<u32>().ok())
             .unwrap_or(BENCH_FIRST_SLOT);
         cmd.args(["--first-slot", &first_slot.to_string(), "--any-free-slots"]);
-        // Only ever raised: the node's own default (4,096) otherwise.
-        if let Some(n) = max_sandboxes.filter(|&n| n > DEFAULT_MAX_SANDBOXES) {
+        // Only ever raised: the node's own default otherwise.
+        let default = cubicle_node::config::DEFAULT_MAX_SANDBOXES as usize;
+        if let Some(n) = max_sandboxes.filter(|&n| n > default) {
             cmd.arg("--max-sandboxes").arg(n.to_string());
         }
         cmd.args(["serve", "--listen", "127.0.0.1:0"])
