@@ -175,6 +175,7 @@ pub(super) async fn measure_density(
     cx: &Ctx,
     template: &str,
     n: usize,
+    hold: Duration,
 ) -> anyhow::Result<Vec<Row>> {
     tokio::time::sleep(Duration::from_secs(1)).await;
     let memcg_before = empty_memcg_kib();
@@ -229,6 +230,14 @@ pub(super) async fn measure_density(
                 }
             }
         }
+    }
+
+    if !hold.is_zero() {
+        eprintln!(
+            "cubicle bench: holding {held} sandboxes for {} s",
+            hold.as_secs()
+        );
+        tokio::time::sleep(hold).await;
     }
 
     // Kill them all again.

@@ -93,6 +93,10 @@ pub struct BenchArgs {
     /// Sandboxes held by `density`.
     #[arg(long, default_value_t = 1000)]
     pub n: usize,
+    /// `density`: keep the N sandboxes this many seconds after the `/health` rounds,
+    /// before killing them, to probe or profile a host at N.
+    #[arg(long, value_name = "SECS", default_value_t = 0)]
+    pub hold: u64,
     /// Sandboxes without internet (no veth / NAT).
     #[arg(long)]
     pub no_internet: bool,
@@ -462,7 +466,8 @@ async fn run_measures(
         emit(&measure_exec(cx, &args.template, 1).await?);
     }
     if has("density") && first_mode {
-        for r in measure_density(cx, &args.template, args.n).await? {
+        for r in measure_density(cx, &args.template, args.n, Duration::from_secs(args.hold)).await?
+        {
             emit(&r);
         }
     }
