@@ -19,6 +19,10 @@ use cubicle_node::{
     SandboxInfo, SnapshotRecord, SnapshotReport, SnapshotRequest,
 };
 
+/// Where the upkeep's log mirror got to in each node's logs
+/// ([`Backend::grown_logs`]): by node address, `""` for the local node.
+pub type LogMarks = std::collections::HashMap<String, cubicle_node::init_log::LogMark>;
+
 /// A boxed, sendable future.
 pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 
@@ -196,6 +200,13 @@ pub trait Backend: Send + Sync + 'static {
     }
     /// Deletes what [`Backend::fetch_log`] copied (the sandbox's record was purged).
     fn forget_log(&self, _id: &str) {}
+    /// The sandboxes whose log ([`Backend::log_path`]) may have grown since the marks in
+    /// `marks` (one per node, which this updates), so that the upkeep mirrors only those
+    /// and not, every second, every sandbox. `None`: cannot tell, any may have.
+    fn grown_logs<'a>(&'a self, marks: &'a mut LogMarks) -> BoxFuture<'a, Option<HashSet<String>>> {
+        let _ = marks;
+        Box::pin(async { None })
+    }
     /// Pause a running sandbox.
     fn pause<'a>(
         &'a self,
@@ -385,6 +396,15 @@ impl Backend for Node {
 
     fn log_path(&self, id: &str) -> PathBuf {
         self.sandbox_dir(id).join(cubicle_node::init_log::INIT_LOG)
+    }
+
+    fn grown_logs<'a>(&'a self, marks: &'a mut LogMarks) -> BoxFuture<'a, Option<HashSet<String>>> {
+        let grown = Node::grown_logs(self, marks.get("").copied());
+        Box::pin(async move {
+            let grown = grown?;
+            marks.insert(String::new(), grown.mark);
+            grown.ids.map(|ids| ids.into_iter().collect())
+        })
     }
 
     fn create_volume<'a>(

@@ -12,7 +12,7 @@ use std::time::Duration;
 use cubicle_node::{CreateRequest, SandboxInfo, SandboxState};
 use cubicle_store::{IdempotencyClaim, SandboxRow, SandboxRowState, Store, Team, now_ms};
 
-use crate::backend::Backend;
+use crate::backend::{Backend, LogMarks};
 use crate::commands::{
     Connect, CreateSandbox, CreateSnapshot, Fork, Idempotency, Limits, ListFilter, ListSnapshots,
     Pause, Refresh, Resume, Rollback, SetTimeout,
@@ -91,6 +91,8 @@ pub struct ControlPlane {
     /// Metric samples of the live sandboxes.
     metrics: MetricsHistory,
     logs: Arc<LogMirror>,
+    /// Where the upkeep's mirror got to in the nodes' logs ([`Backend::grown_logs`]).
+    log_marks: Mutex<LogMarks>,
     /// Template builds (E2B's builder API).
     pub(crate) builds: crate::template_builds::Builds,
     /// Metrics.
@@ -123,6 +125,7 @@ impl ControlPlane {
         let events = Events::start(store.clone(), telemetry.clone(), webhooks.clone());
         let cp = Arc::new(ControlPlane {
             logs: Arc::new(LogMirror::new(config.logs_dir.clone())),
+            log_marks: Mutex::default(),
             backend,
             store,
             config,
@@ -1224,13 +1227,19 @@ impl ControlPlane {
 
     // ---- background upkeep ----
 
-    /// One pass: record deaths the node noticed, mirror logs, purge old records.
+    /// One pass: record deaths the node noticed, mirror the logs that grew, purge old
+    /// records.
     pub async fn upkeep(&self, purge: bool) {
         let ids: Vec<String> = lock(&self.routes).keys().cloned().collect();
+        let mut marks = std::mem::take(&mut *lock(&self.log_marks));
+        let grown = self.backend.grown_logs(&mut marks).await;
+        *lock(&self.log_marks) = marks;
         for id in ids {
             match self.backend.peek(&id) {
                 Ok(info) if is_live(info.state) => {
-                    if info.state != SandboxState::Paused {
+                    if info.state != SandboxState::Paused
+                        && grown.as_ref().is_none_or(|g| g.contains(&id))
+                    {
                         self.sync_logs(&id).await;
                     }
                 }

@@ -892,6 +892,13 @@ impl SandboxRuntime for LinuxRuntime {
         }
     }
 
+    fn grown_logs(
+        &self,
+        since: Option<crate::init_log::LogMark>,
+    ) -> Option<crate::init_log::GrownLogs> {
+        Some(self.logs.grown_since(since))
+    }
+
     fn forget_network_log(&self, id: &str) {
         if let Some(eg) = &self.egress {
             eg.audit().remove(id);

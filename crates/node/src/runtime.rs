@@ -174,6 +174,16 @@ pub trait SandboxRuntime: Send + Sync + 'static {
     /// Usage counters of a live sandbox.
     fn stats(&self, id: &str) -> Option<SandboxStats>;
 
+    /// The sandboxes whose PID 1 log grew after `since` (see
+    /// [`crate::init_log::InitLogs::grown_since`]). `None`: this runtime cannot tell,
+    /// any log may have.
+    fn grown_logs(
+        &self,
+        _since: Option<crate::init_log::LogMark>,
+    ) -> Option<crate::init_log::GrownLogs> {
+        None
+    }
+
     /// A pidfd of sandbox `id`'s init that the runtime already holds, to share rather
     /// than open another: a node with 10,000 sandboxes counts its descriptors (see
     /// `cubicle_runtime::fd_limit`). `None`: the caller opens its own.

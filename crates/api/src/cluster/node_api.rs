@@ -103,6 +103,7 @@ pub fn node_router_with(node: Node, dp: DataPlane, token: &str, extra: Router) -
         .route("/sandboxes/{id}/timeout", post(set_timeout))
         .route("/sandboxes/{id}/stats", get(stats))
         .route("/sandboxes/{id}/init-log", get(init_log))
+        .route("/init-logs/grown", get(grown_logs))
         .route("/sandboxes/{id}/network", post(update_network))
         .route(
             "/sandboxes/{id}/network-log",
@@ -190,7 +191,8 @@ async fn blocking<T: Send + 'static>(
         .unwrap_or_else(|e| Err(cubicle_node::Error::Runtime(format!("task failed: {e}"))))
 }
 
-/// `GET /status`'s query: the journal mark of the replica's last answer.
+/// `GET /status`'s query: the journal mark of the replica's last answer (and
+/// `GET /init-logs/grown`'s: the log mark of its last answer).
 #[derive(Deserialize)]
 struct StatusQuery {
     epoch: Option<u64>,
@@ -280,6 +282,22 @@ async fn stats(State(st): State<NodeApi>, Path(id): Path<String>) -> Response {
     answer(blocking(move || node.stats(&id)).await)
 }
 
+/// `GET /init-logs/grown?epoch=E&since=G`: the sandboxes whose init log grew after the
+/// mark of the replica's last answer (all of them may have without one, or from another
+/// node process), and the mark to ask with next. 404 when the node's runtime cannot tell.
+async fn grown_logs(State(st): State<NodeApi>, Query(q): Query<StatusQuery>) -> Response {
+    let since = q
+        .epoch
+        .zip(q.since)
+        .map(|(epoch, generation)| cubicle_node::init_log::LogMark { epoch, generation });
+    match st.node.grown_logs(since) {
+        Some(g) => Json(g).into_response(),
+        None => fail(cubicle_node::Error::Unsupported(
+            "this node's runtime does not follow its logs' growth".into(),
+        )),
+    }
+}
+
 #[derive(Deserialize)]
 struct InitLogQuery {
     #[serde(default)]
@@ -303,7 +321,7 @@ async fn init_log(
             if id.is_empty() || !id.bytes().all(|b| b.is_ascii_alphanumeric()) {
                 return Err(cubicle_node::Error::SandboxNotFound(id));
             }
-            node.get(&id)?;
+            node.peek(&id)?;
             let path = node.sandbox_dir(&id).join(cubicle_node::init_log::INIT_LOG);
             read_from(&path, q.offset)
         })

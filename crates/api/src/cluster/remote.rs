@@ -858,6 +858,42 @@ impl RemoteBackend {
         }
     }
 
+    /// The sandboxes whose envd log grew on their node since `marks` (by node address),
+    /// one call per node; a node that cannot tell (an error, or no mark of its own
+    /// process yet) counts all it lists, and one that is down (its last poll failed)
+    /// none: its logs are fetched again once it is back.
+    async fn grown_init_logs(
+        &self,
+        marks: &mut crate::backend::LogMarks,
+    ) -> Option<HashSet<String>> {
+        let mut grown = HashSet::new();
+        for (i, link) in self.links().iter().enumerate() {
+            if link.retired() || lock(&link.down).is_some() {
+                continue;
+            }
+            let path = match marks.get(&link.addr) {
+                Some(m) => format!("/init-logs/grown?epoch={}&since={}", m.epoch, m.generation),
+                None => "/init-logs/grown".to_string(),
+            };
+            let got: cubicle_node::Result<cubicle_node::init_log::GrownLogs> =
+                self.call(i, Method::GET, &path, None, false).await;
+            match got {
+                Ok(g) => {
+                    marks.insert(link.addr.clone(), g.mark);
+                    match g.ids {
+                        Some(ids) => grown.extend(ids),
+                        None => grown.extend(lock(&link.listed).ids.iter().cloned()),
+                    }
+                }
+                Err(e) => {
+                    tracing::debug!(node = %link.addr, "which envd logs grew: {e}");
+                    grown.extend(lock(&link.listed).ids.iter().cloned());
+                }
+            }
+        }
+        Some(grown)
+    }
+
     /// The cluster name of the node that holds snapshot `name` (by id or name), as this
     /// replica last polled the nodes (a snapshot taken through it is polled right away).
     pub(super) fn snapshot_node(&self, name: &str) -> Option<String> {
@@ -1222,6 +1258,13 @@ impl Backend for RemoteBackend {
 
     fn fetch_log<'a>(&'a self, id: &'a str) -> BoxFuture<'a, ()> {
         Box::pin(self.fetch_init_log(id))
+    }
+
+    fn grown_logs<'a>(
+        &'a self,
+        marks: &'a mut crate::backend::LogMarks,
+    ) -> BoxFuture<'a, Option<HashSet<String>>> {
+        Box::pin(self.grown_init_logs(marks))
     }
 
     fn forget_log(&self, id: &str) {

@@ -241,6 +241,15 @@ impl Node {
         self.inner.lock().version() + self.inner.pool.version()
     }
 
+    /// The sandboxes whose PID 1 log (`init.log` in the sandbox directory) grew after
+    /// `since`, and the mark to ask with next time; `None` when the runtime cannot tell.
+    pub fn grown_logs(
+        &self,
+        since: Option<crate::init_log::LogMark>,
+    ) -> Option<crate::init_log::GrownLogs> {
+        self.inner.runtime.grown_logs(since)
+    }
+
     /// A live sandbox, or a recently dead one (state `dead`, with its death reason).
     pub fn get(&self, id: &str) -> Result<SandboxInfo> {
         let mut info = self.peek(id)?;
