@@ -79,8 +79,10 @@ fn children() -> Vec<u32> {
 /// SIGCHLD scans every child, and an orphan re-parented as a zombie signals its new
 /// parent), so this is only a backstop, and a rare one: an idle sandbox's envd must not
 /// wake up. Once a second, it made thousands of idle envds the host's largest CPU user
-/// (53% of all samples with 5,000 idle sandboxes, docs/bench.md).
-const REAP_BACKSTOP: Duration = Duration::from_secs(60);
+/// (53% of all samples with 5,000 idle sandboxes, docs/bench.md). Once a minute, 10,000
+/// idle envds still woke 170 times a second, each opening `/proc` files, and on a host
+/// whose memory is fragmented every such open can enter direct reclaim (round 21).
+const REAP_BACKSTOP: Duration = Duration::from_secs(600);
 
 /// Runs PID 1's duties until the process exits: reap orphans on every SIGCHLD (and every
 /// [`REAP_BACKSTOP`]), and exit with 128+N on SIGTERM, SIGINT or SIGHUP. Must run inside
