@@ -93,6 +93,8 @@ pub struct ControlPlane {
     logs: Arc<LogMirror>,
     /// Where the upkeep's mirror got to in the nodes' logs ([`Backend::grown_logs`]).
     log_marks: Mutex<LogMarks>,
+    /// Sandboxes whose log grew while they were paused: copied once they run again.
+    logs_waiting: Mutex<HashSet<String>>,
     /// Template builds (E2B's builder API).
     pub(crate) builds: crate::template_builds::Builds,
     /// Metrics.
@@ -126,6 +128,7 @@ impl ControlPlane {
         let cp = Arc::new(ControlPlane {
             logs: Arc::new(LogMirror::new(config.logs_dir.clone())),
             log_marks: Mutex::default(),
+            logs_waiting: Mutex::default(),
             backend,
             store,
             config,
@@ -1232,21 +1235,29 @@ impl ControlPlane {
     pub async fn upkeep(&self, purge: bool) {
         let ids: Vec<String> = lock(&self.routes).keys().cloned().collect();
         let mut marks = std::mem::take(&mut *lock(&self.log_marks));
-        let grown = self.backend.grown_logs(&mut marks).await;
+        let mut grown = self.backend.grown_logs(&mut marks).await;
         *lock(&self.log_marks) = marks;
+        let waiting = std::mem::take(&mut *lock(&self.logs_waiting));
+        if let Some(g) = grown.as_mut() {
+            g.extend(waiting);
+        }
+        let mut still_waiting = HashSet::new();
         for id in ids {
             match self.backend.peek(&id) {
                 Ok(info) if is_live(info.state) => {
-                    if info.state != SandboxState::Paused
-                        && grown.as_ref().is_none_or(|g| g.contains(&id))
-                    {
+                    if grown.as_ref().is_some_and(|g| !g.contains(&id)) {
+                        // Its log did not grow.
+                    } else if info.state != SandboxState::Paused {
                         self.sync_logs(&id).await;
+                    } else {
+                        still_waiting.insert(id);
                     }
                 }
                 Err(e) if fate_unknown(&e) => {}
                 other => self.mark_dead(&id, other.as_ref().ok()).await,
             }
         }
+        lock(&self.logs_waiting).extend(still_waiting);
         if purge {
             let before = now_ms() - self.config.retention.as_millis() as i64;
             match self.store.call(move |s| s.purge_ended(before)).await {

@@ -26,6 +26,8 @@ struct FakeNode {
     dead: Mutex<HashMap<String, SandboxInfo>>,
     seq: AtomicU64,
     dir: PathBuf,
+    /// What `grown_logs` answers next (taken): `None` → "cannot tell".
+    grown: Mutex<Option<Vec<String>>>,
 }
 
 impl FakeNode {
@@ -35,6 +37,7 @@ impl FakeNode {
             dead: Mutex::new(HashMap::new()),
             seq: AtomicU64::new(0),
             dir,
+            grown: Mutex::new(None),
         }
     }
 
@@ -173,6 +176,14 @@ impl Backend for FakeNode {
 
     fn log_path(&self, id: &str) -> PathBuf {
         self.dir.join(id).join("init.log")
+    }
+
+    fn grown_logs<'a>(
+        &'a self,
+        _marks: &'a mut crate::backend::LogMarks,
+    ) -> BoxFuture<'a, Option<std::collections::HashSet<String>>> {
+        let g = self.grown.lock().unwrap().take();
+        Box::pin(async move { g.map(|v| v.into_iter().collect()) })
     }
 
     fn create_volume<'a>(
@@ -904,6 +915,56 @@ async fn idempotency_key_on_create() {
         StatusCode::NOT_FOUND
     );
     assert_eq!(send(body, "k-3").await.status, StatusCode::CREATED);
+}
+
+/// The upkeep copies the logs the node says grew, and no other; one that grew while its
+/// sandbox was paused is copied once it runs again.
+#[tokio::test]
+async fn the_upkeep_copies_the_logs_that_grew() {
+    let h = harness().await;
+    let (a, b) = (
+        h.create_a(json!({"templateID":"base"})).await,
+        h.create_a(json!({"templateID":"base"})).await,
+    );
+    let mirrored = |id: &str| {
+        std::fs::read_to_string(h.dir.join("logs").join(format!("{id}.log"))).unwrap_or_default()
+    };
+    let write = |id: &str, line: &str| {
+        let p = h.node.log_path(id);
+        std::fs::create_dir_all(p.parent().unwrap()).unwrap();
+        let mut f = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(p)
+            .unwrap();
+        std::io::Write::write_all(&mut f, format!("{line}\n").as_bytes()).unwrap();
+    };
+    let set_state = |id: &str, st: SandboxState| {
+        h.node.live.lock().unwrap().get_mut(id).unwrap().state = st;
+    };
+    write(&a, "line of a");
+    write(&b, "line of b");
+    *h.node.grown.lock().unwrap() = Some(vec![b.clone()]);
+    h.cp.upkeep(false).await;
+    assert!(mirrored(&b).contains("line of b"), "{}", mirrored(&b));
+    assert!(!mirrored(&a).contains("line of a"), "a's log did not grow");
+
+    // a's log grows while a is paused: not copied then, copied once it runs again,
+    // although the node no longer names it.
+    set_state(&a, SandboxState::Paused);
+    *h.node.grown.lock().unwrap() = Some(vec![a.clone()]);
+    h.cp.upkeep(false).await;
+    assert!(!mirrored(&a).contains("line of a"));
+    set_state(&a, SandboxState::Running);
+    *h.node.grown.lock().unwrap() = Some(vec![]);
+    h.cp.upkeep(false).await;
+    assert!(mirrored(&a).contains("line of a"), "{}", mirrored(&a));
+
+    // A backend that cannot tell: every running sandbox's log.
+    write(&a, "second of a");
+    write(&b, "second of b");
+    h.cp.upkeep(false).await;
+    assert!(mirrored(&a).contains("second of a") && mirrored(&b).contains("second of b"));
 }
 
 #[tokio::test]
