@@ -126,8 +126,6 @@ struct Source {
     full: bool,
     /// The [`Sources::generation`] of its last append.
     grew_at: u64,
-    /// `written` when [`Sources::note_growth`] last looked.
-    written_seen: u64,
 }
 
 impl InitLogs {
@@ -220,7 +218,6 @@ impl InitLogs {
                 paused: false,
                 full: written >= limits.max_file,
                 grew_at: 0,
-                written_seen: written,
             },
         );
     }
@@ -230,10 +227,11 @@ impl InitLogs {
         let mut s = self.shared.lock();
         if let Some(token) = s.by_id.remove(id) {
             if let Some(src) = s.by_token.get_mut(&token) {
+                let before = src.written;
                 src.refill();
                 src.drain();
+                s.note_growth(token, before);
             }
-            s.note_growth(token);
             self.shared.forget(&mut s, token);
         }
     }
@@ -331,9 +329,10 @@ impl Shared {
                 let Some(src) = s.by_token.get_mut(&token) else {
                     continue;
                 };
+                let before = src.written;
                 src.refill();
                 let drained = src.drain();
-                s.note_growth(token);
+                s.note_growth(token, before);
                 match drained {
                     Drained::Eof => self.forget(&mut s, token),
                     Drained::Throttled => {
@@ -378,13 +377,13 @@ impl Shared {
 }
 
 impl Sources {
-    /// Counts an append if source `token`'s log grew in the drain just made.
-    fn note_growth(&mut self, token: u64) {
+    /// Counts an append if source `token`'s log grew past `before` bytes in the drain
+    /// just made.
+    fn note_growth(&mut self, token: u64, before: u64) {
         let Some(src) = self.by_token.get_mut(&token) else {
             return;
         };
-        if src.written != src.written_seen {
-            src.written_seen = src.written;
+        if src.written != before {
             self.generation += 1;
             src.grew_at = self.generation;
         }
