@@ -37,6 +37,8 @@ pub const RETENTION: Duration = Duration::from_secs(7 * 24 * 3600);
 pub const DEFAULT_LIMIT: i64 = 10;
 /// Largest `limit`.
 pub const MAX_LIMIT: i64 = 100;
+/// At most this many queued events are stored in one transaction.
+const EVENT_BATCH: usize = 256;
 
 /// What happened to a sandbox.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -176,26 +178,54 @@ impl Events {
         let (queue, mut rx) = mpsc::unbounded_channel::<Pending>();
         let st = store.clone();
         tokio::spawn(async move {
-            while let Some(p) = rx.recv().await {
-                let body = match serde_json::to_string(&p.event) {
-                    Ok(b) => b,
-                    Err(e) => {
-                        tracing::warn!("encoding a lifecycle event: {e}");
-                        continue;
-                    }
-                };
-                let row = EventRow {
-                    id: p.event.id.clone(),
-                    team_id: p.team_id,
-                    sandbox_id: p.event.sandbox_id.clone(),
-                    kind: p.event.kind.clone(),
-                    at: now_ms(),
-                    body: body.clone(),
-                };
-                if let Err(e) = st.call(move |s| s.insert_event(&row)).await {
-                    tracing::warn!("storing a lifecycle event: {e}");
+            let mut batch = Vec::new();
+            while rx.recv_many(&mut batch, EVENT_BATCH).await > 0 {
+                let mut rows = Vec::with_capacity(batch.len());
+                let mut deliveries = Vec::with_capacity(batch.len());
+                for p in batch.drain(..) {
+                    let body = match serde_json::to_string(&p.event) {
+                        Ok(b) => b,
+                        Err(e) => {
+                            tracing::warn!("encoding a lifecycle event: {e}");
+                            continue;
+                        }
+                    };
+                    rows.push(EventRow {
+                        id: p.event.id.clone(),
+                        team_id: p.team_id,
+                        sandbox_id: p.event.sandbox_id.clone(),
+                        kind: p.event.kind.clone(),
+                        at: now_ms(),
+                        body: body.clone(),
+                    });
+                    deliveries.push((p.team_id, p.event.kind, body));
                 }
-                webhooks.deliver(p.team_id, &p.event.kind, body.into());
+                // What queued up meanwhile (a burst of creates) goes in one commit; if
+                // that fails, one by one, so that one bad row loses only itself.
+                let stored = st
+                    .call(move |s| {
+                        Ok(match s.insert_events(&rows) {
+                            Ok(()) => Vec::new(),
+                            Err(e) if rows.len() == 1 => vec![e.to_string()],
+                            Err(_) => rows
+                                .iter()
+                                .filter_map(|r| s.insert_event(r).err())
+                                .map(|e| e.to_string())
+                                .collect(),
+                        })
+                    })
+                    .await;
+                match stored {
+                    Ok(errors) => {
+                        for e in errors {
+                            tracing::warn!("storing a lifecycle event: {e}");
+                        }
+                    }
+                    Err(e) => tracing::warn!("storing lifecycle events: {e}"),
+                }
+                for (team, kind, body) in deliveries {
+                    webhooks.deliver(team, &kind, body.into());
+                }
             }
         });
         Events {

@@ -2,7 +2,7 @@
 //! JSON body as served, plus the columns the queries filter on), kept for a retention
 //! period and then purged.
 
-use crate::db::{Value, args};
+use crate::db::{Conn, Value, args};
 use crate::{Result, Store};
 
 /// One stored event.
@@ -42,21 +42,17 @@ pub struct EventQuery {
 impl Store {
     /// Records an event.
     pub fn insert_event(&self, e: &EventRow) -> Result<()> {
-        self.with_conn(|c| {
-            c.execute(
-                "INSERT INTO sandbox_events (id, team_id, sandbox_id, type, at, body)
-                 VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
-                args![
-                    e.id.as_str(),
-                    e.team_id,
-                    e.sandbox_id.as_str(),
-                    e.kind.as_str(),
-                    e.at,
-                    e.body.as_str()
-                ],
-            )
-        })?;
-        Ok(())
+        self.insert_events(std::slice::from_ref(e))
+    }
+
+    /// Records `events` in one transaction: one commit for a burst of creates' events
+    /// instead of one each.
+    pub fn insert_events(&self, events: &[EventRow]) -> Result<()> {
+        match events {
+            [] => Ok(()),
+            [e] => self.with_conn(|c| insert_one(c, e)),
+            _ => self.transaction(|c| events.iter().try_for_each(|e| insert_one(c, e))),
+        }
     }
 
     /// The events matching `q`, in recording order (or its reverse).
@@ -112,6 +108,22 @@ impl Store {
             .with_conn(|c| c.execute("DELETE FROM sandbox_events WHERE at < ?1", args![before]))?;
         Ok(n as usize)
     }
+}
+
+fn insert_one(c: &mut Conn<'_>, e: &EventRow) -> Result<()> {
+    c.execute(
+        "INSERT INTO sandbox_events (id, team_id, sandbox_id, type, at, body)
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
+        args![
+            e.id.as_str(),
+            e.team_id,
+            e.sandbox_id.as_str(),
+            e.kind.as_str(),
+            e.at,
+            e.body.as_str()
+        ],
+    )?;
+    Ok(())
 }
 
 #[cfg(test)]
@@ -180,5 +192,41 @@ mod tests {
         );
         assert_eq!(s.purge_events(25).unwrap(), 2);
         assert_eq!(q(&|_| {}), vec![50, 30]);
+    }
+
+    #[test]
+    fn a_batch_is_stored_whole_or_not_at_all() {
+        crate::testdb::each_backend(a_batch_is_stored_whole_or_not_at_all_on);
+    }
+
+    fn a_batch_is_stored_whole_or_not_at_all_on(s: &Store) {
+        let a = s.ensure_team("a").unwrap().id;
+        let ats = |s: &Store| {
+            let q = EventQuery {
+                team_id: a,
+                limit: 100,
+                ascending: true,
+                ..Default::default()
+            };
+            s.events(&q)
+                .unwrap()
+                .into_iter()
+                .map(|e| e.at)
+                .collect::<Vec<_>>()
+        };
+        let batch: Vec<EventRow> = (1..=3)
+            .map(|i| ev(a, &format!("s{i}"), "sandbox.lifecycle.created", i))
+            .collect();
+        s.insert_events(&batch).unwrap();
+        assert_eq!(ats(s), vec![1, 2, 3]);
+        // A batch with a row whose id is taken fails as a whole: its other row is not
+        // stored either (the caller then stores them one by one).
+        let again = vec![
+            ev(a, "s9", "sandbox.lifecycle.created", 9),
+            batch[0].clone(),
+        ];
+        assert!(s.insert_events(&again).is_err());
+        assert_eq!(ats(s), vec![1, 2, 3]);
+        s.insert_events(&[]).unwrap();
     }
 }
