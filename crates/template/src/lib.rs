@@ -26,6 +26,7 @@ pub mod build;
 pub mod builds;
 pub mod code_interpreter;
 pub mod commit;
+mod config_cache;
 pub mod error;
 pub mod fsutil;
 pub mod gc;
@@ -220,6 +221,7 @@ pub struct TemplateStore {
     root: PathBuf,
     layers: LayerStore,
     leases: std::sync::Arc<gc::Leases>,
+    configs: std::sync::Arc<config_cache::ConfigCache>,
 }
 
 /// Check a template name: lowercase alphanumerics plus `.`, `_`, `-`, not starting with
@@ -250,6 +252,7 @@ impl TemplateStore {
             root,
             layers,
             leases: Default::default(),
+            configs: Default::default(),
         })
     }
 
@@ -326,12 +329,19 @@ impl TemplateStore {
         validate_name(name)?;
         let dir = self.root.join(name);
         let cfg_path = dir.join("template.json");
-        if !cfg_path.exists() {
+        let Ok(meta) = fs::metadata(&cfg_path) else {
+            self.configs.forget(name);
             return Ok(None);
+        };
+        let stamp = config_cache::FileStamp::of(&meta);
+        if let Some(t) = self.configs.get(name, stamp) {
+            return Ok(Some(t));
         }
         let mut config: TemplateConfig = fsutil::read_json(&cfg_path)?;
         let template = self.resolve(dir, config.clone())?;
-        if !config.file_caps_fitted {
+        if config.file_caps_fitted {
+            self.configs.put(name, stamp, &template);
+        } else {
             // Layers record whether they were fitted when stored, so this walks only
             // those of an older store (a walk of a Debian root takes seconds when the
             // disk is busy, and every caller of `get` would wait for it).
@@ -741,6 +751,39 @@ mod tests {
             serde_json::from_slice(&fs::read(state.join("templates/u/template.json")).unwrap())
                 .unwrap();
         assert_eq!(raw["fileCapsFitted"], true, "{raw}");
+        fsutil::remove_tree(&state).unwrap();
+    }
+
+    #[test]
+    fn a_changed_config_is_read_again() {
+        let state = std::env::temp_dir().join(format!("cubicle-tpl-cache-{}", std::process::id()));
+        let store = TemplateStore::open(&state).unwrap();
+        let mut config = TemplateConfig::with_defaults("t", "t/1");
+        config.file_caps_fitted = true;
+        config.memory_mb = 512;
+        store.write_default("t", &config).unwrap();
+        assert_eq!(store.get("t").unwrap().unwrap().config.memory_mb, 512);
+        // Kept: a copy of the store (every clone shares it) answers from it while the
+        // file is unchanged.
+        let copy = store.clone();
+        assert_eq!(copy.get("t").unwrap().unwrap().config.memory_mb, 512);
+        // Rewritten by the store (a rename over it), and edited in place to the same
+        // size: both are read again.
+        config.memory_mb = 768;
+        store.write_default("t", &config).unwrap();
+        assert_eq!(copy.get("t").unwrap().unwrap().config.memory_mb, 768);
+        let path = state.join("templates/t/template.json");
+        let text = fs::read_to_string(&path).unwrap().replace("768", "640");
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        fs::OpenOptions::new()
+            .write(true)
+            .open(&path)
+            .and_then(|mut f| std::io::Write::write_all(&mut f, text.as_bytes()))
+            .unwrap();
+        assert_eq!(store.get("t").unwrap().unwrap().config.memory_mb, 640);
+        // Gone: none, also after it was kept.
+        fs::remove_file(&path).unwrap();
+        assert!(store.get("t").unwrap().is_none());
         fsutil::remove_tree(&state).unwrap();
     }
 }
