@@ -14,6 +14,7 @@ pub mod connect {
 }
 pub mod filesystem;
 pub mod http;
+pub mod identity;
 pub mod init;
 pub mod paths;
 pub mod process;

@@ -45,6 +45,13 @@ struct Args {
     /// Require this access token (normally set through POST /init).
     #[arg(long, env = "CUBICLE_ENVD_ACCESS_TOKEN", hide_env_values = true)]
     access_token: Option<String>,
+    /// The sandbox's id, for its identity files (`identity.rs`), written at the start
+    /// (normally by `POST /init`).
+    #[arg(long, env = "CUBICLE_ENVD_SANDBOX_ID", hide = true)]
+    sandbox_id: Option<String>,
+    /// The sandbox's template, with --sandbox-id.
+    #[arg(long, env = "CUBICLE_ENVD_TEMPLATE_ID", hide = true)]
+    template_id: Option<String>,
     /// Run one file operation of a template build (JSON, see build_op.rs) and exit.
     #[arg(long, hide = true)]
     build_op: Option<String>,
@@ -75,6 +82,9 @@ fn main() -> anyhow::Result<()> {
         .map(server::inherited_unix_listener)
         .transpose()
         .context("--unix-socket-fd")?;
+    if !args.dev && args.sandbox_id.is_some() {
+        cubicle_envd::identity::write(args.sandbox_id.as_deref(), args.template_id.as_deref());
+    }
     let ctx = Arc::new(Context::new(Config {
         dev: args.dev,
         default_user: args.default_user.clone(),

@@ -11,9 +11,8 @@
 //! * `accessToken` → the token every request needs from now on (`""` removes it). It
 //!   must be a valid header value without `\` (what upstream accepts).
 //! * `defaultUser`, `defaultWorkdir` → defaults for processes and paths.
-//! * Outside development mode, `/run/e2b/.E2B_SANDBOX` (`true`), `.E2B_SANDBOX_ID` and
-//!   `.E2B_TEMPLATE_ID` (from the env vars of the same names) are written, as upstream
-//!   envd does for programs that look for them.
+//! * Outside development mode, the identity files (`crate::identity`) of the env vars
+//!   `E2B_SANDBOX_ID` and `E2B_TEMPLATE_ID`, as upstream envd writes them.
 //! * `timestamp`, `volumeMounts`, `lifecycleID`, `hyperloopIP`, `caBundle` are accepted
 //!   and ignored: a Cubicle sandbox shares the host clock, and the node does mounts,
 //!   networking and certificates itself.
@@ -38,8 +37,6 @@ use crate::{
 
 /// Largest `/init` body (a CA bundle can be sizeable).
 const MAX_INIT_BODY: usize = 8 << 20;
-/// Where sandbox identity files go.
-const RUN_DIR: &str = "/run/e2b";
 
 /// The `/init` request.
 #[derive(Debug, Default, Deserialize)]
@@ -153,29 +150,9 @@ pub(crate) fn apply(ctx: &Context, req: InitRequest) -> Result<(), HttpError> {
         }
     });
     if !ctx.config.dev {
-        write_identity_files(sandbox_id.as_deref(), template_id.as_deref());
+        crate::identity::write(sandbox_id.as_deref(), template_id.as_deref());
     }
     Ok(())
-}
-
-fn write_identity_files(sandbox_id: Option<&str>, template_id: Option<&str>) {
-    let dir = std::path::Path::new(RUN_DIR);
-    if let Err(e) = std::fs::create_dir_all(dir) {
-        tracing::warn!(error = %e, "init: cannot create {RUN_DIR}");
-        return;
-    }
-    let files = [
-        (".E2B_SANDBOX", Some("true")),
-        (".E2B_SANDBOX_ID", sandbox_id),
-        (".E2B_TEMPLATE_ID", template_id),
-    ];
-    for (name, content) in files {
-        if let Some(content) = content
-            && let Err(e) = std::fs::write(dir.join(name), content)
-        {
-            tracing::warn!(error = %e, file = name, "init: cannot write identity file");
-        }
-    }
 }
 
 /// `GET /envs`: the sandbox-global environment.

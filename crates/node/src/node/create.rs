@@ -476,7 +476,7 @@ impl Inner {
                 }
                 argv
             },
-            env: birth_env(template, &record.access_token),
+            env: birth_env(template, &record.access_token, record.id.as_str()),
             binds,
             volumes,
             ctl_socket: ENVD_SOCKET.into(),

@@ -285,9 +285,17 @@ pub(crate) fn sandbox_env(
 pub(crate) fn birth_env(
     template: &Template,
     token: &str,
+    id: &str,
 ) -> std::collections::BTreeMap<String, String> {
     let mut env = template.config.env.clone();
     env.insert("CUBICLE_ENVD_ACCESS_TOKEN".into(), token.into());
+    // envd writes the identity files at its start (a pool's refill, at low priority),
+    // and the claim's `/init` with the same ids need not.
+    env.insert("CUBICLE_ENVD_SANDBOX_ID".into(), id.into());
+    env.insert(
+        "CUBICLE_ENVD_TEMPLATE_ID".into(),
+        template.config.name.clone(),
+    );
     env
 }
 
