@@ -215,7 +215,11 @@ fn init_logging(cli: &Cli) {
     };
     let fmt = tracing_subscriber::fmt()
         .with_env_filter(filter)
-        .with_writer(std::io::stderr);
+        .with_writer(std::io::stderr)
+        // Colours only for a terminal: not into a log file or the journal (where they
+        // were escape codes in every line, and formatting them cost a share of a
+        // request's CPU).
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()));
     match cli.log_format {
         LogFormat::Text => fmt.init(),
         LogFormat::Json => fmt
