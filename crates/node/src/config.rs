@@ -51,6 +51,9 @@ pub struct NodeConfig {
     pub pool_memory_mb: u64,
     /// Cold creates (and pool refills) in progress at once; more wait their turn (FIFO).
     pub create_concurrency: usize,
+    /// While claims overlap (a burst of creates), the pool's refill starts nothing for
+    /// at most this long, unless a pool ran dry (`pool/mod.rs`).
+    pub refill_burst_hold: Duration,
     /// `kill` answers once the sandbox's processes are killed and its death recorded;
     /// the teardown (cgroups, network, quota directory, slot) finishes in the background
     /// (the sandbox shows as `dying` meanwhile). Off: `kill` returns when all is gone.
@@ -122,6 +125,7 @@ impl NodeConfig {
                 .map(|n| n.get() * 2)
                 .unwrap_or(4)
                 .max(4),
+            refill_burst_hold: Duration::from_millis(250),
             async_teardown: false,
             recycle_quota_dirs: 0,
             network: NetworkOptions::default(),

@@ -224,6 +224,43 @@ async fn a_miss_takes_the_sandbox_a_refill_under_way_makes() {
     let _ = fsutil::remove_tree(&dir);
 }
 
+/// While claims overlap (a burst of creates), the refill starts nothing: a sandbox it
+/// made now would be ready only after the burst, and its making takes the burst's CPU.
+/// Once they no longer overlap, it refills at once.
+#[tokio::test]
+async fn the_refill_holds_off_while_claims_overlap() {
+    let (node, _rt, dir) = open_with("burst-hold", |cfg| {
+        cfg.max_sandboxes = 8;
+        cfg.pool.insert("fake".into(), 2);
+        // Longer than the test's look (the default is 250 ms), so a slow machine cannot
+        // end the hold before it.
+        cfg.refill_burst_hold = Duration::from_secs(30);
+    })
+    .await;
+    let pooled = CreateRequest {
+        internet: true,
+        ..req()
+    };
+    wait_for(&node, "first refill", |s| s.ready.get("fake") == Some(&2)).await;
+    let made = node.pool_stats().refills;
+    // Two other claims under way, as in a burst.
+    let (one, two) = (node.inner.pool.claiming(), node.inner.pool.claiming());
+    let a = node.create(pooled.clone()).await.unwrap();
+    assert!(a.claimed);
+    // Well past the pause after a claim (25 ms) and what a fake sandbox takes to make.
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    let s = node.pool_stats();
+    assert_eq!((s.refills, s.ready.get("fake")), (made, Some(&1)), "{s:?}");
+    drop((one, two));
+    wait_for(&node, "the refill after the burst", |s| {
+        s.ready.get("fake") == Some(&2)
+    })
+    .await;
+    node.kill(&a.id).await.unwrap();
+    node.close();
+    let _ = fsutil::remove_tree(&dir);
+}
+
 #[tokio::test]
 async fn create_list_kill_frees_everything() {
     let (node, rt, dir) = open("basic").await;

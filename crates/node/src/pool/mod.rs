@@ -48,8 +48,10 @@
 //! ([`REFILL_PAUSE`]) unless the pool is down to a quarter of its target or claims come
 //! closer together than the pause (demand that the pause would only starve): a paced
 //! create-run-kill cycle measured 1 ms faster per create when the next sandbox was not
-//! being made at the same moment. The target adapts: a create that finds its pool empty raises
-//! it (up to 4× the configured size), a minute without misses lowers it back; the sum of
+//! being made at the same moment. While claims overlap (a burst of creates), it starts
+//! nothing unless the pool ran dry, for at most `NodeConfig::refill_burst_hold`. The
+//! target adapts: a create that finds its pool empty raises it (up to 4× the configured
+//! size), a minute without misses lowers it back; the sum of
 //! all pooled sandboxes' measured memory stays under `pool_memory_mb`. The create that
 //! missed does not simply go cold: it waits for a cold create's turn or a sandbox a
 //! refill under way makes ready, and takes whichever comes first
@@ -86,6 +88,8 @@ const MAX_GROWTH: usize = 4;
 const SHRINK_AFTER: Duration = Duration::from_secs(60);
 /// After a claim, refills wait for this long without claims (unless the pool is low).
 const REFILL_PAUSE: Duration = Duration::from_millis(25);
+/// How often a held refill looks whether the burst is over.
+const BURST_POLL: Duration = Duration::from_millis(2);
 /// Tries to remove each ready pooled sandbox when the node closes.
 const DRAIN_ATTEMPTS: u32 = 3;
 /// Nice value of the refill thread and of pooled sandboxes until claimed.
@@ -141,6 +145,7 @@ impl Inner {
         if !claimable(template, req, limits.2) {
             return Claim::No;
         }
+        let _under_way = inner.pool.claiming();
         let t0 = Instant::now();
         // Take a ready one (skipping ids whose sandbox died meanwhile).
         let (record, birth_token, init) = loop {
@@ -609,6 +614,8 @@ async fn refill(weak: Weak<Inner>, main: tokio::runtime::Handle) {
     let mut making: tokio::task::JoinSet<Result<()>> = tokio::task::JoinSet::new();
     // Which template each one in flight is for (not a member until it has started).
     let mut inflight: HashMap<tokio::task::Id, String> = HashMap::new();
+    // Since when claims have overlapped (a burst), while the refill holds off.
+    let mut burst_since: Option<Instant> = None;
     loop {
         while let Some(done) = making.try_join_next_with_id() {
             if let Some(wait) = refill_done(done, &mut inflight, &mut failures) {
@@ -680,6 +687,29 @@ async fn refill(weak: Weak<Inner>, main: tokio::runtime::Handle) {
         if let Some(left) = pause {
             drop(inner);
             tokio::time::sleep(left).await;
+            continue;
+        }
+        // Claims overlapping are a burst of creates: a sandbox started now would be ready
+        // only after it and takes CPU from every claim of it (at nice 19 still: the
+        // `cubicle` cgroup it starts in competes with the server at full weight). So the
+        // refill holds off while they overlap, unless its pool ran dry (creates then wait
+        // for refills) or for longer than the hold (a steady concurrent load is
+        // demand, as back-to-back claims are; `NodeConfig::refill_burst_hold`).
+        let overlapping = inner.pool.claims_under_way() >= 2;
+        // The pool's lock only in a burst (this loop runs on every wake-up).
+        let dry = overlapping
+            && want.as_ref().is_some_and(|n| {
+                let ps = inner.pool.lock();
+                ps.ready.get(n).is_none_or(VecDeque::is_empty)
+            });
+        if !overlapping || dry {
+            burst_since = None;
+        } else if want.is_some()
+            && burst_since.get_or_insert_with(Instant::now).elapsed()
+                < inner.config.refill_burst_hold
+        {
+            drop(inner);
+            tokio::time::sleep(BURST_POLL).await;
             continue;
         }
         let Some(name) = want else {

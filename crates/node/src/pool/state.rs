@@ -23,6 +23,17 @@ pub(crate) struct Pool {
     pub(crate) teardowns: std::sync::atomic::AtomicUsize,
     /// The low-priority background runtime (refills, async teardowns), once started.
     pub(crate) background: std::sync::OnceLock<tokio::runtime::Handle>,
+    /// Claims under way (see [`Pool::claiming`]).
+    claims_under_way: std::sync::atomic::AtomicUsize,
+}
+
+/// One claim under way, counted until dropped.
+pub(crate) struct ClaimUnderWay<'a>(&'a std::sync::atomic::AtomicUsize);
+
+impl Drop for ClaimUnderWay<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
+    }
 }
 
 #[derive(Default)]
@@ -102,7 +113,21 @@ impl Pool {
             create_permits: Arc::new(Semaphore::new(config.create_concurrency.max(1))),
             teardowns: Default::default(),
             background: Default::default(),
+            claims_under_way: Default::default(),
         }
+    }
+
+    /// Counts a claim as under way until the value is dropped.
+    pub(crate) fn claiming(&self) -> ClaimUnderWay<'_> {
+        self.claims_under_way
+            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        ClaimUnderWay(&self.claims_under_way)
+    }
+
+    /// How many claims are under way.
+    pub(super) fn claims_under_way(&self) -> usize {
+        self.claims_under_way
+            .load(std::sync::atomic::Ordering::SeqCst)
     }
 
     pub(super) fn lock(&self) -> std::sync::MutexGuard<'_, PoolState> {
