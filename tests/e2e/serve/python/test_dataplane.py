@@ -38,6 +38,17 @@ def test_envs_create_time_and_per_command(sbx: Sandbox):
     assert r.stdout == "overridden\n"
 
 
+def test_identity_files(sbx: Sandbox):
+    # As upstream envd writes them, naming what the env vars name (envd writes them at
+    # its start, and the create's /init with the same ids writes nothing).
+    r = sbx.commands.run(
+        "cd /run/e2b && cat .E2B_SANDBOX .E2B_SANDBOX_ID .E2B_TEMPLATE_ID && echo \"|$E2B_TEMPLATE_ID\""
+    )
+    template = r.stdout.rsplit("|", 1)[-1].strip()
+    assert template, r.stdout
+    assert r.stdout == f"true{sbx.sandbox_id}{template}|{template}\n", r.stdout
+
+
 def test_user_default_vs_root(sbx: Sandbox):
     assert sbx.commands.run("whoami; pwd").stdout == "user\n/home/user\n"
     assert sbx.commands.run("whoami; id -u", user="root").stdout == "root\n0\n"

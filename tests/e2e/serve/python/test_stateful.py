@@ -262,6 +262,8 @@ def test_fork(sandboxes: Tracker):
         n, p = read_counter(f, 8769)
         assert (p, n) == (pid, n0 + 1), "each fork continues from the parent's memory"
         assert f.commands.run("hostname").stdout.strip() == f.sandbox_id
+        ids_file = f.commands.run("cat /run/e2b/.E2B_SANDBOX_ID").stdout
+        assert ids_file == f.sandbox_id, "a fork's identity file names the fork"
     forks[0].files.write("/home/user/parent.txt", "changed in a fork")
     assert sbx.files.read("/home/user/parent.txt") == "from the parent"
     assert sbx.is_running() and read_counter(sbx, 8769)[0] == n0 + 1
