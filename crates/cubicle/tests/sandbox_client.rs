@@ -828,6 +828,28 @@ fn against_cubicle_serve() {
     assert!(o.status.success(), "{:?} {}", o.status, stderr(&o));
     assert!(stdout(&o).contains("after-42\r\n"), "{:?}", stdout(&o));
 
+    // ... and when the line is not empty at the end: a last line without its newline
+    // (or a Ctrl-D turned into a NUL) made every Ctrl-D only delete, forever.
+    let mut child = serve
+        .cmd(&["shell", &id])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    std::io::Write::write_all(child.stdin.as_mut().unwrap(), b"echo $((6*7))\nfoo").unwrap();
+    drop(child.stdin.take());
+    let t0 = std::time::Instant::now();
+    while child.try_wait().unwrap().is_none() {
+        if t0.elapsed() > std::time::Duration::from_secs(30) {
+            let _ = child.kill();
+            panic!("the shell with an unfinished last line did not end in 30 s");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    let o = child.wait_with_output().unwrap();
+    assert!(stdout(&o).contains("42\r\n"), "{:?}", stdout(&o));
+
     // logs
     let logs = serve.run(&["logs", &id]);
     assert!(logs.status.success(), "{}", stderr(&logs));

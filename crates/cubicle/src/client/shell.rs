@@ -211,9 +211,16 @@ fn spawn_stdin_reader(fd: RawFd, tx: mpsc::Sender<Vec<u8>>, send_eof: bool) {
                             // channel closes), however long the last command runs: the
                             // first one that finds the shell at an empty prompt ends it.
                             // A fixed number of repeats lost that race to a command (or
-                            // a start) slower than the repeats.
-                            while tx.blocking_send(vec![0x04]).is_ok() {
+                            // a start) slower than the repeats. A line that is not empty
+                            // (that NUL, shown as `?`, or a last line without its
+                            // newline) makes a Ctrl-D only delete, so every repeat
+                            // after the first clears the line first (Ctrl-U); the first
+                            // is a plain Ctrl-D, which hands a shell still reading in
+                            // canonical mode the unfinished last line.
+                            let mut eof = vec![0x04];
+                            while tx.blocking_send(eof).is_ok() {
                                 std::thread::sleep(EOF_REPEAT_EVERY);
+                                eof = vec![0x15, 0x04];
                             }
                         }
                         return;
