@@ -58,6 +58,10 @@ pub struct NodeConfig {
     /// the teardown (cgroups, network, quota directory, slot) finishes in the background
     /// (the sandbox shows as `dying` meanwhile). Off: `kill` returns when all is gone.
     pub async_teardown: bool,
+    /// With `async_teardown`: while a pool is below its target (the refill is making
+    /// sandboxes), a killed sandbox's teardown waits for at most this long, so that the
+    /// refill has the CPU first (`Pool::yield_to_refill`). Zero: teardowns start at once.
+    pub teardown_yield: Duration,
     /// btrfs quota storage: emptied sandbox directories kept for the next creates instead
     /// of dropped (each drop commits a transaction on kernels 6.10+; see the runtime's
     /// `storage/recycle.rs`). 0: none.
@@ -127,6 +131,7 @@ impl NodeConfig {
                 .max(4),
             refill_burst_hold: Duration::from_millis(250),
             async_teardown: false,
+            teardown_yield: Duration::from_secs(2),
             recycle_quota_dirs: 0,
             network: NetworkOptions::default(),
         }

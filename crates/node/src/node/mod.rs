@@ -170,6 +170,7 @@ impl Node {
         drop(st);
         self.inner.changed.notify_one();
         self.inner.pool.wake.notify_one();
+        self.inner.pool.refilled.notify_waiters();
         // Unclaimed pooled sandboxes have no user: remove them rather than leave them.
         self.inner.drain_pool_blocking();
         // The egress layer (resolver, proxy) stops too; the next node re-registers the
@@ -531,7 +532,11 @@ impl Node {
             use std::sync::atomic::Ordering::SeqCst;
             inner.pool.teardowns.fetch_add(1, SeqCst);
             let work = async move {
+                let limit = inner.config.teardown_yield;
+                inner.pool.yield_to_refill(limit, &inner.closed).await;
+                let permit = inner.pool.teardown_permits.acquire().await;
                 inner.clone().teardown(&id2, record).await;
+                drop(permit);
                 inner.pool.teardowns.fetch_sub(1, SeqCst);
             };
             // On the low-priority background thread: cleaning up after a sandbox must

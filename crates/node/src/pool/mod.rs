@@ -631,6 +631,10 @@ async fn refill(weak: Weak<Inner>, main: tokio::runtime::Handle) {
             while making.join_next().await.is_some() {}
             return;
         }
+        inner
+            .pool
+            .making
+            .store(making.len(), std::sync::atomic::Ordering::SeqCst);
         // Which template needs one most (fewest ready relative to its target)?
         let budget = inner.config.pool_memory_mb.saturating_mul(1 << 20);
         let est = estimate(&inner);
@@ -713,6 +717,8 @@ async fn refill(weak: Weak<Inner>, main: tokio::runtime::Handle) {
             continue;
         }
         let Some(name) = want else {
+            // Teardowns that waited for the refill go on (`Pool::yield_to_refill`).
+            inner.pool.refilled.notify_waiters();
             drop(inner);
             tokio::select! {
                 _ = wake.notified() => {}
@@ -755,6 +761,12 @@ async fn refill(weak: Weak<Inner>, main: tokio::runtime::Handle) {
             r
         });
         inflight.insert(task.id(), name);
+        if let Some(inner) = weak.upgrade() {
+            inner
+                .pool
+                .making
+                .store(making.len(), std::sync::atomic::Ordering::SeqCst);
+        }
     }
 }
 

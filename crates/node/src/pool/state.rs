@@ -25,7 +25,22 @@ pub(crate) struct Pool {
     pub(crate) background: std::sync::OnceLock<tokio::runtime::Handle>,
     /// Claims under way (see [`Pool::claiming`]).
     claims_under_way: std::sync::atomic::AtomicUsize,
+    /// Teardowns waiting for the refill ([`Pool::yield_to_refill`]), and their wake-up.
+    yielding: std::sync::atomic::AtomicUsize,
+    pub(crate) refilled: Notify,
+    /// Sandboxes the refill is making now.
+    pub(crate) making: std::sync::atomic::AtomicUsize,
+    /// Background teardowns run at most this many at a time ([`TEARDOWNS_AT_ONCE`]).
+    pub(crate) teardown_permits: Semaphore,
 }
+
+/// Background teardowns at a time: a burst of kills (or the backlog that waited for the
+/// refill) otherwise ran all at once, on as many blocking threads, each taking kernel
+/// locks (rtnl, cgroups) that the creates and claims of that moment need too.
+const TEARDOWNS_AT_ONCE: usize = 2;
+
+/// At most this many teardowns wait for the refill at a time; later ones start at once.
+const MAX_YIELDING: usize = 256;
 
 /// One claim under way, counted until dropped.
 pub(crate) struct ClaimUnderWay<'a>(&'a std::sync::atomic::AtomicUsize);
@@ -114,7 +129,57 @@ impl Pool {
             teardowns: Default::default(),
             background: Default::default(),
             claims_under_way: Default::default(),
+            yielding: Default::default(),
+            refilled: Notify::new(),
+            making: Default::default(),
+            teardown_permits: Semaphore::new(TEARDOWNS_AT_ONCE),
         }
+    }
+
+    /// Whether the refill is making sandboxes for a pool below its target.
+    fn refilling(&self) -> bool {
+        if self.making.load(std::sync::atomic::Ordering::SeqCst) == 0 {
+            return false;
+        }
+        let ps = self.lock();
+        ps.target
+            .iter()
+            .any(|(n, t)| ps.ready.get(n).map_or(0, VecDeque::len) < *t)
+    }
+
+    /// Waits, for at most `limit`, while the refill makes sandboxes for a pool below its
+    /// target (and `stop` is false): what a dead
+    /// sandbox's teardown does first. Making a sandbox and removing one take the same
+    /// CPU (namespaces, cgroups, veths, directories); a create that finds its pool
+    /// empty waits for the former, nobody waits for the latter. So under a load that
+    /// drains the pool (a closed loop of creates and kills), the removals come after
+    /// the refill instead of taking half of its CPU. Bounded in time and in number
+    /// ([`MAX_YIELDING`]): a dead sandbox still holds its slot, cgroups and network.
+    pub(crate) async fn yield_to_refill(
+        &self,
+        limit: std::time::Duration,
+        stop: &std::sync::atomic::AtomicBool,
+    ) {
+        use std::sync::atomic::Ordering::SeqCst;
+        if limit.is_zero() || !self.refilling() {
+            return;
+        }
+        if self.yielding.fetch_add(1, SeqCst) >= MAX_YIELDING {
+            self.yielding.fetch_sub(1, SeqCst);
+            return;
+        }
+        let deadline = tokio::time::Instant::now() + limit;
+        loop {
+            // Registered before the check, so a wake-up between the two is not lost.
+            let woken = self.refilled.notified();
+            if stop.load(SeqCst) || !self.refilling() {
+                break;
+            }
+            if tokio::time::timeout_at(deadline, woken).await.is_err() {
+                break;
+            }
+        }
+        self.yielding.fetch_sub(1, SeqCst);
     }
 
     /// Counts a claim as under way until the value is dropped.
@@ -170,5 +235,73 @@ impl Pool {
     /// Changes to the membership so far ([`crate::Node::listing_version`]).
     pub(crate) fn version(&self) -> u64 {
         self.lock().version
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::{AtomicBool, Ordering::SeqCst};
+    use std::time::Duration;
+
+    fn pool(target: usize) -> Pool {
+        let mut cfg = crate::config::NodeConfig::new("/nonexistent", "/nonexistent");
+        cfg.pool.insert("t".into(), target);
+        Pool::new(&cfg)
+    }
+
+    /// A teardown waits while the refill makes sandboxes for a pool below its target,
+    /// and goes on when the pool is full (the refill's wake-up), at its limit, or when
+    /// the node closes; it does not wait at all while the refill is idle.
+    #[tokio::test]
+    async fn a_teardown_yields_to_the_refill_until_the_pool_is_full() {
+        let (p, open) = (Arc::new(pool(1)), Arc::new(AtomicBool::new(false)));
+        let long = Duration::from_secs(30);
+        // The refill idle: at once, though the pool is empty.
+        tokio::time::timeout(Duration::from_secs(5), p.yield_to_refill(long, &open))
+            .await
+            .expect("waited with the refill idle");
+        p.making.store(1, SeqCst);
+        let waiting = {
+            let (p, open) = (p.clone(), open.clone());
+            tokio::spawn(async move { p.yield_to_refill(long, &open).await })
+        };
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        assert!(!waiting.is_finished(), "did not wait for the refill");
+        // A wake-up with the pool still below its target: it waits on.
+        p.refilled.notify_waiters();
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        assert!(!waiting.is_finished(), "went on below the target");
+        p.lock()
+            .ready
+            .entry("t".into())
+            .or_default()
+            .push_back(crate::ids::new_sandbox_id());
+        p.refilled.notify_waiters();
+        tokio::time::timeout(Duration::from_secs(5), waiting)
+            .await
+            .expect("still waiting with the pool full")
+            .unwrap();
+        // Below the target again: the limit ends the wait, and so does a close.
+        p.lock().ready.clear();
+        let t0 = std::time::Instant::now();
+        p.yield_to_refill(Duration::from_millis(300), &open).await;
+        assert!(
+            t0.elapsed() >= Duration::from_millis(290),
+            "{:?}",
+            t0.elapsed()
+        );
+        let waiting = {
+            let (p, open) = (p.clone(), open.clone());
+            tokio::spawn(async move { p.yield_to_refill(long, &open).await })
+        };
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        open.store(true, SeqCst);
+        p.refilled.notify_waiters();
+        tokio::time::timeout(Duration::from_secs(5), waiting)
+            .await
+            .expect("still waiting after the close")
+            .unwrap();
+        assert_eq!(p.yielding.load(SeqCst), 0);
     }
 }
