@@ -509,6 +509,20 @@ impl Serve {
     }
 
     /// `cubicle sandbox ARGS…` inside the server's network namespace.
+    /// `cubicle sandbox shell ID` with `input` as its whole stdin (a pipe, then EOF).
+    fn piped_shell(&self, id: &str, input: &[u8]) -> std::process::Child {
+        let mut child = self
+            .cmd(&["shell", id])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        std::io::Write::write_all(child.stdin.as_mut().unwrap(), input).unwrap();
+        drop(child.stdin.take());
+        child
+    }
+
     fn cmd(&self, args: &[&str]) -> Command {
         let mut c = Command::new("nsenter");
         c.arg("-t")
@@ -796,49 +810,25 @@ fn against_cubicle_serve() {
     assert!(r.termios_restored);
 
     // shell with piped stdin (no terminal): no raw mode, EOF ends the remote shell.
-    let mut child = serve
-        .cmd(&["shell", &id])
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
+    let o = serve
+        .piped_shell(&id, b"echo $((6*7))\n")
+        .wait_with_output()
         .unwrap();
-    std::io::Write::write_all(child.stdin.as_mut().unwrap(), b"echo $((6*7))\n").unwrap();
-    drop(child.stdin.take());
-    let o = child.wait_with_output().unwrap();
     assert!(o.status.success(), "{:?} {}", o.status, stderr(&o));
     assert!(stdout(&o).contains("42\r\n"), "{:?}", stdout(&o));
 
     // ... also when the last command outlasts the first ten seconds of Ctrl-Ds (those
     // typed while it runs reach the shell as literal characters): EOF still ends it.
-    let mut child = serve
-        .cmd(&["shell", &id])
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
+    let o = serve
+        .piped_shell(&id, b"sleep 11; echo after-$((6*7))\n")
+        .wait_with_output()
         .unwrap();
-    std::io::Write::write_all(
-        child.stdin.as_mut().unwrap(),
-        b"sleep 11; echo after-$((6*7))\n",
-    )
-    .unwrap();
-    drop(child.stdin.take());
-    let o = child.wait_with_output().unwrap();
     assert!(o.status.success(), "{:?} {}", o.status, stderr(&o));
     assert!(stdout(&o).contains("after-42\r\n"), "{:?}", stdout(&o));
 
     // ... and when the line is not empty at the end: a last line without its newline
     // (or a Ctrl-D turned into a NUL) made every Ctrl-D only delete, forever.
-    let mut child = serve
-        .cmd(&["shell", &id])
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    std::io::Write::write_all(child.stdin.as_mut().unwrap(), b"echo $((6*7))\nfoo").unwrap();
-    drop(child.stdin.take());
+    let mut child = serve.piped_shell(&id, b"echo $((6*7))\nfoo");
     let t0 = std::time::Instant::now();
     while child.try_wait().unwrap().is_none() {
         if t0.elapsed() > std::time::Duration::from_secs(30) {
