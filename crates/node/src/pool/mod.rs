@@ -631,10 +631,6 @@ async fn refill(weak: Weak<Inner>, main: tokio::runtime::Handle) {
             while making.join_next().await.is_some() {}
             return;
         }
-        inner
-            .pool
-            .making
-            .store(making.len(), std::sync::atomic::Ordering::SeqCst);
         // Which template needs one most (fewest ready relative to its target)?
         let budget = inner.config.pool_memory_mb.saturating_mul(1 << 20);
         let est = estimate(&inner);
@@ -761,12 +757,6 @@ async fn refill(weak: Weak<Inner>, main: tokio::runtime::Handle) {
             r
         });
         inflight.insert(task.id(), name);
-        if let Some(inner) = weak.upgrade() {
-            inner
-                .pool
-                .making
-                .store(making.len(), std::sync::atomic::Ordering::SeqCst);
-        }
     }
 }
 

@@ -28,8 +28,6 @@ pub(crate) struct Pool {
     /// Teardowns waiting for the refill ([`Pool::yield_to_refill`]), and their wake-up.
     yielding: std::sync::atomic::AtomicUsize,
     pub(crate) refilled: Notify,
-    /// Sandboxes the refill is making now.
-    pub(crate) making: std::sync::atomic::AtomicUsize,
     /// Background teardowns run at most this many at a time ([`TEARDOWNS_AT_ONCE`]).
     pub(crate) teardown_permits: Semaphore,
 }
@@ -133,20 +131,20 @@ impl Pool {
             claims_under_way: Default::default(),
             yielding: Default::default(),
             refilled: Notify::new(),
-            making: Default::default(),
             teardown_permits: Semaphore::new(TEARDOWNS_AT_ONCE),
         }
     }
 
-    /// Whether the refill is making sandboxes for a pool below its target.
+    /// Whether the refill is making sandboxes (members not ready yet) for a pool below
+    /// its target.
     fn refilling(&self) -> bool {
-        if self.making.load(std::sync::atomic::Ordering::SeqCst) == 0 {
-            return false;
-        }
         let ps = self.lock();
-        ps.target
-            .iter()
-            .any(|(n, t)| ps.ready.get(n).map_or(0, VecDeque::len) < *t)
+        let ready: usize = ps.ready.values().map(VecDeque::len).sum();
+        ps.member_count() > ready
+            && ps
+                .target
+                .iter()
+                .any(|(n, t)| ps.ready.get(n).map_or(0, VecDeque::len) < *t)
     }
 
     /// Waits, for at most `limit`, while the refill makes sandboxes for a pool below its
@@ -263,7 +261,8 @@ mod tests {
         tokio::time::timeout(Duration::from_secs(5), p.yield_to_refill(long, &open))
             .await
             .expect("waited with the refill idle");
-        p.making.store(1, SeqCst);
+        // One being made (a member, not ready).
+        p.lock().add_member(crate::ids::new_sandbox_id());
         let waiting = {
             let (p, open) = (p.clone(), open.clone());
             tokio::spawn(async move { p.yield_to_refill(long, &open).await })
@@ -274,17 +273,20 @@ mod tests {
         p.refilled.notify_waiters();
         tokio::time::sleep(Duration::from_millis(100)).await;
         assert!(!waiting.is_finished(), "went on below the target");
+        // Made: ready, and the pool full.
+        let made = p.lock().member_ids().remove(0);
         p.lock()
             .ready
             .entry("t".into())
             .or_default()
-            .push_back(crate::ids::new_sandbox_id());
+            .push_back(made);
         p.refilled.notify_waiters();
         tokio::time::timeout(Duration::from_secs(5), waiting)
             .await
             .expect("still waiting with the pool full")
             .unwrap();
-        // Below the target again: the limit ends the wait, and so does a close.
+        // Below the target again with one being made (a member, not ready): the limit
+        // ends the wait, and so does a close.
         p.lock().ready.clear();
         let t0 = std::time::Instant::now();
         p.yield_to_refill(Duration::from_millis(300), &open).await;
