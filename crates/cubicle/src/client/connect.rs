@@ -437,4 +437,51 @@ mod tests {
             "unary calls opened more than one connection"
         );
     }
+
+    /// A stream read to its end-of-stream leaves its connection to the next call, as an
+    /// SDK's connection pool does: a chunked body's last chunk comes after that message.
+    #[tokio::test]
+    async fn server_streams_read_to_their_end_keep_the_connection() {
+        use crate::client::testserver::env_bytes;
+        let server = FakeServer::start(|_req| {
+            // Chunked: each envelope its own chunk, the body's end a chunk of its own.
+            let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+            tx.send(env_bytes(0, r#"{"event":{"start":{"pid":7}}}"#))
+                .unwrap();
+            tx.send(env_bytes(0, r#"{"event":{"end":{"exited":true}}}"#))
+                .unwrap();
+            tx.send(env_bytes(2, "{}")).unwrap();
+            // The body's end comes a moment later (through the router, it is often a
+            // packet of its own).
+            tokio::spawn(async move {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+                drop(tx);
+            });
+            Reply::channel(rx)
+        })
+        .await;
+        let c = EnvdClient::new(server.base(), "sbx1", None, None);
+        let mut conn = c.connection().await.unwrap();
+        for _ in 0..3 {
+            let mut s = c
+                .server_stream_on::<_, StartResponse>(
+                    &mut conn,
+                    "/process.Process/Start",
+                    &start_request(),
+                    None,
+                )
+                .await
+                .unwrap();
+            let mut n = 0;
+            while s.next().await.unwrap().is_some() {
+                n += 1;
+            }
+            assert_eq!(n, 2);
+        }
+        assert_eq!(
+            server.connections(),
+            1,
+            "each stream read to its end-of-stream cost a new connection"
+        );
+    }
 }

@@ -73,6 +73,11 @@ where
         };
         if env.is_end_of_stream() {
             self.finished = true;
+            // On to the body's own end (a chunked body's last chunk follows the
+            // end-of-stream message): an HTTP/1.1 client reuses a connection only once its
+            // response body was read to the end, and closes it when it is dropped before.
+            // Whatever a server sends after the end-of-stream is not read on.
+            let _ = self.body.next().await;
             return match parse_end_of_stream(&env.payload) {
                 Ok(()) => Ok(None),
                 Err(Some(e)) => Err(StreamError::Rpc(e)),
@@ -118,6 +123,32 @@ mod tests {
         assert_eq!(s.next().await.unwrap().unwrap()["a"], 2);
         assert_eq!(s.next().await.unwrap(), None);
         assert_eq!(s.next().await.unwrap(), None);
+    }
+
+    #[tokio::test]
+    async fn the_body_is_read_to_its_end_after_the_end_of_stream() {
+        use std::sync::Arc;
+        use std::sync::atomic::{AtomicBool, Ordering};
+        let ended = Arc::new(AtomicBool::new(false));
+        let flag = ended.clone();
+        let mut all = envelope(0, br#"{"a":1}"#).to_vec();
+        all.extend_from_slice(&end_stream_envelope(Ok(())));
+        let frames = futures_util::stream::iter(vec![Ok(Frame::data(Bytes::from(all)))]);
+        // The body's end is a poll of its own, after the last data frame.
+        let end = futures_util::stream::poll_fn(move |_| {
+            flag.store(true, Ordering::SeqCst);
+            std::task::Poll::<Option<Result<Frame<Bytes>, std::io::Error>>>::Ready(None)
+        });
+        use futures_util::StreamExt;
+        let body = StreamBody::new(frames.chain(end));
+        let mut s = ServerStream::<_, serde_json::Value>::new(body, 1 << 20);
+        assert_eq!(s.next().await.unwrap().unwrap()["a"], 1);
+        assert!(!ended.load(Ordering::SeqCst));
+        assert_eq!(s.next().await.unwrap(), None);
+        assert!(
+            ended.load(Ordering::SeqCst),
+            "the stream ended without reading its body to the end"
+        );
     }
 
     #[tokio::test]
