@@ -259,4 +259,7 @@ pub struct PoolCounters {
     pub waited: u64,
     /// Sandboxes made for pools.
     pub refills: u64,
+    /// Killed sandboxes whose removal (cgroups, veth, directory) is still under way in
+    /// the background.
+    pub teardowns: u64,
 }

@@ -76,6 +76,7 @@ impl Backend for FakeNode {
             misses: 1,
             waited: 0,
             refills: 5,
+            teardowns: 2,
         }
     }
 
@@ -493,6 +494,7 @@ async fn pool_counters_need_a_key() {
     assert_eq!(r.json["claims"], 3);
     assert_eq!(r.json["misses"], 1);
     assert_eq!(r.json["ready"]["tiny"], 2);
+    assert_eq!(r.json["teardowns"], 2);
 }
 
 #[tokio::test]

@@ -113,6 +113,10 @@ pub struct PoolStats {
     pub waited: u64,
     /// Pooled sandboxes made.
     pub refills: u64,
+    /// Killed sandboxes whose removal (cgroups, veth, directory) is still under way in
+    /// the background, waiting for the refill or running.
+    #[serde(default)]
+    pub teardowns: u64,
 }
 
 impl Pool {
@@ -224,6 +228,7 @@ impl Pool {
             misses: st.misses,
             waited: st.waited,
             refills: st.refills,
+            teardowns: self.teardowns.load(std::sync::atomic::Ordering::SeqCst) as u64,
         }
     }
 
