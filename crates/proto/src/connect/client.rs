@@ -26,6 +26,9 @@ pub enum StreamError {
     Protocol(String),
 }
 
+/// How long a stream waits for its body's end after the end-of-stream message.
+const BODY_END_WAIT: std::time::Duration = std::time::Duration::from_millis(250);
+
 /// The response messages of a server stream, read as they arrive.
 pub struct ServerStream<B, T> {
     body: EnvelopeBody<B>,
@@ -76,8 +79,9 @@ where
             // On to the body's own end (a chunked body's last chunk follows the
             // end-of-stream message): an HTTP/1.1 client reuses a connection only once its
             // response body was read to the end, and closes it when it is dropped before.
-            // Whatever a server sends after the end-of-stream is not read on.
-            let _ = self.body.next().await;
+            // Not for long, nor past one more envelope: a server that keeps the body open
+            // after its end-of-stream only costs the connection.
+            let _ = tokio::time::timeout(BODY_END_WAIT, self.body.next()).await;
             return match parse_end_of_stream(&env.payload) {
                 Ok(()) => Ok(None),
                 Err(Some(e)) => Err(StreamError::Rpc(e)),
