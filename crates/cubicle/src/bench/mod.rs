@@ -151,31 +151,48 @@ struct Ctx {
 }
 
 /// Before a row: with the pool on, waits (up to a minute) until `template`'s pool is
-/// full again, so every row starts from the same warm state whatever the previous row
-/// drained; then the pool counters, to compare with those after the row.
+/// full again and the previous rows' sandboxes are removed, so every row starts from the
+/// same warm state whatever the previous row drained or left to remove; then the pool
+/// counters, to compare with those after the row.
 async fn before_row(cx: &Ctx, c: &mut Connection, template: &str) -> Option<(u64, u64, u64)> {
     if cx.pool == "on" {
-        let t = Instant::now();
-        loop {
-            let ready = cx
-                .api
-                .pool_json(c)
-                .await
-                .and_then(|v| v["ready"][template].as_u64());
-            if ready.is_none_or(|r| r >= cx.pool_size as u64) {
-                break;
-            }
-            if t.elapsed() > Duration::from_secs(60) {
-                eprintln!(
-                    "cubicle bench: the {template} pool is still at {ready:?} of {} after 60 s",
-                    cx.pool_size
-                );
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
+        pool_filled(cx, c, template, |_| Some(cx.pool_size as u64)).await;
     }
     cx.api.pool_counts(c).await
+}
+
+/// Waits (up to a minute) until `template`'s pool holds the number `level` reads from the
+/// server's pool counters (`GET /cubicle/pool`) and no teardown is under way in the
+/// background; returns that number.
+async fn pool_filled(
+    cx: &Ctx,
+    c: &mut Connection,
+    template: &str,
+    level: impl Fn(&serde_json::Value) -> Option<u64>,
+) -> Option<u64> {
+    let t = Instant::now();
+    loop {
+        let v = cx.api.pool_json(c).await;
+        let want = v.as_ref().and_then(&level);
+        // An older server counts no teardowns.
+        let teardowns = v
+            .as_ref()
+            .and_then(|v| v["teardowns"].as_u64())
+            .unwrap_or(0);
+        let ready = v.and_then(|v| v["ready"][template].as_u64());
+        let filling = matches!((ready, want), (Some(r), Some(w)) if r < w);
+        if !filling && teardowns == 0 {
+            return want;
+        }
+        if t.elapsed() > Duration::from_secs(60) {
+            eprintln!(
+                "cubicle bench: after 60 s the {template} pool is at {ready:?} of {want:?}, \
+                 {teardowns} teardown(s) under way"
+            );
+            return want;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
 }
 
 fn parse_network(s: &str) -> Result<serde_json::Value, String> {
@@ -419,6 +436,22 @@ async fn run_measures(
                 let b = before_row(cx, &mut pc, t).await;
                 let r = measure_create(cx, t, conc, Duration::ZERO).await;
                 emit(&pool_counted(r, b, cx.api.pool_counts(&mut pc).await));
+                if conc == 1 && cx.pool == "on" {
+                    // The same closed loop again once the pool adapted: each miss above
+                    // raised the pool's target by one (for a minute without misses), and
+                    // the refill fills it to that target first. A load the pool has seen
+                    // is the one it is sized for; the row above is a fresh pool's.
+                    let target =
+                        pool_filled(cx, &mut pc, t, |v| v["target"][t.as_str()].as_u64()).await;
+                    let b = cx.api.pool_counts(&mut pc).await;
+                    let r = measure_create(cx, t, conc, Duration::ZERO).await;
+                    let r = r.with("pool_adapted", true);
+                    let r = match target {
+                        Some(n) => r.with("pool_target", n),
+                        None => r,
+                    };
+                    emit(&pool_counted(r, b, cx.api.pool_counts(&mut pc).await));
+                }
                 if conc == 1 && cx.pool == "on" && args.pace_ms > 0 {
                     // The closed loop above outruns the refill; this is the warm case.
                     let pace = Duration::from_millis(args.pace_ms);
