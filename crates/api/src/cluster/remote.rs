@@ -1101,6 +1101,7 @@ impl Backend for RemoteBackend {
             p.misses += st.pool.misses;
             p.waited += st.pool.waited;
             p.refills += st.pool.refills;
+            p.teardowns += st.pool.teardowns;
         }
         p
     }
