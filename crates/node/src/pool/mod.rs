@@ -50,8 +50,8 @@
 //! create-run-kill cycle measured 1 ms faster per create when the next sandbox was not
 //! being made at the same moment. While claims overlap (a burst of creates), it starts
 //! nothing unless the pool ran dry, for at most `NodeConfig::refill_burst_hold`. The
-//! target adapts: a create that finds its pool empty raises it (up to 4× the configured
-//! size), a minute without misses lowers it back; the sum of
+//! target adapts: a create that finds its pool empty raises it by two (up to 4× the
+//! configured size; `PoolState::missed`), a minute without misses lowers it back; the sum of
 //! all pooled sandboxes' measured memory stays under `pool_memory_mb`. The create that
 //! missed does not simply go cold: it waits for a cold create's turn or a sandbox a
 //! refill under way makes ready, and takes whichever comes first
@@ -82,8 +82,6 @@ pub use state::PoolStats;
 const POOLED_END_MS: u64 = 100 * 365 * 24 * 3600 * 1000;
 /// Memory assumed per pooled sandbox before one could be measured.
 const DEFAULT_EST_BYTES: u64 = 4 << 20;
-/// A pool's target grows up to this multiple of its configured size.
-const MAX_GROWTH: usize = 4;
 /// Without misses for this long, a grown target shrinks back.
 const SHRINK_AFTER: Duration = Duration::from_secs(60);
 /// After a claim, refills wait for this long without claims (unless the pool is low).
@@ -169,11 +167,8 @@ impl Inner {
                     }
                     None if after_miss => return Claim::Empty,
                     None => {
-                        ps.misses += 1;
-                        ps.last_miss.insert(name.clone(), Instant::now());
                         let configured = inner.config.pool.get(name).copied().unwrap_or(0);
-                        let t = ps.target.entry(name.clone()).or_insert(configured);
-                        *t = (*t + 1).min(configured.max(1) * MAX_GROWTH);
+                        ps.missed(name, configured, Instant::now());
                         drop(ps);
                         inner.pool.wake.notify_one();
                         return Claim::Empty;

@@ -76,7 +76,25 @@ pub(super) struct PoolState {
     pub(super) refills: u64,
 }
 
+/// A pool's target grows up to this multiple of its configured size.
+pub(super) const MAX_GROWTH: usize = 4;
+/// How much each miss raises its pool's target. One is the deficit the miss shows; the
+/// same load comes back faster once fewer of its creates wait, which leaves the refill
+/// less time to make sandboxes while it lasts, so one more: a closed loop of 200 creates
+/// against a pool of 64 missed 50–60 times; at the target one per miss raised, the same
+/// loop again still missed 3 times in 2 of 3 runs (`docs/bench.md`, round 24).
+pub(super) const GROWTH_PER_MISS: usize = 2;
+
 impl PoolState {
+    /// A create found `name`'s pool empty: counts the miss and raises the pool's target
+    /// (up to [`MAX_GROWTH`] × `configured`; it shrinks back after a while without misses).
+    pub(super) fn missed(&mut self, name: &str, configured: usize, now: Instant) {
+        self.misses += 1;
+        self.last_miss.insert(name.to_string(), now);
+        let t = self.target.entry(name.to_string()).or_insert(configured);
+        *t = (*t + GROWTH_PER_MISS).min(configured.max(1) * MAX_GROWTH);
+    }
+
     pub(super) fn add_member(&mut self, id: SandboxId) -> bool {
         self.version += 1;
         self.members.insert(id)
@@ -253,6 +271,21 @@ mod tests {
         let mut cfg = crate::config::NodeConfig::new("/nonexistent", "/nonexistent");
         cfg.pool.insert("t".into(), target);
         Pool::new(&cfg)
+    }
+
+    #[test]
+    fn a_miss_raises_the_target_up_to_four_times_the_configured_size() {
+        let p = pool(4);
+        let mut ps = p.lock();
+        let t0 = Instant::now();
+        ps.missed("t", 4, t0);
+        assert_eq!((ps.target["t"], ps.misses), (4 + GROWTH_PER_MISS, 1));
+        assert_eq!(ps.last_miss["t"], t0);
+        for _ in 0..20 {
+            ps.missed("t", 4, t0);
+        }
+        assert_eq!(ps.target["t"], 16);
+        assert_eq!(ps.misses, 21);
     }
 
     /// A teardown waits while the refill makes sandboxes for a pool below its target,
