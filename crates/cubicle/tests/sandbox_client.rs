@@ -508,7 +508,6 @@ impl Serve {
         }
     }
 
-    /// `cubicle sandbox ARGS…` inside the server's network namespace.
     /// `cubicle sandbox shell ID` with `input` as its whole stdin (a pipe, then EOF).
     fn piped_shell(&self, id: &str, input: &[u8]) -> std::process::Child {
         let mut child = self
@@ -523,6 +522,7 @@ impl Serve {
         child
     }
 
+    /// `cubicle sandbox ARGS…` inside the server's network namespace.
     fn cmd(&self, args: &[&str]) -> Command {
         let mut c = Command::new("nsenter");
         c.arg("-t")

@@ -437,9 +437,9 @@ async fn run_measures(
                 let r = measure_create(cx, t, conc, Duration::ZERO).await;
                 emit(&pool_counted(r, b, cx.api.pool_counts(&mut pc).await));
                 if conc == 1 && cx.pool == "on" {
-                    // The same closed loop again once the pool adapted: each miss above
-                    // raised the pool's target by one (for a minute without misses), and
-                    // the refill fills it to that target first. A load the pool has seen
+                    // The same closed loop again once the pool adapted: the misses above
+                    // raised the pool's target (the server's rule; for a minute without
+                    // misses), and the refill fills it to that target first. A load the pool has seen
                     // is the one it is sized for; the row above is a fresh pool's.
                     let target =
                         pool_filled(cx, &mut pc, t, |v| v["target"][t.as_str()].as_u64()).await;
