@@ -105,7 +105,7 @@ pub(crate) async fn reconcile(inner: &Arc<Inner>) -> Result<ReconcileReport> {
                     r.paused_at_ms.get_or_insert(crate::node::inner::now_ms());
                     r.pid = None;
                     r.pid_start_time = None;
-                    let _ = fsutil::write_json_atomic(&e.path().join("sandbox.json"), &r);
+                    let _ = fsutil::rewrite_json(&e.path().join("sandbox.json"), &r);
                 }
                 paused.push(r);
             }

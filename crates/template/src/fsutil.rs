@@ -19,10 +19,65 @@ use crate::error::{Error, IoContext, Result};
 /// loss erases anyway; what they must survive is a crash of the node process, and the
 /// page cache does.
 pub fn write_json_atomic<T: Serialize>(path: &Path, value: &T) -> Result<()> {
-    let data = serde_json::to_vec_pretty(value).map_err(|e| Error::Record {
+    write_atomic(path, &to_json(path, value)?)
+}
+
+/// The size of a record [`rewrite_json`] writes in place: one page.
+pub const RECORD_PAGE: usize = 4096;
+
+/// Write `value` as pretty JSON to `path`, mode 0600, as [`write_json_atomic`] does, but
+/// over the file in place when it can, for records rewritten on a hot path (a sandbox's,
+/// at every claim and kill). A record of at most one page is padded with spaces to one
+/// page (JSON allows trailing whitespace) and written by one `pwrite` at offset 0 over
+/// an existing regular file of at most that size: the kernel copies a write in page by
+/// page and stops between pages only, so a crash of the process leaves the old record or
+/// the new one, as the rename does; two writers at once each write the whole page. One
+/// open and one write instead of a new inode and a rename: about 7 µs instead of 58 on
+/// btrfs, and a tenth of a warm burst's CPU (docs/bench.md, round 25). A larger record,
+/// or no such file yet, is written whole by [`write_json_atomic`]'s rename (a record of
+/// at most a page then as a padded page, ready for the next rewrite).
+pub fn rewrite_json<T: Serialize>(path: &Path, value: &T) -> Result<()> {
+    let mut data = to_json(path, value)?;
+    if data.len() > RECORD_PAGE {
+        return write_atomic(path, &data);
+    }
+    data.resize(RECORD_PAGE, b' ');
+    data[RECORD_PAGE - 1] = b'\n';
+    let Some(f) = open_record_page(path) else {
+        return write_atomic(path, &data);
+    };
+    use std::os::unix::fs::FileExt;
+    match f.write_at(&data, 0).ctx("write", path)? {
+        n if n == data.len() => Ok(()),
+        n => Err(Error::io(
+            "write",
+            path,
+            std::io::Error::other(format!("{n} of {} bytes written", data.len())),
+        )),
+    }
+}
+
+/// `path` opened for writing if it is a regular file of at most one page (never through
+/// a symbolic link, never blocking on a FIFO).
+fn open_record_page(path: &Path) -> Option<fs::File> {
+    let f = fs::OpenOptions::new()
+        .write(true)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
+        .open(path)
+        .ok()?;
+    let m = f.metadata().ok()?;
+    (m.file_type().is_file() && m.len() <= RECORD_PAGE as u64).then_some(f)
+}
+
+fn to_json<T: Serialize>(path: &Path, value: &T) -> Result<Vec<u8>> {
+    serde_json::to_vec_pretty(value).map_err(|e| Error::Record {
         path: path.into(),
         source: e,
-    })?;
+    })
+}
+
+/// `data` to `path` by a new file (mode 0600) renamed over it.
+fn write_atomic(path: &Path, data: &[u8]) -> Result<()> {
     // One temporary file per call: two threads writing the same record at once must not
     // share one (the second rename would find it gone).
     static SEQ: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
@@ -40,7 +95,7 @@ pub fn write_json_atomic<T: Serialize>(path: &Path, value: &T) -> Result<()> {
         // A leftover temporary file keeps its old mode: set it.
         f.set_permissions(fs::Permissions::from_mode(0o600))
             .ctx("chmod", &tmp)?;
-        f.write_all(&data).ctx("write", &tmp)?;
+        f.write_all(data).ctx("write", &tmp)?;
     }
     fs::rename(&tmp, path).ctx("rename", path)?;
     Ok(())
@@ -258,6 +313,80 @@ mod tests {
             "a torn record"
         );
         assert_eq!(left, 1, "temporary files left");
+    }
+
+    /// A record of at most a page is rewritten in place (the same inode, one page, the
+    /// value read back whole); concurrent rewriters leave one of their values, whole; a
+    /// record larger than a page, and a path that is a symbolic link, are replaced by a
+    /// rename (the link itself, never its target).
+    #[test]
+    fn small_records_are_rewritten_in_place() {
+        use std::os::unix::fs::MetadataExt;
+        let dir = std::env::temp_dir().join(format!("cubicle-fsutil-page-{}", std::process::id()));
+        fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("sandbox.json");
+        rewrite_json(&path, &vec![1u32; 8]).unwrap();
+        let first = fs::metadata(&path).unwrap();
+        assert_eq!(
+            first.len(),
+            RECORD_PAGE as u64,
+            "a first write is a padded page"
+        );
+        assert_eq!(first.mode() & 0o777, 0o600);
+        rewrite_json(&path, &vec![2u32; 4]).unwrap();
+        let again = fs::metadata(&path).unwrap();
+        assert_eq!(again.ino(), first.ino(), "rewritten in place");
+        assert_eq!(read_json::<Vec<u32>>(&path).unwrap(), vec![2u32; 4]);
+
+        let threads: Vec<_> = (0..8u32)
+            .map(|t| {
+                let path = path.clone();
+                std::thread::spawn(move || {
+                    (0..200u32)
+                        .filter(|i| rewrite_json(&path, &vec![t; 1 + *i as usize % 100]).is_err())
+                        .count()
+                })
+            })
+            .collect();
+        let failed: usize = threads.into_iter().map(|t| t.join().unwrap()).sum();
+        assert_eq!(failed, 0, "rewrites failed");
+        let v: Vec<u32> = read_json(&path).unwrap();
+        assert!(
+            !v.is_empty() && v.iter().all(|x| *x == v[0]),
+            "a torn record"
+        );
+        assert_eq!(fs::metadata(&path).unwrap().ino(), first.ino());
+
+        // Larger than a page: a new file, exactly the JSON.
+        let big = vec![7u32; RECORD_PAGE];
+        rewrite_json(&path, &big).unwrap();
+        let m = fs::metadata(&path).unwrap();
+        assert_ne!(m.ino(), first.ino());
+        assert!(m.len() > RECORD_PAGE as u64);
+        assert_eq!(read_json::<Vec<u32>>(&path).unwrap(), big);
+        // Over a record larger than a page, a small one is not written in place either
+        // (the old record's tail would follow it).
+        rewrite_json(&path, &vec![3u32; 2]).unwrap();
+        assert_eq!(fs::metadata(&path).unwrap().len(), RECORD_PAGE as u64);
+        assert_eq!(read_json::<Vec<u32>>(&path).unwrap(), vec![3u32; 2]);
+
+        // A symbolic link is replaced, its target untouched.
+        let target = dir.join("target");
+        fs::write(&target, b"keep").unwrap();
+        let link = dir.join("link.json");
+        std::os::unix::fs::symlink(&target, &link).unwrap();
+        rewrite_json(&link, &vec![4u32]).unwrap();
+        assert_eq!(fs::read(&target).unwrap(), b"keep");
+        assert!(
+            !fs::symlink_metadata(&link)
+                .unwrap()
+                .file_type()
+                .is_symlink()
+        );
+        assert_eq!(read_json::<Vec<u32>>(&link).unwrap(), vec![4u32]);
+        let left = fs::read_dir(&dir).unwrap().count();
+        fs::remove_dir_all(&dir).unwrap();
+        assert_eq!(left, 3, "temporary files left");
     }
 
     #[test]

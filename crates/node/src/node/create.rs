@@ -227,7 +227,7 @@ impl Inner {
         record.pid = Some(started.pid);
         record.pid_start_time = procfs::start_time(started.pid);
         record.runtime = started.state.clone();
-        fsutil::write_json_atomic(&dir.join("sandbox.json"), &record)?;
+        fsutil::rewrite_json(&dir.join("sandbox.json"), &record)?;
         self.update_record(&record)?;
 
         let client = EnvdClient::new(inner.envd_socket(&id), None);
@@ -269,7 +269,7 @@ impl Inner {
             .start_template_command(&record, template, started.pid)
             .await?;
         record.state = SandboxState::Running;
-        fsutil::write_json_atomic(&dir.join("sandbox.json"), &record)?;
+        fsutil::rewrite_json(&dir.join("sandbox.json"), &record)?;
         let ready_us = t0.elapsed().as_micros() as u64;
         let info = {
             let mut st = inner.lock();
@@ -415,7 +415,7 @@ impl Inner {
         give_to_sandbox_root(&ctl, record.uid_base)?;
         std::fs::set_permissions(&ctl, std::fs::Permissions::from_mode(0o700))
             .ctx("chmod", &ctl)?;
-        fsutil::write_json_atomic(&dir.join("sandbox.json"), record)?;
+        fsutil::rewrite_json(&dir.join("sandbox.json"), record)?;
         let mut binds = write_etc_files(&dir, id, record.uid_base)?;
         if let Some(ca) = self.runtime.egress().and_then(|e| e.ca_pem()) {
             binds.extend(write_ca_bundle(&dir, &template.rootfs, &ca)?);

@@ -578,7 +578,7 @@ impl Node {
             live.record.end_at_ms = now_ms() + timeout.as_millis() as u64;
             live.record.clone()
         };
-        fsutil::write_json_atomic(&self.inner.sandbox_dir(id).join("sandbox.json"), &record)?;
+        fsutil::rewrite_json(&self.inner.sandbox_dir(id).join("sandbox.json"), &record)?;
         self.inner.changed.notify_one();
         Ok(())
     }

@@ -627,7 +627,7 @@ impl Inner {
                     "paused sandbox {i2} from the object store has no checkpoint"
                 )));
             }
-            fsutil::write_json_atomic(&d2.join("sandbox.json"), &rec2)?;
+            fsutil::rewrite_json(&d2.join("sandbox.json"), &rec2)?;
             Ok(())
         })
         .await;

@@ -98,7 +98,7 @@ impl Node {
             live.record.internet = attached;
             live.record.clone()
         };
-        crate::fsutil::write_json_atomic(&inner.sandbox_dir(id).join("sandbox.json"), &record)?;
+        crate::fsutil::rewrite_json(&inner.sandbox_dir(id).join("sandbox.json"), &record)?;
         tracing::info!(sandbox = %id, us = t0.elapsed().as_micros() as u64, "network policy replaced");
         Ok(())
     }

@@ -192,7 +192,7 @@ impl Inner {
     pub(super) fn end(&self, id: &str, record: Option<&SandboxRecord>) -> Result<()> {
         // The busy mark goes whatever happens to the write (e.g. a full disk).
         let written = match record {
-            Some(r) => fsutil::write_json_atomic(&self.sandbox_dir(id).join("sandbox.json"), r)
+            Some(r) => fsutil::rewrite_json(&self.sandbox_dir(id).join("sandbox.json"), r)
                 .map_err(Error::from),
             None => Ok(()),
         };
@@ -322,7 +322,7 @@ impl Inner {
         let running = record.clone();
         let mut pausing = record.clone();
         pausing.state = SandboxState::Pausing;
-        fsutil::write_json_atomic(&self.sandbox_dir(&id).join("sandbox.json"), &pausing)?;
+        fsutil::rewrite_json(&self.sandbox_dir(&id).join("sandbox.json"), &pausing)?;
         *record = pausing;
         // The exit watcher would take the end of the processes for a death.
         self.stop_watcher(&id);
@@ -484,7 +484,7 @@ impl Inner {
                     live.record.end_at_ms = live.record.end_at_ms.max(end);
                     live.record.clone()
                 };
-                fsutil::write_json_atomic(&self.sandbox_dir(id).join("sandbox.json"), &record)?;
+                fsutil::rewrite_json(&self.sandbox_dir(id).join("sandbox.json"), &record)?;
                 self.changed.notify_one();
                 return Ok(ResumeOutcome {
                     info: SandboxInfo::from_record(&record, self.envd_socket(id), 0),
@@ -798,7 +798,7 @@ impl Inner {
             .start_from_copy(&mut record, template, snap, |r| {
                 // Its pid on record before envd answers: a crash meanwhile leaves a
                 // sandbox the next open can find and remove.
-                fsutil::write_json_atomic(&dir.join("sandbox.json"), r)?;
+                fsutil::rewrite_json(&dir.join("sandbox.json"), r)?;
                 self.update_record(r)
             })
             .await?;
@@ -818,7 +818,7 @@ impl Inner {
             authed.start_watched(&spec, 4096).await?;
         }
         record.state = SandboxState::Running;
-        fsutil::write_json_atomic(&dir.join("sandbox.json"), &record)?;
+        fsutil::rewrite_json(&dir.join("sandbox.json"), &record)?;
         let ready_us = t0.elapsed().as_micros() as u64;
         {
             let mut st = self.lock();

@@ -64,7 +64,7 @@ impl Inner {
     /// Second step of [`Inner::finish`]: destroy, remove, free the slot.
     pub(crate) async fn teardown(self: Arc<Self>, id: &str, record: SandboxRecord) -> bool {
         let dir = self.sandbox_dir(id);
-        let _ = fsutil::write_json_atomic(&dir.join("sandbox.json"), &record);
+        let _ = fsutil::rewrite_json(&dir.join("sandbox.json"), &record);
         let rt = self.runtime.clone();
         let (id2, dir2, slot) = (id.to_string(), dir.clone(), record.slot);
         let result = blocking(move || {

@@ -274,7 +274,7 @@ impl Inner {
             inner.keep_envd_conn(&id, conn, Some(IDLE_CONN_TTL));
             let mut on_disk = record.clone();
             on_disk.state = SandboxState::Running;
-            fsutil::write_json_atomic(&inner.sandbox_dir(&id).join("sandbox.json"), &on_disk)?;
+            fsutil::rewrite_json(&inner.sandbox_dir(&id).join("sandbox.json"), &on_disk)?;
             Ok::<_, Error>(())
         }
         .await;
