@@ -541,26 +541,9 @@ impl SandboxRuntime for LinuxRuntime {
             .map_err(|e| rt_err("set limits", e))
     }
 
-    fn renice(&self, id: &str, nice: i32) {
-        let Ok(cg) = Cgroup::handle(id) else {
-            return;
-        };
-        if let Err(e) = cg.set_cpu_nice(nice) {
+    fn set_cpu_nice(&self, id: &str, nice: i32) {
+        if let Err(e) = Cgroup::handle(id).and_then(|cg| cg.set_cpu_nice(nice)) {
             tracing::debug!(sandbox = %id, "cannot set the CPU weight for nice {nice}: {e}");
-        }
-        let Ok(procs) = cg.members() else {
-            return;
-        };
-        for pid in procs {
-            let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
-                continue;
-            };
-            for t in tasks.flatten() {
-                if let Some(tid) = t.file_name().to_str().and_then(|s| s.parse::<u32>().ok()) {
-                    // SAFETY: setpriority has no memory arguments.
-                    unsafe { libc::setpriority(libc::PRIO_PROCESS, tid, nice) };
-                }
-            }
         }
     }
 

@@ -195,9 +195,10 @@ pub trait SandboxRuntime: Send + Sync + 'static {
     /// with other limits than its template's).
     fn set_limits(&self, id: &str, memory_mb: u64, cpus: u32, pids: u32) -> Result<()>;
 
-    /// Set the nice value of every task of sandbox `id`, and of its cgroup's CPU weight
-    /// (pooled sandboxes are made at low priority and raised when claimed).
-    fn renice(&self, id: &str, nice: i32);
+    /// Scale sandbox `id`'s CPU weight as a task's at nice `nice` (pooled sandboxes are
+    /// made at low priority and raised when claimed). Its tasks run at nice 0 whatever
+    /// the weight: one cgroup file, not every task.
+    fn set_cpu_nice(&self, id: &str, nice: i32);
 
     /// Number of slots the runtime can address (network pool size etc.).
     fn max_slots(&self) -> u32;

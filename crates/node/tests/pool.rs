@@ -81,6 +81,20 @@ fn sandbox_dirs(state: &Path) -> Vec<String> {
     v
 }
 
+/// The CPU weight of sandbox `id`'s cgroup (`cpu.shares` on v1, `cpu.weight` on v2).
+fn cpu_weight(id: &str) -> u64 {
+    let cg = cubicle_runtime::cgroup::Cgroup::handle(id).unwrap();
+    cg.dirs()
+        .into_iter()
+        .find_map(|d| {
+            ["cpu.shares", "cpu.weight"]
+                .iter()
+                .find_map(|f| std::fs::read_to_string(d.join(f)).ok())
+        })
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no CPU weight for {id}"))
+}
+
 /// Nice values of every task of sandbox `id` (its cgroup, v1 or v2).
 fn task_nices(id: &str) -> Vec<i64> {
     let mut out = Vec::new();
@@ -155,10 +169,14 @@ async fn claim_refill_close(envd: PathBuf) -> anyhow::Result<()> {
         let pooled = sandbox_dirs(&state);
         anyhow::ensure!(pooled.len() == 2, "pool dirs {pooled:?}");
 
-        // Pooled sandboxes wait at low priority (made by the nice-19 refill thread).
+        // Pooled sandboxes wait at low priority (made by the nice-19 refill thread): their
+        // cgroup's CPU weight (about 1/68 of the full one, checked after the claim); their
+        // tasks run at nice 0.
+        let mut pooled_weight = BTreeMap::new();
         for id in &pooled {
             let n = task_nices(id);
-            anyhow::ensure!(!n.is_empty() && n.iter().all(|n| *n == 19), "pooled {id} nice {n:?}");
+            anyhow::ensure!(!n.is_empty() && n.iter().all(|n| *n == 0), "pooled {id} nice {n:?}");
+            pooled_weight.insert(id.clone(), cpu_weight(id));
         }
 
         let env = BTreeMap::from([("CB_POOL_VAR".to_string(), "hello pool".to_string())]);
@@ -205,7 +223,9 @@ async fn claim_refill_close(envd: PathBuf) -> anyhow::Result<()> {
         let good = node.envd(&s.id)?;
         let out = sh(&good, "echo \"$CB_POOL_VAR|$E2B_SANDBOX_ID\"").await?;
         anyhow::ensure!(out.trim() == format!("hello pool|{}", s.id), "env: {out:?}");
-        // Claimed: back to normal priority, and so are the user's processes.
+        // Claimed: the full CPU weight again; its tasks and the user's processes at 0.
+        let (w, was) = (cpu_weight(&s.id), pooled_weight[s.id.as_str()]);
+        anyhow::ensure!(w > 40 * was, "claimed CPU weight {w}, pooled {was}");
         let n = task_nices(&s.id);
         anyhow::ensure!(!n.is_empty() && n.iter().all(|n| *n == 0), "claimed nice {n:?}");
         let out = sh(&good, "cut -d' ' -f19 /proc/self/stat").await?;

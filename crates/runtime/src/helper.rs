@@ -44,10 +44,6 @@ use crate::sys;
 #[derive(Serialize, Deserialize)]
 pub(crate) struct HelperRequest {
     pub spec: SandboxSpec,
-    /// The nice value of the thread that called `spawn`: the helper and the sandbox run
-    /// at it, as they did when that thread exec'd the helper (the node makes pooled
-    /// sandboxes at a low priority and raises them when claimed).
-    pub nice: i32,
 }
 
 /// One line of the status protocol.
@@ -114,11 +110,17 @@ pub(crate) fn main(request: &[u8], policy: &SeccompPolicy) -> i32 {
 fn run(request: &[u8], policy: &SeccompPolicy, out: RawFd) -> Result<(), String> {
     let req: HelperRequest =
         serde_json::from_slice(request).map_err(|e| format!("helper: parse request: {e}"))?;
+    // The sandbox's tasks run at nice 0 whatever the zygote's nice (it inherited the
+    // nice of the thread that started it): a sandbox's priority against the others is its
+    // cgroup's CPU weight (`spawn` scales it by the spawning thread's nice), since the
+    // scheduler weighs cgroups against each other, not their tasks' nice. A task's nice
+    // would only order it against its own sandbox's tasks, show in its `ps`, and pass to
+    // every process the user starts, who could not lower it again; and a claim would
+    // have to renice every task of the sandbox (round 25 of docs/bench.md).
     // SAFETY: no memory arguments; who 0 = this (single-threaded) process.
-    if unsafe { libc::setpriority(libc::PRIO_PROCESS, 0, req.nice) } != 0 {
+    if unsafe { libc::setpriority(libc::PRIO_PROCESS, 0, 0) } != 0 {
         return Err(format!(
-            "helper: nice {}: {}",
-            req.nice,
+            "helper: nice 0: {}",
             std::io::Error::last_os_error()
         ));
     }

@@ -73,8 +73,9 @@ pub fn spawn(spec: &SandboxSpec) -> Result<Sandbox> {
             return Err(e);
         }
     };
-    // A sandbox spawned from a thread at nice N runs at N: its tasks (the helper's
-    // request carries it) and, against other cgroups, its CPU weight.
+    // A sandbox spawned from a thread at nice N weighs against other cgroups as a task
+    // at N would: its cgroup's CPU weight is scaled by N (its tasks run at nice 0, see
+    // the helper).
     let nice = thread_nice();
     if nice != 0
         && let Err(e) = cgroup.set_cpu_nice(nice)
@@ -97,7 +98,7 @@ pub fn spawn(spec: &SandboxSpec) -> Result<Sandbox> {
         None => (None, None),
     };
     let mut pid = None;
-    match run_helper(spec, nice, log_writer, start_ns, &mut pid, &mut timings) {
+    match run_helper(spec, log_writer, start_ns, &mut pid, &mut timings) {
         Ok(()) => {}
         Err(e) => {
             let _ = cgroup.kill_all();
@@ -209,7 +210,6 @@ fn remove_layers(dir: &Path) -> Result<()> {
 
 fn run_helper(
     spec: &SandboxSpec,
-    nice: i32,
     writer: Option<OwnedFd>,
     start_ns: u64,
     pid_out: &mut Option<i32>,
@@ -225,11 +225,8 @@ fn run_helper(
             .into(),
     };
     let (out, status_writer) = std::io::pipe().map_err(io_ctx(|| "status pipe".into()))?;
-    let request = serde_json::to_vec(&HelperRequest {
-        spec: spec.clone(),
-        nice,
-    })
-    .map_err(|e| Error::Setup(format!("encode helper request: {e}")))?;
+    let request = serde_json::to_vec(&HelperRequest { spec: spec.clone() })
+        .map_err(|e| Error::Setup(format!("encode helper request: {e}")))?;
     let helper = crate::zygote::start_helper(&request, status_writer.as_fd(), log.as_fd())?;
     // Only the helper (and the sandbox child) hold the write end now: end of file means
     // both are done.

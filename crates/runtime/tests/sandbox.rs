@@ -997,9 +997,10 @@ fn nice_of(pid: i32) -> i32 {
     stat_fields(pid).unwrap()[16].parse().unwrap()
 }
 
-/// A sandbox runs at the nice value of the thread that spawned it, whatever thread
-/// started the zygote (the node makes pooled sandboxes at nice 19, requests' at 0).
-fn sandbox_runs_at_the_spawning_threads_nice(env: &Env) {
+/// A sandbox weighs as much as the nice value of the thread that spawned it says, whatever
+/// thread started the zygote (the node makes pooled sandboxes at nice 19, requests' at
+/// 0): its cgroup's CPU weight is scaled by that nice, its tasks run at nice 0.
+fn sandbox_weighs_as_the_spawning_threads_nice(env: &Env) {
     for nice in [10, 0, 10] {
         let spec = env.spec("sleep 30");
         let s = spec.clone();
@@ -1012,8 +1013,8 @@ fn sandbox_runs_at_the_spawning_threads_nice(env: &Env) {
         .unwrap();
         assert_eq!(
             nice_of(sb.pid()),
-            nice,
-            "spawned from a thread at nice {nice}"
+            0,
+            "a task's nice, spawned from a thread at nice {nice}"
         );
         // And its cgroup weighs as much against the others: the weight its CPU limit
         // gives, scaled like a task's by nice (1024 per CPU at 0; about a tenth at 10).
@@ -1210,8 +1211,8 @@ const TESTS: &[Test] = &[
     ("setup_failure_cleans_up", setup_failure_cleans_up),
     ("a_dead_zygote_is_replaced", a_dead_zygote_is_replaced),
     (
-        "sandbox_runs_at_the_spawning_threads_nice",
-        sandbox_runs_at_the_spawning_threads_nice,
+        "sandbox_weighs_as_the_spawning_threads_nice",
+        sandbox_weighs_as_the_spawning_threads_nice,
     ),
     (
         "concurrent_cycles_leak_nothing",

@@ -109,7 +109,7 @@ impl SandboxRuntime for FakeRuntime {
     fn set_limits(&self, _id: &str, _memory_mb: u64, _cpus: u32, _pids: u32) -> Result<()> {
         Ok(())
     }
-    fn renice(&self, _id: &str, _nice: i32) {}
+    fn set_cpu_nice(&self, _id: &str, _nice: i32) {}
     fn max_slots(&self) -> u32 {
         8
     }

@@ -255,7 +255,7 @@ impl Inner {
                     .runtime
                     .set_limits(&id, limits.0, limits.1, inner.config.pids_limit)?;
             }
-            inner.runtime.renice(&id, 0);
+            inner.runtime.set_cpu_nice(&id, 0);
             if !record.network.is_plain_default() {
                 // Pooled sandboxes are made with the default policy: set the asked one
                 // before anyone can use the sandbox (a few set elements, no veth change).
