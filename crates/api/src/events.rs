@@ -39,6 +39,12 @@ pub const DEFAULT_LIMIT: i64 = 10;
 pub const MAX_LIMIT: i64 = 100;
 /// At most this many queued events are stored in one transaction.
 const EVENT_BATCH: usize = 256;
+/// How long the writer gathers events after the first before storing them: a burst's
+/// creates emit theirs over tens of milliseconds, and each commit cost about as much as
+/// the sandbox's own row (docs/bench.md, round 25); a paced create's and kill's events
+/// are stored after the request's answer rather than while its client's next request
+/// runs. What a reader of `/events` or a webhook waits for, at most.
+const EVENT_GATHER: Duration = Duration::from_millis(20);
 
 /// What happened to a sandbox.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -180,6 +186,16 @@ impl Events {
         tokio::spawn(async move {
             let mut batch = Vec::new();
             while rx.recv_many(&mut batch, EVENT_BATCH).await > 0 {
+                let until = tokio::time::Instant::now() + EVENT_GATHER;
+                while batch.len() < EVENT_BATCH {
+                    let room = EVENT_BATCH - batch.len();
+                    match tokio::time::timeout_at(until, rx.recv_many(&mut batch, room)).await {
+                        // More came; or the window ended, or the sender is gone (stored
+                        // at once, then the loop ends).
+                        Ok(n) if n > 0 => {}
+                        _ => break,
+                    }
+                }
                 let mut rows = Vec::with_capacity(batch.len());
                 let mut deliveries = Vec::with_capacity(batch.len());
                 for p in batch.drain(..) {
@@ -200,8 +216,8 @@ impl Events {
                     });
                     deliveries.push((p.team_id, p.event.kind, body));
                 }
-                // What queued up meanwhile (a burst of creates) goes in one commit; if
-                // that fails, one by one, so that one bad row loses only itself.
+                // What was gathered (a burst of creates) goes in one commit; if that
+                // fails, one by one, so that one bad row loses only itself.
                 let stored = st
                     .call(move |s| {
                         Ok(match s.insert_events(&rows) {
@@ -370,6 +386,76 @@ mod tests {
             assert_eq!(EventKind::parse(k.type_name()), Some(k));
         }
         assert_eq!(EventKind::parse("sandbox.lifecycle.exploded"), None);
+    }
+
+    /// Events emitted a few milliseconds apart are stored in one commit: a reader
+    /// polling the store sees none of them, then all of them (one commit each showed
+    /// them one by one, two milliseconds apart).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn events_a_few_milliseconds_apart_are_stored_together() {
+        let store = Store::open_in_memory().unwrap();
+        let team = store.ensure_team("t").unwrap();
+        let telemetry = Arc::new(Telemetry::new());
+        let hooks =
+            crate::webhooks::Webhooks::open(store.clone(), Default::default(), telemetry.clone())
+                .await
+                .unwrap();
+        let events = Events::start(store.clone(), telemetry, hooks);
+        let row = SandboxRow {
+            id: "i1".into(),
+            team_id: team.id,
+            template_id: "base".into(),
+            alias: None,
+            metadata: Default::default(),
+            env_var_names: Vec::new(),
+            traffic_access_token: None,
+            allow_internet: true,
+            cpu_count: 1,
+            memory_mb: 512,
+            disk_mb: 1024,
+            started_at: now_ms(),
+            end_at: now_ms() + 60_000,
+            state: cubicle_store::SandboxRowState::Running,
+            death_reason: None,
+            ended_at: None,
+        };
+        let stored = {
+            let store = store.clone();
+            move || {
+                let q = EventQuery {
+                    team_id: team.id,
+                    sandbox_id: None,
+                    kinds: Vec::new(),
+                    offset: 0,
+                    limit: 100,
+                    ascending: true,
+                };
+                store.events(&q).unwrap().len()
+            }
+        };
+        let watcher = {
+            let stored = stored.clone();
+            std::thread::spawn(move || {
+                let t0 = std::time::Instant::now();
+                let mut seen = vec![stored()];
+                while *seen.last().unwrap() < 3 && t0.elapsed() < Duration::from_secs(5) {
+                    let n = stored();
+                    if n != *seen.last().unwrap() {
+                        seen.push(n);
+                    }
+                    std::thread::sleep(Duration::from_micros(200));
+                }
+                seen
+            })
+        };
+        for kind in [EventKind::Created, EventKind::Paused, EventKind::Resumed] {
+            events.emit(kind, &row, Map::new());
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+        let seen = tokio::task::spawn_blocking(move || watcher.join().unwrap())
+            .await
+            .unwrap();
+        assert_eq!(seen, [0, 3], "the stored count as a reader saw it change");
     }
 
     #[test]
