@@ -23,7 +23,7 @@ pub fn write_json_atomic<T: Serialize>(path: &Path, value: &T) -> Result<()> {
 }
 
 /// The size of a record [`rewrite_json`] writes in place: one page.
-pub const RECORD_PAGE: usize = 4096;
+const RECORD_PAGE: usize = 4096;
 
 /// Write `value` as pretty JSON to `path`, mode 0600, as [`write_json_atomic`] does, but
 /// over the file in place when it can, for records rewritten on a hot path (a sandbox's,

@@ -270,17 +270,6 @@ impl Cgroup {
         Ok(pids)
     }
 
-    /// Pids (host view) of the processes in the cgroup as one hierarchy lists them. A
-    /// sandbox's processes are born in every hierarchy (the helper joins them all before
-    /// the clone), so for a sandbox that finished starting this is [`Cgroup::procs`] at
-    /// one file read instead of one per hierarchy (seven on a hybrid v1 host).
-    pub fn members(&self) -> Result<Vec<i32>> {
-        match self.dirs().first() {
-            Some(dir) => pids_in(dir),
-            None => Ok(Vec::new()),
-        }
-    }
-
     /// Reads the usage counters.
     pub fn stats(&self) -> Result<CgroupStats> {
         match &self.layout {
