@@ -23,7 +23,7 @@ use std::ffi::CString;
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 
 use crate::cgroup::InnerMounts;
-use crate::helper::{Status, mark, report};
+use crate::helper::{Status, discard, flush, mark, report};
 use crate::seccomp::SeccompPolicy;
 use crate::spec::{LISTEN_FD, SandboxSpec};
 use crate::{capabilities, ctl, rootfs, sys};
@@ -41,8 +41,11 @@ pub(crate) fn main(
     // SAFETY: fcntl with integer arguments.
     let status = unsafe { libc::fcntl(out, libc::F_DUPFD_CLOEXEC, LISTEN_FD + 1) };
     let status = if status < 0 { out } else { status };
+    // The helper's lines queued before the clone are the helper's to write.
+    discard();
     if let Err(msg) = run(spec, cgroup, policy, sock, status) {
-        report(status, &Status::Error(msg));
+        report(&Status::Error(msg));
+        flush(status);
     }
     // SAFETY: terminate without running atexit handlers or destructors of the helper.
     unsafe { libc::_exit(1) }
@@ -72,7 +75,7 @@ fn run(
         _ => return Err("helper exited before releasing the sandbox".into()),
     };
     drop(sock);
-    mark(status, "child_released");
+    mark("child_released");
 
     become_root()?;
     // SAFETY: setsid and dup2 with integer arguments.
@@ -107,7 +110,6 @@ fn run(
             bind_sources: &sources,
             sysfs: sysfs.first(),
         },
-        status,
     )?;
     drop(fds);
     // Inside the new root, at the path the sandbox sees, then the ctl mount goes read-only.
@@ -116,7 +118,7 @@ fn run(
         None => None,
     };
     ctl::seal_in_sandbox().map_err(|e| format!("ctl directory: {e}"))?;
-    mark(status, "rootfs_ready");
+    mark("rootfs_ready");
 
     step("sethostname", {
         // SAFETY: valid buffer and length.
@@ -157,7 +159,8 @@ fn run(
         "close inherited fds",
         sys::cloexec_from(LISTEN_FD as u32 + 1),
     )?;
-    mark(status, "exec");
+    mark("exec");
+    flush(status);
     step("install seccomp filter", policy.install())?;
     // SAFETY: argv/envp are NULL-terminated arrays of valid C strings that outlive the call.
     unsafe { libc::execve(argv_p[0], argv_p.as_ptr(), envp_p.as_ptr()) };

@@ -26,7 +26,8 @@
 //! The child (see `child.rs`) then builds its root filesystem and execs the init program.
 //!
 //! Status protocol on the helper's stdout (a pipe read by `spawn`), one line each:
-//! `pid <host pid>`, `t <step> <CLOCK_MONOTONIC ns>`, `error <message>`. The child keeps a
+//! `pid <host pid>`, `t <step> <CLOCK_MONOTONIC ns>`, `error <message>`, each process's
+//! lines written in one write when it is done ([`flush`]). The child keeps a
 //! close-on-exec copy of that pipe: end-of-file without an `error` line means the init
 //! program was exec'd.
 
@@ -72,14 +73,42 @@ impl Status {
     }
 }
 
-/// Writes one status line to `fd` (best effort: if the caller is gone there is no one to tell).
-pub(crate) fn report(fd: RawFd, status: &Status) {
+/// Status lines not written yet. The caller reads the status pipe to its end before it
+/// looks at any line, so a process writes its lines in one write when it is done
+/// ([`flush`]): before its `execve` (the child) or its exit (the helper, the child on
+/// an error). A line a write each woke the caller's reading thread ten times per sandbox.
+static PENDING: std::sync::Mutex<String> = std::sync::Mutex::new(String::new());
+
+fn pending() -> std::sync::MutexGuard<'static, String> {
+    // Single-threaded processes: a poisoned lock only means an earlier panic; the lines
+    // are still whole.
+    PENDING.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Queues one status line for [`flush`].
+pub(crate) fn report(status: &Status) {
     let line = match status {
         Status::Pid(p) => format!("pid {p}\n"),
         Status::Time(s, ns) => format!("t {s} {ns}\n"),
         Status::Error(m) => format!("error {}\n", m.replace('\n', " ")),
     };
-    if let Err(e) = sys::write_all_fd(fd, line.as_bytes())
+    pending().push_str(&line);
+}
+
+pub(crate) fn mark(step: &str) {
+    report(&Status::Time(step.to_string(), sys::monotonic_ns()));
+}
+
+/// Forgets the queued lines: the child's copy of its helper's (the helper writes those).
+pub(crate) fn discard() {
+    pending().clear();
+}
+
+/// Writes the queued lines to `fd` in one write (best effort: if the caller is gone
+/// there is no one to tell).
+pub(crate) fn flush(fd: RawFd) {
+    let lines = std::mem::take(&mut *pending());
+    if let Err(e) = sys::write_all_fd(fd, lines.as_bytes())
         && e.raw_os_error() == Some(libc::EPIPE)
     {
         // The caller is gone (e.g. the node was killed mid-create): stop here rather than
@@ -89,22 +118,20 @@ pub(crate) fn report(fd: RawFd, status: &Status) {
     }
 }
 
-pub(crate) fn mark(fd: RawFd, step: &str) {
-    report(fd, &Status::Time(step.to_string(), sys::monotonic_ns()));
-}
-
 /// Entry point of a helper the zygote forked (stdout: the status pipe); returns the exit
 /// code.
 pub(crate) fn main(request: &[u8], policy: &SeccompPolicy) -> i32 {
     let out = std::io::stdout().as_raw_fd();
-    mark(out, "helper_started");
-    match run(request, policy, out) {
+    mark("helper_started");
+    let code = match run(request, policy, out) {
         Ok(()) => 0,
         Err(msg) => {
-            report(out, &Status::Error(msg));
+            report(&Status::Error(msg));
             1
         }
-    }
+    };
+    flush(out);
+    code
 }
 
 fn run(request: &[u8], policy: &SeccompPolicy, out: RawFd) -> Result<(), String> {
@@ -132,7 +159,7 @@ fn run(request: &[u8], policy: &SeccompPolicy, out: RawFd) -> Result<(), String>
     }
     let cg = Cgroup::handle(&spec.id).map_err(|e| e.to_string())?;
     cg.add_process(0).map_err(|e| format!("join cgroup: {e}"))?;
-    mark(out, "helper_in_cgroup");
+    mark("helper_in_cgroup");
 
     let (parent_sock, child_sock) =
         cubicle_syscalls::socket::seqpacket_pair().map_err(|e| format!("socketpair: {e}"))?;
@@ -173,10 +200,10 @@ fn run(request: &[u8], policy: &SeccompPolicy, out: RawFd) -> Result<(), String>
     }
     let pid = pid as i32;
     drop(child_sock);
-    report(out, &Status::Pid(pid));
-    mark(out, "cloned");
+    report(&Status::Pid(pid));
+    mark("cloned");
 
-    let res = release_child(&spec, pid, &parent_sock, out);
+    let res = release_child(&spec, pid, &parent_sock);
     if res.is_err() {
         // SAFETY: kill with integer arguments. The caller reaps it (it is the caller's child).
         unsafe { libc::kill(pid, libc::SIGKILL) };
@@ -190,7 +217,7 @@ pub(crate) const GO: &[u8] = b"go";
 /// [`GO`], with the shared sysfs as the last descriptor.
 pub(crate) const GO_WITH_SYSFS: &[u8] = b"go sysfs";
 
-fn release_child(spec: &SandboxSpec, pid: i32, sock: &OwnedFd, out: RawFd) -> Result<(), String> {
+fn release_child(spec: &SandboxSpec, pid: i32, sock: &OwnedFd) -> Result<(), String> {
     let map = format!("0 {} {}\n", spec.uid_base, spec.uid_count);
     for file in ["uid_map", "gid_map"] {
         let path = format!("/proc/{pid}/{file}");
@@ -200,7 +227,7 @@ fn release_child(spec: &SandboxSpec, pid: i32, sock: &OwnedFd, out: RawFd) -> Re
             .and_then(|mut f| f.write_all(map.as_bytes()))
             .map_err(|e| format!("write {path} ({}): {e}", map.trim()))?;
     }
-    mark(out, "id_maps_written");
+    mark("id_maps_written");
 
     let userns = std::fs::File::open(format!("/proc/{pid}/ns/user"))
         .map_err(|e| format!("open child user namespace: {e}"))?;
@@ -222,7 +249,7 @@ fn release_child(spec: &SandboxSpec, pid: i32, sock: &OwnedFd, out: RawFd) -> Re
         }
         None => GO,
     };
-    mark(out, "mounts_prepared");
+    mark("mounts_prepared");
     let raw: Vec<RawFd> = fds.iter().map(|f| f.as_raw_fd()).collect();
     sys::send_with_fds(sock.as_raw_fd(), go, &raw).map_err(|e| format!("release child: {e}"))?;
     Ok(())

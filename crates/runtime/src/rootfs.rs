@@ -38,7 +38,7 @@
 
 use std::ffi::CString;
 use std::fs;
-use std::os::fd::{AsRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::fs::{DirBuilderExt, PermissionsExt, symlink};
 use std::path::{Path, PathBuf};
 
@@ -61,7 +61,7 @@ const DEVICES: &[&str] = &["null", "zero", "full", "random", "urandom", "tty"];
 pub(crate) enum Step {
     /// `mount --make-rprivate /`.
     MakeRootPrivate,
-    /// `mkdir -p` with this mode (then chmod, past the umask), if missing.
+    /// `mkdir -p` with this mode (past the umask), if missing.
     Dir { path: PathBuf, mode: u32 },
     /// Create an empty regular file (and its parents), if missing.
     File { path: PathBuf },
@@ -100,7 +100,7 @@ pub(crate) enum Step {
     },
     /// `symlink(to, link)`.
     Symlink { to: String, link: PathBuf },
-    /// Report a timing mark on the status pipe.
+    /// Queue a timing mark for the status pipe.
     Mark(&'static str),
     /// chdir(root); pivot_root(".", "."); umount2(".", MNT_DETACH); chdir("/").
     Pivot { root: PathBuf },
@@ -449,9 +449,9 @@ pub(crate) struct Mounts<'a> {
 }
 
 /// Executes `steps` with the detached mounts the helper sent.
-pub(crate) fn execute(steps: &[Step], mounts: &Mounts<'_>, status: RawFd) -> Result<(), String> {
+pub(crate) fn execute(steps: &[Step], mounts: &Mounts<'_>) -> Result<(), String> {
     for step in steps {
-        apply(step, mounts, status)?;
+        apply(step, mounts)?;
     }
     Ok(())
 }
@@ -472,7 +472,7 @@ fn mount(
     })
 }
 
-fn apply(step: &Step, mounts: &Mounts, status: RawFd) -> Result<(), String> {
+fn apply(step: &Step, mounts: &Mounts) -> Result<(), String> {
     match step {
         Step::MakeRootPrivate => sys::mount(
             None,
@@ -504,24 +504,27 @@ fn apply(step: &Step, mounts: &Mounts, status: RawFd) -> Result<(), String> {
             target,
             remount,
         } => bind(source, target, *remount),
-        Step::MaskFile { target } => {
-            if target.exists() {
-                bind(Path::new("/dev/null"), target, RDONLY | NOSUID | NOEXEC)?;
-            }
-            Ok(())
-        }
-        Step::MaskDir { empty, target } => {
-            if target.is_dir() {
-                bind(empty, target, RDONLY | NOSUID | NODEV | NOEXEC)?;
-            }
-            Ok(())
-        }
-        Step::ReadOnly { target } => {
-            if target.exists() {
-                bind(target, target, RDONLY | NOSUID | NODEV | NOEXEC)?;
-            }
-            Ok(())
-        }
+        // No look before the bind: a missing target fails the bind itself (ENOENT), and a
+        // directory's mask over a file (ENOTDIR), which is what "skipped if it does not
+        // exist" means; one path walk instead of two.
+        Step::MaskFile { target } => bind_unless(
+            Path::new("/dev/null"),
+            target,
+            RDONLY | NOSUID | NOEXEC,
+            &[libc::ENOENT],
+        ),
+        Step::MaskDir { empty, target } => bind_unless(
+            empty,
+            target,
+            RDONLY | NOSUID | NODEV | NOEXEC,
+            &[libc::ENOENT, libc::ENOTDIR],
+        ),
+        Step::ReadOnly { target } => bind_unless(
+            target,
+            target,
+            RDONLY | NOSUID | NODEV | NOEXEC,
+            &[libc::ENOENT],
+        ),
         Step::Sysfs { target } => {
             if let Some(fd) = mounts.sysfs {
                 return sys::move_mount_to(fd.as_raw_fd(), target)
@@ -556,7 +559,7 @@ fn apply(step: &Step, mounts: &Mounts, status: RawFd) -> Result<(), String> {
             symlink(to, link).map_err(|e| err(format!("symlink {} -> {to}", link.display()), e))
         }
         Step::Mark(name) => {
-            mark(status, name);
+            mark(name);
             Ok(())
         }
         Step::Pivot { root } => pivot(root),
@@ -575,43 +578,95 @@ fn apply(step: &Step, mounts: &Mounts, status: RawFd) -> Result<(), String> {
     }
 }
 
+/// The process's umask (read once: this single-threaded child does not change it
+/// before the root filesystem is built).
+fn umask() -> u32 {
+    static UMASK: std::sync::OnceLock<u32> = std::sync::OnceLock::new();
+    *UMASK.get_or_init(|| {
+        // SAFETY: umask has no memory arguments; the old value is put back at once.
+        unsafe {
+            let m = libc::umask(0o022);
+            libc::umask(m);
+            m
+        }
+    })
+}
+
+/// A directory at `path` with `mode`, made with its parents if missing; an existing
+/// directory is left as it is. Most of the plan's directories are new (in the fresh
+/// staging tmpfs): one `mkdir` makes them, with a `chmod` only for the bits the umask
+/// cleared (the sticky `/tmp`).
 fn ensure_dir(path: &Path, mode: u32) -> Result<(), String> {
-    if path.is_dir() {
-        return Ok(());
+    match fs::DirBuilder::new().mode(mode).create(path) {
+        Ok(()) if mode & umask() == 0 => return Ok(()),
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
+            return if path.is_dir() {
+                Ok(())
+            } else {
+                Err(err(format!("mkdir {}", path.display()), e))
+            };
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            fs::DirBuilder::new()
+                .recursive(true)
+                .mode(mode)
+                .create(path)
+                .map_err(|e| err(format!("mkdir {}", path.display()), e))?;
+        }
+        Err(e) => return Err(err(format!("mkdir {}", path.display()), e)),
     }
-    fs::DirBuilder::new()
-        .recursive(true)
-        .mode(mode)
-        .create(path)
-        .map_err(|e| err(format!("mkdir {}", path.display()), e))?;
-    // The umask may have cleared bits (e.g. the sticky /tmp).
+    // The umask cleared bits (e.g. the sticky /tmp).
     fs::set_permissions(path, fs::Permissions::from_mode(mode))
         .map_err(|e| err(format!("chmod {}", path.display()), e))
 }
 
+/// An empty regular file at `path` (and its parents) if nothing is there; whatever is
+/// there is left as it is, never opened (it may be a tenant's FIFO).
 fn ensure_file(path: &Path) -> Result<(), String> {
-    if path.exists() {
-        return Ok(());
+    let create = || {
+        fs::OpenOptions::new()
+            .create_new(true)
+            .write(true)
+            .open(path)
+    };
+    let made = match create() {
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => match path.parent() {
+            Some(parent) => {
+                ensure_dir(parent, 0o755)?;
+                create()
+            }
+            None => Err(e),
+        },
+        r => r,
+    };
+    match made {
+        Ok(_) => Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => Ok(()),
+        Err(e) => Err(err(format!("create {}", path.display()), e)),
     }
-    if let Some(parent) = path.parent() {
-        ensure_dir(parent, 0o755)?;
-    }
-    fs::OpenOptions::new()
-        .create(true)
-        .truncate(false)
-        .write(true)
-        .open(path)
-        .map(drop)
-        .map_err(|e| err(format!("create {}", path.display()), e))
 }
 
 fn bind(source: &Path, target: &Path, remount: libc::c_ulong) -> Result<(), String> {
-    sys::mount(Some(source), target, None, libc::MS_BIND, None).map_err(|e| {
-        err(
-            format!("bind {} on {}", source.display(), target.display()),
-            e,
-        )
-    })?;
+    bind_unless(source, target, remount, &[])
+}
+
+/// [`bind`], or nothing when the bind fails with one of `skip` (a missing target).
+fn bind_unless(
+    source: &Path,
+    target: &Path,
+    remount: libc::c_ulong,
+    skip: &[i32],
+) -> Result<(), String> {
+    match sys::mount(Some(source), target, None, libc::MS_BIND, None) {
+        Err(e) if e.raw_os_error().is_some_and(|c| skip.contains(&c)) => return Ok(()),
+        r => r.map_err(|e| {
+            err(
+                format!("bind {} on {}", source.display(), target.display()),
+                e,
+            )
+        })?,
+    }
     if remount != 0 {
         sys::mount(
             None,

@@ -256,6 +256,8 @@ fn run_helper(
             None => {}
         }
     }
+    // The helper's lines and its child's come in two writes, in either order.
+    timings.sort_by_key(|(_, d)| *d);
     if !errors.is_empty() {
         return Err(Error::Setup(errors.join("; ")));
     }
