@@ -24,7 +24,7 @@ use cubicle_store::{EventQuery, EventRow, SandboxRow, Store, now_ms};
 use serde::Serialize;
 use serde_json::{Map, Value};
 use sha2::{Digest, Sha256};
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, oneshot};
 
 use crate::error::{ApiError, ApiResult};
 use crate::query::{Query, format_time};
@@ -168,11 +168,22 @@ struct Pending {
     event: SandboxEvent,
 }
 
+/// What the writer receives: an event, or a caller waiting until everything queued
+/// before it is stored ([`Events::flush`]).
+#[expect(
+    clippy::large_enum_variant,
+    reason = "nearly every value is an event; a box would cost each one an allocation"
+)]
+enum Queued {
+    Event(Pending),
+    Flush(oneshot::Sender<()>),
+}
+
 /// The lifecycle events of one control plane.
 pub struct Events {
     store: Store,
     telemetry: Arc<Telemetry>,
-    queue: mpsc::UnboundedSender<Pending>,
+    queue: mpsc::UnboundedSender<Queued>,
     /// Team id → name (teams are never renamed).
     teams: Mutex<HashMap<i64, String>>,
 }
@@ -181,13 +192,14 @@ impl Events {
     /// Starts the background task that stores events and hands them to `webhooks`
     /// (it ends when the `Events` is dropped).
     pub fn start(store: Store, telemetry: Arc<Telemetry>, webhooks: Arc<Webhooks>) -> Events {
-        let (queue, mut rx) = mpsc::unbounded_channel::<Pending>();
+        let (queue, mut rx) = mpsc::unbounded_channel::<Queued>();
         let st = store.clone();
         tokio::spawn(async move {
             let mut batch = Vec::new();
             while rx.recv_many(&mut batch, EVENT_BATCH).await > 0 {
                 let until = tokio::time::Instant::now() + EVENT_GATHER;
-                while batch.len() < EVENT_BATCH {
+                let flushing = |b: &[Queued]| b.iter().any(|q| matches!(q, Queued::Flush(_)));
+                while batch.len() < EVENT_BATCH && !flushing(&batch) {
                     let room = EVENT_BATCH - batch.len();
                     match tokio::time::timeout_at(until, rx.recv_many(&mut batch, room)).await {
                         // More came; or the window ended, or the sender is gone (stored
@@ -198,7 +210,15 @@ impl Events {
                 }
                 let mut rows = Vec::with_capacity(batch.len());
                 let mut deliveries = Vec::with_capacity(batch.len());
-                for p in batch.drain(..) {
+                let mut flushed = Vec::new();
+                for q in batch.drain(..) {
+                    let p = match q {
+                        Queued::Event(p) => p,
+                        Queued::Flush(done) => {
+                            flushed.push(done);
+                            continue;
+                        }
+                    };
                     let body = match serde_json::to_string(&p.event) {
                         Ok(b) => b,
                         Err(e) => {
@@ -241,6 +261,9 @@ impl Events {
                 }
                 for (team, kind, body) in deliveries {
                     webhooks.deliver(team, &kind, body.into());
+                }
+                for done in flushed {
+                    let _ = done.send(());
                 }
             }
         });
@@ -325,10 +348,20 @@ impl Events {
             }
         );
         self.telemetry.lifecycle_event(kind);
-        let _ = self.queue.send(Pending {
+        let _ = self.queue.send(Queued::Event(Pending {
             team_id: row.team_id,
             event,
-        });
+        }));
+    }
+
+    /// Returns when every event emitted before the call is stored (and handed to the
+    /// webhooks), without waiting out the gathering window: for a server that stops,
+    /// whose runtime would otherwise end the writer with the last events unstored.
+    pub async fn flush(&self) {
+        let (done, stored) = oneshot::channel();
+        if self.queue.send(Queued::Flush(done)).is_ok() {
+            let _ = stored.await;
+        }
     }
 
     /// `GET /events/sandboxes[/{id}]`: the team's events (of one sandbox when given).
@@ -388,22 +421,10 @@ mod tests {
         assert_eq!(EventKind::parse("sandbox.lifecycle.exploded"), None);
     }
 
-    /// Events emitted a few milliseconds apart are stored in one commit: a reader
-    /// polling the store sees none of them, then all of them (one commit each showed
-    /// them one by one, two milliseconds apart).
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn events_a_few_milliseconds_apart_are_stored_together() {
-        let store = Store::open_in_memory().unwrap();
-        let team = store.ensure_team("t").unwrap();
-        let telemetry = Arc::new(Telemetry::new());
-        let hooks =
-            crate::webhooks::Webhooks::open(store.clone(), Default::default(), telemetry.clone())
-                .await
-                .unwrap();
-        let events = Events::start(store.clone(), telemetry, hooks);
-        let row = SandboxRow {
+    fn test_row(team_id: i64) -> SandboxRow {
+        SandboxRow {
             id: "i1".into(),
-            team_id: team.id,
+            team_id,
             template_id: "base".into(),
             alias: None,
             metadata: Default::default(),
@@ -418,7 +439,23 @@ mod tests {
             state: cubicle_store::SandboxRowState::Running,
             death_reason: None,
             ended_at: None,
-        };
+        }
+    }
+
+    /// Events emitted a few milliseconds apart are stored in one commit: a reader
+    /// polling the store sees none of them, then all of them (one commit each showed
+    /// them one by one, two milliseconds apart).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn events_a_few_milliseconds_apart_are_stored_together() {
+        let store = Store::open_in_memory().unwrap();
+        let team = store.ensure_team("t").unwrap();
+        let telemetry = Arc::new(Telemetry::new());
+        let hooks =
+            crate::webhooks::Webhooks::open(store.clone(), Default::default(), telemetry.clone())
+                .await
+                .unwrap();
+        let events = Events::start(store.clone(), telemetry, hooks);
+        let row = test_row(team.id);
         let stored = {
             let store = store.clone();
             move || {
@@ -456,6 +493,40 @@ mod tests {
             .await
             .unwrap();
         assert_eq!(seen, [0, 3], "the stored count as a reader saw it change");
+    }
+
+    /// A stopping server flushes: what was emitted is stored when `flush` returns, not
+    /// at the end of the gathering window (which a stopping runtime would cut short).
+    #[tokio::test]
+    async fn a_flush_stores_what_was_emitted() {
+        let store = Store::open_in_memory().unwrap();
+        let team = store.ensure_team("t").unwrap();
+        let telemetry = Arc::new(Telemetry::new());
+        let hooks =
+            crate::webhooks::Webhooks::open(store.clone(), Default::default(), telemetry.clone())
+                .await
+                .unwrap();
+        let events = Events::start(store.clone(), telemetry, hooks);
+        let stored = || {
+            let q = EventQuery {
+                team_id: team.id,
+                sandbox_id: None,
+                kinds: Vec::new(),
+                offset: 0,
+                limit: 100,
+                ascending: true,
+            };
+            store.events(&q).unwrap().len()
+        };
+        // Nothing queued: returns at once.
+        events.flush().await;
+        assert_eq!(stored(), 0);
+        let row = test_row(team.id);
+        events.emit(EventKind::Created, &row, Map::new());
+        events.emit(EventKind::Killed, &row, Map::new());
+        assert_eq!(stored(), 0, "still in the gathering window");
+        events.flush().await;
+        assert_eq!(stored(), 2);
     }
 
     #[test]

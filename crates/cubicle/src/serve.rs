@@ -712,6 +712,9 @@ pub async fn run(
     if let Some(c) = coordination {
         c.abort();
     }
+    // The lifecycle events of the last requests, which the event writer may still be
+    // gathering: stored before the runtime ends it.
+    cp.events().flush().await;
     if let Some(node) = node {
         node.stop().await;
     }
