@@ -442,11 +442,13 @@ mod tests {
         }
     }
 
-    /// Events emitted a few milliseconds apart are stored in one commit: a reader
-    /// polling the store sees none of them, then all of them (one commit each showed
-    /// them one by one, two milliseconds apart).
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn events_a_few_milliseconds_apart_are_stored_together() {
+    /// An event writer over a new in-memory store with one team; and how many events
+    /// that team has stored.
+    async fn writer() -> (
+        Events,
+        SandboxRow,
+        impl Fn() -> usize + Clone + Send + 'static,
+    ) {
         let store = Store::open_in_memory().unwrap();
         let team = store.ensure_team("t").unwrap();
         let telemetry = Arc::new(Telemetry::new());
@@ -455,21 +457,26 @@ mod tests {
                 .await
                 .unwrap();
         let events = Events::start(store.clone(), telemetry, hooks);
-        let row = test_row(team.id);
-        let stored = {
-            let store = store.clone();
-            move || {
-                let q = EventQuery {
-                    team_id: team.id,
-                    sandbox_id: None,
-                    kinds: Vec::new(),
-                    offset: 0,
-                    limit: 100,
-                    ascending: true,
-                };
-                store.events(&q).unwrap().len()
-            }
+        let stored = move || {
+            let q = EventQuery {
+                team_id: team.id,
+                sandbox_id: None,
+                kinds: Vec::new(),
+                offset: 0,
+                limit: 100,
+                ascending: true,
+            };
+            store.events(&q).unwrap().len()
         };
+        (events, test_row(team.id), stored)
+    }
+
+    /// Events emitted a few milliseconds apart are stored in one commit: a reader
+    /// polling the store sees none of them, then all of them (one commit each showed
+    /// them one by one, two milliseconds apart).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn events_a_few_milliseconds_apart_are_stored_together() {
+        let (events, row, stored) = writer().await;
         let watcher = {
             let stored = stored.clone();
             std::thread::spawn(move || {
@@ -499,29 +506,10 @@ mod tests {
     /// at the end of the gathering window (which a stopping runtime would cut short).
     #[tokio::test]
     async fn a_flush_stores_what_was_emitted() {
-        let store = Store::open_in_memory().unwrap();
-        let team = store.ensure_team("t").unwrap();
-        let telemetry = Arc::new(Telemetry::new());
-        let hooks =
-            crate::webhooks::Webhooks::open(store.clone(), Default::default(), telemetry.clone())
-                .await
-                .unwrap();
-        let events = Events::start(store.clone(), telemetry, hooks);
-        let stored = || {
-            let q = EventQuery {
-                team_id: team.id,
-                sandbox_id: None,
-                kinds: Vec::new(),
-                offset: 0,
-                limit: 100,
-                ascending: true,
-            };
-            store.events(&q).unwrap().len()
-        };
+        let (events, row, stored) = writer().await;
         // Nothing queued: returns at once.
         events.flush().await;
         assert_eq!(stored(), 0);
-        let row = test_row(team.id);
         events.emit(EventKind::Created, &row, Map::new());
         events.emit(EventKind::Killed, &row, Map::new());
         assert_eq!(stored(), 0, "still in the gathering window");
