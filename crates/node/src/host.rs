@@ -89,6 +89,21 @@ fn cpu_seconds(stat: &str) -> Vec<(&'static str, f64)> {
         .collect()
 }
 
+/// Busy CPU time since boot, all CPUs, in seconds: the `user`, `nice`, `system`, `irq`
+/// and `softirq` time of `/proc/stat` (idle, iowait and a hypervisor's steal are not
+/// the host's work); `None` where it cannot be read.
+pub fn cpu_busy_seconds() -> Option<f64> {
+    busy_seconds(&cpu_seconds(&std::fs::read_to_string("/proc/stat").ok()?))
+}
+
+/// The busy modes' sum of [`cpu_seconds`]' output; `None` if one is missing.
+fn busy_seconds(modes: &[(&'static str, f64)]) -> Option<f64> {
+    ["user", "nice", "system", "irq", "softirq"]
+        .iter()
+        .map(|m| modes.iter().find(|(n, _)| n == m).map(|(_, v)| *v))
+        .sum()
+}
+
 /// (total, available) bytes of the filesystem holding `path`.
 fn disk_space(path: &Path) -> Option<(u64, u64)> {
     cubicle_syscalls::fs::disk_space(path).ok()
@@ -109,6 +124,22 @@ mod tests {
         assert_eq!(s.len(), 8);
         assert_eq!(s[0].0, "user");
         assert!(s[0].1 > 0.0 && s[3].1 > s[0].1);
+    }
+
+    #[test]
+    fn busy_time_adds_user_nice_system_irq_softirq() {
+        // Seconds per clock tick, as `cpu_seconds` converts them.
+        let tick = cpu_seconds("cpu  100 0 0 0 0 0 0 0\n")[0].1 / 100.0;
+        let stat = "cpu  100 20 300 9000 50 4 6 70 0 0\ncpu0 50 10 150 4500 25 2 3 35 0 0\n";
+        let busy = busy_seconds(&cpu_seconds(stat)).unwrap();
+        assert!(
+            (busy - (100 + 20 + 300 + 4 + 6) as f64 * tick).abs() < 1e-9,
+            "{busy}"
+        );
+        assert_eq!(busy_seconds(&cpu_seconds("cpu0 1 2 3 4 5 6 7\n")), None);
+        assert_eq!(busy_seconds(&cpu_seconds("cpu  1 2 x 4 5 6 7\n")), None);
+        assert_eq!(busy_seconds(&cpu_seconds("cpu  1 2 3 4 5\n")), None);
+        assert!(cpu_busy_seconds().is_some(), "this machine has /proc/stat");
     }
 
     #[test]

@@ -38,7 +38,7 @@ pub(super) async fn measure_create(cx: &Ctx, template: &str, conc: usize, pace: 
     } else {
         // Bursts: `conc` creates at once (timed), then all killed (untimed), then a pause
         // for teardowns (and pool refills) to settle before the next burst.
-        let busy_before = host_busy();
+        let busy_before = cubicle_node::host::cpu_busy_seconds();
         let rounds = cx.iterations.div_ceil(conc);
         for _ in 0..rounds {
             let mut tasks = Vec::new();
@@ -77,52 +77,14 @@ pub(super) async fn measure_create(cx: &Ctx, template: &str, conc: usize, pace: 
         // refills) ended within its pause, so the busy time over the row, per sandbox
         // made, is the CPU of one made and removed (plus the bench's client and whatever
         // else ran on the machine: meaningful with the server on the same machine).
-        if let (Some(a), Some(b)) = (busy_before, host_busy())
+        if let (Some(a), Some(b)) = (busy_before, cubicle_node::host::cpu_busy_seconds())
             && !row.samples.is_empty()
         {
-            let per = b.saturating_sub(a).as_secs_f64() * 1e3 / row.samples.len() as f64;
+            let per = (b - a).max(0.0) * 1e3 / row.samples.len() as f64;
             row = row.with("host_cpu_ms_per_sandbox", (per * 100.0).round() / 100.0);
         }
     }
     row.with("template", template)
         .with("pool", cx.pool.as_str())
         .with("internet", internet)
-}
-
-/// Busy CPU time of this machine since boot, all CPUs (user, nice, system, irq and
-/// softirq time of `/proc/stat`), or `None` where it cannot be read.
-fn host_busy() -> Option<Duration> {
-    let stat = std::fs::read_to_string("/proc/stat").ok()?;
-    // SAFETY: sysconf has no memory arguments.
-    let hz = match unsafe { libc::sysconf(libc::_SC_CLK_TCK) } {
-        n if n > 0 => n as u64,
-        _ => 100,
-    };
-    busy_ticks(&stat).map(|t| Duration::from_micros(t * 1_000_000 / hz))
-}
-
-/// The busy clock ticks of `/proc/stat`'s text: its `cpu` line's user, nice, system,
-/// irq and softirq (idle, iowait and a hypervisor's steal are not this machine's work).
-fn busy_ticks(stat: &str) -> Option<u64> {
-    let line = stat.lines().find_map(|l| l.strip_prefix("cpu "))?;
-    let f: Vec<u64> = line
-        .split_whitespace()
-        .map(|x| x.parse().ok())
-        .collect::<Option<_>>()?;
-    Some(f.first()? + f.get(1)? + f.get(2)? + f.get(5)? + f.get(6)?)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn busy_ticks_add_user_nice_system_irq_softirq() {
-        let stat = "cpu  100 20 300 9000 50 4 6 70 0 0\ncpu0 50 10 150 4500 25 2 3 35 0 0\n";
-        assert_eq!(busy_ticks(stat), Some(100 + 20 + 300 + 4 + 6));
-        assert_eq!(busy_ticks("cpu0 1 2 3 4 5 6 7\n"), None);
-        assert_eq!(busy_ticks("cpu  1 2 x 4 5 6 7\n"), None);
-        assert_eq!(busy_ticks("cpu  1 2 3 4 5\n"), None);
-        assert!(host_busy().is_some(), "this machine has /proc/stat");
-    }
 }
