@@ -598,7 +598,6 @@ fn umask() -> u32 {
 /// cleared (the sticky `/tmp`).
 fn ensure_dir(path: &Path, mode: u32) -> Result<(), String> {
     match fs::DirBuilder::new().mode(mode).create(path) {
-        Ok(()) if mode & umask() == 0 => return Ok(()),
         Ok(()) => {}
         Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
             return if path.is_dir() {
@@ -615,6 +614,9 @@ fn ensure_dir(path: &Path, mode: u32) -> Result<(), String> {
                 .map_err(|e| err(format!("mkdir {}", path.display()), e))?;
         }
         Err(e) => return Err(err(format!("mkdir {}", path.display()), e)),
+    }
+    if mode & umask() == 0 {
+        return Ok(());
     }
     // The umask cleared bits (e.g. the sticky /tmp).
     fs::set_permissions(path, fs::Permissions::from_mode(mode))
