@@ -6,7 +6,9 @@
 //! `/bin/sleep` as init. Runs `cubicle_runtime::bench::spawn_latency` and prints
 //! percentiles per setup step. With `CUBICLE_BENCH_VOLUME=1`, also
 //! `cubicle_runtime::bench::volume_mount_cost` (spawns with and without a volume, and
-//! attaching one to a running sandbox).
+//! attaching one to a running sandbox). With `CUBICLE_BENCH_SHELL=1`, also
+//! `cubicle_runtime::bench::shell_attach_cost` (a template's sandbox spawned, against a
+//! shell made ahead and given the template's root).
 
 use std::fs;
 use std::os::unix::fs::{PermissionsExt, symlink};
@@ -83,8 +85,24 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         }
         None => None,
     };
+    // CUBICLE_BENCH_SHELL=1: also what a shell made ahead saves a cold create (its init
+    // is busybox, bound under /run: a shell's root has nothing else).
+    let shell_report = std::env::var_os("CUBICLE_BENCH_SHELL").map(|_| {
+        base.id = format!("bench{}s", std::process::id() % 100_000);
+        let bb = cubicle_runtime::BindMount {
+            source: template.join("bin/busybox"),
+            target: "/run/bench/busybox".into(),
+            readonly: true,
+            idmapped: false,
+        };
+        let init = ["/run/bench/busybox", "sleep", "600"].map(String::from);
+        cubicle_runtime::bench::shell_attach_cost(&base, &init, &[bb], iterations, &sandboxes)
+    });
     let _ = fs::remove_dir_all(&root);
     print!("{}", report?);
+    if let Some(r) = shell_report {
+        print!("shells ({iterations} of each kind, interleaved)\n{}", r?);
+    }
     if let Some(r) = volume_report {
         print!("volumes ({iterations} of each, interleaved)\n{}", r?);
     }

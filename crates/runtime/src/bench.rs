@@ -95,28 +95,38 @@ pub fn spawn_latency(base: &SandboxSpec, iterations: usize, dirs: &Path) -> Resu
         let t = Instant::now();
         let sb = spawn(&spec)?;
         spawn_t.push(t.elapsed());
-        for (name, d) in sb.timings() {
-            match steps.iter_mut().find(|(s, _)| s == name) {
-                Some((_, v)) => v.push(*d),
-                None => steps.push((name.clone(), vec![*d])),
-            }
-        }
+        collect_steps(&mut steps, sb.timings());
         let t = Instant::now();
         sb.destroy()?;
         destroy_t.push(t.elapsed());
         let _ = std::fs::remove_dir_all(&spec.sandbox_dir);
     }
+    Ok(BenchReport {
+        iterations,
+        spawn: Percentiles::of(&spawn_t),
+        destroy: Percentiles::of(&destroy_t),
+        steps: step_percentiles(steps),
+    })
+}
+
+/// Adds one run's step timings to `steps` (by step name, in first-seen order).
+fn collect_steps(steps: &mut Vec<(String, Vec<Duration>)>, timings: &[(String, Duration)]) {
+    for (name, d) in timings {
+        match steps.iter_mut().find(|(s, _)| s == name) {
+            Some((_, v)) => v.push(*d),
+            None => steps.push((name.clone(), vec![*d])),
+        }
+    }
+}
+
+/// Each step's percentiles, in the order of their medians.
+fn step_percentiles(steps: Vec<(String, Vec<Duration>)>) -> Vec<(String, Percentiles)> {
     let mut steps: Vec<(String, Percentiles)> = steps
         .into_iter()
         .map(|(n, v)| (n, Percentiles::of(&v)))
         .collect();
     steps.sort_by_key(|(_, p)| p.p50);
-    Ok(BenchReport {
-        iterations,
-        spawn: Percentiles::of(&spawn_t),
-        destroy: Percentiles::of(&destroy_t),
-        steps,
-    })
+    steps
 }
 
 /// Result of [`volume_mount_cost`].
@@ -225,6 +235,120 @@ pub fn volume_mount_cost(
         attach: Percentiles::of(&attach),
         bind_steps_plain: Percentiles::of(&steps_plain),
         bind_steps_with_volume: Percentiles::of(&steps_with),
+    })
+}
+
+/// Result of [`shell_attach_cost`].
+#[derive(Clone, Debug, Default)]
+pub struct ShellReport {
+    /// Sandboxes of each kind.
+    pub iterations: usize,
+    /// `spawn()` of the template's sandbox (a cold create's runtime part).
+    pub spawn: Percentiles,
+    /// [`crate::Sandbox::attach_root`] of the template to a running shell (what would
+    /// be left of a cold create's runtime part with shells made ahead).
+    pub attach: Percentiles,
+    /// CPU time per sandbox (this process and the helpers, children and inits it
+    /// reaped) of a template's sandbox spawned and destroyed.
+    pub cycle_cpu: Duration,
+    /// The same for a shell spawned and destroyed, never attached.
+    pub shell_cycle_cpu: Duration,
+    /// CPU time per attach (this process and the helper it reaped).
+    pub attach_cpu: Duration,
+    /// Time from the start of `attach_root` to each of its steps.
+    pub attach_steps: Vec<(String, Percentiles)>,
+}
+
+impl std::fmt::Display for ShellReport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let ms = |d: Duration| d.as_secs_f64() * 1000.0;
+        writeln!(f, "  spawn a template's sandbox : {}", self.spawn)?;
+        writeln!(f, "  attach it to a shell       : {}", self.attach)?;
+        writeln!(
+            f,
+            "  CPU per sandbox: spawn+destroy {:.3} ms; shell spawn+destroy {:.3} ms; attach {:.3} ms",
+            ms(self.cycle_cpu),
+            ms(self.shell_cycle_cpu),
+            ms(self.attach_cpu)
+        )?;
+        writeln!(f, "  time since attach_root() start, per step:")?;
+        for (step, p) in &self.attach_steps {
+            writeln!(f, "    {step:<18} {p}")?;
+        }
+        Ok(())
+    }
+}
+
+/// CPU time of this process and of the children it has reaped (user + system).
+fn cpu_time() -> Duration {
+    let of = |who| {
+        // SAFETY: a zeroed rusage is a valid out buffer.
+        let mut u: libc::rusage = unsafe { std::mem::zeroed() };
+        // SAFETY: valid `who` and out pointer.
+        unsafe { libc::getrusage(who, &mut u) };
+        let tv = |t: libc::timeval| Duration::new(t.tv_sec as u64, t.tv_usec as u32 * 1000);
+        tv(u.ru_utime) + tv(u.ru_stime)
+    };
+    of(libc::RUSAGE_SELF) + of(libc::RUSAGE_CHILDREN)
+}
+
+/// What a shell saves a cold create: per iteration, a sandbox of `base` spawned and
+/// destroyed; a shell of the same spec spawned and destroyed; and a shell spawned, then
+/// (timed) given `base`'s root with [`crate::Sandbox::attach_root`], then destroyed.
+/// `shell_init` is the shells' init (its program must be reachable in a shell: under
+/// `/run`, e.g. through `shell_binds`).
+pub fn shell_attach_cost(
+    base: &SandboxSpec,
+    shell_init: &[String],
+    shell_binds: &[crate::spec::BindMount],
+    iterations: usize,
+    dirs: &Path,
+) -> Result<ShellReport> {
+    let (mut spawn_t, mut attach_t) = (Vec::new(), Vec::new());
+    let mut steps = Vec::new();
+    let (mut cycle, mut shell_cycle, mut attach_cpu) =
+        (Duration::ZERO, Duration::ZERO, Duration::ZERO);
+    for n in 0..iterations {
+        for kind in ["t", "s", "a"] {
+            let mut spec = base.clone();
+            spec.id = format!("{}{n}{kind}", base.id);
+            spec.sandbox_dir = dirs.join(&spec.id);
+            spec.uid_base = base.uid_base + (n as u32 % 64) * spec.uid_count;
+            let mut shell = spec.clone();
+            shell.shell = true;
+            shell.init = shell_init.to_vec();
+            shell.binds = shell_binds.to_vec();
+            let c0 = cpu_time();
+            let t = Instant::now();
+            let sb = spawn(if kind == "t" { &spec } else { &shell })?;
+            if kind == "t" {
+                spawn_t.push(t.elapsed());
+            }
+            if kind == "a" {
+                let (c, t) = (cpu_time(), Instant::now());
+                let timings = sb.attach_root(&spec)?;
+                attach_t.push(t.elapsed());
+                collect_steps(&mut steps, &timings);
+                attach_cpu += cpu_time() - c;
+            }
+            sb.destroy()?;
+            match kind {
+                "t" => cycle += cpu_time() - c0,
+                "s" => shell_cycle += cpu_time() - c0,
+                _ => {}
+            }
+            let _ = std::fs::remove_dir_all(&spec.sandbox_dir);
+        }
+    }
+    let per = |d: Duration| d / iterations.max(1) as u32;
+    Ok(ShellReport {
+        iterations,
+        spawn: Percentiles::of(&spawn_t),
+        attach: Percentiles::of(&attach_t),
+        cycle_cpu: per(cycle),
+        shell_cycle_cpu: per(shell_cycle),
+        attach_cpu: per(attach_cpu),
+        attach_steps: step_percentiles(steps),
     })
 }
 

@@ -45,6 +45,10 @@ use crate::sys;
 #[derive(Serialize, Deserialize)]
 pub(crate) struct HelperRequest {
     pub spec: SandboxSpec,
+    /// `Some(pid)`: not a new sandbox but `spec`'s root for the running shell whose init
+    /// is `pid` (`reroot.rs`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reroot: Option<i32>,
 }
 
 /// One line of the status protocol.
@@ -153,6 +157,9 @@ fn run(request: &[u8], policy: &SeccompPolicy, out: RawFd) -> Result<(), String>
     }
     let spec = req.spec;
     spec.validate().map_err(|e| e.to_string())?;
+    if let Some(pid) = req.reroot {
+        return crate::reroot::run(&spec, pid);
+    }
 
     if let Some(limit) = spec.open_files {
         crate::fd_limit::set(limit).map_err(|e| format!("open-files limit {limit:?}: {e}"))?;

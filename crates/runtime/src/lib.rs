@@ -87,6 +87,7 @@ mod id;
 mod init_log;
 pub mod masked_paths;
 mod remove_tree;
+mod reroot;
 pub mod restore;
 mod rootfs;
 mod sandbox;

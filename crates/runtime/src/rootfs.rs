@@ -104,6 +104,10 @@ pub(crate) enum Step {
     Mark(&'static str),
     /// chdir(root); pivot_root(".", "."); umount2(".", MNT_DETACH); chdir("/").
     Pivot { root: PathBuf },
+    /// Move the mount at `from` (with every mount below it) to `to`.
+    Move { from: PathBuf, to: PathBuf },
+    /// Detach the mount at `target` (`umount2(MNT_DETACH)`).
+    Detach { target: PathBuf },
     /// Attach bind mount #`index` (the helper's detached mount of bind `index`) at
     /// `target` (a path inside the sandbox, after the pivot), creating a file or
     /// directory to match.
@@ -212,26 +216,20 @@ pub(crate) fn plan(spec: &SandboxSpec, cgroups: &InnerMounts) -> Vec<Step> {
             target: target.clone(),
         });
     }
-    s.push(Step::Mount {
-        source: "overlay".into(),
-        target: root.clone(),
-        fstype: "overlay".into(),
-        flags: 0,
-        data: Some(overlay_options(spec, &lowers)),
-    });
-    s.push(Step::Mark("overlay_mounted"));
-    for (d, mode) in [
-        ("proc", 0o555),
-        ("sys", 0o555),
-        ("dev", 0o755),
-        ("run", 0o755),
-        ("tmp", 0o1777),
-    ] {
-        s.push(Step::Dir {
-            path: root.join(d),
-            mode,
+    if spec.shell {
+        // A shell's root: its empty directory of the staging tmpfs, bound on itself (a
+        // mount point to pivot into); a template's overlay replaces it (`reroot.rs`).
+        s.push(Step::Bind {
+            source: root.clone(),
+            target: root.clone(),
+            remount: 0,
         });
+        s.push(Step::Mark("shell_root_mounted"));
+    } else {
+        s.push(overlay(spec, &lowers, &root));
+        s.push(Step::Mark("overlay_mounted"));
     }
+    root_dirs(&mut s, &root);
 
     // /proc
     s.push(Step::Mount {
@@ -337,6 +335,35 @@ pub(crate) fn plan(spec: &SandboxSpec, cgroups: &InnerMounts) -> Vec<Step> {
         });
     }
     s
+}
+
+/// The overlay of `spec`'s layers (attached at `lowers`) and its upper directory, on
+/// `root`.
+pub(crate) fn overlay(spec: &SandboxSpec, lowers: &[PathBuf], root: &Path) -> Step {
+    Step::Mount {
+        source: "overlay".into(),
+        target: root.to_path_buf(),
+        fstype: "overlay".into(),
+        flags: 0,
+        data: Some(overlay_options(spec, lowers)),
+    }
+}
+
+/// The mount points a root needs (made in the overlay's upper layer when the template
+/// lacks them) and `/tmp` with its sticky mode.
+pub(crate) fn root_dirs(s: &mut Vec<Step>, root: &Path) {
+    for (d, mode) in [
+        ("proc", 0o555),
+        ("sys", 0o555),
+        ("dev", 0o755),
+        ("run", 0o755),
+        ("tmp", 0o1777),
+    ] {
+        s.push(Step::Dir {
+            path: root.join(d),
+            mode,
+        });
+    }
 }
 
 /// `staging/name` (a directory of the staging tmpfs, `mode`) bound on `target` with `flags`.
@@ -563,6 +590,10 @@ fn apply(step: &Step, mounts: &Mounts) -> Result<(), String> {
             Ok(())
         }
         Step::Pivot { root } => pivot(root),
+        Step::Move { from, to } => sys::move_mount_path(from, to)
+            .map_err(|e| err(format!("move {} to {}", from.display(), to.display()), e)),
+        Step::Detach { target } => cubicle_syscalls::fs::unmount_detach(target)
+            .map_err(|e| err(format!("detach {}", target.display()), e)),
         Step::AttachBind { index, target } => {
             let fd = mounts
                 .binds
@@ -715,7 +746,7 @@ fn pivot(root: &Path) -> Result<(), String> {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::spec::BindMount;
 
@@ -756,7 +787,9 @@ mod tests {
             | Step::MaskDir { target, .. }
             | Step::ReadOnly { target }
             | Step::Sysfs { target }
-            | Step::AttachBind { target, .. } => Some(target),
+            | Step::AttachBind { target, .. }
+            | Step::Detach { target }
+            | Step::Move { to: target, .. } => Some(target),
             Step::Sysctl { path, .. } => Some(path),
             Step::Symlink { link, .. } => Some(link),
             Step::Pivot { root } => Some(root),
@@ -764,7 +797,7 @@ mod tests {
         }
     }
 
-    fn position(steps: &[Step], f: impl Fn(&Step) -> bool) -> usize {
+    pub(crate) fn position(steps: &[Step], f: impl Fn(&Step) -> bool) -> usize {
         steps.iter().position(f).expect("step present")
     }
 
@@ -807,6 +840,36 @@ mod tests {
                 );
             }
         }
+    }
+
+    #[test]
+    fn a_shell_roots_in_its_tmpfs_with_no_layer() {
+        let mut shell = spec();
+        shell.shell = true;
+        shell.binds.clear();
+        let steps = plan(&shell, &v1());
+        assert!(!steps.iter().any(|s| matches!(s, Step::AttachLower { .. })));
+        assert!(
+            !steps
+                .iter()
+                .any(|s| matches!(s, Step::Mount { fstype, .. } if fstype == "overlay"))
+        );
+        let root = Path::new("/s/abc/rootfs/root");
+        let bound = position(
+            &steps,
+            |s| matches!(s, Step::Bind { source, target, .. } if source == root && target == root),
+        );
+        let proc = position(
+            &steps,
+            |s| matches!(s, Step::Mount { fstype, .. } if fstype == "proc"),
+        );
+        assert!(bound < proc);
+        assert!(matches!(steps.last(), Some(Step::AttachBind { .. })));
+        assert!(
+            steps
+                .iter()
+                .any(|s| matches!(s, Step::Pivot { root: r } if r == root))
+        );
     }
 
     #[test]

@@ -98,7 +98,15 @@ pub fn spawn(spec: &SandboxSpec) -> Result<Sandbox> {
         None => (None, None),
     };
     let mut pid = None;
-    match run_helper(spec, log_writer, start_ns, &mut pid, &mut timings) {
+    let request = HelperRequest {
+        spec: spec.clone(),
+        reroot: None,
+    };
+    let made = run_helper(&request, log_writer, start_ns, &mut pid, &mut timings).and_then(|()| {
+        pid.map(|_| ())
+            .ok_or_else(|| Error::Setup("helper exited without creating the sandbox".into()))
+    });
+    match made {
         Ok(()) => {}
         Err(e) => {
             let _ = cgroup.kill_all();
@@ -208,8 +216,10 @@ fn remove_layers(dir: &Path) -> Result<()> {
     Ok(())
 }
 
+/// Runs one helper for `request` through the zygote and reads its status lines to their
+/// end: the pid it reports (a spawn's) into `pid_out`, its timings into `timings`.
 fn run_helper(
-    spec: &SandboxSpec,
+    request: &HelperRequest,
     writer: Option<OwnedFd>,
     start_ns: u64,
     pid_out: &mut Option<i32>,
@@ -225,7 +235,7 @@ fn run_helper(
             .into(),
     };
     let (out, status_writer) = std::io::pipe().map_err(io_ctx(|| "status pipe".into()))?;
-    let request = serde_json::to_vec(&HelperRequest { spec: spec.clone() })
+    let request = serde_json::to_vec(request)
         .map_err(|e| Error::Setup(format!("encode helper request: {e}")))?;
     let helper = crate::zygote::start_helper(&request, status_writer.as_fd(), log.as_fd())?;
     // Only the helper (and the sandbox child) hold the write end now: end of file means
@@ -266,11 +276,6 @@ fn run_helper(
         return Err(Error::Setup(format!(
             "sandbox helper failed: {helper_status}"
         )));
-    }
-    if pid_out.is_none() {
-        return Err(Error::Setup(
-            "helper exited without creating the sandbox".into(),
-        ));
     }
     Ok(())
 }
@@ -383,6 +388,36 @@ impl Sandbox {
     /// [`connect_ctl_socket`](crate::connect_ctl_socket)).
     pub fn connect_ctl(&self, name: &str) -> Result<std::os::unix::net::UnixStream> {
         crate::ctl::connect_ctl_socket(&self.ctl_dir(), name)
+    }
+
+    /// Gives this running [shell](crate::SandboxSpec::shell) the root `spec` describes
+    /// (its template's layers over the sandbox's upper directory, and `spec.binds`), its
+    /// init running on (see `reroot.rs`). `spec` is the spec a spawn of this sandbox from
+    /// the template would take: same id and directory, not a shell. Blocking (about a
+    /// millisecond). Returns the time from the call to each step (`mounts_prepared`,
+    /// `overlay_mounted`, `pseudo_fs_moved`, `rootfs_ready`, `attached`). On an error the
+    /// sandbox may be half changed: destroy it.
+    pub fn attach_root(&self, spec: &SandboxSpec) -> Result<Vec<(String, Duration)>> {
+        let start = Instant::now();
+        let start_ns = sys::monotonic_ns();
+        spec.validate()?;
+        if spec.shell || spec.id != self.id || spec.sandbox_dir != self.sandbox_dir {
+            return Err(Error::InvalidSpec(format!(
+                "a root for sandbox {} must be a template's spec with its id and directory",
+                self.id
+            )));
+        }
+        if cubicle_syscalls::pidfd::exited(&*self.pidfd) {
+            return Err(Error::Setup(format!("sandbox {} has exited", self.id)));
+        }
+        let request = HelperRequest {
+            spec: spec.clone(),
+            reroot: Some(self.pid),
+        };
+        let mut timings = Vec::new();
+        run_helper(&request, None, start_ns, &mut None, &mut timings)?;
+        timings.push(("attached".to_string(), start.elapsed()));
+        Ok(timings)
     }
 
     /// The sandbox's cgroup.

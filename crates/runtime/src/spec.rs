@@ -133,6 +133,14 @@ pub struct SandboxSpec {
     /// was started with ([`crate::fd_limit::for_sandboxes`]), not the node's raised one.
     #[serde(default)]
     pub open_files: Option<crate::fd_limit::FdLimit>,
+    /// A shell: a sandbox without a template, whose root is an empty directory of its
+    /// staging tmpfs with `/proc`, `/sys`, `/dev` and `/run` (agent binary and ctl
+    /// directory included) mounted as for any sandbox, and its init started there.
+    /// [`crate::Sandbox::attach_root`] later gives it a template's root while the init
+    /// runs. `rootfs` and `layers` are ignored (no layer is mounted), and every bind must
+    /// target a path under `/run/`, whose mount moves to the template's root with it.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub shell: bool,
 }
 
 impl SandboxSpec {
@@ -163,6 +171,7 @@ impl SandboxSpec {
             ctl_socket: None,
             init_log: None,
             open_files: crate::fd_limit::for_sandboxes(),
+            shell: false,
         }
     }
 
@@ -178,8 +187,12 @@ impl SandboxSpec {
     pub fn ctl_dir(&self) -> PathBuf {
         self.sandbox_dir.join("ctl")
     }
-    /// Every read-only layer of the root, bottom first: `rootfs`, then `layers`.
+    /// Every read-only layer of the root, bottom first: `rootfs`, then `layers` (none for
+    /// a [shell](Self::shell)).
     pub fn lowers(&self) -> Vec<&Path> {
+        if self.shell {
+            return Vec::new();
+        }
         std::iter::once(self.rootfs.as_path())
             .chain(self.layers.iter().map(PathBuf::as_path))
             .collect()
@@ -327,6 +340,15 @@ impl SandboxSpec {
             if reserved.iter().any(|r| b.target.starts_with(r)) {
                 return bad(format!("bind target {} is reserved", b.target.display()));
             }
+            if self.shell && !b.target.starts_with("/run") {
+                return bad(format!(
+                    "a shell's bind target {} must be under /run",
+                    b.target.display()
+                ));
+            }
+        }
+        if self.shell && !self.layers.is_empty() {
+            return bad("a shell has no layers".into());
         }
         if let Some(name) = &self.ctl_socket
             && (name.is_empty() || name.contains(['/', '\0']) || name == "." || name == "..")
@@ -360,6 +382,27 @@ mod tests {
             100_000,
             vec!["/bin/sh".into()],
         )
+    }
+
+    #[test]
+    fn a_shell_has_no_layer_and_binds_only_under_run() {
+        let mut s = spec();
+        s.shell = true;
+        assert!(s.lowers().is_empty());
+        s.validate().unwrap();
+        let bind = |target: &str| BindMount {
+            source: "/data".into(),
+            target: target.into(),
+            readonly: true,
+            idmapped: false,
+        };
+        s.binds.push(bind("/run/tools"));
+        s.validate().unwrap();
+        s.binds.push(bind("/opt/tools"));
+        assert!(s.validate().is_err());
+        s.binds.pop();
+        s.layers.push("/t/top".into());
+        assert!(s.validate().is_err());
     }
 
     #[test]

@@ -206,6 +206,24 @@ pub fn move_mount_to(fd: RawFd, target: &Path) -> io::Result<()> {
     Ok(())
 }
 
+/// `move_mount(AT_FDCWD, from, AT_FDCWD, to, 0)`: move an attached mount (and the
+/// mounts below it) elsewhere in the same mount namespace.
+pub fn move_mount_path(from: &Path, to: &Path) -> io::Result<()> {
+    let (f, t) = (cpath(from)?, cpath(to)?);
+    // SAFETY: NUL-terminated paths; no flags.
+    check(unsafe {
+        libc::syscall(
+            SYS_MOVE_MOUNT,
+            libc::AT_FDCWD,
+            f.as_ptr(),
+            libc::AT_FDCWD,
+            t.as_ptr(),
+            0 as libc::c_uint,
+        )
+    })?;
+    Ok(())
+}
+
 /// `move_mount(fd, "", target_dir, "", F_EMPTY_PATH | T_EMPTY_PATH)`: attach a detached
 /// mount on the directory `target_dir` refers to (an `O_PATH` descriptor, typically from
 /// [`openat2`], so that no path is resolved again).

@@ -1164,6 +1164,93 @@ fn base_template_sudo(env: &Env) {
 
 type Test = (&'static str, fn(&Env));
 
+/// A shell (no template: its root an empty directory of its tmpfs) starts its init; a
+/// template's root then replaces the shell's under that running init: the template's
+/// files, its upper layer and binds, and the shell's /proc (masks included), /dev and /run,
+/// and nothing left of the shell's root.
+fn a_shell_takes_a_template_root_under_its_running_init(env: &Env) {
+    let mut template = env.spec("unused");
+    let extra = env.root.join("shell-extra");
+    fs::create_dir_all(&extra).unwrap();
+    fs::write(extra.join("file"), "bound-after\n").unwrap();
+    template.binds.push(BindMount {
+        source: extra,
+        target: "/opt/data".into(),
+        readonly: true,
+        idmapped: false,
+    });
+    let mut shell = template.clone();
+    shell.shell = true;
+    // The shell's only program: busybox, under /run (which moves to the template's root).
+    shell.binds = vec![BindMount {
+        source: env.template.join("bin/busybox"),
+        target: "/run/bb/busybox".into(),
+        readonly: true,
+        idmapped: false,
+    }];
+    shell.init = vec![
+        "/run/bb/busybox".into(),
+        "sh".into(),
+        "-c".into(),
+        "bb=/run/bb/busybox; $bb test -e /etc/passwd || echo shell-root-empty; \
+         while [ ! -e /attached ]; do $bb sleep 0.02; done; \
+         echo root:$($bb cat /attached); $bb head -1 /etc/passwd; \
+         $bb test -e /proc/1/ns/pid && echo proc-ok; echo kallsyms:$($bb wc -c < /proc/kallsyms); \
+         echo x > /dev/null && echo dev-ok; $bb test -e /run/bb/busybox && echo run-ok; \
+         $bb test -e /.cubicle-attach || echo scratch-gone; \
+         $bb touch /tmp/t && echo tmp-ok; $bb cat /opt/data/file; echo end"
+            .into(),
+    ];
+    // Not a shell's spec, or another sandbox's: refused before anything happens.
+    let sb = spawn(&shell).unwrap_or_else(|e| panic!("spawn shell {}: {e}", shell.id));
+    assert!(sb.attach_root(&shell).is_err());
+    let mut other = template.clone();
+    other.id.push('z');
+    assert!(sb.attach_root(&other).is_err());
+    assert!(sb.is_alive(), "{}", env.log(&sb));
+    assert!(!Path::new(&format!("/proc/{}/root/etc/passwd", sb.pid())).exists());
+
+    let marker = template.upper_dir().join("attached");
+    fs::write(&marker, "template\n").unwrap();
+    chown(&marker, Some(template.uid_base), Some(template.uid_base)).unwrap();
+    let timings = sb
+        .attach_root(&template)
+        .unwrap_or_else(|e| panic!("attach {}: {e}; log: {}", template.id, env.log(&sb)));
+    assert!(
+        timings.iter().any(|(s, _)| s == "rootfs_ready"),
+        "{timings:?}"
+    );
+    assert!(
+        sb.wait_timeout(Duration::from_secs(10)),
+        "init did not exit: {}",
+        env.log(&sb)
+    );
+    let log = env.log(&sb);
+    for want in [
+        "shell-root-empty",
+        "root:template",
+        "root:x:0:0:root:/root:/bin/sh",
+        "proc-ok",
+        "kallsyms:0",
+        "dev-ok",
+        "run-ok",
+        "scratch-gone",
+        "tmp-ok",
+        "bound-after",
+        "end",
+    ] {
+        assert!(
+            log.lines().any(|l| l.trim() == want),
+            "missing {want:?}: {log}"
+        );
+    }
+    // Nothing of it on the host's side.
+    let host = fs::read_to_string("/proc/self/mountinfo").unwrap();
+    assert!(!host.contains(&template.id), "{host}");
+    sb.destroy().unwrap();
+    let _ = fs::remove_dir_all(&template.sandbox_dir);
+}
+
 const TESTS: &[Test] = &[
     (
         "uid_zero_inside_maps_to_uid_base",
@@ -1196,6 +1283,10 @@ const TESTS: &[Test] = &[
         seccomp_denies_dangerous_syscalls,
     ),
     ("devices_and_ctl_bind", devices_and_ctl_bind),
+    (
+        "a_shell_takes_a_template_root_under_its_running_init",
+        a_shell_takes_a_template_root_under_its_running_init,
+    ),
     (
         "idmapped_binds_at_spawn_and_while_running",
         idmapped_binds_at_spawn_and_while_running,
