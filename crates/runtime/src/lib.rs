@@ -110,7 +110,7 @@ pub use error::{Error, Result};
 pub use id::SandboxId;
 pub use init_log::{create_init_log, open_init_log};
 pub use remove_tree::remove_tree;
-pub use sandbox::{Sandbox, list_sandboxes, reap_orphans, remove_leftovers, spawn};
+pub use sandbox::{Sandbox, attach_root, list_sandboxes, reap_orphans, remove_leftovers, spawn};
 pub use spec::{
     BindMount, CTL_DIR, DEFAULT_UID_COUNT, ENVD_PATH, LISTEN_FD, Limits, MAX_BINDS, MIN_UID_BASE,
     SandboxSpec,

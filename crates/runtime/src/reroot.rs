@@ -6,9 +6,11 @@
 //! [`crate::Sandbox::attach_root`] has the zygote fork a helper (as for a spawn) that,
 //! still host root:
 //!
-//! 1. joins the sandbox's cgroup (what it mounts is charged to the sandbox);
-//! 2. pins the init with a pidfd and opens its user namespace through it;
-//! 3. makes the idmapped, read-only clones of the template's layers and of every bind
+//! 1. pins the init with a pidfd, checks that it is in the sandbox's cgroup and opens its
+//!    user namespace through it (the helper does not join that cgroup: a cgroup v1
+//!    migration waits for RCU grace periods, 5–20 ms on a busy node; what it mounts is a
+//!    few kernel objects, charged to the node's cgroup);
+//! 2. makes the idmapped, read-only clones of the template's layers and of every bind
 //!    source, as a spawn's helper does (`helper.rs`), and a detached bind of the
 //!    sandbox's host directory (its `upper` and `work`);
 //!
@@ -28,7 +30,6 @@
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::path::{Path, PathBuf};
 
-use crate::cgroup::Cgroup;
 use crate::helper::{bind_source, idmapped_layer, mark};
 use crate::rootfs::{self, Step};
 use crate::spec::SandboxSpec;
@@ -107,15 +108,20 @@ pub(crate) fn run(spec: &SandboxSpec, pid: i32) -> Result<(), String> {
     if spec.shell {
         return Err("attach a root: the spec is a shell's, not a template's".into());
     }
-    let cg = Cgroup::handle(&spec.id).map_err(|e| e.to_string())?;
-    cg.add_process(0).map_err(|e| format!("join cgroup: {e}"))?;
     let pidfd = cubicle_syscalls::pidfd::pidfd_open(pid)
         .map_err(|e| format!("pidfd of sandbox init {pid}: {e}"))?;
     let userns = std::fs::File::open(format!("/proc/{pid}/ns/user"))
         .map_err(|e| format!("user namespace of sandbox init {pid}: {e}"))?;
-    // Opened through a pid: make sure it still is the init the pidfd pins.
+    // Opened through a pid: make sure it still is the init the pidfd pins, and the
+    // init of this spec's sandbox (its cgroup is the sandbox's, named by its id).
+    let cgroups = std::fs::read_to_string(format!("/proc/{pid}/cgroup"))
+        .map_err(|e| format!("cgroups of sandbox init {pid}: {e}"))?;
     if cubicle_syscalls::pidfd::exited(&pidfd) {
         return Err(format!("sandbox init {pid} has exited"));
+    }
+    let own = format!("/{}", spec.id);
+    if !cgroups.lines().any(|l| l.ends_with(&own)) {
+        return Err(format!("process {pid} is not sandbox {}'s", spec.id));
     }
     let lowers = spec
         .lowers()

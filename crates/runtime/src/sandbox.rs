@@ -336,6 +336,41 @@ fn reap_child(pid: i32) -> Option<ExitStatus> {
     }
 }
 
+/// Gives the running [shell](crate::SandboxSpec::shell) whose init is `pid` (pinned by
+/// `pidfd`) the root `spec` describes (its template's layers over the sandbox's upper
+/// directory, and `spec.binds`), the init running on (see `reroot.rs`). `spec` is the
+/// spec a spawn of that sandbox from the template would take: not a shell; the helper
+/// refuses an init outside `spec`'s cgroup. Blocking (about a millisecond). Returns the
+/// time from the call to each step (`mounts_prepared`, `overlay_mounted`,
+/// `pseudo_fs_moved`, `rootfs_ready`, `attached`). On an error the sandbox may be half
+/// changed: destroy it.
+pub fn attach_root(
+    pidfd: std::os::fd::BorrowedFd<'_>,
+    pid: i32,
+    spec: &SandboxSpec,
+) -> Result<Vec<(String, Duration)>> {
+    let start = Instant::now();
+    let start_ns = sys::monotonic_ns();
+    spec.validate()?;
+    if spec.shell {
+        return Err(Error::InvalidSpec(format!(
+            "the root for sandbox {} must be a template's, not a shell's",
+            spec.id
+        )));
+    }
+    if cubicle_syscalls::pidfd::exited(pidfd) {
+        return Err(Error::Setup(format!("sandbox {} has exited", spec.id)));
+    }
+    let request = HelperRequest {
+        spec: spec.clone(),
+        reroot: Some(pid),
+    };
+    let mut timings = Vec::new();
+    run_helper(&request, None, start_ns, &mut None, &mut timings)?;
+    timings.push(("attached".to_string(), start.elapsed()));
+    Ok(timings)
+}
+
 /// Whether a pidfd reports its process as exited (waits up to `timeout_ms`).
 fn pidfd_exited(fd: &OwnedFd, timeout_ms: i32) -> bool {
     let mut pfd = libc::pollfd {
@@ -390,34 +425,17 @@ impl Sandbox {
         crate::ctl::connect_ctl_socket(&self.ctl_dir(), name)
     }
 
-    /// Gives this running [shell](crate::SandboxSpec::shell) the root `spec` describes
-    /// (its template's layers over the sandbox's upper directory, and `spec.binds`), its
-    /// init running on (see `reroot.rs`). `spec` is the spec a spawn of this sandbox from
-    /// the template would take: same id and directory, not a shell. Blocking (about a
-    /// millisecond). Returns the time from the call to each step (`mounts_prepared`,
-    /// `overlay_mounted`, `pseudo_fs_moved`, `rootfs_ready`, `attached`). On an error the
-    /// sandbox may be half changed: destroy it.
+    /// Gives this running [shell](crate::SandboxSpec::shell) the root `spec` describes:
+    /// [`attach_root`] with this sandbox's init, once `spec` is checked to be this
+    /// sandbox's (same id and directory).
     pub fn attach_root(&self, spec: &SandboxSpec) -> Result<Vec<(String, Duration)>> {
-        let start = Instant::now();
-        let start_ns = sys::monotonic_ns();
-        spec.validate()?;
-        if spec.shell || spec.id != self.id || spec.sandbox_dir != self.sandbox_dir {
+        if spec.id != self.id || spec.sandbox_dir != self.sandbox_dir {
             return Err(Error::InvalidSpec(format!(
-                "a root for sandbox {} must be a template's spec with its id and directory",
+                "a root for sandbox {} must have its id and directory",
                 self.id
             )));
         }
-        if cubicle_syscalls::pidfd::exited(&*self.pidfd) {
-            return Err(Error::Setup(format!("sandbox {} has exited", self.id)));
-        }
-        let request = HelperRequest {
-            spec: spec.clone(),
-            reroot: Some(self.pid),
-        };
-        let mut timings = Vec::new();
-        run_helper(&request, None, start_ns, &mut None, &mut timings)?;
-        timings.push(("attached".to_string(), start.elapsed()));
-        Ok(timings)
+        attach_root(self.pidfd.as_fd(), self.pid, spec)
     }
 
     /// The sandbox's cgroup.
