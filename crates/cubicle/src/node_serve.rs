@@ -61,6 +61,11 @@ pub struct NodeArgs {
     #[arg(long, env = "CUBICLE_POOL", value_name = "TEMPLATE=N,…",
           value_parser = cubicle_node::parse_pool_spec)]
     pub pool: Option<BTreeMap<String, usize>>,
+    /// Shells kept ready: sandboxes of no template yet, made ahead (namespaces, cgroup,
+    /// network, envd running); a create that finds no pooled sandbox of its template
+    /// takes one and only gets its template's root (see `docs/node.md`). 0: none.
+    #[arg(long, env = "CUBICLE_SHELLS", default_value_t = 0, value_name = "N")]
+    pub shells: usize,
     /// Host memory all pooled sandboxes together may use, in MiB.
     #[arg(
         long,
@@ -119,6 +124,11 @@ pub async fn run(env: crate::sandbox_cmd::NodeOpts, args: NodeArgs) -> anyhow::R
         None => BTreeMap::new(),
     };
     config.pool_memory_mb = args.pool_memory_mb;
+    if args.shells > 0 {
+        config
+            .pool
+            .insert(cubicle_node::SHELL_POOL.to_string(), args.shells);
+    }
     config.network = args.network.options();
     config.async_teardown = true;
     config.recycle_quota_dirs = cubicle_node::config::SERVE_RECYCLED_QUOTA_DIRS;

@@ -102,6 +102,11 @@ pub struct ServeArgs {
     #[arg(long, env = "CUBICLE_POOL", value_name = "TEMPLATE=N,…",
           value_parser = cubicle_node::parse_pool_spec)]
     pub pool: Option<BTreeMap<String, usize>>,
+    /// Shells kept ready: sandboxes of no template yet, made ahead (namespaces, cgroup,
+    /// network, envd running); a create that finds no pooled sandbox of its template
+    /// takes one and only gets its template's root (see `docs/node.md`). 0: none.
+    #[arg(long, env = "CUBICLE_SHELLS", default_value_t = 0, value_name = "N")]
+    pub shells: usize,
     /// Open connections one client address may hold (REST and data plane together);
     /// more are answered 429 and closed.
     #[arg(
@@ -447,6 +452,11 @@ pub async fn run(
             None => BTreeMap::new(),
         };
         config.pool_memory_mb = args.pool_memory_mb;
+        if args.shells > 0 {
+            config
+                .pool
+                .insert(cubicle_node::SHELL_POOL.to_string(), args.shells);
+        }
         config.network = args.network.options();
         if !config.pool.is_empty() {
             tracing::info!(pool = ?config.pool, "warm pools");

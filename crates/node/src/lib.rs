@@ -51,6 +51,7 @@ pub use node::{
     SnapshotRequest, TakeoverReport, TemplateManifest, identity_of, layers_in_use_on_disk,
     records_on_disk, sandboxes_using_template,
 };
+pub use pool::shell::SHELL_POOL;
 pub use pool::{PoolStats, parse_pool_spec};
 pub use sandbox::{
     CreateRequest, DeathReason, InitPidfd, Lifecycle, PauseMode, SandboxInfo, SandboxRecord,

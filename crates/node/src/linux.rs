@@ -190,6 +190,7 @@ fn sandbox_spec(s: &StartSpec) -> SandboxSpec {
         s.init.clone(),
     );
     spec.layers = s.layers.clone();
+    spec.shell = s.shell;
     spec.uid_count = s.uid_count;
     spec.hostname = s.hostname.clone();
     spec.limits = Limits {
@@ -806,6 +807,28 @@ impl SandboxRuntime for LinuxRuntime {
         st.reconcile_volumes()
             .and_then(|()| st.volume_ids())
             .map_err(|e| rt_err("volume reconcile", e))
+    }
+
+    fn attach_root(&self, s: &StartSpec) -> Result<()> {
+        let spec = sandbox_spec(s);
+        // The handle's pid and pidfd, not the handle: the lock is not held for the attach.
+        let (pid, pidfd) = {
+            let handles = self.handles();
+            let sb = handles
+                .get(s.id.as_str())
+                .ok_or_else(|| Error::SandboxNotFound(s.id.to_string()))?;
+            (sb.pid(), sb.shared_pidfd())
+        };
+        use std::os::fd::AsFd;
+        let timings = cubicle_runtime::attach_root(pidfd.as_fd(), pid, &spec)
+            .map_err(|e| rt_err("attach a template's root", e))?;
+        self.writeback.note();
+        tracing::debug!(
+            sandbox = %s.id,
+            steps = ?timings.iter().map(|(n, d)| format!("{n}={}", d.as_micros())).collect::<Vec<_>>(),
+            "runtime attach_root"
+        );
+        Ok(())
     }
 
     fn attach_volumes(

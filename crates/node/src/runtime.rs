@@ -60,6 +60,9 @@ pub struct StartSpec {
     /// (listening) before PID 1 runs and passed to it as descriptor
     /// `cubicle_runtime::LISTEN_FD`.
     pub ctl_socket: String,
+    /// A shell (`pool/shell.rs`): no template's root yet (`rootfs` and `layers` unused,
+    /// `binds` and `volumes` empty); [`SandboxRuntime::attach_root`] gives it one.
+    pub shell: bool,
 }
 
 /// What the runtime reports after a successful start.
@@ -348,6 +351,16 @@ pub trait SandboxRuntime: Send + Sync + 'static {
     /// The volumes on disk; removes half-created ones.
     fn reconcile_volumes(&self) -> Result<Vec<String>> {
         Ok(Vec::new())
+    }
+
+    /// Gives the running shell `spec.id` (started from a [`StartSpec`] with `shell`) the
+    /// root `spec` describes: its template's layers, binds and volumes, its init running
+    /// on. On an error the sandbox is to be destroyed.
+    fn attach_root(&self, spec: &StartSpec) -> Result<()> {
+        Err(crate::error::Error::Runtime(format!(
+            "this runtime makes no shells ({})",
+            spec.id
+        )))
     }
 
     /// Mounts `volumes` ((host path, path inside, read-only), idmapped) into the running

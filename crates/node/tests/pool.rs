@@ -37,6 +37,9 @@ fn main() {
         ("start_command_pooled", |e| {
             Box::pin(start_command_pooled(e))
         }),
+        ("shells_serve_creates_of_any_template", |e| {
+            Box::pin(shells_serve_creates_of_any_template(e))
+        }),
     ];
     h.run(h.envd.clone(), tests, |_| Ok(())).finish();
 }
@@ -49,6 +52,10 @@ async fn open(envd: &Path, state: &Path, pool: usize) -> anyhow::Result<Node> {
     if pool > 0 {
         cfg.pool.insert("tiny".into(), pool);
     }
+    open_with(cfg).await
+}
+
+async fn open_with(cfg: NodeConfig) -> anyhow::Result<Node> {
     let node = Node::open(cfg).await?;
     // Pools use built templates only (building is the server's job).
     node.templates().ensure("tiny", false)?;
@@ -56,8 +63,12 @@ async fn open(envd: &Path, state: &Path, pool: usize) -> anyhow::Result<Node> {
 }
 
 async fn wait_ready(node: &Node, n: usize) -> anyhow::Result<()> {
+    wait_ready_in(node, "tiny", n).await
+}
+
+async fn wait_ready_in(node: &Node, pool: &str, n: usize) -> anyhow::Result<()> {
     let t = Instant::now();
-    while node.pool_stats().ready.get("tiny").copied().unwrap_or(0) < n {
+    while node.pool_stats().ready.get(pool).copied().unwrap_or(0) < n {
         anyhow::ensure!(
             t.elapsed() < Duration::from_secs(30),
             "pool not refilled to {n}: {:?}",
@@ -438,5 +449,123 @@ async fn start_command_pooled(envd: PathBuf) -> anyhow::Result<()> {
     // remove_tree unmounts the quota filesystem first (remove_dir_all cannot).
     let _ = cubicle_node::fsutil::remove_tree(&state);
     anyhow::ensure!(left.is_empty(), "left: {left:?}");
+    r
+}
+
+/// Sandbox `id`'s mounts as its init sees them: mount point, options, type and
+/// superblock options, without what names its own directory or layers (ids, paths).
+fn mounts_of(id: &str) -> Vec<String> {
+    let pid = cubicle_node::traces::pids(id)
+        .into_iter()
+        .min()
+        .unwrap_or_else(|| panic!("no process of {id}"));
+    let text = std::fs::read_to_string(format!("/proc/{pid}/mountinfo")).unwrap();
+    let mut v: Vec<String> = text
+        .lines()
+        .map(|l| {
+            let f: Vec<&str> = l.split_whitespace().collect();
+            let (_, after) = l.split_once(" - ").unwrap();
+            let a: Vec<&str> = after.split_whitespace().collect();
+            let opts: Vec<&str> = a[2]
+                .split(',')
+                .filter(|o| {
+                    ![
+                        "lowerdir=",
+                        "upperdir=",
+                        "workdir=",
+                        "subvolid=",
+                        "subvol=",
+                        "uid=",
+                        "gid=",
+                    ]
+                    .iter()
+                    .any(|p| o.starts_with(p))
+                })
+                .collect();
+            format!("{} {} {} {}", f[4], f[5], a[0], opts.join(","))
+        })
+        .collect();
+    v.sort();
+    v
+}
+
+/// Shells (`--shells`): made ahead without a template, not listed; a create of a
+/// template with no pool of its own takes one and gets the template's root, variables,
+/// limits and identity, with exactly the mounts a cold create of it has; the shell pool
+/// refills, and closing leaves nothing.
+async fn shells_serve_creates_of_any_template(envd: PathBuf) -> anyhow::Result<()> {
+    let state = PathBuf::from(format!("/tmp/cbpool-{}-h", std::process::id()));
+    let mut cfg = NodeConfig::new(&state, &envd);
+    cfg.first_slot = FIRST_SLOT;
+    cfg.max_sandboxes = 32;
+    cfg.any_free_slots = true;
+    cfg.pool.insert(cubicle_node::SHELL_POOL.into(), 2);
+    let node = open_with(cfg).await?;
+    let r = async {
+        wait_ready_in(&node, cubicle_node::SHELL_POOL, 2).await?;
+        anyhow::ensure!(node.list().is_empty(), "shells are listed");
+        let shells = sandbox_dirs(&state);
+        anyhow::ensure!(shells.len() == 2, "shell dirs {shells:?}");
+
+        let env = BTreeMap::from([("CB_SHELL_VAR".to_string(), "from a shell".to_string())]);
+        let t = Instant::now();
+        let s = node
+            .create(CreateRequest {
+                template: "tiny".into(),
+                internet: true,
+                env_vars: env,
+                memory_mb: Some(200),
+                ..Default::default()
+            })
+            .await?;
+        println!("  claim of a shell: {:.2} ms", t.elapsed().as_secs_f64() * 1e3);
+        anyhow::ensure!(node.pool_stats().claims == 1, "no shell claimed: {:?}", node.pool_stats());
+        anyhow::ensure!(shells.contains(&s.id.to_string()), "{} is not a shell's id", s.id);
+        let info = node.get(&s.id)?;
+        anyhow::ensure!(info.template == "tiny", "template {}", info.template);
+        let good = node.envd(&s.id)?;
+        let out = sh(
+            &good,
+            "echo \"$CB_SHELL_VAR|$E2B_SANDBOX_ID|$(cat /run/e2b/.E2B_TEMPLATE_ID)|$(hostname)\"; \
+             test -x /bin/busybox && echo template-root; \
+             cat /sys/fs/cgroup/memory/memory.limit_in_bytes 2>/dev/null || cat /sys/fs/cgroup/memory.max",
+        )
+        .await?;
+        let want = format!("from a shell|{0}|tiny|{0}\ntemplate-root\n{1}\n", s.id, 200u64 << 20);
+        anyhow::ensure!(out == want, "inside: {out:?}, want {want:?}");
+
+        // The same mounts as a sandbox of the template made cold (internet off: no shell).
+        let c = node
+            .create(CreateRequest {
+                template: "tiny".into(),
+                internet: false,
+                ..Default::default()
+            })
+            .await?;
+        anyhow::ensure!(node.pool_stats().claims == 1, "an internet-off create took a shell");
+        let (from_shell, cold) = (mounts_of(&s.id), mounts_of(&c.id));
+        anyhow::ensure!(
+            from_shell == cold,
+            "mounts differ:\nshell: {from_shell:#?}\ncold: {cold:#?}"
+        );
+        node.kill(&c.id).await?;
+        node.kill(&s.id).await?;
+        wait_ready_in(&node, cubicle_node::SHELL_POOL, 2).await?;
+        node.close();
+        node.wait_refills(Duration::from_secs(60)).await;
+        let left = sandbox_dirs(&state);
+        anyhow::ensure!(left.is_empty(), "after close: {left:?}");
+        for id in &shells {
+            anyhow::ensure!(
+                !Path::new(&format!("/sys/fs/cgroup/pids/cubicle/{id}")).exists(),
+                "cgroup of {id} left"
+            );
+        }
+        Ok(())
+    }
+    .await;
+    node.kill_all().await;
+    drop(node);
+    let _ = cubicle_node::fsutil::remove_tree(&state);
     r
 }

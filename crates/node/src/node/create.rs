@@ -416,7 +416,25 @@ impl Inner {
         std::fs::set_permissions(&ctl, std::fs::Permissions::from_mode(0o700))
             .ctx("chmod", &ctl)?;
         fsutil::rewrite_json(&dir.join("sandbox.json"), record)?;
-        let mut binds = write_etc_files(&dir, id, record.uid_base)?;
+        if crate::pool::shell::is_shell(template) {
+            // Its files and mounts come with its template's root (`pool/shell.rs`).
+            return Ok(self.start_spec(record, template, Vec::new(), Vec::new()));
+        }
+        let (binds, volumes) = self.template_binds(record, template)?;
+        Ok(self.start_spec(record, template, binds, volumes))
+    }
+
+    /// Writes sandbox `record`'s `/etc/hosts` and `/etc/resolv.conf` (and the egress CA
+    /// in `template`'s bundle) to its directory; returns its bind mounts (those files,
+    /// the code interpreter's, the template's own) and its volumes.
+    #[allow(clippy::type_complexity)]
+    pub(crate) fn template_binds(
+        &self,
+        record: &SandboxRecord,
+        template: &Template,
+    ) -> Result<(Vec<(PathBuf, PathBuf, bool)>, Vec<(PathBuf, PathBuf, bool)>)> {
+        let dir = self.sandbox_dir(&record.id);
+        let mut binds = write_etc_files(&dir, &record.id, record.uid_base)?;
         if let Some(ca) = self.runtime.egress().and_then(|e| e.ca_pem()) {
             binds.extend(write_ca_bundle(&dir, &template.rootfs, &ca)?);
         }
@@ -429,8 +447,7 @@ impl Inner {
                 .iter()
                 .map(|(s, t)| (s.clone(), t.clone(), true)),
         );
-        let volumes = self.volume_binds(&record.volumes)?;
-        Ok(self.start_spec(record, template, binds, volumes))
+        Ok((binds, self.volume_binds(&record.volumes)?))
     }
 
     /// What the runtime needs to start (or restore) sandbox `record` on `template`.
@@ -480,6 +497,7 @@ impl Inner {
             binds,
             volumes,
             ctl_socket: ENVD_SOCKET.into(),
+            shell: crate::pool::shell::is_shell(template),
             id,
         }
     }

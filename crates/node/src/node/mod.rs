@@ -312,9 +312,16 @@ impl Node {
                 return inner.create_from_snapshot(&req, &snap, id, timeout).await;
             }
             let plan = inner.plan_create(&req).await?;
-            let turn = match inner.try_claim(&req, &plan, false).await {
-                Claim::Served(r) => return r,
-                Claim::No => None,
+            let claim = inner.try_claim(&req, &plan, false).await;
+            if let Claim::Served(r) = claim {
+                return r;
+            }
+            // No sandbox of its template ready: a shell, if one is.
+            if let Some(r) = inner.try_claim_shell(&req, &plan).await {
+                return r;
+            }
+            let turn = match claim {
+                Claim::Served(_) | Claim::No => None,
                 Claim::Empty => match inner.claim_or_turn(&req, &plan).await {
                     Ok(r) => return r,
                     Err(turn) => turn,

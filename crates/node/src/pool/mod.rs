@@ -73,6 +73,7 @@ use crate::sandbox::{CreateRequest, DeathReason, SandboxInfo, SandboxState};
 use crate::template::Template;
 use crate::{fsutil, ids};
 
+pub(crate) mod shell;
 mod state;
 
 pub(crate) use state::Pool;
@@ -110,6 +111,28 @@ fn claimable(t: &Template, req: &CreateRequest, disk_mb: u64) -> bool {
         && (req.env_vars.is_empty() || !has_start(t) || t.config.late_env)
 }
 
+/// A claimed sandbox's record, as create `req` (planned as `plan`, at `now`) asks:
+/// its variables, metadata, times, a new access token, limits, volumes and network.
+pub(crate) fn claim_record(
+    r: &mut crate::sandbox::SandboxRecord,
+    req: &CreateRequest,
+    plan: &CreatePlan,
+    now: u64,
+) {
+    let timeout = plan.timeout.as_millis() as u64;
+    r.env_vars = sandbox_env(&plan.template, &req.env_vars, &r.id);
+    r.metadata = req.metadata.clone();
+    r.created_at_ms = now;
+    r.end_at_ms = now + timeout;
+    r.timeout_ms = timeout;
+    r.lifecycle = req.lifecycle;
+    r.access_token = ids::new_access_token();
+    (r.memory_mb, r.cpus) = (plan.limits.0, plan.limits.1);
+    r.volumes = req.volumes.clone();
+    r.network = req.network.clone();
+    r.mask_request_host = req.mask_request_host.clone();
+}
+
 /// What [`Inner::try_claim`] did.
 // One per create, returned once: not worth a box.
 #[allow(clippy::large_enum_variant)]
@@ -133,13 +156,9 @@ impl Inner {
         after_miss: bool,
     ) -> Claim {
         let inner = self;
-        let (template, limits, timeout) = (&plan.template, plan.limits, plan.timeout);
+        let (template, limits) = (&plan.template, plan.limits);
         let name = &template.config.name;
-        let defaults = (
-            template.config.memory_mb,
-            template.config.cpus,
-            template.config.disk_mb,
-        );
+        let defaults = (template.config.memory_mb, template.config.cpus);
         if !claimable(template, req, limits.2) {
             return Claim::No;
         }
@@ -216,89 +235,114 @@ impl Inner {
             // The pooled sandbox's envd was born with this token (`birth_env`): the
             // claim's /init presents it to set the user's new one.
             let birth_token = std::mem::take(&mut live.record.access_token);
-            let r = &mut live.record;
-            r.env_vars = sandbox_env(template, &req.env_vars, &id);
-            r.metadata = req.metadata.clone();
-            r.created_at_ms = now;
-            r.end_at_ms = now + timeout.as_millis() as u64;
-            r.timeout_ms = timeout.as_millis() as u64;
-            r.lifecycle = req.lifecycle;
-            r.access_token = ids::new_access_token();
-            r.memory_mb = limits.0;
-            r.cpus = limits.1;
-            r.volumes = req.volumes.clone();
-            r.network = req.network.clone();
-            r.mask_request_host = req.mask_request_host.clone();
+            claim_record(&mut live.record, req, plan, now);
             break (live.record.clone(), birth_token, init);
         };
         inner.pool.wake.notify_one();
         let id = record.id.clone();
-        let result = async {
-            if !record.volumes.is_empty() {
-                // Its namespaces exist already: the volumes are mounted into them.
-                let binds = inner.volume_binds(&record.volumes)?;
-                let init = init.ok_or_else(|| Error::SandboxNotFound(id.to_string()))?;
-                let (rt, id2, pid, uid_base) = (
-                    inner.runtime.clone(),
-                    id.clone(),
-                    record.pid.unwrap_or(0),
-                    record.uid_base,
-                );
-                blocking(move || {
-                    use std::os::fd::AsFd;
-                    rt.attach_volumes(&id2, init.fd().as_fd(), pid, uid_base, &binds)
-                })
-                .await?;
-            }
-            if (limits.0, limits.1) != (defaults.0, defaults.1) {
-                inner
-                    .runtime
-                    .set_limits(&id, limits.0, limits.1, inner.config.pids_limit)?;
-            }
-            inner.runtime.set_cpu_nice(&id, 0);
-            if !record.network.is_plain_default() {
-                // Pooled sandboxes are made with the default policy: set the asked one
-                // before anyone can use the sandbox (a few set elements, no veth change).
-                let rt = inner.runtime.clone();
-                let (i2, slot, pid, p) = (
-                    id.clone(),
-                    record.slot,
-                    record.pid.unwrap_or(0),
-                    record.network.clone(),
-                );
-                crate::node::inner::blocking(move || rt.set_network(&i2, slot, pid, &p)).await?;
-            }
-            let conn = EnvdClient::new(inner.envd_socket(&id), Some(birth_token))
-                .init_on(inner.take_envd_conn(&id), &InitRequest::for_record(&record))
-                .await?;
-            inner.keep_envd_conn(&id, conn, Some(IDLE_CONN_TTL));
-            let mut on_disk = record.clone();
-            on_disk.state = SandboxState::Running;
-            fsutil::rewrite_json(&inner.sandbox_dir(&id).join("sandbox.json"), &on_disk)?;
-            Ok::<_, Error>(())
-        }
-        .await;
-        if let Err(e) = result {
+        let claimed = inner
+            .complete_claim(&record, birth_token, init, plan, defaults, None)
+            .await;
+        if let Err(e) = claimed {
             tracing::warn!(sandbox = %id, "pooled sandbox failed its claim: {e}; creating cold");
             inner.clone().finish(&id, DeathReason::Exited, false).await;
             return Claim::No;
         }
+        Claim::Served(Ok(inner.claimed_info(&record, t0)))
+    }
+
+    /// The claim of a ready sandbox whose record [`claim_record`] filled in: with
+    /// `root_of`, a shell given that template's root and mounts first (`shell.rs`), else
+    /// a pooled sandbox given its volumes (both at full CPU weight); then its limits (if
+    /// not `defaults`, the memory and CPUs it was made with), network policy and envd's
+    /// `/init` (presenting `birth_token`, the token envd was born with); its record on
+    /// disk says `running`.
+    pub(crate) async fn complete_claim(
+        self: &Arc<Self>,
+        record: &crate::sandbox::SandboxRecord,
+        birth_token: String,
+        init: Option<crate::sandbox::InitPidfd>,
+        plan: &CreatePlan,
+        defaults: (u64, u32),
+        root_of: Option<&Template>,
+    ) -> Result<()> {
+        let inner = self;
+        let id = record.id.clone();
+        let limits = plan.limits;
+        // Full CPU weight first: what the claim does in the sandbox's cgroup (a shell's
+        // attach runs there) must not wait behind the refills at the pool's weight.
+        inner.runtime.set_cpu_nice(&id, 0);
+        if let Some(template) = root_of {
+            // Its template's files, binds and volumes come with the root.
+            let (binds, volumes) = inner.template_binds(record, template)?;
+            let spec = inner.start_spec(record, template, binds, volumes);
+            let rt = inner.runtime.clone();
+            blocking(move || rt.attach_root(&spec)).await?;
+        } else if !record.volumes.is_empty() {
+            // Its namespaces exist already: the volumes are mounted into them.
+            let binds = inner.volume_binds(&record.volumes)?;
+            let init = init.ok_or_else(|| Error::SandboxNotFound(id.to_string()))?;
+            let (rt, id2, pid, uid_base) = (
+                inner.runtime.clone(),
+                id.clone(),
+                record.pid.unwrap_or(0),
+                record.uid_base,
+            );
+            blocking(move || {
+                use std::os::fd::AsFd;
+                rt.attach_volumes(&id2, init.fd().as_fd(), pid, uid_base, &binds)
+            })
+            .await?;
+        }
+        if (limits.0, limits.1) != defaults {
+            inner
+                .runtime
+                .set_limits(&id, limits.0, limits.1, inner.config.pids_limit)?;
+        }
+        if !record.network.is_plain_default() {
+            // Pooled sandboxes are made with the default policy: set the asked one
+            // before anyone can use the sandbox (a few set elements, no veth change).
+            let rt = inner.runtime.clone();
+            let (i2, slot, pid, p) = (
+                id.clone(),
+                record.slot,
+                record.pid.unwrap_or(0),
+                record.network.clone(),
+            );
+            blocking(move || rt.set_network(&i2, slot, pid, &p)).await?;
+        }
+        let conn = EnvdClient::new(inner.envd_socket(&id), Some(birth_token))
+            .init_on(inner.take_envd_conn(&id), &InitRequest::for_record(record))
+            .await?;
+        inner.keep_envd_conn(&id, conn, Some(IDLE_CONN_TTL));
+        let mut on_disk = record.clone();
+        on_disk.state = SandboxState::Running;
+        fsutil::rewrite_json(&inner.sandbox_dir(&id).join("sandbox.json"), &on_disk)?;
+        Ok(())
+    }
+
+    /// What a create served by a claim answers (`claimed`), `t0` its start.
+    pub(crate) fn claimed_info(
+        &self,
+        record: &crate::sandbox::SandboxRecord,
+        t0: Instant,
+    ) -> SandboxInfo {
+        let id = &record.id;
         let ready_us = t0.elapsed().as_micros() as u64;
-        let info = {
-            let mut st = inner.lock();
-            match st.live_mut().get_mut(&id) {
+        let mut info = {
+            let mut st = self.lock();
+            match st.live_mut().get_mut(id) {
                 Some(live) => {
                     live.ready_us = ready_us;
-                    live.info(inner.envd_socket(&id))
+                    live.info(self.envd_socket(id))
                 }
-                None => SandboxInfo::from_record(&record, inner.envd_socket(&id), ready_us),
+                None => SandboxInfo::from_record(record, self.envd_socket(id), ready_us),
             }
         };
-        inner.changed.notify_one();
-        tracing::info!(sandbox = %id, template = %name, ready_us, "sandbox claimed from the pool");
-        let mut info = info;
+        self.changed.notify_one();
+        tracing::info!(sandbox = %id, template = %record.template, ready_us, "sandbox claimed from the pool");
         info.claimed = true;
-        Claim::Served(Ok(info))
+        info
     }
 
     /// After a miss: waits for whichever comes first, a cold create's turn (returned) or
@@ -726,7 +770,11 @@ async fn refill(weak: Weak<Inner>, main: tokio::runtime::Handle) {
         // two builds of one template must not race.
         let store = inner.templates.clone();
         let n2 = name.clone();
-        let template = match tokio::task::spawn_blocking(move || store.get(&n2)).await {
+        let lookup = move || match n2 == shell::SHELL_POOL {
+            true => Ok(Some(shell::shell_template())),
+            false => store.get(&n2),
+        };
+        let template = match tokio::task::spawn_blocking(lookup).await {
             Ok(Ok(Some(t))) => t,
             Ok(Ok(None)) => {
                 drop(inner);
