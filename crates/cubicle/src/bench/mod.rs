@@ -107,11 +107,13 @@ pub struct BenchArgs {
     /// Rootfs for `peer` (default: the template's in the server state directory).
     #[arg(long)]
     pub rootfs: Option<PathBuf>,
-    /// Server configurations to measure create/cycle in: `off` (no warm pool) and/or `on`
-    /// (`--pool <template>=--pool-size` for each template), one server start each.
-    #[arg(long, value_delimiter = ',', default_value = "off,on")]
+    /// Server configurations to measure create/cycle in: `off` (no warm pool), `on`
+    /// (`--pool <template>=--pool-size` for each template) and/or `shells` (no pool of
+    /// any template, `--shells --pool-size`: sandboxes made ahead of their template), one
+    /// server start each.
+    #[arg(long, value_delimiter = ',', default_value = "off,on,shells")]
     pub pool_modes: Vec<String>,
-    /// Warm-pool size per template in the `on` mode.
+    /// Warm-pool size per template in the `on` mode, shells in the `shells` mode.
     #[arg(long, default_value_t = 64)]
     pub pool_size: usize,
     /// Pool mode `on`, c=1: also a create row with this pause between iterations.
@@ -150,13 +152,20 @@ struct Ctx {
     iterations: usize,
 }
 
-/// Before a row: with the pool on, waits (up to a minute) until `template`'s pool is
-/// full again and the previous rows' sandboxes are removed, so every row starts from the
+/// Before a row: with the pool on, waits (up to a minute) until `template`'s pool (with
+/// shells, the shells) is full again and the previous rows' sandboxes are removed, so every row starts from the
 /// same warm state whatever the previous row drained or left to remove; then the pool
 /// counters, to compare with those after the row.
 async fn before_row(cx: &Ctx, c: &mut Connection, template: &str) -> Option<(u64, u64, u64)> {
-    if cx.pool == "on" {
-        pool_filled(cx, c, template, |_| Some(cx.pool_size as u64)).await;
+    let full = |_: &serde_json::Value| Some(cx.pool_size as u64);
+    match cx.pool.as_str() {
+        "on" => {
+            pool_filled(cx, c, template, full).await;
+        }
+        "shells" => {
+            pool_filled(cx, c, cubicle_node::SHELL_POOL, full).await;
+        }
+        _ => {}
     }
     cx.api.pool_counts(c).await
 }
@@ -245,11 +254,11 @@ pub async fn run(args: BenchArgs, envd: Option<&PathBuf>) -> anyhow::Result<i32>
         let mut m: Vec<String> = args
             .pool_modes
             .iter()
-            .filter(|m| *m == "off" || *m == "on")
+            .filter(|m| ["off", "on", "shells"].contains(&m.as_str()))
             .cloned()
             .collect();
         if m.is_empty() {
-            bail!("--pool-modes takes off and/or on");
+            bail!("--pool-modes takes off, on and/or shells");
         }
         // Only create/cycle/interp differ between modes.
         if !(has("create") || has("cycle") || has("interp")) {
@@ -273,6 +282,7 @@ pub async fn run(args: BenchArgs, envd: Option<&PathBuf>) -> anyhow::Result<i32>
             }
             None => {
                 let pool = (mode == "on").then_some(args.pool_size);
+                let shells = (mode == "shells").then_some(args.pool_size);
                 eprintln!(
                     "cubicle bench: starting `cubicle serve` on {} (warm pool {mode})",
                     args.server_state_dir.display()
@@ -292,10 +302,11 @@ pub async fn run(args: BenchArgs, envd: Option<&PathBuf>) -> anyhow::Result<i32>
                     &templates,
                     pool,
                     interp_pool,
+                    shells,
                     most,
                 )
                 .await?;
-                if let Some(n) = pool {
+                if let Some(n) = pool.or(shells) {
                     // Let the pool fill (about 20-40 ms per sandbox on 2 cores).
                     let wait = Duration::from_millis((n * templates.len()) as u64 * 60 + 1000);
                     tokio::time::sleep(wait).await;

@@ -25,6 +25,7 @@ impl Server {
         templates: &[String],
         pool: Option<usize>,
         interp_pool: Option<usize>,
+        shells: Option<usize>,
         max_sandboxes: Option<usize>,
     ) -> anyhow::Result<(Server, String, String)> {
         let exe = std::env::current_exe().context("finding the cubicle binary")?;
@@ -61,6 +62,9 @@ impl Server {
         // Always explicit: an empty spec is no pool at all (serve's default would size
         // one from host memory).
         cmd.arg("--pool").arg(spec.join(","));
+        if let Some(n) = shells {
+            cmd.arg("--shells").arg(n.to_string());
+        }
         // The server's access log and lifecycle lines (serve logs at `info`) would bury the
         // bench's table and cost time on every request: warnings only, unless asked.
         if std::env::var_os("CUBICLE_LOG").is_none() {
