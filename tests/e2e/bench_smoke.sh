@@ -32,7 +32,7 @@ for r in rows:
     if r.get("errors", 0) != 0 or r.get("n", 0) == 0:
         problems.append(f"row with errors or no samples: {r}")
 seen = {(r["name"], r.get("pool"), r.get("runtime")) for r in rows}
-want = [(m, p, None) for m in ("create", "cycle") for p in ("off", "on")]
+want = [(m, p, None) for m in ("create", "cycle") for p in ("off", "on", "shells")]
 want += [("exec", None, None)]  # exec and density: first pool mode only
 want += [("peer", None, "runc run"), ("peer", None, "bwrap --unshare-all")]
 for name, pool, runtime in want:

@@ -128,6 +128,22 @@ fn task_nices(id: &str) -> Vec<i64> {
     out
 }
 
+/// Closes `node` and waits for its refills: no sandbox directory is left in `state`, and
+/// none of the cgroups of `ids` (its pooled sandboxes or shells).
+async fn closed_empty(node: &Node, state: &Path, ids: &[String]) -> anyhow::Result<()> {
+    node.close();
+    node.wait_refills(Duration::from_secs(60)).await;
+    let left = sandbox_dirs(state);
+    anyhow::ensure!(left.is_empty(), "after close: {left:?}");
+    for id in ids {
+        anyhow::ensure!(
+            !Path::new(&format!("/sys/fs/cgroup/pids/cubicle/{id}")).exists(),
+            "cgroup of {id} left"
+        );
+    }
+    Ok(())
+}
+
 async fn sh(client: &EnvdClient, script: &str) -> anyhow::Result<String> {
     let spec = ProcessSpec {
         cmd: "/bin/sh".into(),
@@ -301,17 +317,7 @@ async fn claim_refill_close(envd: PathBuf) -> anyhow::Result<()> {
         // close: the pool's sandboxes go, the ready ones at once and one a refill was
         // making (for the claim above) once that refill sees the close, as `Node::stop`
         // waits for.
-        node.close();
-        node.wait_refills(Duration::from_secs(60)).await;
-        let left = sandbox_dirs(&state);
-        anyhow::ensure!(left.is_empty(), "after close: {left:?}");
-        for id in &pooled {
-            anyhow::ensure!(
-                !Path::new(&format!("/sys/fs/cgroup/pids/cubicle/{id}")).exists(),
-                "cgroup of {id} left"
-            );
-        }
-        Ok(())
+        closed_empty(&node, &state, &pooled).await
     }
     .await;
     node.kill_all().await;
@@ -551,17 +557,7 @@ async fn shells_serve_creates_of_any_template(envd: PathBuf) -> anyhow::Result<(
         node.kill(&c.id).await?;
         node.kill(&s.id).await?;
         wait_ready_in(&node, cubicle_node::SHELL_POOL, 2).await?;
-        node.close();
-        node.wait_refills(Duration::from_secs(60)).await;
-        let left = sandbox_dirs(&state);
-        anyhow::ensure!(left.is_empty(), "after close: {left:?}");
-        for id in &shells {
-            anyhow::ensure!(
-                !Path::new(&format!("/sys/fs/cgroup/pids/cubicle/{id}")).exists(),
-                "cgroup of {id} left"
-            );
-        }
-        Ok(())
+        closed_empty(&node, &state, &shells).await
     }
     .await;
     node.kill_all().await;

@@ -62,12 +62,7 @@ pub(crate) fn plan(spec: &SandboxSpec) -> Vec<Step> {
             mode: 0o700,
         });
     }
-    for (index, target) in lowers.iter().enumerate() {
-        s.push(Step::AttachLower {
-            index,
-            target: target.clone(),
-        });
-    }
+    rootfs::attach_lowers(&mut s, &lowers);
     s.push(Step::AttachBind {
         index: 0,
         target: dir.clone(),

@@ -210,12 +210,7 @@ pub(crate) fn plan(spec: &SandboxSpec, cgroups: &InnerMounts) -> Vec<Step> {
         path: root.clone(),
         mode: 0o755,
     });
-    for (index, target) in lowers.iter().enumerate() {
-        s.push(Step::AttachLower {
-            index,
-            target: target.clone(),
-        });
-    }
+    attach_lowers(&mut s, &lowers);
     if spec.shell {
         // A shell's root: its empty directory of the staging tmpfs, bound on itself (a
         // mount point to pivot into); a template's overlay replaces it (`reroot.rs`).
@@ -335,6 +330,16 @@ pub(crate) fn plan(spec: &SandboxSpec, cgroups: &InnerMounts) -> Vec<Step> {
         });
     }
     s
+}
+
+/// Attaches the helper's clone of layer `i` at `lowers[i]`.
+pub(crate) fn attach_lowers(s: &mut Vec<Step>, lowers: &[PathBuf]) {
+    for (index, target) in lowers.iter().enumerate() {
+        s.push(Step::AttachLower {
+            index,
+            target: target.clone(),
+        });
+    }
 }
 
 /// The overlay of `spec`'s layers (attached at `lowers`) and its upper directory, on
