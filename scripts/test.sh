@@ -9,7 +9,8 @@
 #      Cargo.toml, clippy.toml); either failing fails the run;
 #   3. build the workspace;
 #   4. `cargo test --workspace` (as root: tests that need root run; the store's tests
-#      on SQLite and on a private PostgreSQL cluster each, PostgreSQL required);
+#      on SQLite and on a private PostgreSQL cluster each, PostgreSQL required), then
+#      the escape suite once more with its sandboxes made from shells;
 #   5. the envd end-to-end suites with the real SDKs, each inside its own network +
 #      mount namespace next to a development-mode cubicle-envd
 #      (tests/e2e/envd-host.sh): pytest (sync + async Python SDK), then node --test
@@ -161,6 +162,11 @@ if wants cargo; then
   CUBICLE_REQUIRE_POSTGRES=1 \
     CUBICLE_TEST_CYCLES=${CUBICLE_TEST_CYCLES:-500} cargo test --workspace --no-fail-fast
   record "cargo test --workspace" $?
+  # The escape suite again, every attack in a sandbox that was a shell (made ahead of its
+  # template, then given the base root under its running envd: docs/node.md, "Shells").
+  banner "escape suite on shells (CUBICLE_ESCAPE_SHELLS=4)"
+  CUBICLE_ESCAPE_SHELLS=4 cargo test -p cubicle-node --test escape
+  record "escape suite on shells" $?
 fi
 
 run_e2e() { # name, command...

@@ -41,6 +41,9 @@ pub struct Ctx {
     pub state: PathBuf,
     /// Host directory of compiled attack programs.
     pub bin: PathBuf,
+    /// Shells kept by the node (`CUBICLE_ESCAPE_SHELLS`): every attack's sandbox is then
+    /// a shell given the `base` root (`docs/node.md`, "Shells").
+    pub shells: usize,
 }
 
 /// Who runs a program inside the sandbox.
@@ -65,10 +68,12 @@ impl As {
 pub const RUN_LIMIT: Duration = Duration::from_secs(60);
 
 impl Ctx {
-    /// A fresh `base` sandbox (internet off unless `internet`).
+    /// A fresh `base` sandbox (internet off unless `internet`; always on with shells,
+    /// which serve only creates with internet, so that the attack runs in a sandbox that
+    /// was a shell).
     pub async fn sandbox(self: &Arc<Self>, internet: bool) -> anyhow::Result<Sandbox> {
         self.sandbox_with(CreateRequest {
-            internet,
+            internet: internet || self.shells > 0,
             ..common::base()
         })
         .await

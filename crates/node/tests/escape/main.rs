@@ -65,7 +65,8 @@ fn main() {
     let mut failed = 0;
     for attack in &selected {
         let t = Instant::now();
-        let before = HostSnapshot::take(&state, &envd);
+        rt.block_on(shells_ready(&ctx));
+        let before = HostSnapshot::take(&state, &envd, ctx.shells > 0);
         let mut res = rt.block_on((attack.run)(ctx.clone()));
         // Whatever happened, the attack's sandboxes must be gone before the next one.
         let left = ctx.node.list();
@@ -78,7 +79,8 @@ fn main() {
                 ));
             }
         }
-        let changed = before.diff(&HostSnapshot::take(&state, &envd));
+        rt.block_on(shells_ready(&ctx));
+        let changed = before.diff(&HostSnapshot::take(&state, &envd, ctx.shells > 0));
         if res.is_ok() && !changed.is_empty() {
             res = Err(anyhow::anyhow!(
                 "the host changed:\n    {}",
@@ -105,6 +107,15 @@ fn main() {
             }
         }
     }
+    if ctx.shells > 0 {
+        // The pass is about sandboxes that were shells: make sure they were.
+        let claims = ctx.node.pool_stats().claims;
+        println!("escape: {claims} of the attacks' sandboxes were shells");
+        if claims == 0 {
+            println!("escape: FAILED — no sandbox was made from a shell");
+            failed += 1;
+        }
+    }
     ctx.node.close();
     drop(ctx);
     rt.shutdown_timeout(Duration::from_secs(2));
@@ -122,10 +133,32 @@ fn main() {
     }
 }
 
-/// A node on a fresh state dir holding the `base` template.
+/// With shells (`CUBICLE_ESCAPE_SHELLS`), waits (up to a minute) until all are ready
+/// again and no teardown is under way: the host is at rest for its snapshot.
+async fn shells_ready(ctx: &Ctx) {
+    let t = Instant::now();
+    while ctx.shells > 0 && t.elapsed() < Duration::from_secs(60) {
+        let st = ctx.node.pool_stats();
+        let ready = st.ready.get(cubicle_node::SHELL_POOL).copied().unwrap_or(0);
+        if ready >= ctx.shells && st.teardowns == 0 {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// A node on a fresh state dir holding the `base` template, with `CUBICLE_ESCAPE_SHELLS`
+/// shells if set: the suite then attacks sandboxes that were shells.
 async fn setup(envd: &Path, state: &Path) -> anyhow::Result<Ctx> {
     common::prepare_base_template(state).await?;
+    let shells: usize = match std::env::var("CUBICLE_ESCAPE_SHELLS") {
+        Ok(v) => v.parse()?,
+        Err(_) => 0,
+    };
     let mut cfg = NodeConfig::new(state, envd);
+    if shells > 0 {
+        cfg.pool.insert(cubicle_node::SHELL_POOL.into(), shells);
+    }
     cfg.first_slot = FIRST_SLOT;
     cfg.max_sandboxes = MAX_SANDBOXES;
     cfg.any_free_slots = true;
@@ -137,5 +170,6 @@ async fn setup(envd: &Path, state: &Path) -> anyhow::Result<Ctx> {
         node,
         state: state.to_path_buf(),
         bin: state.join("escape-bin"),
+        shells,
     })
 }
