@@ -221,6 +221,10 @@ async fn a_miss_takes_the_sandbox_a_refill_under_way_makes() {
     node.kill(&a.id).await.unwrap();
     node.kill(&b.id).await.unwrap();
     node.close();
+    // The refill under way and the teardowns end before the directory goes (they would
+    // make its `sandboxes/` again: an empty directory was left in /tmp by every run).
+    node.wait_refills(Duration::from_secs(10)).await;
+    wait_for(&node, "teardowns", |s| s.teardowns == 0).await;
     let _ = fsutil::remove_tree(&dir);
 }
 
