@@ -24,7 +24,7 @@ use anyhow::Context;
 use cubicle_node::Node;
 use cubicle_router::{DataPlane, RouterConfig};
 
-use crate::serve::{DEFAULT_TEMPLATES, NetworkArgs, default_pool};
+use crate::serve::{DEFAULT_TEMPLATES, NetworkArgs, warm_pools};
 
 /// `cubicle node`: run the node (no subcommand), or a subcommand about the cluster's
 /// nodes (`crate::node_cmd`: `list`).
@@ -114,21 +114,13 @@ pub async fn run(env: crate::sandbox_cmd::NodeOpts, args: NodeArgs) -> anyhow::R
     let envd = cubicle_node::config::find_envd_binary(env.envd_binary.clone())?;
     let mut config = env.config(envd);
     config.default_timeout = Duration::from_secs(args.default_timeout.max(1));
-    config.pool = match &args.pool {
-        Some(p) => p.clone(),
-        None if !args.no_build_templates
-            || state_dir.join("templates/base/template.json").exists() =>
-        {
-            default_pool(cubicle_node::host::memory_total())
-        }
-        None => BTreeMap::new(),
-    };
+    config.pool = warm_pools(
+        args.pool.as_ref(),
+        args.shells,
+        args.no_build_templates,
+        state_dir,
+    );
     config.pool_memory_mb = args.pool_memory_mb;
-    if args.shells > 0 {
-        config
-            .pool
-            .insert(cubicle_node::SHELL_POOL.to_string(), args.shells);
-    }
     config.network = args.network.options();
     config.async_teardown = true;
     config.recycle_quota_dirs = cubicle_node::config::SERVE_RECYCLED_QUOTA_DIRS;

@@ -351,6 +351,29 @@ impl NetworkArgs {
     }
 }
 
+/// The warm pools of a server (`serve`, `node`): `--pool` if given, else
+/// [`default_pool`] when `base` will be there at ready time (built now, or already: a
+/// pool must not make a `--no-build-templates` start build it in the background), else
+/// none; and `shells` shells under [`cubicle_node::SHELL_POOL`] if not 0.
+pub fn warm_pools(
+    pool: Option<&BTreeMap<String, usize>>,
+    shells: usize,
+    no_build_templates: bool,
+    state_dir: &std::path::Path,
+) -> BTreeMap<String, usize> {
+    let mut pools = match pool {
+        Some(p) => p.clone(),
+        None if !no_build_templates || state_dir.join("templates/base/template.json").exists() => {
+            default_pool(cubicle_node::host::memory_total())
+        }
+        None => BTreeMap::new(),
+    };
+    if shells > 0 {
+        pools.insert(cubicle_node::SHELL_POOL.to_string(), shells);
+    }
+    pools
+}
+
 /// The warm pool when `--pool` is not given: `base`, one sandbox per 4 GiB of host
 /// memory, at least 1 and at most 8 (a pooled sandbox idles at a few MiB; the pool's
 /// own memory budget is --pool-memory-mb).
@@ -440,23 +463,13 @@ pub async fn run(
         let mut config = env.config(envd);
         config.template_progress = log_format == crate::LogFormat::Text;
         config.default_timeout = Duration::from_secs(args.default_timeout);
-        config.pool = match &args.pool {
-            Some(p) => p.clone(),
-            // Only when base will be there at ready time (built now, or already): a pool
-            // must not make a `--no-build-templates` start build it in the background.
-            None if !args.no_build_templates
-                || state_dir.join("templates/base/template.json").exists() =>
-            {
-                default_pool(cubicle_node::host::memory_total())
-            }
-            None => BTreeMap::new(),
-        };
+        config.pool = warm_pools(
+            args.pool.as_ref(),
+            args.shells,
+            args.no_build_templates,
+            state_dir,
+        );
         config.pool_memory_mb = args.pool_memory_mb;
-        if args.shells > 0 {
-            config
-                .pool
-                .insert(cubicle_node::SHELL_POOL.to_string(), args.shells);
-        }
         config.network = args.network.options();
         if !config.pool.is_empty() {
             tracing::info!(pool = ?config.pool, "warm pools");
