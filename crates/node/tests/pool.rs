@@ -44,11 +44,17 @@ fn main() {
     h.run(h.envd.clone(), tests, |_| Ok(())).finish();
 }
 
-async fn open(envd: &Path, state: &Path, pool: usize) -> anyhow::Result<Node> {
+/// This suite's node config: its slots, room for 32 sandboxes, no pool.
+fn config(envd: &Path, state: &Path) -> NodeConfig {
     let mut cfg = NodeConfig::new(state, envd);
     cfg.first_slot = FIRST_SLOT;
     cfg.max_sandboxes = 32;
     cfg.any_free_slots = true;
+    cfg
+}
+
+async fn open(envd: &Path, state: &Path, pool: usize) -> anyhow::Result<Node> {
+    let mut cfg = config(envd, state);
     if pool > 0 {
         cfg.pool.insert("tiny".into(), pool);
     }
@@ -501,10 +507,7 @@ fn mounts_of(id: &str) -> Vec<String> {
 /// refills, and closing leaves nothing.
 async fn shells_serve_creates_of_any_template(envd: PathBuf) -> anyhow::Result<()> {
     let state = PathBuf::from(format!("/tmp/cbpool-{}-h", std::process::id()));
-    let mut cfg = NodeConfig::new(&state, &envd);
-    cfg.first_slot = FIRST_SLOT;
-    cfg.max_sandboxes = 32;
-    cfg.any_free_slots = true;
+    let mut cfg = config(&envd, &state);
     cfg.pool.insert(cubicle_node::SHELL_POOL.into(), 2);
     let node = open_with(cfg).await?;
     let r = async {

@@ -199,10 +199,7 @@ impl Inner {
             if let Err(e) = st.check_volumes_usable(&req.volumes) {
                 // A volume is being deleted: the pooled sandbox goes back, unused.
                 drop(st);
-                let mut ps = inner.pool.lock();
-                ps.add_member(id.clone());
-                ps.ready.entry(name.clone()).or_default().push_front(id);
-                drop(ps);
+                inner.pool.lock().put_back(name, id);
                 inner.pool.readied.notify_waiters();
                 return Claim::Served(Err(e));
             }

@@ -43,11 +43,17 @@ pub(crate) fn shell_template() -> Template {
     }
 }
 
-/// Whether a shell may serve `req` for `template` with disk quota `disk_mb`.
-fn claimable(template: &Template, req: &CreateRequest, disk_mb: u64) -> bool {
+/// Whether a shell (made with `shell`'s config) may serve `req` for `template` with disk
+/// quota `disk_mb`.
+fn claimable(
+    shell: &TemplateConfig,
+    template: &Template,
+    req: &CreateRequest,
+    disk_mb: u64,
+) -> bool {
     req.id.is_none()
         && req.internet
-        && disk_mb == shell_template().config.disk_mb
+        && disk_mb == shell.disk_mb
         && !super::has_start(template)
         && template.binds.is_empty()
 }
@@ -62,7 +68,8 @@ impl Inner {
     ) -> Option<crate::error::Result<SandboxInfo>> {
         let template = &plan.template;
         let configured = self.config.pool.get(SHELL_POOL).copied()?;
-        if !claimable(template, req, plan.limits.2) {
+        let shell = shell_template().config;
+        if !claimable(&shell, template, req, plan.limits.2) {
             return None;
         }
         let _under_way = self.pool.claiming();
@@ -87,12 +94,7 @@ impl Inner {
             let mut st = self.lock();
             if let Err(e) = st.check_volumes_usable(&req.volumes) {
                 drop(st);
-                let mut ps = self.pool.lock();
-                ps.add_member(id.clone());
-                ps.ready
-                    .entry(SHELL_POOL.to_string())
-                    .or_default()
-                    .push_front(id);
+                self.pool.lock().put_back(SHELL_POOL, id);
                 return Some(Err(e));
             }
             let Some(live) = st.live_mut().get_mut(&id) else {
@@ -114,7 +116,6 @@ impl Inner {
         };
         self.pool.wake.notify_one();
         let id = record.id.clone();
-        let shell = shell_template().config;
         let claimed = self
             .complete_claim(
                 &record,
@@ -151,21 +152,22 @@ mod tests {
             internet: true,
             ..Default::default()
         };
-        let disk = shell_template().config.disk_mb;
-        assert!(claimable(&template(None), &req, disk));
-        assert!(!claimable(&template(Some("serve")), &req, disk));
-        assert!(!claimable(&template(None), &req, disk + 1));
+        let shell = shell_template().config;
+        let disk = shell.disk_mb;
+        assert!(claimable(&shell, &template(None), &req, disk));
+        assert!(!claimable(&shell, &template(Some("serve")), &req, disk));
+        assert!(!claimable(&shell, &template(None), &req, disk + 1));
         let offline = CreateRequest {
             internet: false,
             ..Default::default()
         };
-        assert!(!claimable(&template(None), &offline, disk));
+        assert!(!claimable(&shell, &template(None), &offline, disk));
         let named = CreateRequest {
             id: Some("mine".into()),
             internet: true,
             ..Default::default()
         };
-        assert!(!claimable(&template(None), &named, disk));
+        assert!(!claimable(&shell, &template(None), &named, disk));
         assert!(is_shell(&shell_template()) && !is_shell(&template(None)));
     }
 }

@@ -100,6 +100,16 @@ impl PoolState {
         self.members.insert(id)
     }
 
+    /// Puts ready sandbox `id` of pool `name` back at the front, unused (a claim that
+    /// took it could not serve its create).
+    pub(super) fn put_back(&mut self, name: &str, id: SandboxId) {
+        self.add_member(id.clone());
+        self.ready
+            .entry(name.to_string())
+            .or_default()
+            .push_front(id);
+    }
+
     pub(super) fn remove_member(&mut self, id: &str) -> bool {
         self.version += 1;
         self.members.remove(id)
