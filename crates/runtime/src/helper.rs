@@ -165,7 +165,9 @@ fn run(request: &[u8], policy: &SeccompPolicy, out: RawFd) -> Result<(), String>
         crate::fd_limit::set(limit).map_err(|e| format!("open-files limit {limit:?}: {e}"))?;
     }
     let cg = Cgroup::handle(&spec.id).map_err(|e| e.to_string())?;
-    cg.add_process(0).map_err(|e| format!("join cgroup: {e}"))?;
+    // (The zygote cloned this helper into its cgroup's `clone_target`.)
+    cg.join_single_threaded()
+        .map_err(|e| format!("join cgroup: {e}"))?;
     mark("helper_in_cgroup");
 
     let (parent_sock, child_sock) =

@@ -4,7 +4,7 @@
 use std::fs;
 use std::io::Read;
 use std::os::fd::{AsFd, AsRawFd, OwnedFd};
-use std::os::unix::fs::{DirBuilderExt, PermissionsExt, chown};
+use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt, PermissionsExt, chown};
 use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};
 use std::process::ExitStatus;
@@ -102,7 +102,16 @@ pub fn spawn(spec: &SandboxSpec) -> Result<Sandbox> {
         spec: spec.clone(),
         reroot: None,
     };
-    let made = run_helper(&request, log_writer, start_ns, &mut pid, &mut timings).and_then(|()| {
+    let clone_into = cgroup.clone_target();
+    let made = run_helper(
+        &request,
+        log_writer,
+        clone_into.as_deref(),
+        start_ns,
+        &mut pid,
+        &mut timings,
+    )
+    .and_then(|()| {
         pid.map(|_| ())
             .ok_or_else(|| Error::Setup("helper exited without creating the sandbox".into()))
     });
@@ -221,6 +230,7 @@ fn remove_layers(dir: &Path) -> Result<()> {
 fn run_helper(
     request: &HelperRequest,
     writer: Option<OwnedFd>,
+    clone_into: Option<&Path>,
     start_ns: u64,
     pid_out: &mut Option<i32>,
     timings: &mut Vec<(String, Duration)>,
@@ -237,7 +247,24 @@ fn run_helper(
     let (out, status_writer) = std::io::pipe().map_err(io_ctx(|| "status pipe".into()))?;
     let request = serde_json::to_vec(request)
         .map_err(|e| Error::Setup(format!("encode helper request: {e}")))?;
-    let helper = crate::zygote::start_helper(&request, status_writer.as_fd(), log.as_fd())?;
+    let cgroup_dir: Option<OwnedFd> = match clone_into {
+        Some(d) => Some(
+            fs::OpenOptions::new()
+                .read(true)
+                .custom_flags(libc::O_PATH | libc::O_DIRECTORY | libc::O_CLOEXEC)
+                .open(d)
+                .map_err(io_ctx(|| format!("open cgroup {}", d.display())))?
+                .into(),
+        ),
+        None => None,
+    };
+    let helper = crate::zygote::start_helper(
+        &request,
+        status_writer.as_fd(),
+        log.as_fd(),
+        cgroup_dir.as_ref().map(|d| d.as_fd()),
+    )?;
+    drop(cgroup_dir);
     // Only the helper (and the sandbox child) hold the write end now: end of file means
     // both are done.
     drop(status_writer);
@@ -366,7 +393,7 @@ pub fn attach_root(
         reroot: Some(pid),
     };
     let mut timings = Vec::new();
-    run_helper(&request, None, start_ns, &mut None, &mut timings)?;
+    run_helper(&request, None, None, start_ns, &mut None, &mut timings)?;
     timings.push(("attached".to_string(), start.elapsed()));
     Ok(timings)
 }

@@ -14,10 +14,16 @@
 //! exactly as before, so that process reaps both and receives `SIGCHLD` for the init.
 //! The zygote itself has no children and holds nothing but its socket.
 //!
+//! Where the host has a v2 hierarchy, the zygote clones each helper straight into a v2
+//! cgroup (`clone3(CLONE_INTO_CGROUP)`, Linux 5.7, older than the idmapped mounts the
+//! runtime needs): the sandbox's own on a v2 host, the shared `cubicle` of the unified
+//! tracking hierarchy on a hybrid one. That spares the helper a migration (see
+//! [`crate::cgroup::Cgroup::join_single_threaded`]).
+//!
 //! Protocol (a `SOCK_SEQPACKET` pair; the zygote's end is its stdin): the caller sends one
-//! message per helper, the request's JSON with two descriptors, the status pipe (the
-//! helper's stdout) and the log (its stderr); the zygote answers `pid <pid>` or
-//! `error <message>`. End of file on the socket (the caller closed it or died) ends the
+//! message per helper, the request's JSON with two or three descriptors, the status pipe
+//! (the helper's stdout), the log (its stderr) and optionally the v2 cgroup directory to
+//! clone it into; the zygote answers `pid <pid>` or `error <message>`. End of file on the socket (the caller closed it or died) ends the
 //! zygote. A zygote that died or stopped answering is replaced by the next spawn.
 
 use std::os::fd::{AsRawFd, BorrowedFd, OwnedFd, RawFd};
@@ -34,6 +40,9 @@ pub const ZYGOTE_ARG: &str = "__cubicle-runtime-zygote__";
 
 /// Largest request (a sandbox spec's JSON) the zygote accepts.
 pub(crate) const MAX_REQUEST: usize = 256 * 1024;
+
+/// `clone3`'s flag (libc's constant is an `int` that cannot hold it).
+const CLONE_INTO_CGROUP: u64 = 0x2_0000_0000;
 
 /// How long the zygote may take to answer a request (a fork): beyond it, it is replaced.
 const ANSWER_TIMEOUT: Duration = Duration::from_secs(10);
@@ -69,14 +78,9 @@ impl Zygote {
     }
 
     /// One request: the helper's pid, or why not.
-    fn ask(
-        &self,
-        request: &[u8],
-        stdout: RawFd,
-        stderr: RawFd,
-    ) -> std::result::Result<i32, Failure> {
+    fn ask(&self, request: &[u8], fds: &[RawFd]) -> std::result::Result<i32, Failure> {
         let sock = self.sock.as_raw_fd();
-        sys::send_with_fds(sock, request, &[stdout, stderr])
+        sys::send_with_fds(sock, request, fds)
             .map_err(|e| Failure::NotSent(Error::io("send a request to the sandbox zygote", e)))?;
         let broken = |e| Failure::Broken(Error::io("read the sandbox zygote's answer", e));
         sys::wait_readable(sock, std::time::Instant::now() + ANSWER_TIMEOUT).map_err(broken)?;
@@ -112,12 +116,14 @@ enum Failure {
 }
 
 /// Starts a sandbox helper for `request` (a [`crate::helper::HelperRequest`]'s JSON)
-/// with `stdout` as its status pipe and `stderr` as its log; returns its pid, a child of
-/// this process that the caller must reap. Starts (or replaces) the zygote as needed.
+/// with `stdout` as its status pipe and `stderr` as its log, cloned into the v2 cgroup
+/// directory `cgroup` if given (and the kernel can); returns its pid, a child of this
+/// process that the caller must reap. Starts (or replaces) the zygote as needed.
 pub(crate) fn start_helper(
     request: &[u8],
     stdout: BorrowedFd<'_>,
     stderr: BorrowedFd<'_>,
+    cgroup: Option<BorrowedFd<'_>>,
 ) -> Result<i32> {
     if request.len() > MAX_REQUEST {
         return Err(Error::InvalidSpec(format!(
@@ -130,13 +136,15 @@ pub(crate) fn start_helper(
         // Inherited through a fork: not ours to use, stop or wait for.
         std::mem::forget(slot.take());
     }
+    let mut fds = vec![stdout.as_raw_fd(), stderr.as_raw_fd()];
+    fds.extend(cgroup.map(|c| c.as_raw_fd()));
     let mut last = None;
     for _ in 0..2 {
         let zygote = match slot.take() {
             Some(z) => z,
             None => Zygote::start()?,
         };
-        match zygote.ask(request, stdout.as_raw_fd(), stderr.as_raw_fd()) {
+        match zygote.ask(request, &fds) {
             Ok(pid) => {
                 *slot = Some(zygote);
                 return Ok(pid);
@@ -190,7 +198,7 @@ pub(crate) fn main() -> i32 {
         ));
     }
     loop {
-        let (request, fds) = match sys::recv_with_fds_sized(0, MAX_REQUEST, 2) {
+        let (request, mut fds) = match sys::recv_with_fds_sized(0, MAX_REQUEST, 3) {
             Ok((r, _)) if r.is_empty() => return 0,
             Ok(m) => m,
             Err(e) if e.raw_os_error() == Some(libc::EMSGSIZE) => {
@@ -199,22 +207,17 @@ pub(crate) fn main() -> i32 {
             }
             Err(_) => return 1,
         };
-        if fds.len() != 2 {
-            answer(&format!("error expected 2 descriptors, got {}", fds.len()));
+        if !(2..=3).contains(&fds.len()) {
+            answer(&format!(
+                "error expected 2 or 3 descriptors, got {}",
+                fds.len()
+            ));
             continue;
         }
-        // SAFETY: this process is single-threaded, so a fork-like clone is as safe as
-        // fork(). CLONE_PARENT: the helper is a child of the zygote's parent.
-        let pid = unsafe {
-            libc::syscall(
-                libc::SYS_clone,
-                (libc::CLONE_PARENT | libc::SIGCHLD) as libc::c_ulong,
-                0usize,
-                0usize,
-                0usize,
-                0usize,
-            )
-        };
+        let cgroup = if fds.len() == 3 { fds.pop() } else { None };
+        let has_cgroup = cgroup.is_some();
+        let pid = clone_helper(cgroup.as_ref().map(|c| c.as_raw_fd()));
+        drop(cgroup);
         if pid == 0 {
             // (its sandbox's init is called so too until it execs envd)
             sys::set_comm(c"cubicle-helper");
@@ -240,12 +243,49 @@ pub(crate) fn main() -> i32 {
         drop(fds);
         if pid < 0 {
             answer(&format!(
-                "error fork a sandbox helper: {}",
+                "error clone a sandbox helper{}: {}",
+                if has_cgroup { " into its cgroup" } else { "" },
                 std::io::Error::last_os_error()
             ));
         } else {
             answer(&format!("pid {pid}"));
         }
+    }
+}
+
+/// Clones a helper (`CLONE_PARENT`: a child of the zygote's parent), into the v2 cgroup
+/// directory `cgroup` if given; returns what `clone` returns (0 in the helper, -1 on
+/// failure with errno set).
+fn clone_helper(cgroup: Option<RawFd>) -> libc::c_long {
+    match cgroup {
+        Some(fd) => {
+            // SAFETY: clone_args is plain integers, for which zero is valid (the default).
+            let mut args: libc::clone_args = unsafe { std::mem::zeroed() };
+            // No exit signal: clone3 refuses one with CLONE_PARENT, where the helper gets
+            // the zygote's own (SIGCHLD, as `Command` started it), as with `clone`.
+            args.flags = (libc::CLONE_PARENT as u64) | CLONE_INTO_CGROUP;
+            args.cgroup = fd as u64;
+            // SAFETY: this process is single-threaded, so a fork-like clone is as safe as
+            // fork(); `args` is a complete `clone_args` of the size given.
+            unsafe {
+                libc::syscall(
+                    libc::SYS_clone3,
+                    &args as *const libc::clone_args,
+                    std::mem::size_of::<libc::clone_args>(),
+                )
+            }
+        }
+        // SAFETY: as above.
+        None => unsafe {
+            libc::syscall(
+                libc::SYS_clone,
+                (libc::CLONE_PARENT | libc::SIGCHLD) as libc::c_ulong,
+                0usize,
+                0usize,
+                0usize,
+                0usize,
+            )
+        },
     }
 }
 
@@ -275,7 +315,7 @@ mod tests {
     fn oversized_requests_are_refused_before_any_zygote_starts() {
         let (a, b) = cubicle_syscalls::socket::seqpacket_pair().unwrap();
         let big = vec![b'x'; MAX_REQUEST + 1];
-        let err = start_helper(&big, a.as_fd(), b.as_fd()).unwrap_err();
+        let err = start_helper(&big, a.as_fd(), b.as_fd(), None).unwrap_err();
         assert!(matches!(err, Error::InvalidSpec(_)), "{err}");
         assert!(zygote_pid().is_none());
     }

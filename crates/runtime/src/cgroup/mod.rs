@@ -95,7 +95,10 @@ fn parse_layout(mountinfo: &str) -> Result<Layout> {
                 return Ok(Layout::V2(m.mount_point));
             }
             // The unified hierarchy of a hybrid host (no controllers: tracking only).
-            "cgroup2" => v1.track(&m.mount_point),
+            "cgroup2" => {
+                v1.track(&m.mount_point);
+                v1.unified.get_or_insert(m.mount_point.clone());
+            }
             "cgroup" => {
                 let opts = m.super_options.split(',');
                 if opts.clone().any(|o| o == "name=systemd") {
@@ -252,6 +255,42 @@ impl Cgroup {
         for d in self.dirs().into_iter().chain(self.shared_dirs()) {
             let f = d.join("cgroup.procs");
             fs::write(&f, pid.to_string()).map_err(io_ctx(|| format!("write {}", f.display())))?;
+        }
+        Ok(())
+    }
+
+    /// The v2 cgroup a sandbox's helper can be cloned straight into
+    /// (`clone3(CLONE_INTO_CGROUP)`): its own on a v2 host, the shared `cubicle` of the
+    /// unified tracking hierarchy on a hybrid one; none on a v1 host without it.
+    pub(crate) fn clone_target(&self) -> Option<PathBuf> {
+        match &self.layout {
+            Layout::V2(root) => Some(root.join(PARENT).join(&self.id)),
+            Layout::V1(m) => m.unified.as_ref().map(|u| u.join(PARENT)),
+        }
+    }
+
+    /// Moves the calling process, which must be single-threaded (a sandbox's helper) and
+    /// cloned into the [`clone_target`](Self::clone_target), into the cgroup in every
+    /// other hierarchy.
+    ///
+    /// Moving a whole process (`cgroup.procs`) write-locks the kernel's global
+    /// thread-group semaphore, and that waits for an RCU grace period: 5–20 ms while
+    /// other sandboxes are made and removed (round 28 of docs/bench.md). Moving the
+    /// calling *thread* (`0` into a v1 `tasks` file) skips that lock, and for a
+    /// single-threaded process it is the same move; v2 has no such file for a domain
+    /// cgroup, where the clone makes the move instead.
+    pub(crate) fn join_single_threaded(&self) -> Result<()> {
+        let Layout::V1(m) = &self.layout else {
+            return Ok(());
+        };
+        let shared = m.tracking.iter().filter(|t| m.unified.as_ref() != Some(*t));
+        for d in self
+            .dirs()
+            .into_iter()
+            .chain(shared.map(|t| t.join(PARENT)))
+        {
+            let f = d.join("tasks");
+            fs::write(&f, "0").map_err(io_ctx(|| format!("write {}", f.display())))?;
         }
         Ok(())
     }
@@ -679,6 +718,7 @@ mod tests {
             pids: h("pids"),
             freezer: h("freezer"),
             tracking: vec![h("unified")],
+            unified: Some(h("unified")),
         };
         for d in ["memory", "cpu", "pids", "freezer", "unified"] {
             fs::create_dir_all(h(d)).unwrap();

@@ -28,6 +28,9 @@ pub(crate) struct Mounts {
     /// `cgroup1_get_tree`), four mounts per sandbox, 6.7 % of all CPU at 6,000 sandboxes.
     /// Older builds made `cubicle/<id>` there: removal and reconciliation still look.
     pub tracking: Vec<PathBuf>,
+    /// The unified (v2) hierarchy among [`tracking`](Self::tracking), if the host has
+    /// one: a helper can be cloned straight into its `cubicle` (`CLONE_INTO_CGROUP`).
+    pub unified: Option<PathBuf>,
 }
 
 impl Mounts {
