@@ -69,7 +69,7 @@ slot=$FIRST_SLOT
 for n in a b; do
   addr=127.0.0.$([[ $n == a ]] && echo 2 || echo 3):3100
   "$BIN" node --state-dir "$STATE-$n" --first-slot "$slot" --max-sandboxes "$PER" --any-free-slots \
-    --listen "$addr" --node-token-file "$TOKEN" --pool '' --no-build-templates \
+    --listen "$addr" --node-token-file "$TOKEN" --pool '' --shells 0 --no-build-templates \
     --dns-upstream 203.0.113.53 >"$WORK/node-$n.out" 2>"$WORK/node-$n.log" &
   PIDS+=($!)
   wait_line "$WORK/node-$n.out" "cubicle node: ready on" 120 || exit 1

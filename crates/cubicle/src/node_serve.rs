@@ -63,9 +63,10 @@ pub struct NodeArgs {
     pub pool: Option<BTreeMap<String, usize>>,
     /// Shells kept ready: sandboxes of no template yet, made ahead (namespaces, cgroup,
     /// network, envd running); a create that finds no pooled sandbox of its template
-    /// takes one and only gets its template's root (see `docs/node.md`). 0: none.
-    #[arg(long, env = "CUBICLE_SHELLS", default_value_t = 0, value_name = "N")]
-    pub shells: usize,
+    /// takes one and only gets its template's root (see `docs/node.md`). Default: one
+    /// per 2 GiB of host memory (1 to 16); 0: none.
+    #[arg(long, env = "CUBICLE_SHELLS", value_name = "N")]
+    pub shells: Option<usize>,
     /// Host memory all pooled sandboxes together may use, in MiB.
     #[arg(
         long,

@@ -104,9 +104,10 @@ pub struct ServeArgs {
     pub pool: Option<BTreeMap<String, usize>>,
     /// Shells kept ready: sandboxes of no template yet, made ahead (namespaces, cgroup,
     /// network, envd running); a create that finds no pooled sandbox of its template
-    /// takes one and only gets its template's root (see `docs/node.md`). 0: none.
-    #[arg(long, env = "CUBICLE_SHELLS", default_value_t = 0, value_name = "N")]
-    pub shells: usize,
+    /// takes one and only gets its template's root (see `docs/node.md`). Default: one
+    /// per 2 GiB of host memory (1 to 16); 0: none.
+    #[arg(long, env = "CUBICLE_SHELLS", value_name = "N")]
+    pub shells: Option<usize>,
     /// Open connections one client address may hold (REST and data plane together);
     /// more are answered 429 and closed.
     #[arg(
@@ -354,24 +355,36 @@ impl NetworkArgs {
 /// The warm pools of a server (`serve`, `node`): `--pool` if given, else
 /// [`default_pool`] when `base` will be there at ready time (built now, or already: a
 /// pool must not make a `--no-build-templates` start build it in the background), else
-/// none; and `shells` shells under [`cubicle_node::SHELL_POOL`] if not 0.
+/// none; and under [`cubicle_node::SHELL_POOL`] `--shells` shells, [`default_shells`]
+/// if not given, none for 0.
 pub fn warm_pools(
     pool: Option<&BTreeMap<String, usize>>,
-    shells: usize,
+    shells: Option<usize>,
     no_build_templates: bool,
     state_dir: &std::path::Path,
 ) -> BTreeMap<String, usize> {
+    let memory = cubicle_node::host::memory_total();
     let mut pools = match pool {
         Some(p) => p.clone(),
         None if !no_build_templates || state_dir.join("templates/base/template.json").exists() => {
-            default_pool(cubicle_node::host::memory_total())
+            default_pool(memory)
         }
         None => BTreeMap::new(),
     };
+    let shells = shells.unwrap_or_else(|| default_shells(memory));
     if shells > 0 {
         pools.insert(cubicle_node::SHELL_POOL.to_string(), shells);
     }
     pools
+}
+
+/// Shells kept when `--shells` is not given: one per 2 GiB of host memory, at least 1
+/// and at most 16. A shell idles at about 1 MiB of host memory (its namespaces, cgroup,
+/// veth and envd) and turns a cold create of any template into a re-root of a running
+/// sandbox (docs/bench.md, round 27); the pool adapts the number to the misses (up to
+/// four times this), so bursts larger than it are served by the next ones.
+pub fn default_shells(memory_total: u64) -> usize {
+    (memory_total >> 31).clamp(1, 16) as usize
 }
 
 /// The warm pool when `--pool` is not given: `base`, one sandbox per 4 GiB of host
@@ -936,7 +949,32 @@ pub fn read_admin_key(state_dir: &Path) -> anyhow::Result<String> {
 
 #[cfg(test)]
 mod tests {
-    use super::{SandboxDomain, redact_password};
+    use super::{SandboxDomain, default_shells, redact_password, warm_pools};
+    use std::collections::BTreeMap;
+
+    /// Shells unless `--shells 0`, whatever `--pool` says; their default follows the
+    /// host's memory.
+    #[test]
+    fn shells_are_kept_unless_turned_off() {
+        assert_eq!(default_shells(1 << 30), 1);
+        assert_eq!(default_shells(24 << 30), 12);
+        assert_eq!(default_shells(256 << 30), 16);
+        let none = BTreeMap::new();
+        let dir = std::path::Path::new("/nonexistent");
+        let shells = |p: Option<&BTreeMap<String, usize>>, n| {
+            warm_pools(p, n, true, dir)
+                .get(cubicle_node::SHELL_POOL)
+                .copied()
+        };
+        let default = default_shells(cubicle_node::host::memory_total());
+        assert_eq!(shells(None, None), Some(default));
+        assert_eq!(shells(Some(&none), None), Some(default));
+        assert_eq!(shells(Some(&none), Some(3)), Some(3));
+        assert_eq!(shells(None, Some(0)), None);
+        let tiny = BTreeMap::from([("tiny".to_string(), 2)]);
+        let both = warm_pools(Some(&tiny), Some(0), true, dir);
+        assert_eq!(both, tiny, "--shells 0 leaves the pools as given");
+    }
 
     #[test]
     fn database_urls_are_logged_without_password() {

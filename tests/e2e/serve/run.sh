@@ -51,9 +51,8 @@
 #   CUBICLE_E2E_SUITE_TIMEOUT   per-suite time limit in seconds (default 2400)
 #   CUBICLE_PYTEST_ARGS         extra pytest arguments
 #   CUBICLE_E2E_KEEP_LOG=1      keep the server log even on success
-#   CUBICLE_E2E_SERVE_ARGS      extra `cubicle serve` flags (default "--pool code-interpreter-v1=2
-#                               --shells 8";
-#                               "" for none)
+#   CUBICLE_E2E_SERVE_ARGS      extra `cubicle serve` flags (default "--pool code-interpreter-v1=2",
+#                               with serve's default shells; "" for none)
 #   CUBICLE_DNS_UPSTREAM        the server's upstream DNS (default 203.0.113.53: the DNS
 #                               server of the network tests' private internet, netlab/)
 #   CUBICLE_SANDBOX_MAX_CONNECTIONS, CUBICLE_SANDBOX_NEW_CONNECTIONS,
@@ -272,7 +271,7 @@ serve_args=(serve --listen "127.0.0.1:$PORT" --state-dir "$STATE")
 # shells, so that creates of every other template (built-in and built by the tests) are
 # served by shells while there are some and cold when there are none: both ways of
 # making a sandbox go through the SDKs' whole surface.
-default_serve_args="--pool code-interpreter-v1=2 --shells 8"
+default_serve_args="--pool code-interpreter-v1=2"
 [[ ${CUBICLE_E2E_SKIP_CI:-0} == 1 ]] && default_serve_args=""
 read -r -a extra_serve_args <<<"${CUBICLE_E2E_SERVE_ARGS-$default_serve_args}"
 serve_args+=("${extra_serve_args[@]}")

@@ -62,9 +62,8 @@ impl Server {
         // Always explicit: an empty spec is no pool at all (serve's default would size
         // one from host memory).
         cmd.arg("--pool").arg(spec.join(","));
-        if let Some(n) = shells {
-            cmd.arg("--shells").arg(n.to_string());
-        }
+        // Explicit too: none unless the mode keeps shells.
+        cmd.arg("--shells").arg(shells.unwrap_or(0).to_string());
         // The server's access log and lifecycle lines (serve logs at `info`) would bury the
         // bench's table and cost time on every request: warnings only, unless asked.
         if std::env::var_os("CUBICLE_LOG").is_none() {
