@@ -173,15 +173,7 @@ impl Inner {
                 }
                 match ps.ready.get_mut(name).and_then(|q| q.pop_front()) {
                     Some(id) => {
-                        ps.remove_member(&id);
-                        if after_miss {
-                            ps.waited += 1;
-                        } else {
-                            ps.claims += 1;
-                        }
-                        let now = Instant::now();
-                        ps.claim_gap = ps.last_claim.map(|t| now.duration_since(t));
-                        ps.last_claim = Some(now);
+                        ps.took(&id, after_miss);
                         id
                     }
                     None if after_miss => return Claim::Empty,

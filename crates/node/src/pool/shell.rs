@@ -79,8 +79,7 @@ impl Inner {
                 let mut ps = self.pool.lock();
                 match ps.ready.get_mut(SHELL_POOL).and_then(|q| q.pop_front()) {
                     Some(id) => {
-                        ps.remove_member(&id);
-                        ps.claims += 1;
+                        ps.took(&id, false);
                         id
                     }
                     None => {

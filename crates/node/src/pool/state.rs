@@ -95,6 +95,21 @@ impl PoolState {
         *t = (*t + GROWTH_PER_MISS).min(configured.max(1) * MAX_GROWTH);
     }
 
+    /// Books the claim of ready sandbox `id` (popped from its queue), pooled or a
+    /// shell: no longer a member, counted (as a claim, or as a miss that waited for a
+    /// refill), and its time kept for the refill's pause after claims.
+    pub(super) fn took(&mut self, id: &str, after_miss: bool) {
+        self.remove_member(id);
+        if after_miss {
+            self.waited += 1;
+        } else {
+            self.claims += 1;
+        }
+        let now = Instant::now();
+        self.claim_gap = self.last_claim.map(|t| now.duration_since(t));
+        self.last_claim = Some(now);
+    }
+
     pub(super) fn add_member(&mut self, id: SandboxId) -> bool {
         self.version += 1;
         self.members.insert(id)
@@ -296,6 +311,23 @@ mod tests {
         }
         assert_eq!(ps.target["t"], 16);
         assert_eq!(ps.misses, 21);
+    }
+
+    /// A claim, pooled or a shell's, leaves the members, is counted and times the gap
+    /// since the one before (what the refill's pause after claims reads).
+    #[test]
+    fn a_claim_is_counted_and_timed() {
+        let p = pool(4);
+        let mut ps = p.lock();
+        let (a, b) = (crate::ids::new_sandbox_id(), crate::ids::new_sandbox_id());
+        ps.add_member(a.clone());
+        ps.add_member(b.clone());
+        ps.took(&a, false);
+        assert_eq!((ps.member_count(), ps.claims, ps.waited), (1, 1, 0));
+        assert!(ps.last_claim.is_some() && ps.claim_gap.is_none());
+        ps.took(&b, true);
+        assert_eq!((ps.member_count(), ps.claims, ps.waited), (0, 1, 1));
+        assert!(ps.claim_gap.is_some_and(|g| g < Duration::from_secs(5)));
     }
 
     /// A teardown waits while the refill makes sandboxes for a pool below its target,
