@@ -103,6 +103,12 @@ impl UidSlots {
         self.first..self.end
     }
 
+    /// Slots neither in use nor out of range (resting ones included: they are handed
+    /// out when nothing else is free).
+    pub fn free(&self) -> usize {
+        self.range().len().saturating_sub(self.used.len())
+    }
+
     /// Slots in use.
     pub fn in_use(&self) -> usize {
         self.used.len()

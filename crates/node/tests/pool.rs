@@ -40,6 +40,9 @@ fn main() {
         ("shells_serve_creates_of_any_template", |e| {
             Box::pin(shells_serve_creates_of_any_template(e))
         }),
+        ("a_full_node_makes_room_from_its_pool", |e| {
+            Box::pin(a_full_node_makes_room_from_its_pool(e))
+        }),
     ];
     h.run(h.envd.clone(), tests, |_| Ok(())).finish();
 }
@@ -358,6 +361,48 @@ async fn crash_leaves_no_pooled_sandbox(envd: PathBuf) -> anyhow::Result<()> {
     .await;
     let _ = cubicle_node::fsutil::remove_tree(&state);
     r
+}
+
+/// A node whose every slot holds a pooled sandbox still makes a create its pool cannot
+/// serve (internet off): one pooled sandbox makes room, and the refill does not take the
+/// slot back while the node is full; it refills once the sandbox is gone.
+async fn a_full_node_makes_room_from_its_pool(envd: PathBuf) -> anyhow::Result<()> {
+    let envd = envd.as_path();
+    let state = PathBuf::from(format!("/tmp/cbpool-{}-full", std::process::id()));
+    let mut cfg = config(envd, &state);
+    cfg.max_sandboxes = 3;
+    cfg.pool.insert("tiny".into(), 3);
+    let node = open_with(cfg).await?;
+    let r = async {
+        wait_ready(&node, 3).await?;
+        let s = node
+            .create(CreateRequest {
+                template: "tiny".into(),
+                internet: false,
+                ..Default::default()
+            })
+            .await?;
+        let stats = node.pool_stats();
+        anyhow::ensure!(
+            stats.claims == 0 && stats.ready.get("tiny") == Some(&2),
+            "the create was not made in the room of a pooled sandbox: {stats:?}"
+        );
+        let dirs = sandbox_dirs(&state);
+        anyhow::ensure!(
+            dirs.len() == 3 && dirs.iter().any(|d| d.as_str() == s.id.as_str()),
+            "{dirs:?}"
+        );
+        // Full: no refill while the sandbox lives.
+        tokio::time::sleep(Duration::from_millis(1500)).await;
+        anyhow::ensure!(node.pool_stats().ready.get("tiny") == Some(&2));
+        node.kill(&s.id).await?;
+        wait_ready(&node, 3).await?;
+        Ok(())
+    }
+    .await;
+    let closed = closed_empty(&node, &state, &[]).await;
+    let _ = cubicle_node::fsutil::remove_tree(&state);
+    r.and(closed)
 }
 
 /// A template with a start command is pooled with the command running (as its start

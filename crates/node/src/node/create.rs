@@ -141,7 +141,8 @@ impl Inner {
             None => inner.pool.create_permits.clone().acquire_owned().await.ok(),
         };
         let env_vars = sandbox_env(&template, &req.env_vars, &id);
-        let record = inner.reserve(&id, &template, |r| {
+        let kept = inner.make_room().await;
+        let record = inner.reserve(&id, &template, kept, |r| {
             r.end_at_ms = r.created_at_ms + timeout.as_millis() as u64;
             (r.memory_mb, r.cpus, r.disk_mb) = (memory_mb, cpus, disk_mb);
             r.internet = req.internet;

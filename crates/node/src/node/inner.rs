@@ -186,27 +186,35 @@ impl Inner {
         }
     }
 
-    /// Reserves a slot for new sandbox `id` and enters its `creating` record: the
-    /// template's limits, user and workdir, internet on, a fresh access token, no env
-    /// vars or metadata, ending now — then `customize` sets what differs.
+    /// Reserves a slot for new sandbox `id` (`kept`, if given: one marked used already,
+    /// [`Inner::make_room`]'s) and enters its `creating` record: the template's limits,
+    /// user and workdir, internet on, a fresh access token, no env vars or metadata,
+    /// ending now — then `customize` sets what differs.
     pub(crate) fn reserve(
         &self,
         id: &SandboxId,
         template: &Template,
+        kept: Option<u32>,
         customize: impl FnOnce(&mut SandboxRecord),
     ) -> Result<SandboxRecord> {
         let mut st = self.lock();
         if st.live().contains_key(id) {
+            if let Some(slot) = kept {
+                st.slots.release(slot);
+            }
             return Err(Error::InvalidRequest(format!(
                 "sandbox '{id}' already exists"
             )));
         }
-        let slot = st.slots.allocate().ok_or_else(|| {
-            Error::Capacity(format!(
-                "all {} sandbox slots are in use",
-                st.slots.in_use()
-            ))
-        })?;
+        let slot = match kept {
+            Some(slot) => slot,
+            None => st.slots.allocate().ok_or_else(|| {
+                Error::Capacity(format!(
+                    "all {} sandbox slots are in use",
+                    st.slots.in_use()
+                ))
+            })?,
+        };
         let now = now_ms();
         let c = &template.config;
         let mut record = SandboxRecord {

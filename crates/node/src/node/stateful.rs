@@ -742,7 +742,8 @@ impl Inner {
                 .filter(|(k, _)| k.starts_with("E2B_")),
         );
         env.insert("E2B_TEMPLATE_ID".into(), snap.id.clone());
-        let record = self.reserve(&id, &template, |r| {
+        let kept = self.make_room().await;
+        let record = self.reserve(&id, &template, kept, |r| {
             r.template = snap.id.clone();
             r.base_template = Some(snap.base_template.clone());
             r.end_at_ms = r.created_at_ms + timeout.as_millis() as u64;

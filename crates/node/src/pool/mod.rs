@@ -389,7 +389,7 @@ impl Inner {
             }
             ps.add_member(id.clone());
         }
-        let record = match inner.reserve(&id, template, |r| {
+        let record = match inner.reserve(&id, template, None, |r| {
             r.end_at_ms = r.created_at_ms + POOLED_END_MS;
         }) {
             Ok(r) => r,
@@ -510,35 +510,69 @@ impl Inner {
             ids
         };
         for id in ids {
-            let Some(live) = inner.lock().live_mut().remove(&id) else {
-                continue;
-            };
-            if let Some(w) = &live.watcher {
-                w.abort();
-            }
-            let dir = inner.sandbox_dir(&id);
-            let slot = live.record.slot;
-            // A few tries, as a teardown of a user's sandbox is retried: on a loaded host
-            // emptying its cgroup can outlast one deadline.
-            for attempt in 1..=DRAIN_ATTEMPTS {
-                let ok = inner
-                    .runtime
-                    .destroy(&id, Some(slot), &dir)
-                    .and_then(|_| inner.runtime.remove_dir(&id, &dir));
-                match ok {
-                    Ok(()) => {
-                        inner.lock().slots.release(slot);
-                        break;
-                    }
-                    // Its record says `creating`: after the last try, the next open
-                    // destroys it.
-                    Err(e) => tracing::warn!(
-                        sandbox = %id,
-                        "pooled sandbox teardown failed (try {attempt} of {DRAIN_ATTEMPTS}): {e}"
-                    ),
-                }
+            if let Some(slot) = inner.remove_unclaimed_blocking(&id) {
+                inner.lock().slots.release(slot);
             }
         }
+    }
+
+    /// Destroys ready pooled sandbox or shell `id`, already taken out of the pool
+    /// (blocking); returns its slot, still marked used, for the caller to release or
+    /// reuse; `None` if it was not there or could not be removed.
+    fn remove_unclaimed_blocking(&self, id: &SandboxId) -> Option<u32> {
+        let live = self.lock().live_mut().remove(id)?;
+        if let Some(w) = &live.watcher {
+            w.abort();
+        }
+        let dir = self.sandbox_dir(id);
+        let slot = live.record.slot;
+        // A few tries, as a teardown of a user's sandbox is retried: on a loaded host
+        // emptying its cgroup can outlast one deadline.
+        for attempt in 1..=DRAIN_ATTEMPTS {
+            let ok = self
+                .runtime
+                .destroy(id, Some(slot), &dir)
+                .and_then(|_| self.runtime.remove_dir(id, &dir));
+            match ok {
+                Ok(()) => return Some(slot),
+                // Its record says `creating`: after the last try, the next open
+                // destroys it.
+                Err(e) => tracing::warn!(
+                    sandbox = %id,
+                    "pooled sandbox teardown failed (try {attempt} of {DRAIN_ATTEMPTS}): {e}"
+                ),
+            }
+        }
+        None
+    }
+
+    /// Makes room for a create that the pools could not serve when every slot is taken:
+    /// removes one ready sandbox of the pool (or the shells) with the most ready, so
+    /// that what the node made ahead never refuses a create it could otherwise make, and
+    /// returns its slot, still marked used, for that create ([`Inner::reserve`]): the
+    /// refill cannot take it in between, and does not start while the slots are full.
+    pub(crate) async fn make_room(self: &Arc<Self>) -> Option<u32> {
+        if self.lock().slots.free() > 0 {
+            return None;
+        }
+        let id = {
+            let mut ps = self.pool.lock();
+            let queue = ps.ready.values_mut().max_by_key(|q| q.len())?;
+            // The newest: the oldest are claimed first and are the settled ones.
+            let id = queue.pop_back()?;
+            ps.remove_member(&id);
+            id
+        };
+        let inner = self.clone();
+        let slot = blocking(move || Ok(inner.remove_unclaimed_blocking(&id)))
+            .await
+            .ok()
+            .flatten();
+        tracing::info!(
+            made_room = slot.is_some(),
+            "every sandbox slot was taken: a pooled sandbox was removed for a create"
+        );
+        slot
     }
 }
 
@@ -662,6 +696,9 @@ async fn refill(weak: Weak<Inner>, main: tokio::runtime::Handle) {
         // Which template needs one most (fewest ready relative to its target)?
         let budget = inner.config.pool_memory_mb.saturating_mul(1 << 20);
         let est = estimate(&inner);
+        // Every slot taken (by sandboxes, pooled ones and those in flight): a refill would
+        // only fail, and creates take the pool's sandboxes' slots (`make_room`).
+        let slots_free = inner.lock().slots.free();
         let want = {
             let mut ps = inner.pool.lock();
             let members = ps.member_count() as u64;
@@ -681,6 +718,7 @@ async fn refill(weak: Weak<Inner>, main: tokio::runtime::Handle) {
             let in_flight = |n: &str| inflight.values().filter(|v| *v == n).count();
             if making.len() >= inner.config.create_concurrency.max(1)
                 || (members + making.len() as u64 + 1) * est > budget
+                || slots_free == 0
             {
                 None
             } else {
