@@ -380,9 +380,10 @@ pub fn warm_pools(
 
 /// Shells kept when `--shells` is not given: one per 2 GiB of host memory, at least 1
 /// and at most 16. A shell idles at about 1 MiB of host memory (its namespaces, cgroup,
-/// veth and envd) and turns a cold create of any template into a re-root of a running
-/// sandbox (docs/bench.md, round 27); the pool adapts the number to the misses (up to
-/// four times this), so bursts larger than it are served by the next ones.
+/// veth and envd) and turns a cold create (internet on, the default disk, a template
+/// without a start command) into a re-root of a running sandbox (docs/bench.md, rounds
+/// 27 and 28); the pool adapts the number to the misses (up to four times this), so
+/// bursts larger than it are served by the next ones.
 pub fn default_shells(memory_total: u64) -> usize {
     (memory_total >> 31).clamp(1, 16) as usize
 }

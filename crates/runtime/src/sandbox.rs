@@ -225,8 +225,9 @@ fn remove_layers(dir: &Path) -> Result<()> {
     Ok(())
 }
 
-/// Runs one helper for `request` through the zygote and reads its status lines to their
-/// end: the pid it reports (a spawn's) into `pid_out`, its timings into `timings`.
+/// Runs one helper for `request` through the zygote (cloned into the v2 cgroup directory
+/// `clone_into`, if given) and reads its status lines to their end: the pid it reports
+/// (a spawn's) into `pid_out`, its timings into `timings`.
 fn run_helper(
     request: &HelperRequest,
     writer: Option<OwnedFd>,

@@ -23,8 +23,9 @@
 //! Protocol (a `SOCK_SEQPACKET` pair; the zygote's end is its stdin): the caller sends one
 //! message per helper, the request's JSON with two or three descriptors, the status pipe
 //! (the helper's stdout), the log (its stderr) and optionally the v2 cgroup directory to
-//! clone it into; the zygote answers `pid <pid>` or `error <message>`. End of file on the socket (the caller closed it or died) ends the
-//! zygote. A zygote that died or stopped answering is replaced by the next spawn.
+//! clone it into; the zygote answers `pid <pid>` or `error <message>`. End of file on the
+//! socket (the caller closed it or died) ends the zygote. A zygote that died or stopped
+//! answering is replaced by the next spawn.
 
 use std::os::fd::{AsRawFd, BorrowedFd, OwnedFd, RawFd};
 use std::os::unix::process::CommandExt;
@@ -117,8 +118,8 @@ enum Failure {
 
 /// Starts a sandbox helper for `request` (a [`crate::helper::HelperRequest`]'s JSON)
 /// with `stdout` as its status pipe and `stderr` as its log, cloned into the v2 cgroup
-/// directory `cgroup` if given (and the kernel can); returns its pid, a child of this
-/// process that the caller must reap. Starts (or replaces) the zygote as needed.
+/// directory `cgroup` if given; returns its pid, a child of this process that the caller
+/// must reap. Starts (or replaces) the zygote as needed.
 pub(crate) fn start_helper(
     request: &[u8],
     stdout: BorrowedFd<'_>,
@@ -215,8 +216,15 @@ pub(crate) fn main() -> i32 {
             continue;
         }
         let cgroup = if fds.len() == 3 { fds.pop() } else { None };
-        let has_cgroup = cgroup.is_some();
         let pid = clone_helper(cgroup.as_ref().map(|c| c.as_raw_fd()));
+        let failed = (pid < 0).then(|| {
+            let into = if cgroup.is_some() {
+                " into its cgroup"
+            } else {
+                ""
+            };
+            format!("{into}: {}", std::io::Error::last_os_error())
+        });
         drop(cgroup);
         if pid == 0 {
             // (its sandbox's init is called so too until it execs envd)
@@ -241,14 +249,9 @@ pub(crate) fn main() -> i32 {
             unsafe { libc::_exit(code) };
         }
         drop(fds);
-        if pid < 0 {
-            answer(&format!(
-                "error clone a sandbox helper{}: {}",
-                if has_cgroup { " into its cgroup" } else { "" },
-                std::io::Error::last_os_error()
-            ));
-        } else {
-            answer(&format!("pid {pid}"));
+        match failed {
+            Some(why) => answer(&format!("error clone a sandbox helper{why}")),
+            None => answer(&format!("pid {pid}")),
         }
     }
 }
