@@ -312,20 +312,22 @@ impl Node {
                 return inner.create_from_snapshot(&req, &snap, id, timeout).await;
             }
             let plan = inner.plan_create(&req).await?;
-            let claim = inner.try_claim(&req, &plan, false).await;
-            if let Claim::Served(r) = claim {
-                return r;
-            }
+            let pool_empty = match inner.try_claim(&req, &plan, false).await {
+                Claim::Served(r) => return r,
+                Claim::No => false,
+                Claim::Empty => true,
+            };
             // No sandbox of its template ready: a shell, if one is.
             if let Some(r) = inner.try_claim_shell(&req, &plan).await {
                 return r;
             }
-            let turn = match claim {
-                Claim::Served(_) | Claim::No => None,
-                Claim::Empty => match inner.claim_or_turn(&req, &plan).await {
+            let turn = if pool_empty {
+                match inner.claim_or_turn(&req, &plan).await {
                     Ok(r) => return r,
                     Err(turn) => turn,
-                },
+                }
+            } else {
+                None
             };
             inner.create_cold(&req, plan, t0, turn).await
         })

@@ -696,9 +696,6 @@ async fn refill(weak: Weak<Inner>, main: tokio::runtime::Handle) {
         // Which template needs one most (fewest ready relative to its target)?
         let budget = inner.config.pool_memory_mb.saturating_mul(1 << 20);
         let est = estimate(&inner);
-        // Every slot taken (by sandboxes, pooled ones and those in flight): a refill would
-        // only fail, and creates take the pool's sandboxes' slots (`make_room`).
-        let slots_free = inner.lock().slots.free();
         let want = {
             let mut ps = inner.pool.lock();
             let members = ps.member_count() as u64;
@@ -718,7 +715,6 @@ async fn refill(weak: Weak<Inner>, main: tokio::runtime::Handle) {
             let in_flight = |n: &str| inflight.values().filter(|v| *v == n).count();
             if making.len() >= inner.config.create_concurrency.max(1)
                 || (members + making.len() as u64 + 1) * est > budget
-                || slots_free == 0
             {
                 None
             } else {
@@ -733,6 +729,10 @@ async fn refill(weak: Weak<Inner>, main: tokio::runtime::Handle) {
                     .map(|(n, _, _)| n)
             }
         };
+        // Every slot taken (by sandboxes, pooled ones and those in flight): a refill would
+        // only fail, and creates take the pool's sandboxes' slots (`make_room`). Read only
+        // when one is wanted: the node's lock is the claims' too.
+        let want = want.filter(|_| inner.lock().slots.free() > 0);
         let wake = inner.pool.wake.clone();
         // Yield to creates in flight: right after a claim, making the next sandbox (a
         // core's worth of CPU for ~10 ms, and kernel locks shared with the claimed
