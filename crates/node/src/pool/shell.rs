@@ -43,17 +43,11 @@ pub(crate) fn shell_template() -> Template {
     }
 }
 
-/// Whether a shell (made with `shell`'s config) may serve `req` for `template` with disk
-/// quota `disk_mb`.
-fn claimable(
-    shell: &TemplateConfig,
-    template: &Template,
-    req: &CreateRequest,
-    disk_mb: u64,
-) -> bool {
-    req.id.is_none()
-        && req.internet
-        && disk_mb == shell.disk_mb
+/// Whether a shell (made from `shell`) may serve `req` for `template` with disk quota
+/// `disk_mb`: what a pooled sandbox of `shell` could serve, for a template with neither a
+/// start command nor binds of its own.
+fn claimable(shell: &Template, template: &Template, req: &CreateRequest, disk_mb: u64) -> bool {
+    super::claimable(shell, req, disk_mb)
         && !super::has_start(template)
         && template.binds.is_empty()
 }
@@ -68,7 +62,7 @@ impl Inner {
     ) -> Option<crate::error::Result<SandboxInfo>> {
         let template = &plan.template;
         let configured = self.config.pool.get(SHELL_POOL).copied()?;
-        let shell = shell_template().config;
+        let shell = shell_template();
         if !claimable(&shell, template, req, plan.limits.2) {
             return None;
         }
@@ -121,7 +115,7 @@ impl Inner {
                 birth_token,
                 init,
                 plan,
-                (shell.memory_mb, shell.cpus),
+                (shell.config.memory_mb, shell.config.cpus),
                 Some(template),
             )
             .await;
@@ -151,8 +145,8 @@ mod tests {
             internet: true,
             ..Default::default()
         };
-        let shell = shell_template().config;
-        let disk = shell.disk_mb;
+        let shell = shell_template();
+        let disk = shell.config.disk_mb;
         assert!(claimable(&shell, &template(None), &req, disk));
         assert!(!claimable(&shell, &template(Some("serve")), &req, disk));
         assert!(!claimable(&shell, &template(None), &req, disk + 1));
