@@ -267,10 +267,10 @@ RUN_START_MS=$(( $(date +%s) * 1000 - 1000 ))
 PORT=$(free_port)
 serve_args=(serve --listen "127.0.0.1:$PORT" --state-dir "$STATE")
 # Extra serve flags. By default a small code-interpreter pool, so that the code
-# interpreter's tests run on pooled (claimed) sandboxes as users' creates do, and eight
-# shells, so that creates of every other template (built-in and built by the tests) are
-# served by shells while there are some and cold when there are none: both ways of
-# making a sandbox go through the SDKs' whole surface.
+# interpreter's tests run on pooled (claimed) sandboxes as users' creates do; serve's
+# default shells (one per 2 GiB) serve creates of every other template (built-in and
+# built by the tests) while there are some, cold creates the rest: both ways of making
+# a sandbox go through the SDKs' whole surface.
 default_serve_args="--pool code-interpreter-v1=2"
 [[ ${CUBICLE_E2E_SKIP_CI:-0} == 1 ]] && default_serve_args=""
 read -r -a extra_serve_args <<<"${CUBICLE_E2E_SERVE_ARGS-$default_serve_args}"

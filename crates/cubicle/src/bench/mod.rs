@@ -153,19 +153,17 @@ struct Ctx {
 }
 
 /// Before a row: with the pool on, waits (up to a minute) until `template`'s pool (with
-/// shells, the shells) is full again and the previous rows' sandboxes are removed, so every row starts from the
-/// same warm state whatever the previous row drained or left to remove; then the pool
-/// counters, to compare with those after the row.
+/// shells, the shells) is full again and the previous rows' sandboxes are removed, so
+/// every row starts from the same warm state whatever the previous row drained or left
+/// to remove; then the pool counters, to compare with those after the row.
 async fn before_row(cx: &Ctx, c: &mut Connection, template: &str) -> Option<(u64, u64, u64)> {
-    let full = |_: &serde_json::Value| Some(cx.pool_size as u64);
-    match cx.pool.as_str() {
-        "on" => {
-            pool_filled(cx, c, template, full).await;
-        }
-        "shells" => {
-            pool_filled(cx, c, cubicle_node::SHELL_POOL, full).await;
-        }
-        _ => {}
+    let pool = match cx.pool.as_str() {
+        "on" => Some(template),
+        "shells" => Some(cubicle_node::SHELL_POOL),
+        _ => None,
+    };
+    if let Some(pool) = pool {
+        pool_filled(cx, c, pool, |_| Some(cx.pool_size as u64)).await;
     }
     cx.api.pool_counts(c).await
 }
