@@ -519,7 +519,7 @@ impl ControlPlane {
             traffic_access_token: cmd
                 .private_traffic
                 .then(cubicle_node::ids::new_access_token),
-            allow_internet: info.internet,
+            allow_internet: info.network.needs_network(),
             cpu_count: info.cpus,
             memory_mb: info.memory_mb,
             disk_mb: info.disk_mb,
@@ -929,7 +929,7 @@ impl ControlPlane {
                 .traffic_access_token
                 .is_some()
                 .then(cubicle_node::ids::new_access_token),
-            allow_internet: info.internet,
+            allow_internet: info.network.needs_network(),
             cpu_count: info.cpus,
             memory_mb: info.memory_mb,
             disk_mb: info.disk_mb,

@@ -1181,9 +1181,30 @@ async fn network_checks(
         println!("  C (no internet) -> {t}: {text}");
         anyhow::ensure!(!open, "C (internet off) reached {t}: {text}");
     }
+    // C was made without an interface: a policy that allows the internet host gives it
+    // one (netlink takes only a namespace file as the new link's peer, never a pidfd:
+    // EINVAL once) and reaches only that host.
     anyhow::ensure!(
-        inet_srv.hits() == 2,
-        "internet host saw {} connections, want 2",
+        !bash(node, &c.id, None, "ip -o link", Duration::from_secs(10))
+            .await?
+            .out
+            .contains("eth0"),
+        "C (internet off, made cold) has an interface"
+    );
+    let only_inet = cubicle_node::NetworkPolicy {
+        allow_out: vec![INET_IP.parse()?],
+        deny_out: vec!["0.0.0.0/0".parse()?],
+        ..Default::default()
+    };
+    node.update_network(&c.id, only_inet).await?;
+    let from_c = probe(node, &c.id, &[inet_srv.addr, b_srv]).await?;
+    anyhow::ensure!(
+        from_c[0].1 && !from_c[1].1,
+        "C after the update: {from_c:?}"
+    );
+    anyhow::ensure!(
+        inet_srv.hits() == 3,
+        "internet host saw {} connections, want 3",
         inet_srv.hits()
     );
     anyhow::ensure!(

@@ -321,6 +321,41 @@ async fn claim_refill_close(envd: PathBuf) -> anyhow::Result<()> {
             "internet-off create used the pool"
         );
         node.kill(&c.id).await?;
+
+        // Internet off by a policy that refuses everything (the API's
+        // `allow_internet_access: false`): from the pool, its interface kept and that
+        // policy in the kernel's "deny all" set before the create answers.
+        let deny = cubicle_node::NetworkPolicy {
+            deny_out: vec!["0.0.0.0/0".parse()?],
+            ..Default::default()
+        };
+        wait_ready(&node, 2).await?;
+        let d = node
+            .create(CreateRequest {
+                template: "tiny".into(),
+                internet: false,
+                network: deny.clone(),
+                ..Default::default()
+            })
+            .await?;
+        anyhow::ensure!(
+            node.pool_stats().claims == 3,
+            "an internet-off create with a deny-all policy was not served by the pool: {:?}",
+            node.pool_stats()
+        );
+        anyhow::ensure!(node.get(&d.id)?.network == deny, "claimed without its policy");
+        let ip = cubicle_runtime::network::Network::new(Default::default())?
+            .slot_info(common::slot_of(d.uid_base))?
+            .sandbox_ip;
+        let set = std::process::Command::new("nft")
+            .args(["list", "set", "inet", "cubicle_policy", "deny_all"])
+            .output()?;
+        let set = String::from_utf8_lossy(&set.stdout);
+        anyhow::ensure!(
+            set.contains(&ip.to_string()),
+            "{ip} is not in the deny-all set: {set}"
+        );
+        node.kill(&d.id).await?;
         node.kill(&s.id).await?;
 
         // close: the pool's sandboxes go, the ready ones at once and one a refill was

@@ -10,10 +10,13 @@
 //! create), and that id is handed out by the claim: its directory, cgroup and hostname
 //! already carry it, and random ids are indistinguishable to users.
 //!
-//! Who may claim: a create without a caller-chosen id whose disk quota is the template's
-//! and whose internet setting matches the pool's (pools are made with internet on, the
-//! SDKs' default). Other memory or CPU limits are written to the claimed sandbox's cgroup.
-//! Anything else is created cold.
+//! Who may claim: a create without a caller-chosen id whose disk quota is the template's,
+//! with internet on (how pools are made, the SDKs' default) or off by a policy that
+//! refuses every destination (E2B's `allow_internet_access: false`): the claim sets that
+//! policy on the pooled sandbox's interface before anyone can use it, as
+//! `update_network` does to a running sandbox, so such a sandbox keeps an `eth0` that
+//! reaches nothing, where a cold one has loopback only. Other memory or CPU limits are
+//! written to the claimed sandbox's cgroup. Anything else is created cold.
 //!
 //! Templates with a start command are pooled with it running and ready (its readiness
 //! port answered): a refill first initialises envd with the sandbox's own variables
@@ -107,8 +110,16 @@ fn has_start(t: &Template) -> bool {
 fn claimable(t: &Template, req: &CreateRequest, disk_mb: u64) -> bool {
     req.id.is_none()
         && disk_mb == t.config.disk_mb
-        && req.internet
+        && (req.internet || denies_everything(req))
         && (req.env_vars.is_empty() || !has_start(t) || t.config.late_env)
+}
+
+/// Whether `req` asks for no internet with a policy that refuses every destination
+/// (E2B's `allow_internet_access: false`, or `denyOut` 0.0.0.0/0 with nothing allowed):
+/// a pooled sandbox serves it by taking that policy on its interface before anyone can
+/// use it. Internet off with any other policy (the node's own "no network") stays cold.
+fn denies_everything(req: &CreateRequest) -> bool {
+    !req.internet && req.network.deny_all() && !req.network.needs_network()
 }
 
 /// A claimed sandbox's record, as create `req` (planned as `plan`, at `now`) asks:

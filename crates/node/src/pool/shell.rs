@@ -10,8 +10,9 @@
 //! (limits, CPU weight, network policy, `/init`). What a cold create spends on
 //! namespaces, cgroup, veth, pseudo filesystems and envd's start is then spent ahead.
 //!
-//! Who may claim one: what may claim a pooled sandbox (no caller-chosen id, internet on,
-//! the shells' disk quota, which is the built-in templates' default), for a template
+//! Who may claim one: what may claim a pooled sandbox (no caller-chosen id, internet on
+//! or refused everywhere by its policy, the shells' disk quota, which is the built-in
+//! templates' default), for a template
 //! without a start command (a cold create runs that). The shell's record becomes the
 //! template's (name, layers, default user and workdir) when it is claimed.
 
@@ -150,10 +151,23 @@ mod tests {
         assert!(claimable(&shell, &template(None), &req, disk));
         assert!(!claimable(&shell, &template(Some("serve")), &req, disk));
         assert!(!claimable(&shell, &template(None), &req, disk + 1));
-        let offline = CreateRequest {
+        // No network at all (the node's own request) is made cold; internet off by a
+        // policy that refuses everything (the API's `allow_internet_access: false`)
+        // takes a shell and that policy; an allow list keeps internet on.
+        let mut offline = CreateRequest {
             internet: false,
             ..Default::default()
         };
+        assert!(!claimable(&shell, &template(None), &offline, disk));
+        offline.network.deny_out = vec!["0.0.0.0/0".parse().unwrap()];
+        assert!(claimable(&shell, &template(None), &offline, disk));
+        offline.network.deny_out = vec!["10.0.0.0/8".parse().unwrap()];
+        assert!(!claimable(&shell, &template(None), &offline, disk));
+        offline.network.deny_out = vec!["0.0.0.0/0".parse().unwrap()];
+        offline.network.allow_out = vec!["1.1.1.1".parse().unwrap()];
+        assert!(!claimable(&shell, &template(None), &offline, disk));
+        offline.network.allow_out.clear();
+        offline.network.learn = true;
         assert!(!claimable(&shell, &template(None), &offline, disk));
         let named = CreateRequest {
             id: Some("mine".into()),
