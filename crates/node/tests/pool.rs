@@ -522,6 +522,26 @@ async fn start_command_pooled(envd: PathBuf) -> anyhow::Result<()> {
         );
         node.kill(&s.id).await?;
 
+        // Internet off (a policy that refuses everything): cold, since the pooled one's
+        // start command ran with internet on; the start command runs without a network.
+        wait(node.clone()).await?;
+        let off = CreateRequest {
+            internet: false,
+            network: cubicle_node::NetworkPolicy {
+                deny_out: vec!["0.0.0.0/0".parse()?],
+                ..Default::default()
+            },
+            ..create(&[])
+        };
+        let s = node.create(off).await?;
+        anyhow::ensure!(node.pool_stats().claims == 1, "{:?}", node.pool_stats());
+        let links = sh(&node.envd(&s.id)?, "cat /proc/net/dev").await?;
+        anyhow::ensure!(
+            !links.contains("eth0"),
+            "made cold with an interface: {links}"
+        );
+        node.kill(&s.id).await?;
+
         // With late_env: claimed; envd has the env vars for what runs from now on.
         tc.late_env = true;
         cubicle_node::fsutil::write_json_atomic(&dir.join("template.json"), &tc)?;

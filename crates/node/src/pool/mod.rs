@@ -11,8 +11,9 @@
 //! already carry it, and random ids are indistinguishable to users.
 //!
 //! Who may claim: a create without a caller-chosen id whose disk quota is the template's,
-//! with internet on (how pools are made, the SDKs' default) or off by a policy that
-//! refuses every destination (E2B's `allow_internet_access: false`): the claim sets that
+//! with internet on (how pools are made, the SDKs' default) or, for a template without a
+//! start command, off by a policy that refuses every destination (E2B's
+//! `allow_internet_access: false`; `denies_everything` says why not with one): the claim sets that
 //! policy on the pooled sandbox's interface before anyone can use it, as
 //! `update_network` does to a running sandbox, so such a sandbox keeps an `eth0` that
 //! reaches nothing, where a cold one has loopback only. Other memory or CPU limits are
@@ -110,14 +111,17 @@ fn has_start(t: &Template) -> bool {
 fn claimable(t: &Template, req: &CreateRequest, disk_mb: u64) -> bool {
     req.id.is_none()
         && disk_mb == t.config.disk_mb
-        && (req.internet || denies_everything(req))
+        && (req.internet || (denies_everything(req) && !has_start(t)))
         && (req.env_vars.is_empty() || !has_start(t) || t.config.late_env)
 }
 
 /// Whether `req` asks for no internet with a policy that refuses every destination
 /// (E2B's `allow_internet_access: false`, or `denyOut` 0.0.0.0/0 with nothing allowed):
 /// a pooled sandbox serves it by taking that policy on its interface before anyone can
-/// use it. Internet off with any other policy (the node's own "no network") stays cold.
+/// use it, if only envd ran in it so far: a policy leaves established connections
+/// alone, so a template whose start command ran with internet on (and may have
+/// connected out) is made cold, its start command without a network, as before.
+/// Internet off with any other policy (the node's own "no network") stays cold too.
 fn denies_everything(req: &CreateRequest) -> bool {
     !req.internet && req.network.deny_all() && !req.network.needs_network()
 }
@@ -900,5 +904,29 @@ mod tests {
         assert!(parse_pool_spec("tiny").is_err());
         assert!(parse_pool_spec("tiny=a").is_err());
         assert!(parse_pool_spec("").unwrap().is_empty());
+    }
+
+    #[test]
+    fn internet_off_claims_only_where_nothing_but_envd_ran() {
+        let mut t = super::shell::shell_template();
+        let disk = t.config.disk_mb;
+        let off = CreateRequest {
+            internet: false,
+            network: cubicle_egress::NetworkPolicy {
+                deny_out: vec!["0.0.0.0/0".parse().unwrap()],
+                ..Default::default()
+            },
+            ..Default::default()
+        };
+        assert!(claimable(&t, &off, disk));
+        // A start command ran with internet on while pooled: its connections would
+        // outlive the policy.
+        t.config.start_command = Some("serve".into());
+        assert!(!claimable(&t, &off, disk));
+        let on = CreateRequest {
+            internet: true,
+            ..Default::default()
+        };
+        assert!(claimable(&t, &on, disk));
     }
 }
