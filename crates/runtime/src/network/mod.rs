@@ -420,6 +420,10 @@ pub struct Network {
     host_nets: Vec<Ipv4Cidr>,
     /// The policy-set elements each slot has in the kernel (so changes are deltas).
     applied: Mutex<HashMap<u32, BTreeSet<(&'static str, SetElem)>>>,
+    /// The netfilter socket policy changes go over, opened by `init` in the node's
+    /// namespace and never closed while the node runs (`nftables::apply` says why); taken
+    /// only with `applied` held. `None` (a handle made by `new`): one socket per change.
+    policy_sock: Mutex<Option<netlink::NetlinkSocket>>,
     /// Deletes detached slots' veths in shared batches.
     reaper: link_reaper::LinkReaper,
 }
@@ -462,6 +466,10 @@ impl Network {
             }
         }
         *net.lock_applied() = applied;
+        net.policy_sock = Mutex::new(Some(
+            netlink::NetlinkSocket::open(libc::NETLINK_NETFILTER)
+                .map_err(|e| Error::io("opening the netfilter socket for policy changes", e))?,
+        ));
         Ok(net)
     }
 
@@ -546,6 +554,7 @@ impl Network {
             max_slots,
             host_nets: Vec::new(),
             applied: Mutex::new(HashMap::new()),
+            policy_sock: Mutex::new(None),
             reaper: Default::default(),
         })
     }
@@ -828,8 +837,13 @@ impl Network {
                 changes.push(ElemChange { add, set, elems });
             }
         }
-        nftables::apply(&format!("{}_policy", self.config.table), &changes)
-            .map_err(|e| Error::io(format!("setting the egress policy of slot {slot}"), e))?;
+        let mut sock = self.policy_sock.lock().unwrap_or_else(|p| p.into_inner());
+        nftables::apply(
+            sock.as_mut(),
+            &format!("{}_policy", self.config.table),
+            &changes,
+        )
+        .map_err(|e| Error::io(format!("setting the egress policy of slot {slot}"), e))?;
         if want.is_empty() {
             applied.remove(&slot);
         } else {
