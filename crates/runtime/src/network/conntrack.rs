@@ -44,16 +44,17 @@ fn orig_source(tuple: &[u8]) -> Option<Ipv4Addr> {
     Some(Ipv4Addr::from(b))
 }
 
-/// Deletes every IPv4 conntrack entry (in the calling thread's network namespace) whose
-/// original direction starts at `source`. Returns how many were deleted. Entries that
-/// vanish meanwhile are fine.
-pub fn flush_source(source: Ipv4Addr) -> io::Result<usize> {
-    let mut sock = NetlinkSocket::open(libc::NETLINK_NETFILTER)?;
+/// Deletes every IPv4 conntrack entry (in the network namespace of `sock`, a
+/// `NETLINK_NETFILTER` socket) whose original direction starts at `source`. Returns how
+/// many were deleted. Entries that vanish meanwhile are fine. Keep the socket for the
+/// next call: closing a netfilter socket can wait for an RCU grace period
+/// (`nftables::apply`).
+pub(crate) fn flush_source(sock: &mut NetlinkSocket, source: Ipv4Addr) -> io::Result<usize> {
     // Kernel-side filtering (Linux 5.8+) keeps the dump small on a busy host; a kernel
     // that refuses the filter gets a whole dump. The source is checked here either way.
-    let doomed = match dump_from(&mut sock, source, true) {
+    let doomed = match dump_from(sock, source, true) {
         Ok(d) => d,
-        Err(_) => dump_from(&mut sock, source, false)?,
+        Err(_) => dump_from(sock, source, false)?,
     };
     let mut deleted = 0;
     for e in doomed {

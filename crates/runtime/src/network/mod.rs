@@ -424,6 +424,11 @@ pub struct Network {
     /// namespace and never closed while the node runs (`nftables::apply` says why); taken
     /// only with `applied` held. `None` (a handle made by `new`): one socket per change.
     policy_sock: Mutex<Option<netlink::NetlinkSocket>>,
+    /// Netfilter sockets of finished conntrack flushes, for the next ones (as many as
+    /// ever ran at once; never closed while the node runs, for the same reason). Opened
+    /// by the flushing thread: the node's threads stay in its namespace (`run_in_netns`
+    /// enters others on a thread of its own).
+    conntrack_socks: Mutex<Vec<netlink::NetlinkSocket>>,
     /// Deletes detached slots' veths in shared batches.
     reaper: link_reaper::LinkReaper,
 }
@@ -555,6 +560,7 @@ impl Network {
             host_nets: Vec::new(),
             applied: Mutex::new(HashMap::new()),
             policy_sock: Mutex::new(None),
+            conntrack_socks: Mutex::new(Vec::new()),
             reaper: Default::default(),
         })
     }
@@ -801,7 +807,25 @@ impl Network {
     /// that no stale entry matches the next sandbox on that address).
     pub fn forget_connections(&self, slot: u32) -> Result<usize> {
         let info = self.slot_info(slot)?;
-        match conntrack::flush_source(info.sandbox_ip) {
+        let kept = self
+            .conntrack_socks
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .pop();
+        let flushed = match kept {
+            Some(s) => Ok(s),
+            None => netlink::NetlinkSocket::open(libc::NETLINK_NETFILTER),
+        }
+        .and_then(|mut sock| {
+            let n = conntrack::flush_source(&mut sock, info.sandbox_ip)?;
+            // Only a socket whose exchange ended cleanly goes back.
+            self.conntrack_socks
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .push(sock);
+            Ok(n)
+        });
+        match flushed {
             Ok(n) => Ok(n),
             // No conntrack in this kernel/namespace: nothing to forget.
             Err(e) if e.raw_os_error() == Some(libc::EPROTONOSUPPORT) => Ok(0),
