@@ -13,8 +13,8 @@
 //! Who may claim: a create without a caller-chosen id whose disk quota is the template's,
 //! with internet on (how pools are made, the SDKs' default) or, for a template without a
 //! start command, off by a policy that refuses every destination (E2B's
-//! `allow_internet_access: false`; `denies_everything` says why not with one): the claim sets that
-//! policy on the pooled sandbox's interface before anyone can use it, as
+//! `allow_internet_access: false`; `denies_everything` says why not with one): the
+//! claim sets that policy on the pooled sandbox's interface before anyone can use it, as
 //! `update_network` does to a running sandbox, so such a sandbox keeps an `eth0` that
 //! reaches nothing, where a cold one has loopback only. Other memory or CPU limits are
 //! written to the claimed sandbox's cgroup. Anything else is created cold.
@@ -123,7 +123,8 @@ fn claimable(t: &Template, req: &CreateRequest, disk_mb: u64) -> bool {
 /// connected out) is made cold, its start command without a network, as before.
 /// Internet off with any other policy (the node's own "no network") stays cold too.
 fn denies_everything(req: &CreateRequest) -> bool {
-    !req.internet && req.network.deny_all() && !req.network.needs_network()
+    // A policy that needs no network is one that denies all and allows nothing.
+    !req.internet && !req.network.needs_network()
 }
 
 /// A claimed sandbox's record, as create `req` (planned as `plan`, at `now`) asks:
