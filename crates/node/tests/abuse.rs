@@ -41,13 +41,13 @@ use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use cubicle_node::{CreateRequest, DeathReason, Node, NodeConfig, SandboxInfo, SandboxState};
-use cubicle_runtime::network::{Netns, Network, NetworkConfig, run_in_netns};
+use cubicle_runtime::network::{Network, NetworkConfig};
 
 mod common;
+use common::lab::{Serve, Server, TestInternet};
 use common::{base, bash, host_can_fork, q, slot_of};
 
 type TestResult = anyhow::Result<()>;
@@ -826,171 +826,8 @@ async fn cpu_hog(ctx: Arc<Ctx>) -> TestResult {
 // ---------------------------------------------------------------------------------------
 // Network.
 
-const INET_HOST_IP: &str = "203.0.113.1";
-const INET_IP: &str = "203.0.113.2";
-const GUARD_TABLE: &str = "cubicle_abuse_guard";
-
-/// A TCP server answering each connection with the peer's address; counts connections.
-/// Stops on drop.
-struct Server {
-    addr: SocketAddr,
-    hits: Arc<AtomicUsize>,
-    stop: Arc<AtomicBool>,
-}
-
-impl Server {
-    fn start(listener: TcpListener) -> anyhow::Result<Server> {
-        use std::io::Write as _;
-        listener.set_nonblocking(true)?;
-        let addr = listener.local_addr()?;
-        let hits = Arc::new(AtomicUsize::new(0));
-        let stop = Arc::new(AtomicBool::new(false));
-        let (h, s) = (hits.clone(), stop.clone());
-        std::thread::spawn(move || {
-            while !s.load(Ordering::SeqCst) {
-                match listener.accept() {
-                    Ok((mut c, peer)) => {
-                        h.fetch_add(1, Ordering::SeqCst);
-                        let _ = c.write_all(peer.to_string().as_bytes());
-                    }
-                    Err(_) => std::thread::sleep(Duration::from_millis(20)),
-                }
-            }
-        });
-        Ok(Server { addr, hits, stop })
-    }
-
-    fn hits(&self) -> usize {
-        self.hits.load(Ordering::SeqCst)
-    }
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        self.stop.store(true, Ordering::SeqCst);
-    }
-}
-
-/// The test "internet": a namespace with 203.0.113.2 behind a veth whose host side is
-/// 203.0.113.1, plus a guard table. Removed on drop.
-struct TestInternet {
-    netns: String,
-    host_if: String,
-    ns: Netns,
-}
-
-fn ip(args: &[&str]) -> anyhow::Result<()> {
-    let o = Command::new("ip").args(args).output()?;
-    anyhow::ensure!(
-        o.status.success(),
-        "ip {args:?}: {}",
-        String::from_utf8_lossy(&o.stderr)
-    );
-    Ok(())
-}
-
-fn nft(script: &str) -> anyhow::Result<()> {
-    use std::io::Write as _;
-    let mut child = Command::new("nft")
-        .args(["-f", "-"])
-        .stdin(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()?;
-    child
-        .stdin
-        .take()
-        .ok_or_else(|| anyhow::anyhow!("nft stdin"))?
-        .write_all(script.as_bytes())?;
-    let o = child.wait_with_output()?;
-    anyhow::ensure!(
-        o.status.success(),
-        "nft: {}",
-        String::from_utf8_lossy(&o.stderr)
-    );
-    Ok(())
-}
-
-impl TestInternet {
-    fn new(guarded_ifs: &[String]) -> anyhow::Result<TestInternet> {
-        let pid = std::process::id();
-        let netns = format!("cubicle-abuse-inet-{pid}");
-        // Not "cbs…": that prefix is the sandboxes'.
-        let host_if = format!("cbai{}", pid % 100_000);
-        let _ = Command::new("ip").args(["link", "del", &host_if]).output();
-        let _ = Command::new("nft")
-            .args(["delete", "table", "inet", GUARD_TABLE])
-            .output();
-        ip(&["netns", "add", &netns])?;
-        let ns = match Netns::open(format!("/run/netns/{netns}")) {
-            Ok(ns) => ns,
-            Err(e) => {
-                let _ = Command::new("ip").args(["netns", "del", &netns]).output();
-                return Err(e.into());
-            }
-        };
-        let me = TestInternet { netns, host_if, ns };
-        let (n, h) = (me.netns.as_str(), me.host_if.as_str());
-        ip(&[
-            "link", "add", h, "type", "veth", "peer", "name", "eth0", "netns", n,
-        ])?;
-        ip(&["addr", "add", &format!("{INET_HOST_IP}/24"), "dev", h])?;
-        ip(&["link", "set", h, "up"])?;
-        ip(&[
-            "-n",
-            n,
-            "addr",
-            "add",
-            &format!("{INET_IP}/24"),
-            "dev",
-            "eth0",
-        ])?;
-        ip(&["-n", n, "link", "set", "eth0", "up"])?;
-        ip(&["-n", n, "link", "set", "lo", "up"])?;
-        ip(&["-n", n, "route", "add", "default", "via", INET_HOST_IP])?;
-        // A forwarded packet from the test's sandboxes may only leave towards the test
-        // internet; anything else is counted and dropped.
-        let ifs = guarded_ifs
-            .iter()
-            .map(|i| format!("\"{i}\""))
-            .collect::<Vec<_>>()
-            .join(", ");
-        nft(&format!(
-            "table inet {GUARD_TABLE} {{
-                chain forward {{
-                    type filter hook forward priority filter + 20; policy accept;
-                    iifname {{ {ifs} }} oifname != \"{h}\" counter drop
-                }}
-            }}\n"
-        ))?;
-        Ok(me)
-    }
-
-    fn guard_count(&self) -> anyhow::Result<u64> {
-        let o = Command::new("nft")
-            .args(["list", "chain", "inet", GUARD_TABLE, "forward"])
-            .output()?;
-        let text = String::from_utf8_lossy(&o.stdout);
-        Ok(text
-            .split("packets ")
-            .skip(1)
-            .filter_map(|s| s.split_whitespace().next()?.parse::<u64>().ok())
-            .sum())
-    }
-}
-
-impl Drop for TestInternet {
-    fn drop(&mut self) {
-        let _ = Command::new("nft")
-            .args(["delete", "table", "inet", GUARD_TABLE])
-            .output();
-        let _ = Command::new("ip")
-            .args(["link", "del", &self.host_if])
-            .output();
-        let _ = Command::new("ip")
-            .args(["netns", "del", &self.netns])
-            .output();
-    }
-}
+/// The test internet's network (`common::lab`).
+const INET_NET: [u8; 3] = [203, 0, 113];
 
 /// Connect probe run inside a sandbox: one `HOST:PORT OPEN <reply>` or `HOST:PORT FAIL
 /// <error>` line per target, 2 s timeout each.
@@ -1044,7 +881,7 @@ fn host_primary_ipv4() -> Option<Ipv4Addr> {
         .ok()?;
     String::from_utf8_lossy(&o.stdout)
         .lines()
-        .filter(|l| !l.contains(" cbs") && !l.contains(" cbai") && !l.contains(" cbt"))
+        .filter(|l| !l.contains(" cbs") && !l.contains(" cbl") && !l.contains(" cbt"))
         .filter_map(|l| l.split_whitespace().nth(3)?.split('/').next()?.parse().ok())
         .next()
 }
@@ -1100,10 +937,12 @@ async fn network_checks(
     let node = &ctx.node;
     let ia = net.slot_info(slot_of(a.uid_base))?;
     let ib = net.slot_info(slot_of(b.uid_base))?;
-    let inet = TestInternet::new(&[ia.host_ifname.clone(), ib.host_ifname.clone()])?;
-    let inet_srv = Server::start(run_in_netns(&inet.ns, || {
-        TcpListener::bind(SocketAddrV4::new(INET_IP.parse().expect("ip"), 0))
-    })??)?;
+    let inet = TestInternet::new(
+        "abuse",
+        INET_NET,
+        &[ia.host_ifname.clone(), ib.host_ifname.clone()],
+    )?;
+    let inet_srv = inet.server(Serve::Peer)?;
     let lo_srv = Server::start(TcpListener::bind("127.0.0.1:0")?)?;
     let gw_srv = Server::start(TcpListener::bind(SocketAddrV4::new(ia.gateway, 0))?)?;
     let primary_srv = match host_primary_ipv4() {
@@ -1153,7 +992,7 @@ async fn network_checks(
                 "A (internet on) cannot reach the test internet host: {text}"
             );
             anyhow::ensure!(
-                text.contains(&format!("{INET_HOST_IP}:")),
+                text.contains(&format!("{}:", inet.gateway)),
                 "egress not masqueraded: {text}"
             );
         } else {
@@ -1192,7 +1031,7 @@ async fn network_checks(
         "C (internet off, made cold) has an interface"
     );
     let only_inet = cubicle_node::NetworkPolicy {
-        allow_out: vec![INET_IP.parse()?],
+        allow_out: vec![inet.host_ip.to_string().parse()?],
         deny_out: vec!["0.0.0.0/0".parse()?],
         ..Default::default()
     };

@@ -7,6 +7,8 @@
 //! at the top of `tests/`). Every test binary uses a different part: hence the allow.
 #![allow(dead_code)]
 
+pub mod lab;
+
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
