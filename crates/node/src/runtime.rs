@@ -220,6 +220,14 @@ pub trait SandboxRuntime: Send + Sync + 'static {
         Ok(policy.needs_network())
     }
 
+    /// Forgets the connections running sandbox `slot`'s sandbox opened so far (the
+    /// kernel's connection tracking entries), so that their next packets are judged by
+    /// its policy as new connections (refused if it refuses them): a policy alone lets
+    /// established connections pass. Only looks when the sandbox ever sent a packet.
+    fn forget_connections(&self, _slot: u32) -> Result<()> {
+        Ok(())
+    }
+
     /// Sandbox `id`'s network audit trail: events after `after`, at most `limit`.
     fn network_log(&self, _id: &str, _after: u64, _limit: usize) -> Vec<cubicle_egress::NetEvent> {
         Vec::new()

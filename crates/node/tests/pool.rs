@@ -37,6 +37,9 @@ fn main() {
         ("start_command_pooled", |e| {
             Box::pin(start_command_pooled(e))
         }),
+        ("a_claim_forgets_what_the_start_command_connected_to", |e| {
+            Box::pin(a_claim_forgets_what_the_start_command_connected_to(e))
+        }),
         ("shells_serve_creates_of_any_template", |e| {
             Box::pin(shells_serve_creates_of_any_template(e))
         }),
@@ -452,21 +455,13 @@ async fn start_command_pooled(envd: PathBuf) -> anyhow::Result<()> {
     cfg.pool.insert("tinystart".into(), 1);
     let node = Node::open(cfg).await?;
     let r = async {
-        let tiny = node.templates().ensure("tiny", false)?;
+        let mut tc = start_template(
+            &node,
+            &state,
+            "tinystart",
+            "echo \"$(id -u)|$E2B_SANDBOX_ID|$CB_S\" > /tmp/started; exec sleep 1000",
+        )?;
         let dir = state.join("templates/tinystart");
-        std::fs::create_dir_all(&dir)?;
-        let st = std::process::Command::new("cp")
-            .arg("-a")
-            .arg(&tiny.rootfs)
-            .arg(dir.join("rootfs"))
-            .status()?;
-        anyhow::ensure!(st.success());
-        let mut tc = tiny.config.clone();
-        tc.name = "tinystart".into();
-        tc.start_command =
-            Some("echo \"$(id -u)|$E2B_SANDBOX_ID|$CB_S\" > /tmp/started; exec sleep 1000".into());
-        tc.start_user = Some("root".into());
-        cubicle_node::fsutil::write_json_atomic(&dir.join("template.json"), &tc)?;
         let ready = |node: &Node| {
             node.pool_stats()
                 .ready
@@ -522,26 +517,6 @@ async fn start_command_pooled(envd: PathBuf) -> anyhow::Result<()> {
         );
         node.kill(&s.id).await?;
 
-        // Internet off (a policy that refuses everything): cold, since the pooled one's
-        // start command ran with internet on; the start command runs without a network.
-        wait(node.clone()).await?;
-        let off = CreateRequest {
-            internet: false,
-            network: cubicle_node::NetworkPolicy {
-                deny_out: vec!["0.0.0.0/0".parse()?],
-                ..Default::default()
-            },
-            ..create(&[])
-        };
-        let s = node.create(off).await?;
-        anyhow::ensure!(node.pool_stats().claims == 1, "{:?}", node.pool_stats());
-        let links = sh(&node.envd(&s.id)?, "cat /proc/net/dev").await?;
-        anyhow::ensure!(
-            !links.contains("eth0"),
-            "made cold with an interface: {links}"
-        );
-        node.kill(&s.id).await?;
-
         // With late_env: claimed; envd has the env vars for what runs from now on.
         tc.late_env = true;
         cubicle_node::fsutil::write_json_atomic(&dir.join("template.json"), &tc)?;
@@ -559,6 +534,159 @@ async fn start_command_pooled(envd: PathBuf) -> anyhow::Result<()> {
     node.wait_refills(Duration::from_secs(60)).await;
     let left = sandbox_dirs(&state);
     // remove_tree unmounts the quota filesystem first (remove_dir_all cannot).
+    let _ = cubicle_node::fsutil::remove_tree(&state);
+    anyhow::ensure!(left.is_empty(), "left: {left:?}");
+    r
+}
+
+/// Template `name` in `state`: `tiny`'s files and config with start command `cmd`, run
+/// as root. Its config is returned.
+fn start_template(
+    node: &Node,
+    state: &Path,
+    name: &str,
+    cmd: &str,
+) -> anyhow::Result<cubicle_node::template::TemplateConfig> {
+    let tiny = node.templates().ensure("tiny", false)?;
+    let dir = state.join("templates").join(name);
+    std::fs::create_dir_all(&dir)?;
+    let st = std::process::Command::new("cp")
+        .arg("-a")
+        .arg(&tiny.rootfs)
+        .arg(dir.join("rootfs"))
+        .status()?;
+    anyhow::ensure!(st.success());
+    let mut tc = tiny.config.clone();
+    tc.name = name.into();
+    tc.start_command = Some(cmd.into());
+    tc.start_user = Some("root".into());
+    cubicle_node::fsutil::write_json_atomic(&dir.join("template.json"), &tc)?;
+    Ok(tc)
+}
+
+/// A pooled sandbox's start command ran under the default policy and holds a connection
+/// to a host of the test internet (`common::lab`). A create that claims it with another
+/// policy (internet off; or on, with the host's network denied) does not inherit that
+/// connection: its next packet is refused (reset) as a new connection's would be. With
+/// the default policy the same connection carries on (the control). Internet off is
+/// served warm, with an interface that reaches nothing.
+async fn a_claim_forgets_what_the_start_command_connected_to(envd: PathBuf) -> anyhow::Result<()> {
+    let state = PathBuf::from(format!("/tmp/cbpool-{}-c", std::process::id()));
+    let mut cfg = NodeConfig::new(&state, &envd);
+    cfg.first_slot = FIRST_SLOT + 60;
+    cfg.max_sandboxes = 8;
+    cfg.pool.insert("tinyconn".into(), 1);
+    // The template only exists once the lab does: the node counts the host's subnets
+    // as denied when it opens, and the start command connects as soon as it is pooled.
+    let node = Node::open(cfg).await?;
+    let r = async {
+        let lab = common::lab::TestInternet::new("pool", [198, 51, 100], &[])?;
+        let srv = lab.server(common::lab::Serve::Echo)?;
+        let target = srv.addr;
+        start_template(
+            &node,
+            &state,
+            "tinyconn",
+            &format!(
+                "mkfifo -m 666 /tmp/in; \
+                 (nc {} {} </tmp/in >/tmp/reply 2>/tmp/nc.err; echo $? >/tmp/nc.done) & \
+                 exec 3>/tmp/in; exec sleep 1000",
+                target.ip(),
+                target.port()
+            ),
+        )?;
+        // Claims a sandbox whose start command's connection is the server's `hits`-th,
+        // sends a line over it and says what came of it: the echo, or nc's end.
+        let try_claim = |network: cubicle_node::NetworkPolicy, internet: bool, hits: usize| {
+            let node = node.clone();
+            let srv = &srv;
+            async move {
+                let t = Instant::now();
+                while srv.hits() < hits
+                    || node
+                        .pool_stats()
+                        .ready
+                        .get("tinyconn")
+                        .is_none_or(|n| *n < 1)
+                {
+                    anyhow::ensure!(
+                        t.elapsed() < Duration::from_secs(30),
+                        "no pooled sandbox connected: {} connections, {:?}",
+                        srv.hits(),
+                        node.pool_stats()
+                    );
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+                let claims = node.pool_stats().claims;
+                let s = node
+                    .create(CreateRequest {
+                        template: "tinyconn".into(),
+                        internet,
+                        network,
+                        ..Default::default()
+                    })
+                    .await?;
+                let r = async {
+                    anyhow::ensure!(
+                        node.pool_stats().claims == claims + 1,
+                        "not claimed: {:?}",
+                        node.pool_stats()
+                    );
+                    sh(
+                        &node.envd(&s.id)?,
+                        "echo ping-from-the-start-command > /tmp/in; \
+                         for i in $(seq 50); do \
+                           grep -q ping /tmp/reply 2>/dev/null && break; \
+                           [ -e /tmp/nc.done ] && break; sleep 0.1; done; \
+                         echo \"reply=$(cat /tmp/reply) done=$(cat /tmp/nc.done 2>/dev/null)\"; \
+                         grep -c eth0 /proc/net/dev",
+                    )
+                    .await
+                }
+                .await;
+                node.kill(&s.id).await?;
+                r
+            }
+        };
+
+        // Control: the default policy keeps the connection; the echo comes back.
+        let out = try_claim(Default::default(), true, 1).await?;
+        anyhow::ensure!(
+            out.starts_with("reply=ping-from-the-start-command done=\n"),
+            "with the default policy: {out:?}"
+        );
+        // Internet off: claimed, and the connection is reset at its next packet.
+        let off = cubicle_node::NetworkPolicy {
+            deny_out: vec!["0.0.0.0/0".parse()?],
+            ..Default::default()
+        };
+        // (Busybox nc ends with 0 or 1 on a reset; without the fix it echoed and lived on.)
+        let reset =
+            |out: &str| out.starts_with("reply= done=") && !out.starts_with("reply= done=\n");
+        let out = try_claim(off, false, 2).await?;
+        anyhow::ensure!(
+            reset(&out) && out.ends_with("\n1\n"),
+            "internet off: want a reset connection and an eth0, got {out:?}"
+        );
+        // Internet on, the lab's network denied: the same.
+        let narrow = cubicle_node::NetworkPolicy {
+            deny_out: vec!["198.51.100.0/24".parse()?],
+            ..Default::default()
+        };
+        let out = try_claim(narrow, true, 3).await?;
+        anyhow::ensure!(
+            reset(&out),
+            "the lab denied: want a reset connection, got {out:?}"
+        );
+        // No claimed sandbox reached the server again (nc does not reconnect).
+        anyhow::ensure!(srv.hits() <= 4, "{} connections", srv.hits());
+        Ok(())
+    }
+    .await;
+    node.close();
+    node.settle(Duration::from_secs(30)).await;
+    node.wait_refills(Duration::from_secs(60)).await;
+    let left = sandbox_dirs(&state);
     let _ = cubicle_node::fsutil::remove_tree(&state);
     anyhow::ensure!(left.is_empty(), "left: {left:?}");
     r

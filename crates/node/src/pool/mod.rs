@@ -11,18 +11,22 @@
 //! already carry it, and random ids are indistinguishable to users.
 //!
 //! Who may claim: a create without a caller-chosen id whose disk quota is the template's,
-//! with internet on (how pools are made, the SDKs' default) or, for a template without a
-//! start command, off by a policy that refuses every destination (E2B's
-//! `allow_internet_access: false`; `denies_everything` says why not with one): the
-//! claim sets that policy on the pooled sandbox's interface before anyone can use it, as
-//! `update_network` does to a running sandbox, so such a sandbox keeps an `eth0` that
-//! reaches nothing, where a cold one has loopback only. Other memory or CPU limits are
-//! written to the claimed sandbox's cgroup. Anything else is created cold.
+//! with internet on (how pools are made, the SDKs' default) or off by a policy that
+//! refuses every destination (E2B's `allow_internet_access: false`; `denies_everything`
+//! says why not with one): the claim sets that policy on the pooled sandbox's interface
+//! before anyone can use it, as `update_network` does to a running sandbox, so such a
+//! sandbox keeps an `eth0` that reaches nothing, where a cold one has loopback only.
+//! Other memory or CPU limits are written to the claimed sandbox's cgroup. Anything else
+//! is created cold.
 //!
 //! Templates with a start command are pooled with it running and ready (its readiness
 //! port answered): a refill first initialises envd with the sandbox's own variables
 //! (`E2B_SANDBOX_ID`, …; the token stays its birth token), then starts the command as a
-//! cold create would. A
+//! cold create would. The command runs under the default network policy while pooled:
+//! a claim that sets another one also makes the kernel forget the connections the
+//! sandbox opened so far (when it ever sent a packet), so that the command's next
+//! packets meet the claimed policy as new connections, as they would have in a cold
+//! create (a policy alone lets established connections pass). A
 //! create with env vars claims such a sandbox only if the template says its program
 //! takes them from envd at run time (`TemplateConfig::late_env`: the code interpreter
 //! reads `/envs` at a context's first execution); otherwise it is created cold, so a
@@ -111,17 +115,15 @@ fn has_start(t: &Template) -> bool {
 fn claimable(t: &Template, req: &CreateRequest, disk_mb: u64) -> bool {
     req.id.is_none()
         && disk_mb == t.config.disk_mb
-        && (req.internet || (denies_everything(req) && !has_start(t)))
+        && (req.internet || denies_everything(req))
         && (req.env_vars.is_empty() || !has_start(t) || t.config.late_env)
 }
 
 /// Whether `req` asks for no internet with a policy that refuses every destination
 /// (E2B's `allow_internet_access: false`, or `denyOut` 0.0.0.0/0 with nothing allowed):
 /// a pooled sandbox serves it by taking that policy on its interface before anyone can
-/// use it, if only envd ran in it so far: a policy leaves established connections
-/// alone, so a template whose start command ran with internet on (and may have
-/// connected out) is made cold, its start command without a network, as before.
-/// Internet off with any other policy (the node's own "no network") stays cold too.
+/// use it (and forgetting what its start command connected to: `complete_claim`).
+/// Internet off with any other policy (the node's own "no network") stays cold.
 fn denies_everything(req: &CreateRequest) -> bool {
     // A policy that needs no network is one that denies all and allows nothing.
     !req.internet && !req.network.needs_network()
@@ -314,7 +316,19 @@ impl Inner {
                 record.pid.unwrap_or(0),
                 record.network.clone(),
             );
-            blocking(move || rt.set_network(&i2, slot, pid, &p)).await?;
+            // A start command ran under the default policy while pooled: what it
+            // connected to is forgotten, so that its next packets meet this policy
+            // as a cold create's start command would have (a policy alone lets
+            // established connections pass).
+            let started = has_start(&plan.template);
+            blocking(move || {
+                rt.set_network(&i2, slot, pid, &p)?;
+                if started {
+                    rt.forget_connections(slot)?;
+                }
+                Ok(())
+            })
+            .await?;
         }
         let conn = EnvdClient::new(inner.envd_socket(&id), Some(birth_token))
             .init_on(inner.take_envd_conn(&id), &InitRequest::for_record(record))
@@ -908,7 +922,7 @@ mod tests {
     }
 
     #[test]
-    fn internet_off_claims_only_where_nothing_but_envd_ran() {
+    fn internet_off_claims_with_a_policy_that_refuses_everything() {
         let mut t = super::shell::shell_template();
         let disk = t.config.disk_mb;
         let off = CreateRequest {
@@ -920,10 +934,25 @@ mod tests {
             ..Default::default()
         };
         assert!(claimable(&t, &off, disk));
-        // A start command ran with internet on while pooled: its connections would
-        // outlive the policy.
+        // With a start command too (the claim forgets its connections).
         t.config.start_command = Some("serve".into());
-        assert!(!claimable(&t, &off, disk));
+        assert!(claimable(&t, &off, disk));
+        // Internet off that still allows a destination needs a network a pooled
+        // sandbox would keep: cold.
+        let some = CreateRequest {
+            network: cubicle_egress::NetworkPolicy {
+                allow_out: vec!["192.0.2.1".parse().unwrap()],
+                ..off.network.clone()
+            },
+            ..off.clone()
+        };
+        assert!(!claimable(&t, &some, disk));
+        // The node's own "no network" (internet off, no policy): cold.
+        let bare = CreateRequest {
+            internet: false,
+            ..Default::default()
+        };
+        assert!(!claimable(&t, &bare, disk));
         let on = CreateRequest {
             internet: true,
             ..Default::default()

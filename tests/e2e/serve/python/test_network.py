@@ -275,6 +275,55 @@ def test_internet_off(internet):
         refused(b.probe(f"get('{lab['evil']}')"), "internet off except allowOut")
 
 
+CI_TEMPLATE = "code-interpreter-v1"
+CI_PROBE = """
+import socket, time
+t = time.time()
+try:
+    socket.create_connection((%r, 80), timeout=5).close()
+    r = "open"
+except Exception as e:
+    r = type(e).__name__
+print(r, round(time.time() - t, 2))
+"""
+
+
+@pytest.mark.skipif(os.environ.get("CUBICLE_E2E_SKIP_CI") == "1", reason="CUBICLE_E2E_SKIP_CI=1")
+def test_internet_off_code_interpreter(internet):
+    """The code interpreter with internet off is served from its warm pool when the server
+    keeps one (the suite's default `--pool code-interpreter-v1=2`): its start command ran
+    with internet on while pooled, and the claim puts the policy that refuses everything
+    in place (and forgets the command's connections) before the create answers. Its
+    kernel runs code; nothing it tries gets out."""
+    from e2b_code_interpreter import Sandbox as CodeSandbox
+
+    lab = internet
+    pooled = bool(api("GET", "/cubicle/pool").json().get("target", {}).get(CI_TEMPLATE))
+    # The template's first create builds it (about a minute on a fresh machine); only a
+    # built template is pooled.
+    first = CodeSandbox.create(CI_TEMPLATE, request_timeout=1200, timeout=120)
+    record_id(first.sandbox_id)
+    first.kill()
+    before = api("GET", "/cubicle/pool").json()
+    if pooled:
+        before = poll(lambda: (p := api("GET", "/cubicle/pool").json())["ready"].get(CI_TEMPLATE) and p, timeout=120)
+    t = time.time()
+    sbx = CodeSandbox.create(CI_TEMPLATE, allow_internet_access=False, request_timeout=300, timeout=120)
+    made = time.time() - t
+    record_id(sbx.sandbox_id)
+    try:
+        claimed = api("GET", "/cubicle/pool").json()["claims"] - before["claims"]
+        assert claimed == (1 if pooled else 0), (before, claimed, made)
+        info = api("GET", f"/sandboxes/{sbx.sandbox_id}").json()
+        assert info.get("allowInternetAccess") is False, info
+        assert sbx.run_code("6 * 7").text == "42"
+        for host in (lab["allowed"], lab["evil"]):
+            out = "".join(sbx.run_code(CI_PROBE % host).logs.stdout).split()
+            assert out[0] == "ConnectionRefusedError" and float(out[1]) < QUICK, (host, out)
+    finally:
+        sbx.kill()
+
+
 def test_update_network_connects_a_sandbox_made_without_internet(internet):
     # Made cold it has no veth yet, so the update attaches one (the node gave netlink the
     # sandbox's pidfd as the new link's namespace: EINVAL, a 500 schemathesis found; the
