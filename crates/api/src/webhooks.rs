@@ -15,7 +15,7 @@
 
 use std::collections::HashMap;
 use std::sync::{Arc, RwLock};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use base64::Engine;
 use bytes::Bytes;
@@ -258,6 +258,87 @@ fn parse<T: serde::de::DeserializeOwned>(body: &[u8]) -> ApiResult<T> {
 
 type HttpsClient = Client<hyper_rustls::HttpsConnector<HttpConnector>, Full<Bytes>>;
 
+/// How often a webhook that keeps failing is logged again (with what failed meanwhile).
+const FAILURE_REPORT_EVERY: Duration = Duration::from_secs(60);
+
+/// Which webhooks are failing, so that an endpoint that is down is logged when it starts
+/// failing, once a [`FAILURE_REPORT_EVERY`] while it goes on (with counts), and when it
+/// answers again, rather than at every attempt: a team's busy sandboxes against a dead
+/// endpoint made a log line per event and retry (thousands a minute).
+#[derive(Default)]
+struct DeliveryHealth {
+    failing: HashMap<String, Failing>,
+}
+
+struct Failing {
+    since: Instant,
+    reported: Instant,
+    /// Failed attempts and abandoned deliveries since `reported`, and since `since`.
+    attempts: u64,
+    dropped: u64,
+    total_attempts: u64,
+}
+
+/// What to log about an attempt ([`DeliveryHealth`]).
+#[derive(Debug, PartialEq)]
+enum HealthNote {
+    /// The webhook's first failure since it last delivered (or ever).
+    StartedFailing,
+    /// Failing for a while: attempts failed and deliveries abandoned since the last report.
+    StillFailing {
+        attempts: u64,
+        dropped: u64,
+        secs: u64,
+    },
+    /// Delivered again after `attempts` failed attempts over `secs`.
+    Recovered { attempts: u64, secs: u64 },
+    /// Nothing new to say.
+    Quiet,
+}
+
+impl DeliveryHealth {
+    /// An attempt of webhook `id` failed at `now` (`dropped`: it was the delivery's last).
+    fn failed(&mut self, id: &str, dropped: bool, now: Instant) -> HealthNote {
+        let Some(f) = self.failing.get_mut(id) else {
+            self.failing.insert(
+                id.to_string(),
+                Failing {
+                    since: now,
+                    reported: now,
+                    attempts: 0,
+                    dropped: 0,
+                    total_attempts: 1,
+                },
+            );
+            return HealthNote::StartedFailing;
+        };
+        f.attempts += 1;
+        f.dropped += u64::from(dropped);
+        f.total_attempts += 1;
+        if now.duration_since(f.reported) < FAILURE_REPORT_EVERY {
+            return HealthNote::Quiet;
+        }
+        let note = HealthNote::StillFailing {
+            attempts: f.attempts,
+            dropped: f.dropped,
+            secs: now.duration_since(f.reported).as_secs(),
+        };
+        (f.reported, f.attempts, f.dropped) = (now, 0, 0);
+        note
+    }
+
+    /// An attempt of webhook `id` succeeded at `now`.
+    fn delivered(&mut self, id: &str, now: Instant) -> HealthNote {
+        match self.failing.remove(id) {
+            Some(f) => HealthNote::Recovered {
+                attempts: f.total_attempts,
+                secs: now.duration_since(f.since).as_secs(),
+            },
+            None => HealthNote::Quiet,
+        }
+    }
+}
+
 /// The webhooks of every team, and their deliveries.
 pub struct Webhooks {
     store: Store,
@@ -266,6 +347,7 @@ pub struct Webhooks {
     client: HttpsClient,
     /// Team id → its webhooks (the database's content, kept in step).
     by_team: RwLock<HashMap<i64, Vec<WebhookRow>>>,
+    health: std::sync::Mutex<DeliveryHealth>,
 }
 
 impl Webhooks {
@@ -299,7 +381,12 @@ impl Webhooks {
             telemetry,
             client,
             by_team: RwLock::new(by_team),
+            health: Default::default(),
         }))
+    }
+
+    fn health(&self) -> std::sync::MutexGuard<'_, DeliveryHealth> {
+        self.health.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// Every team's webhooks (for the metrics).
@@ -353,18 +440,43 @@ impl Webhooks {
             let delivery = uuid::Uuid::new_v4().to_string();
             let outcome = self.attempt(&hook, &delivery, &sig, body.clone()).await;
             self.telemetry.webhook_attempt(outcome.is_ok());
+            let now = Instant::now();
             match outcome {
                 Ok(()) => {
                     tracing::debug!(webhook = %hook.id, delivery, attempt, "webhook delivered");
+                    if let HealthNote::Recovered { attempts, secs } =
+                        self.health().delivered(&hook.id, now)
+                    {
+                        tracing::info!(webhook = %hook.id, url = %hook.url, "webhook delivering again, after {attempts} failed attempts over {secs} s");
+                    }
                     self.telemetry.webhook_delivery(true);
                     return;
                 }
-                Err(why) if attempt < attempts => {
-                    tracing::info!(webhook = %hook.id, url = %hook.url, attempt, "webhook delivery failed ({why}); retrying in {:?}", self.config.retry_interval);
-                    tokio::time::sleep(self.config.retry_interval).await;
-                }
                 Err(why) => {
-                    tracing::warn!(webhook = %hook.id, url = %hook.url, attempt, "webhook delivery failed ({why}); giving up");
+                    let last = attempt == attempts;
+                    let then = if last {
+                        "giving up on this delivery".to_string()
+                    } else {
+                        format!("retrying in {:?}", self.config.retry_interval)
+                    };
+                    match self.health().failed(&hook.id, last, now) {
+                        HealthNote::StartedFailing => {
+                            tracing::warn!(webhook = %hook.id, url = %hook.url, attempt, "webhook delivery failed ({why}); {then}; while it keeps failing, it is reported once a minute")
+                        }
+                        HealthNote::StillFailing {
+                            attempts,
+                            dropped,
+                            secs,
+                        } => {
+                            tracing::warn!(webhook = %hook.id, url = %hook.url, "webhook still failing: {attempts} more failed attempts and {dropped} deliveries given up in the last {secs} s (last: {why})")
+                        }
+                        _ => {
+                            tracing::debug!(webhook = %hook.id, attempt, "webhook delivery failed ({why}); {then}")
+                        }
+                    }
+                    if !last {
+                        tokio::time::sleep(self.config.retry_interval).await;
+                    }
                 }
             }
         }
@@ -494,6 +606,7 @@ impl Webhooks {
         self.store
             .call(move |s| s.delete_webhook(team_id, &id2))
             .await?;
+        self.health().failing.remove(id);
         self.reload(team.id).await
     }
 }
@@ -542,6 +655,38 @@ mod tests {
         ] {
             assert!(check_url(bad).is_err(), "{bad}");
         }
+    }
+
+    #[test]
+    fn a_failing_webhook_is_reported_when_it_starts_once_a_minute_and_when_it_recovers() {
+        let mut h = DeliveryHealth::default();
+        let t0 = Instant::now();
+        let at = |s: u64| t0 + Duration::from_secs(s);
+        assert_eq!(h.delivered("a", at(0)), HealthNote::Quiet);
+        assert_eq!(h.failed("a", false, at(1)), HealthNote::StartedFailing);
+        // Another webhook is told apart.
+        assert_eq!(h.failed("b", true, at(1)), HealthNote::StartedFailing);
+        for s in 2..30 {
+            assert_eq!(h.failed("a", s % 4 == 0, at(s)), HealthNote::Quiet);
+        }
+        assert_eq!(
+            h.failed("a", true, at(61)),
+            HealthNote::StillFailing {
+                attempts: 29,
+                dropped: 8,
+                secs: 60
+            }
+        );
+        assert_eq!(h.failed("a", false, at(70)), HealthNote::Quiet);
+        assert_eq!(
+            h.delivered("a", at(75)),
+            HealthNote::Recovered {
+                attempts: 31,
+                secs: 74
+            }
+        );
+        assert_eq!(h.delivered("a", at(76)), HealthNote::Quiet);
+        assert_eq!(h.failed("a", false, at(77)), HealthNote::StartedFailing);
     }
 
     #[test]
