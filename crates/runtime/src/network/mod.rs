@@ -412,18 +412,25 @@ impl AddressGuard {
     }
 }
 
+/// What [`Network`] keeps of the per-sandbox policies, under one lock.
+#[derive(Default)]
+struct Policies {
+    /// The policy-set elements each slot has in the kernel (so changes are deltas).
+    applied: HashMap<u32, BTreeSet<(&'static str, SetElem)>>,
+    /// The netfilter socket changes go over, opened by `init` in the node's namespace
+    /// and never closed while the node runs (`nftables::apply` says why). `None` (a
+    /// handle made by `new`): one socket per change.
+    sock: Option<netlink::NetlinkSocket>,
+}
+
 /// The node's sandbox network. Cheap to share (`&self` methods, internally locked).
 pub struct Network {
     config: NetworkConfig,
     max_slots: u32,
     /// The host's own subnets, read by `init` (empty for a handle made by `new`).
     host_nets: Vec<Ipv4Cidr>,
-    /// The policy-set elements each slot has in the kernel (so changes are deltas).
-    applied: Mutex<HashMap<u32, BTreeSet<(&'static str, SetElem)>>>,
-    /// The netfilter socket policy changes go over, opened by `init` in the node's
-    /// namespace and never closed while the node runs (`nftables::apply` says why); taken
-    /// only with `applied` held. `None` (a handle made by `new`): one socket per change.
-    policy_sock: Mutex<Option<netlink::NetlinkSocket>>,
+    /// The kernel's share of the sandboxes' policies, and the socket changes go over.
+    policies: Mutex<Policies>,
     /// Netfilter sockets of finished conntrack flushes, for the next ones (as many as
     /// ever ran at once; never closed while the node runs, for the same reason). Opened
     /// by the flushing thread: the node's threads stay in its namespace (`run_in_netns`
@@ -470,11 +477,12 @@ impl Network {
                 applied.entry(slot).or_default().insert((set, elem));
             }
         }
-        *net.lock_applied() = applied;
-        net.policy_sock = Mutex::new(Some(
-            netlink::NetlinkSocket::open(libc::NETLINK_NETFILTER)
-                .map_err(|e| Error::io("opening the netfilter socket for policy changes", e))?,
-        ));
+        let sock = netlink::NetlinkSocket::open(libc::NETLINK_NETFILTER)
+            .map_err(|e| Error::io("opening the netfilter socket for policy changes", e))?;
+        *net.lock_policies() = Policies {
+            applied,
+            sock: Some(sock),
+        };
         Ok(net)
     }
 
@@ -558,8 +566,7 @@ impl Network {
             config,
             max_slots,
             host_nets: Vec::new(),
-            applied: Mutex::new(HashMap::new()),
-            policy_sock: Mutex::new(None),
+            policies: Mutex::new(Policies::default()),
             conntrack_socks: Mutex::new(Vec::new()),
             reaper: Default::default(),
         })
@@ -842,7 +849,8 @@ impl Network {
     pub fn set_policy(&self, slot: u32, policy: &EgressPolicy) -> Result<()> {
         let info = self.slot_info(slot)?;
         let want = policy.elements(info.sandbox_ip);
-        let mut applied = self.lock_applied();
+        let mut policies = self.lock_policies();
+        let Policies { applied, sock } = &mut *policies;
         let have = applied.get(&slot).cloned().unwrap_or_default();
         if have == want {
             return Ok(());
@@ -861,7 +869,6 @@ impl Network {
                 changes.push(ElemChange { add, set, elems });
             }
         }
-        let mut sock = self.policy_sock.lock().unwrap_or_else(|p| p.into_inner());
         nftables::apply(
             sock.as_mut(),
             &format!("{}_policy", self.config.table),
@@ -896,7 +903,8 @@ impl Network {
             }
         }
         let stale: Vec<u32> = self
-            .lock_applied()
+            .lock_policies()
+            .applied
             .keys()
             .copied()
             .filter(|s| owned.contains(s) && !known.contains(s))
@@ -934,7 +942,7 @@ impl Network {
             }
         }
         nft_apply(&script, "deleting the egress tables")?;
-        self.lock_applied().clear();
+        self.lock_policies().applied.clear();
         Ok(())
     }
 
@@ -952,15 +960,13 @@ impl Network {
             .collect())
     }
 
-    fn lock_applied(
-        &self,
-    ) -> std::sync::MutexGuard<'_, HashMap<u32, BTreeSet<(&'static str, SetElem)>>> {
-        self.applied.lock().unwrap_or_else(|p| p.into_inner())
+    fn lock_policies(&self) -> std::sync::MutexGuard<'_, Policies> {
+        self.policies.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// Slots that have policy elements in the kernel now.
     pub fn slots_with_policy(&self) -> Vec<u32> {
-        let mut v: Vec<u32> = self.lock_applied().keys().copied().collect();
+        let mut v: Vec<u32> = self.lock_policies().applied.keys().copied().collect();
         v.sort_unstable();
         v
     }
