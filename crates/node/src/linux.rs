@@ -891,18 +891,19 @@ impl SandboxRuntime for LinuxRuntime {
         Ok(true)
     }
 
-    fn forget_connections(&self, slot: u32) -> Result<()> {
+    fn cut_refused(&self, slot: u32, policy: &NetworkPolicy) -> Result<()> {
         let Ok(net) = &self.network else {
             return Ok(());
         };
-        // A sandbox that never sent has no entry (see `Network::never_sent`); the walk
-        // of the whole table costs 5-10 ms of CPU.
-        if net.never_sent(slot) {
+        let kernel = policy.kernel();
+        // A sandbox that never sent has no connection (see `Network::never_sent`); the
+        // walk of the whole conntrack table costs 5-10 ms of CPU.
+        if !kernel.refuses_any() || net.never_sent(slot) {
             return Ok(());
         }
-        net.forget_connections(slot)
+        net.forget_refused(slot, &kernel)
             .map(drop)
-            .map_err(|e| rt_err(&format!("forgetting the connections of slot {slot}"), e))
+            .map_err(|e| rt_err("cutting the connections its policy refuses", e))
     }
 
     fn network_log(&self, id: &str, after: u64, limit: usize) -> Vec<NetEvent> {

@@ -210,6 +210,7 @@ pub trait SandboxRuntime: Send + Sync + 'static {
     /// network interface if the policy needs one and it has none, replaces the kernel's
     /// share of its policy and tells the egress layer (also after a node restart, for
     /// an adopted sandbox). Returns whether the sandbox has a network interface now.
+    /// Connections it opened before are left alone ([`Self::cut_refused`]).
     fn set_network(
         &self,
         _id: &str,
@@ -220,11 +221,11 @@ pub trait SandboxRuntime: Send + Sync + 'static {
         Ok(policy.needs_network())
     }
 
-    /// Forgets the connections running sandbox `slot`'s sandbox opened so far (the
-    /// kernel's connection tracking entries), so that their next packets are judged by
-    /// its policy as new connections (refused if it refuses them): a policy alone lets
-    /// established connections pass. Only looks when the sandbox ever sent a packet.
-    fn forget_connections(&self, _slot: u32) -> Result<()> {
+    /// Cuts the direct connections running sandbox slot `slot`'s sandbox opened to
+    /// destinations `policy` (just applied by [`Self::set_network`]) refuses by
+    /// address: the rules accept established connections before they look at the
+    /// policy (`cubicle_runtime::network::Network::forget_refused`).
+    fn cut_refused(&self, _slot: u32, _policy: &crate::sandbox::NetworkPolicy) -> Result<()> {
         Ok(())
     }
 

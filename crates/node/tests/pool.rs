@@ -37,8 +37,8 @@ fn main() {
         ("start_command_pooled", |e| {
             Box::pin(start_command_pooled(e))
         }),
-        ("a_claim_forgets_what_the_start_command_connected_to", |e| {
-            Box::pin(a_claim_forgets_what_the_start_command_connected_to(e))
+        ("policies_cut_the_connections_they_refuse", |e| {
+            Box::pin(policies_cut_the_connections_they_refuse(e))
         }),
         ("shells_serve_creates_of_any_template", |e| {
             Box::pin(shells_serve_creates_of_any_template(e))
@@ -565,12 +565,13 @@ fn start_template(
 }
 
 /// A pooled sandbox's start command ran under the default policy and holds a connection
-/// to a host of the test internet (`common::lab`). A create that claims it with another
-/// policy (internet off; or on, with the host's network denied) does not inherit that
-/// connection: its next packet is refused (reset) as a new connection's would be. With
-/// the default policy the same connection carries on (the control). Internet off is
-/// served warm, with an interface that reaches nothing.
-async fn a_claim_forgets_what_the_start_command_connected_to(envd: PathBuf) -> anyhow::Result<()> {
+/// to a host of the test internet (`common::lab`). A create that claims it with a policy
+/// that refuses that host (internet off; or on, with the host's network denied) does not
+/// inherit the connection: its next packet is refused (reset) as a new connection's
+/// would be. A policy that allows the host keeps it, and so does the default policy,
+/// until `update_network` refuses the host. Internet off is served warm, with an
+/// interface that reaches nothing.
+async fn policies_cut_the_connections_they_refuse(envd: PathBuf) -> anyhow::Result<()> {
     let state = PathBuf::from(format!("/tmp/cbpool-{}-c", std::process::id()));
     let mut cfg = NodeConfig::new(&state, &envd);
     cfg.first_slot = FIRST_SLOT + 60;
@@ -595,9 +596,8 @@ async fn a_claim_forgets_what_the_start_command_connected_to(envd: PathBuf) -> a
                 target.port()
             ),
         )?;
-        // Claims a sandbox whose start command's connection is the server's `hits`-th,
-        // sends a line over it and says what came of it: the echo, or nc's end.
-        let try_claim = |network: cubicle_node::NetworkPolicy, internet: bool, hits: usize| {
+        // Claims a sandbox whose start command's connection is the server's `hits`-th.
+        let claim = |network: cubicle_node::NetworkPolicy, internet: bool, hits: usize| {
             let node = node.clone();
             let srv = &srv;
             async move {
@@ -626,60 +626,92 @@ async fn a_claim_forgets_what_the_start_command_connected_to(envd: PathBuf) -> a
                         ..Default::default()
                     })
                     .await?;
-                let r = async {
-                    anyhow::ensure!(
-                        node.pool_stats().claims == claims + 1,
-                        "not claimed: {:?}",
-                        node.pool_stats()
-                    );
-                    sh(
-                        &node.envd(&s.id)?,
-                        "echo ping-from-the-start-command > /tmp/in; \
-                         for i in $(seq 50); do \
-                           grep -q ping /tmp/reply 2>/dev/null && break; \
-                           [ -e /tmp/nc.done ] && break; sleep 0.1; done; \
-                         echo \"reply=$(cat /tmp/reply) done=$(cat /tmp/nc.done 2>/dev/null)\"; \
-                         grep -c eth0 /proc/net/dev",
-                    )
-                    .await
+                if node.pool_stats().claims != claims + 1 {
+                    node.kill(&s.id).await?;
+                    anyhow::bail!("not claimed: {:?}", node.pool_stats());
                 }
-                .await;
-                node.kill(&s.id).await?;
-                r
+                Ok(s.id)
             }
         };
+        // Sends `word` over the start command's connection: `echoed` (it came back) or
+        // `reset` (nc ended: busybox nc ends with 0 or 1 on a reset), then whether the
+        // sandbox has an eth0.
+        let ping = |id: cubicle_node::SandboxId, word: &'static str| {
+            let node = node.clone();
+            async move {
+                let out = sh(
+                    &node.envd(&id)?,
+                    &format!(
+                        "echo {word} > /tmp/in; \
+                         for i in $(seq 50); do \
+                           grep -q {word} /tmp/reply 2>/dev/null && break; \
+                           [ -e /tmp/nc.done ] && break; sleep 0.1; done; \
+                         if grep -q {word} /tmp/reply; then echo echoed; \
+                         elif [ -e /tmp/nc.done ]; then echo reset; else echo silent; fi; \
+                         grep -c eth0 /proc/net/dev"
+                    ),
+                )
+                .await?;
+                Ok::<_, anyhow::Error>(out.split_whitespace().collect::<Vec<_>>().join(" "))
+            }
+        };
+        let deny = |cidr: &str| -> anyhow::Result<cubicle_node::NetworkPolicy> {
+            Ok(cubicle_node::NetworkPolicy {
+                deny_out: vec![cidr.parse()?],
+                ..Default::default()
+            })
+        };
 
-        // Control: the default policy keeps the connection; the echo comes back.
-        let out = try_claim(Default::default(), true, 1).await?;
-        anyhow::ensure!(
-            out.starts_with("reply=ping-from-the-start-command done=\n"),
-            "with the default policy: {out:?}"
-        );
-        // Internet off: claimed, and the connection is reset at its next packet.
-        let off = cubicle_node::NetworkPolicy {
-            deny_out: vec!["0.0.0.0/0".parse()?],
-            ..Default::default()
-        };
-        // (Busybox nc ends with 0 or 1 on a reset; without the fix it echoed and lived on.)
-        let reset =
-            |out: &str| out.starts_with("reply= done=") && !out.starts_with("reply= done=\n");
-        let out = try_claim(off, false, 2).await?;
-        anyhow::ensure!(
-            reset(&out) && out.ends_with("\n1\n"),
-            "internet off: want a reset connection and an eth0, got {out:?}"
-        );
+        // Control: the default policy keeps the connection; the echo comes back. Then
+        // `update_network` denies the lab: the same connection is reset.
+        let id = claim(Default::default(), true, 1).await?;
+        let r = async {
+            let out = ping(id.clone(), "first").await?;
+            anyhow::ensure!(out == "echoed 1", "with the default policy: {out:?}");
+            node.update_network(&id, deny("198.51.100.0/24")?).await?;
+            let out = ping(id.clone(), "second").await?;
+            anyhow::ensure!(out == "reset 1", "after update_network: {out:?}");
+            Ok(())
+        }
+        .await;
+        node.kill(&id).await?;
+        r?;
+        // Internet off: claimed, with an eth0; the connection is reset at its next packet.
+        let id = claim(deny("0.0.0.0/0")?, false, 2).await?;
+        let r = async {
+            let out = ping(id.clone(), "third").await?;
+            anyhow::ensure!(out == "reset 1", "internet off: {out:?}");
+            Ok(())
+        }
+        .await;
+        node.kill(&id).await?;
+        r?;
         // Internet on, the lab's network denied: the same.
-        let narrow = cubicle_node::NetworkPolicy {
-            deny_out: vec!["198.51.100.0/24".parse()?],
-            ..Default::default()
+        let id = claim(deny("198.51.100.0/24")?, true, 3).await?;
+        let r = async {
+            let out = ping(id.clone(), "fourth").await?;
+            anyhow::ensure!(out == "reset 1", "the lab denied: {out:?}");
+            Ok(())
+        }
+        .await;
+        node.kill(&id).await?;
+        r?;
+        // Everything denied but the lab's host: that connection is allowed, and kept.
+        let only_lab = cubicle_node::NetworkPolicy {
+            allow_out: vec![target.ip().to_string().parse()?],
+            ..deny("0.0.0.0/0")?
         };
-        let out = try_claim(narrow, true, 3).await?;
-        anyhow::ensure!(
-            reset(&out),
-            "the lab denied: want a reset connection, got {out:?}"
-        );
+        let id = claim(only_lab, true, 4).await?;
+        let r = async {
+            let out = ping(id.clone(), "fifth").await?;
+            anyhow::ensure!(out == "echoed 1", "the lab allowed: {out:?}");
+            Ok(())
+        }
+        .await;
+        node.kill(&id).await?;
+        r?;
         // No claimed sandbox reached the server again (nc does not reconnect).
-        anyhow::ensure!(srv.hits() <= 4, "{} connections", srv.hits());
+        anyhow::ensure!(srv.hits() <= 5, "{} connections", srv.hits());
         Ok(())
     }
     .await;

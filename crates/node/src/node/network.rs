@@ -66,8 +66,9 @@ impl Node {
     }
 
     /// Replaces the egress policy of running sandbox `id` (E2B replace semantics: the
-    /// new policy is the whole policy). Established connections are kept; new ones and
-    /// new DNS questions follow the new policy as soon as this returns.
+    /// new policy is the whole policy). Direct connections to destinations it refuses
+    /// are cut, others are kept (`SandboxRuntime::cut_refused`); new ones and new DNS
+    /// questions follow the new policy as soon as this returns.
     pub async fn update_network(&self, id: &str, policy: NetworkPolicy) -> Result<()> {
         let t0 = Instant::now();
         let inner = &self.inner;
@@ -87,7 +88,12 @@ impl Node {
         };
         let rt = inner.runtime.clone();
         let (id2, p2) = (id.to_string(), policy.clone());
-        let attached = blocking(move || rt.set_network(&id2, slot, pid, &p2)).await?;
+        let attached = blocking(move || {
+            let attached = rt.set_network(&id2, slot, pid, &p2)?;
+            rt.cut_refused(slot, &p2)?;
+            Ok(attached)
+        })
+        .await?;
         let record = {
             let mut st = inner.lock();
             let live = st

@@ -23,10 +23,9 @@
 //! port answered): a refill first initialises envd with the sandbox's own variables
 //! (`E2B_SANDBOX_ID`, …; the token stays its birth token), then starts the command as a
 //! cold create would. The command runs under the default network policy while pooled:
-//! a claim that sets another one also makes the kernel forget the connections the
-//! sandbox opened so far (when it ever sent a packet), so that the command's next
-//! packets meet the claimed policy as new connections, as they would have in a cold
-//! create (a policy alone lets established connections pass). A
+//! a claim that sets another one cuts the connections it opened that the claimed policy
+//! refuses, as every policy change does (`SandboxRuntime::cut_refused`), so they do not
+//! outlive the claim (the rules accept established connections before the policy). A
 //! create with env vars claims such a sandbox only if the template says its program
 //! takes them from envd at run time (`TemplateConfig::late_env`: the code interpreter
 //! reads `/envs` at a context's first execution); otherwise it is created cold, so a
@@ -122,7 +121,7 @@ fn claimable(t: &Template, req: &CreateRequest, disk_mb: u64) -> bool {
 /// Whether `req` asks for no internet with a policy that refuses every destination
 /// (E2B's `allow_internet_access: false`, or `denyOut` 0.0.0.0/0 with nothing allowed):
 /// a pooled sandbox serves it by taking that policy on its interface before anyone can
-/// use it (and forgetting what its start command connected to: `complete_claim`).
+/// use it (and cutting what its start command connected to).
 /// Internet off with any other policy (the node's own "no network") stays cold.
 fn denies_everything(req: &CreateRequest) -> bool {
     // A policy that needs no network is one that denies all and allows nothing.
@@ -316,17 +315,10 @@ impl Inner {
                 record.pid.unwrap_or(0),
                 record.network.clone(),
             );
-            // A start command ran under the default policy while pooled: what it
-            // connected to is forgotten, so that its next packets meet this policy
-            // as a cold create's start command would have (a policy alone lets
-            // established connections pass).
-            let started = has_start(&plan.template);
+            // What a start command connected to and this policy refuses is cut.
             blocking(move || {
                 rt.set_network(&i2, slot, pid, &p)?;
-                if started {
-                    rt.forget_connections(slot)?;
-                }
-                Ok(())
+                rt.cut_refused(slot, &p)
             })
             .await?;
         }

@@ -313,6 +313,18 @@ impl EgressPolicy {
             && self.steer == Steer::Direct
     }
 
+    /// Whether the policy refuses some destination by address.
+    pub fn refuses_any(&self) -> bool {
+        self.deny_all || !self.deny.is_empty()
+    }
+
+    /// Whether the policy's own rules refuse a new connection to `dst` (the node's
+    /// rules apply besides; domain rules are the proxy's).
+    pub fn refuses(&self, dst: Ipv4Addr) -> bool {
+        !self.allow.iter().any(|c| c.contains(dst))
+            && (self.deny_all || self.deny.iter().any(|c| c.contains(dst)))
+    }
+
     /// The policy-set elements of sandbox `ip` under this policy.
     fn elements(&self, ip: Ipv4Addr) -> BTreeSet<(&'static str, SetElem)> {
         let mut out = BTreeSet::new();
@@ -813,6 +825,27 @@ impl Network {
     /// Deletes every conntrack entry slot `slot`'s address opened (after its death, so
     /// that no stale entry matches the next sandbox on that address).
     pub fn forget_connections(&self, slot: u32) -> Result<usize> {
+        self.forget_where(slot, |_, _| true)
+    }
+
+    /// Deletes the conntrack entries of the direct connections slot `slot`'s sandbox
+    /// opened to a destination `policy` refuses by address, so that their next packet
+    /// meets the policy as a new connection's would (TCP: a reset): the rules accept
+    /// established connections before they look at the policy. Left alone: connections
+    /// it allows (deleting theirs too would break those whose far end speaks next: the
+    /// host would answer it with a reset), and those redirected to the node's resolver
+    /// or proxy, which decided on them when they opened (a proxied connection cannot be
+    /// picked up again mid-stream; its entry's loss would only break it).
+    pub fn forget_refused(&self, slot: u32, policy: &EgressPolicy) -> Result<usize> {
+        if !policy.refuses_any() {
+            return Ok(0);
+        }
+        self.forget_where(slot, |dst, redirected| !redirected && policy.refuses(dst))
+    }
+
+    /// Deletes the conntrack entries slot `slot`'s address opened to destinations
+    /// `doomed` picks (told whether the connection was redirected).
+    fn forget_where(&self, slot: u32, doomed: impl Fn(Ipv4Addr, bool) -> bool) -> Result<usize> {
         let info = self.slot_info(slot)?;
         let kept = self
             .conntrack_socks
@@ -824,7 +857,7 @@ impl Network {
             None => netlink::NetlinkSocket::open(libc::NETLINK_NETFILTER),
         }
         .and_then(|mut sock| {
-            let n = conntrack::flush_source(&mut sock, info.sandbox_ip)?;
+            let n = conntrack::flush_source(&mut sock, info.sandbox_ip, &doomed)?;
             // Only a socket whose exchange ended cleanly goes back.
             self.conntrack_socks
                 .lock()
@@ -845,7 +878,8 @@ impl Network {
 
     /// Replaces slot `slot`'s egress policy (the default policy clears it) in one atomic
     /// netlink batch: the sandbox is never without a policy in between. Connections
-    /// already established are not touched.
+    /// already established are not touched ([`Network::forget_refused`] cuts those the
+    /// policy refuses).
     pub fn set_policy(&self, slot: u32, policy: &EgressPolicy) -> Result<()> {
         let info = self.slot_info(slot)?;
         let want = policy.elements(info.sandbox_ip);

@@ -54,6 +54,28 @@ fn cidr_parse_and_normalize() {
 }
 
 #[test]
+fn a_policy_refuses_what_it_denies_and_does_not_allow() {
+    let ip = |s: &str| s.parse::<Ipv4Addr>().unwrap();
+    let cidr = |s: &str| s.parse::<Ipv4Cidr>().unwrap();
+    assert!(!EgressPolicy::default().refuses(ip("1.2.3.4")));
+    let some = EgressPolicy {
+        deny: vec![cidr("1.2.3.0/24")],
+        allow: vec![cidr("1.2.3.4")],
+        ..Default::default()
+    };
+    assert!(some.refuses(ip("1.2.3.5")));
+    assert!(!some.refuses(ip("1.2.3.4")), "allow wins");
+    assert!(!some.refuses(ip("5.6.7.8")));
+    let all = EgressPolicy {
+        deny_all: true,
+        allow: vec![cidr("5.6.7.0/24")],
+        ..Default::default()
+    };
+    assert!(all.refuses(ip("1.2.3.4")));
+    assert!(!all.refuses(ip("5.6.7.8")));
+}
+
+#[test]
 fn slots_are_deterministic() {
     let net = Network::new(NetworkConfig::default()).unwrap();
     assert_eq!(net.max_slots(), 32768);

@@ -340,6 +340,35 @@ def test_update_network_connects_a_sandbox_made_without_internet(internet):
         refused(b.probe(f"get('{lab['evil']}')"), "only allowOut after the update")
 
 
+def test_update_network_cuts_the_connections_it_refuses(internet):
+    """A connection opened while the internet was on does not outlive an update that
+    refuses its destination (a reverse shell opened by an install step, say), while one
+    to a destination the new policy allows goes on."""
+    lab = internet
+    with Box(lab) as b:
+        results = {}
+
+        def download(name, host):
+            results[name] = b.probe(f"get('{host}', 80, path='/slow?s=4')")
+
+        threads = [
+            threading.Thread(target=download, args=("refused", lab["evil"])),
+            threading.Thread(target=download, args=("allowed", lab["allowed"])),
+        ]
+        for t in threads:
+            t.start()
+        time.sleep(1.0)
+        b.sbx.update_network({"allow_out": [lab["allowed"]], "deny_out": ["0.0.0.0/0"]})
+        for t in threads:
+            t.join(timeout=60)
+        kept, cut = results["allowed"], results["refused"]
+        assert kept["ok"] and kept["data"].count("x") >= 30 * 1024, f"the allowed download was cut: {str(kept)[:300]}"
+        # Cut: the sandbox hears nothing more (the lab's next segment reaches the host,
+        # which resets it) and its read times out, or its next packet is reset.
+        assert not cut["ok"], f"the refused download went on: {str(cut)[:300]}"
+        refused(b.probe(f"get('{lab['evil']}')"), "a new connection after the update")
+
+
 def test_domains_hold_against_bypasses(internet):
     lab = internet
     net = {"allow_out": ["allowed.test", "*.allowed.test"], "deny_out": ["0.0.0.0/0"], "dns_servers": [lab["dns"]]}
