@@ -580,19 +580,13 @@ async fn limits_are_counted_and_name_the_death(envd: PathBuf) -> TestResult {
 async fn template_start_command_runs(envd: PathBuf) -> TestResult {
     let (node, state) = node(&envd, "start", 3550).await?;
     // A template derived from tiny, with a start command.
-    let tiny = node.templates().ensure("tiny", false)?;
-    let dir = state.join("templates/tinystart");
-    std::fs::create_dir_all(&dir)?;
-    let st = std::process::Command::new("cp")
-        .arg("-a")
-        .arg(&tiny.rootfs)
-        .arg(dir.join("rootfs"))
-        .status()?;
-    anyhow::ensure!(st.success());
-    let mut cfg = tiny.config.clone();
-    cfg.name = "tinystart".into();
-    cfg.start_command = Some("echo started > /tmp/started; exec sleep 1000".into());
-    cubicle_node::fsutil::write_json_atomic(&dir.join("template.json"), &cfg)?;
+    let (mut cfg, dir) = common::derived_template(
+        &node,
+        &state,
+        "tinystart",
+        "echo started > /tmp/started; exec sleep 1000",
+        None,
+    )?;
     let s = node
         .create(CreateRequest {
             template: "tinystart".into(),

@@ -156,6 +156,20 @@ async fn closed_empty(node: &Node, state: &Path, ids: &[String]) -> anyhow::Resu
     Ok(())
 }
 
+/// Closes `node` once its sandboxes ended and its refills finished (a refill under way
+/// at close removes its sandbox once made, start command included), then removes
+/// `state`: no sandbox directory may have been left.
+async fn closed_and_removed(node: &Node, state: &Path) -> anyhow::Result<()> {
+    node.close();
+    node.settle(Duration::from_secs(30)).await;
+    node.wait_refills(Duration::from_secs(60)).await;
+    let left = sandbox_dirs(state);
+    // remove_tree unmounts the quota filesystem first (remove_dir_all cannot).
+    let _ = cubicle_node::fsutil::remove_tree(state);
+    anyhow::ensure!(left.is_empty(), "left: {left:?}");
+    Ok(())
+}
+
 async fn sh(client: &EnvdClient, script: &str) -> anyhow::Result<String> {
     let spec = ProcessSpec {
         cmd: "/bin/sh".into(),
@@ -455,13 +469,13 @@ async fn start_command_pooled(envd: PathBuf) -> anyhow::Result<()> {
     cfg.pool.insert("tinystart".into(), 1);
     let node = Node::open(cfg).await?;
     let r = async {
-        let mut tc = start_template(
+        let (mut tc, dir) = common::derived_template(
             &node,
             &state,
             "tinystart",
             "echo \"$(id -u)|$E2B_SANDBOX_ID|$CB_S\" > /tmp/started; exec sleep 1000",
+            Some("root"),
         )?;
-        let dir = state.join("templates/tinystart");
         let ready = |node: &Node| {
             node.pool_stats()
                 .ready
@@ -528,40 +542,8 @@ async fn start_command_pooled(envd: PathBuf) -> anyhow::Result<()> {
         Ok(())
     }
     .await;
-    node.close();
-    node.settle(Duration::from_secs(30)).await;
-    // A refill under way at close removes its sandbox once made (start command included).
-    node.wait_refills(Duration::from_secs(60)).await;
-    let left = sandbox_dirs(&state);
-    // remove_tree unmounts the quota filesystem first (remove_dir_all cannot).
-    let _ = cubicle_node::fsutil::remove_tree(&state);
-    anyhow::ensure!(left.is_empty(), "left: {left:?}");
+    closed_and_removed(&node, &state).await?;
     r
-}
-
-/// Template `name` in `state`: `tiny`'s files and config with start command `cmd`, run
-/// as root. Its config is returned.
-fn start_template(
-    node: &Node,
-    state: &Path,
-    name: &str,
-    cmd: &str,
-) -> anyhow::Result<cubicle_node::template::TemplateConfig> {
-    let tiny = node.templates().ensure("tiny", false)?;
-    let dir = state.join("templates").join(name);
-    std::fs::create_dir_all(&dir)?;
-    let st = std::process::Command::new("cp")
-        .arg("-a")
-        .arg(&tiny.rootfs)
-        .arg(dir.join("rootfs"))
-        .status()?;
-    anyhow::ensure!(st.success());
-    let mut tc = tiny.config.clone();
-    tc.name = name.into();
-    tc.start_command = Some(cmd.into());
-    tc.start_user = Some("root".into());
-    cubicle_node::fsutil::write_json_atomic(&dir.join("template.json"), &tc)?;
-    Ok(tc)
 }
 
 /// A pooled sandbox's start command ran under the default policy and holds a connection
@@ -584,7 +566,7 @@ async fn policies_cut_the_connections_they_refuse(envd: PathBuf) -> anyhow::Resu
         let lab = common::lab::TestInternet::new("pool", [198, 51, 100], &[])?;
         let srv = lab.server(common::lab::Serve::Echo)?;
         let target = srv.addr;
-        start_template(
+        common::derived_template(
             &node,
             &state,
             "tinyconn",
@@ -595,6 +577,7 @@ async fn policies_cut_the_connections_they_refuse(envd: PathBuf) -> anyhow::Resu
                 target.ip(),
                 target.port()
             ),
+            Some("root"),
         )?;
         // Claims a sandbox whose start command's connection is the server's `hits`-th.
         let claim = |network: cubicle_node::NetworkPolicy, internet: bool, hits: usize| {
@@ -676,51 +659,31 @@ async fn policies_cut_the_connections_they_refuse(envd: PathBuf) -> anyhow::Resu
         .await;
         node.kill(&id).await?;
         r?;
-        // Internet off: claimed, with an eth0; the connection is reset at its next packet.
-        let id = claim(deny("0.0.0.0/0")?, false, 2).await?;
-        let r = async {
-            let out = ping(id.clone(), "third").await?;
-            anyhow::ensure!(out == "reset 1", "internet off: {out:?}");
-            Ok(())
-        }
-        .await;
-        node.kill(&id).await?;
-        r?;
-        // Internet on, the lab's network denied: the same.
-        let id = claim(deny("198.51.100.0/24")?, true, 3).await?;
-        let r = async {
-            let out = ping(id.clone(), "fourth").await?;
-            anyhow::ensure!(out == "reset 1", "the lab denied: {out:?}");
-            Ok(())
-        }
-        .await;
-        node.kill(&id).await?;
-        r?;
-        // Everything denied but the lab's host: that connection is allowed, and kept.
+        // Internet off: claimed, with an eth0; the connection is reset at its next
+        // packet. Internet on with the lab's network denied: the same. Everything denied
+        // but the lab's host: that connection is allowed, and kept.
         let only_lab = cubicle_node::NetworkPolicy {
             allow_out: vec![target.ip().to_string().parse()?],
             ..deny("0.0.0.0/0")?
         };
-        let id = claim(only_lab, true, 4).await?;
-        let r = async {
-            let out = ping(id.clone(), "fifth").await?;
-            anyhow::ensure!(out == "echoed 1", "the lab allowed: {out:?}");
-            Ok(())
+        for (hits, network, internet, word, want) in [
+            (2, deny("0.0.0.0/0")?, false, "third", "reset 1"),
+            (3, deny("198.51.100.0/24")?, true, "fourth", "reset 1"),
+            (4, only_lab, true, "fifth", "echoed 1"),
+        ] {
+            let what = format!("{network:?}, internet {internet}");
+            let id = claim(network, internet, hits).await?;
+            let out = ping(id.clone(), word).await;
+            node.kill(&id).await?;
+            let out = out?;
+            anyhow::ensure!(out == want, "{what}: {out:?}, want {want:?}");
         }
-        .await;
-        node.kill(&id).await?;
-        r?;
         // No claimed sandbox reached the server again (nc does not reconnect).
         anyhow::ensure!(srv.hits() <= 5, "{} connections", srv.hits());
         Ok(())
     }
     .await;
-    node.close();
-    node.settle(Duration::from_secs(30)).await;
-    node.wait_refills(Duration::from_secs(60)).await;
-    let left = sandbox_dirs(&state);
-    let _ = cubicle_node::fsutil::remove_tree(&state);
-    anyhow::ensure!(left.is_empty(), "left: {left:?}");
+    closed_and_removed(&node, &state).await?;
     r
 }
 

@@ -20,6 +20,35 @@ pub const BASE_CACHES: &[&str] = &["/var/lib/cubicle", "/var/lib/cubicle-e2e", B
 /// Where a test builds `base` when no state dir has it (kept: built once per machine).
 pub const BUILD_CACHE: &str = "/var/lib/cubicle-test-abuse";
 
+/// Template `name` in `state` (a node's state dir): `tiny`'s files and config with start
+/// command `cmd`, run as `start_user` (the template's default when `None`). Returns its
+/// config and directory (a test may change the config and write it again).
+pub fn derived_template(
+    node: &Node,
+    state: &Path,
+    name: &str,
+    cmd: &str,
+    start_user: Option<&str>,
+) -> anyhow::Result<(cubicle_node::template::TemplateConfig, PathBuf)> {
+    let tiny = node.templates().ensure("tiny", false)?;
+    let dir = state.join("templates").join(name);
+    std::fs::create_dir_all(&dir)?;
+    let st = Command::new("cp")
+        .arg("-a")
+        .arg(&tiny.rootfs)
+        .arg(dir.join("rootfs"))
+        .status()?;
+    anyhow::ensure!(st.success(), "copying tiny's files: {st}");
+    let mut tc = tiny.config.clone();
+    tc.name = name.into();
+    tc.start_command = Some(cmd.into());
+    if let Some(u) = start_user {
+        tc.start_user = Some(u.into());
+    }
+    cubicle_node::fsutil::write_json_atomic(&dir.join("template.json"), &tc)?;
+    Ok((tc, dir))
+}
+
 /// One run per host at a time of the test called `name` (its slots and names are
 /// fixed): an abstract Unix socket, released by the kernel when this process exits.
 pub fn host_lock(name: &str) -> std::os::unix::net::UnixListener {
