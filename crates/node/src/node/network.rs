@@ -88,10 +88,10 @@ impl Node {
         };
         let rt = inner.runtime.clone();
         let (id2, p2) = (id.to_string(), policy.clone());
-        let attached = blocking(move || {
+        // The cut's own failure is reported once the record says what the kernel has.
+        let (attached, cut) = blocking(move || {
             let attached = rt.set_network(&id2, slot, pid, &p2)?;
-            rt.cut_refused(slot, &p2)?;
-            Ok(attached)
+            Ok((attached, rt.cut_refused(slot, &p2)))
         })
         .await?;
         let record = {
@@ -106,7 +106,7 @@ impl Node {
         };
         crate::fsutil::rewrite_json(&inner.sandbox_dir(id).join("sandbox.json"), &record)?;
         tracing::info!(sandbox = %id, us = t0.elapsed().as_micros() as u64, "network policy replaced");
-        Ok(())
+        cut
     }
 
     /// Sandbox `id`'s network audit trail (also after it ended, until its logs are

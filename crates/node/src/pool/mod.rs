@@ -926,7 +926,8 @@ mod tests {
             ..Default::default()
         };
         assert!(claimable(&t, &off, disk));
-        // With a start command too (the claim forgets its connections).
+        // With a start command too (the claim cuts what it connected to that the policy
+        // refuses).
         t.config.start_command = Some("serve".into());
         assert!(claimable(&t, &off, disk));
         // Internet off that still allows a destination needs a network a pooled
