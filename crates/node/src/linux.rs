@@ -895,13 +895,7 @@ impl SandboxRuntime for LinuxRuntime {
         let Ok(net) = &self.network else {
             return Ok(());
         };
-        let kernel = policy.kernel();
-        // A sandbox that never sent has no connection (see `Network::never_sent`); the
-        // walk of the whole conntrack table costs 5-10 ms of CPU.
-        if !kernel.refuses_any() || net.never_sent(slot) {
-            return Ok(());
-        }
-        net.forget_refused(slot, &kernel)
+        net.forget_refused(slot, &policy.kernel())
             .map(drop)
             .map_err(|e| rt_err("cutting the connections its policy refuses", e))
     }

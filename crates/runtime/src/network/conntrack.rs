@@ -113,7 +113,7 @@ fn dump_from(sock: &mut NetlinkSocket, source: Ipv4Addr, filtered: bool) -> io::
         m.attr(CTA_FILTER_REPLY_FLAGS, &0u32.to_ne_bytes());
         m.end_nest();
     }
-    let mut doomed = Vec::new();
+    let mut from = Vec::new();
     sock.dump(m, |ty, payload| {
         if ty != msg_type(IPCTNL_MSG_CT_NEW) || payload.len() < 4 {
             return;
@@ -134,14 +134,14 @@ fn dump_from(sock: &mut NetlinkSocket, source: Ipv4Addr, filtered: bool) -> io::
         if let Some(tuple) = tuple
             && orig_source(tuple) == Some(source)
         {
-            doomed.push(Entry {
+            from.push(Entry {
                 orig_tuple: tuple.to_vec(),
                 zone,
                 redirected: status & IPS_DST_NAT != 0,
             });
         }
     })?;
-    Ok(doomed)
+    Ok(from)
 }
 
 /// How many conntrack entries start at `source` (for tests).
