@@ -520,9 +520,21 @@ pub fn client_hello(sni: &str) -> Vec<u8> {
 /// Sends a ClientHello naming `sni` to `addr:443`, then `bytes` more, half-closes and
 /// returns what the sink counted (its reply), or the error.
 pub fn tls_stream(addr: Ipv4Addr, sni: &str, bytes: u64) -> Result<u64, std::io::Error> {
+    tls_finish(tls_open(addr, sni)?, bytes)
+}
+
+/// A connection to the sink at `addr:443` that has sent a ClientHello naming `sni`
+/// (what the proxy decides on); [`tls_finish`] ends it.
+pub fn tls_open(addr: Ipv4Addr, sni: &str) -> Result<TcpStream, std::io::Error> {
     let mut s = TcpStream::connect_timeout(&SocketAddr::from((addr, 443)), Duration::from_secs(3))?;
     s.set_read_timeout(Some(Duration::from_secs(30)))?;
     s.write_all(&client_hello(sni))?;
+    Ok(s)
+}
+
+/// Sends `bytes` more on a [`tls_open`] connection, half-closes it and returns what the
+/// sink counted (the ClientHello included), or the error.
+pub fn tls_finish(mut s: TcpStream, bytes: u64) -> Result<u64, std::io::Error> {
     let chunk = vec![0x5au8; 256 * 1024];
     let mut left = bytes;
     while left > 0 {
@@ -728,7 +740,9 @@ pub fn https_keep_alive(
     Ok(exchange(tls, reqs))
 }
 
-fn exchange<S: Read + Write>(mut s: S, reqs: &[(&str, &str)]) -> Vec<String> {
+/// Sends `reqs` (host, path) one after the other on `s`, each after the answer to the
+/// one before; the answers' bodies, as far as they came.
+pub fn exchange<S: Read + Write>(mut s: S, reqs: &[(&str, &str)]) -> Vec<String> {
     let mut bodies = Vec::new();
     for (host, path) in reqs {
         if write!(s, "GET {path} HTTP/1.1\r\nHost: {host}\r\n\r\n").is_err() {

@@ -179,6 +179,9 @@ pub(crate) struct SandboxState {
     policy: RwLock<Arc<NetworkPolicy>>,
     pub names: Mutex<NameTable>,
     pub dns_bucket: Mutex<Bucket>,
+    /// Told of every policy change (the value: whether the sandbox is gone), so that the
+    /// proxy's live connections are judged again (`proxy::cut_when_refused`).
+    changes: tokio::sync::watch::Sender<bool>,
 }
 
 impl SandboxState {
@@ -187,6 +190,12 @@ impl SandboxState {
             .read()
             .unwrap_or_else(|p| p.into_inner())
             .clone()
+    }
+
+    /// A receiver of the changes after this call (take it before reading the policy a
+    /// decision is made with, so that no change falls in between).
+    pub(crate) fn changes(&self) -> tokio::sync::watch::Receiver<bool> {
+        self.changes.subscribe()
     }
 }
 
@@ -206,6 +215,8 @@ pub(crate) struct Shared {
     pub interceptor: Option<Arc<intercept::Interceptor>>,
     /// Secret values for header rules (installed by the server).
     secrets: RwLock<Option<Arc<dyn SecretSource>>>,
+    /// Connections the proxy relays now.
+    pub relayed: std::sync::atomic::AtomicUsize,
 }
 
 impl Shared {
@@ -339,6 +350,7 @@ impl Egress {
             proxy_addr,
             interceptor,
             secrets: RwLock::new(None),
+            relayed: std::sync::atomic::AtomicUsize::new(0),
         });
         let _guard = handle.enter();
         let udp = tokio::net::UdpSocket::from_std(udp)
@@ -386,7 +398,8 @@ impl Egress {
     }
 
     /// Sets (or replaces) the policy of sandbox `id` at address `ip`. Takes effect for
-    /// the next question or connection; connections already relayed go on.
+    /// the next question or connection; of the connections the proxy relays for it, those
+    /// the new policy refuses are cut (reset), the others go on.
     pub fn register(&self, ip: Ipv4Addr, id: &str, policy: NetworkPolicy) {
         let mut map = self
             .shared
@@ -396,22 +409,28 @@ impl Egress {
         match map.get(&ip) {
             Some(s) if s.id == id => {
                 *s.policy.write().unwrap_or_else(|p| p.into_inner()) = Arc::new(policy);
+                s.changes.send_modify(|_| ());
             }
             _ => {
-                map.insert(
+                let old = map.insert(
                     ip,
                     Arc::new(SandboxState {
                         id: id.to_string(),
                         policy: RwLock::new(Arc::new(policy)),
                         names: Mutex::new(NameTable::default()),
                         dns_bucket: Mutex::new(Bucket::new(self.shared.config.dns_rate.1)),
+                        changes: tokio::sync::watch::Sender::new(false),
                     }),
                 );
+                if let Some(old) = old {
+                    old.changes.send_replace(true);
+                }
             }
         }
     }
 
-    /// Forgets the sandbox at `ip` (it died): its address gets nothing any more.
+    /// Forgets the sandbox at `ip` (it died): its address gets nothing any more, and the
+    /// connections the proxy still relays for it are cut.
     pub fn unregister(&self, ip: Ipv4Addr) {
         let gone = self
             .shared
@@ -420,8 +439,16 @@ impl Egress {
             .unwrap_or_else(|p| p.into_inner())
             .remove(&ip);
         if let Some(s) = gone {
+            s.changes.send_replace(true);
             self.shared.audit.close(&s.id);
         }
+    }
+
+    /// How many connections the proxy relays now (opened and not yet closed or cut).
+    pub fn relayed(&self) -> usize {
+        self.shared
+            .relayed
+            .load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// The policy the layer holds for `ip`.

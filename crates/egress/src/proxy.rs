@@ -16,7 +16,7 @@ use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4};
 use std::os::fd::AsRawFd;
 use std::pin::Pin;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
@@ -24,7 +24,7 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
 
 use crate::audit::EventKind;
-use crate::policy::{Attempt, Verdict, normalize_name};
+use crate::policy::{Attempt, Decision, EgressProxy, NetworkPolicy, Verdict, normalize_name};
 use crate::sniff::{self, Sniffed};
 use crate::{EgressError, SandboxState, Shared, resolver, socks5};
 
@@ -61,21 +61,26 @@ pub(crate) async fn serve(shared: Arc<Shared>, listener: TcpListener) {
 
 /// Closes `s` with a TCP reset (the client sees "connection reset", at once).
 fn reset(s: TcpStream) {
+    reset_on_close(s.as_raw_fd());
+    drop(s);
+}
+
+/// Makes the socket `fd` send a TCP reset when it is closed, not a FIN.
+fn reset_on_close(fd: std::os::fd::RawFd) {
     let linger = libc::linger {
         l_onoff: 1,
         l_linger: 0,
     };
-    // SAFETY: valid socket fd and option struct of the given length.
+    // SAFETY: `fd` is an open socket (its owner is alive); valid option struct and length.
     unsafe {
         libc::setsockopt(
-            s.as_raw_fd(),
+            fd,
             libc::SOL_SOCKET,
             libc::SO_LINGER,
             (&linger as *const libc::linger).cast(),
             std::mem::size_of::<libc::linger>() as libc::socklen_t,
         );
     }
-    drop(s);
 }
 
 /// The destination a redirected connection was addressed to.
@@ -181,11 +186,113 @@ async fn is_address_of(shared: &Shared, sandbox: &SandboxState, name: &str, dst:
     }
 }
 
+/// Judges a connection to `dst:port` whose client named `name` (SNI or `Host`) with
+/// `policy`: the decision at its open, and again at each policy change while it lasts.
+async fn judge(
+    shared: &Shared,
+    sandbox: &SandboxState,
+    policy: &NetworkPolicy,
+    dst: Ipv4Addr,
+    port: u16,
+    name: Option<&str>,
+) -> Decision {
+    let dst_is_names = match name {
+        Some(n) if policy.domain_rule(n).is_some() => is_address_of(shared, sandbox, n, dst).await,
+        _ => false,
+    };
+    let resolved_as = sandbox
+        .names
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .names_of(dst)
+        .into_iter()
+        .rev()
+        .find(|n| policy.domain_rule(n).is_some());
+    policy.decide(
+        &shared.config.guard,
+        &Attempt {
+            dst,
+            port,
+            name,
+            dst_is_names,
+            resolved_as: resolved_as.as_deref(),
+        },
+    )
+}
+
+/// How a connection leaves the node, for the trail.
+fn via(policy: &NetworkPolicy) -> String {
+    match &policy.egress_proxy {
+        Some(p) => format!("socks5 {}", p.address),
+        None => "direct".to_string(),
+    }
+}
+
+/// A connection the proxy relays, counted in `Shared::relayed` while it lives.
+struct Relaying<'a>(&'a AtomicUsize);
+
+impl<'a> Relaying<'a> {
+    fn new(n: &'a AtomicUsize) -> Self {
+        n.fetch_add(1, Ordering::Relaxed);
+        Relaying(n)
+    }
+}
+
+impl Drop for Relaying<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// Returns (why) when a policy change refuses the connection to `dst:port` that named
+/// `name` and left through `route` (the egress proxy it was opened with), or when the
+/// sandbox is gone; until then, waits. The rules accept established connections before
+/// they look at a policy, so a connection the proxy relays is the proxy's to end.
+async fn cut_when_refused(
+    shared: &Shared,
+    sandbox: &SandboxState,
+    mut changes: tokio::sync::watch::Receiver<bool>,
+    dst: Ipv4Addr,
+    port: u16,
+    name: Option<&str>,
+    route: Option<EgressProxy>,
+) -> String {
+    loop {
+        if changes.changed().await.is_err() || *changes.borrow_and_update() {
+            return "the sandbox is gone".to_string();
+        }
+        let policy = sandbox.policy();
+        let why = if policy.egress_proxy != route {
+            Some("the connection's egress proxy changed".to_string())
+        } else {
+            let d = judge(shared, sandbox, &policy, dst, port, name).await;
+            (d.verdict == Verdict::Denied).then_some(d.reason)
+        };
+        if let Some(why) = why {
+            let reason = format!("cut by a policy change: {why}");
+            shared.audit.record(
+                &sandbox.id,
+                EventKind::Connect {
+                    proto: "tcp".into(),
+                    dst,
+                    port,
+                    name: name.map(str::to_string),
+                    verdict: Verdict::Denied,
+                    reason: reason.clone(),
+                    via: via(&policy),
+                },
+            );
+            return reason;
+        }
+    }
+}
+
 async fn handle(shared: Arc<Shared>, mut client: TcpStream, peer: SocketAddrV4) {
     let t0 = Instant::now();
     let Some(sandbox) = shared.sandbox(*peer.ip()) else {
         return reset(client);
     };
+    let _relaying = Relaying::new(&shared.relayed);
     let Ok(dst) = original_dst(&client) else {
         return reset(client);
     };
@@ -198,36 +305,10 @@ async fn handle(shared: Arc<Shared>, mut client: TcpStream, peer: SocketAddrV4) 
         _ => None,
     };
     let name = seen.as_deref().and_then(normalize_name);
+    // Subscribed before the policy is read: a change after this point is judged again.
+    let changes = sandbox.changes();
     let policy = sandbox.policy();
-    let domain_named = name
-        .as_deref()
-        .is_some_and(|n| policy.domain_rule(n).is_some());
-    let dst_is_names = match &name {
-        Some(n) if domain_named => is_address_of(&shared, &sandbox, n, dst_ip).await,
-        _ => false,
-    };
-    let resolved_as = sandbox
-        .names
-        .lock()
-        .unwrap_or_else(|p| p.into_inner())
-        .names_of(dst_ip)
-        .into_iter()
-        .rev()
-        .find(|n| policy.domain_rule(n).is_some());
-    let d = policy.decide(
-        &shared.config.guard,
-        &Attempt {
-            dst: dst_ip,
-            port,
-            name: name.as_deref(),
-            dst_is_names,
-            resolved_as: resolved_as.as_deref(),
-        },
-    );
-    let via = match &policy.egress_proxy {
-        Some(p) => format!("socks5 {}", p.address),
-        None => "direct".to_string(),
-    };
+    let d = judge(&shared, &sandbox, &policy, dst_ip, port, name.as_deref()).await;
     shared.audit.record(
         &sandbox.id,
         EventKind::Connect {
@@ -237,7 +318,7 @@ async fn handle(shared: Arc<Shared>, mut client: TcpStream, peer: SocketAddrV4) 
             name: seen.clone(),
             verdict: d.verdict,
             reason: d.reason,
-            via,
+            via: via(&policy),
         },
     );
     if d.verdict == Verdict::Denied {
@@ -272,7 +353,7 @@ async fn handle(shared: Arc<Shared>, mut client: TcpStream, peer: SocketAddrV4) 
             },
         );
     };
-    let mut upstream = match upstream {
+    let upstream = match upstream {
         Ok(u) => u,
         Err(e) => {
             close(0, 0, Some(e.to_string()));
@@ -280,62 +361,94 @@ async fn handle(shared: Arc<Shared>, mut client: TcpStream, peer: SocketAddrV4) 
         }
     };
     let (out, inn) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
-    let mut err = None;
-    // The header rule for this connection's name: applied to each request whose Host is
-    // that name. Plain HTTP: only when the destination is an address of the name (else a
-    // sandbox could send the secret to any address with a forged Host). TLS: the
-    // destination's certificate is verified for the name.
-    let transform = name
-        .as_deref()
-        .and_then(|n| policy.transform_for(n))
-        .cloned();
-    let http_transform = match (&sniffed, &transform, &name) {
-        (Sniffed::Http(_), Some(t), Some(n)) => {
-            if dst_is_names || is_address_of(&shared, &sandbox, n, dst_ip).await {
-                Some(t.clone())
-            } else {
-                tracing::warn!(sandbox = %sandbox.id, "egress: {dst_ip} is not an address of {n}: its header rule is not applied");
-                None
+    let client_fd = client.as_raw_fd();
+    let err = {
+        let relay = relay(
+            &shared,
+            &sandbox,
+            client,
+            upstream,
+            head,
+            &sniffed,
+            name.as_deref(),
+            dst,
+            &out,
+            &inn,
+        );
+        let cut = cut_when_refused(
+            &shared,
+            &sandbox,
+            changes,
+            dst_ip,
+            port,
+            name.as_deref(),
+            policy.egress_proxy.clone(),
+        );
+        tokio::pin!(relay, cut);
+        tokio::select! {
+            e = &mut relay => e,
+            why = &mut cut => {
+                // The relay still holds the client's socket: it is reset when the relay
+                // is dropped, below.
+                reset_on_close(client_fd);
+                Some(why)
             }
         }
-        _ => None,
     };
-    let recheck = |transform: Option<crate::policy::Transform>| {
-        let (shared, sandbox, policy, first) = (
-            shared.clone(),
-            sandbox.clone(),
-            policy.clone(),
-            name.clone(),
-        );
+    close(
+        out.load(Ordering::Relaxed),
+        inn.load(Ordering::Relaxed),
+        err,
+    );
+}
+
+/// Relays an allowed connection until either side ends it; why it ended badly, if so.
+/// Plain HTTP and intercepted TLS go request by request (each request checked, the
+/// name's header rule applied), anything else as bytes.
+#[allow(clippy::too_many_arguments)]
+async fn relay(
+    shared: &Arc<Shared>,
+    sandbox: &Arc<SandboxState>,
+    client: TcpStream,
+    mut upstream: Box<dyn Upstream>,
+    head: Vec<u8>,
+    sniffed: &Sniffed,
+    name: Option<&str>,
+    dst: SocketAddrV4,
+    out: &Arc<AtomicU64>,
+    inn: &Arc<AtomicU64>,
+) -> Option<String> {
+    // Each request is checked against the policy of the moment. One to the connection's
+    // own name (decided when it opened, and again at every policy change) gets that
+    // name's current header rule. Plain HTTP: only when the destination is an address of
+    // the name (else a sandbox could send the secret to any address with a forged Host).
+    // TLS: intercepted only when the name had a rule at the open; the destination's
+    // certificate is verified for the name.
+    let recheck = |intercepted: bool| {
+        let (shared, sandbox, first) = (shared.clone(), sandbox.clone(), name.map(str::to_string));
+        let (dst_ip, port) = (*dst.ip(), dst.port());
         move |h: crate::sniff::RequestHead| {
-            let (shared, sandbox, policy, first, transform) = (
-                shared.clone(),
-                sandbox.clone(),
-                policy.clone(),
-                first.clone(),
-                transform.clone(),
-            );
+            let (shared, sandbox, first) = (shared.clone(), sandbox.clone(), first.clone());
             async move {
+                let policy = sandbox.policy();
                 let host = h.host().as_deref().and_then(normalize_name);
-                if host == first {
-                    return inject(&shared, &sandbox.id, h, transform.as_ref(), dst_ip, port);
+                if host.is_some() && host == first {
+                    let n = first.as_deref().unwrap_or_default();
+                    let t = match policy.transform_for(n) {
+                        Some(t)
+                            if intercepted || is_address_of(&shared, &sandbox, n, dst_ip).await =>
+                        {
+                            Some(t)
+                        }
+                        Some(_) => {
+                            tracing::warn!(sandbox = %sandbox.id, "egress: {dst_ip} is not an address of {n}: its header rule is not applied");
+                            None
+                        }
+                        None => None,
+                    };
+                    return inject(&shared, &sandbox.id, h, t, dst_ip, port);
                 }
-                let pinned = match &host {
-                    Some(n) if policy.domain_rule(n).is_some() => {
-                        is_address_of(&shared, &sandbox, n, dst_ip).await
-                    }
-                    _ => false,
-                };
-                let d = policy.decide(
-                    &shared.config.guard,
-                    &Attempt {
-                        dst: dst_ip,
-                        port,
-                        name: host.as_deref(),
-                        dst_is_names: pinned,
-                        resolved_as: None,
-                    },
-                );
+                let d = judge(&shared, &sandbox, &policy, dst_ip, port, host.as_deref()).await;
                 if d.verdict != Verdict::Denied {
                     return (h, Ok(()));
                 }
@@ -348,69 +461,57 @@ async fn handle(shared: Arc<Shared>, mut client: TcpStream, peer: SocketAddrV4) 
                         name: h.host(),
                         verdict: d.verdict,
                         reason: format!("a later request on the connection: {}", d.reason),
-                        via: "direct".into(),
+                        via: via(&policy),
                     },
                 );
                 (h, Err(d.reason))
             }
         }
     };
-    if let Sniffed::Http(_) = &sniffed {
+    let transform_at_open =
+        name.and_then(|n| sandbox.policy().transform_for(n).is_some().then_some(n));
+    if let Sniffed::Http(_) = sniffed {
         // Plain HTTP: every request of the connection is checked (and can be rewritten).
-        if let Err((e, client)) =
-            relay_http(client, upstream, head, recheck(http_transform), &out, &inn).await
-        {
-            err = Some(e);
-            if let Some(c) = client {
-                reset(c);
+        return match relay_http(client, upstream, head, recheck(false), out, inn).await {
+            Ok(()) => None,
+            Err((e, client)) => {
+                if let Some(c) = client {
+                    reset(c);
+                }
+                Some(e)
             }
-        }
-    } else if let (Sniffed::Tls { .. }, Some(t), Some(n)) = (&sniffed, &transform, &name) {
+        };
+    }
+    if let (Sniffed::Tls { .. }, Some(n)) = (sniffed, transform_at_open) {
         // A domain with header rules over TLS: terminate it with the node's CA, open TLS
         // to the destination (verified), and rewrite every request.
-        match intercept(&shared, client, upstream, head, n).await {
-            Ok((c, u)) => {
-                if let Err((e, _)) = relay_http(
-                    c,
-                    Box::new(u),
-                    Vec::new(),
-                    recheck(Some(t.clone())),
-                    &out,
-                    &inn,
-                )
+        return match intercept(shared, client, upstream, head, n).await {
+            Ok((c, u)) => relay_http(c, Box::new(u), Vec::new(), recheck(true), out, inn)
                 .await
-                {
-                    err = Some(e);
-                }
-            }
+                .err()
+                .map(|(e, _)| e),
             Err(e) => {
                 tracing::warn!(sandbox = %sandbox.id, "egress: intercepting TLS to {n}: {e}");
-                err = Some(e.to_string());
+                Some(e.to_string())
             }
-        }
-    } else if let Err(e) = upstream.write_all(&head).await {
-        err = Some(e.to_string());
-    } else {
-        out.fetch_add(head.len() as u64, Ordering::Relaxed);
-        let mut c = Counted {
-            inner: client,
-            n: out.clone(),
         };
-        let mut u = Counted {
-            inner: upstream,
-            n: inn.clone(),
-        };
-        if let Err(e) =
-            tokio::io::copy_bidirectional_with_sizes(&mut c, &mut u, RELAY_BUF, RELAY_BUF).await
-        {
-            err = Some(e.to_string());
-        }
     }
-    close(
-        out.load(Ordering::Relaxed),
-        inn.load(Ordering::Relaxed),
-        err,
-    );
+    if let Err(e) = upstream.write_all(&head).await {
+        return Some(e.to_string());
+    }
+    out.fetch_add(head.len() as u64, Ordering::Relaxed);
+    let mut c = Counted {
+        inner: client,
+        n: out.clone(),
+    };
+    let mut u = Counted {
+        inner: upstream,
+        n: inn.clone(),
+    };
+    tokio::io::copy_bidirectional_with_sizes(&mut c, &mut u, RELAY_BUF, RELAY_BUF)
+        .await
+        .err()
+        .map(|e| e.to_string())
 }
 
 /// A stream that counts the bytes read from it.

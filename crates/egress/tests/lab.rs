@@ -9,7 +9,10 @@
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
-use cubicle_egress::lab::{EVIL_HOST, Lab, OK_HOST, http_get, keep_alive, query_a, tls_stream};
+use cubicle_egress::lab::{
+    EVIL_HOST, Lab, OK_HOST, exchange, http_get, keep_alive, query_a, tls_finish, tls_open,
+    tls_stream,
+};
 use cubicle_egress::{EventKind, NetworkPolicy, Verdict};
 
 fn is_root() -> bool {
@@ -232,6 +235,90 @@ fn domains_dns_and_bypasses() {
     .unwrap();
 }
 
+/// Waits up to three seconds for the proxy to relay `n` connections.
+fn wait_relayed(lab: &Lab, n: usize) {
+    let t = Instant::now();
+    while lab.egress.relayed() != n {
+        assert!(
+            t.elapsed() < Duration::from_secs(3),
+            "the proxy relays {} connections, not {n}",
+            lab.egress.relayed()
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// A policy change cuts the proxied connections the new policy refuses (their client is
+/// reset; the trail says why) and leaves the others; a sandbox's end cuts all of its own.
+#[test]
+fn policy_changes_cut_the_proxied_connections_they_refuse() {
+    if !is_root() {
+        eprintln!("SKIPPED: needs root (creates network namespaces and nftables tables)");
+        return;
+    }
+    Lab::run(|lab| {
+        lab.add_sandbox(1, &policy(&["ok.test", "evil.test"], &["0.0.0.0/0"]))
+            .unwrap();
+        let open = |lab: &Lab, addr, sni: &'static str| {
+            lab.in_sandbox(1, move || tls_open(addr, sni))
+                .unwrap()
+                .unwrap()
+        };
+        let kept = open(lab, OK_HOST, "ok.test");
+        let dropped = open(lab, EVIL_HOST, "evil.test");
+        wait_relayed(lab, 2);
+        // evil.test leaves the policy: its connection is reset, ok.test's goes on.
+        lab.set_policy(1, &policy(&["ok.test"], &["0.0.0.0/0"]))
+            .unwrap();
+        wait_relayed(lab, 1);
+        let t = Instant::now();
+        assert_refused(
+            "the connection to evil.test after the update",
+            t,
+            tls_finish(dropped, 1 << 20),
+        );
+        let hello = cubicle_egress::lab::client_hello("ok.test").len() as u64;
+        assert_eq!(tls_finish(kept, 1 << 20).unwrap(), hello + (1 << 20));
+        let events = lab.egress.audit().read(&Lab::id(1), 0, 1000);
+        let cuts: Vec<String> = events
+            .iter()
+            .map(|e| e.summary())
+            .filter(|s| s.contains("cut by a policy change"))
+            .collect();
+        // Its refusal, then its close (bytes so far, the reason).
+        assert!(
+            cuts.len() == 2
+                && cuts[0].contains("198.51.100.3:443 (evil.test) denied")
+                && cuts[1].contains("198.51.100.3:443 (evil.test) closed"),
+            "{cuts:#?}"
+        );
+
+        // A change that refuses nothing the connection does (a new name allowed) leaves
+        // it; internet off cuts it.
+        let conn = open(lab, OK_HOST, "ok.test");
+        wait_relayed(lab, 1);
+        lab.set_policy(1, &policy(&["ok.test", "www.ok.test"], &["0.0.0.0/0"]))
+            .unwrap();
+        lab.set_policy(1, &policy(&[], &["0.0.0.0/0"])).unwrap();
+        wait_relayed(lab, 0);
+        assert_refused(
+            "the connection after internet off",
+            Instant::now(),
+            tls_finish(conn, 1 << 20),
+        );
+
+        // The sandbox's end cuts what the proxy still relays for it.
+        lab.set_policy(1, &policy(&["ok.test"], &["0.0.0.0/0"]))
+            .unwrap();
+        let conn = open(lab, OK_HOST, "ok.test");
+        wait_relayed(lab, 1);
+        lab.remove_sandbox(1).unwrap();
+        wait_relayed(lab, 0);
+        drop(conn);
+    })
+    .unwrap();
+}
+
 /// The bench runs (small sizes; `cubicle bench egress` prints the real figures).
 #[test]
 fn bench_runs() {
@@ -343,6 +430,23 @@ fn header_rules_inject_secrets_over_http_and_https() {
             .unwrap()
             .unwrap();
         assert!(r.iter().all(|b| !b.contains("s3cr3t")), "{r:?}");
+        // A rule changed while a connection is kept alive applies from its next request.
+        let mut conn = lab
+            .in_sandbox(1, move || std::net::TcpStream::connect_timeout(&http, Duration::from_secs(3)))
+            .unwrap()
+            .unwrap();
+        conn.set_read_timeout(Some(Duration::from_secs(3))).unwrap();
+        let r = exchange(&mut conn, &[("ok.test", "/echo")]);
+        assert!(r.len() == 1 && r[0].contains(want), "{r:?}");
+        let rotated = NetworkPolicy {
+            rules: rules("ok.test", "Rotated ${e2b.secrets.k}"),
+            ..Default::default()
+        };
+        lab.set_policy(1, &rotated).unwrap();
+        let r = exchange(&mut conn, &[("ok.test", "/echo")]);
+        assert!(r.len() == 1 && r[0].contains("Authorization: Rotated s3cr3t-v4lue"), "{r:?}");
+        drop(conn);
+        lab.set_policy(1, &p).unwrap();
 
         // HTTPS: the proxy terminates TLS with the node's CA (the client trusts only
         // it), verifies ok.test against the lab's roots, and rewrites every request.

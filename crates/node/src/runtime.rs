@@ -210,7 +210,8 @@ pub trait SandboxRuntime: Send + Sync + 'static {
     /// network interface if the policy needs one and it has none, replaces the kernel's
     /// share of its policy and tells the egress layer (also after a node restart, for
     /// an adopted sandbox). Returns whether the sandbox has a network interface now.
-    /// Connections it opened before are left alone ([`Self::cut_refused`]).
+    /// Of the connections it opened before, the egress proxy cuts those it relays and
+    /// the new policy refuses; the direct ones are left to [`Self::cut_refused`].
     fn set_network(
         &self,
         _id: &str,

@@ -443,14 +443,15 @@ def test_live_update_under_traffic(internet):
     net = {"allow_out": ["allowed.test"], "deny_out": ["0.0.0.0/0"], "dns_servers": [lab["dns"]]}
     with Box(lab, network=net) as b:
         refused(b.probe(f"get('{lab['evil']}', 80, hostname='evil.test')"), "before the update")
-        # A long download from the allowed host, running while the policy changes twice.
+        # Long downloads from the allowed host (through the node's proxy: domain rules),
+        # running while the policy changes.
         results = {}
 
-        def download():
-            results["slow"] = b.probe(f"get('{lab['allowed']}', 80, hostname='allowed.test', path='/slow?s=4')")
+        def download(key, secs):
+            results[key] = b.probe(f"get('{lab['allowed']}', 80, hostname='allowed.test', path='/slow?s={secs}')")
 
-        t = threading.Thread(target=download)
-        t.start()
+        kept = threading.Thread(target=download, args=("kept", 4))
+        kept.start()
         time.sleep(1.0)
         # Poll from inside for when evil.test starts to answer, then update.
         b.sbx.commands.run(
@@ -480,12 +481,21 @@ def test_live_update_under_traffic(internet):
         assert first_ok is not None, "evil.test never became reachable after the update"
         effective = first_ok - t0
         print(f"update_network call {call*1000:.1f} ms, effective after {effective*1000:.1f} ms")
-        # Replace again, dropping allowed.test: the download already running goes on.
-        b.sbx.update_network({"allow_out": ["evil.test"], "deny_out": ["0.0.0.0/0"], "dns_servers": [lab["dns"]]})
-        refused(b.probe(f"get('{lab['allowed']}', 80, hostname='allowed.test')"), "after allowed.test was removed")
-        t.join(timeout=60)
-        slow = results["slow"]
+        # The update still allows allowed.test: its download went on.
+        kept.join(timeout=60)
+        slow = results["kept"]
         assert slow["ok"] and slow["data"].count("x") >= 30 * 1024, f"the allowed connection was cut: {str(slow)[:300]}"
+        # Replace again, dropping allowed.test: a download running from it is cut (the
+        # proxy judges its live connections again), and new connections are refused.
+        cut = threading.Thread(target=download, args=("cut", 6))
+        cut.start()
+        time.sleep(1.0)
+        t1 = time.time()
+        b.sbx.update_network({"allow_out": ["evil.test"], "deny_out": ["0.0.0.0/0"], "dns_servers": [lab["dns"]]})
+        cut.join(timeout=60)
+        gone = results["cut"]
+        assert not gone["ok"] and time.time() - t1 < 3, f"the download from the dropped name went on: {str(gone)[:300]}"
+        refused(b.probe(f"get('{lab['allowed']}', 80, hostname='allowed.test')"), "after allowed.test was removed")
         # Replace semantics: an update without dns_servers / egress_proxy clears them.
         b.sbx.update_network({})
         info = api("GET", f"/sandboxes/{b.sbx.sandbox_id}").json()
