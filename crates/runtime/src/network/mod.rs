@@ -435,6 +435,17 @@ struct Policies {
     sock: Option<netlink::NetlinkSocket>,
 }
 
+/// What a sandbox has sent out ([`Network::never_sent`], [`Network::forget_refused`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Sent {
+    /// It has no veth: made without internet (loopback only), or its namespace died.
+    NoVeth,
+    /// Its veth counted this many packets from it.
+    Packets(u64),
+    /// The counter could not be read.
+    Unknown,
+}
+
 /// The node's sandbox network. Cheap to share (`&self` methods, internally locked).
 pub struct Network {
     config: NetworkConfig,
@@ -794,15 +805,20 @@ impl Network {
     /// the egress rules before conntrack keeps an entry, so a sandbox that never sent has
     /// no entry to forget.
     pub fn never_sent(&self, slot: u32) -> bool {
+        self.sent(slot) == Sent::Packets(0)
+    }
+
+    /// What slot `slot`'s sandbox has sent out, by its veth's receive counter on the
+    /// host side.
+    fn sent(&self, slot: u32) -> Sent {
         let Ok(info) = self.slot_info(slot) else {
-            return false;
+            return Sent::Unknown;
         };
-        RouteSocket::open()
-            .and_then(|mut host| host.link(&info.host_ifname))
-            .ok()
-            .flatten()
-            .and_then(|l| l.rx_packets)
-            == Some(0)
+        match RouteSocket::open().and_then(|mut host| host.link(&info.host_ifname)) {
+            Ok(None) => Sent::NoVeth,
+            Ok(Some(l)) => l.rx_packets.map_or(Sent::Unknown, Sent::Packets),
+            Err(_) => Sent::Unknown,
+        }
     }
 
     /// [`Network::detach`], told whether the sandbox never sent a packet (from
@@ -834,13 +850,16 @@ impl Network {
     /// established connections before they look at the policy. Left alone: connections
     /// it allows (deleting theirs too would break those whose far end speaks next: the
     /// host would answer it with a reset), and those redirected to the node's resolver
-    /// or proxy, which decided on them when they opened (a proxied connection cannot be
-    /// picked up again mid-stream; its entry's loss would only break it). The walk over
+    /// or proxy: the proxy judges the connections it relays again at every policy change
+    /// and resets those the new policy refuses (`cubicle_egress::Egress::register`); a
+    /// redirected entry's loss would break the connection, allowed or not. The walk over
     /// the conntrack table (5-10 ms of CPU) is skipped when the policy refuses nothing
-    /// or the sandbox has not sent a packet yet ([`Network::never_sent`]: it has no
-    /// entry, and what it sends from now on meets the policy already in place).
+    /// or the sandbox has not sent a packet yet (it has no entry, and what it sends from
+    /// now on meets the policy already in place), or has no veth: a live sandbox made
+    /// without internet, whose only interface is loopback (a dead one's veth is gone
+    /// too, but this is called only while it runs).
     pub fn forget_refused(&self, slot: u32, policy: &EgressPolicy) -> Result<usize> {
-        if !policy.refuses_any() || self.never_sent(slot) {
+        if !policy.refuses_any() || matches!(self.sent(slot), Sent::NoVeth | Sent::Packets(0)) {
             return Ok(0);
         }
         self.forget_where(slot, |dst, redirected| !redirected && policy.refuses(dst))
