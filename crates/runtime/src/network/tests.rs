@@ -614,8 +614,11 @@ fn egress_isolation_end_to_end() {
     world.net.attach(&quiet.ns, 3).unwrap();
     std::thread::sleep(Duration::from_millis(50));
     assert!(world.net.never_sent(3), "a quiet sandbox sent packets");
+    assert_eq!(world.net.sent(3), super::Sent::Packets(0));
     world.net.detach_with(3, true).unwrap();
     assert!(!world.net.never_sent(3));
+    // Without a veth there is nothing to cut (a live sandbox made without internet).
+    assert_eq!(world.net.sent(3), super::Sent::NoVeth);
     drop(quiet);
     // As the node kills a sandbox: its namespace is held (Netns::of_process) before the
     // kill, so its veth outlives its processes and the counter read once they are gone
