@@ -10,7 +10,10 @@
 //! addresses (handed out by the resolver, or found by resolving the name now), so
 //! neither a hard-coded address nor a name that does not belong to the address gets
 //! through. Then connect (directly, or through the sandbox's SOCKS5 proxy: fail closed)
-//! and relay both ways, counting bytes. Denied connections are reset.
+//! and relay both ways, counting bytes. Denied connections are reset. While it is
+//! relayed, a connection is judged again at every change of its sandbox's policy, and
+//! reset when the new policy refuses it (or changes its egress proxy) or the sandbox is
+//! gone ([`cut_when_refused`]).
 
 use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4};
 use std::os::fd::AsRawFd;
