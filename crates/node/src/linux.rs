@@ -891,11 +891,16 @@ impl SandboxRuntime for LinuxRuntime {
         Ok(true)
     }
 
-    fn cut_refused(&self, slot: u32, policy: &NetworkPolicy) -> Result<()> {
+    fn cut_refused(&self, id: &str, slot: u32, policy: &NetworkPolicy) -> Result<()> {
         let Ok(net) = &self.network else {
             return Ok(());
         };
-        net.forget_refused(slot, &policy.kernel())
+        // Its namespace, for its own ends of what is cut (none: the entries only).
+        let ns = self
+            .handles()
+            .get(id)
+            .and_then(|sb| Netns::of_process(sb.pid(), sb.pidfd()).ok());
+        net.forget_refused(slot, &policy.kernel(), ns.as_ref())
             .map(drop)
             .map_err(|e| rt_err("cutting the connections its policy refuses", e))
     }

@@ -222,11 +222,17 @@ pub trait SandboxRuntime: Send + Sync + 'static {
         Ok(policy.needs_network())
     }
 
-    /// Cuts the direct connections running sandbox slot `slot`'s sandbox opened to
+    /// Cuts the direct connections running sandbox `id` (slot `slot`) opened to
     /// destinations `policy` (just applied by [`Self::set_network`]) refuses by
     /// address: the rules accept established connections before they look at the
-    /// policy (`cubicle_runtime::network::Network::forget_refused`).
-    fn cut_refused(&self, _slot: u32, _policy: &crate::sandbox::NetworkPolicy) -> Result<()> {
+    /// policy (`cubicle_runtime::network::Network::forget_refused`); the sandbox's own
+    /// ends of them fail at once.
+    fn cut_refused(
+        &self,
+        _id: &str,
+        _slot: u32,
+        _policy: &crate::sandbox::NetworkPolicy,
+    ) -> Result<()> {
         Ok(())
     }
 

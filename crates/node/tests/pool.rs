@@ -549,8 +549,9 @@ async fn start_command_pooled(envd: PathBuf) -> anyhow::Result<()> {
 /// A pooled sandbox's start command ran under the default policy and holds a connection
 /// to a host of the test internet (`common::lab`). A create that claims it with a policy
 /// that refuses that host (internet off; or on, with the host's network denied) does not
-/// inherit the connection: its next packet is refused (reset) as a new connection's
-/// would be. A policy that allows the host keeps it, and so does the default policy,
+/// inherit the connection: it ends at once in the sandbox (its socket destroyed), and
+/// its packets would be refused as a new connection's. A policy that allows the host
+/// keeps it, and so does the default policy,
 /// until `update_network` refuses the host. Internet off is served warm, with an
 /// interface that reaches nothing.
 async fn policies_cut_the_connections_they_refuse(envd: PathBuf) -> anyhow::Result<()> {
@@ -616,21 +617,24 @@ async fn policies_cut_the_connections_they_refuse(envd: PathBuf) -> anyhow::Resu
                 Ok(s.id)
             }
         };
-        // Sends `word` over the start command's connection: `echoed` (it came back) or
-        // `reset` (nc ended: busybox nc ends with 0 or 1 on a reset), then whether the
-        // sandbox has an eth0.
+        // `ended` if the start command's connection ended by itself (its socket was
+        // destroyed by the cut: nc ends with 0 or 1); else sends `word` over it: `echoed`
+        // (it came back) or `reset` (nc ended when it sent). Then whether the sandbox has
+        // an eth0.
         let ping = |id: cubicle_node::SandboxId, word: &'static str| {
             let node = node.clone();
             async move {
                 let out = sh(
                     &node.envd(&id)?,
                     &format!(
-                        "echo {word} > /tmp/in; \
+                        "for i in $(seq 10); do [ -e /tmp/nc.done ] && break; sleep 0.1; done; \
+                         if [ -e /tmp/nc.done ]; then echo ended; else \
+                         echo {word} > /tmp/in; \
                          for i in $(seq 50); do \
                            grep -q {word} /tmp/reply 2>/dev/null && break; \
                            [ -e /tmp/nc.done ] && break; sleep 0.1; done; \
                          if grep -q {word} /tmp/reply; then echo echoed; \
-                         elif [ -e /tmp/nc.done ]; then echo reset; else echo silent; fi; \
+                         elif [ -e /tmp/nc.done ]; then echo reset; else echo silent; fi; fi; \
                          grep -c eth0 /proc/net/dev"
                     ),
                 )
@@ -646,29 +650,29 @@ async fn policies_cut_the_connections_they_refuse(envd: PathBuf) -> anyhow::Resu
         };
 
         // Control: the default policy keeps the connection; the echo comes back. Then
-        // `update_network` denies the lab: the same connection is reset.
+        // `update_network` denies the lab: the same connection ends at once.
         let id = claim(Default::default(), true, 1).await?;
         let r = async {
             let out = ping(id.clone(), "first").await?;
             anyhow::ensure!(out == "echoed 1", "with the default policy: {out:?}");
             node.update_network(&id, deny("198.51.100.0/24")?).await?;
             let out = ping(id.clone(), "second").await?;
-            anyhow::ensure!(out == "reset 1", "after update_network: {out:?}");
+            anyhow::ensure!(out == "ended 1", "after update_network: {out:?}");
             Ok(())
         }
         .await;
         node.kill(&id).await?;
         r?;
-        // Internet off: claimed, with an eth0; the connection is reset at its next
-        // packet. Internet on with the lab's network denied: the same. Everything denied
+        // Internet off: claimed, with an eth0; the connection ends at once, without a
+        // packet from the sandbox. Internet on with the lab's network denied: the same. Everything denied
         // but the lab's host: that connection is allowed, and kept.
         let only_lab = cubicle_node::NetworkPolicy {
             allow_out: vec![target.ip().to_string().parse()?],
             ..deny("0.0.0.0/0")?
         };
         for (hits, network, internet, word, want) in [
-            (2, deny("0.0.0.0/0")?, false, "third", "reset 1"),
-            (3, deny("198.51.100.0/24")?, true, "fourth", "reset 1"),
+            (2, deny("0.0.0.0/0")?, false, "third", "ended 1"),
+            (3, deny("198.51.100.0/24")?, true, "fourth", "ended 1"),
             (4, only_lab, true, "fifth", "echoed 1"),
         ] {
             let what = format!("{network:?}, internet {internet}");

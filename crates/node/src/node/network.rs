@@ -66,9 +66,10 @@ impl Node {
     }
 
     /// Replaces the egress policy of running sandbox `id` (E2B replace semantics: the
-    /// new policy is the whole policy). Direct connections to destinations it refuses
-    /// are cut, others are kept (`SandboxRuntime::cut_refused`); new ones and new DNS
-    /// questions follow the new policy as soon as this returns.
+    /// new policy is the whole policy). Connections it refuses are cut, others are
+    /// kept: direct ones here (`SandboxRuntime::cut_refused`), those the egress proxy
+    /// relays by the proxy (told through `set_network`); new ones and new DNS questions
+    /// follow the new policy as soon as this returns.
     pub async fn update_network(&self, id: &str, policy: NetworkPolicy) -> Result<()> {
         let t0 = Instant::now();
         let inner = &self.inner;
@@ -91,7 +92,7 @@ impl Node {
         // The cut's own failure is reported once the record says what the kernel has.
         let (attached, cut) = blocking(move || {
             let attached = rt.set_network(&id2, slot, pid, &p2)?;
-            Ok((attached, rt.cut_refused(slot, &p2)))
+            Ok((attached, rt.cut_refused(&id2, slot, &p2)))
         })
         .await?;
         let record = {

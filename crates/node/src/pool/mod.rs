@@ -318,7 +318,7 @@ impl Inner {
             // What a start command connected to and this policy refuses is cut.
             blocking(move || {
                 rt.set_network(&i2, slot, pid, &p)?;
-                rt.cut_refused(slot, &p)
+                rt.cut_refused(&i2, slot, &p)
             })
             .await?;
         }

@@ -5,7 +5,7 @@
 //! the rules accept established connections before they look at the policy).
 
 use std::io;
-use std::net::Ipv4Addr;
+use std::net::{Ipv4Addr, SocketAddrV4};
 
 use super::netlink::{
     Msg, NLA_F_NESTED, NLM_F_ACK, NLM_F_DUMP, NLM_F_REQUEST, NetlinkSocket, attrs,
@@ -29,6 +29,10 @@ const CTA_FILTER_FLAG_CTA_IP_SRC: u32 = 1 << 0;
 const CTA_TUPLE_IP: u16 = 1;
 const CTA_IP_V4_SRC: u16 = 1;
 const CTA_IP_V4_DST: u16 = 2;
+const CTA_TUPLE_PROTO: u16 = 2;
+const CTA_PROTO_NUM: u16 = 1;
+const CTA_PROTO_SRC_PORT: u16 = 2;
+const CTA_PROTO_DST_PORT: u16 = 3;
 
 fn nfgenmsg() -> [u8; 4] {
     [libc::AF_INET as u8, 0, 0, 0]
@@ -57,24 +61,54 @@ fn orig_source(tuple: &[u8]) -> Option<Ipv4Addr> {
     tuple_addr(tuple, CTA_IP_V4_SRC)
 }
 
+/// A TCP connection whose entry was deleted: its two ends as its opener saw them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct TcpFlow {
+    pub local: SocketAddrV4,
+    pub remote: SocketAddrV4,
+}
+
+/// The TCP connection a tuple describes (`None` for other protocols).
+fn tcp_flow(tuple: &[u8]) -> Option<TcpFlow> {
+    let (_, proto) = attrs(tuple).find(|(t, _)| *t == CTA_TUPLE_PROTO)?;
+    let field = |which| attrs(proto).find(|(t, _)| *t == which).map(|(_, v)| v);
+    if field(CTA_PROTO_NUM)? != [libc::IPPROTO_TCP as u8] {
+        return None;
+    }
+    let port = |which| field(which)?.try_into().ok().map(u16::from_be_bytes);
+    Some(TcpFlow {
+        local: SocketAddrV4::new(orig_source(tuple)?, port(CTA_PROTO_SRC_PORT)?),
+        remote: SocketAddrV4::new(tuple_addr(tuple, CTA_IP_V4_DST)?, port(CTA_PROTO_DST_PORT)?),
+    })
+}
+
+/// What [`flush_source`] deleted.
+#[derive(Debug, Default)]
+pub(crate) struct Flushed {
+    /// Entries deleted.
+    pub entries: usize,
+    /// The TCP connections among them.
+    pub tcp: Vec<TcpFlow>,
+}
+
 /// Deletes every IPv4 conntrack entry (in the network namespace of `sock`, a
 /// `NETLINK_NETFILTER` socket) whose original direction starts at `source` and whose
 /// original destination `doomed` picks (told whether the connection was redirected: its
-/// destination rewritten). Returns how many were deleted. Entries that
+/// destination rewritten). Returns what was deleted. Entries that
 /// vanish meanwhile are fine. Keep the socket for the next call: closing a netfilter
 /// socket can wait for an RCU grace period (`nftables::apply`).
 pub(crate) fn flush_source(
     sock: &mut NetlinkSocket,
     source: Ipv4Addr,
     doomed: impl Fn(Ipv4Addr, bool) -> bool,
-) -> io::Result<usize> {
+) -> io::Result<Flushed> {
     // Kernel-side filtering (Linux 5.8+) keeps the dump small on a busy host; a kernel
     // that refuses the filter gets a whole dump. The source is checked here either way.
     let from = match dump_from(sock, source, true) {
         Ok(d) => d,
         Err(_) => dump_from(sock, source, false)?,
     };
-    let mut deleted = 0;
+    let mut deleted = Flushed::default();
     // An entry without a readable destination goes too (not expected from the kernel).
     for e in from.into_iter().filter(|e| {
         tuple_addr(&e.orig_tuple, CTA_IP_V4_DST).is_none_or(|dst| doomed(dst, e.redirected))
@@ -86,7 +120,10 @@ pub(crate) fn flush_source(
             m.attr(CTA_ZONE, z);
         }
         match sock.request_ack(m) {
-            Ok(()) => deleted += 1,
+            Ok(()) => {
+                deleted.entries += 1;
+                deleted.tcp.extend(tcp_flow(&e.orig_tuple));
+            }
             Err(e) if e.raw_os_error() == Some(libc::ENOENT) => {}
             Err(e) => return Err(e),
         }
@@ -173,5 +210,32 @@ mod tests {
             Some(Ipv4Addr::new(1, 2, 3, 4))
         );
         assert_eq!(orig_source(&[]), None);
+        // No protocol part: not a TCP connection.
+        assert_eq!(tcp_flow(&bytes[16..]), None);
+    }
+
+    #[test]
+    fn reads_a_tcp_connection() {
+        let tuple = |proto: u8| {
+            let mut m = Msg::new(0, 0);
+            m.begin_nest(CTA_TUPLE_IP | NLA_F_NESTED);
+            m.attr(CTA_IP_V4_SRC, &[10, 200, 0, 1]);
+            m.attr(CTA_IP_V4_DST, &[1, 2, 3, 4]);
+            m.end_nest();
+            m.begin_nest(CTA_TUPLE_PROTO | NLA_F_NESTED);
+            m.attr(CTA_PROTO_NUM, &[proto]);
+            m.attr(CTA_PROTO_SRC_PORT, &40000u16.to_be_bytes());
+            m.attr(CTA_PROTO_DST_PORT, &443u16.to_be_bytes());
+            m.end_nest();
+            m.finish(0)[16..].to_vec()
+        };
+        assert_eq!(
+            tcp_flow(&tuple(libc::IPPROTO_TCP as u8)),
+            Some(TcpFlow {
+                local: "10.200.0.1:40000".parse().unwrap(),
+                remote: "1.2.3.4:443".parse().unwrap(),
+            })
+        );
+        assert_eq!(tcp_flow(&tuple(libc::IPPROTO_UDP as u8)), None);
     }
 }

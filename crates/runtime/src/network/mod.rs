@@ -37,6 +37,7 @@ mod link_reaper;
 mod netlink;
 mod netns;
 mod nftables;
+mod sock_diag;
 
 #[cfg(test)]
 mod tests;
@@ -433,6 +434,24 @@ struct Policies {
     /// and never closed while the node runs (`nftables::apply` says why). `None` (a
     /// handle made by `new`): one socket per change.
     sock: Option<netlink::NetlinkSocket>,
+}
+
+/// Destroys the TCP sockets `flows` name (their opener's ends) in the network namespace
+/// `ns`. A kernel without `SOCK_DESTROY` (`CONFIG_INET_DIAG_DESTROY`) destroys none.
+fn destroy_sockets(ns: &Netns, flows: Vec<conntrack::TcpFlow>) -> Result<usize> {
+    let destroyed = run_in_netns(ns, move || -> io::Result<usize> {
+        let mut sock = netlink::NetlinkSocket::open(libc::NETLINK_SOCK_DIAG)?;
+        let mut n = 0;
+        for f in flows {
+            match sock_diag::destroy_tcp(&mut sock, f.local, f.remote) {
+                Ok(found) => n += usize::from(found),
+                Err(e) if e.raw_os_error() == Some(libc::EOPNOTSUPP) => return Ok(n),
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(n)
+    })?;
+    destroyed.map_err(|e| Error::io("destroying the sandbox's sockets of cut connections", e))
 }
 
 /// What a sandbox has sent out ([`Network::never_sent`], [`Network::forget_refused`]).
@@ -841,7 +860,7 @@ impl Network {
     /// Deletes every conntrack entry slot `slot`'s address opened (after its death, so
     /// that no stale entry matches the next sandbox on that address).
     pub fn forget_connections(&self, slot: u32) -> Result<usize> {
-        self.forget_where(slot, |_, _| true)
+        self.forget_where(slot, |_, _| true).map(|f| f.entries)
     }
 
     /// Deletes the conntrack entries of the direct connections slot `slot`'s sandbox
@@ -858,16 +877,36 @@ impl Network {
     /// now on meets the policy already in place), or has no veth: a live sandbox made
     /// without internet, whose only interface is loopback (a dead one's veth is gone
     /// too, but this is called only while it runs).
-    pub fn forget_refused(&self, slot: u32, policy: &EgressPolicy) -> Result<usize> {
+    ///
+    /// `ns`, the sandbox's network namespace: its own ends of the TCP connections cut
+    /// are destroyed there (`sock_diag.rs`), so that they fail at once rather than wait
+    /// for their next packet or a timeout (a download whose far end speaks next would
+    /// hang). Returns how many conntrack entries were deleted.
+    pub fn forget_refused(
+        &self,
+        slot: u32,
+        policy: &EgressPolicy,
+        ns: Option<&Netns>,
+    ) -> Result<usize> {
         if !policy.refuses_any() || matches!(self.sent(slot), Sent::NoVeth | Sent::Packets(0)) {
             return Ok(0);
         }
-        self.forget_where(slot, |dst, redirected| !redirected && policy.refuses(dst))
+        let cut = self.forget_where(slot, |dst, redirected| !redirected && policy.refuses(dst))?;
+        if let Some(ns) = ns
+            && !cut.tcp.is_empty()
+        {
+            destroy_sockets(ns, cut.tcp)?;
+        }
+        Ok(cut.entries)
     }
 
     /// Deletes the conntrack entries slot `slot`'s address opened to destinations
     /// `doomed` picks (told whether the connection was redirected).
-    fn forget_where(&self, slot: u32, doomed: impl Fn(Ipv4Addr, bool) -> bool) -> Result<usize> {
+    fn forget_where(
+        &self,
+        slot: u32,
+        doomed: impl Fn(Ipv4Addr, bool) -> bool,
+    ) -> Result<conntrack::Flushed> {
         let info = self.slot_info(slot)?;
         let kept = self
             .conntrack_socks
@@ -890,7 +929,9 @@ impl Network {
         match flushed {
             Ok(n) => Ok(n),
             // No conntrack in this kernel/namespace: nothing to forget.
-            Err(e) if e.raw_os_error() == Some(libc::EPROTONOSUPPORT) => Ok(0),
+            Err(e) if e.raw_os_error() == Some(libc::EPROTONOSUPPORT) => {
+                Ok(conntrack::Flushed::default())
+            }
             Err(e) => Err(Error::io(
                 format!("flushing the conntrack entries of {}", info.sandbox_ip),
                 e,

@@ -1027,3 +1027,71 @@ fn attach_detach_latency() {
         );
     }
 }
+
+/// A policy change cuts the direct TCP connections it refuses on both sides: their
+/// conntrack entries go and the sandbox's own sockets are destroyed, so a read waiting
+/// for the far end (which would speak next) fails at once instead of hanging; a
+/// connection the policy allows stays, and the far end is still heard.
+#[test]
+fn refused_connections_end_at_once_in_the_sandbox() {
+    require_root!();
+    let _serial = serial();
+    let world = World::new();
+    // A second address for the test internet: one destination refused, one allowed.
+    sh(
+        "ip",
+        &[
+            "-n",
+            &world.internet.name,
+            "addr",
+            "add",
+            "198.51.100.3/24",
+            "dev",
+            "eth0",
+        ],
+    );
+    let a = TestNs::new("cut");
+    let ia = world.net.attach(&a.ns, 7).unwrap();
+    let listener = run_in_netns(&world.internet.ns, || TcpListener::bind(v4("0.0.0.0", 0)))
+        .unwrap()
+        .unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let connect = |to: &str| {
+        let to = v4(to, port);
+        let s = run_in_netns(&a.ns, move || {
+            std::net::TcpStream::connect_timeout(&to, Duration::from_secs(3))
+        })
+        .unwrap()
+        .unwrap();
+        // The far end of it (held open, silent until told).
+        let (far, _) = listener.accept().unwrap();
+        (s, far)
+    };
+    let (mut kept, mut kept_far) = connect("198.51.100.2");
+    let (mut cut, _cut_far) = connect("198.51.100.3");
+    assert_eq!(conntrack::count_source(ia.sandbox_ip).unwrap(), 2);
+
+    let policy = EgressPolicy {
+        deny: vec!["198.51.100.3/32".parse().unwrap()],
+        ..Default::default()
+    };
+    world.net.set_policy(7, &policy).unwrap();
+    assert_eq!(
+        world.net.forget_refused(7, &policy, Some(&a.ns)).unwrap(),
+        1
+    );
+    cut.set_read_timeout(Some(Duration::from_secs(3))).unwrap();
+    let t = Instant::now();
+    let e = cut.read(&mut [0u8; 1]).unwrap_err();
+    assert_eq!(e.kind(), io::ErrorKind::ConnectionAborted, "{e}");
+    assert!(t.elapsed() < Duration::from_secs(1), "{:?}", t.elapsed());
+    // The allowed one: its entry and socket are untouched, the far end is heard.
+    assert_eq!(conntrack::count_source(ia.sandbox_ip).unwrap(), 1);
+    kept_far.write_all(b"still here").unwrap();
+    kept.set_read_timeout(Some(Duration::from_secs(3))).unwrap();
+    let mut got = [0u8; 10];
+    kept.read_exact(&mut got).unwrap();
+    assert_eq!(&got, b"still here");
+    drop((kept, cut));
+    world.net.detach(7).unwrap();
+}
