@@ -896,11 +896,12 @@ impl SandboxRuntime for LinuxRuntime {
             return Ok(());
         };
         // Its namespace, for its own ends of what is cut (none: the entries only).
-        let ns = self
-            .handles()
-            .get(id)
-            .and_then(|sb| Netns::of_process(sb.pid(), sb.pidfd()).ok());
-        net.forget_refused(slot, &policy.kernel(), ns.as_ref())
+        let ns = || {
+            let handles = self.handles();
+            let sb = handles.get(id)?;
+            Netns::of_process(sb.pid(), sb.pidfd()).ok()
+        };
+        net.forget_refused(slot, &policy.kernel(), ns)
             .map(drop)
             .map_err(|e| rt_err("cutting the connections its policy refuses", e))
     }

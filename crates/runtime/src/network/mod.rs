@@ -878,24 +878,25 @@ impl Network {
     /// without internet, whose only interface is loopback (a dead one's veth is gone
     /// too, but this is called only while it runs).
     ///
-    /// `ns`, the sandbox's network namespace: its own ends of the TCP connections cut
-    /// are destroyed there (`sock_diag.rs`), so that they fail at once rather than wait
-    /// for their next packet or a timeout (a download whose far end speaks next would
-    /// hang). Returns how many conntrack entries were deleted.
+    /// `ns` opens the sandbox's network namespace (asked only when TCP connections were
+    /// cut): its own ends of them are destroyed there (`sock_diag.rs`), so that they
+    /// fail at once rather than wait for their next packet or a timeout (a download
+    /// whose far end speaks next would hang). Returns how many conntrack entries were
+    /// deleted.
     pub fn forget_refused(
         &self,
         slot: u32,
         policy: &EgressPolicy,
-        ns: Option<&Netns>,
+        ns: impl FnOnce() -> Option<Netns>,
     ) -> Result<usize> {
         if !policy.refuses_any() || matches!(self.sent(slot), Sent::NoVeth | Sent::Packets(0)) {
             return Ok(0);
         }
         let cut = self.forget_where(slot, |dst, redirected| !redirected && policy.refuses(dst))?;
-        if let Some(ns) = ns
-            && !cut.tcp.is_empty()
+        if !cut.tcp.is_empty()
+            && let Some(ns) = ns()
         {
-            destroy_sockets(ns, cut.tcp)?;
+            destroy_sockets(&ns, cut.tcp)?;
         }
         Ok(cut.entries)
     }

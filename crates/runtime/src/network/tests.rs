@@ -1077,7 +1077,10 @@ fn refused_connections_end_at_once_in_the_sandbox() {
     };
     world.net.set_policy(7, &policy).unwrap();
     assert_eq!(
-        world.net.forget_refused(7, &policy, Some(&a.ns)).unwrap(),
+        world
+            .net
+            .forget_refused(7, &policy, || a.ns.try_clone().ok())
+            .unwrap(),
         1
     );
     cut.set_read_timeout(Some(Duration::from_secs(3))).unwrap();
