@@ -436,24 +436,6 @@ struct Policies {
     sock: Option<netlink::NetlinkSocket>,
 }
 
-/// Destroys the TCP sockets `flows` name (their opener's ends) in the network namespace
-/// `ns`. A kernel without `SOCK_DESTROY` (`CONFIG_INET_DIAG_DESTROY`) destroys none.
-fn destroy_sockets(ns: &Netns, flows: Vec<conntrack::TcpFlow>) -> Result<usize> {
-    let destroyed = run_in_netns(ns, move || -> io::Result<usize> {
-        let mut sock = netlink::NetlinkSocket::open(libc::NETLINK_SOCK_DIAG)?;
-        let mut n = 0;
-        for f in flows {
-            match sock_diag::destroy_tcp(&mut sock, f.local, f.remote) {
-                Ok(found) => n += usize::from(found),
-                Err(e) if e.raw_os_error() == Some(libc::EOPNOTSUPP) => return Ok(n),
-                Err(e) => return Err(e),
-            }
-        }
-        Ok(n)
-    })?;
-    destroyed.map_err(|e| Error::io("destroying the sandbox's sockets of cut connections", e))
-}
-
 /// What a sandbox has sent out ([`Network::never_sent`], [`Network::forget_refused`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Sent {
@@ -896,7 +878,7 @@ impl Network {
         if !cut.tcp.is_empty()
             && let Some(ns) = ns()
         {
-            destroy_sockets(&ns, cut.tcp)?;
+            sock_diag::destroy_in(&ns, cut.tcp)?;
         }
         Ok(cut.entries)
     }

@@ -9,7 +9,10 @@
 use std::io;
 use std::net::SocketAddrV4;
 
+use super::conntrack::TcpFlow;
 use super::netlink::{Msg, NLM_F_ACK, NLM_F_REQUEST, NetlinkSocket};
+use super::netns::{Netns, run_in_netns};
+use crate::error::{Error, Result};
 
 /// `SOCK_DESTROY` (linux/sock_diag.h).
 const SOCK_DESTROY: u16 = 21;
@@ -34,9 +37,28 @@ fn request(local: SocketAddrV4, remote: SocketAddrV4) -> Vec<u8> {
     r
 }
 
+/// Destroys the TCP sockets `flows` name (their opener's ends) in the network namespace
+/// `ns`; how many there were. A kernel without `SOCK_DESTROY`
+/// (`CONFIG_INET_DIAG_DESTROY`) destroys none.
+pub(crate) fn destroy_in(ns: &Netns, flows: Vec<TcpFlow>) -> Result<usize> {
+    let destroyed = run_in_netns(ns, move || -> io::Result<usize> {
+        let mut sock = NetlinkSocket::open(libc::NETLINK_SOCK_DIAG)?;
+        let mut n = 0;
+        for f in flows {
+            match destroy_tcp(&mut sock, f.local, f.remote) {
+                Ok(found) => n += usize::from(found),
+                Err(e) if e.raw_os_error() == Some(libc::EOPNOTSUPP) => return Ok(n),
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(n)
+    })?;
+    destroyed.map_err(|e| Error::io("destroying the sandbox's sockets of cut connections", e))
+}
+
 /// Destroys the TCP socket `local` → `remote` of the network namespace `sock` (a
 /// `NETLINK_SOCK_DIAG` socket) was opened in. Returns whether there was one.
-pub(crate) fn destroy_tcp(
+fn destroy_tcp(
     sock: &mut NetlinkSocket,
     local: SocketAddrV4,
     remote: SocketAddrV4,
