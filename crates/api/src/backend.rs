@@ -89,6 +89,10 @@ pub trait Backend: Send + Sync + 'static {
     fn host(&self) -> cubicle_node::host::HostStats {
         cubicle_node::host::HostStats::default()
     }
+    /// How many connections the node's egress proxy relays now (`None`: not known here).
+    fn egress_relayed(&self) -> Option<u64> {
+        None
+    }
     /// Create volume `id` with a limit of `size_mb` MiB.
     fn create_volume<'a>(
         &'a self,
@@ -314,6 +318,10 @@ impl Backend for Node {
 
     fn host(&self) -> cubicle_node::host::HostStats {
         cubicle_node::host::stats(&self.config().state_dir)
+    }
+
+    fn egress_relayed(&self) -> Option<u64> {
+        Node::egress_relayed(self).map(|n| n as u64)
     }
 
     fn template_exists(&self, name: &str) -> cubicle_node::Result<bool> {

@@ -243,6 +243,7 @@ impl ControlPlane {
         let mut snap = Snapshot {
             pool: self.backend.pool(),
             host: self.backend.host(),
+            egress_relayed: self.backend.egress_relayed(),
             ..Default::default()
         };
         let mut templates = HashMap::new();

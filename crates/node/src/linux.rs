@@ -906,6 +906,10 @@ impl SandboxRuntime for LinuxRuntime {
             .map_err(|e| rt_err("cutting the connections its policy refuses", e))
     }
 
+    fn egress_relayed(&self) -> Option<usize> {
+        self.egress.as_ref().map(Egress::relayed)
+    }
+
     fn network_log(&self, id: &str, after: u64, limit: usize) -> Vec<NetEvent> {
         match &self.egress {
             Some(eg) => eg.audit().read(id, after, limit),

@@ -236,6 +236,11 @@ pub trait SandboxRuntime: Send + Sync + 'static {
         Ok(())
     }
 
+    /// How many connections the egress proxy relays now (`None`: no egress layer).
+    fn egress_relayed(&self) -> Option<usize> {
+        None
+    }
+
     /// Sandbox `id`'s network audit trail: events after `after`, at most `limit`.
     fn network_log(&self, _id: &str, _after: u64, _limit: usize) -> Vec<cubicle_egress::NetEvent> {
         Vec::new()

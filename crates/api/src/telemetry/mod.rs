@@ -58,6 +58,8 @@ pub struct Snapshot {
     pub usage: Vec<SandboxUsage>,
     /// Webhooks registered, enabled or not.
     pub webhooks: (u64, u64),
+    /// Connections the node's egress proxy relays now, when known.
+    pub egress_relayed: Option<u64>,
 }
 
 /// One live sandbox's usage (from its latest metrics sample).
@@ -445,6 +447,13 @@ fn register_snapshot(reg: &mut Registry, s: &Snapshot) {
         "Disk each live sandbox's writable layer uses (as last sampled)",
         gauges(per(&|u| u.disk_bytes as f64)),
     );
+    if let Some(n) = s.egress_relayed {
+        reg.register(
+            "egress_relayed_connections",
+            "Connections the egress proxy relays now (sandboxes with domain rules, learn mode or an egress proxy)",
+            gauges(one(n as f64)),
+        );
+    }
     reg.register(
         "webhooks",
         "Webhooks registered, by enabled",
@@ -482,6 +491,7 @@ mod tests {
         snap.sandboxes.insert(("running".into(), "base".into()), 2);
         snap.pool.ready.insert("base".into(), 3);
         snap.pool.claims = 5;
+        snap.egress_relayed = Some(2);
         snap.usage.push(SandboxUsage {
             id: "abc".into(),
             template: "base".into(),
@@ -501,6 +511,7 @@ mod tests {
             r#"cubicle_sandboxes{state="running",template="base"} 2"#,
             r#"cubicle_pool_ready{template="base"} 3"#,
             "cubicle_pool_claims_total 5",
+            "cubicle_egress_relayed_connections 2",
             r#"cubicle_sandbox_cpu_seconds_total{sandbox_id="abc",template="base"} 1.5"#,
             "cubicle_node_cpus",
         ] {

@@ -110,6 +110,12 @@ impl Node {
         cut
     }
 
+    /// How many connections the egress proxy relays now (`None`: the node has no
+    /// egress layer).
+    pub fn egress_relayed(&self) -> Option<usize> {
+        self.inner.runtime.egress_relayed()
+    }
+
     /// Sandbox `id`'s network audit trail (also after it ended, until its logs are
     /// purged): events numbered above `after`, oldest first, at most `limit`.
     pub async fn network_log(&self, id: &str, after: u64, limit: usize) -> Vec<NetEvent> {
