@@ -189,8 +189,21 @@ async fn is_address_of(shared: &Shared, sandbox: &SandboxState, name: &str, dst:
     }
 }
 
+/// What judging a connection learned about its destination, kept for the connection's
+/// life: the name table forgets answers (after their TTL, at least ten minutes), while a
+/// connection's destination never changes, so a later policy change must not cut it
+/// for want of an answer the table has dropped since.
+#[derive(Debug, Default)]
+struct Known {
+    /// The destination is an address of the name the client asked for.
+    is_named: bool,
+    /// Names the resolver handed the destination out for, oldest first.
+    resolved: Vec<String>,
+}
+
 /// Judges a connection to `dst:port` whose client named `name` (SNI or `Host`) with
-/// `policy`: the decision at its open, and again at each policy change while it lasts.
+/// `policy`: the decision at its open, and again at each policy change while it lasts
+/// (with what the earlier judgements learned, `known`).
 async fn judge(
     shared: &Shared,
     sandbox: &SandboxState,
@@ -198,17 +211,27 @@ async fn judge(
     dst: Ipv4Addr,
     port: u16,
     name: Option<&str>,
+    known: &mut Known,
 ) -> Decision {
-    let dst_is_names = match name {
-        Some(n) if policy.domain_rule(n).is_some() => is_address_of(shared, sandbox, n, dst).await,
-        _ => false,
-    };
-    let resolved_as = sandbox
+    if let Some(n) = name
+        && !known.is_named
+        && policy.domain_rule(n).is_some()
+    {
+        known.is_named = is_address_of(shared, sandbox, n, dst).await;
+    }
+    for n in sandbox
         .names
         .lock()
         .unwrap_or_else(|p| p.into_inner())
         .names_of(dst)
-        .into_iter()
+    {
+        if !known.resolved.contains(&n) {
+            known.resolved.push(n);
+        }
+    }
+    let resolved_as = known
+        .resolved
+        .iter()
         .rev()
         .find(|n| policy.domain_rule(n).is_some());
     policy.decide(
@@ -217,8 +240,8 @@ async fn judge(
             dst,
             port,
             name,
-            dst_is_names,
-            resolved_as: resolved_as.as_deref(),
+            dst_is_names: known.is_named,
+            resolved_as: resolved_as.map(String::as_str),
         },
     )
 }
@@ -247,19 +270,18 @@ impl Drop for Relaying<'_> {
     }
 }
 
-/// Returns (why) when a policy change refuses the connection to `dst:port` that named
-/// `name` and left through `route` (the egress proxy it was opened with), or when the
-/// sandbox is gone; until then, waits. The rules accept established connections before
+/// Returns (why) when a policy change refuses the connection `conn` (that left through
+/// `route`, the egress proxy it was opened with), or when the sandbox is gone; until
+/// then, waits. `known`: what its open's judgement learned. The rules accept established connections before
 /// they look at a policy, so a connection the proxy relays is the proxy's to end.
 async fn cut_when_refused(
-    shared: &Shared,
-    sandbox: &SandboxState,
+    conn: Conn<'_>,
     mut changes: tokio::sync::watch::Receiver<bool>,
-    dst: Ipv4Addr,
-    port: u16,
-    name: Option<&str>,
     route: Option<EgressProxy>,
+    mut known: Known,
 ) -> String {
+    let (shared, sandbox, name) = (conn.shared, conn.sandbox, conn.name);
+    let (dst, port) = (*conn.dst.ip(), conn.dst.port());
     loop {
         if changes.changed().await.is_err() || *changes.borrow_and_update() {
             return "the sandbox is gone".to_string();
@@ -268,7 +290,7 @@ async fn cut_when_refused(
         let why = if policy.egress_proxy != route {
             Some("the connection's egress proxy changed".to_string())
         } else {
-            let d = judge(shared, sandbox, &policy, dst, port, name).await;
+            let d = judge(shared, sandbox, &policy, dst, port, name, &mut known).await;
             (d.verdict == Verdict::Denied).then_some(d.reason)
         };
         if let Some(why) = why {
@@ -311,7 +333,17 @@ async fn handle(shared: Arc<Shared>, mut client: TcpStream, peer: SocketAddrV4) 
     // Subscribed before the policy is read: a change after this point is judged again.
     let changes = sandbox.changes();
     let policy = sandbox.policy();
-    let d = judge(&shared, &sandbox, &policy, dst_ip, port, name.as_deref()).await;
+    let mut known = Known::default();
+    let d = judge(
+        &shared,
+        &sandbox,
+        &policy,
+        dst_ip,
+        port,
+        name.as_deref(),
+        &mut known,
+    )
+    .await;
     shared.audit.record(
         &sandbox.id,
         EventKind::Connect {
@@ -366,27 +398,17 @@ async fn handle(shared: Arc<Shared>, mut client: TcpStream, peer: SocketAddrV4) 
     let (out, inn) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
     let client_fd = client.as_raw_fd();
     let err = {
-        let relay = relay(
-            &shared,
-            &sandbox,
-            client,
-            upstream,
-            head,
-            &sniffed,
-            name.as_deref(),
+        let conn = Conn {
+            shared: &shared,
+            sandbox: &sandbox,
             dst,
-            &out,
-            &inn,
-        );
-        let cut = cut_when_refused(
-            &shared,
-            &sandbox,
-            changes,
-            dst_ip,
-            port,
-            name.as_deref(),
-            policy.egress_proxy.clone(),
-        );
+            name: name.as_deref(),
+            named: known.is_named,
+            out: &out,
+            inn: &inn,
+        };
+        let relay = relay(conn, client, upstream, head, &sniffed);
+        let cut = cut_when_refused(conn, changes, policy.egress_proxy.clone(), known);
         tokio::pin!(relay, cut);
         tokio::select! {
             e = &mut relay => e,
@@ -405,22 +427,40 @@ async fn handle(shared: Arc<Shared>, mut client: TcpStream, peer: SocketAddrV4) 
     );
 }
 
+/// An allowed connection, as [`relay`] and [`cut_when_refused`] need it.
+#[derive(Clone, Copy)]
+struct Conn<'a> {
+    shared: &'a Arc<Shared>,
+    sandbox: &'a Arc<SandboxState>,
+    dst: SocketAddrV4,
+    /// The name the client asked for (SNI or `Host`).
+    name: Option<&'a str>,
+    /// Its open found the destination to be an address of `name`.
+    named: bool,
+    /// Bytes relayed each way.
+    out: &'a Arc<AtomicU64>,
+    inn: &'a Arc<AtomicU64>,
+}
+
 /// Relays an allowed connection until either side ends it; why it ended badly, if so.
 /// Plain HTTP and intercepted TLS go request by request (each request checked, the
 /// name's header rule applied), anything else as bytes.
-#[allow(clippy::too_many_arguments)]
 async fn relay(
-    shared: &Arc<Shared>,
-    sandbox: &Arc<SandboxState>,
+    conn: Conn<'_>,
     client: TcpStream,
     mut upstream: Box<dyn Upstream>,
     head: Vec<u8>,
     sniffed: &Sniffed,
-    name: Option<&str>,
-    dst: SocketAddrV4,
-    out: &Arc<AtomicU64>,
-    inn: &Arc<AtomicU64>,
 ) -> Option<String> {
+    let Conn {
+        shared,
+        sandbox,
+        dst,
+        name,
+        named,
+        out,
+        inn,
+    } = conn;
     // Each request is checked against the policy of the moment. One to the connection's
     // own name (decided when it opened, and again at every policy change) gets that
     // name's current header rule. Plain HTTP: only when the destination is an address of
@@ -439,7 +479,9 @@ async fn relay(
                     let n = first.as_deref().unwrap_or_default();
                     let t = match policy.transform_for(n) {
                         Some(t)
-                            if intercepted || is_address_of(&shared, &sandbox, n, dst_ip).await =>
+                            if intercepted
+                                || named
+                                || is_address_of(&shared, &sandbox, n, dst_ip).await =>
                         {
                             Some(t)
                         }
@@ -451,7 +493,16 @@ async fn relay(
                     };
                     return inject(&shared, &sandbox.id, h, t, dst_ip, port);
                 }
-                let d = judge(&shared, &sandbox, &policy, dst_ip, port, host.as_deref()).await;
+                let d = judge(
+                    &shared,
+                    &sandbox,
+                    &policy,
+                    dst_ip,
+                    port,
+                    host.as_deref(),
+                    &mut Known::default(),
+                )
+                .await;
                 if d.verdict != Verdict::Denied {
                     return (h, Ok(()));
                 }

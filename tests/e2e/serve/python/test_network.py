@@ -521,8 +521,18 @@ def test_egress_proxy(internet):
         b.sbx.update_network({"deny_out": [lab["evil"]], "egress_proxy": proxy})
         refused(b.probe(f"get('{lab['evil']}')"), "denyOut with an egress proxy")
         assert f"CONNECT {lab['evil']}" not in open(socks_log).read()[len(before):]
+        # A download under way through the proxy is cut when the route changes (here
+        # the credentials): its bytes must not go on through the old one.
+        results = {}
+        t = threading.Thread(target=lambda: results.update(r=b.probe(f"get('{lab['other']}', path='/slow?s=6')")))
+        t.start()
+        time.sleep(1.0)
         # Wrong credentials: fails closed (no direct fallback).
+        t1 = time.time()
         b.sbx.update_network({"egress_proxy": {**proxy, "password": "nope"}})
+        t.join(timeout=60)
+        cut = results["r"]
+        assert not cut["ok"] and time.time() - t1 < 3, f"the download went on through the old route: {str(cut)[:300]}"
         r = b.probe(f"get('{lab['other']}')")
         assert not r["ok"] or not r.get("data"), r
     # Over TLS, verified against the given CA, SNI socks.test.
