@@ -1210,6 +1210,17 @@ fn a_shell_takes_a_template_root_under_its_running_init(env: &Env) {
     assert!(sb.is_alive(), "{}", env.log(&sb));
     assert!(!Path::new(&format!("/proc/{}/root/etc/passwd", sb.pid())).exists());
 
+    // The shell's init looks at its root before the template's is attached (on a busy
+    // machine its first command could otherwise run after the attach).
+    let t = Instant::now();
+    while !env.log(&sb).lines().any(|l| l.trim() == "shell-root-empty") {
+        assert!(
+            t.elapsed() < Duration::from_secs(10),
+            "the shell's init did not look at its root: {}",
+            env.log(&sb)
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
     let marker = template.upper_dir().join("attached");
     fs::write(&marker, "template\n").unwrap();
     chown(&marker, Some(template.uid_base), Some(template.uid_base)).unwrap();
