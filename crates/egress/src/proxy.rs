@@ -272,8 +272,9 @@ impl Drop for Relaying<'_> {
 
 /// Returns (why) when a policy change refuses the connection `conn` (that left through
 /// `route`, the egress proxy it was opened with), or when the sandbox is gone; until
-/// then, waits. `known`: what its open's judgement learned. The rules accept established connections before
-/// they look at a policy, so a connection the proxy relays is the proxy's to end.
+/// then, waits. `known`: what its open's judgement learned. The rules accept established
+/// connections before they look at a policy, so a connection the proxy relays is the
+/// proxy's to end.
 async fn cut_when_refused(
     conn: Conn<'_>,
     mut changes: tokio::sync::watch::Receiver<bool>,
@@ -475,21 +476,20 @@ async fn relay(
             async move {
                 let policy = sandbox.policy();
                 let host = h.host().as_deref().and_then(normalize_name);
-                if host.is_some() && host == first {
-                    let n = first.as_deref().unwrap_or_default();
-                    let t = match policy.transform_for(n) {
-                        Some(t)
+                if host == first {
+                    let t = match first.as_deref().map(|n| (n, policy.transform_for(n))) {
+                        Some((n, Some(t)))
                             if intercepted
                                 || named
                                 || is_address_of(&shared, &sandbox, n, dst_ip).await =>
                         {
                             Some(t)
                         }
-                        Some(_) => {
+                        Some((n, Some(_))) => {
                             tracing::warn!(sandbox = %sandbox.id, "egress: {dst_ip} is not an address of {n}: its header rule is not applied");
                             None
                         }
-                        None => None,
+                        _ => None,
                     };
                     return inject(&shared, &sandbox.id, h, t, dst_ip, port);
                 }
