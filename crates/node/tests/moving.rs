@@ -31,7 +31,8 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, ensure};
 use cubicle_node::objstore::Bucket;
 use cubicle_node::{
-    CreateRequest, Node, NodeConfig, ObjectStoreConfig, PauseRequest, ProcessSpec, SnapshotRequest,
+    CreateRequest, Node, NodeConfig, ObjectStoreConfig, PauseRequest, ProcessSpec, SandboxState,
+    SnapshotRequest,
 };
 
 const BUCKET: &str = "cubicle-moving-test";
@@ -410,7 +411,26 @@ async fn steps(a: &Node, b: &Node, sb: &Path, url: &str, with_base: bool) -> any
         "  push paused sandbox: {} bytes, {:?}",
         r.bytes_moved, r.took
     );
-    let (info, pulled) = b.pull_paused(&src.id).await?;
+    // While B pulls it, B answers for it as paused and busy, never "not found": in a
+    // cluster a replica names B its owner before B has it, and another replica that
+    // asks B meanwhile would record the sandbox as ended.
+    let pull = b.pull_paused(&src.id);
+    tokio::pin!(pull);
+    let mut probes = 0;
+    let (info, pulled) = loop {
+        tokio::select! {
+            biased;
+            r = &mut pull => break r?,
+            _ = tokio::task::yield_now() => {
+                let seen = b.info(&src.id).await.context("B's answer while it pulls the sandbox")?;
+                ensure!(seen.state == SandboxState::Paused,
+                    "B answered {:?} while it pulled the sandbox", seen.state);
+                probes += 1;
+            }
+        }
+    };
+    ensure!(probes > 0, "the pull ended before B was asked");
+    println!("  B: asked {probes} time(s) while it pulled the paused sandbox: paused each time");
     ensure!(info.access_token == src.access_token, "same token");
     println!(
         "  B: pull paused sandbox: download {:?} ({} bytes), install {:?}",

@@ -252,7 +252,7 @@ async fn create(State(st): State<NodeApi>, Json(req): Json<CreateRequest>) -> Re
 }
 
 async fn info(State(st): State<NodeApi>, Path(id): Path<String>) -> Response {
-    answer(st.node.get(&id))
+    answer(st.node.info(&id).await)
 }
 
 async fn kill(State(st): State<NodeApi>, Path(id): Path<String>) -> Response {

@@ -150,6 +150,26 @@ impl Node {
             .map_err(|e| Error::Runtime(format!("object store task failed: {e}")))?
     }
 
+    /// Sandbox `id` as [`Node::get`] has it, or — while this node pulls it from the
+    /// object store, before it is in the live table — as published, paused and busy. A
+    /// replica names this node the sandbox's owner in the cluster's database before it
+    /// asks for the takeover: another that reads it meanwhile must not hear "not found",
+    /// which would record the sandbox as ended.
+    pub async fn info(&self, id: &str) -> Result<crate::sandbox::SandboxInfo> {
+        let arriving = self.inner.arrivals().contains(id);
+        match self.get(id) {
+            Err(Error::SandboxNotFound(_)) if arriving => match self.published_info(id).await {
+                Ok(mut info) => {
+                    info.busy = true;
+                    Ok(info)
+                }
+                // Pulled meanwhile, or the pull failed: as the live table has it now.
+                Err(_) => self.get(id),
+            },
+            r => r,
+        }
+    }
+
     /// This node's identity (`<state>/node-id`).
     pub fn identity(&self) -> Result<String> {
         identity_of(&self.inner.config.state_dir)

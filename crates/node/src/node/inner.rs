@@ -3,7 +3,7 @@
 //! the small helpers every path uses. The create path (`create.rs`), the death path
 //! (`teardown.rs`), the pools, the reaper and reconciliation all work on [`Inner`].
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
@@ -60,6 +60,9 @@ pub(crate) struct Inner {
         std::sync::OnceLock<std::sync::Arc<dyn super::handover::PublishedCopies>>,
     /// When expired idle envd connections were last dropped (`idle_conn.rs`).
     pub(crate) idle_conn_sweep: Mutex<Option<std::time::Instant>>,
+    /// Paused sandboxes being pulled from the object store, before they are in the live
+    /// table (`moving.rs`, [`Node::info`](super::Node::info)).
+    pub(crate) arriving: Mutex<HashSet<String>>,
 }
 
 /// Called with a sandbox's id before it is checkpointed or stopped (`Node::on_checkpoint`).
@@ -155,6 +158,11 @@ impl Live {
 impl Inner {
     pub(crate) fn lock(&self) -> MutexGuard<'_, State> {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// [`Inner::arriving`], locked.
+    pub(crate) fn arrivals(&self) -> MutexGuard<'_, HashSet<String>> {
+        self.arriving.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     pub(crate) fn sandbox_dir(&self, id: &str) -> PathBuf {

@@ -139,6 +139,7 @@ impl Node {
             object_store: std::sync::OnceLock::new(),
             published_copies: std::sync::OnceLock::new(),
             idle_conn_sweep: Mutex::new(None),
+            arriving: Mutex::new(Default::default()),
             config,
         });
         let node = Node { inner };

@@ -763,8 +763,40 @@ impl Node {
     /// own; same id, token and metadata), paused: [`Node::resume`] brings it back with
     /// its memory.
     pub async fn pull_paused(&self, id: &str) -> Result<(SandboxInfo, MoveReport)> {
+        let arriving = Arriving::mark(&self.inner, id);
         let (inner, id) = (self.inner.clone(), id.to_string());
-        spawn(async move { inner.pull_paused(&id).await }).await
+        spawn(async move {
+            let _arriving = arriving;
+            inner.pull_paused(&id).await
+        })
+        .await
+    }
+}
+
+/// Sandbox `id` marked as arriving on this node ([`Inner::arriving`]) while it is pulled
+/// from the object store, until it is in the live table (or the pull failed): unmarked
+/// when dropped, by the pull that marked it (a concurrent second pull of the same
+/// sandbox fails, and leaves the mark to the first).
+struct Arriving {
+    inner: Arc<Inner>,
+    id: Option<String>,
+}
+
+impl Arriving {
+    fn mark(inner: &Arc<Inner>, id: &str) -> Self {
+        let first = inner.arrivals().insert(id.to_string());
+        Arriving {
+            inner: inner.clone(),
+            id: first.then(|| id.to_string()),
+        }
+    }
+}
+
+impl Drop for Arriving {
+    fn drop(&mut self) {
+        if let Some(id) = &self.id {
+            self.inner.arrivals().remove(id);
+        }
     }
 }
 
