@@ -24,6 +24,8 @@ pub const DUMP_LOG: &str = "criu-dump.log";
 
 /// How long the sandbox may take to freeze.
 const FREEZE_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long a dump waits for the vforks the freeze caught to end.
+const VFORK_WAIT: Duration = Duration::from_secs(1);
 
 /// What to dump.
 pub struct DumpRequest<'a> {
@@ -89,7 +91,7 @@ fn dump_in(criu: &Criu, cg: &Cgroup, mut req: DumpRequest<'_>, t0: Instant) -> R
         tracing::warn!(sandbox = %spec.id, ?outside, "connections from outside the sandbox are still open; dumping anyway");
     }
     phases.push(("outside_closed".to_string(), t0.elapsed()));
-    cg.freeze(FREEZE_TIMEOUT).map_err(|e| cleanup(e.into()))?;
+    freeze_outside_vfork(cg, &spec.id).map_err(cleanup)?;
     let t_frozen = Instant::now();
     phases.push(("frozen".to_string(), t0.elapsed()));
     let writable_ctl = std::cell::Cell::new(false);
@@ -213,6 +215,55 @@ fn dump_in(criu: &Criu, cg: &Cgroup, mut req: DumpRequest<'_>, t0: Instant) -> R
         bytes: image_bytes + tmpfs_bytes,
         phases,
     })
+}
+
+/// Freezes the sandbox with none of its threads inside vfork(). CRIU stops a vfork's
+/// child before its exec and then waits for the parent to stop, which it cannot until
+/// the child execs or exits: the dump would hang until CRIU's timeout and fail. A vfork
+/// lasts the instant between a shell's or `posix_spawn`'s vfork and the child's exec, so
+/// the freeze catching one is let go on (thawed, a moment, frozen again) until none is
+/// caught; one held longer than [`VFORK_WAIT`] fails the dump, thawed.
+fn freeze_outside_vfork(cg: &Cgroup, id: &str) -> Result<()> {
+    let t0 = Instant::now();
+    loop {
+        cg.freeze(FREEZE_TIMEOUT)?;
+        let tids = in_vfork(cg);
+        if tids.is_empty() {
+            return Ok(());
+        }
+        cg.thaw()?;
+        if t0.elapsed() >= VFORK_WAIT {
+            return Err(Error::InVfork {
+                id: id.to_string(),
+                tids,
+                waited: t0.elapsed(),
+            });
+        }
+        std::thread::sleep(Duration::from_millis(2));
+    }
+}
+
+/// The host thread ids of the sandbox's threads waiting inside vfork() for their child
+/// (asleep in `wait_for_vfork_done`, which the kernel may inline into `kernel_clone`).
+/// A thread that cannot be read (gone meanwhile) is none.
+fn in_vfork(cg: &Cgroup) -> Vec<i32> {
+    let mut tids = Vec::new();
+    for pid in cg.procs().unwrap_or_default() {
+        let Ok(threads) = fs::read_dir(format!("/proc/{pid}/task")) else {
+            continue;
+        };
+        for t in threads.flatten() {
+            let Ok(wchan) = fs::read_to_string(t.path().join("wchan")) else {
+                continue;
+            };
+            if matches!(wchan.trim(), "wait_for_vfork_done" | "kernel_clone")
+                && let Some(tid) = t.file_name().to_str().and_then(|n| n.parse().ok())
+            {
+                tids.push(tid);
+            }
+        }
+    }
+    tids
 }
 
 fn run_dump(swrk: criu::Swrk, opts: rpc::Opts, id: &str, dir: &Path) -> Result<()> {

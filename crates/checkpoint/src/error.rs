@@ -41,6 +41,21 @@ pub enum Error {
         /// What is wrong.
         message: String,
     },
+    /// A process of the sandbox stayed inside vfork() — its child neither exec'd nor
+    /// exited — for as long as the dump waited: CRIU cannot checkpoint it (it would stop
+    /// the child before its exec and then wait for the parent for good). The sandbox runs
+    /// on; a later try may succeed.
+    #[error(
+        "sandbox {id} cannot be checkpointed now: its thread(s) {tids:?} stayed inside vfork() for {waited:?} (a child that neither exec'd nor exited); it runs on"
+    )]
+    InVfork {
+        /// The sandbox.
+        id: String,
+        /// Host thread ids waiting in vfork().
+        tids: Vec<i32>,
+        /// How long the dump waited for them.
+        waited: std::time::Duration,
+    },
     /// The disk (the sandbox's quota or the filesystem) filled up while writing the
     /// checkpoint; nothing was kept and the sandbox still runs.
     #[error(

@@ -69,6 +69,43 @@ fn build_rootfs(t: &Path) {
         symlink("busybox", t.join("bin").join(applet)).unwrap();
     }
     fs::write(t.join("etc/passwd"), "root:x:0:0:root:/root:/bin/sh\n").unwrap();
+    compile_static(t, VFORK_HOLD, "bin/vfork-hold");
+}
+
+/// `vfork-hold MS`: vfork()s a child that sleeps MS milliseconds before it exits, the
+/// parent waiting inside vfork() meanwhile, as a shell or `posix_spawn` does for the
+/// instant between its vfork and the child's exec.
+const VFORK_HOLD: &str = r#"
+#include <stdlib.h>
+#include <sys/wait.h>
+#include <unistd.h>
+int main(int argc, char **argv) {
+    int ms = argc > 1 ? atoi(argv[1]) : 0;
+    pid_t p = vfork();
+    if (p == 0) {
+        usleep(ms * 1000);
+        _exit(0);
+    }
+    waitpid(p, 0, 0);
+    return 0;
+}
+"#;
+
+/// Compiles C `source` into `rel` under rootfs `t`, statically linked.
+fn compile_static(t: &Path, source: &str, rel: &str) {
+    let src = t.join(format!("{rel}.c"));
+    fs::write(&src, source).unwrap();
+    let ok = Command::new("cc")
+        .args(["-static", "-O1", "-o"])
+        .arg(t.join(rel))
+        .arg(&src)
+        .status()
+        .is_ok_and(|s| s.success());
+    fs::remove_file(&src).unwrap();
+    assert!(
+        ok,
+        "cc -static {rel} failed (gcc and libc6-dev: scripts/install-deps.sh)"
+    );
 }
 
 /// Waits until `path` (a host path) exists and holds something, up to 10 s.
@@ -205,6 +242,72 @@ fn pause_and_resume_keeps_memory_and_files(env: &Env) {
         );
     }
     sb2.destroy().unwrap();
+}
+
+/// A process caught inside vfork() by the freeze (its child neither exec'd nor exited)
+/// would hang CRIU until its timeout (CRIU stops the child before its exec, then waits
+/// for the parent, which cannot stop until then) and fail the pause after 10 s. A vfork
+/// that ends soon is waited out; one held on fails the dump at once, clearly, and the
+/// sandbox runs on.
+fn a_process_inside_vfork(env: &Env) {
+    // Held 300 ms: the dump waits it out.
+    let spec = env.spec(&format!("/bin/vfork-hold 300 & {COUNTER}"));
+    let sb = spawn(&spec).unwrap();
+    wait_for(&spec.upper_dir().join("tmp/count"));
+    let dir = spec.sandbox_dir.join("checkpoint");
+    let t = Instant::now();
+    let report = dump(
+        &env.criu,
+        DumpRequest {
+            spec: &spec,
+            init_pid: sb.pid(),
+            dir: &dir,
+            leave_running: true,
+            while_frozen: None,
+        },
+    )
+    .unwrap_or_else(|e| panic!("dump with a vfork of 300 ms: {e}"));
+    println!(
+        "  vfork of 300 ms: dumped in {:?} ({:?})",
+        t.elapsed(),
+        report.phases
+    );
+    sb.destroy().unwrap();
+
+    // Held for good: the dump fails within a second or so, saying why.
+    let spec = env.spec(&format!("/bin/vfork-hold 600000 & {COUNTER}"));
+    let sb = spawn(&spec).unwrap();
+    wait_for(&spec.upper_dir().join("tmp/count"));
+    let dir = spec.sandbox_dir.join("checkpoint");
+    let t = Instant::now();
+    let err = dump(
+        &env.criu,
+        DumpRequest {
+            spec: &spec,
+            init_pid: sb.pid(),
+            dir: &dir,
+            leave_running: false,
+            while_frozen: None,
+        },
+    )
+    .expect_err("a dump with a process held inside vfork() succeeded");
+    let took = t.elapsed();
+    println!("  vfork held: failed in {took:?}: {err}");
+    assert!(err.to_string().contains("vfork"), "unclear error: {err}");
+    assert!(
+        took < Duration::from_secs(3),
+        "the failed dump took {took:?}"
+    );
+    assert!(!dir.exists(), "a failed dump left {}", dir.display());
+    // It runs on, thawed.
+    let before = read_count(sb.pid(), "/tmp/count");
+    std::thread::sleep(Duration::from_millis(300));
+    let after = read_count(sb.pid(), "/tmp/count");
+    assert!(
+        after > before,
+        "the sandbox does not run on: {before} then {after}"
+    );
+    sb.destroy().unwrap();
 }
 
 fn fork_to_another_uid_range(env: &Env) {
@@ -366,6 +469,7 @@ const TESTS: &[Test] = &[
     ),
     ("fork_to_another_uid_range", fork_to_another_uid_range),
     ("volume_across_pause", volume_across_pause),
+    ("a_process_inside_vfork", a_process_inside_vfork),
 ];
 
 fn main() {
