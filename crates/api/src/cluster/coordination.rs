@@ -80,6 +80,10 @@ fn ms(d: Duration) -> f64 {
     d.as_secs_f64() * 1000.0
 }
 
+/// How long a replica waits before it asks a sandbox's owner again when the owner
+/// answered "not found" ([`ClusterDb::fetch_fresh`]).
+const NOT_FOUND_RECHECK: Duration = Duration::from_millis(250);
+
 /// How often a coordinated replica re-reads the node list and expires lost nodes.
 pub const PERIOD: Duration = Duration::from_secs(1);
 
@@ -411,31 +415,43 @@ impl ClusterDb {
         if !cubicle_node::SandboxId::is_valid(id) {
             return Err(cubicle_node::Error::SandboxNotFound(id.to_string()));
         }
-        let (db, key) = (self.store.clone(), id.to_string());
-        let owner = blocking(&db, move |s| s.sandbox_owner(&key)).await?;
-        let i = match owner {
-            Some(o) => match self.link_of(rb, &o.node_id) {
-                Some(i) => i,
+        let mut asked = 0;
+        loop {
+            let (db, key) = (self.store.clone(), id.to_string());
+            let owner = blocking(&db, move |s| s.sandbox_owner(&key)).await?;
+            let i = match owner {
+                Some(o) => match self.link_of(rb, &o.node_id) {
+                    Some(i) => i,
+                    None => return Ok(None),
+                },
+                None if self.is_unowned_published(id) => {
+                    return self.published_info(rb, id).await.map(Some);
+                }
                 None => return Ok(None),
-            },
-            None if self.is_unowned_published(id) => {
-                return self.published_info(rb, id).await.map(Some);
+            };
+            match rb
+                .call::<SandboxInfo>(i, Method::GET, &format!("/sandboxes/{id}"), None, false)
+                .await
+            {
+                Ok(info) => {
+                    rb.remember(i, info.clone());
+                    return Ok(Some(info));
+                }
+                // A node remembers the sandboxes that died on it, so "not found" for one
+                // the database says it owns is rare — and, once, the instant between a
+                // move's claim in the database and its takeover request reaching the
+                // node (which from then on answers for it, `Node::info`). Asked again
+                // after that instant before it counts: the caller records it ended.
+                Err(cubicle_node::Error::SandboxNotFound(_)) if asked == 0 => {
+                    asked += 1;
+                    tokio::time::sleep(NOT_FOUND_RECHECK).await;
+                }
+                Err(e @ cubicle_node::Error::SandboxNotFound(_)) => {
+                    rb.forget(id);
+                    return Err(e);
+                }
+                Err(e) => return Err(e),
             }
-            None => return Ok(None),
-        };
-        match rb
-            .call::<SandboxInfo>(i, Method::GET, &format!("/sandboxes/{id}"), None, false)
-            .await
-        {
-            Ok(info) => {
-                rb.remember(i, info.clone());
-                Ok(Some(info))
-            }
-            Err(e @ cubicle_node::Error::SandboxNotFound(_)) => {
-                rb.forget(id);
-                Err(e)
-            }
-            Err(e) => Err(e),
         }
     }
 
