@@ -253,6 +253,13 @@ impl Lab {
         Ok(())
     }
 
+    /// Forgets the resolver's answers to the sandbox on `slot`, as their expiry does.
+    pub fn forget_names(&self, slot: u32) {
+        if let Some((_, info)) = self.sandboxes.get(&slot) {
+            self.egress.forget_names(info.sandbox_ip);
+        }
+    }
+
     /// Removes the sandbox on `slot` (as its death does).
     pub fn remove_sandbox(&mut self, slot: u32) -> Result<(), EgressError> {
         if let Some((_, info)) = self.sandboxes.remove(&slot) {

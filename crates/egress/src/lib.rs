@@ -451,6 +451,15 @@ impl Egress {
             .load(std::sync::atomic::Ordering::Relaxed)
     }
 
+    /// Forgets the resolver's answers handed out to the sandbox at `ip` (as their expiry
+    /// does, ten minutes at least after them): for the lab's tests.
+    #[doc(hidden)]
+    pub fn forget_names(&self, ip: Ipv4Addr) {
+        if let Some(s) = self.shared.sandbox(ip) {
+            *s.names.lock().unwrap_or_else(|p| p.into_inner()) = Default::default();
+        }
+    }
+
     /// The policy the layer holds for `ip`.
     pub fn policy_of(&self, ip: Ipv4Addr) -> Option<Arc<NetworkPolicy>> {
         self.shared.sandbox(ip).map(|s| s.policy())

@@ -319,6 +319,68 @@ fn policy_changes_cut_the_proxied_connections_they_refuse() {
     .unwrap();
 }
 
+/// A connection that names nothing (no SNI, no Host) is let through to an address the
+/// resolver handed out for an allowed name; a later policy change judges it with what
+/// its open learned, not with the name table, which forgets answers (ten minutes at
+/// least after them) while the connection may last longer: a change that still allows
+/// the name keeps it, one that drops the name cuts it.
+#[test]
+fn policy_changes_judge_with_what_the_connection_learned() {
+    if !is_root() {
+        eprintln!("SKIPPED: needs root (creates network namespaces and nftables tables)");
+        return;
+    }
+    Lab::run(|lab| {
+        lab.add_sandbox(1, &policy(&["ok.test"], &["0.0.0.0/0"]))
+            .unwrap();
+        // No name in its first bytes: only the resolver's answer lets it through.
+        let open = |lab: &Lab| {
+            lab.in_sandbox(1, || {
+                let mut s = std::net::TcpStream::connect_timeout(
+                    &SocketAddr::from((OK_HOST, 443)),
+                    Duration::from_secs(3),
+                )?;
+                s.set_read_timeout(Some(Duration::from_secs(30)))?;
+                std::io::Write::write_all(&mut s, b"\x00\x01 no name")?;
+                Ok::<_, std::io::Error>(s)
+            })
+            .unwrap()
+        };
+        let t = Instant::now();
+        assert_refused(
+            "a nameless connection before any answer",
+            t,
+            open(lab).and_then(|s| tls_finish(s, 10)),
+        );
+        let r = lab
+            .in_sandbox(1, || query_a("9.9.9.9".parse().unwrap(), "ok.test"))
+            .unwrap();
+        assert_eq!(r, Ok(vec![OK_HOST]));
+        let conn = open(lab).unwrap();
+        wait_relayed(lab, 1);
+        // The answer expires; a change that still allows ok.test leaves the connection.
+        lab.forget_names(1);
+        lab.set_policy(1, &policy(&["ok.test", "other.test"], &["0.0.0.0/0"]))
+            .unwrap();
+        std::thread::sleep(Duration::from_millis(200));
+        assert_eq!(
+            lab.egress.relayed(),
+            1,
+            "cut although its name is still allowed"
+        );
+        // A change that drops ok.test cuts it, the answer long forgotten.
+        lab.set_policy(1, &policy(&["other.test"], &["0.0.0.0/0"]))
+            .unwrap();
+        wait_relayed(lab, 0);
+        assert_refused(
+            "the nameless connection after ok.test left the policy",
+            Instant::now(),
+            tls_finish(conn, 1 << 20),
+        );
+    })
+    .unwrap();
+}
+
 /// The bench runs (small sizes; `cubicle bench egress` prints the real figures).
 #[test]
 fn bench_runs() {
