@@ -250,48 +250,38 @@ fn pause_and_resume_keeps_memory_and_files(env: &Env) {
 /// that ends soon is waited out; one held on fails the dump at once, clearly, and the
 /// sandbox runs on.
 fn a_process_inside_vfork(env: &Env) {
+    // A sandbox whose shell runs `vfork-hold ms` beside the counter, and its dump
+    // (leaving it running), timed.
+    let dump_with_vfork = |ms: u32| {
+        let spec = env.spec(&format!("/bin/vfork-hold {ms} & {COUNTER}"));
+        let sb = spawn(&spec).unwrap();
+        wait_for(&spec.upper_dir().join("tmp/count"));
+        let dir = spec.sandbox_dir.join("checkpoint");
+        let t = Instant::now();
+        let r = dump(
+            &env.criu,
+            DumpRequest {
+                spec: &spec,
+                init_pid: sb.pid(),
+                dir: &dir,
+                leave_running: true,
+                while_frozen: None,
+            },
+        );
+        (sb, dir, r, t.elapsed())
+    };
     // Held 300 ms: the dump waits it out.
-    let spec = env.spec(&format!("/bin/vfork-hold 300 & {COUNTER}"));
-    let sb = spawn(&spec).unwrap();
-    wait_for(&spec.upper_dir().join("tmp/count"));
-    let dir = spec.sandbox_dir.join("checkpoint");
-    let t = Instant::now();
-    let report = dump(
-        &env.criu,
-        DumpRequest {
-            spec: &spec,
-            init_pid: sb.pid(),
-            dir: &dir,
-            leave_running: true,
-            while_frozen: None,
-        },
-    )
-    .unwrap_or_else(|e| panic!("dump with a vfork of 300 ms: {e}"));
+    let (sb, _, r, took) = dump_with_vfork(300);
+    let report = r.unwrap_or_else(|e| panic!("dump with a vfork of 300 ms: {e}"));
     println!(
-        "  vfork of 300 ms: dumped in {:?} ({:?})",
-        t.elapsed(),
+        "  vfork of 300 ms: dumped in {took:?} ({:?})",
         report.phases
     );
     sb.destroy().unwrap();
 
     // Held for good: the dump fails within a second or so, saying why.
-    let spec = env.spec(&format!("/bin/vfork-hold 600000 & {COUNTER}"));
-    let sb = spawn(&spec).unwrap();
-    wait_for(&spec.upper_dir().join("tmp/count"));
-    let dir = spec.sandbox_dir.join("checkpoint");
-    let t = Instant::now();
-    let err = dump(
-        &env.criu,
-        DumpRequest {
-            spec: &spec,
-            init_pid: sb.pid(),
-            dir: &dir,
-            leave_running: false,
-            while_frozen: None,
-        },
-    )
-    .expect_err("a dump with a process held inside vfork() succeeded");
-    let took = t.elapsed();
+    let (sb, dir, r, took) = dump_with_vfork(600_000);
+    let err = r.expect_err("a dump with a process held inside vfork() succeeded");
     println!("  vfork held: failed in {took:?}: {err}");
     assert!(err.to_string().contains("vfork"), "unclear error: {err}");
     assert!(
