@@ -753,6 +753,49 @@ fn fork_bomb_is_contained(env: &Env) {
     println!("    destroyed a fork bomb in {:?}", t.elapsed());
 }
 
+/// Starts `/bin/true` over and over as a shell does (`vfork`, `execve`, `waitpid`).
+const SPAWN_LOOP: &str = r#"
+#include <sys/wait.h>
+#include <unistd.h>
+int main(void) {
+    char *argv[] = {"true", 0};
+    for (;;) {
+        pid_t p = vfork();
+        if (p == 0) {
+            execv("/bin/true", argv);
+            _exit(127);
+        }
+        waitpid(p, 0, 0);
+    }
+}
+"#;
+
+/// A sandbox whose shell runs commands in a loop (tasks forked all the time) freezes,
+/// every time: cgroup v1's freezer, told once, stayed `FREEZING` for good when a task
+/// forked during its walk escaped it (20 of 300 freezes here, each one a pause that
+/// failed after 5 s).
+fn a_forking_sandbox_freezes(env: &Env) {
+    assert!(
+        compile_c(&env.root, SPAWN_LOOP, &env.template.join("bin/spawnloop")),
+        "cc -static spawnloop failed (gcc and libc6-dev: scripts/install-deps.sh)"
+    );
+    let spec = env.spec("/bin/spawnloop & /bin/spawnloop");
+    let sb = spawn(&spec).unwrap();
+    let cg = cubicle_runtime::Cgroup::handle(&spec.id).unwrap();
+    std::thread::sleep(Duration::from_millis(100));
+    let mut slowest = Duration::ZERO;
+    for i in 0..300 {
+        let t = Instant::now();
+        cg.freeze(Duration::from_secs(1))
+            .unwrap_or_else(|e| panic!("freeze {i}: {e}"));
+        slowest = slowest.max(t.elapsed());
+        cg.thaw().unwrap();
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    println!("    300 freezes of a forking sandbox, the slowest {slowest:?}");
+    destroy_and_check(sb, &spec);
+}
+
 fn memory_limit_oom_kills(env: &Env) {
     let mut spec = env.spec("dd if=/dev/zero of=/dev/null bs=64M count=1; echo dd-exit=$?");
     spec.limits.memory_bytes = 32 << 20;
@@ -1307,6 +1350,7 @@ const TESTS: &[Test] = &[
         setuid_works_without_no_new_privs,
     ),
     ("fork_bomb_is_contained", fork_bomb_is_contained),
+    ("a_forking_sandbox_freezes", a_forking_sandbox_freezes),
     ("memory_limit_oom_kills", memory_limit_oom_kills),
     ("no_oom_without_pressure", no_oom_without_pressure),
     ("adopt_and_reap_after_crash", adopt_and_reap_after_crash),
