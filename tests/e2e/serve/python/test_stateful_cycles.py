@@ -1,7 +1,9 @@
 """A busy sandbox paused and resumed many times over (CUBICLE_E2E_PAUSE_CYCLES, default
 100), through the official Python SDK: a writer appends numbered records to a file all
-the time, a background command started through the SDK prints ticks, and an HTTP server
-counts requests in its memory and is reached through the router.
+the time, a background command started through the SDK prints ticks, an HTTP server
+counts requests in its memory and is reached through the router, and a shell starts a
+command every 10 ms (`dash` starts them with `vfork`: a pause must never hang on one
+caught half-started, nor on a task forked while the cgroup freezes).
 
 After every resume the server answers with the next number from the same process, the
 writer has gone on writing, and the sandbox is running (no state stuck half-way). At the
@@ -95,6 +97,7 @@ def test_busy_sandbox_survives_many_pause_resume_cycles(sandboxes: Tracker):
     # timeout=0: no deadline (the SDK's default of 60 s would have envd kill them then).
     sbx.commands.run("python3 /tmp/writer.py", background=True, timeout=0)
     sbx.commands.run("python3 /tmp/counter.py", background=True, timeout=0)
+    sbx.commands.run("sh -c 'while :; do sleep 0.01; done'", background=True, timeout=0)
     ticker = sbx.commands.run(
         "bash -c 'i=0; while :; do i=$((i+1)); echo tick $i; sleep 0.2; done'", background=True, timeout=0
     )
