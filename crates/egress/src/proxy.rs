@@ -318,7 +318,6 @@ async fn handle(shared: Arc<Shared>, mut client: TcpStream, peer: SocketAddrV4) 
     let Some(sandbox) = shared.sandbox(*peer.ip()) else {
         return reset(client);
     };
-    let _relaying = Relaying::new(&shared.relayed);
     let Ok(dst) = original_dst(&client) else {
         return reset(client);
     };
@@ -360,6 +359,9 @@ async fn handle(shared: Arc<Shared>, mut client: TcpStream, peer: SocketAddrV4) 
     if d.verdict == Verdict::Denied {
         return reset(client);
     }
+    // Counted from here (allowed, and watching for policy changes) until its close is
+    // recorded: a count the lab tests wait on before they change a policy.
+    let _relaying = Relaying::new(&shared.relayed);
     let upstream: Result<Box<dyn Upstream>, EgressError> = match &policy.egress_proxy {
         Some(p) => socks5::connect(&shared, p, dst).await,
         None => match tokio::time::timeout(CONNECT_TIMEOUT, TcpStream::connect(dst)).await {
