@@ -52,6 +52,15 @@ struct Args {
     /// The sandbox's template, with --sandbox-id.
     #[arg(long, env = "CUBICLE_ENVD_TEMPLATE_ID", hide = true)]
     template_id: Option<String>,
+    /// The sandbox-global environment (a JSON object), as `POST /init` sets it: given at
+    /// the start, a create that asks for nothing else needs no `/init`.
+    #[arg(
+        long,
+        env = "CUBICLE_ENVD_ENV_VARS",
+        hide = true,
+        hide_env_values = true
+    )]
+    env_vars: Option<String>,
     /// Run one file operation of a template build (JSON, see build_op.rs) and exit.
     #[arg(long, hide = true)]
     build_op: Option<String>,
@@ -91,6 +100,9 @@ fn main() -> anyhow::Result<()> {
         default_workdir: args.default_workdir.clone(),
         access_token: args.access_token.clone(),
     }));
+    if let Some(json) = &args.env_vars {
+        cubicle_envd::http::apply_birth_env(&ctx, json).map_err(anyhow::Error::msg)?;
+    }
     // One thread: an idle sandbox's envd then costs one kernel stack and task, not three
     // (density); its work is I/O, and blocking file work goes to the blocking pool, whose
     // threads leave soon after use.

@@ -155,6 +155,20 @@ pub(crate) fn apply(ctx: &Context, req: InitRequest) -> Result<(), HttpError> {
     Ok(())
 }
 
+/// The sandbox-global environment envd was born with (`CUBICLE_ENVD_ENV_VARS`, a JSON
+/// object of strings), applied as an `/init` naming only `envVars` would apply it: a
+/// create that asks envd for nothing else then needs no `/init` at all, so a claim from a
+/// pool does not wake the pooled sandbox's envd (docs/bench.md, round 33).
+pub fn apply_birth_env(ctx: &Context, json: &str) -> Result<(), String> {
+    let env: HashMap<String, String> =
+        serde_json::from_str(json).map_err(|e| format!("CUBICLE_ENVD_ENV_VARS: {e}"))?;
+    let req = InitRequest {
+        env_vars: Some(env),
+        ..Default::default()
+    };
+    apply(ctx, req).map_err(|e| format!("CUBICLE_ENVD_ENV_VARS: {}", e.message))
+}
+
 /// `GET /envs`: the sandbox-global environment.
 pub(crate) async fn get_envs(State(state): State<Arc<AppState>>) -> Response {
     let envs = state.ctx.env_vars();
@@ -176,6 +190,34 @@ mod tests {
             default_workdir: None,
             access_token: None,
         })
+    }
+
+    /// The environment envd is born with is what an `/init` of it sets; a later `/init`
+    /// merges into it; what is not a JSON object of strings, or names an invalid
+    /// variable, is refused with the variable's name in the message.
+    #[test]
+    fn birth_env_is_an_init_of_it() {
+        let c = ctx();
+        apply_birth_env(&c, r#"{"E2B_SANDBOX_ID":"i1","A":"1"}"#).unwrap();
+        let s = c.settings();
+        assert_eq!(s.env_vars["E2B_SANDBOX_ID"], "i1");
+        assert_eq!(s.env_vars["A"], "1");
+        assert_eq!(s.env_vars["E2B_SANDBOX"], "true");
+        assert_eq!(s.access_token, None);
+        apply(
+            &c,
+            serde_json::from_str(r#"{"envVars":{"B":"2"}}"#).unwrap(),
+        )
+        .unwrap();
+        let s = c.settings();
+        assert_eq!(
+            (s.env_vars["A"].as_str(), s.env_vars["B"].as_str()),
+            ("1", "2")
+        );
+        for bad in [r#"["A"]"#, r#"{"A":1}"#, "{", r#"{"A=B":"1"}"#] {
+            let e = apply_birth_env(&ctx(), bad).unwrap_err();
+            assert!(e.starts_with("CUBICLE_ENVD_ENV_VARS: "), "{bad}: {e}");
+        }
     }
 
     #[test]

@@ -12,6 +12,7 @@
 mod body;
 mod download;
 mod init;
+pub use init::apply_birth_env;
 mod metadata;
 mod metrics;
 mod multipart;
