@@ -27,7 +27,7 @@ use crate::error::{Error, Result};
 const MAX_ENVELOPE: usize = 64 << 20;
 
 /// The `/init` body (E2B's envd shape).
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize)]
 #[serde(rename_all = "camelCase")]
 pub struct InitRequest {
     /// Sandbox-global environment.

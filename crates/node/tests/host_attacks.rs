@@ -11,8 +11,8 @@
 //! - `local_user_reads_nothing`: the state directory, records, logs, lock and envd's
 //!   socket are out of `nobody`'s reach; the modes are 0700/0600.
 //! - `pooled_sandbox_needs_its_token`: a pooled (unclaimed) sandbox's envd refuses
-//!   `/init` and process starts without the token it was born with; the claim works, and
-//!   afterwards only the user's token does.
+//!   `/init` and process starts without the token it was born with; the claim hands that
+//!   token (no answer showed it before) to the user, and afterwards no other works.
 //!
 //! Needs root, busybox-static, curl and setpriv. Run: `cargo test -p cubicle-node --test
 //! host_attacks [-- FILTER]` (inside `unshare --net` on a shared machine). `harness =
@@ -338,17 +338,24 @@ async fn pooled_sandbox_needs_its_token(envd: PathBuf) -> TestResult {
             "a pooled sandbox accepted /init without its token: {taken:?}"
         );
 
-        // The claim works, and then only the user's token does.
+        // The claim works. The token it hands out is the one envd was born with (no
+        // `/init` then: docs/node.md): the node held it alone until now, as it holds the
+        // user's token of any sandbox. Any other token is refused.
         let sb = node.create(tiny()).await?;
         anyhow::ensure!(sb.id == pooled.id, "the create claimed the pooled sandbox");
         let (out, code) = sh(&node.envd(&sb.id)?, "cat /tmp/backdoor 2>&1; true").await?;
         anyhow::ensure!(code == 0 && !out.contains("planted"), "{out}");
-        let birth = EnvdClient::new(&socket, Some(pooled.access_token.clone()));
-        let old = sh(&birth, "true").await;
         anyhow::ensure!(
-            old.is_err() && pooled.access_token != sb.access_token,
-            "the birth token still works after the claim"
+            sb.access_token == pooled.access_token,
+            "the claim handed out another token than envd's"
         );
+        for wrong in ["the-intruders-token", ""] {
+            let other = EnvdClient::new(&socket, Some(wrong.into()));
+            anyhow::ensure!(
+                sh(&other, "true").await.is_err(),
+                "token {wrong:?} works after the claim"
+            );
+        }
         node.kill(&sb.id).await?;
         Ok(())
     }

@@ -161,16 +161,31 @@ fn slot_of(uid_base: u32) -> u32 {
 async fn create_run_id_kill_leaves_nothing(envd: PathBuf) -> TestResult {
     let (node, state) = node(&envd, "basic", 3000).await?;
     let internet = cubicle_runtime::network::Network::new(Default::default()).is_ok();
-    let a = node.create(CreateRequest { internet, ..tiny() }).await?;
-    let b = node.create(tiny()).await?;
+    // `a`'s variables are too large to be given to envd at its birth (an `/init` tells
+    // it); `b`'s are given there (no `/init`).
+    let big = "x".repeat(40 << 10);
+    let a = node
+        .create(CreateRequest {
+            internet,
+            env_vars: [("CB_BIG".to_string(), big.clone())].into(),
+            ..tiny()
+        })
+        .await?;
+    let b = node
+        .create(CreateRequest {
+            env_vars: [("CB_COLD".to_string(), "cold".to_string())].into(),
+            ..tiny()
+        })
+        .await?;
     println!(
         "  create->envd ready: {:.2} ms / {:.2} ms",
         a.ready_us as f64 / 1e3,
         b.ready_us as f64 / 1e3
     );
     anyhow::ensure!(a.state == SandboxState::Running);
-    // A cold create keeps the connection its /init went over, for the first request
-    // (the data plane's), once; `a` keeps its own until it is killed.
+    // A cold create keeps the connection its ready check (and `/init`, if any) went
+    // over, for the first request (the data plane's), once; `a` keeps its own until it
+    // is killed.
     let kept = node.take_envd_conn(&b.id);
     anyhow::ensure!(
         kept.as_ref()
@@ -210,9 +225,14 @@ async fn create_run_id_kill_leaves_nothing(envd: PathBuf) -> TestResult {
     // Non-zero exit codes come through.
     let (_, _, code) = sh(&node, &b.id, "exit 7").await?;
     anyhow::ensure!(code == 7, "exit code {code}");
-    // Env vars from create reach processes.
-    let (out, _, _) = sh(&node, &b.id, "echo $E2B_SANDBOX_ID").await?;
-    anyhow::ensure!(out.trim() == b.id, "E2B_SANDBOX_ID={out:?}");
+    // Env vars from create reach processes, by either way.
+    let (out, _, _) = sh(&node, &b.id, "echo \"$E2B_SANDBOX_ID|$CB_COLD\"").await?;
+    anyhow::ensure!(out.trim() == format!("{}|cold", b.id), "born with: {out:?}");
+    let (out, _, _) = sh(&node, &a.id, "echo \"$E2B_SANDBOX_ID|${#CB_BIG}\"").await?;
+    anyhow::ensure!(
+        out.trim() == format!("{}|{}", a.id, big.len()),
+        "told by /init: {out:?}"
+    );
 
     anyhow::ensure!(node.list().len() == 2);
     for s in [&a, &b] {

@@ -140,6 +140,27 @@ fn task_nices(id: &str) -> Vec<i64> {
     out
 }
 
+/// How many times the tasks of sandbox `id` were given a CPU (`schedstat`'s third field,
+/// summed over its processes' threads): unchanged over an operation, nothing in the
+/// sandbox was woken by it.
+fn times_run(id: &str) -> u64 {
+    let mut n = 0;
+    for pid in cubicle_node::traces::pids(id) {
+        let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+            continue;
+        };
+        for t in tasks.flatten() {
+            let st = std::fs::read_to_string(t.path().join("schedstat")).unwrap_or_default();
+            n += st
+                .split_whitespace()
+                .nth(2)
+                .and_then(|v| v.parse::<u64>().ok())
+                .unwrap_or(0);
+        }
+    }
+    n
+}
+
 /// Closes `node` and waits for its refills: no sandbox directory is left in `state`, and
 /// none of the cgroups of `ids` (its pooled sandboxes or shells).
 async fn closed_empty(node: &Node, state: &Path, ids: &[String]) -> anyhow::Result<()> {
@@ -257,7 +278,8 @@ async fn claim_refill_close(envd: PathBuf) -> anyhow::Result<()> {
         );
         anyhow::ensure!(node.list().len() == 1 && node.get(&s.id).is_ok());
 
-        // The requested env vars reach a command; the node's (new) token works.
+        // The requested env vars reach a command (told by the claim's `/init`); the
+        // node's token works.
         let info = node.get(&s.id)?;
         // What happens at its end is the request's, as for a cold create.
         anyhow::ensure!(
@@ -301,7 +323,12 @@ async fn claim_refill_close(envd: PathBuf) -> anyhow::Result<()> {
         }
         anyhow::ensure!(node.pool_stats().refills >= 3);
 
-        // Other memory and CPU limits: still from the pool, with the limits applied.
+        // Other memory and CPU limits, no variables: still from the pool, with the limits
+        // applied; and envd, born knowing all a create without variables tells it, is not
+        // woken by the claim (no `/init`): its threads were not run once.
+        let ready: Vec<String> = sandbox_dirs(&state).into_iter().filter(|d| d != s.id.as_str()).collect();
+        let before: BTreeMap<String, u64> = ready.iter().map(|id| (id.clone(), times_run(id))).collect();
+        anyhow::ensure!(before.values().all(|n| *n > 0), "no schedstat for {before:?}");
         let m = node
             .create(CreateRequest {
                 template: "tiny".into(),
@@ -315,6 +342,16 @@ async fn claim_refill_close(envd: PathBuf) -> anyhow::Result<()> {
             node.pool_stats().claims == 2,
             "a create with other memory/CPU limits did not use the pool: {:?}",
             node.pool_stats()
+        );
+        let (was, now) = (before.get(m.id.as_str()).copied(), times_run(&m.id));
+        anyhow::ensure!(was == Some(now), "the claim woke envd: run {was:?} times before, {now} after");
+        let mt = node.envd(&m.id)?;
+        let out = sh(&mt, "echo \"$E2B_SANDBOX|$E2B_SANDBOX_ID|$E2B_TEMPLATE_ID\"").await?;
+        anyhow::ensure!(out.trim() == format!("true|{}|tiny", m.id), "env without /init: {out:?}");
+        anyhow::ensure!(times_run(&m.id) > now, "a command did not count as a run of envd");
+        anyhow::ensure!(
+            sh(&EnvdClient::new(node.get(&m.id)?.envd_socket, Some("not-the-token".into())), "true").await.is_err(),
+            "a wrong token was accepted by a sandbox claimed without /init"
         );
         anyhow::ensure!(node.get(&m.id)?.memory_mb == 200, "record keeps the old limit");
         let out = sh(

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use cubicle_runtime::SandboxId;
 
-use super::inner::{Inner, birth_env, blocking, sandbox_env};
+use super::inner::{Inner, birth_env, blocking, born_init, sandbox_env};
 use super::teardown::spawn_watcher;
 use super::{ENVD_IN_SANDBOX, ENVD_SOCKET};
 use crate::envd_client::{EnvdClient, InitRequest};
@@ -260,11 +260,17 @@ impl Inner {
     ) -> Result<SandboxInfo> {
         let inner = self;
         let id = record.id.clone();
-        // envd was born with this token (`birth_env`): /init needs it too.
-        let client = EnvdClient::new(inner.envd_socket(&id), Some(record.access_token.clone()));
-        let conn = client
-            .init_on(inner.take_envd_conn(&id), &InitRequest::for_record(&record))
-            .await?;
+        let conn = inner.take_envd_conn(&id);
+        // envd was born knowing all of it (`birth_env`) unless the environment was too
+        // large for that; then `/init` tells it, with the token it was born with.
+        let conn = match born_init(&record) {
+            Some(_) => conn,
+            None => {
+                EnvdClient::new(inner.envd_socket(&id), Some(record.access_token.clone()))
+                    .init_on(conn, &InitRequest::for_record(&record))
+                    .await?
+            }
+        };
         inner.keep_envd_conn(&id, conn, Some(IDLE_CONN_TTL));
         inner
             .start_template_command(&record, template, started.pid)
@@ -494,7 +500,7 @@ impl Inner {
                 }
                 argv
             },
-            env: birth_env(template, &record.access_token, record.id.as_str()),
+            env: birth_env(template, record),
             binds,
             volumes,
             ctl_socket: ENVD_SOCKET.into(),

@@ -293,26 +293,56 @@ pub(crate) fn sandbox_env(
     env
 }
 
-/// envd's (PID 1's) environment: the template's, and the access token envd requires
-/// from its first request on (`CUBICLE_ENVD_ACCESS_TOKEN`). So a sandbox is never
-/// reachable without a secret, also while it waits unclaimed in a pool: the claim's
-/// `/init` must present it to set the user's token. (Processes started through envd do
-/// not inherit envd's environment.)
+/// envd's (PID 1's) environment: the template's; the access token envd requires from
+/// its first request on (`CUBICLE_ENVD_ACCESS_TOKEN`), so that a sandbox is never
+/// reachable without a secret, also while it waits unclaimed in a pool (a claim hands
+/// that token to the user); and the sandbox's own environment when `record` has one that
+/// fits ([`born_init`]). (Processes started through envd do not inherit envd's
+/// environment.)
 pub(crate) fn birth_env(
     template: &Template,
-    token: &str,
-    id: &str,
+    record: &SandboxRecord,
 ) -> std::collections::BTreeMap<String, String> {
     let mut env = template.config.env.clone();
-    env.insert("CUBICLE_ENVD_ACCESS_TOKEN".into(), token.into());
+    env.insert(
+        "CUBICLE_ENVD_ACCESS_TOKEN".into(),
+        record.access_token.clone(),
+    );
     // envd writes the identity files at its start (a pool's refill, at low priority),
     // and the claim's `/init` with the same ids need not.
-    env.insert("CUBICLE_ENVD_SANDBOX_ID".into(), id.into());
+    env.insert("CUBICLE_ENVD_SANDBOX_ID".into(), record.id.to_string());
     env.insert(
         "CUBICLE_ENVD_TEMPLATE_ID".into(),
         template.config.name.clone(),
     );
+    if let Some(json) = birth_env_vars(record) {
+        env.insert("CUBICLE_ENVD_ENV_VARS".into(), json);
+    }
     env
+}
+
+/// The largest sandbox environment (as JSON) envd is given at its birth; a larger one (a
+/// create's own variables can be big) goes through `/init`. Far below the kernel's limit
+/// on one environment string (128 KiB).
+const BIRTH_ENV_VARS_MAX: usize = 32 << 10;
+
+/// `record`'s sandbox environment as envd is born with it (`CUBICLE_ENVD_ENV_VARS`), if
+/// it has one (a shell, made before its template is known, has none) and it fits.
+fn birth_env_vars(record: &SandboxRecord) -> Option<String> {
+    if record.env_vars.is_empty() {
+        return None;
+    }
+    serde_json::to_string(&record.env_vars)
+        .ok()
+        .filter(|json| json.len() <= BIRTH_ENV_VARS_MAX)
+}
+
+/// What envd knows from its birth ([`birth_env`] of `record`), as the `/init` that would
+/// tell it the same; `None` when it was born without the sandbox's environment. A create
+/// whose `/init` would be this one skips it: a claim from a pool then does not wake the
+/// pooled sandbox's envd at all (docs/bench.md, round 33).
+pub(crate) fn born_init(record: &SandboxRecord) -> Option<crate::envd_client::InitRequest> {
+    birth_env_vars(record).map(|_| crate::envd_client::InitRequest::for_record(record))
 }
 
 /// Run a blocking closure on the blocking pool.

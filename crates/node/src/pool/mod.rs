@@ -74,7 +74,7 @@ use crate::envd_client::{EnvdClient, InitRequest};
 use crate::error::{Error, Result};
 use crate::node::create::CreatePlan;
 use crate::node::idle_conn::IDLE_CONN_TTL;
-use crate::node::inner::{Inner, blocking, now_ms, sandbox_env};
+use crate::node::inner::{Inner, blocking, born_init, now_ms, sandbox_env};
 use crate::node::teardown::spawn_watcher;
 use crate::sandbox::{CreateRequest, DeathReason, SandboxInfo, SandboxState};
 use crate::template::Template;
@@ -129,7 +129,8 @@ fn denies_everything(req: &CreateRequest) -> bool {
 }
 
 /// A claimed sandbox's record, as create `req` (planned as `plan`, at `now`) asks:
-/// its variables, metadata, times, a new access token, limits, volumes and network.
+/// its variables, metadata, times, limits, volumes and network. The access token stays
+/// the one envd was born with: it never left the node before this claim hands it out.
 pub(crate) fn claim_record(
     r: &mut crate::sandbox::SandboxRecord,
     req: &CreateRequest,
@@ -143,11 +144,21 @@ pub(crate) fn claim_record(
     r.end_at_ms = now + timeout;
     r.timeout_ms = timeout;
     r.lifecycle = req.lifecycle;
-    r.access_token = ids::new_access_token();
     (r.memory_mb, r.cpus) = (plan.limits.0, plan.limits.1);
     r.volumes = req.volumes.clone();
     r.network = req.network.clone();
     r.mask_request_host = req.mask_request_host.clone();
+}
+
+/// The `/init` a claimed sandbox's envd needs, born knowing `born` ([`born_init`] of its
+/// record before the claim) and now to serve `claimed`: none when that is all of it (no
+/// variables asked, the template's user and directory).
+pub(crate) fn init_needed(
+    born: Option<&InitRequest>,
+    claimed: &crate::sandbox::SandboxRecord,
+) -> Option<InitRequest> {
+    let wanted = InitRequest::for_record(claimed);
+    (born != Some(&wanted)).then_some(wanted)
 }
 
 /// What [`Inner::try_claim`] did.
@@ -182,7 +193,7 @@ impl Inner {
         let _under_way = inner.pool.claiming();
         let t0 = Instant::now();
         // Take a ready one (skipping ids whose sandbox died meanwhile).
-        let (record, birth_token, init) = loop {
+        let (record, born, init) = loop {
             let id = {
                 let mut ps = inner.pool.lock();
                 if !ps.target.contains_key(name) {
@@ -238,16 +249,14 @@ impl Inner {
                 continue;
             }
             let init = live.init.clone();
-            // The pooled sandbox's envd was born with this token (`birth_env`): the
-            // claim's /init presents it to set the user's new one.
-            let birth_token = std::mem::take(&mut live.record.access_token);
+            let born = born_init(&live.record);
             claim_record(&mut live.record, req, plan, now);
-            break (live.record.clone(), birth_token, init);
+            break (live.record.clone(), born, init);
         };
         inner.pool.wake.notify_one();
         let id = record.id.clone();
         let claimed = inner
-            .complete_claim(&record, birth_token, init, plan, defaults, None)
+            .complete_claim(&record, born, init, plan, defaults, None)
             .await;
         if let Err(e) = claimed {
             tracing::warn!(sandbox = %id, "pooled sandbox failed its claim: {e}; creating cold");
@@ -260,13 +269,13 @@ impl Inner {
     /// The claim of a ready sandbox whose record [`claim_record`] filled in: with
     /// `root_of`, a shell given that template's root and mounts first (`shell.rs`), else
     /// a pooled sandbox given its volumes (both at full CPU weight); then its limits (if
-    /// not `defaults`, the memory and CPUs it was made with), network policy and envd's
-    /// `/init` (presenting `birth_token`, the token envd was born with); its record on
+    /// not `defaults`, the memory and CPUs it was made with), network policy and, unless
+    /// envd was `born` knowing all it must (`init_needed`), envd's `/init`; its record on
     /// disk says `running`.
     pub(crate) async fn complete_claim(
         self: &Arc<Self>,
         record: &crate::sandbox::SandboxRecord,
-        birth_token: String,
+        born: Option<InitRequest>,
         init: Option<crate::sandbox::InitPidfd>,
         plan: &CreatePlan,
         defaults: (u64, u32),
@@ -322,9 +331,17 @@ impl Inner {
             })
             .await?;
         }
-        let conn = EnvdClient::new(inner.envd_socket(&id), Some(birth_token))
-            .init_on(inner.take_envd_conn(&id), &InitRequest::for_record(record))
-            .await?;
+        let conn = inner.take_envd_conn(&id);
+        let conn = match init_needed(born.as_ref(), record) {
+            // envd knows all of it from its birth: it is not woken (its first request is
+            // the user's).
+            None => conn,
+            Some(init) => {
+                EnvdClient::new(inner.envd_socket(&id), Some(record.access_token.clone()))
+                    .init_on(conn, &init)
+                    .await?
+            }
+        };
         inner.keep_envd_conn(&id, conn, Some(IDLE_CONN_TTL));
         let mut on_disk = record.clone();
         on_disk.state = SandboxState::Running;
@@ -411,8 +428,17 @@ impl Inner {
             }
             ps.add_member(id.clone());
         }
+        // Born with the environment a claim that asks for no variables gives it (a shell
+        // cannot be: its template is not known yet), so that such a claim need not tell
+        // envd anything.
+        let env_vars = if shell::is_shell(template) {
+            BTreeMap::new()
+        } else {
+            sandbox_env(template, &BTreeMap::new(), &id)
+        };
         let record = match inner.reserve(&id, template, None, |r| {
             r.end_at_ms = r.created_at_ms + POOLED_END_MS;
+            r.env_vars = env_vars;
         }) {
             Ok(r) => r,
             Err(e) => {
@@ -488,28 +514,28 @@ impl Inner {
         }
     }
 
-    /// For a template with a start command: envd learns the sandbox's own variables
-    /// (its token stays the one it was born with; the claim sets the user's), then the
-    /// start command runs and its readiness port answers, as in a cold create.
+    /// For a template with a start command: envd knows the sandbox's own variables (from
+    /// its birth, or else an `/init` tells it), then the start command runs and its
+    /// readiness port answers, as in a cold create.
     async fn start_pooled_command(
         &self,
         record: crate::sandbox::SandboxRecord,
         template: &Template,
     ) -> Result<crate::sandbox::SandboxRecord> {
-        let mut pre = record.clone();
-        pre.env_vars = sandbox_env(template, &BTreeMap::new(), &record.id);
-        let conn = EnvdClient::new(
-            self.envd_socket(&record.id),
-            Some(record.access_token.clone()),
-        )
-        .init_on(
-            self.take_envd_conn(&record.id),
-            &InitRequest::for_record(&pre),
-        )
-        .await?;
-        self.keep_envd_conn(&record.id, conn, None);
+        if born_init(&record).is_none() {
+            let conn = EnvdClient::new(
+                self.envd_socket(&record.id),
+                Some(record.access_token.clone()),
+            )
+            .init_on(
+                self.take_envd_conn(&record.id),
+                &InitRequest::for_record(&record),
+            )
+            .await?;
+            self.keep_envd_conn(&record.id, conn, None);
+        }
         let pid = record.pid.unwrap_or(0);
-        self.start_template_command(&pre, template, pid).await?;
+        self.start_template_command(&record, template, pid).await?;
         Ok(record)
     }
 

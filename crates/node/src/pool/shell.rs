@@ -69,7 +69,7 @@ impl Inner {
         }
         let _under_way = self.pool.claiming();
         let t0 = Instant::now();
-        let (record, birth_token, init) = loop {
+        let (record, born, init) = loop {
             let id = {
                 let mut ps = self.pool.lock();
                 match ps.ready.get_mut(SHELL_POOL).and_then(|q| q.pop_front()) {
@@ -98,7 +98,8 @@ impl Inner {
                 continue;
             }
             let init = live.init.clone();
-            let birth_token = std::mem::take(&mut live.record.access_token);
+            // Born without an environment (`born_init`: none): the claim's `/init` tells it.
+            let born = crate::node::inner::born_init(&live.record);
             let r = &mut live.record;
             let c = &template.config;
             r.template = c.name.clone();
@@ -106,14 +107,14 @@ impl Inner {
             r.default_user = c.default_user.clone();
             r.default_workdir = c.default_workdir.clone();
             super::claim_record(r, req, plan, now_ms());
-            break (live.record.clone(), birth_token, init);
+            break (live.record.clone(), born, init);
         };
         self.pool.wake.notify_one();
         let id = record.id.clone();
         let claimed = self
             .complete_claim(
                 &record,
-                birth_token,
+                born,
                 init,
                 plan,
                 (shell.config.memory_mb, shell.config.cpus),
