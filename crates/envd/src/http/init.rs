@@ -192,9 +192,9 @@ mod tests {
         })
     }
 
-    /// The environment envd is born with is what an `/init` of it sets; a later `/init`
-    /// merges into it; what is not a JSON object of strings, or names an invalid
-    /// variable, is refused with the variable's name in the message.
+    /// The environment envd is born with is what an `/init` of it sets (a later one
+    /// merges into it: `applies_and_merges`); what is not a JSON object of strings, or
+    /// names an invalid variable, is refused with the variable's name in the message.
     #[test]
     fn birth_env_is_an_init_of_it() {
         let c = ctx();
@@ -204,16 +204,6 @@ mod tests {
         assert_eq!(s.env_vars["A"], "1");
         assert_eq!(s.env_vars["E2B_SANDBOX"], "true");
         assert_eq!(s.access_token, None);
-        apply(
-            &c,
-            serde_json::from_str(r#"{"envVars":{"B":"2"}}"#).unwrap(),
-        )
-        .unwrap();
-        let s = c.settings();
-        assert_eq!(
-            (s.env_vars["A"].as_str(), s.env_vars["B"].as_str()),
-            ("1", "2")
-        );
         for bad in [r#"["A"]"#, r#"{"A":1}"#, "{", r#"{"A=B":"1"}"#] {
             let e = apply_birth_env(&ctx(), bad).unwrap_err();
             assert!(e.starts_with("CUBICLE_ENVD_ENV_VARS: "), "{bad}: {e}");
