@@ -11,10 +11,10 @@ use std::time::{Duration, Instant};
 
 use cubicle_runtime::SandboxId;
 
-use super::inner::{Inner, birth_env, blocking, born_init, sandbox_env};
+use super::inner::{Inner, birth_env, blocking, born_init, init_needed, sandbox_env};
 use super::teardown::spawn_watcher;
 use super::{ENVD_IN_SANDBOX, ENVD_SOCKET};
-use crate::envd_client::{EnvdClient, InitRequest};
+use crate::envd_client::EnvdClient;
 use crate::error::{Error, IoContext, Result};
 use crate::node::idle_conn::IDLE_CONN_TTL;
 use crate::runtime::StartSpec;
@@ -260,18 +260,10 @@ impl Inner {
     ) -> Result<SandboxInfo> {
         let inner = self;
         let id = record.id.clone();
-        let conn = inner.take_envd_conn(&id);
         // envd was born knowing all of it (`birth_env`) unless the environment was too
-        // large for that; then `/init` tells it, with the token it was born with.
-        let conn = match born_init(&record) {
-            Some(_) => conn,
-            None => {
-                EnvdClient::new(inner.envd_socket(&id), Some(record.access_token.clone()))
-                    .init_on(conn, &InitRequest::for_record(&record))
-                    .await?
-            }
-        };
-        inner.keep_envd_conn(&id, conn, Some(IDLE_CONN_TTL));
+        // large for that; then `/init` tells it.
+        let init = init_needed(born_init(&record).as_ref(), &record);
+        inner.init_envd(&record, init, Some(IDLE_CONN_TTL)).await?;
         inner
             .start_template_command(&record, template, started.pid)
             .await?;

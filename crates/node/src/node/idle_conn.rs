@@ -1,10 +1,11 @@
 //! One idle connection to each new sandbox's envd, kept between the node's requests and
 //! the data plane's first one. Making a sandbox ends with envd's `/health` (the ready
-//! check) and `/init`; the client's first command follows. Each of those on its own
-//! connection costs a path walk to the socket, a socket, envd's accept and a task on both
-//! sides — for a pooled sandbox, all of it inside the claim. So the `/health` connection
-//! stays open: the claim's (or cold create's) `/init` goes over it, and the data plane's
-//! connector ([`crate::Node::take_envd_conn`]) adopts it for the sandbox's first request.
+//! check) and, when envd was not born knowing all of it, `/init`; the client's first
+//! command follows. Each of those on its own connection costs a path walk to the socket,
+//! a socket, envd's accept and a task on both sides — for a pooled sandbox, inside the
+//! claim. So the `/health` connection stays open: an `/init` goes over it
+//! ([`Inner::init_envd`]), and the data plane's connector
+//! ([`crate::Node::take_envd_conn`]) adopts it for the sandbox's first request.
 //!
 //! The connection lives in the sandbox's [`Live`](super::inner::Live) entry, so it goes
 //! with the sandbox. A pooled sandbox keeps its own until claimed; a claimed or
@@ -15,7 +16,7 @@
 
 use std::time::{Duration, Instant};
 
-use crate::envd_client::IdleConn;
+use crate::envd_client::{EnvdClient, IdleConn, InitRequest};
 use crate::node::inner::Inner;
 
 /// How long a created sandbox keeps its idle connection for the data plane.
@@ -56,6 +57,31 @@ impl Inner {
                 }
             }
         }
+    }
+
+    /// Sends sandbox `record`'s envd `init`, if any, over its kept connection (with the
+    /// token envd was born with), and keeps that connection again for `ttl` (see
+    /// [`Inner::keep_envd_conn`]); without an `init`, envd is not woken.
+    pub(crate) async fn init_envd(
+        &self,
+        record: &crate::sandbox::SandboxRecord,
+        init: Option<InitRequest>,
+        ttl: Option<Duration>,
+    ) -> crate::error::Result<()> {
+        let conn = self.take_envd_conn(&record.id);
+        let conn = match init {
+            None => conn,
+            Some(init) => {
+                EnvdClient::new(
+                    self.envd_socket(&record.id),
+                    Some(record.access_token.clone()),
+                )
+                .init_on(conn, &init)
+                .await?
+            }
+        };
+        self.keep_envd_conn(&record.id, conn, ttl);
+        Ok(())
     }
 
     /// Takes sandbox `id`'s idle connection to envd, if it has one.

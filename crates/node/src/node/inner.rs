@@ -345,6 +345,18 @@ pub(crate) fn born_init(record: &SandboxRecord) -> Option<crate::envd_client::In
     birth_env_vars(record).map(|_| crate::envd_client::InitRequest::for_record(record))
 }
 
+/// The `/init` the envd of a sandbox needs to serve `record`, born knowing `born`
+/// ([`born_init`] of its record at its birth, e.g. before a claim changed it): none when
+/// that is all of it (a cold create's environment that fitted; a claim that asks for no
+/// variables, with the template's user and directory).
+pub(crate) fn init_needed(
+    born: Option<&crate::envd_client::InitRequest>,
+    record: &SandboxRecord,
+) -> Option<crate::envd_client::InitRequest> {
+    let wanted = crate::envd_client::InitRequest::for_record(record);
+    (born != Some(&wanted)).then_some(wanted)
+}
+
 /// Run a blocking closure on the blocking pool.
 pub(crate) async fn blocking<T: Send + 'static>(
     f: impl FnOnce() -> Result<T> + Send + 'static,

@@ -70,11 +70,11 @@ use std::time::{Duration, Instant};
 
 use cubicle_runtime::SandboxId;
 
-use crate::envd_client::{EnvdClient, InitRequest};
+use crate::envd_client::InitRequest;
 use crate::error::{Error, Result};
 use crate::node::create::CreatePlan;
 use crate::node::idle_conn::IDLE_CONN_TTL;
-use crate::node::inner::{Inner, blocking, born_init, now_ms, sandbox_env};
+use crate::node::inner::{Inner, blocking, born_init, init_needed, now_ms, sandbox_env};
 use crate::node::teardown::spawn_watcher;
 use crate::sandbox::{CreateRequest, DeathReason, SandboxInfo, SandboxState};
 use crate::template::Template;
@@ -148,17 +148,6 @@ pub(crate) fn claim_record(
     r.volumes = req.volumes.clone();
     r.network = req.network.clone();
     r.mask_request_host = req.mask_request_host.clone();
-}
-
-/// The `/init` a claimed sandbox's envd needs, born knowing `born` ([`born_init`] of its
-/// record before the claim) and now to serve `claimed`: none when that is all of it (no
-/// variables asked, the template's user and directory).
-pub(crate) fn init_needed(
-    born: Option<&InitRequest>,
-    claimed: &crate::sandbox::SandboxRecord,
-) -> Option<InitRequest> {
-    let wanted = InitRequest::for_record(claimed);
-    (born != Some(&wanted)).then_some(wanted)
 }
 
 /// What [`Inner::try_claim`] did.
@@ -331,18 +320,10 @@ impl Inner {
             })
             .await?;
         }
-        let conn = inner.take_envd_conn(&id);
-        let conn = match init_needed(born.as_ref(), record) {
-            // envd knows all of it from its birth: it is not woken (its first request is
-            // the user's).
-            None => conn,
-            Some(init) => {
-                EnvdClient::new(inner.envd_socket(&id), Some(record.access_token.clone()))
-                    .init_on(conn, &init)
-                    .await?
-            }
-        };
-        inner.keep_envd_conn(&id, conn, Some(IDLE_CONN_TTL));
+        // Without variables asked, envd knows all of it from its birth: it is not woken
+        // (its first request is the user's).
+        let init = init_needed(born.as_ref(), record);
+        inner.init_envd(record, init, Some(IDLE_CONN_TTL)).await?;
         let mut on_disk = record.clone();
         on_disk.state = SandboxState::Running;
         fsutil::rewrite_json(&inner.sandbox_dir(&id).join("sandbox.json"), &on_disk)?;
@@ -522,18 +503,8 @@ impl Inner {
         record: crate::sandbox::SandboxRecord,
         template: &Template,
     ) -> Result<crate::sandbox::SandboxRecord> {
-        if born_init(&record).is_none() {
-            let conn = EnvdClient::new(
-                self.envd_socket(&record.id),
-                Some(record.access_token.clone()),
-            )
-            .init_on(
-                self.take_envd_conn(&record.id),
-                &InitRequest::for_record(&record),
-            )
-            .await?;
-            self.keep_envd_conn(&record.id, conn, None);
-        }
+        let init = init_needed(born_init(&record).as_ref(), &record);
+        self.init_envd(&record, init, None).await?;
         let pid = record.pid.unwrap_or(0);
         self.start_template_command(&record, template, pid).await?;
         Ok(record)
