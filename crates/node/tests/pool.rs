@@ -118,47 +118,44 @@ fn cpu_weight(id: &str) -> u64 {
         .unwrap_or_else(|| panic!("no CPU weight for {id}"))
 }
 
-/// Nice values of every task of sandbox `id` (its cgroup, v1 or v2).
-fn task_nices(id: &str) -> Vec<i64> {
+/// File `name` of every task (thread) of sandbox `id`'s processes (its cgroup, v1 or
+/// v2), read from `/proc`; tasks gone meanwhile are skipped.
+fn task_files(id: &str, name: &str) -> Vec<String> {
     let mut out = Vec::new();
     for pid in cubicle_node::traces::pids(id) {
         let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
             continue;
         };
         for t in tasks.flatten() {
-            let stat = std::fs::read_to_string(t.path().join("stat")).unwrap_or_default();
-            // Fields after the command (which ends with ')'): nice is field 19 overall.
-            if let Some(n) = stat
-                .rsplit_once(')')
-                .and_then(|(_, rest)| rest.split_whitespace().nth(16))
-                .and_then(|v| v.parse().ok())
-            {
-                out.push(n);
+            if let Ok(text) = std::fs::read_to_string(t.path().join(name)) {
+                out.push(text);
             }
         }
     }
     out
 }
 
+/// Nice values of every task of sandbox `id`.
+fn task_nices(id: &str) -> Vec<i64> {
+    task_files(id, "stat")
+        .iter()
+        .filter_map(|stat| {
+            // Fields after the command (which ends with ')'): nice is field 19 overall.
+            stat.rsplit_once(')')
+                .and_then(|(_, rest)| rest.split_whitespace().nth(16))
+                .and_then(|v| v.parse().ok())
+        })
+        .collect()
+}
+
 /// How many times the tasks of sandbox `id` were given a CPU (`schedstat`'s third field,
 /// summed over its processes' threads): unchanged over an operation, nothing in the
 /// sandbox was woken by it.
 fn times_run(id: &str) -> u64 {
-    let mut n = 0;
-    for pid in cubicle_node::traces::pids(id) {
-        let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
-            continue;
-        };
-        for t in tasks.flatten() {
-            let st = std::fs::read_to_string(t.path().join("schedstat")).unwrap_or_default();
-            n += st
-                .split_whitespace()
-                .nth(2)
-                .and_then(|v| v.parse::<u64>().ok())
-                .unwrap_or(0);
-        }
-    }
-    n
+    task_files(id, "schedstat")
+        .iter()
+        .filter_map(|st| st.split_whitespace().nth(2)?.parse::<u64>().ok())
+        .sum()
 }
 
 /// Closes `node` and waits for its refills: no sandbox directory is left in `state`, and
