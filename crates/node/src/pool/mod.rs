@@ -188,11 +188,8 @@ impl Inner {
                 if !ps.target.contains_key(name) {
                     return Claim::No;
                 }
-                match ps.ready.get_mut(name).and_then(|q| q.pop_front()) {
-                    Some(id) => {
-                        ps.took(&id, after_miss);
-                        id
-                    }
+                match ps.take(name, after_miss) {
+                    Some(id) => id,
                     None if after_miss => return Claim::Empty,
                     None => {
                         let configured = inner.config.pool.get(name).copied().unwrap_or(0);
@@ -574,14 +571,7 @@ impl Inner {
         if self.lock().slots.free() > 0 {
             return None;
         }
-        let id = {
-            let mut ps = self.pool.lock();
-            let queue = ps.ready.values_mut().max_by_key(|q| q.len())?;
-            // The newest: the oldest are claimed first and are the settled ones.
-            let id = queue.pop_back()?;
-            ps.remove_member(&id);
-            id
-        };
+        let id = self.pool.lock().evict_oldest()?;
         let inner = self.clone();
         let slot = blocking(move || Ok(inner.remove_unclaimed_blocking(&id)))
             .await

@@ -72,11 +72,8 @@ impl Inner {
         let (record, born, init) = loop {
             let id = {
                 let mut ps = self.pool.lock();
-                match ps.ready.get_mut(SHELL_POOL).and_then(|q| q.pop_front()) {
-                    Some(id) => {
-                        ps.took(&id, false);
-                        id
-                    }
+                match ps.take(SHELL_POOL, false) {
+                    Some(id) => id,
                     None => {
                         ps.missed(SHELL_POOL, configured, Instant::now());
                         drop(ps);

@@ -53,7 +53,11 @@ impl Drop for ClaimUnderWay<'_> {
 
 #[derive(Default)]
 pub(super) struct PoolState {
-    /// Ready sandbox ids per template, oldest first.
+    /// Ready sandbox ids per template, oldest first. Claims take the newest
+    /// ([`PoolState::take`]): on this development machine (a PVM guest) a process pays
+    /// again for memory it has not touched for a while, and on any host the newest is
+    /// the one most likely still in the CPU's caches; the oldest are what a full node
+    /// removes to make room ([`PoolState::evict_oldest`]).
     pub(super) ready: BTreeMap<String, VecDeque<SandboxId>>,
     /// Every pooled id (ready or being made): hidden from listings, so changed only
     /// through [`PoolState::add_member`]/[`PoolState::remove_member`], which count the
@@ -95,11 +99,12 @@ impl PoolState {
         *t = (*t + GROWTH_PER_MISS).min(configured.max(1) * MAX_GROWTH);
     }
 
-    /// Books the claim of ready sandbox `id` (popped from its queue), pooled or a
-    /// shell: no longer a member, counted (as a claim, or as a miss that waited for a
-    /// refill), and its time kept for the refill's pause after claims.
-    pub(super) fn took(&mut self, id: &str, after_miss: bool) {
-        self.remove_member(id);
+    /// Claims the newest ready sandbox of pool `name`, pooled or a shell: no longer a
+    /// member, counted (as a claim, or as a miss that waited for a refill), and its
+    /// time kept for the refill's pause after claims. `None`: the pool is empty.
+    pub(super) fn take(&mut self, name: &str, after_miss: bool) -> Option<SandboxId> {
+        let id = self.ready.get_mut(name)?.pop_back()?;
+        self.remove_member(&id);
         if after_miss {
             self.waited += 1;
         } else {
@@ -108,6 +113,19 @@ impl PoolState {
         let now = Instant::now();
         self.claim_gap = self.last_claim.map(|t| now.duration_since(t));
         self.last_claim = Some(now);
+        Some(id)
+    }
+
+    /// Takes the oldest ready sandbox of the longest pool out of the pool (no claim:
+    /// it is to be removed, its slot given to a create no pool serves).
+    pub(super) fn evict_oldest(&mut self) -> Option<SandboxId> {
+        let id = self
+            .ready
+            .values_mut()
+            .max_by_key(|q| q.len())?
+            .pop_front()?;
+        self.remove_member(&id);
+        Some(id)
     }
 
     pub(super) fn add_member(&mut self, id: SandboxId) -> bool {
@@ -115,14 +133,14 @@ impl PoolState {
         self.members.insert(id)
     }
 
-    /// Puts ready sandbox `id` of pool `name` back at the front, unused (a claim that
-    /// took it could not serve its create).
+    /// Puts ready sandbox `id` of pool `name` back where the next claim takes it,
+    /// unused (a claim that took it could not serve its create).
     pub(super) fn put_back(&mut self, name: &str, id: SandboxId) {
         self.add_member(id.clone());
         self.ready
             .entry(name.to_string())
             .or_default()
-            .push_front(id);
+            .push_back(id);
     }
 
     pub(super) fn remove_member(&mut self, id: &str) -> bool {
@@ -313,21 +331,34 @@ mod tests {
         assert_eq!(ps.misses, 21);
     }
 
-    /// A claim, pooled or a shell's, leaves the members, is counted and times the gap
-    /// since the one before (what the refill's pause after claims reads).
+    /// A claim, pooled or a shell's, takes the newest ready sandbox, leaves the members,
+    /// is counted and times the gap since the one before (what the refill's pause after
+    /// claims reads); one put back is the next one taken; a full node evicts the oldest.
     #[test]
-    fn a_claim_is_counted_and_timed() {
+    fn a_claim_takes_the_newest_and_is_counted_and_timed() {
         let p = pool(4);
         let mut ps = p.lock();
-        let (a, b) = (crate::ids::new_sandbox_id(), crate::ids::new_sandbox_id());
-        ps.add_member(a.clone());
-        ps.add_member(b.clone());
-        ps.took(&a, false);
-        assert_eq!((ps.member_count(), ps.claims, ps.waited), (1, 1, 0));
+        let ids: Vec<SandboxId> = (0..3).map(|_| crate::ids::new_sandbox_id()).collect();
+        for id in &ids {
+            ps.add_member(id.clone());
+            ps.ready
+                .entry("t".into())
+                .or_default()
+                .push_back(id.clone());
+        }
+        assert_eq!(ps.take("t", false).as_ref(), Some(&ids[2]));
+        assert_eq!((ps.member_count(), ps.claims, ps.waited), (2, 1, 0));
         assert!(ps.last_claim.is_some() && ps.claim_gap.is_none());
-        ps.took(&b, true);
-        assert_eq!((ps.member_count(), ps.claims, ps.waited), (0, 1, 1));
+        ps.put_back("t", ids[2].clone());
+        assert_eq!(ps.take("t", true).as_ref(), Some(&ids[2]));
+        assert_eq!((ps.member_count(), ps.claims, ps.waited), (2, 1, 1));
         assert!(ps.claim_gap.is_some_and(|g| g < Duration::from_secs(5)));
+        assert_eq!(ps.evict_oldest().as_ref(), Some(&ids[0]));
+        assert_eq!((ps.member_count(), ps.claims), (1, 1));
+        assert_eq!(ps.take("t", false).as_ref(), Some(&ids[1]));
+        assert_eq!(ps.take("t", false), None);
+        assert_eq!(ps.take("other", false), None);
+        assert_eq!(ps.evict_oldest(), None);
     }
 
     /// A teardown waits while the refill makes sandboxes for a pool below its target,
