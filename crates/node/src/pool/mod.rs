@@ -1,10 +1,11 @@
 //! Warm pools: per template, sandboxes created ahead of demand and kept ready
-//! (namespaces, overlay rootfs, cgroup, network, envd up and answering `/health`), but
-//! not yet initialised: envd's `POST /init` — env vars, access token, default user and
-//! workdir — is what a claim does. A claim is therefore one HTTP round trip over a Unix
-//! socket plus two small file writes; the round trip goes over the connection the
-//! refill's ready check left open, which then carries the sandbox's first request
-//! (`node/idle_conn.rs`).
+//! (namespaces, overlay rootfs, cgroup, network, envd up and answering `/health`), envd
+//! born with what a create that asks for no variables gives it (the template's
+//! variables and the `E2B_*` ids, its access token, default user and workdir). A claim
+//! is therefore the sandbox's record and a few small file writes, plus envd's `POST /init`
+//! only when the create asks for more (`init_needed`), over the connection the refill's
+//! ready check left open, which then carries the sandbox's first request
+//! (`node/idle_conn.rs`). A claim takes the newest ready sandbox (`PoolState::take`).
 //!
 //! Ids: a pooled sandbox is created with a fresh random id (same generator as a cold
 //! create), and that id is handed out by the claim: its directory, cgroup and hostname

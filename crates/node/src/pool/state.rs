@@ -54,10 +54,10 @@ impl Drop for ClaimUnderWay<'_> {
 #[derive(Default)]
 pub(super) struct PoolState {
     /// Ready sandbox ids per template, oldest first. Claims take the newest
-    /// ([`PoolState::take`]): on this development machine (a PVM guest) a process pays
-    /// again for memory it has not touched for a while, and on any host the newest is
-    /// the one most likely still in the CPU's caches; the oldest are what a full node
-    /// removes to make room ([`PoolState::evict_oldest`]).
+    /// ([`PoolState::take`]): on the development machine (a PVM guest) a process pays
+    /// again for memory it has not touched since its vCPU last went idle, and on any host
+    /// the newest is the one most likely still in the CPU's caches; the oldest are what a
+    /// full node removes to make room ([`PoolState::evict_oldest`], docs/bench.md round 34).
     pub(super) ready: BTreeMap<String, VecDeque<SandboxId>>,
     /// Every pooled id (ready or being made): hidden from listings, so changed only
     /// through [`PoolState::add_member`]/[`PoolState::remove_member`], which count the
