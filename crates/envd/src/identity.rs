@@ -3,10 +3,10 @@
 //!
 //! `POST /init` writes them from its env vars. A pooled sandbox's envd is also told its
 //! ids at its start (`CUBICLE_ENVD_SANDBOX_ID`, `CUBICLE_ENVD_TEMPLATE_ID`) and writes
-//! them then, while the pool refills at low priority; the claim's `/init` names the same
-//! ids and writes nothing (a directory and three files on a tmpfs were a fifth of
-//! envd's work in a claim). Ids that differ from the last ones written (a fork's new
-//! id) are written again.
+//! them then, while the pool refills at low priority; a claim's `/init` (sent only for a
+//! create with variables) names the same ids and writes nothing (a directory and three
+//! files on a tmpfs were a fifth of envd's work in a claim). Ids that differ from the
+//! last ones written (a fork's new id) are written again.
 
 use std::path::Path;
 use std::sync::Mutex;

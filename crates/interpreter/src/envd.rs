@@ -1,7 +1,8 @@
 //! The interpreter's client for envd's `GET /envs`, which is both how it learns the
-//! sandbox's env vars (set by the node's `/init` at create or claim time, possibly after
-//! the interpreter started) and how it checks a caller's access token: envd answers 401
-//! to a wrong one, as E2B's code-interpreter server relies on.
+//! sandbox's env vars (envd's from its start, or set by the node's `/init` at create or
+//! claim time, possibly after the interpreter started) and how it checks a caller's
+//! access token: envd answers 401 to a wrong one, as E2B's code-interpreter server
+//! relies on.
 //!
 //! envd is reached on its Unix socket (Cubicle's node talks to it there; the interpreter
 //! runs as root, which may open it) or, failing that, on TCP (E2B's port 49983).

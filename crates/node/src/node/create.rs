@@ -238,7 +238,8 @@ impl Inner {
                 procfs::is_alive(pid, pst)
             })
             .await?;
-        // For the `/init` that follows (a cold create's now, a pooled one's at its claim).
+        // For an `/init` if envd needs one (a cold create's now, a pooled one's at its
+        // claim), and then for the sandbox's first request.
         inner.keep_envd_conn(&id, conn, None);
         let t_health = t0.elapsed();
         Ok((record, started, [t_prep, t_spawn, t_health]))

@@ -309,7 +309,7 @@ pub(crate) fn birth_env(
         record.access_token.clone(),
     );
     // envd writes the identity files at its start (a pool's refill, at low priority),
-    // and the claim's `/init` with the same ids need not.
+    // and a claim's `/init` (when it sends one) with the same ids need not.
     env.insert("CUBICLE_ENVD_SANDBOX_ID".into(), record.id.to_string());
     env.insert(
         "CUBICLE_ENVD_TEMPLATE_ID".into(),
