@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use cubicle_runtime::SandboxId;
 
-use super::inner::{Inner, birth_env, blocking, born_init, init_needed, sandbox_env};
+use super::inner::{Inner, birth_env, blocking, init_after_birth, sandbox_env};
 use super::teardown::spawn_watcher;
 use super::{ENVD_IN_SANDBOX, ENVD_SOCKET};
 use crate::envd_client::EnvdClient;
@@ -263,7 +263,7 @@ impl Inner {
         let id = record.id.clone();
         // envd was born knowing all of it (`birth_env`) unless the environment was too
         // large for that; then `/init` tells it.
-        let init = init_needed(born_init(&record).as_ref(), &record);
+        let init = init_after_birth(&record);
         inner.init_envd(&record, init, Some(IDLE_CONN_TTL)).await?;
         inner
             .start_template_command(&record, template, started.pid)

@@ -345,6 +345,16 @@ pub(crate) fn born_init(record: &SandboxRecord) -> Option<crate::envd_client::In
     birth_env_vars(record).map(|_| crate::envd_client::InitRequest::for_record(record))
 }
 
+/// The `/init` a sandbox's envd needs right after its birth to serve `record` as it was
+/// born for (a cold create, a pooled start command): all of it when the environment did
+/// not fit its birth ([`born_init`] is none), else none — [`init_needed`] of
+/// `born_init(record)`, without building and comparing the same request twice.
+pub(crate) fn init_after_birth(record: &SandboxRecord) -> Option<crate::envd_client::InitRequest> {
+    birth_env_vars(record)
+        .is_none()
+        .then(|| crate::envd_client::InitRequest::for_record(record))
+}
+
 /// The `/init` the envd of a sandbox needs to serve `record`, born knowing `born`
 /// ([`born_init`] of its record at its birth, e.g. before a claim changed it): none when
 /// that is all of it (a cold create's environment that fitted; a claim that asks for no

@@ -75,7 +75,9 @@ use crate::envd_client::InitRequest;
 use crate::error::{Error, Result};
 use crate::node::create::CreatePlan;
 use crate::node::idle_conn::IDLE_CONN_TTL;
-use crate::node::inner::{Inner, blocking, born_init, init_needed, now_ms, sandbox_env};
+use crate::node::inner::{
+    Inner, blocking, born_init, init_after_birth, init_needed, now_ms, sandbox_env,
+};
 use crate::node::teardown::spawn_watcher;
 use crate::sandbox::{CreateRequest, DeathReason, SandboxInfo, SandboxState};
 use crate::template::Template;
@@ -501,7 +503,7 @@ impl Inner {
         record: crate::sandbox::SandboxRecord,
         template: &Template,
     ) -> Result<crate::sandbox::SandboxRecord> {
-        let init = init_needed(born_init(&record).as_ref(), &record);
+        let init = init_after_birth(&record);
         self.init_envd(&record, init, None).await?;
         let pid = record.pid.unwrap_or(0);
         self.start_template_command(&record, template, pid).await?;
